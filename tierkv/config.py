@@ -1,0 +1,387 @@
+"""tierkv configuration: frozen dataclasses loaded from YAML or dicts.
+
+Every error is a :class:`ConfigError` whose message starts with the dotted
+field path (``cpu.capacity: expected a size like '8GiB', got 'lots'``).
+Unknown keys are errors with a did-you-mean suggestion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from tierkv.errors import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "GPUConfig",
+    "CPUConfig",
+    "SSDConfig",
+    "ModelConfig",
+    "SpillConfig",
+    "MetricsConfig",
+    "TierKVConfig",
+    "parse_size",
+    "format_size",
+    "apply_overrides",
+]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxh3_128")
+KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2,
+                  "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def parse_size(value: Any, what: str = "size") -> int:
+    """Parse ``512MiB``, ``64GiB``, ``1.5GB`` or a plain non-negative integer into bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size like '8GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{what}: expected a non-negative size, got {value}")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ConfigError(f"{what}: expected a size like '8GiB', got {value!r}")
+
+
+def format_size(nbytes: float) -> str:
+    """Human-readable binary size (``1.5 GiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------- fields
+
+def _int(v: Any, path: str, *, minimum: int | None = None, optional: bool = False) -> int | None:
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{path}: expected an integer, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise ConfigError(f"{path}: must be >= {minimum}, got {v}")
+    return v
+
+
+def _choice(v: Any, path: str, choices: Iterable[str]) -> str:
+    choices = tuple(choices)
+    if isinstance(v, bool):  # YAML turns yes/no/true/false into bools
+        v = "true" if v else "false"
+    if not isinstance(v, str) or v not in choices:
+        raise ConfigError(f"{path}: expected one of {', '.join(choices)}; got {v!r}")
+    return v
+
+
+def _check_keys(d: Mapping[str, Any], allowed: Iterable[str], prefix: str) -> None:
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(d).__name__}")
+    allowed = list(allowed)
+    for key in d:
+        if key not in allowed:
+            path = f"{prefix}.{key}" if prefix else str(key)
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(allowed)}"
+            raise ConfigError(f"{path}: unknown key{hint}")
+
+
+@dataclass(frozen=True)
+class GPUConfig:
+    """The device block pool: ``num_blocks`` rows, or ``capacity`` bytes (one of them)."""
+
+    num_blocks: int | None = 1024
+    capacity: int | None = None
+    device: str = "auto"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], p: str = "gpu") -> "GPUConfig":
+        _check_keys(d, ("num_blocks", "capacity", "device"), p)
+        num_blocks = _int(d.get("num_blocks"), f"{p}.num_blocks", minimum=1, optional=True)
+        capacity = parse_size(d["capacity"], f"{p}.capacity") if d.get("capacity") is not None else None
+        if num_blocks is not None and capacity is not None:
+            raise ConfigError(f"{p}: set either num_blocks or capacity, not both")
+        if num_blocks is None and capacity is None:
+            num_blocks = cls.num_blocks
+        device = d.get("device", "auto")
+        if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+            raise ConfigError(f"{p}.device: expected auto, cpu, cuda or cuda:N; got {device!r}")
+        return cls(num_blocks=num_blocks, capacity=capacity, device=device)
+
+    def resolve_num_blocks(self, block_nbytes: int) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        assert self.capacity is not None
+        n = self.capacity // block_nbytes
+        if n < 1:
+            raise ConfigError(f"gpu.capacity: {self.capacity} bytes is below one block ({block_nbytes} bytes)")
+        return n
+
+    def resolve_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class CPUConfig:
+    """The DRAM tier: a preallocated slab of ``capacity`` bytes (0 disables the tier)."""
+
+    capacity: int = 8 * 1024**3
+    pin_memory: str = "auto"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], p: str = "cpu") -> "CPUConfig":
+        _check_keys(d, ("capacity", "pin_memory"), p)
+        cap = parse_size(d.get("capacity", cls.capacity), f"{p}.capacity")
+        pin = _choice(d.get("pin_memory", "auto"), f"{p}.pin_memory", ("auto", "true", "false"))
+        return cls(capacity=cap, pin_memory=pin)
+
+    @property
+    def pin(self) -> bool | None:
+        return None if self.pin_memory == "auto" else self.pin_memory == "true"
+
+
+@dataclass(frozen=True)
+class SSDConfig:
+    """The LMDB tier under ``path`` (``null`` path or capacity 0 disables it)."""
+
+    path: str | None = "~/.cache/tierkv"
+    capacity: int = 100 * 1024**3
+    compression: str = "auto"
+    level: int = 1
+    queue_capacity: int = 256 * 1024**2
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], p: str = "ssd") -> "SSDConfig":
+        _check_keys(d, ("path", "capacity", "compression", "level", "queue_capacity"), p)
+        path = d.get("path", cls.path)
+        if path is not None and (not isinstance(path, str) or not path.strip()):
+            raise ConfigError(f"{p}.path: expected a directory path or null, got {path!r}")
+        cap = parse_size(d.get("capacity", cls.capacity), f"{p}.capacity")
+        comp = _choice(d.get("compression", "auto"), f"{p}.compression", ("auto", "zstd", "none"))
+        level = _int(d.get("level", 1), f"{p}.level", minimum=-7)
+        if level > 22:
+            raise ConfigError(f"{p}.level: zstd levels go up to 22, got {level}")
+        qcap = parse_size(d.get("queue_capacity", cls.queue_capacity), f"{p}.queue_capacity")
+        return cls(path=path, capacity=cap, compression=comp, level=level, queue_capacity=qcap)
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None and self.capacity > 0
+
+    def resolved_path(self) -> Path | None:
+        return Path(os.path.expanduser(os.path.expandvars(self.path))) if self.path else None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """KV layout, used to size one block when no engine hands tierkv its tensors.
+
+    ``block_nbytes`` overrides the value derived from the layout
+    (``2 * layers * kv_heads * head_size * dtype bytes * block_size``).
+    """
+
+    name: str = "default"
+    layers: int = 32
+    kv_heads: int = 8
+    head_size: int = 128
+    kv_dtype: str = "fp16"
+    block_nbytes: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], p: str = "model") -> "ModelConfig":
+        _check_keys(d, ("name", "layers", "kv_heads", "head_size", "kv_dtype", "block_nbytes"), p)
+        name = d.get("name", cls.name)
+        if not isinstance(name, str):
+            raise ConfigError(f"{p}.name: expected a string, got {name!r}")
+        bn = d.get("block_nbytes")
+        return cls(
+            name=name,
+            layers=_int(d.get("layers", cls.layers), f"{p}.layers", minimum=1),
+            kv_heads=_int(d.get("kv_heads", cls.kv_heads), f"{p}.kv_heads", minimum=1),
+            head_size=_int(d.get("head_size", cls.head_size), f"{p}.head_size", minimum=1),
+            kv_dtype=_choice(d.get("kv_dtype", cls.kv_dtype), f"{p}.kv_dtype", KV_DTYPE_BYTES),
+            block_nbytes=parse_size(bn, f"{p}.block_nbytes") if bn is not None else None,
+        )
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_size * KV_DTYPE_BYTES[self.kv_dtype]
+
+
+@dataclass(frozen=True)
+class SpillConfig:
+    """How blocks move between tiers.
+
+    ``watermark``: fraction of the GPU pool (at least one block) kept as
+    already-copied-down LRU free blocks, so taking a block rarely waits.
+    ``promotion``: ``inclusive`` keeps the lower copy when a block is promoted,
+    ``exclusive`` moves it.  ``write_through``: every block spilled to the CPU
+    tier is also queued for the SSD tier, so the SSD tier is a persistent
+    superset of what was spilled.
+    """
+
+    watermark: float = 0.02
+    promotion: str = "inclusive"
+    write_through: bool = True
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], p: str = "spill") -> "SpillConfig":
+        _check_keys(d, ("watermark", "promotion", "write_through"), p)
+        wm = d.get("watermark", cls.watermark)
+        if isinstance(wm, bool) or not isinstance(wm, (int, float)) or not 0 <= wm <= 1:
+            raise ConfigError(f"{p}.watermark: expected a fraction between 0 and 1, got {wm!r}")
+        wt = d.get("write_through", cls.write_through)
+        if not isinstance(wt, bool):
+            raise ConfigError(f"{p}.write_through: expected true or false, got {wt!r}")
+        promo = _choice(d.get("promotion", cls.promotion), f"{p}.promotion", ("inclusive", "exclusive"))
+        return cls(watermark=float(wm), promotion=promo, write_through=wt)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    port: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], p: str = "metrics") -> "MetricsConfig":
+        _check_keys(d, ("port",), p)
+        port = _int(d.get("port"), f"{p}.port", minimum=0, optional=True)
+        if port is not None and port > 65535:
+            raise ConfigError(f"{p}.port: expected a TCP port (0-65535), got {port}")
+        return cls(port=port)
+
+
+_SECTIONS = {
+    "gpu": GPUConfig,
+    "cpu": CPUConfig,
+    "ssd": SSDConfig,
+    "model": ModelConfig,
+    "spill": SpillConfig,
+    "metrics": MetricsConfig,
+}
+
+
+@dataclass(frozen=True)
+class TierKVConfig:
+    """The whole configuration (see ``configs/default.yaml``)."""
+
+    block_size: int = 16
+    hash: str = "sha256"
+    gpu: GPUConfig = field(default_factory=GPUConfig)
+    cpu: CPUConfig = field(default_factory=CPUConfig)
+    ssd: SSDConfig = field(default_factory=SSDConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    spill: SpillConfig = field(default_factory=SpillConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None, overrides: Mapping[str, Any] | Iterable[str] = ()) -> "TierKVConfig":
+        """Build from a mapping, then apply dotted ``overrides`` (``{"cpu.capacity": "16GiB"}``
+        or ``["cpu.capacity=16GiB"]``)."""
+        d = apply_overrides(dict(d or {}), overrides)
+        _check_keys(d, ("block_size", "hash", *_SECTIONS), "")
+        kwargs: dict[str, Any] = {
+            "block_size": _int(d.get("block_size", 16), "block_size", minimum=1),
+            "hash": _choice(d.get("hash", "sha256"), "hash", HASH_ALGOS),
+        }
+        for name, section in _SECTIONS.items():
+            sub = d.get(name) or {}
+            kwargs[name] = section.from_dict(sub, name)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], overrides: Mapping[str, Any] | Iterable[str] = ()) -> "TierKVConfig":
+        import yaml
+
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"{p}: config file not found") from None
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f":{mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{p}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+        if data is not None and not isinstance(data, Mapping):
+            raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
+        try:
+            return cls.from_dict(data, overrides)
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}") from None
+
+    def block_nbytes(self) -> int:
+        """Bytes of one block (all layers, K and V)."""
+        if self.model.block_nbytes is not None:
+            return self.model.block_nbytes
+        return self.model.bytes_per_token() * self.block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _parse_override_value(raw: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(d: dict[str, Any], overrides: Mapping[str, Any] | Iterable[str]) -> dict[str, Any]:
+    """Apply dotted-path overrides to a nested dict (returns a new dict).
+
+    ``overrides`` is a mapping ``{"cpu.capacity": "16GiB"}`` or strings
+    ``"cpu.capacity=16GiB"`` (values parsed as YAML scalars).
+    """
+    items: list[tuple[str, Any]]
+    if isinstance(overrides, Mapping):
+        items = list(overrides.items())
+    else:
+        items = []
+        for s in overrides:
+            if not isinstance(s, str) or "=" not in s:
+                raise ConfigError(f"override {s!r}: expected KEY=VALUE, e.g. cpu.capacity=16GiB")
+            k, v = s.split("=", 1)
+            items.append((k.strip(), _parse_override_value(v.strip())))
+    out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in d.items()}
+    for key, value in items:
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError(f"{key}: malformed dotted key")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            if i == 0:
+                _check_keys({part: None}, _SECTIONS, "")
+            child = node.get(part)
+            if child is None:
+                child = {}
+            elif not isinstance(child, Mapping):
+                raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a section")
+            node[part] = dict(child)
+            node = node[part]
+        node[parts[-1]] = value
+    return out
