@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierkv import ConfigError
+from tierkv.config import TierKVConfig, apply_overrides, parse_size
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("512MiB", 512 * 2**20), ("64GiB", 64 * 2**30), ("1.5GiB", 3 * 2**29), (4096, 4096),
+    ("100", 100), ("2 TiB", 2 * 2**40), ("1GB", 10**9), ("0", 0),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "-5", "5 parsecs", "", None, True, -1, [1]])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ConfigError, match="cpu.capacity: expected"):
+        parse_size(bad, "cpu.capacity")
+
+
+def test_every_shipped_config_loads():
+    files = sorted((ROOT / "configs").glob("*.yaml"))
+    names = {f.name for f in files}
+    assert {"default.yaml", "chat-8b-48gb.yaml", "rag-70b-fp8-4x80gb.yaml", "longdoc-32b-2x80gb.yaml"} <= names
+    for f in files:
+        cfg = TierKVConfig.from_yaml(f)
+        assert cfg.block_nbytes() > 0
+        assert cfg.gpu.resolve_num_blocks(cfg.block_nbytes()) >= 1
+
+
+def test_default_yaml_matches_documented_shape():
+    cfg = TierKVConfig.from_yaml(ROOT / "configs" / "default.yaml")
+    assert cfg.block_size == 16 and cfg.hash == "sha256"
+    assert cfg.gpu.num_blocks == 1024 and cfg.gpu.device == "auto"
+    assert cfg.cpu.capacity == 8 * 2**30 and cfg.cpu.pin is None
+    assert cfg.ssd.capacity == 100 * 2**30 and cfg.ssd.compression == "auto" and cfg.ssd.level == 1
+    assert cfg.metrics.port is None
+    # Llama-3-8B fp16: 128 KiB per token, 2 MiB per 16-token block (seed 3.1)
+    assert cfg.model.bytes_per_token() == 131072
+    assert cfg.block_nbytes() == 2 * 2**20
+
+
+def test_scenario_fp8_halves_bytes_per_token():
+    rag = TierKVConfig.from_yaml(ROOT / "configs" / "rag-70b-fp8-4x80gb.yaml")
+    assert rag.model.kv_dtype == "fp8"
+    assert rag.model.bytes_per_token() == 2 * 80 * 2 * 128 * 1
+    assert rag.gpu.resolve_num_blocks(rag.block_nbytes()) == 50 * 2**30 // rag.block_nbytes()
+
+
+def test_bad_value_names_field_path():
+    with pytest.raises(ConfigError, match=r"^cpu.capacity: expected a size like '8GiB', got 'lots'"):
+        TierKVConfig.from_dict({"cpu": {"capacity": "lots"}})
+    with pytest.raises(ConfigError, match=r"^ssd.compression: expected one of"):
+        TierKVConfig.from_dict({"ssd": {"compression": "lz4"}})
+    with pytest.raises(ConfigError, match=r"^hash: expected one of"):
+        TierKVConfig.from_dict({"hash": "md5"})
+    with pytest.raises(ConfigError, match=r"^block_size: must be >= 1"):
+        TierKVConfig.from_dict({"block_size": 0})
+    with pytest.raises(ConfigError, match=r"^gpu: set either num_blocks or capacity"):
+        TierKVConfig.from_dict({"gpu": {"num_blocks": 4, "capacity": "1GiB"}})
+
+
+def test_unknown_keys_get_did_you_mean():
+    with pytest.raises(ConfigError, match=r"^cpu.capacty: unknown key; did you mean 'capacity'\?"):
+        TierKVConfig.from_dict({"cpu": {"capacty": "1GiB"}})
+    with pytest.raises(ConfigError, match=r"^metric: unknown key; did you mean 'metrics'\?"):
+        TierKVConfig.from_dict({"metric": {}})
+
+
+def test_dotted_overrides_apply_on_top_of_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("cpu: {capacity: 1GiB}\nssd: {path: /tmp/x}\n")
+    cfg = TierKVConfig.from_yaml(f, ["cpu.capacity=16GiB", "ssd.level=3", "gpu.num_blocks=8"])
+    assert cfg.cpu.capacity == 16 * 2**30
+    assert cfg.ssd.level == 3 and cfg.ssd.path == "/tmp/x"
+    assert cfg.gpu.num_blocks == 8
+    cfg2 = TierKVConfig.from_dict({}, {"ssd.path": None, "cpu.capacity": "2GiB"})
+    assert not cfg2.ssd.enabled and cfg2.cpu.capacity == 2 * 2**30
+    with pytest.raises(ConfigError, match=r"^cpu.capasity: unknown key; did you mean 'capacity'"):
+        TierKVConfig.from_dict({}, ["cpu.capasity=1GiB"])
+    with pytest.raises(ConfigError, match=r"^spil: unknown key; did you mean 'spill'"):
+        apply_overrides({}, {"spil.watermark": 0.1})
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        TierKVConfig.from_dict({}, ["cpu.capacity"])
+
+
+def test_yaml_errors_name_file_and_line(tmp_path):
+    f = tmp_path / "broken.yaml"
+    f.write_text("cpu:\n  capacity: 1GiB\n   bad: [\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml:\d+: invalid YAML"):
+        TierKVConfig.from_yaml(f)
+    g = tmp_path / "typo.yaml"
+    g.write_text("gpu: {num_block: 3}\n")
+    with pytest.raises(ConfigError, match=r"typo.yaml: gpu.num_block: unknown key; did you mean 'num_blocks'"):
+        TierKVConfig.from_yaml(g)
+    with pytest.raises(ConfigError, match="config file not found"):
+        TierKVConfig.from_yaml(tmp_path / "missing.yaml")
+    h = tmp_path / "list.yaml"
+    h.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        TierKVConfig.from_yaml(h)
+
+
+def test_config_is_frozen():
+    cfg = TierKVConfig.from_dict({})
+    with pytest.raises(AttributeError):
+        cfg.block_size = 32  # type: ignore[misc]
