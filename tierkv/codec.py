@@ -1,0 +1,216 @@
+"""On-disk record format of the SSD tier: a fixed header and a (compressed) payload.
+
+A record is stored as two LMDB values so that the page-rounded payload never
+carries the header:
+
+* ``head``: :data:`HEADER` (40 bytes) followed by an optional *tail*, the last
+  few bytes of the payload that would otherwise spill into one more 4 KiB
+  overflow page (see :func:`split_tail`);
+* ``body``: the rest of the payload.
+
+Header fields (little endian): format version, codec, reserved, raw length,
+payload length, tail length, ``xxh3_64`` of the raw block (seeded with a hash
+of the namespaced key, so a record can never verify under another key),
+access clock, and ``xxh32`` of all preceding header bytes.
+
+Codecs:
+
+* ``RAW``: the block as is;
+* ``ZSTD``: the whole block through zstd;
+* ``PLANES``: the block read as 16-bit little-endian words, split into a
+  high-byte plane (sign, exponent, top mantissa bits: compressible) and a
+  low-byte plane (mantissa noise: stored raw). Payload = ``u32`` compressed
+  high-plane length, compressed high plane, raw low plane.
+
+Compressor and decompressor objects are not thread-safe: every thread gets
+its own through :class:`Codec`, which keeps them in thread-local storage.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+__all__ = [
+    "RECORD_VERSION", "RAW", "ZSTD", "PLANES", "HEADER", "Header", "Codec",
+    "CorruptRecord", "checksum", "split_tail", "COMPRESSIONS",
+]
+
+RECORD_VERSION = 1
+RAW, ZSTD, PLANES = 0, 1, 2
+COMPRESSIONS = ("auto", "zstd", "none")
+
+# version, codec, reserved, raw_len, payload_len, tail_len, checksum, clock, header_check
+HEADER = struct.Struct("<BBHIIIQQI")
+_CHECKED = struct.Struct("<BBHIIIQQ")
+_U32 = struct.Struct("<I")
+
+PAGE = 4096
+PAGE_HEADER = 16        # LMDB overflow pages start with a 16-byte page header
+TAIL_MAX = 1024         # longest tail moved into the small head record
+MAX_RAW_LEN = 1 << 31   # sanity bound checked before allocating for a record
+
+
+class CorruptRecord(Exception):
+    """A stored record does not verify; the caller deletes it and reports a miss."""
+
+
+def checksum(nskey: bytes, raw: Any) -> int:
+    """``xxh3_64`` of ``raw`` seeded by a hash of the namespaced key."""
+    return xxhash.xxh3_64_intdigest(raw, seed=xxhash.xxh3_64_intdigest(nskey))
+
+
+def split_tail(payload_len: int) -> int:
+    """Bytes to move from the end of the payload into the head record.
+
+    LMDB stores a large value in ``ceil((len + 16) / 4096)`` overflow pages, so
+    a 65,536-byte payload takes 17 pages but 65,520 bytes take 16. Moving the
+    few bytes past the last whole page into the small head record saves that
+    page; tails longer than ``TAIL_MAX`` stay in the body (the head record would
+    crowd the B-tree leaves for little gain).
+    """
+    if payload_len + PAGE_HEADER < PAGE:
+        return 0
+    body = ((payload_len + PAGE_HEADER) // PAGE) * PAGE - PAGE_HEADER
+    tail = payload_len - body
+    return tail if tail <= TAIL_MAX else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A decoded, self-checked record header."""
+
+    codec: int
+    raw_len: int
+    payload_len: int
+    tail_len: int
+    checksum: int
+    clock: int
+
+    def pack(self) -> bytes:
+        fields = (RECORD_VERSION, self.codec, 0, self.raw_len, self.payload_len,
+                  self.tail_len, self.checksum, self.clock)
+        return HEADER.pack(*fields, xxhash.xxh32_intdigest(_CHECKED.pack(*fields)))
+
+    @classmethod
+    def unpack(cls, head: bytes) -> "Header":
+        """Parse and verify a head record; raise :class:`CorruptRecord` if it does not verify."""
+        if len(head) < HEADER.size:
+            raise CorruptRecord(f"head record of {len(head)} bytes")
+        version, codec, _, raw_len, payload_len, tail_len, csum, clock, check = \
+            HEADER.unpack_from(head)
+        if xxhash.xxh32_intdigest(head[:_CHECKED.size]) != check:
+            raise CorruptRecord("header check mismatch")
+        if version != RECORD_VERSION or codec not in (RAW, ZSTD, PLANES):
+            raise CorruptRecord(f"unknown record version {version} / codec {codec}")
+        if raw_len > MAX_RAW_LEN or tail_len > payload_len or len(head) != HEADER.size + tail_len:
+            raise CorruptRecord("inconsistent lengths in header")
+        return cls(codec, raw_len, payload_len, tail_len, csum, clock)
+
+    def with_clock(self, clock: int) -> "Header":
+        return Header(self.codec, self.raw_len, self.payload_len, self.tail_len,
+                      self.checksum, clock)
+
+
+class Codec:
+    """Encodes blocks for storage and decodes them back; safe to share across threads.
+
+    ``compression``: ``"none"`` stores raw; ``"zstd"`` stores the smaller of the
+    byte-plane and whole-block encodings; ``"auto"`` tries the byte-plane split
+    (whole-block zstd for odd lengths) and stores raw unless the payload is at
+    least ``min_gain`` smaller than the block.
+    """
+
+    def __init__(self, compression: str = "auto", level: int = 1, min_gain: float = 0.05) -> None:
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression: expected one of {COMPRESSIONS}, got {compression!r}")
+        if isinstance(level, bool) or not isinstance(level, int) or not -7 <= level <= 22:
+            raise ValueError(f"level: expected a zstd level in [-7, 22], got {level!r}")
+        self.compression = compression
+        self.level = level
+        self.min_gain = min_gain
+        self._local = threading.local()
+
+    # ------------------------------------------------------------------ thread-local zstd
+
+    def _cctx(self) -> Any:
+        cctx = getattr(self._local, "cctx", None)
+        if cctx is None:
+            import zstandard
+            cctx = self._local.cctx = zstandard.ZstdCompressor(
+                level=self.level, write_content_size=False, write_checksum=False)
+        return cctx
+
+    def _dctx(self) -> Any:
+        dctx = getattr(self._local, "dctx", None)
+        if dctx is None:
+            import zstandard
+            dctx = self._local.dctx = zstandard.ZstdDecompressor()
+        return dctx
+
+    # ------------------------------------------------------------------ encode
+
+    def encode(self, raw: bytes) -> tuple[int, bytes]:
+        """Return ``(codec, payload)`` for one block."""
+        if self.compression == "none" or not raw:
+            return RAW, raw
+        candidates = [self._planes(raw)] if len(raw) % 2 == 0 else []
+        if self.compression == "zstd" or not candidates:
+            candidates.append((ZSTD, self._cctx().compress(raw)))
+        codec, payload = min(candidates, key=lambda c: len(c[1]))
+        if self.compression == "auto" and len(payload) > len(raw) * (1.0 - self.min_gain):
+            return RAW, raw
+        return codec, payload
+
+    def _planes(self, raw: bytes) -> tuple[int, bytes]:
+        words = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 2)
+        high = self._cctx().compress(np.ascontiguousarray(words[:, 1]))
+        low = np.ascontiguousarray(words[:, 0])
+        return PLANES, b"".join((_U32.pack(len(high)), high, low.data))
+
+    # ------------------------------------------------------------------ decode
+
+    def decode(self, codec: int, payload: bytes, raw_len: int) -> bytes:
+        """Invert :meth:`encode`; raise :class:`CorruptRecord` on any inconsistency."""
+        try:
+            if codec == RAW:
+                raw = payload
+            elif codec == ZSTD:
+                raw = self._decompress(payload, raw_len)
+            else:
+                raw = self._unplanes(payload, raw_len)
+        except CorruptRecord:
+            raise
+        except Exception as exc:  # zstd reports damaged frames with its own error types
+            raise CorruptRecord(f"payload does not decode: {exc}") from exc
+        if len(raw) != raw_len:
+            raise CorruptRecord(f"decoded {len(raw)} bytes, header says {raw_len}")
+        return raw
+
+    def _decompress(self, frame: Any, size: int) -> bytes:
+        import zstandard
+        declared = zstandard.frame_content_size(frame)
+        if declared > size:  # a damaged frame must not make us allocate its claim
+            raise CorruptRecord(f"zstd frame declares {declared} bytes, expected {size}")
+        return self._dctx().decompress(frame, max_output_size=size)
+
+    def _unplanes(self, payload: bytes, raw_len: int) -> bytes:
+        if raw_len % 2 or len(payload) < _U32.size:
+            raise CorruptRecord("byte-plane record of odd length")
+        (hlen,) = _U32.unpack_from(payload)
+        half = raw_len // 2
+        if _U32.size + hlen + half != len(payload):
+            raise CorruptRecord("byte-plane lengths do not add up")
+        view = memoryview(payload)
+        high = self._decompress(view[_U32.size:_U32.size + hlen], half)
+        if len(high) != half:
+            raise CorruptRecord("high plane has the wrong length")
+        out = np.empty((half, 2), dtype=np.uint8)
+        out[:, 0] = np.frombuffer(view[_U32.size + hlen:], dtype=np.uint8)
+        out[:, 1] = np.frombuffer(high, dtype=np.uint8)
+        return out.tobytes()

@@ -1,0 +1,739 @@
+"""The SSD tier: a capacity-bounded, checksummed, crash-safe block store in LMDB.
+
+Layout of the environment under ``path`` (named databases):
+
+* ``meta``: ``tierkv`` -> msgpack ``{format, created_at}``; ``state`` -> used
+  bytes and the access clock; ``ns:<prefix>`` -> msgpack ``{fingerprint,
+  block_nbytes, compression, created_at}`` for every namespace ever opened.
+* ``head``: namespaced key -> 40-byte record header (+ a short payload tail),
+  see :mod:`tierkv.codec`.
+* ``body``: namespaced key -> payload (page-aligned where possible).
+* ``lru``: 8-byte big-endian access clock -> namespaced key; its first entry
+  is the least recently used record.
+
+Fingerprints get separate namespaces: every key is stored under a 16-byte
+prefix derived from the format version and the fingerprint, so blocks of
+another fingerprint are never visible; they age out through the shared LRU.
+
+Writes are asynchronous: :meth:`SSDTier.put` copies the block into a queue
+bounded by bytes and returns; one writer thread encodes, evicts and commits
+many blocks per write transaction, then syncs. Reads verify the header and an
+``xxh3_64`` checksum; a record that does not verify is deleted and reported
+as a miss. Failures of the environment (corruption, I/O errors, use after
+``fork()``) are logged once with the path and degrade the tier to misses and
+dropped puts; they never raise to the caller.
+
+Thread-safety: ``get``, ``get_many``, ``__contains__``, ``keys`` and ``stats``
+may be called from any thread; ``put`` from any thread; ``flush`` and
+``close`` from the owner. Never use a tier across ``fork()``: a child process
+sees it as disabled and must open its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from tierkv.codec import (HEADER, PAGE, PAGE_HEADER, RECORD_VERSION, Codec, CorruptRecord,
+                          Header, checksum, split_tail)
+from tierkv.errors import ConfigError
+
+__all__ = ["SSDTier"]
+
+log = logging.getLogger(__name__)
+
+_STATE = struct.Struct("<QQ")   # used bytes, access clock
+_CLOCK = struct.Struct(">Q")    # big endian: LMDB key order == clock order
+_NODE = 10                      # LMDB leaf node header + index slot, per record
+_INLINE_MAX = 2000              # larger key + value pairs go to overflow pages
+_NS_LEN = 16
+_MAX_TOUCHED = 1 << 16          # pending recency updates kept between writer batches
+_TOUCH_INTERVAL_S = 1.0
+_MAX_ATTEMPTS = 3
+_OPEN_PATHS: set[str] = set()   # LMDB forbids opening one environment twice in a process
+_OPEN_LOCK = threading.Lock()
+
+
+def record_footprint(key_len: int, body_len: int, head_len: int) -> int:
+    """Bytes one record occupies in the environment, as counted against the capacity.
+
+    Overflow values take whole pages (with a 16-byte page header); small values
+    live in leaf pages. The LRU entry is counted too.
+    """
+    if key_len + body_len + _NODE > _INLINE_MAX:
+        body = -(-(body_len + PAGE_HEADER) // PAGE) * PAGE + key_len + _NODE
+    else:
+        body = key_len + body_len + _NODE
+    return body + (key_len + head_len + _NODE) + (_CLOCK.size + key_len + _NODE)
+
+
+def namespace_of(fingerprint: bytes) -> bytes:
+    """The 16-byte key prefix of a fingerprint (changes with the record format version)."""
+    return hashlib.blake2b(b"tierkv/%d/" % RECORD_VERSION + fingerprint,
+                           digest_size=_NS_LEN).digest()
+
+
+class _Encoded:
+    """A block ready to be written: head and body values and its footprint."""
+
+    __slots__ = ("nskey", "header", "body", "tail", "footprint", "raw_len")
+
+    def __init__(self, nskey: bytes, raw: bytes, codec: Codec) -> None:
+        kind, payload = codec.encode(raw)
+        ntail = split_tail(len(payload))
+        view = memoryview(payload)
+        self.nskey = nskey
+        self.raw_len = len(raw)
+        self.body = view[:len(payload) - ntail]
+        self.tail = bytes(view[len(payload) - ntail:])
+        self.header = Header(kind, len(raw), len(payload), ntail, checksum(nskey, raw), 0)
+        self.footprint = record_footprint(len(nskey), len(self.body), HEADER.size + ntail)
+
+    def head(self, clock: int) -> bytes:
+        return self.header.with_clock(clock).pack() + self.tail
+
+
+class SSDTier:
+    """Blocks on SSD in an LMDB environment, bounded by bytes, evicted LRU.
+
+    Parameters: ``path`` (a directory whose parent exists; created if
+    missing; must be empty or hold a tierkv environment), ``capacity_bytes``
+    (hard bound on the bytes of stored records, page rounding included),
+    ``fingerprint`` (str or bytes identifying model + KV layout + dtype + block
+    size), ``compression`` (``"auto"``, ``"zstd"`` or ``"none"``), ``level``
+    (zstd level), ``queue_capacity_bytes`` (puts beyond this much unwritten
+    data are dropped), ``block_nbytes`` (when given, every block must have
+    exactly this size).
+
+    The data file stays below ``capacity_bytes + slack_bytes`` (the LMDB map
+    size): the slack holds B-tree pages and pages freed by the last two
+    transactions, which LMDB cannot reuse yet.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, capacity_bytes: int,
+                 fingerprint: str | bytes, compression: str = "auto", level: int = 1,
+                 queue_capacity_bytes: int = 256 * 1024**2,
+                 block_nbytes: int | None = None) -> None:
+        self.path = _check_path(path)
+        self.block_nbytes = _check_block_nbytes(block_nbytes)
+        self.capacity_bytes = _check_capacity(capacity_bytes, self.block_nbytes)
+        self.fingerprint = _check_fingerprint(fingerprint)
+        self.queue_capacity_bytes = _check_int(queue_capacity_bytes, "queue_capacity_bytes", 1)
+        self._codec = Codec(compression, level)
+        self.compression = compression
+        self.batch_bytes = min(16 * 1024**2, max(self.capacity_bytes // 16, 256 * 1024))
+        self.slack_bytes = self.capacity_bytes // 16 + 4 * self.batch_bytes + 4 * 1024**2
+        self._ns = namespace_of(self.fingerprint)
+        self._pid = os.getpid()
+        self._init_state()
+        self._env: Any = None
+        self._register_path()
+        try:
+            self._open()
+        except BaseException:
+            self._unregister_path()
+            raise
+        self._writer = threading.Thread(target=self._writer_loop, daemon=True,
+                                        name=f"tierkv-ssd-writer:{self.path.name}")
+        self._writer.start()
+
+    # ================================================================== open
+
+    def _init_state(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[bytes, bytes]] = deque()
+        self._pending: dict[bytes, bytes] = {}
+        self._queued_bytes = 0
+        self._touched: dict[bytes, None] = {}
+        self._bad: dict[bytes, int] = {}
+        self._flush_req = 0
+        self._flush_done = 0
+        self._stop = False
+        self._closed = False
+        self._broken: str | None = None
+        self._logged: set[str] = set()
+        self._stats_lock = threading.Lock()
+        self._counts = dict.fromkeys((
+            "puts", "puts_present", "dropped_queue_full", "dropped_unavailable",
+            "dropped_write_error", "blocks_written", "batches_committed", "bytes_raw",
+            "bytes_stored", "gets", "hits", "misses", "corrupt_deleted", "read_errors",
+            "evictions", "map_full_retries"), 0)
+
+    def _register_path(self) -> None:
+        real = os.path.realpath(self.path)
+        with _OPEN_LOCK:
+            if real in _OPEN_PATHS:
+                raise ConfigError(f"path: {self.path} is already open by another SSDTier in "
+                                  "this process; share that instance")
+            _OPEN_PATHS.add(real)
+
+    def _unregister_path(self) -> None:
+        with _OPEN_LOCK:
+            _OPEN_PATHS.discard(os.path.realpath(self.path))
+
+    def _open(self) -> None:
+        import lmdb
+        existed = (self.path / "data.mdb").exists()
+        if not existed and self.path.exists() and any(self.path.iterdir()):
+            raise ConfigError(f"path: {self.path} is a non-empty directory without an LMDB "
+                              "environment; refusing to write into it")
+        self.path.mkdir(exist_ok=True)
+        try:
+            self._env = lmdb.open(str(self.path), map_size=self.capacity_bytes + self.slack_bytes,
+                                  subdir=True, max_dbs=8, sync=False, metasync=False,
+                                  readahead=True, meminit=False, max_spare_txns=4)
+        except lmdb.Error as exc:
+            if not existed:
+                raise ConfigError(f"path: cannot create an LMDB environment in {self.path}: "
+                                  f"{exc}") from exc
+            self._fail("open", f"cannot open the LMDB environment: {exc}")
+            return
+        if not self._file_complete():
+            return
+        try:
+            self._check_ours()
+            self._open_dbs()
+        except ConfigError:
+            self._env.close()
+            self._env = None
+            raise
+        except lmdb.Error as exc:
+            self._fail("open", f"cannot read the LMDB environment: {exc}")
+
+    def _file_complete(self) -> bool:
+        """A data file shorter than its last page would fault on access: treat it as corrupt."""
+        info = self._env.info()
+        need = (info["last_pgno"] + 1) * self._env.stat()["psize"]
+        size = (self.path / "data.mdb").stat().st_size
+        if size < need:
+            self._fail("open", f"data.mdb has {size} bytes but its pages reach {need}: "
+                               "truncated or half-written")
+            return False
+        return True
+
+    def _check_ours(self) -> None:
+        """Refuse an LMDB environment that tierkv did not create (nothing is written to it)."""
+        import lmdb
+        try:
+            with self._env.begin() as txn:
+                names = list(txn.cursor().iternext(values=False))
+        except lmdb.Error:
+            return  # unreadable: _open_dbs reports it as corrupt
+        if names and b"meta" not in names:
+            raise ConfigError(f"path: {self.path} holds an LMDB environment that tierkv did "
+                              "not create; refusing to use it")
+
+    def _open_dbs(self) -> None:
+        import msgpack
+        env = self._env
+        self._meta = env.open_db(b"meta")
+        self._head = env.open_db(b"head")
+        self._body = env.open_db(b"body")
+        self._lru = env.open_db(b"lru")
+        now = time.time()
+        with env.begin(write=True) as txn:
+            if txn.get(b"tierkv", db=self._meta) is None:
+                if txn.stat(self._head)["entries"]:
+                    raise ConfigError(f"path: {self.path} holds an LMDB environment that "
+                                      "tierkv did not create; refusing to use it")
+                txn.put(b"tierkv", msgpack.packb({"format": RECORD_VERSION, "created_at": now}),
+                        db=self._meta)
+                txn.put(b"state", _STATE.pack(0, 0), db=self._meta)
+            nskey = b"ns:" + self._ns
+            if txn.get(nskey, db=self._meta) is None:
+                txn.put(nskey, msgpack.packb({
+                    "fingerprint": self.fingerprint, "block_nbytes": self.block_nbytes,
+                    "compression": self.compression, "created_at": now}), db=self._meta)
+        self._env.sync(True)
+
+    # ================================================================== health
+
+    def _fail(self, kind: str, message: str) -> None:
+        """Disable the tier (misses, dropped puts) and log the reason once."""
+        if self._broken is None:
+            self._broken = message
+            log.error("SSD tier at %s disabled: %s", self.path, message)
+        with self._cond:
+            self._queue.clear()
+            self._pending.clear()
+            self._queued_bytes = 0
+            self._cond.notify_all()
+
+    def _log_once(self, kind: str, message: str, *args: Any) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("SSD tier at %s: " + message, self.path, *args)
+
+    def _usable(self) -> bool:
+        if os.getpid() != self._pid:
+            self._log_once("fork", "used in pid %d but opened in pid %d; a tier must not "
+                           "cross fork(), open a new one in the child", os.getpid(), self._pid)
+            return False
+        return self._broken is None and not self._closed
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self._counts[name] += n
+
+    # ================================================================== puts
+
+    def put(self, key: bytes, data: Any) -> bool:
+        """Queue one block for writing; return True if it is stored or will be.
+
+        ``data`` (bytes-like, numpy array or CPU tensor) is copied before this
+        returns, so the caller may reuse its buffer. A key already stored or
+        queued only counts as an access. Returns False, storing nothing, when
+        the queue is full or the tier is unavailable. Never blocks on disk.
+        """
+        _check_key(key, "key")
+        nbytes = _nbytes(data)
+        if self.block_nbytes is not None and nbytes != self.block_nbytes:
+            raise ValueError(f"data: expected {self.block_nbytes} bytes, got {nbytes}")
+        if nbytes == 0 or nbytes > self.capacity_bytes // 2:
+            raise ValueError(f"data: a block of {nbytes} bytes does not fit a tier of "
+                             f"{self.capacity_bytes} bytes (at most half of it per block)")
+        self._count("puts")
+        if not self._usable():
+            self._count("dropped_unavailable")
+            return False
+        nskey = self._ns + key
+        if nskey in self._pending or self._stored(nskey):
+            self._count("puts_present")
+            self._touch(nskey)
+            return True
+        if self._queued_bytes + nbytes > self.queue_capacity_bytes:
+            self._count("dropped_queue_full")
+            return False
+        return self._enqueue(nskey, _to_bytes(data))
+
+    def _enqueue(self, nskey: bytes, raw: bytes) -> bool:
+        with self._cond:
+            if self._queued_bytes + len(raw) > self.queue_capacity_bytes:
+                self._count("dropped_queue_full")
+                return False
+            if nskey not in self._pending:
+                self._queue.append((nskey, raw))
+                self._pending[nskey] = raw
+                self._queued_bytes += len(raw)
+                self._cond.notify_all()
+        return True
+
+    def _stored(self, nskey: bytes) -> bool:
+        import lmdb
+        try:
+            with self._env.begin(buffers=True) as txn:
+                return txn.get(nskey, db=self._head) is not None
+        except lmdb.Error:
+            return False
+
+    def _touch(self, nskey: bytes) -> None:
+        """Record an access; the writer persists it in its next transaction."""
+        if len(self._touched) < _MAX_TOUCHED:
+            self._touched[nskey] = None
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every block accepted so far is committed and synced to disk.
+
+        Also persists pending access-recency updates. Returns False on timeout
+        or when the tier is unavailable (its queued blocks are then lost).
+        """
+        if not self._usable():
+            return False
+        with self._cond:
+            self._flush_req += 1
+            ticket = self._flush_req
+            self._cond.notify_all()
+            done = self._cond.wait_for(
+                lambda: self._flush_done >= ticket or self._broken is not None, timeout)
+        return bool(done) and self._broken is None
+
+    # ================================================================== gets
+
+    def get(self, key: bytes) -> bytes | None:
+        """The block stored under ``key``, verified, or None. Safe from any thread."""
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Verified blocks (or None) for ``keys``, read in one transaction."""
+        nskeys = [self._ns + _check_key(k, "keys") for k in keys]
+        self._count("gets", len(nskeys))
+        out: list[bytes | None] = [None] * len(nskeys)
+        if not self._usable():
+            self._count("misses", len(nskeys))
+            return out
+        records = self._read_records(nskeys)
+        for i, (nskey, rec) in enumerate(zip(nskeys, records)):
+            out[i] = rec if isinstance(rec, bytes) else self._verify(nskey, rec)
+        hits = sum(v is not None for v in out)
+        self._count("hits", hits)
+        self._count("misses", len(out) - hits)
+        return out
+
+    def _read_records(self, nskeys: list[bytes]) -> list[Any]:
+        """Per key: pending raw bytes, ``(header, payload)`` to verify, or None."""
+        import lmdb
+        records: list[Any] = [self._pending.get(k) for k in nskeys]
+        try:
+            with self._env.begin(buffers=True) as txn:
+                for i, nskey in enumerate(nskeys):
+                    if records[i] is None:
+                        records[i] = self._read_one(txn, nskey)
+        except lmdb.Error as exc:
+            self._count("read_errors")
+            self._log_once("read", "read failed, reporting misses: %s", exc)
+            return [r if isinstance(r, bytes) else None for r in records]
+        return records
+
+    def _read_one(self, txn: Any, nskey: bytes) -> tuple[Header | None, bytes] | None:
+        """Copy one record out of the transaction (views die with it); no decoding here."""
+        head = txn.get(nskey, db=self._head)
+        if head is None:
+            return None
+        head = bytes(head)
+        body = txn.get(nskey, db=self._body)
+        try:
+            hdr = Header.unpack(head)
+            if body is None or len(body) + hdr.tail_len != hdr.payload_len:
+                raise CorruptRecord("payload length does not match the header")
+        except CorruptRecord:
+            return (None, head)
+        return hdr, b"".join((body, head[HEADER.size:]))
+
+    def _verify(self, nskey: bytes, rec: tuple[Header | None, bytes] | None) -> bytes | None:
+        if rec is None:
+            return None
+        hdr, payload = rec
+        try:
+            if hdr is None:
+                raise CorruptRecord("header")
+            raw = self._codec.decode(hdr.codec, payload, hdr.raw_len)
+            if checksum(nskey, raw) != hdr.checksum:
+                raise CorruptRecord("checksum mismatch")
+        except CorruptRecord as exc:
+            self._report_corrupt(nskey, str(exc))
+            return None
+        self._touch(nskey)
+        return raw
+
+    def _report_corrupt(self, nskey: bytes, why: str) -> None:
+        self._log_once("corrupt", "deleting a record that does not verify (%s); further "
+                       "ones are counted in stats()['corrupt_deleted']", why)
+        with self._cond:
+            if nskey not in self._bad:
+                self._bad[nskey] = 1
+                self._cond.notify_all()
+
+    def __contains__(self, key: object) -> bool:
+        """True if ``key`` is queued or has a stored record (not verified until read)."""
+        if not isinstance(key, bytes) or not self._usable():
+            return False
+        nskey = self._ns + key
+        return nskey in self._pending or self._stored(nskey)
+
+    def keys(self) -> Iterator[bytes]:
+        """Keys of this fingerprint with a committed record (one read transaction)."""
+        import lmdb
+        if not self._usable():
+            return iter(())
+        found: list[bytes] = []
+        try:
+            with self._env.begin() as txn:
+                cur = txn.cursor(db=self._head)
+                if cur.set_range(self._ns):
+                    for k in cur.iternext(values=False):
+                        if not k.startswith(self._ns):
+                            break
+                        found.append(k[_NS_LEN:])
+        except lmdb.Error as exc:
+            self._count("read_errors")
+            self._log_once("read", "read failed, reporting misses: %s", exc)
+        return iter(found)
+
+    # ================================================================== writer
+
+    def _writer_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(self._has_work, _TOUCH_INTERVAL_S)
+                batch, ticket = self._take_batch()
+                touched, self._touched = self._touched, {}
+                bad, self._bad = self._bad, {}
+                stop = self._stop and not self._queue
+            if self._broken is None and (batch or touched or bad or ticket):
+                self._write_safely(batch, list(touched), list(bad))
+            with self._cond:
+                for nskey, raw in batch:
+                    self._pending.pop(nskey, None)
+                    self._queued_bytes = max(0, self._queued_bytes - len(raw))
+                if ticket:
+                    self._flush_done = max(self._flush_done, ticket)
+                self._cond.notify_all()
+            if stop:
+                return
+
+    def _has_work(self) -> bool:
+        return bool(self._queue or self._bad or self._stop or self._flush_req > self._flush_done)
+
+    def _take_batch(self) -> tuple[list[tuple[bytes, bytes]], int]:
+        """Up to ``batch_bytes`` of queued blocks; the flush ticket they complete, if any."""
+        batch: list[tuple[bytes, bytes]] = []
+        size = 0
+        while self._queue and (not batch or size + len(self._queue[0][1]) <= self.batch_bytes):
+            item = self._queue.popleft()
+            batch.append(item)
+            size += len(item[1])
+        done = not self._queue and self._flush_req > self._flush_done
+        return batch, (self._flush_req if done else 0)
+
+    def _write_safely(self, batch: list[tuple[bytes, bytes]], touched: list[bytes],
+                      bad: list[bytes]) -> None:
+        import lmdb
+        try:
+            encoded = [_Encoded(k, raw, self._codec) for k, raw in batch]
+            if not self._write_with_retries(encoded, touched, bad):
+                self._count("dropped_write_error", len(encoded))
+        except lmdb.Error as exc:
+            self._count("dropped_write_error", len(batch))
+            self._fail("write", f"write failed: {exc!r}")
+        except Exception:
+            self._count("dropped_write_error", len(batch))
+            log.exception("SSD tier at %s: unexpected error in the writer; batch dropped",
+                          self.path)
+
+    def _write_with_retries(self, encoded: list[_Encoded], touched: list[bytes],
+                            bad: list[bytes]) -> bool:
+        import lmdb
+        for attempt in range(_MAX_ATTEMPTS):
+            try:
+                if attempt:
+                    self._make_room(attempt * max(self.capacity_bytes // 8,
+                                                  sum(e.footprint for e in encoded)))
+                self._commit(encoded, touched, bad)
+                self._env.sync(True)
+                return True
+            except lmdb.MapFullError:
+                self._count("map_full_retries")
+                self._log_once("mapfull", "the map is full (fragmented free pages); evicting "
+                               "more and retrying")
+        return False
+
+    def _make_room(self, extra: int) -> None:
+        """Evict ``extra`` bytes beyond the capacity and commit twice, so that the
+        freed pages become reusable (LMDB reuses pages two commits after freeing)."""
+        self._commit([], [], [], extra=extra)
+        self._commit([], [], [])
+
+    def _commit(self, encoded: list[_Encoded], touched: list[bytes], bad: list[bytes],
+                extra: int = 0) -> None:
+        """One write transaction: drop bad records, apply accesses, evict, insert."""
+        with self._env.begin(write=True, buffers=True) as txn:
+            used, clock = _STATE.unpack(txn.get(b"state", db=self._meta))
+            for nskey in bad:
+                used -= self._delete(txn, nskey)
+                self._count("corrupt_deleted")
+            for nskey in touched:
+                clock = self._retouch(txn, nskey, clock)
+            new = [e for e in encoded if txn.get(e.nskey, db=self._head) is None]
+            need = sum(e.footprint for e in new) + extra
+            used = self._evict(txn, max(used, 0), self.capacity_bytes - need)
+            for e in new:
+                clock += 1
+                txn.put(e.nskey, e.head(clock), db=self._head)
+                txn.put(e.nskey, e.body, db=self._body)
+                txn.put(_CLOCK.pack(clock), e.nskey, db=self._lru)
+                used += e.footprint
+            txn.put(b"state", _STATE.pack(max(used, 0), clock), db=self._meta)
+        self._account(new)
+
+    def _account(self, new: list[_Encoded]) -> None:
+        with self._stats_lock:
+            c = self._counts
+            c["blocks_written"] += len(new)
+            c["batches_committed"] += 1
+            c["bytes_raw"] += sum(e.raw_len for e in new)
+            c["bytes_stored"] += sum(e.header.payload_len for e in new)
+
+    def _evict(self, txn: Any, used: int, target: int) -> int:
+        """Delete least recently used records until ``used <= target``; return ``used``."""
+        cur = txn.cursor(db=self._lru)
+        while used > target and cur.first():
+            nskey = bytes(cur.value())
+            cur.delete()
+            used -= self._delete(txn, nskey, lru=False)
+            self._count("evictions")
+        return used
+
+    def _delete(self, txn: Any, nskey: bytes, lru: bool = True) -> int:
+        """Remove one record; return the footprint it had (0 if absent)."""
+        head = txn.get(nskey, db=self._head)
+        body = txn.get(nskey, db=self._body)
+        if head is None and body is None:
+            return 0
+        fp = record_footprint(len(nskey), len(body) if body is not None else 0,
+                              len(head) if head is not None else 0)
+        if lru and head is not None and len(head) >= HEADER.size:
+            clock = HEADER.unpack_from(head)[7]
+            if txn.get(_CLOCK.pack(clock), db=self._lru) == nskey:
+                txn.delete(_CLOCK.pack(clock), db=self._lru)
+        txn.delete(nskey, db=self._head)
+        txn.delete(nskey, db=self._body)
+        return fp
+
+    def _retouch(self, txn: Any, nskey: bytes, clock: int) -> int:
+        """Move one record to the most recent end of the LRU order."""
+        head = txn.get(nskey, db=self._head)
+        if head is None:
+            return clock
+        head = bytes(head)
+        try:
+            hdr = Header.unpack(head)
+        except CorruptRecord:
+            return clock  # a read will find it and have it deleted
+        if txn.get(_CLOCK.pack(hdr.clock), db=self._lru) == nskey:
+            txn.delete(_CLOCK.pack(hdr.clock), db=self._lru)
+        clock += 1
+        txn.put(nskey, hdr.with_clock(clock).pack() + head[HEADER.size:], db=self._head)
+        txn.put(_CLOCK.pack(clock), nskey, db=self._lru)
+        return clock
+
+    # ================================================================== lifecycle
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since open, plus the environment's current size."""
+        with self._stats_lock:
+            out: dict[str, Any] = dict(self._counts)
+        out["compression_ratio"] = (out["bytes_raw"] / out["bytes_stored"]
+                                    if out["bytes_stored"] else 1.0)
+        out["capacity_bytes"] = self.capacity_bytes
+        out["queued_bytes"] = self._queued_bytes
+        out["current_bytes"] = self._used_bytes()
+        data = self.path / "data.mdb"
+        out["file_bytes"] = data.stat().st_size if data.exists() else 0
+        out["available"] = self._broken is None and not self._closed
+        return out
+
+    def _used_bytes(self) -> int:
+        import lmdb
+        if not self._usable():
+            return 0
+        try:
+            with self._env.begin() as txn:
+                return _STATE.unpack(txn.get(b"state", db=self._meta))[0]
+        except (lmdb.Error, TypeError, struct.error):
+            return 0
+
+    def close(self) -> None:
+        """Flush, stop the writer and close the environment. Idempotent."""
+        if self._closed:
+            return
+        if os.getpid() != self._pid:
+            self._closed = True  # the parent owns the environment; leave it alone
+            return
+        if self._broken is None:
+            self.flush()
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._writer.join()
+        self._closed = True
+        if self._env is not None:
+            self._env.close()
+        self._unregister_path()
+
+    def __enter__(self) -> "SSDTier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"SSDTier({str(self.path)!r}, capacity_bytes={self.capacity_bytes}, "
+                f"compression={self.compression!r})")
+
+
+# ====================================================================== argument checks
+
+def _check_key(key: object, what: str) -> bytes:
+    if not isinstance(key, bytes):
+        raise ValueError(f"{what}: expected bytes (a block hash), got {type(key).__name__}")
+    return key
+
+
+def _check_int(value: object, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{what}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_block_nbytes(value: int | None) -> int | None:
+    return None if value is None else _check_int(value, "block_nbytes", 1)
+
+
+def _check_capacity(value: object, block_nbytes: int | None) -> int:
+    cap = _check_int(value, "capacity_bytes", 0)
+    floor = max(2 * (block_nbytes or 0), 1024**2)
+    if cap < floor:
+        raise ConfigError(f"capacity_bytes: {cap} is too small; the SSD tier needs at least "
+                          f"{floor} bytes (1 MiB and two blocks)")
+    return cap
+
+
+def _check_fingerprint(value: object) -> bytes:
+    if isinstance(value, str):
+        value = value.encode()
+    if not isinstance(value, bytes) or not value:
+        raise ConfigError(f"fingerprint: expected a non-empty str or bytes, got {value!r}")
+    return value
+
+
+def _check_path(value: object) -> Path:
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise ConfigError(f"path: expected a directory path, got {value!r}")
+    path = Path(os.path.expanduser(os.fspath(value))).absolute()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"path: {path} exists and is not a directory")
+    if not path.exists() and not path.parent.is_dir():
+        raise ConfigError(f"path: the parent directory {path.parent} does not exist "
+                          "(create it first; tierkv does not create mount points)")
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise ConfigError(f"path: {target} is not writable")
+    if path.exists() and (path / "data.mdb").exists() and not os.access(path / "data.mdb",
+                                                                          os.R_OK | os.W_OK):
+        raise ConfigError(f"path: {path / 'data.mdb'} is not readable and writable")
+    return path
+
+
+def _nbytes(data: Any) -> int:
+    if isinstance(data, (bytes, bytearray)):
+        return len(data)
+    if isinstance(data, memoryview):
+        return data.nbytes
+    nbytes = getattr(data, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    if type(data).__module__.startswith("torch"):
+        return data.numel() * data.element_size()
+    raise ValueError(f"data: expected a torch tensor, numpy array or bytes, "
+                     f"got {type(data).__name__}")
+
+
+def _to_bytes(data: Any) -> bytes:
+    """An immutable copy of ``data`` (``bytes`` are shared, not copied)."""
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, (bytearray, memoryview)):
+        return bytes(data)
+    from tierkv.cpu_tier import _as_numpy
+    arr = _as_numpy(data, "data")
+    if not arr.flags.c_contiguous:
+        raise ValueError("data: must be C-contiguous")
+    return arr.tobytes()
+
