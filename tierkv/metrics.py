@@ -1,0 +1,149 @@
+"""Cache metrics: plain counters on the hot path, rendered for Prometheus at scrape time.
+
+The hot path only increments ints in dicts and appends to bucket counts; the
+:class:`TierKVCollector` turns a snapshot of them into Prometheus families when
+someone scrapes. Names follow vLLM's vocabulary (``prefix_cache_queries``,
+``prefix_cache_hits``, ``kv_block_lifetime_seconds``, ...) under the ``tierkv:``
+prefix, with a ``tier`` label (``gpu``, ``cpu``, ``ssd``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Any, Callable, Iterator
+
+__all__ = ["TIERS", "Histogram", "Lifecycle", "TierKVCollector", "start_metrics_server"]
+
+TIERS = ("gpu", "cpu", "ssd")
+
+# seconds: from a millisecond to a day
+LIFECYCLE_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)
+
+
+class Histogram:
+    """Cumulative-on-render histogram with fixed upper bounds (plus +Inf)."""
+
+    __slots__ = ("bounds", "counts", "sum", "count", "samples")
+
+    def __init__(self, bounds: tuple[float, ...] = LIFECYCLE_BUCKETS, keep_samples: bool = False) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+        self.samples: list[float] | None = [] if keep_samples else None
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+        if self.samples is not None:
+            self.samples.append(value)
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, acc = [], 0
+        for bound, c in zip((*self.bounds, float("inf")), self.counts):
+            acc += c
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), acc))
+        return out
+
+
+class Lifecycle:
+    """Per-tier block lifecycle (the seed's kv_block_* metrics).
+
+    lifetime = eviction time - time the block entered the tier;
+    idle_before_evict = eviction time - last access;
+    reuse_gap = time between consecutive accesses (entering counts as one).
+    """
+
+    __slots__ = ("lifetime", "idle_before_evict", "reuse_gap", "_born", "_last")
+
+    def __init__(self, keep_samples: bool = False) -> None:
+        self.lifetime = Histogram(keep_samples=keep_samples)
+        self.idle_before_evict = Histogram(keep_samples=keep_samples)
+        self.reuse_gap = Histogram(keep_samples=keep_samples)
+        self._born: dict[bytes, float] = {}
+        self._last: dict[bytes, float] = {}
+
+    def enter(self, key: bytes, now: float) -> None:
+        self._born[key] = now
+        self._last[key] = now
+
+    def access(self, key: bytes, now: float) -> None:
+        last = self._last.get(key)
+        if last is not None:
+            self.reuse_gap.observe(now - last)
+            self._last[key] = now
+
+    def leave(self, key: bytes, now: float) -> None:
+        born = self._born.pop(key, None)
+        last = self._last.pop(key, None)
+        if born is not None and last is not None:
+            self.lifetime.observe(now - born)
+            self.idle_before_evict.observe(now - last)
+
+
+class TierKVCollector:
+    """Prometheus collector that renders ``snapshot()`` (a TieredKVCache.stats() dict)."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], lifecycles: dict[str, Lifecycle]) -> None:
+        self._snapshot = snapshot
+        self._lifecycles = lifecycles
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        s = self._snapshot()
+
+        def per_tier(name: str, doc: str, values: dict[str, int], cls: Any = CounterMetricFamily) -> Any:
+            fam = cls(f"tierkv:{name}", doc, labels=["tier"])
+            for tier, v in values.items():
+                fam.add_metric([tier], v)
+            return fam
+
+        q = CounterMetricFamily("tierkv:prefix_cache_queries", "Prompt tokens looked up", labels=[])
+        q.add_metric([], s["queries"]["tokens"])
+        yield q
+        qb = CounterMetricFamily("tierkv:prefix_cache_queries_blocks", "Prompt blocks looked up", labels=[])
+        qb.add_metric([], s["queries"]["blocks"])
+        yield qb
+        yield per_tier("prefix_cache_hits", "Prompt tokens served from a tier",
+                       {t: s["hits"][t]["tokens"] for t in TIERS})
+        yield per_tier("prefix_cache_hits_blocks", "Prompt blocks served from a tier",
+                       {t: s["hits"][t]["blocks"] for t in TIERS})
+        yield per_tier("spills", "Blocks copied down into a tier", s["spills"])
+        yield per_tier("promotions", "Blocks promoted from a tier into the GPU pool", s["promotions"])
+        yield per_tier("evictions", "Blocks evicted from a tier", s["evictions"])
+        yield per_tier("dropped_spills", "Spills dropped (full queue, pinned slots, I/O error)", s["dropped_spills"])
+        yield per_tier("corrupt_blocks", "Blocks that failed verification (counted as misses)", s["corrupt_blocks"])
+        yield per_tier("occupancy_blocks", "Blocks held per tier", s["occupancy"], GaugeMetricFamily)
+        yield per_tier("capacity_blocks", "Block capacity per tier", s["capacity_blocks"], GaugeMetricFamily)
+        moved = CounterMetricFamily("tierkv:transfer_bytes", "Bytes moved between tiers", labels=["direction"])
+        secs = CounterMetricFamily("tierkv:transfer_seconds", "Seconds spent moving bytes", labels=["direction"])
+        for direction, v in s["transfer"].items():
+            moved.add_metric([direction], v["bytes"])
+            secs.add_metric([direction], v["seconds"])
+        yield moved
+        yield secs
+        for metric in ("lifetime", "idle_before_evict", "reuse_gap"):
+            fam = HistogramMetricFamily(f"tierkv:kv_block_{metric}_seconds",
+                                        f"Block {metric.replace('_', ' ')} per tier", labels=["tier"])
+            for tier, lc in self._lifecycles.items():
+                h: Histogram = getattr(lc, metric)
+                fam.add_metric([tier], h.buckets(), sum_value=h.sum)
+            yield fam
+
+
+_servers_lock = threading.Lock()
+
+
+def start_metrics_server(port: int, collector: TierKVCollector, addr: str = "0.0.0.0") -> Any:
+    """Serve ``collector`` (plus nothing else) on ``http://addr:port/metrics``; returns the HTTP server
+    (``server.shutdown()`` stops it; ``server.server_port`` is the bound port when ``port`` is 0)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    with _servers_lock:
+        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server

@@ -1,0 +1,143 @@
+"""Batched block movement between the device KV pool and host memory.
+
+The pool is a 2-D ``uint8`` tensor ``[num_blocks, block_nbytes]``. On CPU the
+moves are single vectorised gathers/scatters. On CUDA they run on a dedicated
+copy stream through pinned host buffers and return events instead of
+synchronising the device:
+
+* :meth:`TransferEngine.read_rows` (spill, device -> host) orders itself after
+  the work already queued on the compute stream, and returns once the bytes are
+  on the host (it waits on its own copy event only, never on the whole device);
+* :meth:`TransferEngine.write_rows` (promotion, host -> device) returns an event
+  that the consumer must wait on before attention reads the rows
+  (:meth:`wait_event` makes the compute stream wait, the host never blocks).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+__all__ = ["TransferEngine"]
+
+DIRECTIONS = ("gpu->cpu", "cpu->gpu", "ssd->gpu", "ssd->cpu", "cpu->ssd")
+
+
+class TransferEngine:
+    """Moves whole blocks (rows of ``kv_pool``) in batches and counts bytes/seconds per direction."""
+
+    def __init__(self, kv_pool: Any) -> None:
+        import torch
+
+        if kv_pool.dtype != torch.uint8 or kv_pool.dim() != 2 or not kv_pool.is_contiguous():
+            raise ValueError(f"kv_pool: expected a contiguous 2-D uint8 tensor [num_blocks, block_nbytes], "
+                             f"got {tuple(kv_pool.shape)} {kv_pool.dtype}")
+        self.pool = kv_pool
+        self.block_nbytes = int(kv_pool.shape[1])
+        self.cuda = kv_pool.is_cuda
+        self.stream = torch.cuda.Stream(device=kv_pool.device) if self.cuda else None
+        self._inflight: list[tuple[Any, Any]] = []  # (event, host buffer kept alive until the copy is done)
+        self.moved = {d: {"bytes": 0, "seconds": 0.0} for d in DIRECTIONS}
+
+    def count(self, direction: str, nbytes: int, seconds: float) -> None:
+        m = self.moved[direction]
+        m["bytes"] += nbytes
+        m["seconds"] += seconds
+
+    # ------------------------------------------------------------- device -> host
+
+    def read_rows(self, rows: Sequence[int], direction: str = "gpu->cpu") -> Any:
+        """Copy pool rows into a new host tensor ``[len(rows), block_nbytes]``; returns when done."""
+        import torch
+
+        t0 = time.perf_counter()
+        idx = torch.tensor(list(rows), dtype=torch.int64)
+        if not self.cuda:
+            out = torch.empty((len(rows), self.block_nbytes), dtype=torch.uint8)
+            torch.index_select(self.pool, 0, idx, out=out)
+        else:
+            out = torch.empty((len(rows), self.block_nbytes), dtype=torch.uint8, pin_memory=True)
+            assert self.stream is not None
+            self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+            with torch.cuda.stream(self.stream):
+                staged = _gather_device(self.pool, idx.to(self.pool.device, non_blocking=True))
+                out.copy_(staged, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            done.synchronize()  # this copy only: the bytes must be on the host before the row is reused
+        self.count(direction, out.numel(), time.perf_counter() - t0)
+        return out
+
+    # ------------------------------------------------------------- host -> device
+
+    def write_rows(self, rows: Sequence[int], data: Any, direction: str = "cpu->gpu") -> Any | None:
+        """Copy host rows ``data`` (``[len(rows), block_nbytes]`` uint8) into pool rows.
+
+        Returns None when the copy is complete (CPU pool), else a CUDA event
+        recorded after it on the copy stream.
+        """
+        import torch
+
+        t0 = time.perf_counter()
+        idx = torch.tensor(list(rows), dtype=torch.int64)
+        src = data if isinstance(data, torch.Tensor) else torch.from_numpy(data)
+        if not self.cuda:
+            self.pool.index_copy_(0, idx, src)
+            self.count(direction, src.numel(), time.perf_counter() - t0)
+            return None
+        if not src.is_pinned():
+            src = src.pin_memory()
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            dev = src.to(self.pool.device, non_blocking=True)
+            _scatter_device(self.pool, idx.to(self.pool.device, non_blocking=True), dev)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._inflight.append((done, src))
+        self._reap()
+        self.count(direction, src.numel(), time.perf_counter() - t0)
+        return done
+
+    @staticmethod
+    def wait_event(event: Any | None) -> None:
+        """Make the current (compute) stream wait for ``event``; the host does not block."""
+        if event is None:
+            return
+        import torch
+
+        torch.cuda.current_stream().wait_event(event)
+
+    @staticmethod
+    def is_done(event: Any | None) -> bool:
+        return event is None or bool(event.query())
+
+    def synchronize(self) -> None:
+        """Wait for every copy this engine queued (used by flush/close, not the hot path)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        self._inflight.clear()
+
+    def _reap(self) -> None:
+        self._inflight = [(e, buf) for e, buf in self._inflight if not e.query()]
+
+
+def _gather_device(pool: Any, idx: Any) -> Any:
+    """Rows ``idx`` of a CUDA pool as a contiguous device tensor (gather kernel when available)."""
+    try:
+        from tierkv.kernels import gather_blocks
+    except ImportError:
+        return pool.index_select(0, idx)
+    import torch
+
+    out = torch.empty((idx.numel(), pool.shape[1]), dtype=torch.uint8, device=pool.device)
+    gather_blocks([pool], idx, out)
+    return out
+
+
+def _scatter_device(pool: Any, idx: Any, data: Any) -> None:
+    try:
+        from tierkv.kernels import scatter_blocks
+    except ImportError:
+        pool.index_copy_(0, idx, data)
+        return
+    scatter_blocks(data, [pool], idx)
