@@ -1,0 +1,409 @@
+"""SSD tier on a real LMDB environment in temporary directories (nothing mocked)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ssd_helper
+from tierkv.codec import PLANES, RAW, Codec
+from tierkv.errors import ConfigError
+from tierkv.ssd_tier import SSDTier, record_footprint
+
+HELPER = str(Path(__file__).with_name("ssd_helper.py"))
+ROOT = str(Path(__file__).resolve().parents[1])
+MiB = 1024**2
+FP = "model-a/fp16/bs16"
+
+
+def k(i: int) -> bytes:
+    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=32).digest()
+
+
+def kv_like(nbytes: int, seed: int = 0) -> bytes:
+    """fp16 values with the spread of projected activations (not uniform bytes)."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(nbytes // 2) * 0.7).astype(np.float16).tobytes()
+
+
+def rand(nbytes: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def helper(*args: object, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, HELPER, *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+
+
+@pytest.fixture
+def tmp(tmp_path: Path) -> Path:
+    return tmp_path / "ssd"
+
+
+# ---------------------------------------------------------------------- round trips
+
+SIZES = [1, 17, 4079, 4080, 4096, 65520, 65536, 65537, 100_000, 2 * MiB + 6]
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd", "auto"])
+def test_round_trip_exact_bytes_for_many_sizes(tmp, compression):
+    blocks = {k(i): (kv_like if i % 2 else rand)(n, i) for i, n in enumerate(SIZES)}
+    with SSDTier(tmp, capacity_bytes=64 * MiB, fingerprint=FP, compression=compression) as tier:
+        for key, data in blocks.items():
+            assert tier.put(key, data)
+        assert all(tier.get(key) == data for key, data in blocks.items())  # queued or written
+        assert tier.flush()
+        assert tier.get_many(list(blocks)) == list(blocks.values())
+        assert sorted(tier.keys()) == sorted(blocks)
+        assert all(key in tier for key in blocks) and k(999) not in tier
+        assert tier.get(k(999)) is None
+    with SSDTier(tmp, capacity_bytes=64 * MiB, fingerprint=FP, compression=compression) as tier:
+        assert tier.get_many(list(blocks)) == list(blocks.values())
+        assert tier.stats()["hits"] == len(blocks)
+
+
+def test_accepts_arrays_and_tensors_and_copies_them(tmp):
+    import torch
+    arr = np.arange(4096, dtype=np.uint16)
+    ten = torch.arange(2048, dtype=torch.float16)
+    with SSDTier(tmp, capacity_bytes=4 * MiB, fingerprint=FP) as tier:
+        tier.put(k(0), arr)
+        tier.put(k(1), ten)
+        expect0, expect1 = arr.tobytes(), ten.numpy().tobytes()
+        arr[:] = 0
+        ten.zero_()
+        tier.flush()
+        assert tier.get(k(0)) == expect0 and tier.get(k(1)) == expect1
+
+
+def test_raw_64k_block_takes_16_pages(tmp):
+    with SSDTier(tmp, capacity_bytes=64 * MiB, fingerprint=FP, compression="none") as tier:
+        tier.put(k(0), rand(65536))
+        tier.flush()
+        before = tier.stats()["file_bytes"]
+        for i in range(1, 65):
+            tier.put(k(i), rand(65536, i))
+        tier.flush()
+        grown = tier.stats()["file_bytes"] - before
+    # 16 data pages each plus B-tree and copy-on-write pages; 17 data pages would exceed this
+    assert grown <= 64 * 16.5 * 4096, grown / 64 / 4096
+
+
+def test_put_of_stored_key_is_a_no_op(tmp):
+    with SSDTier(tmp, capacity_bytes=4 * MiB, fingerprint=FP) as tier:
+        tier.put(k(0), rand(1000))
+        tier.flush()
+        assert tier.put(k(0), rand(1000, 1))
+        tier.flush()
+        s = tier.stats()
+        assert s["blocks_written"] == 1 and s["puts_present"] == 1
+        assert tier.get(k(0)) == rand(1000)
+
+
+# ---------------------------------------------------------------------- persistence
+
+def test_warm_restart_in_a_new_process(tmp):
+    out = helper("write", tmp, 30, 7)
+    assert out.returncode == 0, out.stderr
+    with SSDTier(tmp, capacity_bytes=ssd_helper.CAPACITY, fingerprint=ssd_helper.FINGERPRINT) as t:
+        for i in range(30):
+            assert t.get(ssd_helper.key_of(7, i)) == ssd_helper.block_of(7, i), i
+
+
+def test_other_fingerprint_sees_none_of_the_blocks(tmp):
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP) as tier:
+        for i in range(5):
+            tier.put(k(i), rand(5000, i))
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=b"model-b/fp16/bs16") as other:
+        assert other.get_many([k(i) for i in range(5)]) == [None] * 5
+        assert list(other.keys()) == [] and k(0) not in other
+        other.put(k(0), rand(5000, 99))
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP) as tier:
+        assert tier.get(k(0)) == rand(5000, 0)
+        assert len(list(tier.keys())) == 5
+
+
+# ---------------------------------------------------------------------- capacity and LRU
+
+def fill(tier: SSDTier, ids: range, size: int = 65536) -> None:
+    for i in ids:
+        tier.put(k(i), rand(size, i))
+        tier.flush()  # one block per transaction: a deterministic recency order
+
+
+def test_capacity_bound_and_lru_eviction_order(tmp):
+    cap = 2 * MiB
+    fp = record_footprint(32 + 16, 65520, 40 + 16)
+    fits = cap // fp
+    with SSDTier(tmp, capacity_bytes=cap, fingerprint=FP, compression="none") as tier:
+        fill(tier, range(40))
+        present = [i for i in range(40) if k(i) in tier]
+        assert present == list(range(40 - fits, 40))
+        oldest = present[0]
+        assert tier.get(k(oldest)) is not None  # now most recently used
+        tier.flush()                            # recency persisted in a batch
+        fill(tier, range(40, 41))
+        assert k(oldest) in tier and k(oldest + 1) not in tier
+        s = tier.stats()
+        assert s["current_bytes"] <= cap and s["evictions"] == 40 + 1 - fits
+    with SSDTier(tmp, capacity_bytes=cap, fingerprint=FP, compression="none") as tier:
+        fill(tier, range(41, 42))               # recency survived the restart
+        assert k(oldest) in tier and k(oldest + 2) not in tier
+
+
+def test_data_file_stays_within_capacity_plus_slack(tmp):
+    cap = 8 * MiB
+    rng = np.random.default_rng(3)
+    with SSDTier(tmp, capacity_bytes=cap, fingerprint=FP) as tier:
+        for i in range(400):  # ~6x the capacity, mixed sizes and codecs
+            n = int(rng.integers(1, 5)) * 16384
+            tier.put(k(i), kv_like(n, i) if i % 3 else rand(n, i))
+            if i % 10 == 9:
+                tier.flush()
+        tier.flush()
+        s = tier.stats()
+        assert s["current_bytes"] <= cap
+        assert s["file_bytes"] <= cap + tier.slack_bytes, (s["file_bytes"], tier.slack_bytes)
+        assert s["evictions"] > 0 and s["dropped_write_error"] == 0
+        assert all(tier.get(k(i)) == (kv_like if i % 3 else rand)(len(tier.get(k(i))), i)
+                   for i in range(380, 400))
+
+
+def test_reopen_with_smaller_capacity_evicts_down(tmp):
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP, compression="none") as tier:
+        fill(tier, range(60))
+    with SSDTier(tmp, capacity_bytes=2 * MiB, fingerprint=FP, compression="none") as tier:
+        tier.put(k(100), rand(65536, 100))
+        tier.flush()
+        assert tier.stats()["current_bytes"] <= 2 * MiB
+        assert k(100) in tier and k(59) in tier and k(0) not in tier
+
+
+# ---------------------------------------------------------------------- compression
+
+def test_auto_stores_random_bytes_raw_and_compresses_kv(tmp):
+    with SSDTier(tmp, capacity_bytes=16 * MiB, fingerprint=FP) as tier:
+        for i in range(4):
+            tier.put(k(i), rand(65536, i))
+        tier.flush()
+        s = tier.stats()
+        assert s["bytes_stored"] == s["bytes_raw"] and s["compression_ratio"] == 1.0
+        for i in range(4, 8):
+            tier.put(k(i), kv_like(65536, i))
+        tier.flush()
+        assert tier.stats()["compression_ratio"] > 1.05
+    codec = Codec("auto")
+    assert codec.encode(rand(65536))[0] == RAW
+    assert codec.encode(kv_like(65536))[0] == PLANES
+
+
+# ---------------------------------------------------------------------- integrity
+
+def test_corrupt_record_is_deleted_counted_and_missed(tmp, caplog):
+    with SSDTier(tmp, capacity_bytes=4 * MiB, fingerprint=FP) as tier:
+        tier.put(k(0), rand(20000))
+        tier.put(k(1), rand(20000, 1))
+        tier.flush()
+        nskey = tier._ns + k(0)
+        with tier._env.begin(write=True) as txn:  # damage the stored payload in place
+            body = bytearray(txn.get(nskey, db=tier._body))
+            body[1234] ^= 0x40
+            txn.put(nskey, bytes(body), db=tier._body)
+        with caplog.at_level(logging.WARNING):
+            assert tier.get(k(0)) is None
+            assert tier.get(k(0)) is None
+        assert tier.get(k(1)) == rand(20000, 1)
+        tier.flush()
+        s = tier.stats()
+        assert s["corrupt_deleted"] == 1 and s["misses"] == 2
+        assert list(tier.keys()) == [k(1)]
+        assert sum("does not verify" in r.message for r in caplog.records) == 1
+
+
+def test_sigkill_mid_stream_leaves_only_exact_blocks(tmp):
+    proc = subprocess.Popen([sys.executable, HELPER, "stream", str(tmp), "11"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    flushed = 0
+    deadline = time.monotonic() + 30
+    while flushed < 64 and time.monotonic() < deadline:
+        flushed = int(proc.stdout.readline() or 0)
+    time.sleep(0.05)  # let it get into the middle of further puts
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert flushed >= 64, proc.stderr.read()
+    out = helper("check", tmp, flushed + 64, 11)
+    assert out.returncode == 0, out.stdout + out.stderr
+    res = json.loads(out.stdout)
+    assert res["wrong"] == []
+    assert set(range(flushed)) <= set(res["hits"])  # every flushed block survived
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_byte_flips_never_return_wrong_data(tmp, seed):
+    assert helper("write", tmp, 120, seed).returncode == 0
+    data = tmp / "data.mdb"
+    size = data.stat().st_size
+    rng = np.random.default_rng(seed)
+    with open(data, "r+b") as f:
+        for off in rng.integers(0, size, 300):
+            f.seek(int(off))
+            b = f.read(1)
+            f.seek(int(off))
+            f.write(bytes([b[0] ^ int(rng.integers(1, 256))]))
+    out = helper("check", tmp, 120, seed)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    res = json.loads(out.stdout)
+    assert res["wrong"] == []
+    s = res["stats"]
+    assert s["corrupt_deleted"] > 0 or not s["available"] or s["read_errors"], s
+
+
+def test_garbage_environment_degrades_to_misses(tmp, caplog):
+    tmp.mkdir()
+    (tmp / "data.mdb").write_bytes(os.urandom(64 * 1024))
+    with caplog.at_level(logging.ERROR):
+        tier = SSDTier(tmp, capacity_bytes=4 * MiB, fingerprint=FP)
+        assert tier.get(k(0)) is None and tier.put(k(0), rand(100)) is False
+        assert k(0) not in tier and list(tier.keys()) == [] and tier.flush() is False
+        tier.close()
+    assert sum(str(tmp) in r.getMessage() for r in caplog.records) == 1
+
+
+def test_truncated_environment_degrades_to_misses(tmp):
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP) as tier:
+        fill(tier, range(20))
+    data = tmp / "data.mdb"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP) as tier:
+        assert tier.get_many([k(i) for i in range(20)]) == [None] * 20
+        assert not tier.stats()["available"]
+
+
+# ---------------------------------------------------------------------- async writes
+
+def test_full_queue_drops_and_counts_without_blocking(tmp):
+    with SSDTier(tmp, capacity_bytes=16 * MiB, fingerprint=FP,
+                 queue_capacity_bytes=4 * 65536) as tier:
+        with tier._env.begin(write=True):  # hold LMDB's writer lock: the writer thread stalls
+            t0 = time.monotonic()
+            accepted = [tier.put(k(i), rand(65536, i)) for i in range(10)]
+            assert time.monotonic() - t0 < 2.0
+        assert accepted.count(True) in (4, 5)  # the first may already be in the writer's hands
+        assert tier.stats()["dropped_queue_full"] == accepted.count(False)
+        assert tier.flush()
+        assert [tier.get(k(i)) is not None for i in range(10)] == accepted
+
+
+def test_reads_from_another_thread_during_writes(tmp):
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    with SSDTier(tmp, capacity_bytes=32 * MiB, fingerprint=FP) as tier:
+        def reader() -> None:
+            try:
+                while not stop.is_set():
+                    for i in range(0, 100, 7):
+                        got = tier.get(k(i))
+                        assert got is None or got == kv_like(32768, i)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+        threads = [threading.Thread(target=reader) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for i in range(100):
+            tier.put(k(i), kv_like(32768, i))
+        tier.flush()
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors
+
+
+def test_fork_child_never_touches_the_environment(tmp):
+    with SSDTier(tmp, capacity_bytes=4 * MiB, fingerprint=FP) as tier:
+        tier.put(k(0), rand(100))
+        tier.flush()
+        pid = os.fork()
+        if pid == 0:  # child: must see a disabled tier, and must not crash
+            ok = tier.get(k(0)) is None and tier.put(k(1), rand(100)) is False
+            tier.close()
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert tier.get(k(0)) == rand(100)
+        tier.put(k(2), rand(100))
+        assert tier.flush()
+
+
+# ---------------------------------------------------------------------- bad input
+
+def test_bad_arguments_are_named(tmp, tmp_path):
+    good = dict(capacity_bytes=4 * MiB, fingerprint=FP)
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match="^path"):
+        SSDTier(afile, **good)
+    with pytest.raises(ConfigError, match="^path"):
+        SSDTier(tmp_path / "missing" / "ssd", **good)
+    with pytest.raises(ConfigError, match="^capacity_bytes"):
+        SSDTier(tmp, capacity_bytes=4 * MiB, fingerprint=FP, block_nbytes=4 * MiB)
+    with pytest.raises(ConfigError, match="^fingerprint"):
+        SSDTier(tmp, capacity_bytes=4 * MiB, fingerprint="")
+    with pytest.raises(ValueError, match="^compression"):
+        SSDTier(tmp, compression="lz4", **good)
+    assert afile.read_text() == "x" and not tmp.exists()
+    with SSDTier(tmp, block_nbytes=1000, **good) as tier:
+        with pytest.raises(ValueError, match="^key"):
+            tier.put("abc", rand(1000))  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="^keys"):
+            tier.get_many([1])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="^data"):
+            tier.put(k(0), rand(999))
+        with pytest.raises(ValueError, match="^data"):
+            tier.put(k(0), [1, 2, 3])
+        with pytest.raises(ConfigError, match="^path"):
+            SSDTier(tmp, **good)  # the same environment twice in one process
+
+
+def test_foreign_directories_are_refused_and_untouched(tmp_path):
+    import lmdb
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "readme.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="^path"):
+        SSDTier(other, capacity_bytes=4 * MiB, fingerprint=FP)
+    assert [p.name for p in other.iterdir()] == ["readme.txt"]
+    foreign = tmp_path / "foreign"
+    env = lmdb.open(str(foreign), map_size=MiB)
+    with env.begin(write=True) as txn:
+        txn.put(b"hello", b"world")
+    env.close()
+    before = (foreign / "data.mdb").read_bytes()
+    with pytest.raises(ConfigError, match="^path"):
+        SSDTier(foreign, capacity_bytes=4 * MiB, fingerprint=FP)
+    assert (foreign / "data.mdb").read_bytes() == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_path(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(ConfigError, match="^path"):
+            SSDTier(ro / "ssd", capacity_bytes=4 * MiB, fingerprint=FP)
+    finally:
+        ro.chmod(0o700)
