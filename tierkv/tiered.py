@@ -218,14 +218,13 @@ class TieredKVCache:
     def _lookup_below(self, h: bytes, found: list[tuple[str, bytes, Any]]) -> bool:
         """Does a lower tier hold ``h``? Pins CPU hits and reads SSD hits (verified) on the way."""
         if self.cpu_index is not None and h in self.cpu_index:
-            if self.cpu is not None:
-                self.cpu.pin(h)
+            self.cpu_index.pin(h)  # no spill caused by this allocation may evict it
             found.append(("cpu", h, None))
             return True
         if self.ssd_index is not None:
             if h not in self.ssd_index:
                 return False
-            self.ssd_index.touch(h)
+            self.ssd_index.pin(h)
             found.append(("ssd", h, None))
             return True
         if self.ssd is not None:
@@ -249,10 +248,10 @@ class TieredKVCache:
         return data
 
     def _unpin(self, found: list[tuple[str, bytes, Any]]) -> None:
-        if self.cpu is not None:
-            for tier, h, _ in found:
-                if tier == "cpu":
-                    self.cpu.unpin(h)
+        for tier, h, _ in found:
+            index = self.cpu_index if tier == "cpu" else self.ssd_index
+            if index is not None:
+                index.unpin(h)
 
     # -------------------------------------------------------------- promotion
 
@@ -279,9 +278,11 @@ class TieredKVCache:
     def _promote_cpu(self, hits: list[tuple[int, bytes]]) -> Any:
         exclusive = self.config.spill.promotion == "exclusive"
         if self.cpu is None:  # metadata only
+            assert self.cpu_index is not None
             for _, h in hits:
-                assert self.cpu_index is not None
-                self.cpu_index.pop(h) if exclusive else self.cpu_index.touch(h)
+                self.cpu_index.unpin(h)
+                if exclusive:
+                    self.cpu_index.pop(h)
             return None
         import torch
 
@@ -296,9 +297,11 @@ class TieredKVCache:
     def _promote_ssd(self, hits: list[tuple[int, bytes, Any]]) -> Any:
         """SSD -> CPU staging -> GPU; the block also lands in the CPU tier (the SSD keeps its copy)."""
         keys = [h for _, h, _ in hits]
-        if self.cpu_index is not None and self.cpu is None:
+        if self.ssd_index is not None:  # metadata only
             for h in keys:
-                self._cpu_insert_meta(h)
+                self.ssd_index.unpin(h)
+                if self.cpu_index is not None:
+                    self._cpu_insert_meta(h)
         if not self.payload:
             return None
         import numpy as np

@@ -1,0 +1,261 @@
+"""TieredKVCache on the CPU device with a real CPU slab and a real LMDB SSD tier."""
+from __future__ import annotations
+
+import hashlib
+import random
+import urllib.request
+
+import pytest
+import torch
+
+from tierkv import OutOfBlocksError, TierKVConfig, TieredKVCache
+
+BS, NBYTES = 4, 256
+
+
+def config(tmp_path, *, gpu=16, cpu=24, ssd="8MiB", **extra):
+    d = {"block_size": BS, "model": {"block_nbytes": NBYTES}, "gpu": {"num_blocks": gpu},
+         "cpu": {"capacity": cpu * NBYTES}, "ssd": {"path": str(tmp_path / "ssd"), "capacity": ssd},
+         "spill": {"watermark": 0.125}}
+    for k, v in extra.items():
+        d.setdefault(k, {}).update(v)
+    return TierKVConfig.from_dict(d)
+
+
+def payload(h: bytes) -> bytes:
+    """Deterministic block content derived from the block hash."""
+    out = b""
+    while len(out) < NBYTES:
+        out += hashlib.sha256(h + len(out).to_bytes(4, "little")).digest()
+    return out[:NBYTES]
+
+
+class Driver:
+    """Plays the engine: computes (writes) uncached blocks, checks every cached one."""
+
+    def __init__(self, cache: TieredKVCache) -> None:
+        self.cache = cache
+        self.checked = {"gpu": 0, "cpu": 0, "ssd": 0}
+
+    def run(self, rid: str, tokens: list[int], **kw):
+        c = self.cache
+        a = c.allocate(rid, tokens, **kw)
+        a.wait()
+        hashes = c.manager.requests[rid].hashes
+        cached = a.num_cached_tokens // BS
+        tiers = ["gpu"] * 0
+        for pos in range(cached):
+            got = bytes(c.kv_pool[a.block_ids[pos]].numpy())
+            assert got == payload(hashes[pos]), f"{rid}: block {pos} has another block's bytes"
+        assert sum(a.hit_blocks.values()) == cached
+        for t, n in a.hit_blocks.items():
+            self.checked[t] += n
+        for pos in range(cached, len(hashes)):  # "prefill" the rest
+            c.kv_pool[a.block_ids[pos]] = torch.frombuffer(bytearray(payload(hashes[pos])), dtype=torch.uint8)
+        return a
+
+
+def chat(users: int, turns: int, seed: int = 0):
+    """Multi-turn chat: each turn's prompt extends the user's previous prompt.
+
+    Users are picked with skewed weights, so some come back while their blocks
+    are still on the GPU, some after they reached the CPU tier, some later.
+    """
+    rng = random.Random(seed)
+    history = {u: [u * 10_000 + i for i in range(rng.randint(9, 15))] for u in range(users)}
+    weights = [1 / (u + 1) ** 1.2 for u in range(users)]
+    for step in range(users * turns):
+        u = rng.choices(range(users), weights)[0]
+        yield f"u{u}s{step}", list(history[u])
+        history[u] += [rng.randrange(5000) for _ in range(rng.randint(3, 9))]
+        if len(history[u]) > 48:  # the conversation ends; the user starts a new one
+            history[u] = [u * 10_000 + step * 100 + i for i in range(rng.randint(9, 15))]
+
+
+def test_chat_overflows_gpu_then_cpu_and_every_hit_is_byte_exact(tmp_path):
+    with TieredKVCache(config(tmp_path)) as cache:
+        d = Driver(cache)
+        for rid, toks in chat(users=10, turns=5):
+            d.run(rid, toks)
+            cache.free(rid)
+        s = cache.stats()
+    assert all(d.checked[t] > 0 for t in ("gpu", "cpu", "ssd")), d.checked
+    assert {t: s["hits"][t]["blocks"] for t in d.checked} == d.checked
+    assert s["evictions"]["gpu"] > 0 and s["evictions"]["cpu"] > 0
+    assert s["occupancy"]["cpu"] <= 24 and s["occupancy"]["gpu"] <= 16
+    assert s["hits"]["cpu"]["tokens"] == d.checked["cpu"] * BS
+    assert s["queries"]["blocks"] > sum(d.checked.values())
+    assert s["sync_spills"] <= s["spills"]["cpu"] // 4, "the watermark should absorb most spills"
+
+
+def test_promoted_blocks_are_registered_on_gpu(tmp_path):
+    with TieredKVCache(config(tmp_path, gpu=8)) as cache:
+        d = Driver(cache)
+        toks = list(range(17))  # 4 full blocks
+        d.run("a", toks)
+        cache.free("a")
+        for i in range(3):  # push a's blocks out of the GPU pool
+            d.run(f"f{i}", [50_000 + 100 * i + j for j in range(25)])
+            cache.free(f"f{i}")
+        b = d.run("b", toks)
+        assert b.hit_blocks["gpu"] == 0 and b.hit_blocks["cpu"] == 4
+        cache.free("b")
+        c = d.run("c", toks)
+        assert c.hit_blocks == {"gpu": 4, "cpu": 0, "ssd": 0}
+
+
+def test_restart_serves_prefix_from_ssd(tmp_path):
+    toks = list(range(41))
+    with TieredKVCache(config(tmp_path)) as cache:
+        d = Driver(cache)
+        d.run("a", toks)
+        cache.free("a")
+        for i in range(6):
+            d.run(f"f{i}", [90_000 + 100 * i + j for j in range(30)])
+            cache.free(f"f{i}")
+        cache.flush()
+    with TieredKVCache(config(tmp_path)) as fresh:
+        d = Driver(fresh)
+        a = d.run("again", toks)
+        assert a.hit_blocks == {"gpu": 0, "cpu": 0, "ssd": 10}
+        assert a.num_cached_tokens == 40
+
+
+def test_corrupted_ssd_degrades_to_misses(tmp_path):
+    toks = list(range(41))
+    cfg = config(tmp_path, cpu=1)
+    with TieredKVCache(cfg) as cache:
+        d = Driver(cache)
+        d.run("a", toks)
+        cache.free("a")
+        for i in range(4):
+            d.run(f"f{i}", [90_000 + 100 * i + j for j in range(30)])
+            cache.free(f"f{i}")
+        cache.flush()
+    data = tmp_path / "ssd" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    rng = random.Random(1)
+    for off in rng.sample(range(len(raw)), 4000):
+        raw[off] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with TieredKVCache(cfg) as fresh:
+        d = Driver(fresh)  # Driver asserts any hit is byte-exact
+        a = d.run("again", toks)
+        assert a.hit_blocks["ssd"] < 10
+        fresh.free("again")
+        d.run("again2", toks)
+        fresh.stats()  # must not raise
+
+
+def test_ssd_unwritable_midway_only_drops_spills(tmp_path):
+    """The SSD tier's directory vanishes under a running cache: spills drop, nothing raises."""
+    import shutil
+
+    cfg = config(tmp_path, cpu=2)
+    with TieredKVCache(cfg) as cache:
+        d = Driver(cache)
+        for rid, toks in chat(users=6, turns=2):
+            d.run(rid, toks)
+            cache.free(rid)
+        shutil.rmtree(tmp_path / "ssd")
+        for rid, toks in chat(users=6, turns=4, seed=1):
+            d.run("x" + rid, toks)
+            cache.free("x" + rid)
+        cache.flush()
+
+
+def test_exclusive_promotion_moves_blocks_out_of_cpu(tmp_path):
+    cfg = config(tmp_path, gpu=8, ssd=0, spill={"promotion": "exclusive"})
+    with TieredKVCache(cfg) as cache:
+        d = Driver(cache)
+        toks = list(range(13))
+        d.run("a", toks)
+        cache.free("a")
+        for i in range(3):
+            d.run(f"f{i}", [50_000 + 100 * i + j for j in range(25)])
+            cache.free(f"f{i}")
+        hashes = cache.hasher.hash_blocks(toks)
+        assert all(h in cache.cpu for h in hashes)
+        b = d.run("b", toks)
+        assert b.hit_blocks["cpu"] == 3
+        assert not any(h in cache.cpu for h in hashes)
+
+
+def test_out_of_blocks_leaves_no_pins(tmp_path):
+    with TieredKVCache(config(tmp_path, gpu=6, ssd=0)) as cache:
+        d = Driver(cache)
+        toks = list(range(9))
+        d.run("a", toks)
+        cache.free("a")
+        d.run("f", list(range(100, 121)))  # 6 blocks: all of the pool; a's blocks spill to CPU
+        with pytest.raises(OutOfBlocksError):
+            cache.allocate("b", toks)
+        assert cache.cpu.stats()["pinned_blocks"] == 0
+        cache.free("f")
+        assert d.run("b", toks).hit_blocks["cpu"] == 2
+
+
+def test_cache_salt_never_shares_across_tiers(tmp_path):
+    with TieredKVCache(config(tmp_path, gpu=8)) as cache:
+        d = Driver(cache)
+        toks = list(range(17))
+        d.run("a", toks, cache_salt="tenant-a")
+        cache.free("a")
+        for i in range(3):
+            d.run(f"f{i}", [50_000 + 100 * i + j for j in range(25)])
+            cache.free(f"f{i}")
+        b = d.run("b", toks, cache_salt="tenant-b")
+        assert b.num_cached_tokens == 0
+        cache.free("b")
+        c = d.run("c", toks, cache_salt="tenant-a")
+        assert c.num_cached_tokens == 16
+
+
+def test_block_hashes_and_metadata_mode_with_drop_reasons():
+    drops: list[tuple[bytes, str]] = []
+    now = [0.0]
+    cfg = TierKVConfig.from_dict({"block_size": 16, "model": {"block_nbytes": 1024}, "gpu": {"num_blocks": 4},
+                                  "cpu": {"capacity": 2048}, "ssd": {"path": "/nonexistent/never-touched",
+                                                                     "capacity": 3072}})
+    cache = TieredKVCache(cfg, payload=False, clock=lambda: now[0], record_samples=True,
+                          on_drop=lambda h, t: drops.append((h, t)))
+    seq = [[b"a", b"b"], [b"c", b"d"], [b"e", b"f"], [b"a", b"b"], [b"g", b"h"], [b"i", b"j"], [b"a", b"b"]]
+    hits = []
+    for i, hs in enumerate(seq):
+        now[0] = float(i)
+        a = cache.allocate(f"r{i}", block_hashes=hs)
+        hits.append(a.hit_blocks)
+        cache.free(f"r{i}")
+    s = cache.stats()
+    assert s["queries"]["blocks"] == 14
+    # r2 evicted a and b from the 4-block GPU pool into the CPU tier; the cap lets 1 of 2 blocks hit
+    assert hits[3] == {"gpu": 0, "cpu": 1, "ssd": 0}
+    assert hits[6]["gpu"] + hits[6]["cpu"] + hits[6]["ssd"] == 1
+    assert s["occupancy"]["cpu"] <= 2 and s["occupancy"]["ssd"] <= 3
+    assert drops and all(t == "ssd" for _, t in drops)
+    cpu = s["lifecycle"]["cpu"]
+    assert cpu["reuse_gap_s"][0] == 1.0  # a: spilled to CPU at t=2, promoted at t=3
+    gpu = s["lifecycle"]["gpu"]
+    assert sorted(gpu["lifetime_s"])[:2] == [2.0, 2.0]  # a and b: on the GPU from t=0 to t=2
+    assert min(gpu["idle_before_evict_s"]) >= 0
+
+
+def test_metrics_endpoint_is_scrapable(tmp_path):
+    cfg = config(tmp_path, metrics={"port": 0})
+    cache = TieredKVCache(cfg)
+    try:
+        d = Driver(cache)
+        for rid, toks in chat(users=6, turns=3):
+            d.run(rid, toks)
+            cache.free(rid)
+        port = cache._metrics_server.server_port
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        cache.close()
+    assert 'tierkv:prefix_cache_hits_total{tier="cpu"}' in body or 'tierkv:prefix_cache_hits_total{tier="gpu"}' in body
+    for name in ("tierkv:prefix_cache_queries_total", "tierkv:spills_total", "tierkv:occupancy_blocks",
+                 "tierkv:kv_block_reuse_gap_seconds_bucket", "tierkv:kv_block_lifetime_seconds_count",
+                 "tierkv:transfer_bytes_total", "tierkv:dropped_spills_total", "tierkv:corrupt_blocks_total"):
+        assert name in body, name
+    queries = [ln for ln in body.splitlines() if ln.startswith("tierkv:prefix_cache_queries_total")]
+    assert float(queries[0].split()[-1]) > 0
