@@ -1,0 +1,75 @@
+"""CUDA launchers for copy_blocks, gather_blocks and scatter_blocks (arguments
+already validated). Each layer is described to the kernel by a device table
+[4, num_layers] int64 (base pointer, row stride bytes, page bytes, staging
+offset), cached by content so repeated calls on the same pool copy nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from tierkv.kernels import specs
+from tierkv.kernels.reference_blocks import page_nbytes, stage_offsets
+from tierkv.kernels.runtime import arg, launch
+
+THREADS = 256  # kCopyThreads in block_copy.cuh
+CHUNK_BYTES = THREADS * 16 * 4  # kCopyChunkBytes
+MAX_GRID_Y = 65535
+
+
+@lru_cache(maxsize=64)
+def _table(device: torch.device, rows: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def layer_table(caches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Device table [4, L]: data_ptr, stride(0) in bytes, page bytes, staging offset."""
+    rows = (
+        tuple(c.data_ptr() for c in caches),
+        tuple(c.stride(0) * c.element_size() for c in caches),
+        tuple(page_nbytes(c) for c in caches),
+        tuple(stage_offsets(caches)),
+    )
+    return _table(caches[0].device, rows)
+
+
+def vectorisable(caches: Sequence[torch.Tensor], *extra: int) -> bool:
+    """16-byte accesses are legal: every base address, row stride and page size
+    (and each value in ``extra``) is a multiple of 16."""
+    values = [v for c in caches for v in (c.data_ptr(), c.stride(0) * c.element_size(), page_nbytes(c))]
+    return all(v % 16 == 0 for v in (*values, *extra))
+
+
+def grid_y(caches: Sequence[torch.Tensor]) -> int:
+    return max(1, -(-max(page_nbytes(c) for c in caches) // CHUNK_BYTES))
+
+
+def copy_blocks_cuda(caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    if block_mapping.shape[0] == 0:
+        return
+    device = caches[0].device
+    table = layer_table(caches)
+    pairs = block_mapping.to(device, non_blocking=True).contiguous()
+    spec = specs.copy_blocks(vectorisable(caches))
+    args = (arg(table[0]), arg(table[1]), arg(table[2]), np.int32(len(caches)), arg(pairs))
+    launch(spec, device, (pairs.shape[0] * len(caches), grid_y(caches), 1), THREADS, args)
+
+
+def gather_scatter_cuda(caches: Sequence[torch.Tensor], block_ids: torch.Tensor, staging: torch.Tensor, gather: bool) -> None:
+    """Pages -> staging rows (gather) or back (scatter). ``staging`` is on the
+    caches' device or in pinned host memory (addressed directly by the kernel)."""
+    if block_ids.numel() == 0:
+        return
+    device = caches[0].device
+    table = layer_table(caches)
+    ids = block_ids.to(device, non_blocking=True).contiguous()
+    row_bytes = staging.stride(0)
+    spec = specs.gather_scatter(vectorisable(caches, staging.data_ptr(), row_bytes), gather)
+    args = (
+        arg(table[0]), arg(table[1]), arg(table[2]), arg(table[3]), np.int32(len(caches)),
+        arg(ids), np.uint64(staging.data_ptr()), np.int64(row_bytes),
+    )
+    launch(spec, device, (ids.shape[0] * len(caches), grid_y(caches), 1), THREADS, args)

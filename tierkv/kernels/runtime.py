@@ -1,0 +1,69 @@
+"""cupy plumbing: lazy import, one compiled module per kernel specialisation
+and device, zero-copy DLPack views of torch tensors, and launches on torch's
+current stream. Nothing here is imported until a CUDA tensor shows up."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from tierkv.kernels.reference_cache import bits
+from tierkv.kernels.sources import cuda_dir, read_source
+from tierkv.kernels.specs import KernelSpec
+
+NVRTC_OPTIONS: tuple[str, ...] = ("-std=c++17",)
+DEFAULT_SMEM_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without opting in
+
+
+def cupy() -> ModuleType:
+    """The cupy module, or a RuntimeError saying how to install it."""
+    try:
+        import cupy as cp
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError("CUDA tensors need cupy: pip install 'tierkv[cuda]' (cupy-cuda12x)") from exc
+    return cp
+
+
+@lru_cache(maxsize=None)
+def kernel(spec: KernelSpec, device_index: int) -> Any:
+    """The compiled ``cupy.RawKernel`` for ``spec`` on a device (compiled on first use)."""
+    cp = cupy()
+    with cp.cuda.Device(device_index):
+        module = cp.RawModule(
+            code=read_source(spec.source),
+            options=(*NVRTC_OPTIONS, f"--include-path={cuda_dir()}"),
+            name_expressions=(spec.name,),
+        )
+        return module.get_function(spec.name)
+
+
+def launch(spec: KernelSpec, device: torch.device, grid: tuple[int, ...], block: int, args: tuple[Any, ...], smem: int = 0) -> None:
+    """Launch ``spec`` on torch's current stream of ``device``; ``args`` are
+    already cupy arrays or numpy scalars (see ``arg``)."""
+    k = kernel(spec, device.index)
+    if smem > DEFAULT_SMEM_LIMIT and k.max_dynamic_shared_size_bytes < smem:
+        k.max_dynamic_shared_size_bytes = smem
+    with stream_of(device):
+        k(grid, (block,), args, shared_mem=smem)
+
+
+@contextmanager
+def stream_of(device: torch.device) -> Iterator[None]:
+    """Make torch's current stream on ``device`` cupy's current stream."""
+    cp = cupy()
+    handle = torch.cuda.current_stream(device).cuda_stream
+    with cp.cuda.Device(device.index), cp.cuda.ExternalStream(handle, device.index):
+        yield
+
+
+def arg(t: torch.Tensor) -> Any:
+    """A cupy view of a CUDA tensor's memory (DLPack, no copy), reinterpreted
+    as the same-width integer type so every dtype (bf16, fp8) crosses over;
+    the kernel receives its data pointer."""
+    with stream_of(t.device):
+        return cupy().from_dlpack(bits(t).detach())
