@@ -1,0 +1,133 @@
+"""The ``KVConnectorBase_V1`` subclass: each hook forwards to the half that
+runs in this process (see :mod:`tierkv.connectors.vllm`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tierkv.connectors.vllm_common import TierKVMetadata, load_config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from tierkv.connectors.vllm_common import TierKVWorkerMetadata
+    from tierkv.connectors.vllm_scheduler import TierKVScheduler
+    from tierkv.connectors.vllm_worker import TierKVWorker
+
+__all__ = ["TierKVConnector"]
+
+
+class TierKVConnector(KVConnectorBase_V1):
+    """Multi-tier (CPU DRAM -> SSD) prefix cache behind vLLM's own GPU cache."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a future miss
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = load_config(self._kv_transfer_config.kv_connector_extra_config)
+        self._scheduler: TierKVScheduler | None = None
+        self._worker: TierKVWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            from tierkv.connectors.vllm_scheduler import TierKVScheduler
+
+            self._scheduler = TierKVScheduler(cfg, vllm_config, kv_cache_config)
+        else:
+            from tierkv.connectors.vllm_worker import TierKVWorker
+
+            self._worker = TierKVWorker(cfg, vllm_config, kv_cache_config)
+
+    @property
+    def scheduler(self) -> "TierKVScheduler":
+        assert self._scheduler is not None, "scheduler-side hook called on the worker side"
+        return self._scheduler
+
+    @property
+    def worker(self) -> "TierKVWorker":
+        assert self._worker is not None, "worker-side hook called on the scheduler side"
+        return self._worker
+
+    def _meta(self) -> TierKVMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TierKVMetadata), type(meta)
+        return meta
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: the request waits for get_finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        return  # all layers are stored together in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> "TierKVWorkerMetadata | None":
+        return self._worker.build_connector_worker_meta() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def on_new_request(self, request: "Request") -> None:
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request",
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        return self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)

@@ -1,0 +1,164 @@
+"""Helpers for the real-vLLM tests and benchmark: a tiny local Llama, and an
+engine runner that executes one scenario in a fresh process.
+
+Nothing here downloads anything: the model is built with random weights
+(``initializer_range=1.0`` so that outputs depend on early context) and a
+byte-level BPE tokenizer trained on generated text.
+
+Usage as a script (what the tests do, one engine per process)::
+
+    python tests/vllm_util.py '<json scenario>'
+
+prints one JSON line ``RESULT {...}`` with each prompt's output token ids and
+``num_cached_tokens``, and the engine's external prefix-cache hit counter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
+         "sigma tau upsilon phi chi psi omega cache block tier token layer head page slab disk "
+         "memory prefix hash chain engine vector matrix").split()
+
+
+def build_tiny_llama(path: str | os.PathLike[str], *, layers: int = 2, hidden: int = 128, heads: int = 2,
+                     kv_heads: int = 2, intermediate: int = 128, vocab: int = 512,
+                     max_positions: int = 4096, seed: int = 0) -> Path:
+    """Write a random-weight Llama (float32) and a trained BPE tokenizer to ``path``.
+
+    Idempotent: an existing complete model directory is reused.
+    """
+    out = Path(path)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    corpus = [" ".join(rng.choice(WORDS) for _ in range(64)) for _ in range(400)]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out)
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=max(vocab, tok.get_vocab_size()), hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=max_positions, initializer_range=1.0,
+                      bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def random_token_prompt(n: int, seed: int, vocab: int = 500) -> list[int]:
+    """``n`` random token ids avoiding the special ids 0 and 1."""
+    rng = random.Random(seed)
+    return [rng.randrange(2, vocab) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------- engine runner
+
+def kv_transfer_config(extra: dict[str, Any], *, module_path: bool = True) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"kv_connector": "TierKVConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": extra,
+                           "kv_load_failure_policy": "recompute"}
+    if module_path:
+        cfg["kv_connector_module_path"] = "tierkv.connectors.vllm"
+    return cfg
+
+
+def _make_llm(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(model=spec["model"], dtype="float32", block_size=32,
+                                  enable_prefix_caching=True, enforce_eager=True, seed=0,
+                                  kv_cache_memory_bytes=spec.get("kv_bytes", 8 * 1024**2),
+                                  max_model_len=spec.get("max_model_len", 2048),
+                                  disable_log_stats=False)
+    if spec.get("tierkv") is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config(spec["tierkv"],
+                                                          module_path=spec.get("module_path", True))
+    return LLM(**kwargs)
+
+
+def _external_hits(llm: Any) -> int:
+    total = 0
+    for m in llm.get_metrics():
+        if m.name == "vllm:external_prefix_cache_hits":
+            total += int(getattr(m, "value", 0))
+    return total
+
+
+def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run ``spec["steps"]`` on one engine. Each step is ``{"prompts": [[ids...]], "salt": str|None}``
+    or ``{"reset": true}`` (reset vLLM's prefix cache)."""
+    import time
+
+    from vllm import SamplingParams
+
+    llm = _make_llm(spec)
+    sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+    results: list[Any] = []
+    for step in spec["steps"]:
+        if step.get("reset"):
+            ok = llm.reset_prefix_cache()
+            results.append({"reset": bool(ok)})
+            continue
+        prompts = [{"prompt_token_ids": p} for p in step["prompts"]]
+        if step.get("salt") is not None:
+            for p in prompts:
+                p["cache_salt"] = step["salt"]
+        hits_before = _external_hits(llm)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        results.append({
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "cached": [int(o.num_cached_tokens or 0) for o in outs],
+            "external_hits": _external_hits(llm) - hits_before,
+            "seconds": elapsed,
+        })
+    return {"steps": results, "pid": os.getpid()}
+
+
+def run_in_subprocess(spec: dict[str, Any], *, multiprocessing: bool = False, timeout: float = 600,
+                      env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one scenario in a fresh Python process; returns its result or raises with its log tail."""
+    full_env = dict(os.environ)
+    full_env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+                     "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
+                     "OMP_NUM_THREADS": full_env.get("OMP_NUM_THREADS", "2"),
+                     "TOKENIZERS_PARALLELISM": "false"})
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, __file__, json.dumps(spec)], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=str(REPO))
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"engine process failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+    result = run_scenario(spec)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
