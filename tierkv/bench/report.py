@@ -1,0 +1,201 @@
+"""The bench report: a JSON-ready dict and its terminal rendering.
+
+JSON keys (``tierkv bench --json``): ``requests``, ``block_accesses``,
+``block_tokens`` (tokens per block), ``distinct_blocks``, ``ideal_hit_rate``,
+``hit_rate`` {gpu, cpu, ssd, total}, ``reuse_gap_s`` / ``idle_before_evict_s``
+/ ``lifetime_s`` ({count, p50, p90, p99} for the whole cache plus ``tiers``
+{gpu, cpu, ssd}; the top-level reuse gap is the trace's own time between
+accesses of a block, the top-level idle and lifetime are of blocks leaving
+the last tier), ``miss_reasons``, ``mrc`` ([capacity_tokens, hit_rate]
+pairs), ``recommendation``, ``diagnosis``, ``capacity``, ``replay``,
+``trace``, ``timings_s``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tierkv.bench import diagnose
+from tierkv.bench.replay import TIERS
+from tierkv.bench.stats import summarize
+from tierkv.config import format_size
+
+if TYPE_CHECKING:
+    from tierkv.bench.analysis import BenchResult
+
+__all__ = ["HIT_RATE_DEFINITION", "build_report", "render_text"]
+
+HIT_RATE_DEFINITION = "blocks served from cache (prefix-contiguous) / blocks requested"
+_LIFECYCLE = ("reuse_gap_s", "idle_before_evict_s", "lifetime_s")
+_REASON_TEXT = {
+    "new": "never seen before",
+    "evicted_gpu": "evicted earlier from the GPU pool (no lower tier kept it)",
+    "evicted_cpu": "evicted earlier from the CPU tier",
+    "evicted_ssd": "evicted earlier from the SSD tier",
+    "prefix_miss": "still cached, unreachable: an earlier block of the prompt missed",
+    "last_token": "last prompt block (its last token is always computed)",
+    "other": "cached, yet not served (e.g. a failed lower-tier read)",
+}
+
+
+def _lifecycle(res: "BenchResult") -> dict[str, dict[str, Any]]:
+    rp = res.replay
+    top = {"reuse_gap_s": ("trace", res.stack.reuse_gaps_s()),
+           "idle_before_evict_s": ("cache", rp.cache_idle_before_evict_s),
+           "lifetime_s": ("cache", rp.cache_lifetime_s)}
+    out = {}
+    for what, (scope, samples) in top.items():
+        out[what] = {"scope": scope, **summarize(samples),
+                     "tiers": {t: summarize(rp.lifecycle(t, what)) for t in TIERS}}
+    return out
+
+
+def _capacity(res: "BenchResult") -> dict[str, Any]:
+    rp = res.replay
+    bs, nbytes = rp.config.block_size, rp.config.block_nbytes()
+    cap: dict[str, Any] = {t: {"blocks": n, "tokens": n * bs, "bytes": n * nbytes}
+                           for t, n in rp.capacity_blocks.items()}
+    cap["effective_total_tokens"] = diagnose.effective_capacity_blocks(rp.config, rp.capacity_blocks) * bs
+    cap["bytes_per_token"] = nbytes / bs
+    return cap
+
+
+def _diagnosis(rates: dict[str, float], ideal: float, life: dict[str, dict[str, Any]],
+               evictions: dict[str, int], forced: int) -> dict[str, Any]:
+    reuse = {t: life["reuse_gap_s"]["tiers"][t] for t in TIERS}
+    reuse["trace"] = life["reuse_gap_s"]
+    idle = {t: life["idle_before_evict_s"]["tiers"][t] for t in TIERS}
+    idle["cache"] = life["idle_before_evict_s"]
+    band = diagnose.hit_rate_band(rates["total"], ideal)
+    pools = diagnose.pool_checks(reuse, idle, evictions)
+    messages = [band["message"], *(pools[k]["message"] for k in ("gpu", "cpu", "ssd", "cache"))]
+    if forced:
+        messages.append(f"{forced:,} running requests were finished early to make room: the GPU pool is smaller "
+                        "than this trace's concurrency (see --decode-ms-per-token).")
+    return {"hit_rate_band": band["band"], "pools": pools, "messages": messages}
+
+
+def build_report(res: "BenchResult") -> dict[str, Any]:
+    """Everything ``tierkv bench`` reports, as plain JSON-ready values."""
+    tr, rp, mrc = res.trace, res.replay, res.stack.mrc
+    bs = tr.block_size
+    rates = {k: round(v, 6) for k, v in rp.hit_rate().items()}
+    life = _lifecycle(res)
+    cap = _capacity(res)
+    marks = [rp.capacity_blocks["gpu"], rp.capacity_blocks["gpu"] + rp.capacity_blocks["cpu"],
+             cap["effective_total_tokens"] // bs]
+    evictions = dict(rp.stats.get("evictions", {}))
+    return {
+        "trace": {"name": tr.name, "format": tr.format, "duration_s": round(tr.duration_s, 3),
+                  "skipped_lines": tr.skipped_lines},
+        "requests": len(tr.requests),
+        "block_accesses": tr.num_accesses,
+        "block_tokens": bs,
+        "distinct_blocks": tr.num_distinct_blocks,
+        "hit_rate_definition": HIT_RATE_DEFINITION,
+        "ideal_hit_rate": round(mrc.ideal_hit_rate, 6),
+        "hit_rate": rates,
+        "hit_blocks": dict(rp.hit_blocks),
+        **life,
+        "miss_reasons": dict(rp.miss_reasons),
+        "capacity": cap,
+        "mrc": [[c * bs, round(h, 6)] for c, h in mrc.points(extra=marks)],
+        "recommendation": diagnose.recommend(mrc, rp.config, rp.capacity_blocks),
+        "diagnosis": _diagnosis(rates, mrc.ideal_hit_rate, life, evictions, rp.forced_frees),
+        "replay": {"decode_s_per_token": res.options.decode_s_per_token, "payload": res.options.payload,
+                   "payload_block_bytes": rp.payload_block_bytes, "forced_frees": rp.forced_frees,
+                   "peak_running_requests": rp.peak_running, "wall_s": round(rp.wall_s, 3),
+                   **{k: dict(rp.stats.get(k, {})) for k in ("spills", "promotions", "evictions",
+                                                             "dropped_spills", "corrupt_blocks")},
+                   "transfer": rp.stats.get("transfer", {})},
+        "timings_s": {k: round(v, 3) for k, v in res.timings_s.items()},
+    }
+
+
+# ------------------------------------------------------------------ rendering
+
+def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+
+    def fmt(cells: list[str]) -> str:
+        first = str(cells[0]).ljust(widths[0])
+        rest = [str(c).rjust(w) for c, w in zip(cells[1:], widths[1:])]
+        return indent + "  ".join([first, *rest]).rstrip()
+
+    return [fmt(headers), indent + "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)]
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _sec(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3g}" if x < 100 else f"{x:,.0f}"
+
+
+def _tier_rows(r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for t in TIERS:
+        c = r["capacity"][t]
+        rows.append([t.upper(), f"{c['blocks']:,}", f"{c['tokens']:,}", format_size(c["bytes"]),
+                     _pct(r["hit_rate"][t]), f"{r['hit_blocks'][t]:,}"])
+    rows.append(["total", "", f"{r['capacity']['effective_total_tokens']:,}", "", _pct(r["hit_rate"]["total"]),
+                 f"{sum(r['hit_blocks'].values()):,}"])
+    rows.append(["ideal (unbounded)", "", "", "", _pct(r["ideal_hit_rate"]), ""])
+    return rows
+
+
+def _life_rows(r: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    names = {"reuse_gap_s": "reuse gap", "idle_before_evict_s": "idle before evict", "lifetime_s": "lifetime"}
+    for what in _LIFECYCLE:
+        d = r[what]
+        entries = [(d["scope"], d), *d["tiers"].items()]
+        for i, (scope, s) in enumerate(entries):
+            rows.append([names[what] if i == 0 else "", scope, _sec(s["p50"]), _sec(s["p90"]), _sec(s["p99"]),
+                         f"{s['count']:,}"])
+    return rows
+
+
+def _mrc_rows(r: dict[str, Any], rows: int = 12) -> list[list[str]]:
+    pts = [p for p in r["mrc"] if p[0] > 0]
+    if len(pts) > rows:
+        step = (len(pts) - 1) / (rows - 1)
+        pts = [pts[round(i * step)] for i in range(rows)]
+    per_token = r["capacity"]["bytes_per_token"]
+    return [[f"{tok:,}", format_size(tok * per_token), _pct(rate)] for tok, rate in pts]
+
+
+def render_text(r: dict[str, Any]) -> str:
+    """The terminal report."""
+    tr = r["trace"]
+    out = [f"tierkv bench: {tr['name']} ({tr['format']}, {r['block_tokens']}-token blocks)",
+           f"  {r['requests']:,} requests over {tr['duration_s']:,.0f} s, {r['block_accesses']:,} block accesses, "
+           f"{r['distinct_blocks']:,} distinct blocks"
+           + (f", {tr['skipped_lines']:,} bad lines skipped" if tr["skipped_lines"] else ""),
+           f"  hit rate = {HIT_RATE_DEFINITION}", ""]
+    out += ["Hit rate by tier"]
+    out += _table(["tier", "blocks", "tokens", "bytes", "hit rate", "hits"], _tier_rows(r))
+    out += ["", "Block lifecycle (seconds of trace time)"]
+    out += _table(["", "scope", "P50", "P90", "P99", "samples"], _life_rows(r))
+    out += ["", "Why blocks missed"]
+    n = r["block_accesses"] or 1
+    out += _table(["reason", "blocks", "of accesses"],
+                  [[_REASON_TEXT[k], f"{v:,}", _pct(v / n)] for k, v in r["miss_reasons"].items() if v])
+    out += ["", "Exact LRU miss-ratio curve (one cache of this total capacity)"]
+    out += _table(["capacity (tokens)", "KV bytes", "hit rate"], _mrc_rows(r))
+    rec = r["recommendation"]
+    out += ["", "Recommendation",
+            f"  configured total ~{rec['configured_total_tokens']:,} tokens: an LRU cache that size serves "
+            f"{_pct(rec['lru_hit_rate_at_configured'])}; the ideal {_pct(rec['ideal_hit_rate'])} needs "
+            f"{rec['saturation_tokens']:,} tokens"]
+    out += [f"  {t['message']}" for t in rec["targets"]]
+    out += ["", "Diagnosis"] + [f"  {m}" for m in r["diagnosis"]["messages"]]
+    rp = r["replay"]
+    out += ["", f"Replay: {rp['peak_running_requests']} requests running at peak, decode "
+                f"{1000 * rp['decode_s_per_token']:g} ms/token, {rp['forced_frees']:,} finished early"
+            + (f"; payload {format_size(rp['payload_block_bytes'])} per block" if rp["payload"] else "")]
+    out += ["Timings: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["timings_s"].items())]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,334 @@
+"""Request traces: the formats ``tierkv bench`` reads, auto-detected.
+
+Every format becomes a :class:`Trace`: requests in arrival order, each with
+its prompt as a list of dense block ids (equal id = reusable block, prefix
+order). Formats (one JSON object per line):
+
+``mooncake``
+    ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``
+    (prefix block hashes of 512-token blocks).
+``qwen`` (Qwen-Bailian usage traces)
+    ``chat_id``, ``parent_chat_id``, ``timestamp`` (s), ``input_length``,
+    ``output_length``, ``type``, ``turn``, ``hash_ids`` (16-token blocks).
+``tierkv``
+    ``timestamp`` (s), and ``token_ids`` or ``block_hashes`` (ints or hex
+    strings, prefix order); optional ``input_length``, ``output_length``,
+    ``cache_salt``, ``lora``. Token ids are cut into full blocks of the
+    configured block size and chained like the engine does, with
+    ``cache_salt`` and ``lora`` in the chain's root.
+
+Bad input raises :class:`TraceError` whose message starts with ``file:line``.
+With ``skip_bad_lines`` a bad record is skipped and counted instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["FORMATS", "Request", "Trace", "TraceError", "detect_format", "load_trace", "TraceBuilder"]
+
+FORMATS = ("mooncake", "qwen", "tierkv")
+_ALIASES = {"qwen-bailian": "qwen", "bailian": "qwen"}
+DEFAULT_BLOCK_SIZE = {"mooncake": 512, "qwen": 16}
+
+
+class TraceError(ValueError):
+    """The trace file is missing or malformed; the message starts with ``file:line``."""
+
+
+@dataclass(slots=True)
+class Request:
+    """One request of a trace.
+
+    ``blocks``: dense block ids of the prompt in prefix order. ``hittable``:
+    how many leading blocks may be served from cache (all of them for hash-id
+    traces; for token traces the last prompt token is always computed, so at
+    most ``(input_length - 1) // block_size``).
+    """
+
+    timestamp: float
+    blocks: list[int]
+    input_length: int
+    output_length: int
+    hittable: int
+    line: int = 0
+
+
+@dataclass
+class Trace:
+    """A whole trace in memory.
+
+    ``num_distinct_blocks``: distinct block ids; every id is ``< id_bound``
+    (ids are dense enough to index arrays with, not necessarily contiguous).
+    """
+
+    name: str
+    format: str
+    block_size: int
+    requests: list[Request]
+    num_distinct_blocks: int
+    id_bound: int
+    token_based: bool = False
+    skipped_lines: int = 0
+    first_skipped: str | None = None
+
+    @property
+    def num_accesses(self) -> int:
+        return sum(len(r.blocks) for r in self.requests)
+
+    @property
+    def duration_s(self) -> float:
+        return self.requests[-1].timestamp - self.requests[0].timestamp if self.requests else 0.0
+
+
+def detect_format(record: Any) -> str | None:
+    """The format a parsed JSON record belongs to, or None."""
+    if not isinstance(record, dict):
+        return None
+    if "chat_id" in record or "parent_chat_id" in record:
+        return "qwen"
+    if "hash_ids" in record:
+        return "mooncake"
+    if "token_ids" in record or "block_hashes" in record:
+        return "tierkv"
+    return None
+
+
+_ID_TYPES = {int, str}
+
+
+class _Bad(Exception):
+    """A bad record; the loader adds file and line."""
+
+
+def _number(rec: dict[str, Any], key: str, *, required: bool = True, default: float = 0) -> float:
+    v = rec.get(key)
+    if v is None:
+        if required:
+            raise _Bad(f"missing '{key}'")
+        return default
+    if type(v) is bool or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _Bad(f"'{key}' must be a number, got {v!r}")
+    if v < 0:
+        raise _Bad(f"'{key}' must not be negative, got {v!r}")
+    return v
+
+
+def _count(rec: dict[str, Any], key: str, default: int) -> int:
+    v = rec.get(key)
+    if v is None:
+        return default
+    if type(v) is not int or v < 0:
+        raise _Bad(f"'{key}' must be a non-negative integer, got {v!r}")
+    return v
+
+
+def _id_list(rec: dict[str, Any], key: str) -> list[Any]:
+    ids = rec.get(key)
+    if not isinstance(ids, list):
+        raise _Bad(f"missing '{key}'" if ids is None else f"'{key}' must be a list, got {type(ids).__name__}")
+    if not set(map(type, ids)) <= _ID_TYPES:
+        bad = next(h for h in ids if type(h) not in _ID_TYPES)
+        raise _Bad(f"'{key}' must hold integers or hex strings, got {bad!r}")
+    return ids
+
+
+class TraceBuilder:
+    """Turns per-request prompts into dense block ids and checks arrival order.
+
+    Used by the file loader and by the workload generators, so both produce
+    identical :class:`Trace` objects.
+    """
+
+    def __init__(self, name: str, fmt: str, block_size: int) -> None:
+        self.name, self.format, self.block_size = name, fmt, block_size
+        self.ids: dict[Any, int] = {}
+        self._counter = itertools.count()
+        self.requests: list[Request] = []
+        self.token_based = False
+        self._last_ts = 0.0
+
+    def check_time(self, ts: float) -> None:
+        if ts < self._last_ts:
+            raise _Bad(f"timestamp {ts:g} s is earlier than the previous request's {self._last_ts:g} s "
+                       "(the trace must be sorted by arrival time)")
+
+    def add_ids(self, ts: float, raw_ids: list[Any], input_length: int, output_length: int,
+                line: int = 0, namespace: Any = None) -> None:
+        """A request given by block hash ids (equal id = same prefix block)."""
+        self.check_time(ts)
+        sd = self.ids.setdefault
+        if namespace is not None:
+            raw_ids = [(namespace, h) for h in raw_ids]
+        blocks = list(map(sd, raw_ids, self._counter))
+        if len(set(blocks)) != len(blocks):
+            raise _Bad("the same block hash appears twice in one request")
+        self._append(Request(ts, blocks, input_length, output_length, len(blocks), line))
+
+    def add_tokens(self, ts: float, tokens: list[int], output_length: int, line: int = 0,
+                   namespace: Any = None) -> None:
+        """A request given by token ids: full blocks chained to their parent."""
+        self.check_time(ts)
+        bs, n = self.block_size, len(tokens)
+        parent: Any = ("root", namespace)
+        sd, counter = self.ids.setdefault, self._counter
+        blocks = []
+        for i in range(0, n - n % bs, bs):
+            parent = sd((parent, tuple(tokens[i:i + bs])), next(counter))
+            blocks.append(parent)
+        self.token_based = True
+        self._append(Request(ts, blocks, n, output_length, min(len(blocks), max(n - 1, 0) // bs), line))
+
+    def intern(self, key: Any) -> int:
+        """Dense id of ``key`` (new keys get new ids)."""
+        return self.ids.setdefault(key, next(self._counter))
+
+    def add_blocks(self, ts: float, blocks: list[int], input_length: int, output_length: int,
+                   hittable: int) -> None:
+        """A request whose blocks were interned by the caller (generators); token-based rules apply."""
+        self.check_time(ts)
+        self.token_based = True
+        self._append(Request(ts, blocks, input_length, output_length, hittable))
+
+    def _append(self, req: Request) -> None:
+        self._last_ts = req.timestamp
+        self.requests.append(req)
+
+    def build(self, skipped: int = 0, first_skipped: str | None = None) -> Trace:
+        return Trace(self.name, self.format, self.block_size, self.requests, len(self.ids),
+                     next(self._counter), self.token_based, skipped, first_skipped)
+
+
+def _add_mooncake(b: TraceBuilder, rec: dict[str, Any], line: int) -> None:
+    ids = _id_list(rec, "hash_ids")
+    ts = _number(rec, "timestamp") / 1000.0
+    b.add_ids(ts, ids, _count(rec, "input_length", len(ids) * b.block_size),
+              _count(rec, "output_length", 0), line)
+
+
+def _add_qwen(b: TraceBuilder, rec: dict[str, Any], line: int) -> None:
+    ids = _id_list(rec, "hash_ids")
+    ts = float(_number(rec, "timestamp"))
+    b.add_ids(ts, ids, _count(rec, "input_length", len(ids) * b.block_size),
+              _count(rec, "output_length", 0), line)
+
+
+def _add_tierkv(b: TraceBuilder, rec: dict[str, Any], line: int) -> None:
+    ts = float(_number(rec, "timestamp"))
+    salt, lora = rec.get("cache_salt"), rec.get("lora")
+    ns = (salt, lora) if salt is not None or lora is not None else None
+    out = _count(rec, "output_length", 0)
+    if "token_ids" in rec:
+        tokens = rec["token_ids"]
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise _Bad("'token_ids' must be a list of integers")
+        if not tokens:
+            raise _Bad("'token_ids' is empty")
+        b.add_tokens(ts, tokens, out, line, ns)
+    elif "block_hashes" in rec:
+        ids = _id_list(rec, "block_hashes")
+        b.add_ids(ts, ids, _count(rec, "input_length", len(ids) * b.block_size), out, line, ns)
+    else:
+        raise _Bad("missing 'token_ids' or 'block_hashes'")
+
+
+_ADDERS: dict[str, Callable[[TraceBuilder, dict[str, Any], int], None]] = {
+    "mooncake": _add_mooncake, "qwen": _add_qwen, "tierkv": _add_tierkv}
+
+
+def normalize_format(fmt: str) -> str:
+    fmt = _ALIASES.get(fmt, fmt)
+    if fmt != "auto" and fmt not in FORMATS:
+        raise TraceError(f"--format: expected auto, {', '.join(FORMATS)}; got {fmt!r}")
+    return fmt
+
+
+@dataclass
+class _Loader:
+    path: Path
+    fmt: str
+    block_size: int | None
+    default_block_size: int
+    skip_bad_lines: bool
+    builder: TraceBuilder | None = None
+    skipped: int = 0
+    first_skipped: str | None = None
+    lines: int = 0
+    progress: Callable[[int], None] | None = field(default=None)
+
+    def fail(self, line: int, msg: str) -> None:
+        where = f"{self.path}:{line}: {msg}"
+        if not self.skip_bad_lines:
+            raise TraceError(where)
+        self.skipped += 1
+        if self.first_skipped is None:
+            self.first_skipped = where
+
+    def start(self, rec: Any, line: int) -> TraceBuilder | None:
+        fmt = self.fmt if self.fmt != "auto" else detect_format(rec)
+        if fmt is None:
+            self.fail(line, "cannot tell the trace format (expected 'hash_ids', 'token_ids' or "
+                            "'block_hashes'); pass --format")
+            return None
+        bs = self.block_size or DEFAULT_BLOCK_SIZE.get(fmt, self.default_block_size)
+        self.builder = TraceBuilder(self.path.name, fmt, bs)
+        return self.builder
+
+    def feed(self, text: str, line: int) -> None:
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError as e:
+            truncated = e.pos >= len(text.rstrip())
+            self.fail(line, "truncated JSON record" if truncated else f"not valid JSON: {e.msg} (column {e.colno})")
+            return
+        if not isinstance(rec, dict):
+            self.fail(line, f"expected a JSON object, got {type(rec).__name__}")
+            return
+        b = self.builder or self.start(rec, line)
+        if b is None:
+            return
+        try:
+            _ADDERS[b.format](b, rec, line)
+        except _Bad as e:
+            self.fail(line, str(e))
+
+    def run(self) -> Trace:
+        try:
+            fh = open(self.path, encoding="utf-8")
+        except FileNotFoundError:
+            raise TraceError(f"{self.path}: trace file not found") from None
+        except OSError as e:
+            raise TraceError(f"{self.path}: cannot read trace: {e.strerror}") from None
+        with fh:
+            try:
+                for self.lines, text in enumerate(fh, 1):
+                    if text.strip():
+                        self.feed(text, self.lines)
+                    if self.progress is not None and self.lines % 4096 == 0:
+                        self.progress(self.lines)
+            except UnicodeDecodeError:
+                raise TraceError(f"{self.path}:{self.lines + 1}: not UTF-8 text") from None
+        if self.builder is None or not self.builder.requests:
+            why = f" ({self.skipped} bad lines skipped)" if self.skipped else ""
+            raise TraceError(f"{self.path}:{self.lines}: empty trace: no requests{why}")
+        return self.builder.build(self.skipped, self.first_skipped)
+
+
+def load_trace(path: str | Path, fmt: str = "auto", *, block_size: int | None = None,
+               default_block_size: int = 16, skip_bad_lines: bool = False,
+               progress: Callable[[int], None] | None = None) -> Trace:
+    """Read a JSONL trace.
+
+    ``fmt``: ``auto`` (decided by the first record), ``mooncake``, ``qwen`` or
+    ``tierkv``. ``block_size``: tokens per block id; defaults to 512 for
+    Mooncake, 16 for Qwen-Bailian and ``default_block_size`` (the config's)
+    for tierkv traces. Raises :class:`TraceError` naming file and line.
+    """
+    loader = _Loader(Path(path), normalize_format(fmt), block_size, default_block_size, skip_bad_lines,
+                     progress=progress)
+    return loader.run()
