@@ -59,6 +59,53 @@ _TOUCH_INTERVAL_S = 1.0
 _MAX_ATTEMPTS = 3
 _OPEN_PATHS: set[str] = set()   # LMDB forbids opening one environment twice in a process
 _OPEN_LOCK = threading.Lock()
+_CLEAN = "tierkv.clean"         # written by close(); its absence means an unclean shutdown
+
+# Run in a child: every page the B-tree reaches is read, and every value must lie
+# inside data.mdb (checked by address, without reading overflow pages).
+_WALK = r"""
+import os, sys, lmdb, numpy as np
+path = sys.argv[1]
+env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, readahead=False)
+data = os.path.realpath(os.path.join(path, "data.mdb"))
+lo = hi = None
+with open("/proc/self/maps") as maps:
+    for line in maps:
+        if line.rstrip().endswith(data):
+            lo = int(line.split("-")[0], 16)
+            break
+if lo is not None:
+    hi = lo + os.path.getsize(data)
+with env.begin(buffers=True) as txn:
+    names = [bytes(k) for k in txn.cursor().iternext(values=False)]
+    if names and b"meta" not in names:
+        sys.exit(4)  # not a tierkv environment: the caller refuses it without writing
+    for name in names:
+        db = env.open_db(name, txn=txn, create=False)
+        for k, v in txn.cursor(db=db).iternext():
+            if lo is not None and len(v):
+                at = np.frombuffer(v, dtype=np.uint8).ctypes.data
+                if not (lo <= at and at + len(v) <= hi):
+                    sys.exit(3)
+"""
+
+
+def _walk_in_subprocess(path: Path, timeout: float = 600.0) -> str | None:
+    """None if a child process can walk the whole environment; otherwise what went wrong."""
+    import subprocess
+    import sys
+    try:
+        proc = subprocess.run([sys.executable, "-c", _WALK, str(path)], capture_output=True,
+                              text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"verification did not finish: {exc}"
+    if proc.returncode in (0, 4):
+        return None
+    if proc.returncode < 0:
+        return f"walking it killed a process with signal {-proc.returncode}"
+    if proc.returncode == 3:
+        return "a value points past the end of data.mdb"
+    return (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1]
 
 
 def record_footprint(key_len: int, body_len: int, head_len: int) -> int:
@@ -181,10 +228,13 @@ class SSDTier:
     def _open(self) -> None:
         import lmdb
         existed = (self.path / "data.mdb").exists()
-        if not existed and self.path.exists() and any(self.path.iterdir()):
+        if not existed and self.path.exists() and not {p.name for p in self.path.iterdir()} <= {
+                "lock.mdb", _CLEAN}:
             raise ConfigError(f"path: {self.path} is a non-empty directory without an LMDB "
                               "environment; refusing to write into it")
         self.path.mkdir(exist_ok=True)
+        if existed and not self._verified():
+            return
         try:
             self._env = lmdb.open(str(self.path), map_size=self.capacity_bytes + self.slack_bytes,
                                   subdir=True, max_dbs=8, sync=False, metasync=False,
@@ -206,6 +256,24 @@ class SSDTier:
             raise
         except lmdb.Error as exc:
             self._fail("open", f"cannot read the LMDB environment: {exc}")
+
+    def _verified(self) -> bool:
+        """After an unclean shutdown, walk the environment in a child process first.
+
+        A damaged B-tree can point LMDB past the end of the file, and touching
+        such a page kills the process with SIGBUS; the child takes that risk
+        instead. A clean ``close()`` leaves a marker that skips the walk.
+        """
+        marker = self.path / _CLEAN
+        if marker.exists():
+            marker.unlink()
+            return True
+        problem = _walk_in_subprocess(self.path)
+        if problem is not None:
+            self._fail("open", f"the environment does not verify after an unclean shutdown "
+                               f"({problem})")
+            return False
+        return True
 
     def _file_complete(self) -> bool:
         """A data file shorter than its last page would fault on access: treat it as corrupt."""
@@ -536,8 +604,10 @@ class SSDTier:
         with self._env.begin(write=True, buffers=True) as txn:
             used, clock = _STATE.unpack(txn.get(b"state", db=self._meta))
             for nskey in bad:
-                used -= self._delete(txn, nskey)
-                self._count("corrupt_deleted")
+                freed = self._delete(txn, nskey)
+                if freed:  # a second report of the same record finds it gone
+                    used -= freed
+                    self._count("corrupt_deleted")
             for nskey in touched:
                 clock = self._retouch(txn, nskey, clock)
             new = [e for e in encoded if txn.get(e.nskey, db=self._head) is None]
@@ -645,6 +715,8 @@ class SSDTier:
         self._closed = True
         if self._env is not None:
             self._env.close()
+            if self._broken is None:
+                (self.path / _CLEAN).touch()
         self._unregister_path()
 
     def __enter__(self) -> "SSDTier":
