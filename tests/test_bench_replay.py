@@ -1,0 +1,86 @@
+"""Replay through the real TieredKVCache: per-tier hits, miss reasons, lifecycle, GPU pressure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierkv.bench.replay import ReplayError, ReplayOptions, config_for_trace, replay, tier_capacities
+from tierkv.bench.traces import TraceBuilder, load_trace
+from tierkv.bench.workloads import generate
+from tierkv.config import TierKVConfig
+
+DATA = Path(__file__).parent / "data"
+
+
+def cfg(tmp_path: Path, *, gpu: int = 3, cpu: int = 0, ssd: int = 0) -> TierKVConfig:
+    """Block size 4 tokens, 1 KiB per block; capacities in blocks."""
+    return TierKVConfig.from_dict({
+        "block_size": 4, "model": {"block_nbytes": 1024}, "gpu": {"num_blocks": gpu},
+        "cpu": {"capacity": cpu * 1024}, "ssd": {"path": str(tmp_path / "ssd"), "capacity": ssd * 1024}})
+
+
+def tiers_trace():  # [1,2] [3,4] [5,6] [1,2], one second apart, each finished before the next arrives
+    return load_trace(DATA / "tiers.jsonl", block_size=4)
+
+
+def test_gpu_hits_and_trace_reuse(tmp_path: Path) -> None:
+    b = TraceBuilder("t", "mooncake", 4)
+    for ts, ids in [(0, [1, 2, 3]), (1, [1, 2, 4]), (2, [5]), (3, [1, 2, 3])]:
+        b.add_ids(float(ts), ids, 4 * len(ids), 0)
+    r = replay(b.build(), cfg(tmp_path, gpu=100))
+    assert r.hit_blocks == {"gpu": 5, "cpu": 0, "ssd": 0} and r.accesses == 10
+    assert r.hit_rate()["total"] == 0.5
+    assert r.miss_reasons["new"] == 5 and sum(r.miss_reasons.values()) == 5
+    assert sorted(r.lifecycle("gpu", "reuse_gap_s")) == [1.0, 1.0, 2.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("cpu, ssd, hits, reason", [
+    (10, 0, {"gpu": 0, "cpu": 2, "ssd": 0}, None),            # spilled to DRAM, promoted back
+    (2, 100, {"gpu": 0, "cpu": 0, "ssd": 2}, None),           # pushed out of DRAM, still on SSD
+    (2, 0, {"gpu": 0, "cpu": 0, "ssd": 0}, "evicted_cpu"),    # gone: DRAM was the last tier
+    (0, 0, {"gpu": 0, "cpu": 0, "ssd": 0}, "evicted_gpu"),    # no lower tier at all
+])
+def test_hits_come_from_the_tier_that_kept_the_block(tmp_path: Path, cpu: int, ssd: int,
+                                                      hits: dict[str, int], reason: str | None) -> None:
+    # a 3-block pool holds one request (2 blocks + 1 for the computed token): [1,2] leaves the GPU
+    r = replay(tiers_trace(), cfg(tmp_path, gpu=3, cpu=cpu, ssd=ssd))
+    assert r.hit_blocks == hits
+    assert r.miss_reasons["new"] == 6
+    if reason:
+        assert r.miss_reasons[reason] == 2
+        assert len(r.cache_lifetime_s) >= 2 and min(r.cache_idle_before_evict_s) >= 1.0
+
+
+def test_payload_mode_moves_bytes_with_the_same_hits(tmp_path: Path) -> None:
+    r = replay(tiers_trace(), cfg(tmp_path, gpu=3, cpu=10), ReplayOptions(payload=True, payload_block_bytes=4096))
+    assert r.hit_blocks == {"gpu": 0, "cpu": 2, "ssd": 0}
+    assert r.payload_block_bytes == 4096
+
+
+def test_running_requests_are_finished_early_when_the_pool_is_full(tmp_path: Path) -> None:
+    b = TraceBuilder("t", "mooncake", 4)
+    b.add_ids(0.0, [1, 2], 8, 1000)       # runs for 20 s at 20 ms/token
+    b.add_ids(1.0, [3, 4], 8, 1000)       # needs the whole pool
+    r = replay(b.build(), cfg(tmp_path, gpu=3))
+    assert r.forced_frees == 1 and r.peak_running == 1
+
+
+def test_request_larger_than_the_pool_is_an_error_naming_the_line(tmp_path: Path) -> None:
+    with pytest.raises(ReplayError, match=r"tiers\.jsonl:1: .*gpu\.num_blocks=3"):
+        replay(tiers_trace(), cfg(tmp_path, gpu=2))
+
+
+def test_capacities_keep_tokens_when_the_block_size_changes() -> None:
+    base = TierKVConfig()                                  # 1024 blocks of 16 tokens, 8 GiB DRAM, 2 MiB blocks
+    c = config_for_trace(base, 512)
+    caps = tier_capacities(c)
+    assert c.block_size == 512 and caps["gpu"] == 1024 * 16 // 512
+    assert caps["cpu"] == 8 * 1024**3 // (512 * 131072)
+
+
+def test_default_workload_hits_every_tier_with_the_default_config() -> None:
+    r = replay(generate("mixed", 0), TierKVConfig())
+    assert all(r.hit_blocks[t] > 0 for t in ("gpu", "cpu", "ssd")), r.hit_blocks
+    assert r.forced_frees == 0

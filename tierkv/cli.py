@@ -1,0 +1,263 @@
+"""``tierkv`` command line: ``bench`` (size a tiered cache from traffic), ``plan`` (KV memory), ``inspect``.
+
+Exit status: 0 success; 2 bad input (missing or malformed trace, bad config
+or flag), reported as one ``tierkv: error: ...`` line on stderr; 130 on
+Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence, TextIO
+
+__all__ = ["main", "build_parser"]
+
+
+# ---------------------------------------------------------------- progress
+
+class Progress:
+    """A one-line progress bar on stderr, shown only once a phase has run for ``delay`` seconds."""
+
+    def __init__(self, enabled: bool, stream: TextIO = sys.stderr, delay: float = 1.0) -> None:
+        self.enabled, self.stream, self.delay = enabled, stream, delay
+        self._label, self._total, self._t0, self._last, self._shown = "", 0, 0.0, 0.0, False
+
+    def phase(self, label: str, total: int) -> Callable[[int], None]:
+        self.done()
+        self._label, self._total, self._t0, self._last = label, total, time.monotonic(), 0.0
+        return self.update
+
+    def update(self, n: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._t0 < self.delay or now - self._last < 0.1:
+            return
+        self._last, self._shown = now, True
+        frac = min(1.0, n / self._total) if self._total else 0.0
+        bar = "#" * int(30 * frac)
+        self.stream.write(f"\r{self._label:<8} [{bar:<30}] {100 * frac:5.1f}% {n:,}/{self._total:,} "
+                          f"{now - self._t0:5.1f} s")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self._shown:
+            self.stream.write("\r" + " " * 79 + "\r")
+            self.stream.flush()
+            self._shown = False
+
+
+# ------------------------------------------------------------------ bench
+
+def _load_config(args: argparse.Namespace) -> Any:
+    from tierkv.config import TierKVConfig
+
+    overrides = list(args.set or [])
+    if args.config:
+        return TierKVConfig.from_yaml(args.config, overrides)
+    return TierKVConfig.from_dict({}, overrides)
+
+
+def _load_trace(args: argparse.Namespace, config: Any, progress: Progress) -> Any:
+    if args.trace is None:
+        from tierkv.bench.workloads import generate
+
+        return generate(args.workload, args.seed, block_size=args.block_size or config.block_size, scale=args.scale)
+    from tierkv.bench.traces import load_trace
+
+    total = _count_lines(args.trace)
+    return load_trace(args.trace, args.format, block_size=args.block_size, default_block_size=config.block_size,
+                      skip_bad_lines=args.skip_bad_lines, progress=progress.phase("reading", total))
+
+
+def _count_lines(path: str) -> int:
+    try:
+        with open(path, "rb") as fh:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b""))
+    except OSError:
+        return 0  # the loader reports the error with the file name
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    text = json.dumps(data, indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        Path(path).write_text(text, encoding="utf-8")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tierkv.bench.analysis import run_bench
+    from tierkv.bench.replay import ReplayOptions
+    from tierkv.bench.report import build_report, render_text
+    from tierkv.config import parse_size
+
+    t0 = time.perf_counter()
+    progress = Progress(enabled=not args.quiet and (args.progress or sys.stderr.isatty()))
+    config = _load_config(args)
+    options = ReplayOptions(decode_s_per_token=args.decode_ms_per_token / 1000.0, payload=args.payload,
+                            payload_block_bytes=parse_size(args.payload_block_bytes, "--payload-block-bytes"))
+    trace = _load_trace(args, config, progress)
+    t_load = time.perf_counter() - t0
+    if trace.skipped_lines and not args.quiet:
+        print(f"tierkv: skipped {trace.skipped_lines:,} bad lines (first: {trace.first_skipped})", file=sys.stderr)
+    try:
+        res = run_bench(trace, config, options, progress=progress.phase("replay", len(trace.requests)))
+    finally:
+        progress.done()
+    res.timings_s = {"load": t_load, **res.timings_s}
+    report = build_report(res)
+    if args.plot:
+        from tierkv.bench.plot import plot_report
+
+        plot_report(res, report, args.plot)
+    report["timings_s"]["total"] = round(time.perf_counter() - t0, 3)
+    if args.json:
+        _write_json(args.json, report)
+    if not args.quiet and args.json != "-":
+        sys.stdout.write(render_text(report))
+    return 0
+
+
+# ------------------------------------------------------------------- plan
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from tierkv.bench.plan import ModelShape, kv_pool_bytes, make_plan, render_plan, shape_from_hf_config
+    from tierkv.errors import ConfigError
+
+    if args.model_config:
+        shape = shape_from_hf_config(args.model_config)
+        if args.dtype:
+            shape = ModelShape(shape.layers, shape.kv_heads, shape.head_dim, args.dtype, shape.name)
+    else:
+        missing = [f for f in ("layers", "kv_heads", "head_dim") if getattr(args, f) is None]
+        if missing:
+            raise ConfigError(f"--{missing[0].replace('_', '-')}: required without --model-config")
+        shape = ModelShape(args.layers, args.kv_heads, args.head_dim, args.dtype or "fp16", "model")
+    pool = kv_pool_bytes(kv_pool_gib=args.kv_pool_gib, gpu_mem_gib=args.gpu_mem_gib,
+                         weights_gib=args.weights_gib, util=args.util)
+    plan = make_plan(shape, pool, args.max_model_len, args.block_size)
+    if args.json:
+        _write_json(args.json, plan.to_dict())
+    if not args.quiet and args.json != "-":
+        sys.stdout.write(render_plan(plan))
+    return 0
+
+
+# ---------------------------------------------------------------- inspect
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from tierkv.bench.mrc import build_mrc
+    from tierkv.bench.stats import summarize
+    from tierkv.bench.traces import load_trace
+
+    trace = load_trace(args.trace, args.format, block_size=args.block_size, skip_bad_lines=args.skip_bad_lines)
+    sp = build_mrc(trace)
+    gaps = summarize(sp.reuse_gaps_s())
+    info = {"trace": trace.name, "format": trace.format, "block_tokens": trace.block_size,
+            "requests": len(trace.requests), "block_accesses": trace.num_accesses,
+            "distinct_blocks": trace.num_distinct_blocks, "duration_s": round(trace.duration_s, 3),
+            "ideal_hit_rate": round(sp.mrc.ideal_hit_rate, 6),
+            "saturation_tokens": sp.mrc.saturation_blocks * trace.block_size,
+            "reuse_gap_s": gaps, "skipped_lines": trace.skipped_lines}
+    if args.json:
+        _write_json(args.json, info)
+    else:
+        for k, v in info.items():
+            print(f"{k:>18}: {v}")
+    return 0
+
+
+# ----------------------------------------------------------------- parser
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from tierkv.bench.workloads import DEFAULT_WORKLOAD, WORKLOADS
+
+    src = p.add_argument_group("input")
+    src.add_argument("--trace", metavar="PATH", help="JSONL request trace (default: a built-in workload)")
+    src.add_argument("--format", default="auto", help="auto | mooncake | qwen | tierkv (default: auto)")
+    src.add_argument("--workload", choices=WORKLOADS, default=DEFAULT_WORKLOAD,
+                     help=f"built-in workload when no --trace is given (default: {DEFAULT_WORKLOAD})")
+    src.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    src.add_argument("--scale", type=float, default=1.0, help="workload size multiplier (default: 1)")
+    src.add_argument("--block-size", type=int, default=None, metavar="TOKENS",
+                     help="tokens per trace block (default: 512 mooncake, 16 qwen, the config's otherwise)")
+    bad = src.add_mutually_exclusive_group()
+    bad.add_argument("--strict", dest="skip_bad_lines", action="store_false",
+                     help="stop at the first bad line (default)")
+    bad.add_argument("--skip-bad-lines", dest="skip_bad_lines", action="store_true",
+                     help="skip malformed lines and report how many")
+    cfg = p.add_argument_group("cache")
+    cfg.add_argument("--config", metavar="PATH", help="tierkv YAML config (default: built-in defaults)")
+    cfg.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. cpu.capacity=16GiB")
+    cfg.add_argument("--decode-ms-per-token", type=float, default=20.0,
+                     help="a request holds its GPU blocks for output_length x this (default: 20)")
+    cfg.add_argument("--payload", action="store_true", help="move real bytes through the CPU slab and LMDB")
+    cfg.add_argument("--payload-block-bytes", default="16KiB", help="bytes per block with --payload")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write the report as JSON ('-' for stdout)")
+    out.add_argument("--plot", metavar="PATH.png", help="write the miss-ratio curve and lifecycle plot")
+    out.add_argument("--quiet", action="store_true", help="print only errors")
+    out.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a tty")
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-config", metavar="config.json", help="Hugging Face model config")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp8", "fp32"), help="KV cache dtype (default: the model's)")
+    p.add_argument("--kv-pool-gib", type=float, help="KV pool size")
+    p.add_argument("--gpu-mem-gib", type=float, help="GPU memory (with --weights-gib)")
+    p.add_argument("--weights-gib", type=float, help="memory taken by the weights")
+    p.add_argument("--util", type=float, default=0.9, help="gpu_memory_utilization (default: 0.9)")
+    p.add_argument("--max-model-len", type=int, default=8192, help="tokens per request (default: 8192)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default: 16)")
+    p.add_argument("--json", metavar="PATH", help="write the plan as JSON ('-' for stdout)")
+    p.add_argument("--quiet", action="store_true", help="print only errors")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierkv", description="Multi-tier KV cache: size it from your traffic.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="replay traffic through the tiered cache; hit rates, curves, sizing")
+    _bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
+    plan = sub.add_parser("plan", help="KV memory planning: bytes per token, pool tokens, concurrency")
+    _plan_args(plan)
+    plan.set_defaults(func=cmd_plan)
+    insp = sub.add_parser("inspect", help="summarise a trace (no replay)")
+    insp.add_argument("--trace", required=True, metavar="PATH")
+    insp.add_argument("--format", default="auto")
+    insp.add_argument("--block-size", type=int, default=None)
+    insp.add_argument("--skip-bad-lines", action="store_true")
+    insp.add_argument("--json", metavar="PATH")
+    insp.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from tierkv.bench.replay import ReplayError
+    from tierkv.bench.traces import TraceError
+    from tierkv.errors import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (TraceError, ConfigError, ReplayError) as e:
+        print(f"tierkv: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"tierkv: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tierkv: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
