@@ -191,6 +191,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                      help="stop at the first bad line (default)")
     bad.add_argument("--skip-bad-lines", dest="skip_bad_lines", action="store_true",
                      help="skip malformed lines and report how many")
+    p.set_defaults(skip_bad_lines=False)
     cfg = p.add_argument_group("cache")
     cfg.add_argument("--config", metavar="PATH", help="tierkv YAML config (default: built-in defaults)")
     cfg.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. cpu.capacity=16GiB")

@@ -1,0 +1,116 @@
+"""`tierkv bench | plan | inspect` end to end: exit codes, one-line errors, JSON schema, PNG."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierkv.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).parent / "data"
+SMALL = ["--block-size", "4", "--set", "block_size=4", "--set", "model.block_nbytes=1024",
+         "--set", "gpu.num_blocks=8", "--set", "cpu.capacity=4KiB", "--set", "ssd.capacity=0"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tierkv.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_bench_json_schema_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = main(["bench", "--trace", str(DATA / "small_mooncake.jsonl"), *SMALL, "--json", str(out),
+               "--plot", str(png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Hit rate by tier" in text and "Diagnosis" in text and "Recommendation" in text
+    r = json.loads(out.read_text())
+    for key in ("requests", "block_accesses", "block_tokens", "ideal_hit_rate", "hit_rate", "reuse_gap_s",
+                "idle_before_evict_s", "lifetime_s", "mrc", "recommendation", "diagnosis"):
+        assert key in r, key
+    assert (r["requests"], r["block_accesses"], r["block_tokens"]) == (4, 10, 4)
+    assert set(r["hit_rate"]) == {"gpu", "cpu", "ssd", "total"}
+    assert r["ideal_hit_rate"] == 0.5 and r["hit_rate"]["total"] == 0.5    # 8 blocks hold the whole trace
+    for what in ("reuse_gap_s", "idle_before_evict_s", "lifetime_s"):
+        assert {"p50", "p90", "p99"} <= set(r[what])
+    assert r["reuse_gap_s"]["p50"] == 3.0                                   # gaps 1, 1, 3, 3, 4 s
+    assert [4 * 4, 0.4] in r["mrc"] and all(len(p) == 2 for p in r["mrc"])   # 4 blocks of 4 tokens
+    assert r["recommendation"]["targets"][0]["fraction_of_ideal"] == 0.9
+    assert r["diagnosis"]["messages"]
+    w, h = png_size(png)
+    assert 600 <= w <= 3000 and 300 <= h <= 2000
+    import matplotlib.image
+
+    assert matplotlib.image.imread(str(png)).shape[:2] == (h, w)
+
+
+def test_bench_default_workload_quiet_json_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--workload", "agent", "--seed", "3", "--scale", "0.3", "--json", "-"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["trace"]["format"] == "workload" and r["hit_rate"]["total"] > 0.5
+
+
+@pytest.mark.parametrize("lines, where", [
+    (['{"timestamp": 0, "hash_ids": [1]}', '{"timestamp": 1, "hash_ids": [1,'], ":2: truncated"),
+    (['{"timestamp": 0, "hash_ids": [1]}', '{"timestamp": 1}'], ":2: missing 'hash_ids'"),
+    (['{"timestamp": 9, "hash_ids": [1]}', '{"timestamp": 1, "hash_ids": [2]}'], ":2: timestamp"),
+    ([''], ":1: empty trace"),
+])
+def test_bad_trace_is_one_line_error_exit_2(tmp_path: Path, lines: list[str], where: str) -> None:
+    p = tmp_path / "bad.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    res = run_cli("bench", "--trace", str(p), "--quiet")
+    assert res.returncode == 2
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+    assert res.stderr.startswith(f"tierkv: error: {p}{where}")
+
+
+def test_missing_file_bad_override_and_skip_bad_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--trace", str(tmp_path / "none.jsonl"), "--quiet"]) == 2
+    assert "none.jsonl: trace file not found" in capsys.readouterr().err
+    assert main(["bench", "--set", "cpu.capacity=lots", "--quiet"]) == 2
+    assert capsys.readouterr().err.startswith("tierkv: error: cpu.capacity")
+    p = tmp_path / "dirty.jsonl"
+    p.write_text('{"timestamp": 0, "hash_ids": [1]}\nnot json\n{"timestamp": 1, "hash_ids": [1]}\n')
+    assert main(["bench", "--trace", str(p), *SMALL, "--quiet"]) == 2
+    assert main(["bench", "--trace", str(p), *SMALL, "--skip-bad-lines", "--json", str(tmp_path / "o.json")]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 bad lines" in err and "dirty.jsonl:2" in err
+    assert json.loads((tmp_path / "o.json").read_text())["trace"]["skipped_lines"] == 1
+
+
+def test_gpu_pool_too_small_says_how_to_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "--trace", str(DATA / "small_mooncake.jsonl"), "--set", "gpu.num_blocks=64", "--quiet"])
+    assert rc == 2
+    assert "--set gpu.num_blocks=" in capsys.readouterr().err
+
+
+def test_plan_cli_reproduces_the_seed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--dtype", "fp16",
+               "--kv-pool-gib", "48", "--max-model-len", "8192", "--json", str(out)])
+    assert rc == 0
+    assert "Maximum concurrency for 8,192 tokens per request: 48.00x" in capsys.readouterr().out
+    p = json.loads(out.read_text())
+    assert (p["bytes_per_token"], p["pool_tokens"], p["max_concurrency"], p["fp8_max_concurrency"]) == \
+        (131072, 393216, 48.0, 96.0)
+    assert main(["plan", "--kv-pool-gib", "48"]) == 2
+    assert "--layers" in capsys.readouterr().err
+
+
+def test_inspect(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--trace", str(DATA / "small_qwen.jsonl"), "--json", "-"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == "qwen" and info["block_accesses"] == 9 and info["ideal_hit_rate"] == pytest.approx(3 / 9)
