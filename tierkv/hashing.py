@@ -16,10 +16,12 @@ placeholder range overlaps.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import logging
 import struct
-from typing import Callable, Sequence, Union
+import sys
+from typing import Any, Callable, Sequence, Union
 
 from tierkv.errors import ConfigError
 
@@ -35,6 +37,7 @@ MMHash = tuple[Union[str, bytes], int, int]
 _DOMAIN = b"tierkv.block-hash.v1\x00"
 _TAG_SALT, _TAG_LORA, _TAG_MM = b"\x01", b"\x02", b"\x03"
 _warned_xxh3 = False
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def _as_bytes(value: str | bytes | int, what: str) -> bytes:
@@ -51,10 +54,10 @@ def _tagged(tag: bytes, payload: bytes) -> bytes:
     return tag + struct.pack("<I", len(payload)) + payload
 
 
-def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
+def _hash_ctor(algo: str) -> Callable[[bytes], Any]:
+    """The hash object constructor of ``algo`` (called as ``ctor(data).digest()``)."""
     if algo == "sha256" or algo == "sha256_cbor":
-        sha256 = hashlib.sha256
-        return lambda data: sha256(data).digest()
+        return hashlib.sha256
     if algo == "xxh3_128":
         import xxhash
 
@@ -63,7 +66,7 @@ def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
             log.warning("hash=xxh3_128 is fast but not collision-resistant against crafted input; "
                         "use it only for trusted, single-tenant traffic")
             _warned_xxh3 = True
-        return xxhash.xxh3_128_digest
+        return xxhash.xxh3_128
     raise ConfigError(f"hash: unknown algorithm {algo!r}; expected one of {', '.join(ALGORITHMS)}")
 
 
@@ -75,21 +78,21 @@ class BlockHasher:
     namespaces never collide.
     """
 
-    __slots__ = ("block_size", "algo", "namespace", "root", "digest_size", "_digest", "_cbor")
+    __slots__ = ("block_size", "algo", "namespace", "root", "digest_size", "_new", "_cbor")
 
     def __init__(self, block_size: int, algo: str = "sha256", namespace: bytes | str = b"") -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size: expected a positive integer, got {block_size!r}")
         self.block_size = block_size
         self.algo = algo
-        self._digest = _digest_fn(algo)
+        self._new = _hash_ctor(algo)
         self._cbor = None
         if algo == "sha256_cbor":
             import cbor2
 
             self._cbor = cbor2.dumps
         self.namespace = _as_bytes(namespace, "namespace")
-        self.root = self._digest(_DOMAIN + algo.encode() + b"\x00" + self.namespace)
+        self.root = self._new(_DOMAIN + algo.encode() + b"\x00" + self.namespace).digest()
         self.digest_size = len(self.root)
 
     # ------------------------------------------------------------------ public
@@ -128,28 +131,40 @@ class BlockHasher:
         if self._cbor is not None:
             return self._extend_cbor(hashes, token_ids, start, end, parent, salt, lora, mm_hashes)
         packed = self._pack(token_ids, start * bs, end * bs)
-        digest = self._digest
+        new = self._new
         nbytes = bs * 4
         append = hashes.append
         if start == 0 and salt:  # the salt enters the first block only
-            parent = digest(parent + packed[:nbytes] + salt + lora + self._mm_extra(mm_hashes, 0))
+            parent = new(parent + packed[:nbytes] + salt + lora + self._mm_extra(mm_hashes, 0)).digest()
             append(parent)
             start, packed = 1, packed[nbytes:]
-        if not mm_hashes:  # hot path: no per-block extras beyond the LoRA tag
-            for off in range(0, (end - start) * nbytes, nbytes):
-                parent = digest(parent + packed[off:off + nbytes] + lora)
+        if mm_hashes:
+            for i in range(start, end):
+                off = (i - start) * nbytes
+                parent = new(parent + packed[off:off + nbytes] + lora + self._mm_extra(mm_hashes, i)).digest()
                 append(parent)
-            return hashes
-        for i in range(start, end):
-            off = (i - start) * nbytes
-            parent = digest(parent + packed[off:off + nbytes] + lora + self._mm_extra(mm_hashes, i))
-            append(parent)
+        elif lora:
+            for off in range(0, (end - start) * nbytes, nbytes):
+                parent = new(parent + packed[off:off + nbytes] + lora).digest()
+                append(parent)
+        else:  # the hot path: parent || tokens, nothing else
+            for off in range(0, (end - start) * nbytes, nbytes):
+                parent = new(parent + packed[off:off + nbytes]).digest()
+                append(parent)
         return hashes
 
     # ---------------------------------------------------------------- internals
 
     @staticmethod
     def _pack(token_ids: Sequence[int], lo: int, hi: int) -> bytes:
+        try:
+            arr = array.array("I", token_ids[lo:hi])  # C unsigned int: 4 bytes on every supported platform
+        except (OverflowError, TypeError):
+            arr = None
+        if arr is not None and arr.itemsize == 4:
+            if _BIG_ENDIAN:
+                arr.byteswap()
+            return arr.tobytes()
         try:
             return struct.pack(f"<{hi - lo}I", *token_ids[lo:hi])
         except struct.error:
@@ -173,6 +188,6 @@ class BlockHasher:
             if mm_hashes:
                 extra += self._mm_extra(mm_hashes, i)
             block = [int(t) for t in token_ids[i * bs:(i + 1) * bs]]
-            parent = self._digest(self._cbor([parent, block, extra]))
+            parent = self._new(self._cbor([parent, block, extra])).digest()
             hashes.append(parent)
         return hashes

@@ -1,0 +1,50 @@
+"""The wheel carries everything an installed user needs: connectors, CUDA sources, entry points."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(out), str(ROOT)], check=True, capture_output=True)
+    (whl,) = out.glob("tierkv-*.whl")
+    return whl
+
+
+def test_wheel_contents(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    cu = [n for n in names if n.startswith("tierkv/cuda/") and n.endswith(".cu")]
+    assert len(cu) >= 3, names
+    assert "tierkv/connectors/__init__.py" in names
+    assert "tierkv/tiered.py" in names and "tierkv/py.typed" in names
+    assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
+    meta = next(n for n in names if n.endswith("entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(meta).decode()
+    assert "tierkv = tierkv.cli:main" in text
+    assert "[vllm.general_plugins]" in text and "tierkv.connectors.vllm:register" in text
+
+
+def test_installed_wheel_imports_connectors_and_finds_cu_files(wheel, tmp_path):
+    env = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env)
+    py = env / "bin" / "python"
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
+    code = (
+        "import importlib.resources as r, tierkv, tierkv.connectors;"
+        "files = sorted(p.name for p in r.files('tierkv.cuda').iterdir() if p.name.endswith('.cu'));"
+        "assert files, files;"
+        "import sys; assert 'torch' not in sys.modules and 'vllm' not in sys.modules;"
+        "print(tierkv.__file__, len(files))"
+    )
+    out = subprocess.run([py, "-c", code], check=True, capture_output=True, text=True, cwd=tmp_path).stdout
+    assert str(env) in out  # imported from the scratch venv, not the source tree
