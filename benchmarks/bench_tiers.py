@@ -93,13 +93,14 @@ def bench_cpu(quick: bool) -> None:
         base = next(counter) * nbatch
         tier.put_many([i.to_bytes(32, "little") for i in range(base, base + nbatch)], src)
 
+    nbytes = nbatch * block
     for _ in range(5):
         put_new()
-    live = list(tier.index)[-nbatch:]
-    order = [live[i] for i in rng.permutation(nbatch)]
-    nbytes = nbatch * block
     memcpy = nbytes / best_seconds(lambda: np.copyto(dst, src), repeat) / 1e9
     put = nbytes / best_seconds(put_new, repeat) / 1e9
+    live = list(tier.index)[-nbatch:]
+    order = [live[i] for i in rng.permutation(nbatch)]
+    assert tier.get_many(order, dst) == [True] * nbatch
     get = nbytes / best_seconds(lambda: tier.get_many(order, dst), repeat) / 1e9
     print(f"CPU tier ({block // 1024} KiB blocks, {nbatch} per batch, {nslots} slots):")
     row("put_many (new keys, evicting)", put, memcpy, 0.8)
@@ -193,15 +194,17 @@ def bench_ssd(quick: bool, root: Path) -> None:
     print(f"\nSSD tier ({block // 1024} KiB KV-like fp16 blocks, {total / MiB:.0f} MiB, flush every "
           f"16 MiB; data generated in {gen:.1f} s):")
     raw_file = root / "raw.bin"
-    raw_w = total / write_raw(raw_file, blocks) / 1e9
     results = {}
     for compression in ("none", "auto"):
-        path = root / f"tier-{compression}"
-        seconds, stats = write_tier(path, blocks, keys, compression)
-        raw_w2 = total / write_raw(raw_file, blocks) / 1e9   # reference again: disks drift
-        ref = (raw_w + raw_w2) / 2
-        results[compression] = (path, stats)
-        row(f"write compression={compression}", total / seconds / 1e9, ref,
+        # Alternate reference and tier runs and keep the best of each: the disk is shared.
+        raw_best = tier_best = float("inf")
+        for rep in range(2 if quick else 3):
+            raw_best = min(raw_best, write_raw(raw_file, blocks))
+            path = root / f"tier-{compression}-{rep}"
+            seconds, stats = write_tier(path, blocks, keys, compression)
+            if seconds < tier_best:
+                tier_best, results[compression] = seconds, (path, stats)
+        row(f"write compression={compression}", total / tier_best / 1e9, total / raw_best / 1e9,
             0.7 if compression == "none" else None)
     rng = np.random.default_rng(1)
     for label, order in (("in write order", list(range(nblocks))),
