@@ -5,6 +5,8 @@ Both run as subprocesses in the same session, timed wall-clock, best of
 
 * tierkv: ``python -m tierkv.cli bench --trace T --quiet --json OUT`` (parse, exact LRU curve at every
   capacity, tiered replay, per-tier lifecycle statistics, report).
+* tierkv curve alone: ``python -m tierkv.cli inspect --trace T`` (parse, exact curve, reuse gaps), the
+  same job the simulator's sweep does.
 * LMCache: ``lmcache tool cache-simulator sweep`` (30 log-spaced capacities, one LRU pass each, single
   tier, token-weighted), run from the ``lmcache`` wheel fetched with ``pip download --no-deps`` (its
   simulator modules are pure Python; they need sortedcontainers and matplotlib). The trace is converted
@@ -126,6 +128,10 @@ def main() -> None:
         report = json.loads((tmpd / "r.json").read_text())
         print(f"tierkv bench: {t_tierkv:.2f} s wall (inside: {report['timings_s']}); exact curve with "
               f"{len(report['mrc'])} points listed, hit rate {report['hit_rate']}")
+        t_curve, _ = timed([*env_py, "-m", "tierkv.cli", "inspect", "--trace", str(args.trace), "--json",
+                            str(tmpd / "i.json")], args.repeat, cwd=ROOT,
+                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+        print(f"tierkv inspect (parse + exact curve + reuse gaps, no replay): {t_curve:.2f} s wall")
         wheel = fetch_lmcache(args.lmcache_version, tmpd)
         if wheel is None:
             return
@@ -135,7 +141,8 @@ def main() -> None:
                             str(CHUNK_BYTES), *SWEEP, "-o", str(tmpd / "sweep.png")], args.repeat, cwd=tmpd)
         rows = parse_sweep(res.stdout)
         print(f"LMCache {args.lmcache_version} cache-simulator sweep ({len(rows)} capacities): {t_sim:.2f} s wall")
-        print(f"ratio LMCache / tierkv: {t_sim / t_tierkv:.2f}x")
+        print(f"ratio LMCache sweep / tierkv bench (full analysis with tiered replay): {t_sim / t_tierkv:.2f}x")
+        print(f"ratio LMCache sweep / tierkv curve alone (inspect): {t_sim / t_curve:.2f}x")
         if rows:
             print(f"largest hit-rate difference at the sweep's capacities: {check_agreement(rows, args.trace):.2e}")
 

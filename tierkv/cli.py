@@ -110,11 +110,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     finally:
         progress.done()
     res.timings_s = {"load": t_load, **res.timings_s}
+    t_report = time.perf_counter()
     report = build_report(res)
+    report["timings_s"]["report"] = round(time.perf_counter() - t_report, 3)
     if args.plot:
         from tierkv.bench.plot import plot_report
 
+        t_plot = time.perf_counter()
         plot_report(res, report, args.plot)
+        report["timings_s"]["plot"] = round(time.perf_counter() - t_plot, 3)
     report["timings_s"]["total"] = round(time.perf_counter() - t0, 3)
     if args.json:
         _write_json(args.json, report)

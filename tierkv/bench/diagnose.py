@@ -125,8 +125,10 @@ def _target(mrc: "MissRatioCurve", cfg: "TierKVConfig", caps: dict[str, int], fr
 
 
 def _size_arg(nbytes: int) -> str:
-    gib = nbytes / 1024**3
-    return f"{max(gib, 0.001):.3g}GiB" if gib >= 1 else f"{max(nbytes / 1024**2, 1):.0f}MiB"
+    """A ``--set`` size rounded up: whole GiB from 1 GiB, whole MiB below."""
+    if nbytes >= 1024**3:
+        return f"{-(-nbytes // 1024**3)}GiB"
+    return f"{max(1, -(-nbytes // 1024**2))}MiB"
 
 
 def recommend(mrc: "MissRatioCurve", cfg: "TierKVConfig", caps: dict[str, int]) -> dict[str, Any]:

@@ -18,11 +18,12 @@ _COLORS = {"gpu": "tab:green", "cpu": "tab:blue", "ssd": "tab:purple", "cache": 
 def _ecdf(ax: Any, samples: Sequence[float], label: str, color: str, style: str) -> None:
     import numpy as np
 
-    x = np.sort(np.asarray(samples, dtype=np.float64))
-    if x.size == 0:
+    arr = np.asarray(samples, dtype=np.float64)
+    if arr.size == 0:
         return
-    x = np.maximum(x, 1e-3)
-    ax.step(x, np.arange(1, x.size + 1) / x.size, where="post", label=label, color=color, linestyle=style)
+    q = np.linspace(0.0, 1.0, min(arr.size, 1000))
+    x = np.maximum(np.quantile(arr, q), 1e-3)
+    ax.step(x, q, where="post", label=label, color=color, linestyle=style)
 
 
 def _mrc_panel(ax: Any, report: dict[str, Any]) -> None:
