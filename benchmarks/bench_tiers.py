@@ -78,7 +78,9 @@ def kv_blocks(nblocks: int, layers: int = 8, hidden: int = 512, tokens: int = 64
 # ====================================================================== CPU tier
 
 def bench_cpu(quick: bool) -> None:
+    import torch
     from tierkv.cpu_tier import CPUTier
+    torch.set_num_threads(1)  # DESIGN 6: multi-threaded copies collapse under CPU contention
     block = 64 * 1024
     nbatch = 256 if quick else 512                     # 16 / 32 MiB per batch
     nslots = 4 * nbatch
@@ -102,7 +104,8 @@ def bench_cpu(quick: bool) -> None:
     order = [live[i] for i in rng.permutation(nbatch)]
     assert tier.get_many(order, dst) == [True] * nbatch
     get = nbytes / best_seconds(lambda: tier.get_many(order, dst), repeat) / 1e9
-    print(f"CPU tier ({block // 1024} KiB blocks, {nbatch} per batch, {nslots} slots):")
+    print(f"CPU tier ({block // 1024} KiB blocks, {nbatch} per batch, {nslots} slots, "
+          f"torch threads 1):")
     row("put_many (new keys, evicting)", put, memcpy, 0.8)
     row("get_many (random slots)", get, memcpy, 0.8)
 
