@@ -95,7 +95,9 @@ class KVLayout:
             for seg, sub in _segments_of(name, t, num_blocks):
                 segs.setdefault(seg, sub)  # layers sharing storage count once
         self.num_blocks = num_blocks
-        self.segments = sorted(segs, key=lambda s: (s.storage_ptr, s.offset))
+        # Page order inside a tierkv block: layers in the order given, then the
+        # outer index; never memory addresses, which differ between processes.
+        self.segments = list(segs)
         self.block_nbytes = sum(s.nbytes for s in self.segments)
         self.device = next(iter(kv_caches.values())).device
         base = {s.storage_ptr: _u8_base(segs[s]) for s in self.segments}

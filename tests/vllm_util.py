@@ -1,9 +1,12 @@
 """Helpers for the real-vLLM tests and benchmark: a tiny local Llama, and an
 engine runner that executes one scenario in a fresh process.
 
-Nothing here downloads anything: the model is built with random weights
-(``initializer_range=1.0`` so that outputs depend on early context) and a
-byte-level BPE tokenizer trained on generated text.
+Nothing here downloads anything: the model is built with random weights and a
+byte-level BPE tokenizer trained on generated text. ``initializer_range=0.1``:
+with 1.0 attention is so peaked that, measured on a 700-token prompt, changing
+any one prompt token left the last position's log-probabilities bit-identical;
+with 0.1 changing any token moves them by ~0.02-0.1, so comparing sampled-token
+log-probabilities (recorded by the runner) detects wrong KV anywhere in the prompt.
 
 Usage as a script (what the tests do, one engine per process)::
 
@@ -31,7 +34,7 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
 
 def build_tiny_llama(path: str | os.PathLike[str], *, layers: int = 2, hidden: int = 128, heads: int = 2,
                      kv_heads: int = 2, intermediate: int = 128, vocab: int = 512,
-                     max_positions: int = 4096, seed: int = 0) -> Path:
+                     max_positions: int = 4096, seed: int = 0, init_range: float = 0.1) -> Path:
     """Write a random-weight Llama (float32) and a trained BPE tokenizer to ``path``.
 
     Idempotent: an existing complete model directory is reused.
@@ -58,7 +61,7 @@ def build_tiny_llama(path: str | os.PathLike[str], *, layers: int = 2, hidden: i
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=max(vocab, tok.get_vocab_size()), hidden_size=hidden, intermediate_size=intermediate,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=max_positions, initializer_range=1.0,
+                      max_position_embeddings=max_positions, initializer_range=init_range,
                       bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
@@ -112,7 +115,7 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
     llm = _make_llm(spec)
-    sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, logprobs=0)
     results: list[Any] = []
     for step in spec["steps"]:
         if step.get("reset"):
@@ -129,11 +132,26 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         results.append({
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "logprobs": [_sampled_logprobs(o.outputs[0]) for o in outs],
             "cached": [int(o.num_cached_tokens or 0) for o in outs],
             "external_hits": _external_hits(llm) - hits_before,
             "seconds": elapsed,
         })
-    return {"steps": results, "pid": os.getpid()}
+    return {"steps": results, "pid": os.getpid(), "engine_pids": _worker_pids(llm)}
+
+
+def _sampled_logprobs(completion: Any) -> list[float]:
+    """Log-probability of each sampled token: sensitive to every bit of the KV it attended to."""
+    return [float(lp[tok].logprob) for tok, lp in zip(completion.token_ids, completion.logprobs or [])]
+
+
+def _getpid(*_: Any) -> int:
+    return os.getpid()
+
+
+def _worker_pids(llm: Any) -> list[int]:
+    """Process ids of the engine's workers (where the connector's worker half runs)."""
+    return [int(p) for p in llm.collective_rpc(_getpid)]
 
 
 def run_in_subprocess(spec: dict[str, Any], *, multiprocessing: bool = False, timeout: float = 600,
@@ -143,7 +161,8 @@ def run_in_subprocess(spec: dict[str, Any], *, multiprocessing: bool = False, ti
     full_env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
                      "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
                      "OMP_NUM_THREADS": full_env.get("OMP_NUM_THREADS", "2"),
-                     "TOKENIZERS_PARALLELISM": "false"})
+                     "TOKENIZERS_PARALLELISM": "false",
+                     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # collective_rpc(_getpid) in tests only
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, __file__, json.dumps(spec)], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=str(REPO))

