@@ -85,7 +85,7 @@ def test_chat_overflows_gpu_then_cpu_and_every_hit_is_byte_exact(tmp_path):
     assert s["occupancy"]["cpu"] <= 24 and s["occupancy"]["gpu"] <= 16
     assert s["hits"]["cpu"]["tokens"] == d.checked["cpu"] * BS
     assert s["queries"]["blocks"] > sum(d.checked.values())
-    assert s["sync_spills"] <= s["spills"]["cpu"] // 4, "the watermark should absorb most spills"
+    assert s["spills_at_eviction"] < s["spills"]["cpu"] // 2, "the watermark should absorb most spills"
 
 
 def test_promoted_blocks_are_registered_on_gpu(tmp_path):

@@ -716,7 +716,10 @@ class SSDTier:
         if self._env is not None:
             self._env.close()
             if self._broken is None:
-                (self.path / _CLEAN).touch()
+                try:
+                    (self.path / _CLEAN).touch()
+                except OSError as e:  # the directory went away or is read-only: next open re-verifies
+                    self._log_once("close", "cannot write the clean marker: %s", e)
         self._unregister_path()
 
     def __enter__(self) -> "SSDTier":

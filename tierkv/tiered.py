@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import tierkv
@@ -107,8 +108,9 @@ class TieredKVCache:
             "spills", "promotions", "evictions", "dropped_spills", "corrupt_blocks")}
         self._hits = {t: {"blocks": 0, "tokens": 0} for t in TIERS}
         self._queries = {"blocks": 0, "tokens": 0}
-        self._sync_spills = 0
+        self._spills_at_eviction = 0
         self._pending: dict[int, Any] = {}  # GPU row -> event of an unfinished promotion copy
+        self._evicted_rows: list[tuple[int, bytes]] = []  # evicted during this call, not yet copied down
         self.cpu: Any = None
         self.ssd: Any = None
         self.transfer: Any = None
@@ -146,7 +148,11 @@ class TieredKVCache:
         if ssd_on:
             from tierkv.ssd_tier import SSDTier
 
-            self.ssd = SSDTier(cfg.ssd.resolved_path(), capacity_bytes=cfg.ssd.capacity,
+            path = cfg.ssd.resolved_path()
+            assert path is not None
+            if path.parent == Path.home() / ".cache":  # the default location: create ~/.cache
+                path.parent.mkdir(parents=True, exist_ok=True)
+            self.ssd = SSDTier(path, capacity_bytes=cfg.ssd.capacity,
                                fingerprint=self.namespace, compression=cfg.ssd.compression, level=cfg.ssd.level,
                                queue_capacity_bytes=cfg.ssd.queue_capacity, block_nbytes=nbytes)
 
@@ -169,7 +175,6 @@ class TieredKVCache:
         now = self.clock()
         n = len(token_ids) if token_ids is not None else (
             num_tokens if num_tokens is not None else len(block_hashes or ()) * self.block_size)
-        self._pageout(-(-n // self.block_size))
         found: list[tuple[str, bytes, Any]] = []
         try:
             alloc = self.manager.allocate(request_id, token_ids, block_hashes=block_hashes, num_tokens=num_tokens,
@@ -178,6 +183,7 @@ class TieredKVCache:
         except BaseException:
             self._unpin(found)
             raise
+        self._spill_evicted()  # before any promotion overwrites a reused row
         events = self._promote(alloc.external, found, now)
         hashes = self.manager.requests[request_id].hashes
         self._note_gpu(alloc.block_ids, hashes, set(pos for pos, _, _ in alloc.external), alloc.num_gpu_hit_blocks, now)
@@ -186,16 +192,16 @@ class TieredKVCache:
         for tier, _, _ in found:
             hit_blocks[tier] += 1
         self._count_query(len(alloc.block_ids), n, hit_blocks)
-        self._pageout(0)
+        self._pageout()
         return TieredAllocation(alloc.block_ids, alloc.num_cached_tokens,
                                 {t: b * self.block_size for t, b in hit_blocks.items()}, hit_blocks, events)
 
     def append(self, request_id: str, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """Append tokens (BlockManager semantics); returns the COW copies ``(src, dst)`` to perform."""
         now = self.clock()
-        self._pageout(-(-len(token_ids) // self.block_size) + 1)
         before = len(self.manager.requests[request_id].hashes) if request_id in self.manager.requests else 0
         ops = self.manager.append(request_id, token_ids)
+        self._spill_evicted()
         req = self.manager.requests[request_id]
         for i in range(before, len(req.hashes)):
             if req.blocks[i].block_hash == req.hashes[i]:
@@ -208,7 +214,7 @@ class TieredKVCache:
     def free(self, request_id: str) -> None:
         """Release a request; its hashed blocks stay cached and the watermark is topped up."""
         self.manager.free(request_id)
-        self._pageout(0)
+        self._pageout()
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.manager.block_ids(request_id)
@@ -284,15 +290,23 @@ class TieredKVCache:
                 if exclusive:
                     self.cpu_index.pop(h)
             return None
-        import torch
-
-        slots = torch.tensor([self.cpu.slot_of(h) for _, h in hits], dtype=torch.int64)
-        event = self.transfer.write_rows([row for row, _ in hits], self.cpu.slab.index_select(0, slots))
+        slots = [self.cpu.slot_of(h) for _, h in hits]
+        event = self.transfer.write_rows([row for row, _ in hits], self._cpu_rows(slots))
         for _, h in hits:
             self.cpu.unpin(h)
             if exclusive:
                 self.cpu.pop(h)
         return event
+
+    def _cpu_rows(self, slots: list[int]) -> Any:
+        """CPU-slab rows as a new host array (pinned on CUDA so the upload is asynchronous)."""
+        if not self.transfer.cuda:
+            return self.cpu.slab.numpy()[slots]  # single-threaded row copies (see transfer.py)
+        import torch
+
+        out = torch.empty((len(slots), self.block_nbytes), dtype=torch.uint8, pin_memory=True)
+        torch.index_select(self.cpu.slab, 0, torch.tensor(slots, dtype=torch.int64), out=out)
+        return out
 
     def _promote_ssd(self, hits: list[tuple[int, bytes, Any]]) -> Any:
         """SSD -> CPU staging -> GPU; the block also lands in the CPU tier (the SSD keeps its copy)."""
@@ -322,14 +336,14 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------ spill
 
-    def _pageout(self, need: int) -> None:
-        """Copy the next ``need + watermark`` free-queue blocks down ahead of their eviction."""
+    def _pageout(self) -> None:
+        """Copy the ``watermark`` least recently used free blocks down ahead of their eviction."""
         if not self.watermark_blocks:
             return
         rows: list[int] = []
         keys: list[bytes] = []
         for i, b in enumerate(self.manager.free_queue):
-            if i >= need + self.watermark_blocks:
+            if i >= self.watermark_blocks:
                 break
             if b.block_hash is not None and not self._below(b.block_hash):
                 rows.append(b.block_id)
@@ -350,9 +364,21 @@ class TieredKVCache:
             self._spill_meta(h)
         elif not self.watermark_blocks:
             self._drop(h, "gpu")
-        elif not self._below(h):  # the page-out window missed it: copy now, before the row is reused
-            self._sync_spills += 1
-            self._spill([h], self.transfer.read_rows([block_id]))
+        elif not self._below(h):  # the page-out window missed it: copied in one batch before the row is written
+            self._evicted_rows.append((block_id, h))
+
+    def _spill_evicted(self) -> None:
+        """Spill the rows evicted by the last allocate/append that the watermark had not copied yet.
+
+        Their bytes are intact: the manager hands rows out, but nothing writes them
+        before this returns (promotions are queued after it on the same stream).
+        """
+        if not self._evicted_rows:
+            return
+        rows, keys = zip(*self._evicted_rows)
+        self._evicted_rows.clear()
+        self._spills_at_eviction += len(keys)
+        self._spill(list(keys), self.transfer.read_rows(list(rows)))
 
     def _spill(self, keys: list[bytes], data: Any) -> None:
         """Store host rows ``data`` of GPU-evicted blocks into the CPU tier (and SSD)."""
@@ -479,7 +505,7 @@ class TieredKVCache:
             "queries": dict(self._queries),
             "hits": {t: dict(v) for t, v in self._hits.items()},
             **{k: dict(v) for k, v in self._counts.items()},
-            "sync_spills": self._sync_spills,
+            "spills_at_eviction": self._spills_at_eviction,
             "occupancy": occupancy,
             "capacity_blocks": capacity,
             "transfer": {d: dict(v) for d, v in self.transfer.moved.items()} if self.transfer else {},
