@@ -1,6 +1,7 @@
 """The wheel carries everything an installed user needs: connectors, CUDA sources, entry points."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    shutil.rmtree(ROOT / "build", ignore_errors=True)  # setuptools' build cache could hold deleted files
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(out), str(ROOT)], check=True, capture_output=True)
     (whl,) = out.glob("tierkv-*.whl")
@@ -40,9 +42,10 @@ def test_installed_wheel_imports_connectors_and_finds_cu_files(wheel, tmp_path):
     py = env / "bin" / "python"
     subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
     code = (
-        "import importlib.resources as r, tierkv, tierkv.connectors;"
-        "files = sorted(p.name for p in r.files('tierkv.cuda').iterdir() if p.name.endswith('.cu'));"
-        "assert files, files;"
+        "import pathlib, tierkv, tierkv.connectors, tierkv.cuda;"
+        "(where,) = tierkv.cuda.__path__;"
+        "files = sorted(p.name for p in pathlib.Path(where).glob('*.cu'));"
+        "assert files and 'site-packages' in where, where;"
         "import sys; assert 'torch' not in sys.modules and 'vllm' not in sys.modules;"
         "print(tierkv.__file__, len(files))"
     )

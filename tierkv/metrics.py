@@ -22,7 +22,12 @@ LIFECYCLE_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 
 
 
 class Histogram:
-    """Cumulative-on-render histogram with fixed upper bounds (plus +Inf)."""
+    """Fixed upper bounds (plus +Inf), cumulative counts rendered at scrape time.
+
+    With ``keep_samples`` the hot path only appends the raw value and the bucket
+    counts are derived from the samples when rendered (replays want exact
+    percentiles and should not pay twice); otherwise it bumps one bucket.
+    """
 
     __slots__ = ("bounds", "counts", "sum", "count", "samples")
 
@@ -34,18 +39,27 @@ class Histogram:
         self.samples: list[float] | None = [] if keep_samples else None
 
     def observe(self, value: float) -> None:
+        if self.samples is not None:
+            self.samples.append(value)
+            return
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
         self.count += 1
-        if self.samples is not None:
-            self.samples.append(value)
 
     def buckets(self) -> list[tuple[str, int]]:
+        counts = self.counts
+        if self.samples is not None:
+            counts = [0] * (len(self.bounds) + 1)
+            for v in self.samples:
+                counts[bisect.bisect_left(self.bounds, v)] += 1
         out, acc = [], 0
-        for bound, c in zip((*self.bounds, float("inf")), self.counts):
+        for bound, c in zip((*self.bounds, float("inf")), counts):
             acc += c
             out.append(("+Inf" if bound == float("inf") else repr(float(bound)), acc))
         return out
+
+    def total(self) -> float:
+        return sum(self.samples) if self.samples is not None else self.sum
 
 
 class Lifecycle:
@@ -77,10 +91,9 @@ class Lifecycle:
 
     def leave(self, key: bytes, now: float) -> None:
         born = self._born.pop(key, None)
-        last = self._last.pop(key, None)
-        if born is not None and last is not None:
+        if born is not None:
             self.lifetime.observe(now - born)
-            self.idle_before_evict.observe(now - last)
+            self.idle_before_evict.observe(now - self._last.pop(key))
 
 
 class TierKVCollector:
@@ -130,7 +143,7 @@ class TierKVCollector:
                                         f"Block {metric.replace('_', ' ')} per tier", labels=["tier"])
             for tier, lc in self._lifecycles.items():
                 h: Histogram = getattr(lc, metric)
-                fam.add_metric([tier], h.buckets(), sum_value=h.sum)
+                fam.add_metric([tier], h.buckets(), sum_value=h.total())
             yield fam
 
 

@@ -3,7 +3,6 @@ data) or, in a source checkout, the repository's ``cuda/`` directory."""
 
 from __future__ import annotations
 
-import importlib.resources
 from functools import lru_cache
 from pathlib import Path
 
@@ -11,11 +10,13 @@ from pathlib import Path
 @lru_cache(maxsize=1)
 def cuda_dir() -> Path:
     """The directory holding the kernel sources (``*.cu``, ``*.cuh``)."""
-    try:
-        path = Path(str(importlib.resources.files("tierkv.cuda")))
-        if (path / "tierkv_types.cuh").is_file():
-            return path
-    except (ModuleNotFoundError, TypeError):
+    try:  # installed: tierkv/cuda/ is a namespace package holding only package data
+        import tierkv.cuda
+
+        for entry in tierkv.cuda.__path__:
+            if (Path(entry) / "tierkv_types.cuh").is_file():
+                return Path(entry)
+    except ModuleNotFoundError:
         pass
     path = Path(__file__).resolve().parents[2] / "cuda"
     if (path / "tierkv_types.cuh").is_file():
