@@ -97,6 +97,8 @@ class TierKVScheduler:
         self._pins: dict[str, list[bytes]] = {}             # req -> keys pinned until its load finished
         self._doomed: set[bytes] = set()                    # lost keys still pinned
         self._manager: KVCacheManager | None = None
+        self._stores = StoreSpec()                          # being planned for this step
+        self._store_pos: dict[bytes, int] = {}              # key -> its entry in self._stores
         log.info("tierkv scheduler: block %d bytes, %d CPU slots, %d blocks on SSD",
                  self.block_nbytes, num_slots, len(self.ssd_keys))
 
@@ -190,7 +192,15 @@ class TierKVScheduler:
         if got is None:
             return -1
         slot, evicted = got
-        if evicted is not None and self.ssd_enabled and evicted not in self.ssd_keys:
+        if evicted is None:
+            return slot
+        pos = self._store_pos.pop(evicted, None)
+        if pos is not None:  # planned in this step, never written to the slot: send it to SSD only
+            self._stores.cpu_slots[pos] = -1
+            if self.ssd_enabled and evicted not in self.ssd_keys:
+                self._stores.to_ssd[pos] = True
+                self.ssd_keys.add(evicted)
+        elif self.ssd_enabled and evicted not in self.ssd_keys:
             self._spills.append((slot, evicted))
             self.ssd_keys.add(evicted)
         return slot
@@ -198,7 +208,8 @@ class TierKVScheduler:
     # ------------------------------------------------------------------ stores
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TierKVMetadata:
-        stores = StoreSpec()
+        stores = self._stores = StoreSpec()
+        self._store_pos = {}
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             self._plan_stores(new.req_id, new.num_computed_tokens + scheduled[new.req_id], stores)
@@ -207,6 +218,7 @@ class TierKVScheduler:
             self._plan_stores(req_id, computed + scheduled[req_id], stores)
         meta = TierKVMetadata(loads=self._loads, spills=self._spills, stores=stores)
         self._loads, self._spills = [], []
+        self._stores, self._store_pos = StoreSpec(), {}
         return meta
 
     def _plan_stores(self, req_id: str, computed: int, stores: StoreSpec) -> None:
@@ -233,6 +245,8 @@ class TierKVScheduler:
             return
         if to_ssd:
             self.ssd_keys.add(key)
+        if slot >= 0:
+            self._store_pos[key] = len(stores)
         stores.add(block_id, key, slot, to_ssd)
 
     # ------------------------------------------------------------------ completion
