@@ -78,11 +78,16 @@ def kv_blocks(nblocks: int, layers: int = 8, hidden: int = 512, tokens: int = 64
 # ====================================================================== CPU tier
 
 def bench_cpu(quick: bool) -> None:
+    # 64 KiB = one layer's page of an 8B model's block; 2 MiB = the whole block (32 layers).
+    # Per-key bookkeeping is fixed, so small blocks show it and large blocks hide it.
+    for block, nbatch in ((64 * 1024, 256 if quick else 512), (2 * MiB, 16 if quick else 32)):
+        bench_cpu_blocks(block, nbatch, quick)
+
+
+def bench_cpu_blocks(block: int, nbatch: int, quick: bool) -> None:
     import torch
     from tierkv.cpu_tier import CPUTier
     torch.set_num_threads(1)  # DESIGN 6: multi-threaded copies collapse under CPU contention
-    block = 64 * 1024
-    nbatch = 256 if quick else 512                     # 16 / 32 MiB per batch
     nslots = 4 * nbatch
     repeat = 5 if quick else 9
     tier = CPUTier(nslots * block, block)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import numpy as np
 
 from tierkv.errors import ConfigError
+from tierkv.transfer import copy_rows
 
 if TYPE_CHECKING:
     import torch
@@ -350,7 +351,7 @@ class CPUTier:
         last = {_check_key(k, "keys"): i for i, k in enumerate(keys)}
         src, dst, placed = self._place(last, stored)
         if src:
-            self._np[dst] = rows[src] if len(src) < len(keys) else rows
+            copy_rows(rows, src, self._np, dst)
         for key in placed:
             self.index.unpin(key)
         for i, k in enumerate(keys):  # a repeated key is stored through its last row
@@ -360,10 +361,13 @@ class CPUTier:
 
     def _place(self, last: dict[bytes, int], stored: list[bool]
                ) -> tuple[list[int], list[int], list[bytes]]:
-        """Give every key a slot, pinning each for the rest of the batch."""
+        """Give every key a slot, pinning each for the rest of the batch when the
+        batch could otherwise evict its own earlier keys (more keys than free
+        slots plus older unpinned entries)."""
         src: list[int] = []
         dst: list[int] = []
         placed: list[bytes] = []
+        protect = len(last) > self.index.num_free + len(self.index._lru)
         for key, row in last.items():
             if self.index.pin_count(key):
                 stored[row] = True  # in use by a transfer: keep its bytes, just count the use
@@ -375,8 +379,9 @@ class CPUTier:
             slot, evicted = got
             if evicted is not None:
                 self._evicted(evicted, slot)
-            self.index.pin(key)
-            placed.append(key)
+            if protect:
+                self.index.pin(key)
+                placed.append(key)
             src.append(row)
             dst.append(slot)
             stored[row] = True
@@ -392,24 +397,13 @@ class CPUTier:
         slots = [self.index.lookup(_check_key(k, "keys")) for k in keys]
         hit = [s is not None for s in slots]
         nhit = sum(hit)
-        if nhit == len(keys) and nhit:
-            self._gather(slots, dst)  # type: ignore[arg-type]
-        elif nhit:
-            rows = [i for i, h in enumerate(hit) if h]
-            tmp = np.empty((nhit, self.block_nbytes), dtype=np.uint8)
-            self._gather([slots[i] for i in rows], tmp)  # type: ignore[misc]
-            dst[rows] = tmp
+        copy_rows(self._np, [s for s in slots if s is not None], dst, [i for i, s in enumerate(slots) if s is not None])
         for k, h in zip(keys, hit):
             if h:
                 self.index.touch(k)
         self._counts["hits"] += nhit
         self._counts["misses"] += len(keys) - nhit
         return hit
-
-    def _gather(self, slots: list[int], dst: np.ndarray) -> None:
-        torch = _torch()
-        index = torch.tensor(slots, dtype=torch.int64)
-        torch.index_select(self.slab, 0, index, out=torch.from_numpy(dst))
 
     def _evicted(self, key: bytes, slot: int) -> None:
         self._counts["evictions"] += 1

