@@ -259,3 +259,21 @@ def test_metrics_endpoint_is_scrapable(tmp_path):
         assert name in body, name
     queries = [ln for ln in body.splitlines() if ln.startswith("tierkv:prefix_cache_queries_total")]
     assert float(queries[0].split()[-1]) > 0
+
+
+def test_spill_into_a_fully_pinned_cpu_tier_is_dropped_not_raised():
+    """The only CPU slot holds this request's own hit (pinned) while its allocation evicts GPU blocks.
+
+    Metadata mode, where spills happen at eviction time; with payload the page-out
+    watermark copies blocks down earlier and CPUTier.put_many reports the pinned case."""
+    payload = False
+    cfg = TierKVConfig.from_dict({"block_size": 1, "model": {"block_nbytes": 64}, "gpu": {"num_blocks": 2},
+                                  "cpu": {"capacity": 64}, "ssd": {"path": None}, "spill": {"watermark": 0.0}})
+    cache = TieredKVCache(cfg, payload=payload)
+    for rid, hs in (("r0", [b"a"]), ("r1", [b"c", b"d"])):  # r1 evicts a into the CPU tier
+        cache.allocate(rid, block_hashes=hs)
+        cache.free(rid)
+    a = cache.allocate("r2", block_hashes=[b"a", b"e"])  # a from CPU (pinned); c, d evicted: no room
+    assert a.hit_blocks == {"gpu": 0, "cpu": 1, "ssd": 0}
+    assert cache.stats()["dropped_spills"]["cpu"] >= 1
+    cache.close()

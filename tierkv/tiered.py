@@ -447,37 +447,37 @@ class TieredKVCache:
             self._drop(h, "gpu")
 
     def _cpu_insert_meta(self, h: bytes) -> None:
-        idx = self.cpu_index
-        assert idx is not None
-        if idx.touch(h):
-            return
-        _, evicted = idx.allocate(h)
-        self._counts["spills"]["cpu"] += 1
-        now = self.clock()
-        self.lifecycle["cpu"].enter(h, now)
+        evicted = self._insert_meta("cpu", h)
         if evicted is None:
             return
-        self._counts["evictions"]["cpu"] += 1
-        self.lifecycle["cpu"].leave(evicted, now)
         if self.ssd_index is not None and not self.config.spill.write_through:
             self._ssd_insert_meta(evicted)
         elif self.ssd_index is None or evicted not in self.ssd_index:
             self._drop(evicted, "cpu")
 
     def _ssd_insert_meta(self, h: bytes) -> None:
-        idx = self.ssd_index
+        evicted = self._insert_meta("ssd", h)
+        if evicted is not None and (self.cpu_index is None or evicted not in self.cpu_index):
+            self._drop(evicted, "ssd")
+
+    def _insert_meta(self, tier: str, h: bytes) -> bytes | None:
+        """Put ``h`` in a metadata-only tier; returns the key it evicted, if any."""
+        idx = self.cpu_index if tier == "cpu" else self.ssd_index
         assert idx is not None
         if idx.touch(h):
-            return
-        _, evicted = idx.allocate(h)
-        self._counts["spills"]["ssd"] += 1
+            return None
+        got = idx.try_allocate(h)
+        if got is None:  # every slot pinned by this allocation's own hits
+            self._counts["dropped_spills"][tier] += 1
+            return None
+        self._counts["spills"][tier] += 1
         now = self.clock()
-        self.lifecycle["ssd"].enter(h, now)
+        self.lifecycle[tier].enter(h, now)
+        evicted = got[1]
         if evicted is not None:
-            self._counts["evictions"]["ssd"] += 1
-            self.lifecycle["ssd"].leave(evicted, now)
-            if self.cpu_index is None or evicted not in self.cpu_index:
-                self._drop(evicted, "ssd")
+            self._counts["evictions"][tier] += 1
+            self.lifecycle[tier].leave(evicted, now)
+        return evicted
 
     # -------------------------------------------------------------- accounting
 
