@@ -22,7 +22,7 @@ import atexit
 import logging
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 # SSD tiers opened by a worker of this process, by path: the scheduler half in
 # the same process reads its key list from here (LMDB allows one handle per process).
 _SHARED: dict[str, SSDTier] = {}
+
+# get_finished waits at most this long for an in-flight load (an idle engine
+# otherwise spins through empty steps, competing with the load for the GIL).
+_POLL_S = 0.002
 
 
 def _ssd_path(cfg: TierKVConfig) -> str:
@@ -200,6 +204,8 @@ class TierKVWorker:
             self._lost.add(key)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._inflight:  # a short GIL-free wait instead of letting the engine spin on empty steps
+            wait([fut for _, fut in self._inflight.values()], timeout=_POLL_S, return_when=FIRST_COMPLETED)
         done = {rid for rid, (_, fut) in self._inflight.items() if fut.done()}
         for rid in done:
             spec, fut = self._inflight.pop(rid)
