@@ -407,3 +407,19 @@ def test_unwritable_path(tmp_path):
             SSDTier(ro / "ssd", capacity_bytes=4 * MiB, fingerprint=FP)
     finally:
         ro.chmod(0o700)
+
+
+def test_trickled_puts_share_commits_and_syncs(tmp):
+    """One block at a time (as an engine spills) must not cost an fsync per block."""
+    with SSDTier(tmp, capacity_bytes=16 * MiB, fingerprint=FP) as tier:
+        for i in range(60):
+            assert tier.put(k(i), rand(4096, i))
+            time.sleep(0.001)
+        before = tier.stats()
+        assert tier.flush()
+        after = tier.stats()
+        assert before["syncs"] <= 3, before["syncs"]
+        assert after["syncs"] >= 1 and after["blocks_written"] == 60
+        assert after["batches_committed"] < 60
+    with SSDTier(tmp, capacity_bytes=16 * MiB, fingerprint=FP) as tier:
+        assert all(tier.get(k(i)) == rand(4096, i) for i in range(60))

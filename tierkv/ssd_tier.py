@@ -56,6 +56,9 @@ _INLINE_MAX = 2000              # larger key + value pairs go to overflow pages
 _NS_LEN = 16
 _MAX_TOUCHED = 1 << 16          # pending recency updates kept between writer batches
 _TOUCH_INTERVAL_S = 1.0
+_LINGER_S = 0.005               # a writer that woke on one put waits this long for a batch to fill
+_SYNC_BYTES = 64 * 1024**2      # unsynced commits are synced at a flush, past this many bytes,
+_SYNC_INTERVAL_S = 1.0          # or after this long
 _MAX_ATTEMPTS = 3
 _OPEN_PATHS: set[str] = set()   # LMDB forbids opening one environment twice in a process
 _OPEN_LOCK = threading.Lock()
@@ -202,6 +205,8 @@ class SSDTier:
         self._bad: dict[bytes, int] = {}
         self._flush_req = 0
         self._flush_done = 0
+        self._unsynced = 0
+        self._last_sync = time.monotonic()
         self._stop = False
         self._closed = False
         self._broken: str | None = None
@@ -211,7 +216,7 @@ class SSDTier:
             "puts", "puts_present", "dropped_queue_full", "dropped_unavailable",
             "dropped_write_error", "blocks_written", "batches_committed", "bytes_raw",
             "bytes_stored", "gets", "hits", "misses", "corrupt_deleted", "read_errors",
-            "evictions", "map_full_retries"), 0)
+            "evictions", "map_full_retries", "syncs"), 0)
 
     def _register_path(self) -> None:
         real = os.path.realpath(self.path)
@@ -236,9 +241,7 @@ class SSDTier:
         if existed and not self._verified():
             return
         try:
-            self._env = lmdb.open(str(self.path), map_size=self.capacity_bytes + self.slack_bytes,
-                                  subdir=True, max_dbs=8, sync=False, metasync=False,
-                                  readahead=True, meminit=False, max_spare_txns=4)
+            self._env = self._open_env()
         except lmdb.Error as exc:
             if not existed:
                 raise ConfigError(f"path: cannot create an LMDB environment in {self.path}: "
@@ -256,6 +259,12 @@ class SSDTier:
             raise
         except lmdb.Error as exc:
             self._fail("open", f"cannot read the LMDB environment: {exc}")
+
+    def _open_env(self) -> Any:
+        import lmdb
+        return lmdb.open(str(self.path), map_size=self.capacity_bytes + self.slack_bytes,
+                         subdir=True, max_dbs=8, sync=False, metasync=False,
+                         readahead=True, meminit=False, max_spare_txns=4)
 
     def _verified(self) -> bool:
         """After an unclean shutdown, walk the environment in a child process first.
@@ -530,12 +539,15 @@ class SSDTier:
         while True:
             with self._cond:
                 self._cond.wait_for(self._has_work, _TOUCH_INTERVAL_S)
+                self._cond.wait_for(self._batch_ready, _LINGER_S)  # one commit per batch, not per put
                 batch, ticket = self._take_batch()
                 touched, self._touched = self._touched, {}
                 bad, self._bad = self._bad, {}
                 stop = self._stop and not self._queue
-            if self._broken is None and (batch or touched or bad or ticket):
-                self._write_safely(batch, list(touched), list(bad))
+            sync = bool(ticket) or stop or self._unsynced >= _SYNC_BYTES or (
+                self._unsynced and time.monotonic() - self._last_sync >= _SYNC_INTERVAL_S)
+            if self._broken is None and (batch or touched or bad or sync):
+                self._write_safely(batch, list(touched), list(bad), sync)
             with self._cond:
                 for nskey, raw in batch:
                     self._pending.pop(nskey, None)
@@ -545,6 +557,10 @@ class SSDTier:
                 self._cond.notify_all()
             if stop:
                 return
+
+    def _batch_ready(self) -> bool:
+        return (self._queued_bytes >= self.batch_bytes or not self._queue or self._stop
+                or self._flush_req > self._flush_done)
 
     def _has_work(self) -> bool:
         return bool(self._queue or self._bad or self._stop or self._flush_req > self._flush_done)
@@ -561,11 +577,11 @@ class SSDTier:
         return batch, (self._flush_req if done else 0)
 
     def _write_safely(self, batch: list[tuple[bytes, bytes]], touched: list[bytes],
-                      bad: list[bytes]) -> None:
+                      bad: list[bytes], sync: bool) -> None:
         import lmdb
         try:
             encoded = [_Encoded(k, raw, self._codec) for k, raw in batch]
-            if not self._write_with_retries(encoded, touched, bad):
+            if not self._write_with_retries(encoded, touched, bad, sync):
                 self._count("dropped_write_error", len(encoded))
         except lmdb.Error as exc:
             self._count("dropped_write_error", len(batch))
@@ -576,15 +592,22 @@ class SSDTier:
                           self.path)
 
     def _write_with_retries(self, encoded: list[_Encoded], touched: list[bytes],
-                            bad: list[bytes]) -> bool:
+                            bad: list[bytes], sync: bool) -> bool:
+        """Commit one batch (evicting and retrying on a full map); sync when asked to."""
         import lmdb
         for attempt in range(_MAX_ATTEMPTS):
             try:
                 if attempt:
                     self._make_room(attempt * max(self.capacity_bytes // 8,
                                                   sum(e.footprint for e in encoded)))
-                self._commit(encoded, touched, bad)
-                self._env.sync(True)
+                if encoded or touched or bad:
+                    self._commit(encoded, touched, bad)
+                    self._unsynced += sum(e.footprint for e in encoded) + 1
+                if sync and self._unsynced:
+                    self._env.sync(True)
+                    self._count("syncs")
+                    self._unsynced = 0
+                    self._last_sync = time.monotonic()
                 return True
             except lmdb.MapFullError:
                 self._count("map_full_retries")
