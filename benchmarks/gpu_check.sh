@@ -10,9 +10,7 @@ REPO=$(pwd)
 VENV=${GPU_VENV:-.venv-gpu}
 RESULTS=${OUT:-$REPO/out/gpu_check}
 mkdir -p "$RESULTS"
-# The repository's top-level cuda/ directory (kernel sources, a package) would
-# shadow NVIDIA's `cuda` namespace package (cuda.pathfinder, used by cupy 14)
-# if the working directory were on sys.path.
+# Keep the working directory off sys.path: only the installed tierkv is imported.
 export PYTHONSAFEPATH=1
 log() { echo "[gpu_check $(date +%H:%M:%S)] $*" | tee -a "$RESULTS/gpu_check.log" >&2; }
 die() { log "FAILED: $*"; exit 1; }
@@ -54,7 +52,7 @@ PY
 # 2. GPU tests (every kernel against its reference).
 log "gpu tests"
 rc=0
-"$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_kernels_gpu.py \
+"$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_kernels_gpu.py tests/test_tiered.py \
   --junitxml="$RESULTS/gpu_tests.xml" > "$RESULTS/gpu_tests.log" 2>&1 || rc=$?
 tail -n 40 "$RESULTS/gpu_tests.log"
 [ "$rc" -eq 0 ] || die "gpu tests (exit $rc, see $RESULTS/gpu_tests.log)"

@@ -277,3 +277,24 @@ def test_spill_into_a_fully_pinned_cpu_tier_is_dropped_not_raised():
     assert a.hit_blocks == {"gpu": 0, "cpu": 1, "ssd": 0}
     assert cache.stats()["dropped_spills"]["cpu"] >= 1
     cache.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the transfer engine's copy stream)")
+def test_cuda_pool_every_hit_is_byte_exact(tmp_path):
+    """The CUDA path of the transfer engine: pinned staging, copy stream, events, Allocation.wait()."""
+    pool = torch.zeros((16, NBYTES), dtype=torch.uint8, device="cuda")
+    with TieredKVCache(config(tmp_path), kv_pool=pool) as cache:
+        hits = {"gpu": 0, "cpu": 0, "ssd": 0}
+        for rid, toks in chat(users=10, turns=5):
+            a = cache.allocate(rid, toks)
+            a.wait()
+            hashes = cache.manager.requests[rid].hashes
+            for pos in range(a.num_cached_tokens // BS):
+                assert bytes(pool[a.block_ids[pos]].cpu().numpy()) == payload(hashes[pos]), (rid, pos)
+            for pos in range(a.num_cached_tokens // BS, len(hashes)):
+                pool[a.block_ids[pos]] = torch.frombuffer(bytearray(payload(hashes[pos])), dtype=torch.uint8).cuda()
+            for t, n in a.hit_blocks.items():
+                hits[t] += n
+            cache.free(rid)
+    assert all(hits.values()), hits

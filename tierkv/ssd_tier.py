@@ -62,7 +62,7 @@ _SYNC_INTERVAL_S = 1.0          # or after this long
 _MAX_ATTEMPTS = 3
 _OPEN_PATHS: set[str] = set()   # LMDB forbids opening one environment twice in a process
 _OPEN_LOCK = threading.Lock()
-_CLEAN = "tierkv.clean"         # written by close(); its absence means an unclean shutdown
+_CLEAN = "tierkv.clean"         # written by close(); its absence at open means an unclean shutdown
 
 # Run in a child: every page the B-tree reaches is read, and every value must lie
 # inside data.mdb (checked by address, without reading overflow pages).
@@ -267,20 +267,21 @@ class SSDTier:
                          readahead=True, meminit=False, max_spare_txns=4)
 
     def _verified(self) -> bool:
-        """After an unclean shutdown, walk the environment in a child process first.
+        """Walk an existing environment in a child process before this one touches it.
 
-        A damaged B-tree can point LMDB past the end of the file, and touching
-        such a page kills the process with SIGBUS; the child takes that risk
-        instead. A clean ``close()`` leaves a marker that skips the walk.
+        A damaged B-tree (bit rot, a torn write, a crash mid-sync) can make LMDB
+        abort() or fault with SIGBUS on the first page it reaches; the child
+        takes that risk instead, and a failure disables the tier. This runs at
+        every open, clean shutdown or not: damage can happen while closed.
         """
         marker = self.path / _CLEAN
-        if marker.exists():
+        clean = marker.exists()
+        if clean:
             marker.unlink()
-            return True
         problem = _walk_in_subprocess(self.path)
         if problem is not None:
-            self._fail("open", f"the environment does not verify after an unclean shutdown "
-                               f"({problem})")
+            when = "" if clean else " after an unclean shutdown"
+            self._fail("open", f"the environment does not verify{when} ({problem})")
             return False
         return True
 
