@@ -44,8 +44,8 @@ def test_gpu_hits_and_trace_reuse(tmp_path: Path) -> None:
 ])
 def test_hits_come_from_the_tier_that_kept_the_block(tmp_path: Path, cpu: int, ssd: int,
                                                       hits: dict[str, int], reason: str | None) -> None:
-    # a 3-block pool holds one request (2 blocks + 1 for the computed token): [1,2] leaves the GPU
-    r = replay(tiers_trace(), cfg(tmp_path, gpu=3, cpu=cpu, ssd=ssd))
+    # a 2-block pool holds one request: [1,2] leaves the GPU
+    r = replay(tiers_trace(), cfg(tmp_path, gpu=2, cpu=cpu, ssd=ssd))
     assert r.hit_blocks == hits
     assert r.miss_reasons["new"] == 6
     if reason:
@@ -54,7 +54,7 @@ def test_hits_come_from_the_tier_that_kept_the_block(tmp_path: Path, cpu: int, s
 
 
 def test_payload_mode_moves_bytes_with_the_same_hits(tmp_path: Path) -> None:
-    r = replay(tiers_trace(), cfg(tmp_path, gpu=3, cpu=10), ReplayOptions(payload=True, payload_block_bytes=4096))
+    r = replay(tiers_trace(), cfg(tmp_path, gpu=2, cpu=10), ReplayOptions(payload=True, payload_block_bytes=4096))
     assert r.hit_blocks == {"gpu": 0, "cpu": 2, "ssd": 0}
     assert r.payload_block_bytes == 4096
 
@@ -68,8 +68,8 @@ def test_running_requests_are_finished_early_when_the_pool_is_full(tmp_path: Pat
 
 
 def test_request_larger_than_the_pool_is_an_error_naming_the_line(tmp_path: Path) -> None:
-    with pytest.raises(ReplayError, match=r"tiers\.jsonl:1: .*gpu\.num_blocks=3"):
-        replay(tiers_trace(), cfg(tmp_path, gpu=2))
+    with pytest.raises(ReplayError, match=r"tiers\.jsonl:1: .*gpu\.num_blocks=2"):
+        replay(tiers_trace(), cfg(tmp_path, gpu=1))
 
 
 def test_capacities_keep_tokens_when_the_block_size_changes() -> None:

@@ -176,8 +176,12 @@ def test_block_hashes_instead_of_tokens():
     hs = [b"h0", b"h1", b"h2"]
     m.allocate("a", block_hashes=hs)
     m.free("a")
-    b = m.allocate("b", block_hashes=hs)  # 12 tokens: cap (12-1)//4 = 2
-    assert b.num_cached_tokens == 8
+    b = m.allocate("b", block_hashes=hs)  # no token count: every named block may hit
+    assert b.num_cached_tokens == 12 and b.block_ids == [0, 1, 2]
+    m.free("b")
+    capped = m.allocate("capped", block_hashes=hs, num_tokens=12)  # 12 tokens: cap (12-1)//4 = 2
+    assert capped.num_cached_tokens == 8
+    m.free("capped")
     c = m.allocate("c", block_hashes=hs[:2], num_tokens=10)
     assert c.num_cached_tokens == 8 and len(c.block_ids) == 3
     with pytest.raises(ValueError, match="block_hashes"):

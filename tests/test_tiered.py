@@ -228,9 +228,12 @@ def test_block_hashes_and_metadata_mode_with_drop_reasons():
         cache.free(f"r{i}")
     s = cache.stats()
     assert s["queries"]["blocks"] == 14
-    # r2 evicted a and b from the 4-block GPU pool into the CPU tier; the cap lets 1 of 2 blocks hit
-    assert hits[3] == {"gpu": 0, "cpu": 1, "ssd": 0}
-    assert hits[6]["gpu"] + hits[6]["cpu"] + hits[6]["ssd"] == 1
+    # r2 evicted a and b from the 4-block GPU pool into the CPU tier; hashes without a token
+    # count may all hit
+    assert hits[3] == {"gpu": 0, "cpu": 2, "ssd": 0}
+    assert hits[6]["gpu"] + hits[6]["cpu"] + hits[6]["ssd"] == 2
+    # r3 pinned both CPU slots for its own hits while evicting c, d from the GPU: dropped there
+    assert s["dropped_spills"]["cpu"] >= 2
     assert s["occupancy"]["cpu"] <= 2 and s["occupancy"]["ssd"] <= 3
     assert drops and all(t == "ssd" for _, t in drops)
     cpu = s["lifecycle"]["cpu"]

@@ -188,14 +188,17 @@ class BlockManager:
         Pass ``token_ids``, or precomputed full-block ``block_hashes`` (then
         ``num_tokens`` defaults to ``len(block_hashes) * block_size``). At most
         ``(num_tokens - 1) // block_size`` blocks hit: the last prompt token is
-        always computed. The walk stops at the first block that neither the pool
+        always computed; hashes given without ``num_tokens`` may all hit (a
+        trace that names its blocks says nothing of the tokens after them). The walk stops at the first block that neither the pool
         nor ``external_hit`` holds. Raises :class:`OutOfBlocksError` with nothing
         changed when too few blocks are free.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already allocated")
         tokens, hashes, n = self._prompt(token_ids, block_hashes, num_tokens, cache_salt, lora_id)
-        cap = min((n - 1) // self.block_size, len(hashes))
+        # the last prompt token is always computed, unless precomputed hashes came without a token count
+        cap = len(hashes) if token_ids is None and num_tokens is None else min((n - 1) // self.block_size,
+                                                                              len(hashes))
         walk = self._walk(hashes, cap, external_hit)
         hits = [b for b in walk if b is not None]
         num_total = -(-n // self.block_size)

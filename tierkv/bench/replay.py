@@ -1,8 +1,8 @@
 """Replay a trace through the real :class:`tierkv.tiered.TieredKVCache`.
 
 Hash-id traces (Mooncake, Qwen-Bailian): every id is a full block that may
-hit; the request is handed to the cache with one more token (the last prompt
-token is always computed), so it takes ``len(hash_ids) + 1`` GPU blocks.
+hit; the request is handed to the cache as its block hashes without a token
+count, so it takes ``len(hash_ids)`` GPU blocks and no last-token cap applies.
 
 Request lifetimes: a request holds its GPU blocks from arrival until
 ``arrival + output_length * decode_s_per_token`` (prefill time and the
@@ -132,17 +132,18 @@ def _payload_config(cfg: TierKVConfig, block_bytes: int, ssd_dir: str) -> TierKV
     )
 
 
-def _num_tokens(trace: "Trace", r: Any) -> int:
-    """Prompt tokens handed to the cache. Hash-id traces: every id is a full block that may hit,
-    plus one token to compute (the cache always computes the last prompt token)."""
-    return r.input_length if trace.token_based else len(r.blocks) * trace.block_size + 1
+def _num_tokens(trace: "Trace", r: Any) -> int | None:
+    """Prompt tokens handed to the cache; None for hash-id traces, whose ids are full blocks
+    that may all hit (the cache then applies no last-token cap)."""
+    return r.input_length if trace.token_based else None
 
 
 def _blocks_needed(trace: "Trace") -> tuple[int, int]:
     """(most GPU blocks one request needs, its line)."""
     bs, worst, line = trace.block_size, 0, 0
     for r in trace.requests:
-        need = -(-_num_tokens(trace, r) // bs)
+        n = _num_tokens(trace, r)
+        need = len(r.blocks) if n is None else -(-n // bs)
         if need > worst:
             worst, line = need, r.line
     return worst, line
