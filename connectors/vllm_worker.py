@@ -30,6 +30,7 @@ import torch
 
 from tierkv.config import TierKVConfig
 from tierkv.ssd_tier import SSDTier
+from tierkv.transfer import copy_rows
 
 from tierkv.connectors.kv_layout import KVLayout
 from tierkv.connectors.vllm_common import (
@@ -171,11 +172,8 @@ class TierKVWorker:
         if not idx:
             return []
         assert self.slab is not None
-        slots = _index([spec.cpu_slots[i] for i in idx])
-        if len(idx) == len(rows):
-            torch.index_select(self.slab, 0, slots, out=rows)
-        else:
-            rows.index_copy_(0, _index(idx), self.slab.index_select(0, slots))
+        # row memcpys on this loader thread: torch's intra-op threads would fight the forward pass
+        copy_rows(self.slab.numpy(), [spec.cpu_slots[i] for i in idx], rows.numpy(), idx)
         return idx
 
     def _rows_from_ssd(self, spec: LoadSpec, rows: torch.Tensor) -> list[int]:
@@ -195,7 +193,7 @@ class TierKVWorker:
             out[i] = np.frombuffer(data, dtype=np.uint8)
             ok.append(i)
             if dst >= 0 and self.slab is not None:
-                self.slab[dst].copy_(rows[i])
+                self.slab.numpy()[dst] = out[i]
                 self._slot_keys[dst] = spec.keys[i]
         return ok
 
@@ -247,8 +245,7 @@ class TierKVWorker:
         if not idx or self.slab is None:
             return
         slots = [stores.cpu_slots[i] for i in idx]
-        src = rows if len(idx) == len(rows) else rows.index_select(0, _index(idx))
-        self.slab.index_copy_(0, _index(slots), src)
+        copy_rows(rows.numpy(), idx, self.slab.numpy(), slots)
         for i, slot in zip(idx, slots):
             self._slot_keys[slot] = stores.keys[i]
 
