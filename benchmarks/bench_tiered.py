@@ -22,6 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchutil import drop_page_cache
 from tierkv import TierKVConfig, TieredKVCache
 
 BS = 16
@@ -64,18 +65,6 @@ def kv_blocks(kvs: list[torch.Tensor], num_blocks: int) -> torch.Tensor:
     """Per-block bytes [num_blocks, block_nbytes]: all layers' K and V of the block's tokens."""
     per_block = [kv[: num_blocks * BS].reshape(num_blocks, -1) for kv in kvs]
     return torch.cat(per_block, dim=1).contiguous().view(torch.uint8).reshape(num_blocks, -1)
-
-
-def drop_page_cache(path: str) -> None:
-    for name in ("data.mdb", "lock.mdb"):
-        p = os.path.join(path, name)
-        if os.path.exists(p):
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def serve(cache: TieredKVCache, rid: str, tokens: list[int]) -> tuple[float, dict[str, int]]:

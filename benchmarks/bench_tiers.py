@@ -28,6 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchutil import drop_page_cache  # noqa: E402
+
 MiB = 1024**2
 FLUSH_EVERY = 16 * MiB
 
@@ -156,18 +158,8 @@ def write_tier(path: Path, blocks: np.ndarray, keys: list[bytes], compression: s
     return seconds, stats
 
 
-def drop_cache(path: Path) -> None:
-    for f in ([path] if path.is_file() else list(path.iterdir())):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def read_raw_cold(path: Path, block: int, order: list[int]) -> float:
-    drop_cache(path)
+    drop_page_cache(path)
     buf = bytearray(block)
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
@@ -180,7 +172,7 @@ def read_raw_cold(path: Path, block: int, order: list[int]) -> float:
 
 def read_tier_cold(path: Path, keys: list[bytes], order: list[int], expect: np.ndarray) -> float:
     from tierkv.ssd_tier import SSDTier
-    drop_cache(path)
+    drop_page_cache(path)
     tier = SSDTier(path, capacity_bytes=2 * expect.nbytes + 64 * MiB, fingerprint="bench")
     t0 = time.perf_counter()
     got = [tier.get(keys[i]) for i in order]

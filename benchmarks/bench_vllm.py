@@ -20,7 +20,6 @@ the recompute time measured in the same run.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -28,18 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from benchutil import drop_page_cache  # noqa: E402
 from vllm_util import build_tiny_llama, random_token_prompt, run_in_subprocess  # noqa: E402
-
-
-def drop_page_cache(directory: Path) -> None:
-    for f in directory.iterdir():
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def main() -> int:
