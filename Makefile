@@ -24,10 +24,10 @@ demo: $(STAMP)
 	$(VENV)/bin/tierkv bench
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -rs
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -m "not vllm and not slow"
+	$(PY) -m pytest -q -rs -m "not vllm and not slow"
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
