@@ -43,7 +43,6 @@ class Driver:
         a.wait()
         hashes = c.manager.requests[rid].hashes
         cached = a.num_cached_tokens // BS
-        tiers = ["gpu"] * 0
         for pos in range(cached):
             got = bytes(c.kv_pool[a.block_ids[pos]].numpy())
             assert got == payload(hashes[pos]), f"{rid}: block {pos} has another block's bytes"
@@ -53,6 +52,12 @@ class Driver:
         for pos in range(cached, len(hashes)):  # "prefill" the rest
             c.kv_pool[a.block_ids[pos]] = torch.frombuffer(bytearray(payload(hashes[pos])), dtype=torch.uint8)
         return a
+
+    def push_out(self, requests: int, tokens: int, base: int) -> None:
+        """Run and free filler requests of fresh tokens, pushing older blocks down the tiers."""
+        for i in range(requests):
+            self.run(f"fill{base}-{i}", [base + 100 * i + j for j in range(tokens)])
+            self.cache.free(f"fill{base}-{i}")
 
 
 def chat(users: int, turns: int, seed: int = 0):
@@ -94,9 +99,7 @@ def test_promoted_blocks_are_registered_on_gpu(tmp_path):
         toks = list(range(17))  # 4 full blocks
         d.run("a", toks)
         cache.free("a")
-        for i in range(3):  # push a's blocks out of the GPU pool
-            d.run(f"f{i}", [50_000 + 100 * i + j for j in range(25)])
-            cache.free(f"f{i}")
+        d.push_out(3, 25, 50_000)  # push a's blocks out of the GPU pool
         b = d.run("b", toks)
         assert b.hit_blocks["gpu"] == 0 and b.hit_blocks["cpu"] == 4
         cache.free("b")
@@ -110,9 +113,7 @@ def test_restart_serves_prefix_from_ssd(tmp_path):
         d = Driver(cache)
         d.run("a", toks)
         cache.free("a")
-        for i in range(6):
-            d.run(f"f{i}", [90_000 + 100 * i + j for j in range(30)])
-            cache.free(f"f{i}")
+        d.push_out(6, 30, 90_000)
         cache.flush()
     with TieredKVCache(config(tmp_path)) as fresh:
         d = Driver(fresh)
@@ -128,9 +129,7 @@ def test_corrupted_ssd_degrades_to_misses(tmp_path):
         d = Driver(cache)
         d.run("a", toks)
         cache.free("a")
-        for i in range(4):
-            d.run(f"f{i}", [90_000 + 100 * i + j for j in range(30)])
-            cache.free(f"f{i}")
+        d.push_out(4, 30, 90_000)
         cache.flush()
     data = tmp_path / "ssd" / "data.mdb"
     raw = bytearray(data.read_bytes())
@@ -171,9 +170,7 @@ def test_exclusive_promotion_moves_blocks_out_of_cpu(tmp_path):
         toks = list(range(13))
         d.run("a", toks)
         cache.free("a")
-        for i in range(3):
-            d.run(f"f{i}", [50_000 + 100 * i + j for j in range(25)])
-            cache.free(f"f{i}")
+        d.push_out(3, 25, 50_000)
         hashes = cache.hasher.hash_blocks(toks)
         assert all(h in cache.cpu for h in hashes)
         b = d.run("b", toks)
@@ -201,9 +198,7 @@ def test_cache_salt_never_shares_across_tiers(tmp_path):
         toks = list(range(17))
         d.run("a", toks, cache_salt="tenant-a")
         cache.free("a")
-        for i in range(3):
-            d.run(f"f{i}", [50_000 + 100 * i + j for j in range(25)])
-            cache.free(f"f{i}")
+        d.push_out(3, 25, 50_000)
         b = d.run("b", toks, cache_salt="tenant-b")
         assert b.num_cached_tokens == 0
         cache.free("b")
