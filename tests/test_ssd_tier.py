@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ssd_helper
-from tierkv.codec import PLANES, RAW, Codec
+from tierkv.codec import PLANES, RAW, Codec, Header
 from tierkv.errors import ConfigError
 from tierkv.ssd_tier import SSDTier, record_footprint
 
@@ -88,17 +88,30 @@ def test_accepts_arrays_and_tensors_and_copies_them(tmp):
         assert tier.get(k(0)) == expect0 and tier.get(k(1)) == expect1
 
 
-def test_raw_64k_block_takes_16_pages(tmp):
+def test_raw_64k_block_takes_16_pages_and_bodies_are_page_aligned(tmp):
     with SSDTier(tmp, capacity_bytes=64 * MiB, fingerprint=FP, compression="none") as tier:
         tier.put(k(0), rand(65536))
         tier.flush()
-        before = tier.stats()["file_bytes"]
+        before = tier.stats()
         for i in range(1, 65):
             tier.put(k(i), rand(65536, i))
         tier.flush()
-        grown = tier.stats()["file_bytes"] - before
-    # 16 data pages each plus B-tree and copy-on-write pages; 17 data pages would exceed this
-    assert grown <= 64 * 16.5 * 4096, grown / 64 / 4096
+        after = tier.stats()
+    assert after["block_file_bytes"] - before["block_file_bytes"] == 64 * 16 * 4096
+    assert after["index_file_bytes"] < 64 * 4096  # the index holds ~200 bytes per record
+    blocks = (tmp / "blocks.dat").read_bytes()
+    found = sorted(blocks.index(rand(65536, i)) for i in range(65))
+    assert found == [i * 65536 for i in range(65)]  # every body at a page boundary, no gaps
+
+
+def test_small_payload_lives_in_the_index_and_tail_saves_a_page(tmp):
+    with SSDTier(tmp, capacity_bytes=64 * MiB, fingerprint=FP, compression="none") as tier:
+        tier.put(k(0), rand(1000))           # all of it in the head record
+        tier.put(k(1), rand(65536 + 500, 1))  # 16 pages + a 500-byte tail in the head
+        tier.flush()
+        assert tier.stats()["block_file_bytes"] == 16 * 4096
+        assert tier.get(k(0)) == rand(1000) and tier.get(k(1)) == rand(65536 + 500, 1)
+    assert record_footprint(48, 1000) < 4096 < record_footprint(48, 4096) < 2 * 4096
 
 
 def test_put_of_stored_key_is_a_no_op(tmp):
@@ -145,7 +158,7 @@ def fill(tier: SSDTier, ids: range, size: int = 65536) -> None:
 
 def test_capacity_bound_and_lru_eviction_order(tmp):
     cap = 2 * MiB
-    fp = record_footprint(32 + 16, 65520, 40 + 16)
+    fp = record_footprint(32 + 16, 65536)
     fits = cap // fp
     with SSDTier(tmp, capacity_bytes=cap, fingerprint=FP, compression="none") as tier:
         fill(tier, range(40))
@@ -176,6 +189,7 @@ def test_data_file_stays_within_capacity_plus_slack(tmp):
         s = tier.stats()
         assert s["current_bytes"] <= cap
         assert s["file_bytes"] <= cap + tier.slack_bytes, (s["file_bytes"], tier.slack_bytes)
+        assert s["block_file_bytes"] > cap // 2
         assert s["evictions"] > 0 and s["dropped_write_error"] == 0
         assert all(tier.get(k(i)) == (kv_like if i % 3 else rand)(len(tier.get(k(i))), i)
                    for i in range(380, 400))
@@ -216,11 +230,13 @@ def test_corrupt_record_is_deleted_counted_and_missed(tmp, caplog):
         tier.put(k(0), rand(20000))
         tier.put(k(1), rand(20000, 1))
         tier.flush()
-        nskey = tier._ns + k(0)
-        with tier._env.begin(write=True) as txn:  # damage the stored payload in place
-            body = bytearray(txn.get(nskey, db=tier._body))
-            body[1234] ^= 0x40
-            txn.put(nskey, bytes(body), db=tier._body)
+        with tier._env.begin() as txn:  # damage the stored payload in place
+            page = Header.unpack(txn.get(tier._ns + k(0), db=tier._head)).page
+        with open(tmp / "blocks.dat", "r+b") as f:
+            f.seek(page * 4096 + 1234)
+            byte = f.read(1)[0]
+            f.seek(page * 4096 + 1234)
+            f.write(bytes([byte ^ 0x40]))
         with caplog.at_level(logging.WARNING):
             assert tier.get(k(0)) is None
             assert tier.get(k(0)) is None
@@ -251,10 +267,11 @@ def test_sigkill_mid_stream_leaves_only_exact_blocks(tmp):
     assert set(range(flushed)) <= set(res["hits"])  # every flushed block survived
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_random_byte_flips_never_return_wrong_data(tmp, seed):
+@pytest.mark.parametrize("seed,name", [(1, "data.mdb"), (2, "data.mdb"), (3, "data.mdb"),
+                                       (4, "blocks.dat"), (5, "blocks.dat")])
+def test_random_byte_flips_never_return_wrong_data(tmp, seed, name):
     assert helper("write", tmp, 120, seed).returncode == 0
-    data = tmp / "data.mdb"
+    data = tmp / name
     size = data.stat().st_size
     rng = np.random.default_rng(seed)
     with open(data, "r+b") as f:
@@ -291,6 +308,107 @@ def test_truncated_environment_degrades_to_misses(tmp):
     with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP) as tier:
         assert tier.get_many([k(i) for i in range(20)]) == [None] * 20
         assert not tier.stats()["available"]
+
+
+def test_truncated_block_file_costs_only_the_cut_records(tmp):
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP, compression="none") as tier:
+        fill(tier, range(20))
+    blocks = tmp / "blocks.dat"
+    with open(blocks, "r+b") as f:
+        f.truncate(10 * 65536 + 100)  # cuts record 10 short; 11-19 are gone entirely
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP, compression="none") as tier:
+        got = tier.get_many([k(i) for i in range(20)])
+        assert got[:10] == [rand(65536, i) for i in range(10)]
+        assert got[10:] == [None] * 10
+        s = tier.stats()
+        assert s["available"] and s["corrupt_deleted"] == 10
+        assert s["block_file_bytes"] == 10 * 65536  # the torn tail is cut off at open
+        fill(tier, range(20, 25))                    # and its pages are reused
+        assert s["current_bytes"] == 10 * record_footprint(48, 65536)
+        assert tier.get_many([k(i) for i in range(20, 25)]) == [rand(65536, i)
+                                                                 for i in range(20, 25)]
+        assert tier.stats()["block_file_bytes"] == 15 * 65536
+
+
+def pages_of(tier: SSDTier, ids: range) -> dict[int, set[int]]:
+    out = {}
+    with tier._env.begin() as txn:
+        for i in ids:
+            head = txn.get(tier._ns + k(i), db=tier._head)
+            if head is not None:
+                hdr = Header.unpack(head)
+                out[i] = set(range(hdr.page, hdr.page + hdr.pages))
+    return out
+
+
+def test_evicted_pages_are_not_reused_under_a_running_read(tmp):
+    """A read that looked up a head before an eviction must never find another block's
+    bytes at its pages: their reuse waits for such reads (and for the sync of the eviction)."""
+    cap = 2 * MiB
+    with SSDTier(tmp, capacity_bytes=cap, fingerprint=FP, compression="none") as tier:
+        fill(tier, range(30))
+        old = pages_of(tier, range(30))
+        with tier._reading():                        # a read in flight since before the evictions
+            fill(tier, range(30, 60))
+            evicted = set().union(*(old[i] for i in old if k(i) not in tier))
+            assert evicted
+            new = set().union(*pages_of(tier, range(30, 60)).values())
+            assert not new & evicted
+        fill(tier, range(60, 200))                   # the read is over: pages are reused
+        assert tier.stats()["block_file_bytes"] <= cap + tier.slack_bytes
+        new = set().union(*pages_of(tier, range(60, 200)).values())
+        assert new & evicted
+        assert tier.stats()["dropped_no_room"] == 0
+
+
+def test_concurrent_reads_during_heavy_eviction_see_exact_bytes(tmp):
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    with SSDTier(tmp, capacity_bytes=MiB, fingerprint=FP, compression="none") as tier:
+        def reader() -> None:
+            try:
+                while not stop.is_set():
+                    for i in range(0, 400, 3):
+                        got = tier.get(k(i))
+                        assert got is None or got == rand(16384, i), i
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+        threads = [threading.Thread(target=reader) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for i in range(400):                         # ~6x the capacity
+            tier.put(k(i), rand(16384, i))
+            if i % 20 == 19:
+                tier.flush()
+        tier.flush()
+        stop.set()
+        for t in threads:
+            t.join()
+        s = tier.stats()
+    assert not errors
+    assert s["corrupt_deleted"] == 0 and s["evictions"] > 300 and s["dropped_no_room"] == 0
+
+
+def test_records_of_an_older_format_are_discarded(tmp, caplog):
+    import lmdb
+    import msgpack
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP) as tier:
+        fill(tier, range(5))
+    env = lmdb.open(str(tmp), max_dbs=8)
+    with env.begin(write=True) as txn:               # as a tier of record format 1 left it
+        meta = env.open_db(b"meta", txn=txn)
+        txn.put(b"tierkv", msgpack.packb({"format": 1, "created_at": 0.0}), db=meta)
+        txn.put(b"k", b"v", db=env.open_db(b"body", txn=txn))
+    env.close()
+    with caplog.at_level(logging.WARNING):
+        with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP) as tier:
+            assert tier.get_many([k(i) for i in range(5)]) == [None] * 5
+            s = tier.stats()
+            assert s["available"] and s["current_bytes"] == 0 and s["block_file_bytes"] == 0
+            fill(tier, range(5, 7))
+    assert any("format 1" in r.getMessage() for r in caplog.records)
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP) as tier:
+        assert tier.get(k(6)) == rand(65536, 6) and tier.get(k(0)) is None
 
 
 # ---------------------------------------------------------------------- async writes

@@ -1,17 +1,18 @@
 """On-disk record format of the SSD tier: a fixed header and a (compressed) payload.
 
-A record is stored as two LMDB values so that the page-rounded payload never
-carries the header:
+A record is stored in two places so that page rounding never carries the header:
 
-* ``head``: :data:`HEADER` (40 bytes) followed by an optional *tail*, the last
-  few bytes of the payload that would otherwise spill into one more 4 KiB
-  overflow page (see :func:`split_tail`);
-* ``body``: the rest of the payload.
+* the *head*, a small LMDB value: :data:`HEADER` (44 bytes) followed by an
+  optional *tail*, the last few bytes of the payload that would otherwise take
+  one more 4 KiB page (see :func:`split_tail`);
+* the *body*, the rest of the payload: whole pages of the block file, starting
+  at the page number in the header.
 
 Header fields (little endian): format version, codec, reserved, raw length,
 payload length, tail length, ``xxh3_64`` of the raw block (seeded with a hash
 of the namespaced key, so a record can never verify under another key),
-access clock, and ``xxh32`` of all preceding header bytes.
+access clock, first page of the body in the block file, and ``xxh32`` of all
+preceding header bytes.
 
 Codecs:
 
@@ -28,6 +29,7 @@ its own through :class:`Codec`, which keeps them in thread-local storage.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import threading
 from dataclasses import dataclass
@@ -38,20 +40,19 @@ import xxhash
 
 __all__ = [
     "RECORD_VERSION", "RAW", "ZSTD", "PLANES", "HEADER", "Header", "Codec",
-    "CorruptRecord", "checksum", "split_tail", "COMPRESSIONS",
+    "CorruptRecord", "checksum", "split_tail", "body_pages", "COMPRESSIONS",
 ]
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 RAW, ZSTD, PLANES = 0, 1, 2
 COMPRESSIONS = ("auto", "zstd", "none")
 
-# version, codec, reserved, raw_len, payload_len, tail_len, checksum, clock, header_check
-HEADER = struct.Struct("<BBHIIIQQI")
-_CHECKED = struct.Struct("<BBHIIIQQ")
+# version, codec, reserved, raw_len, payload_len, tail_len, checksum, clock, page, header_check
+HEADER = struct.Struct("<BBHIIIQQQI")
+_CHECKED = struct.Struct("<BBHIIIQQQ")
 _U32 = struct.Struct("<I")
 
 PAGE = 4096
-PAGE_HEADER = 16        # LMDB overflow pages start with a 16-byte page header
 TAIL_MAX = 1024         # longest tail moved into the small head record
 MAX_RAW_LEN = 1 << 31   # sanity bound checked before allocating for a record
 
@@ -68,17 +69,20 @@ def checksum(nskey: bytes, raw: Any) -> int:
 def split_tail(payload_len: int) -> int:
     """Bytes to move from the end of the payload into the head record.
 
-    LMDB stores a large value in ``ceil((len + 16) / 4096)`` overflow pages, so
-    a 65,536-byte payload takes 17 pages but 65,520 bytes take 16. Moving the
-    few bytes past the last whole page into the small head record saves that
-    page; tails longer than ``TAIL_MAX`` stay in the body (the head record would
-    crowd the B-tree leaves for little gain).
+    The body takes whole pages of the block file, so a 65,536-byte payload
+    takes 16 pages and 65,600 bytes would take 17. Moving the few bytes past
+    the last whole page into the small head record saves that page; tails
+    longer than ``TAIL_MAX`` stay in the body (the head record would crowd the
+    B-tree leaves for little gain). Payloads up to ``TAIL_MAX`` bytes live in
+    the head record alone.
     """
-    if payload_len + PAGE_HEADER < PAGE:
-        return 0
-    body = ((payload_len + PAGE_HEADER) // PAGE) * PAGE - PAGE_HEADER
-    tail = payload_len - body
+    tail = payload_len % PAGE
     return tail if tail <= TAIL_MAX else 0
+
+
+def body_pages(payload_len: int, tail_len: int) -> int:
+    """Pages of the block file that hold a payload's body."""
+    return -(-(payload_len - tail_len) // PAGE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +95,16 @@ class Header:
     tail_len: int
     checksum: int
     clock: int
+    page: int = 0
+
+    @property
+    def pages(self) -> int:
+        """Pages of the block file holding the body."""
+        return body_pages(self.payload_len, self.tail_len)
 
     def pack(self) -> bytes:
         fields = (RECORD_VERSION, self.codec, 0, self.raw_len, self.payload_len,
-                  self.tail_len, self.checksum, self.clock)
+                  self.tail_len, self.checksum, self.clock, self.page)
         return HEADER.pack(*fields, xxhash.xxh32_intdigest(_CHECKED.pack(*fields)))
 
     @classmethod
@@ -102,19 +112,22 @@ class Header:
         """Parse and verify a head record; raise :class:`CorruptRecord` if it does not verify."""
         if len(head) < HEADER.size:
             raise CorruptRecord(f"head record of {len(head)} bytes")
-        version, codec, _, raw_len, payload_len, tail_len, csum, clock, check = \
+        version, codec, _, raw_len, payload_len, tail_len, csum, clock, page, check = \
             HEADER.unpack_from(head)
         if xxhash.xxh32_intdigest(head[:_CHECKED.size]) != check:
             raise CorruptRecord("header check mismatch")
         if version != RECORD_VERSION or codec not in (RAW, ZSTD, PLANES):
             raise CorruptRecord(f"unknown record version {version} / codec {codec}")
-        if raw_len > MAX_RAW_LEN or tail_len > payload_len or len(head) != HEADER.size + tail_len:
+        if (max(raw_len, payload_len) > MAX_RAW_LEN or tail_len > payload_len
+                or len(head) != HEADER.size + tail_len):
             raise CorruptRecord("inconsistent lengths in header")
-        return cls(codec, raw_len, payload_len, tail_len, csum, clock)
+        return cls(codec, raw_len, payload_len, tail_len, csum, clock, page)
 
     def with_clock(self, clock: int) -> "Header":
-        return Header(self.codec, self.raw_len, self.payload_len, self.tail_len,
-                      self.checksum, clock)
+        return dataclasses.replace(self, clock=clock)
+
+    def at_page(self, page: int) -> "Header":
+        return dataclasses.replace(self, page=page)
 
 
 class Codec:

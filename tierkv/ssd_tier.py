@@ -1,15 +1,29 @@
-"""The SSD tier: a capacity-bounded, checksummed, crash-safe block store in LMDB.
+"""The SSD tier: a capacity-bounded, checksummed, crash-safe block store.
 
-Layout of the environment under ``path`` (named databases):
+Two files under ``path``:
 
-* ``meta``: ``tierkv`` -> msgpack ``{format, created_at}``; ``state`` -> used
-  bytes and the access clock; ``ns:<prefix>`` -> msgpack ``{fingerprint,
-  block_nbytes, compression, created_at}`` for every namespace ever opened.
-* ``head``: namespaced key -> 40-byte record header (+ a short payload tail),
-  see :mod:`tierkv.codec`.
-* ``body``: namespaced key -> payload (page-aligned where possible).
-* ``lru``: 8-byte big-endian access clock -> namespaced key; its first entry
-  is the least recently used record.
+* ``blocks.dat``: the payloads, each in a run of whole 4 KiB pages written
+  with ``pwrite`` straight from the encoded block (no intermediate copy, no
+  page headers), allocated best-fit by :class:`tierkv.extents.ExtentMap`.
+* ``data.mdb``: an LMDB environment, the index (named databases):
+
+  * ``meta``: ``tierkv`` -> msgpack ``{format, created_at}``; ``state`` ->
+    used bytes and the access clock; ``ns:<prefix>`` -> msgpack
+    ``{fingerprint, block_nbytes, compression, created_at}`` for every
+    namespace ever opened.
+  * ``head``: namespaced key -> 44-byte record header (first page, lengths,
+    checksum, access clock) + a short payload tail, see :mod:`tierkv.codec`.
+  * ``lru``: 8-byte big-endian access clock -> namespaced key; its first
+    entry is the least recently used record.
+
+A record becomes visible when its head is committed, after its body was
+written. Pages of a deleted or evicted record are reused only once the
+deletion is synced to disk and no reader that could still hold the old head
+is running, so a crash or a concurrent read never pairs a head with another
+record's bytes (and if the disk reorders writes anyway, the checksum catches
+it). Pages of ``blocks.dat`` that no head points to (a crash between
+``pwrite`` and commit) are free again at the next open, which rebuilds the
+free-space map from the heads.
 
 Fingerprints get separate namespaces: every key is stored under a 16-byte
 prefix derived from the format version and the fingerprint, so blocks of
@@ -17,7 +31,7 @@ another fingerprint are never visible; they age out through the shared LRU.
 
 Writes are asynchronous: :meth:`SSDTier.put` copies the block into a queue
 bounded by bytes and returns; one writer thread encodes, evicts and commits
-many blocks per write transaction, then syncs. Reads verify the header and an
+many blocks per write transaction, then syncs both files. Reads verify the header and an
 ``xxh3_64`` checksum; a record that does not verify is deleted and reported
 as a miss. Failures of the environment (corruption, I/O errors, use after
 ``fork()``) are logged once with the path and degrade the tier to misses and
@@ -31,6 +45,7 @@ sees it as disabled and must open its own.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -41,9 +56,12 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from tierkv.codec import (HEADER, PAGE, PAGE_HEADER, RECORD_VERSION, Codec, CorruptRecord,
-                          Header, checksum, split_tail)
+import numpy as np
+
+from tierkv.codec import (HEADER, PAGE, RECORD_VERSION, Codec, CorruptRecord, Header,
+                          body_pages, checksum, split_tail)
 from tierkv.errors import ConfigError
+from tierkv.extents import ExtentMap
 
 __all__ = ["SSDTier"]
 
@@ -52,17 +70,17 @@ log = logging.getLogger(__name__)
 _STATE = struct.Struct("<QQ")   # used bytes, access clock
 _CLOCK = struct.Struct(">Q")    # big endian: LMDB key order == clock order
 _NODE = 10                      # LMDB leaf node header + index slot, per record
-_INLINE_MAX = 2000              # larger key + value pairs go to overflow pages
 _NS_LEN = 16
 _MAX_TOUCHED = 1 << 16          # pending recency updates kept between writer batches
 _TOUCH_INTERVAL_S = 1.0
 _LINGER_S = 0.005               # a writer that woke on one put waits this long for a batch to fill
 _SYNC_BYTES = 64 * 1024**2      # unsynced commits are synced at a flush, past this many bytes,
 _SYNC_INTERVAL_S = 1.0          # or after this long
-_MAX_ATTEMPTS = 3
+_MAX_ATTEMPTS = 4
 _OPEN_PATHS: set[str] = set()   # LMDB forbids opening one environment twice in a process
 _OPEN_LOCK = threading.Lock()
 _CLEAN = "tierkv.clean"         # written by close(); its absence at open means an unclean shutdown
+_BLOCKS = "blocks.dat"          # the payloads
 
 # Run in a child: every page the B-tree reaches is read, and every value must lie
 # inside data.mdb (checked by address, without reading overflow pages).
@@ -111,17 +129,15 @@ def _walk_in_subprocess(path: Path, timeout: float = 600.0) -> str | None:
     return (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1]
 
 
-def record_footprint(key_len: int, body_len: int, head_len: int) -> int:
-    """Bytes one record occupies in the environment, as counted against the capacity.
+def record_footprint(key_len: int, payload_len: int) -> int:
+    """Bytes one record occupies, as counted against the capacity.
 
-    Overflow values take whole pages (with a 16-byte page header); small values
-    live in leaf pages. The LRU entry is counted too.
+    The body's whole pages in the block file, plus the head record (header and
+    tail) and the LRU entry in the index.
     """
-    if key_len + body_len + _NODE > _INLINE_MAX:
-        body = -(-(body_len + PAGE_HEADER) // PAGE) * PAGE + key_len + _NODE
-    else:
-        body = key_len + body_len + _NODE
-    return body + (key_len + head_len + _NODE) + (_CLOCK.size + key_len + _NODE)
+    tail = split_tail(payload_len)
+    return (body_pages(payload_len, tail) * PAGE + (key_len + HEADER.size + tail + _NODE)
+            + (_CLOCK.size + key_len + _NODE))
 
 
 def namespace_of(fingerprint: bytes) -> bytes:
@@ -131,7 +147,7 @@ def namespace_of(fingerprint: bytes) -> bytes:
 
 
 class _Encoded:
-    """A block ready to be written: head and body values and its footprint."""
+    """A block ready to be written: header, body, tail and footprint."""
 
     __slots__ = ("nskey", "header", "body", "tail", "footprint", "raw_len")
 
@@ -144,7 +160,11 @@ class _Encoded:
         self.body = view[:len(payload) - ntail]
         self.tail = bytes(view[len(payload) - ntail:])
         self.header = Header(kind, len(raw), len(payload), ntail, checksum(nskey, raw), 0)
-        self.footprint = record_footprint(len(nskey), len(self.body), HEADER.size + ntail)
+        self.footprint = record_footprint(len(nskey), len(payload))
+
+    @property
+    def pages(self) -> int:
+        return self.header.pages
 
     def head(self, clock: int) -> bytes:
         return self.header.with_clock(clock).pack() + self.tail
@@ -162,9 +182,11 @@ class SSDTier:
     data are dropped), ``block_nbytes`` (when given, every block must have
     exactly this size).
 
-    The data file stays below ``capacity_bytes + slack_bytes`` (the LMDB map
-    size): the slack holds B-tree pages and pages freed by the last two
-    transactions, which LMDB cannot reuse yet.
+    Each file stays below ``capacity_bytes + slack_bytes``: the block file's
+    free-space map never hands out pages past that, and it is the LMDB map
+    size. The slack holds pages freed but not yet reusable (see the module
+    docstring) and fragmentation; the index itself is small (about 200 bytes
+    per record).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, capacity_bytes: int,
@@ -184,6 +206,7 @@ class SSDTier:
         self._pid = os.getpid()
         self._init_state()
         self._env: Any = None
+        self._fd = -1
         self._register_path()
         try:
             self._open()
@@ -199,7 +222,9 @@ class SSDTier:
     def _init_state(self) -> None:
         self._cond = threading.Condition()
         self._queue: deque[tuple[bytes, bytes]] = deque()
-        self._pending: dict[bytes, bytes] = {}
+        self._pending: dict[bytes, bytes | bytearray] = {}
+        self._spare: dict[int, list[bytearray]] = {}  # copy buffers for reuse, by size
+        self._spare_bytes = 0
         self._queued_bytes = 0
         self._touched: dict[bytes, None] = {}
         self._bad: dict[bytes, int] = {}
@@ -207,6 +232,12 @@ class SSDTier:
         self._flush_done = 0
         self._unsynced = 0
         self._last_sync = time.monotonic()
+        self._extents = ExtentMap(0)
+        self._quarantine: list[tuple[int, list[tuple[int, int]]]] = []  # (commit, extents)
+        self._commits = 0            # write transactions committed since open
+        self._synced_commits = 0     # ... of which are synced to disk
+        self._readers: dict[int, int] = {}  # commit count when a read began -> reads running
+        self._read_lock = threading.Lock()
         self._stop = False
         self._closed = False
         self._broken: str | None = None
@@ -216,7 +247,7 @@ class SSDTier:
             "puts", "puts_present", "dropped_queue_full", "dropped_unavailable",
             "dropped_write_error", "blocks_written", "batches_committed", "bytes_raw",
             "bytes_stored", "gets", "hits", "misses", "corrupt_deleted", "read_errors",
-            "evictions", "map_full_retries", "syncs"), 0)
+            "evictions", "map_full_retries", "syncs", "dropped_no_room"), 0)
 
     def _register_path(self) -> None:
         real = os.path.realpath(self.path)
@@ -234,7 +265,7 @@ class SSDTier:
         import lmdb
         existed = (self.path / "data.mdb").exists()
         if not existed and self.path.exists() and not {p.name for p in self.path.iterdir()} <= {
-                "lock.mdb", _CLEAN}:
+                "lock.mdb", _CLEAN, _BLOCKS}:
             raise ConfigError(f"path: {self.path} is a non-empty directory without an LMDB "
                               "environment; refusing to write into it")
         self.path.mkdir(exist_ok=True)
@@ -259,6 +290,8 @@ class SSDTier:
             raise
         except lmdb.Error as exc:
             self._fail("open", f"cannot read the LMDB environment: {exc}")
+            return
+        self._open_blocks()
 
     def _open_env(self) -> Any:
         import lmdb
@@ -313,23 +346,90 @@ class SSDTier:
         env = self._env
         self._meta = env.open_db(b"meta")
         self._head = env.open_db(b"head")
-        self._body = env.open_db(b"body")
         self._lru = env.open_db(b"lru")
         now = time.time()
         with env.begin(write=True) as txn:
-            if txn.get(b"tierkv", db=self._meta) is None:
+            info = txn.get(b"tierkv", db=self._meta)
+            if info is None:
                 if txn.stat(self._head)["entries"]:
                     raise ConfigError(f"path: {self.path} holds an LMDB environment that "
                                       "tierkv did not create; refusing to use it")
-                txn.put(b"tierkv", msgpack.packb({"format": RECORD_VERSION, "created_at": now}),
-                        db=self._meta)
-                txn.put(b"state", _STATE.pack(0, 0), db=self._meta)
+                self._init_meta(txn, now)
+            elif _format_of(info) != RECORD_VERSION:
+                self._discard_old_format(txn, _format_of(info), now)
             nskey = b"ns:" + self._ns
             if txn.get(nskey, db=self._meta) is None:
                 txn.put(nskey, msgpack.packb({
                     "fingerprint": self.fingerprint, "block_nbytes": self.block_nbytes,
                     "compression": self.compression, "created_at": now}), db=self._meta)
         self._env.sync(True)
+
+    def _init_meta(self, txn: Any, now: float) -> None:
+        import msgpack
+        txn.put(b"tierkv", msgpack.packb({"format": RECORD_VERSION, "created_at": now}),
+                db=self._meta)
+        txn.put(b"state", _STATE.pack(0, 0), db=self._meta)
+
+    def _discard_old_format(self, txn: Any, found: object, now: float) -> None:
+        """Records of another format version cannot be read: drop them (it is a cache)."""
+        import lmdb
+        log.warning("SSD tier at %s: records of format %r are not readable by format %d; "
+                    "discarding %d of them", self.path, found, RECORD_VERSION,
+                    txn.stat(self._head)["entries"])
+        for name in (b"head", b"lru", b"body"):
+            try:
+                db = self._env.open_db(name, txn=txn, create=False)
+            except lmdb.NotFoundError:
+                continue
+            txn.drop(db, delete=name == b"body")
+        self._init_meta(txn, now)
+
+    def _open_blocks(self) -> None:
+        """Open the block file and rebuild its free-space map from the heads."""
+        try:
+            self._fd = os.open(self.path / _BLOCKS, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._load_extents()
+        except OSError as exc:
+            self._fail("open", f"cannot open {_BLOCKS}: {exc}")
+        except Exception as exc:  # lmdb.Error, or a head LMDB returns malformed
+            self._fail("open", f"cannot read the index: {exc!r}")
+
+    def _load_extents(self) -> None:
+        """Scan every head: drop records that do not verify or point past the block
+        file or into another record's pages; recount the used bytes; free the rest."""
+        size = os.fstat(self._fd).st_size
+        good: dict[bytes, tuple[int, int, int]] = {}   # nskey -> (page, pages, footprint)
+        bad: list[bytes] = []
+        with self._env.begin(write=True, buffers=True) as txn:
+            for nskey, head in txn.cursor(db=self._head).iternext():
+                nskey = bytes(nskey)
+                try:
+                    hdr = Header.unpack(bytes(head))
+                except CorruptRecord:
+                    bad.append(nskey)
+                    continue
+                body_len = hdr.payload_len - hdr.tail_len
+                if body_len and hdr.page * PAGE + body_len > size:
+                    bad.append(nskey)  # its body was never written in full (a torn file)
+                    continue
+                good[nskey] = (hdr.page, hdr.pages, record_footprint(len(nskey), hdr.payload_len))
+            extents = {(p, n): k for k, (p, n, _) in good.items() if n}
+            for extent in ExtentMap.overlapping(extents):
+                bad.append(extents[extent])
+                del good[extents[extent]]
+            for nskey in bad:
+                txn.delete(nskey, db=self._head)
+            used = sum(fp for _, _, fp in good.values())
+            clock = _STATE.unpack(txn.get(b"state", db=self._meta))[1]
+            txn.put(b"state", _STATE.pack(used, clock), db=self._meta)
+        if bad:
+            self._count("corrupt_deleted", len(bad))
+            self._log_once("corrupt", "deleted %d records whose header or pages do not verify "
+                           "at open", len(bad))
+        limit = (self.capacity_bytes + self.slack_bytes) // PAGE
+        self._extents = ExtentMap(limit, [(p, n) for p, n, _ in good.values() if n])
+        if size > self._extents.high_water * PAGE:
+            os.ftruncate(self._fd, self._extents.high_water * PAGE)
 
     # ================================================================== health
 
@@ -389,14 +489,40 @@ class SSDTier:
         if self._queued_bytes + nbytes > self.queue_capacity_bytes:
             self._count("dropped_queue_full")
             return False
-        return self._enqueue(nskey, _to_bytes(data))
+        return self._enqueue(nskey, data if isinstance(data, bytes) else self._copy_in(data))
 
-    def _enqueue(self, nskey: bytes, raw: bytes) -> bool:
+    def _copy_in(self, data: Any) -> bytearray:
+        """A private copy of a mutable block, in a recycled buffer (fresh allocations
+        page-fault, which makes the copy several times slower than a memcpy)."""
+        from tierkv.cpu_tier import _as_numpy
+        arr = _as_numpy(data, "data")
+        if not arr.flags.c_contiguous:
+            raise ValueError("data: must be C-contiguous")
+        with self._cond:
+            spare = self._spare.get(arr.nbytes)
+            buf = spare.pop() if spare else None
+            if buf is not None:
+                self._spare_bytes -= len(buf)
+        if buf is None:
+            buf = bytearray(arr.nbytes)
+        np.copyto(np.frombuffer(buf, dtype=np.uint8), arr.reshape(-1).view(np.uint8))
+        return buf
+
+    def _recycle(self, raw: bytes | bytearray) -> None:
+        """Keep a copy buffer for reuse, up to the queue's capacity in all. Hold ``_cond``."""
+        if isinstance(raw, bytearray) and self._spare_bytes + len(raw) <= self.queue_capacity_bytes:
+            self._spare.setdefault(len(raw), []).append(raw)
+            self._spare_bytes += len(raw)
+
+    def _enqueue(self, nskey: bytes, raw: bytes | bytearray) -> bool:
         with self._cond:
             if self._queued_bytes + len(raw) > self.queue_capacity_bytes:
                 self._count("dropped_queue_full")
+                self._recycle(raw)
                 return False
-            if nskey not in self._pending:
+            if nskey in self._pending:
+                self._recycle(raw)
+            else:
                 self._queue.append((nskey, raw))
                 self._pending[nskey] = raw
                 self._queued_bytes += len(raw)
@@ -457,32 +583,75 @@ class SSDTier:
     def _read_records(self, nskeys: list[bytes]) -> list[Any]:
         """Per key: pending raw bytes, ``(header, payload)`` to verify, or None."""
         import lmdb
-        records: list[Any] = [self._pending.get(k) for k in nskeys]
-        try:
-            with self._env.begin(buffers=True) as txn:
-                for i, nskey in enumerate(nskeys):
-                    if records[i] is None:
-                        records[i] = self._read_one(txn, nskey)
-        except lmdb.Error as exc:
-            self._count("read_errors")
-            self._log_once("read", "read failed, reporting misses: %s", exc)
-            return [r if isinstance(r, bytes) else None for r in records]
+        with self._cond:  # the writer recycles a pending buffer once it is written
+            records: list[Any] = [_frozen(self._pending.get(k)) for k in nskeys]
+        with self._reading():
+            try:
+                with self._env.begin(buffers=True) as txn:
+                    heads = [None if rec is not None else txn.get(nskey, db=self._head)
+                             for nskey, rec in zip(nskeys, records)]
+                    heads = [None if h is None else bytes(h) for h in heads]
+            except lmdb.Error as exc:
+                self._count("read_errors")
+                self._log_once("read", "read failed, reporting misses: %s", exc)
+                return [r if isinstance(r, bytes) else None for r in records]
+            parsed = [None if h is None else _parse_head(h) for h in heads]
+            self._prefetch([h for h in parsed if isinstance(h, Header)])
+            for i, (head, hdr) in enumerate(zip(heads, parsed)):
+                if head is not None:
+                    records[i] = (None, head) if hdr is None else self._read_payload(hdr, head)
         return records
 
-    def _read_one(self, txn: Any, nskey: bytes) -> tuple[Header | None, bytes] | None:
-        """Copy one record out of the transaction (views die with it); no decoding here."""
-        head = txn.get(nskey, db=self._head)
-        if head is None:
-            return None
-        head = bytes(head)
-        body = txn.get(nskey, db=self._body)
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Mark a read as running: pages freed by later commits stay unused until it ends."""
+        with self._read_lock:
+            start = self._commits
+            self._readers[start] = self._readers.get(start, 0) + 1
         try:
-            hdr = Header.unpack(head)
-            if body is None or len(body) + hdr.tail_len != hdr.payload_len:
-                raise CorruptRecord("payload length does not match the header")
-        except CorruptRecord:
-            return (None, head)
-        return hdr, b"".join((body, head[HEADER.size:]))
+            yield
+        finally:
+            with self._read_lock:
+                left = self._readers[start] - 1
+                if left:
+                    self._readers[start] = left
+                else:
+                    del self._readers[start]
+
+    def _prefetch(self, hdrs: list[Header]) -> None:
+        """Have the kernel start reading a batch's bodies at once: the disk serves them in
+        parallel and in any order, where one read at a time waits for each in turn."""
+        if len(hdrs) < 2:
+            return
+        runs: list[list[int]] = []
+        for page, pages in sorted((h.page, h.pages) for h in hdrs if h.pages):
+            if runs and runs[-1][1] >= page:
+                runs[-1][1] = max(runs[-1][1], page + pages)
+            else:
+                runs.append([page, page + pages])
+        try:
+            for first, end in runs:
+                os.posix_fadvise(self._fd, first * PAGE, (end - first) * PAGE,
+                                 os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # only a hint
+
+    def _read_payload(self, hdr: Header, head: bytes) -> tuple[Header | None, bytes] | None:
+        """The payload a verified head points to (not decoded, not verified); None on an
+        I/O error."""
+        tail = head[HEADER.size:]
+        body_len = hdr.payload_len - hdr.tail_len
+        if not body_len:
+            return hdr, tail
+        try:
+            body = os.pread(self._fd, body_len, hdr.page * PAGE)
+        except OSError as exc:
+            self._count("read_errors")
+            self._log_once("read", "reading %s failed, reporting misses: %s", _BLOCKS, exc)
+            return None
+        if len(body) != body_len:
+            return (None, head)  # the block file ends inside this body
+        return hdr, body + tail if tail else body
 
     def _verify(self, nskey: bytes, rec: tuple[Header | None, bytes] | None) -> bytes | None:
         if rec is None:
@@ -553,6 +722,7 @@ class SSDTier:
                 for nskey, raw in batch:
                     self._pending.pop(nskey, None)
                     self._queued_bytes = max(0, self._queued_bytes - len(raw))
+                    self._recycle(raw)
                 if ticket:
                     self._flush_done = max(self._flush_done, ticket)
                 self._cond.notify_all()
@@ -583,10 +753,13 @@ class SSDTier:
         try:
             encoded = [_Encoded(k, raw, self._codec) for k, raw in batch]
             if not self._write_with_retries(encoded, touched, bad, sync):
-                self._count("dropped_write_error", len(encoded))
+                self._count("dropped_no_room", len(encoded))
         except lmdb.Error as exc:
             self._count("dropped_write_error", len(batch))
             self._fail("write", f"write failed: {exc!r}")
+        except OSError as exc:  # the block file: disk full, I/O error
+            self._count("dropped_write_error", len(batch))
+            self._log_once("pwrite", "writing %s failed, dropping the batch: %s", _BLOCKS, exc)
         except Exception:
             self._count("dropped_write_error", len(batch))
             log.exception("SSD tier at %s: unexpected error in the writer; batch dropped",
@@ -594,57 +767,115 @@ class SSDTier:
 
     def _write_with_retries(self, encoded: list[_Encoded], touched: list[bytes],
                             bad: list[bytes], sync: bool) -> bool:
-        """Commit one batch (evicting and retrying on a full map); sync when asked to."""
+        """Commit one batch, evicting more and retrying when the block file has no
+        room for it or the map is full; sync when asked to. False: the batch was dropped."""
         import lmdb
+        stored = not (encoded or touched or bad)
+        step = max(self.capacity_bytes // 8, sum(e.footprint for e in encoded))
         for attempt in range(_MAX_ATTEMPTS):
+            if stored:
+                break
+            extra = max(0, attempt - 1) * step  # first retry: only the synced evictions
             try:
-                if attempt:
-                    self._make_room(attempt * max(self.capacity_bytes // 8,
-                                                  sum(e.footprint for e in encoded)))
-                if encoded or touched or bad:
-                    self._commit(encoded, touched, bad)
-                    self._unsynced += sum(e.footprint for e in encoded) + 1
-                if sync and self._unsynced:
-                    self._env.sync(True)
-                    self._count("syncs")
-                    self._unsynced = 0
-                    self._last_sync = time.monotonic()
-                return True
+                stored = self._commit(encoded, touched, bad, extra)
+                if not stored:  # evictions committed: make them durable so their pages free up
+                    touched, bad = [], []
+                    self._sync()
             except lmdb.MapFullError:
                 self._count("map_full_retries")
                 self._log_once("mapfull", "the map is full (fragmented free pages); evicting "
                                "more and retrying")
-        return False
+                self._make_room(max(step, extra))
+        if self._unsynced and (sync or not stored):
+            self._sync()
+        return stored
+
+    def _sync(self) -> None:
+        """Make every commit so far durable (block file first), then reuse the pages
+        they freed where no read could still see them."""
+        os.fdatasync(self._fd)
+        self._env.sync(True)
+        self._count("syncs")
+        self._unsynced = 0
+        self._last_sync = time.monotonic()
+        self._synced_commits = self._commits
+        self._release()
+
+    def _release(self) -> None:
+        with self._read_lock:
+            oldest = min(self._readers, default=self._commits)
+        ready = min(oldest, self._synced_commits)
+        waiting = []
+        for commit, extents in self._quarantine:
+            if commit <= ready:
+                for page, pages in extents:
+                    self._extents.free(page, pages)
+            else:
+                waiting.append((commit, extents))
+        self._quarantine = waiting
 
     def _make_room(self, extra: int) -> None:
         """Evict ``extra`` bytes beyond the capacity and commit twice, so that the
-        freed pages become reusable (LMDB reuses pages two commits after freeing)."""
+        freed LMDB pages become reusable (LMDB reuses pages two commits after freeing)."""
         self._commit([], [], [], extra=extra)
         self._commit([], [], [])
 
     def _commit(self, encoded: list[_Encoded], touched: list[bytes], bad: list[bytes],
-                extra: int = 0) -> None:
-        """One write transaction: drop bad records, apply accesses, evict, insert."""
-        with self._env.begin(write=True, buffers=True) as txn:
-            used, clock = _STATE.unpack(txn.get(b"state", db=self._meta))
-            for nskey in bad:
-                freed = self._delete(txn, nskey)
-                if freed:  # a second report of the same record finds it gone
-                    used -= freed
-                    self._count("corrupt_deleted")
-            for nskey in touched:
-                clock = self._retouch(txn, nskey, clock)
-            new = [e for e in encoded if txn.get(e.nskey, db=self._head) is None]
-            need = sum(e.footprint for e in new) + extra
-            used = self._evict(txn, max(used, 0), self.capacity_bytes - need)
-            for e in new:
-                clock += 1
-                txn.put(e.nskey, e.head(clock), db=self._head)
-                txn.put(e.nskey, e.body, db=self._body)
-                txn.put(_CLOCK.pack(clock), e.nskey, db=self._lru)
-                used += e.footprint
-            txn.put(b"state", _STATE.pack(max(used, 0), clock), db=self._meta)
-        self._account(new)
+                extra: int = 0) -> bool:
+        """One write transaction: drop bad records, apply accesses, evict, write the new
+        bodies and insert their heads. False if the block file had no room for them
+        (everything else is committed)."""
+        freed: list[tuple[int, int]] = []
+        taken: list[tuple[int, int]] = []
+        try:
+            with self._env.begin(write=True, buffers=True) as txn:
+                used, clock = _STATE.unpack(txn.get(b"state", db=self._meta))
+                for nskey in bad:
+                    fp = self._delete(txn, nskey, freed)
+                    if fp:  # a second report of the same record finds it gone
+                        used -= fp
+                        self._count("corrupt_deleted")
+                for nskey in touched:
+                    clock = self._retouch(txn, nskey, clock)
+                new = [e for e in encoded if txn.get(e.nskey, db=self._head) is None]
+                need = sum(e.footprint for e in new) + extra
+                used = self._evict(txn, max(used, 0), self.capacity_bytes - need, freed)
+                placed = self._place(new, taken)
+                if placed:
+                    for e in new:
+                        _pwrite_all(self._fd, e.body, e.header.page * PAGE)
+                        clock += 1
+                        txn.put(e.nskey, e.head(clock), db=self._head)
+                        txn.put(_CLOCK.pack(clock), e.nskey, db=self._lru)
+                        used += e.footprint
+                    self._unsynced += sum(len(e.body) for e in new)
+                txn.put(b"state", _STATE.pack(max(used, 0), clock), db=self._meta)
+        except BaseException:
+            for page, pages in taken:
+                self._extents.free(page, pages)
+            raise
+        self._commits += 1
+        self._unsynced += 1
+        if freed:
+            self._quarantine.append((self._commits, freed))
+        if placed:
+            self._account(new)
+        return placed
+
+    def _place(self, new: list[_Encoded], taken: list[tuple[int, int]]) -> bool:
+        """Give every new record's body pages in the block file (all or none)."""
+        for e in new:
+            if not e.pages:
+                continue
+            page = self._extents.allocate(e.pages)
+            if page is None:
+                for extent in taken:
+                    self._extents.free(*extent)
+                taken.clear()
+                return False
+            taken.append((page, e.pages))
+            e.header = e.header.at_page(page)
+        return True
 
     def _account(self, new: list[_Encoded]) -> None:
         with self._stats_lock:
@@ -654,31 +885,35 @@ class SSDTier:
             c["bytes_raw"] += sum(e.raw_len for e in new)
             c["bytes_stored"] += sum(e.header.payload_len for e in new)
 
-    def _evict(self, txn: Any, used: int, target: int) -> int:
+    def _evict(self, txn: Any, used: int, target: int, freed: list[tuple[int, int]]) -> int:
         """Delete least recently used records until ``used <= target``; return ``used``."""
         cur = txn.cursor(db=self._lru)
         while used > target and cur.first():
             nskey = bytes(cur.value())
             cur.delete()
-            used -= self._delete(txn, nskey, lru=False)
+            used -= self._delete(txn, nskey, freed, lru=False)
             self._count("evictions")
         return used
 
-    def _delete(self, txn: Any, nskey: bytes, lru: bool = True) -> int:
-        """Remove one record; return the footprint it had (0 if absent)."""
+    def _delete(self, txn: Any, nskey: bytes, freed: list[tuple[int, int]],
+                lru: bool = True) -> int:
+        """Remove one record, adding its body pages to ``freed``; return its footprint
+        (0 if absent). A head that does not verify frees no pages (its pages are
+        recovered at the next open, which rebuilds the free-space map)."""
         head = txn.get(nskey, db=self._head)
-        body = txn.get(nskey, db=self._body)
-        if head is None and body is None:
+        if head is None:
             return 0
-        fp = record_footprint(len(nskey), len(body) if body is not None else 0,
-                              len(head) if head is not None else 0)
-        if lru and head is not None and len(head) >= HEADER.size:
-            clock = HEADER.unpack_from(head)[7]
-            if txn.get(_CLOCK.pack(clock), db=self._lru) == nskey:
-                txn.delete(_CLOCK.pack(clock), db=self._lru)
+        head = bytes(head)
         txn.delete(nskey, db=self._head)
-        txn.delete(nskey, db=self._body)
-        return fp
+        try:
+            hdr = Header.unpack(head)
+        except CorruptRecord:
+            return len(head)
+        if lru and txn.get(_CLOCK.pack(hdr.clock), db=self._lru) == nskey:
+            txn.delete(_CLOCK.pack(hdr.clock), db=self._lru)
+        if hdr.pages:
+            freed.append((hdr.page, hdr.pages))
+        return record_footprint(len(nskey), hdr.payload_len)
 
     def _retouch(self, txn: Any, nskey: bytes, clock: int) -> int:
         """Move one record to the most recent end of the LRU order."""
@@ -708,8 +943,9 @@ class SSDTier:
         out["capacity_bytes"] = self.capacity_bytes
         out["queued_bytes"] = self._queued_bytes
         out["current_bytes"] = self._used_bytes()
-        data = self.path / "data.mdb"
-        out["file_bytes"] = data.stat().st_size if data.exists() else 0
+        out["index_file_bytes"] = _size(self.path / "data.mdb")
+        out["block_file_bytes"] = _size(self.path / _BLOCKS)
+        out["file_bytes"] = out["index_file_bytes"] + out["block_file_bytes"]
         out["available"] = self._broken is None and not self._closed
         return out
 
@@ -737,6 +973,9 @@ class SSDTier:
             self._cond.notify_all()
         self._writer.join()
         self._closed = True
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if self._env is not None:
             self._env.close()
             if self._broken is None:
@@ -758,6 +997,14 @@ class SSDTier:
 
 
 # ====================================================================== argument checks
+
+def _format_of(info: Any) -> object:
+    import msgpack
+    try:
+        return msgpack.unpackb(bytes(info)).get("format")
+    except Exception:  # a damaged meta record: treated as an unknown format
+        return None
+
 
 def _check_key(key: object, what: str) -> bytes:
     if not isinstance(key, bytes):
@@ -810,6 +1057,19 @@ def _check_path(value: object) -> Path:
     return path
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
 def _nbytes(data: Any) -> int:
     if isinstance(data, (bytes, bytearray)):
         return len(data)
@@ -824,15 +1084,12 @@ def _nbytes(data: Any) -> int:
                      f"got {type(data).__name__}")
 
 
-def _to_bytes(data: Any) -> bytes:
-    """An immutable copy of ``data`` (``bytes`` are shared, not copied)."""
-    if isinstance(data, bytes):
-        return data
-    if isinstance(data, (bytearray, memoryview)):
-        return bytes(data)
-    from tierkv.cpu_tier import _as_numpy
-    arr = _as_numpy(data, "data")
-    if not arr.flags.c_contiguous:
-        raise ValueError("data: must be C-contiguous")
-    return arr.tobytes()
+def _parse_head(head: bytes) -> Header | None:
+    try:
+        return Header.unpack(head)
+    except CorruptRecord:
+        return None
 
+
+def _frozen(raw: bytes | bytearray | None) -> bytes | None:
+    return bytes(raw) if isinstance(raw, bytearray) else raw
