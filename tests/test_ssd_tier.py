@@ -525,6 +525,11 @@ def test_unwritable_path(tmp_path):
             SSDTier(ro / "ssd", capacity_bytes=4 * MiB, fingerprint=FP)
     finally:
         ro.chmod(0o700)
+    with SSDTier(ro / "ssd", capacity_bytes=4 * MiB, fingerprint=FP) as tier:
+        tier.put(k(0), rand(8192))
+    (ro / "ssd" / "blocks.dat").chmod(0o400)
+    with pytest.raises(ConfigError, match="blocks.dat"):
+        SSDTier(ro / "ssd", capacity_bytes=4 * MiB, fingerprint=FP)
 
 
 def test_trickled_puts_share_commits_and_syncs(tmp):

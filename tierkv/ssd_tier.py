@@ -1051,9 +1051,9 @@ def _check_path(value: object) -> Path:
     target = path if path.exists() else path.parent
     if not os.access(target, os.W_OK | os.X_OK):
         raise ConfigError(f"path: {target} is not writable")
-    if path.exists() and (path / "data.mdb").exists() and not os.access(path / "data.mdb",
-                                                                          os.R_OK | os.W_OK):
-        raise ConfigError(f"path: {path / 'data.mdb'} is not readable and writable")
+    for name in ("data.mdb", _BLOCKS):
+        if (path / name).exists() and not os.access(path / name, os.R_OK | os.W_OK):
+            raise ConfigError(f"path: {path / name} is not readable and writable")
     return path
 
 
