@@ -10,7 +10,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -322,3 +322,241 @@ class SlotIndexModel(RuleBasedStateMachine):
 
 TestSlotIndexModel = SlotIndexModel.TestCase
 TestSlotIndexModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+# ---------------------------------------------------------------------- batch bookkeeping
+
+class SlotIndexBatchModel(SlotIndexModel):
+    """The model above plus the batch methods: ``allocate_many`` is ``try_allocate`` per
+    key except that keys placed by the call are never evicted by it."""
+
+    @rule(batch=st.lists(SlotIndexModel.keys, max_size=6))
+    def allocate_many(self, batch):
+        placed: set[bytes] = set()
+        expect_slot: list[bool] = []
+        expect_evicted: list[bytes] = []
+        for key in batch:
+            if key in self.present():
+                if key in self.lru:
+                    self.lru.move_to_end(key)
+                    placed.add(key)
+                expect_slot.append(True)
+                continue
+            if len(self.present()) == self.N:
+                victim = next(iter(self.lru), None)
+                if victim is None or victim in placed:
+                    expect_slot.append(False)
+                    continue
+                del self.lru[victim]
+                expect_evicted.append(victim)
+            self.lru[key] = None
+            placed.add(key)
+            expect_slot.append(True)
+        slots, evicted = self.idx.allocate_many(batch)
+        assert [s is not None for s in slots] == expect_slot
+        assert [key for key, _ in evicted] == expect_evicted
+        for key, slot in zip(batch, slots):
+            assert slot is None or self.idx.lookup(key) == slot
+        assert {slot for _, slot in evicted} <= set(slots)
+
+    @rule(batch=st.lists(SlotIndexModel.keys, max_size=6))
+    def touch_many(self, batch):
+        self.idx.touch_many(batch)
+        for key in batch:
+            if key in self.lru:
+                self.lru.move_to_end(key)
+
+    @invariant()
+    def batch_queries_agree(self):
+        every = [bytes([i]) for i in range(8)]
+        assert self.idx.lookup_many(every) == [self.idx.lookup(key) for key in every]
+        assert self.idx.pinned_among(every) == set(self.pins)
+
+
+TestSlotIndexBatchModel = SlotIndexBatchModel.TestCase
+TestSlotIndexBatchModel.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def sequential_allocate(idx: SlotIndex, batch: list[bytes]
+                        ) -> tuple[list[int | None], list[tuple[bytes, int]]]:
+    """try_allocate per key, pinning each placed key until the end so that none is evicted."""
+    slots: list[int | None] = []
+    evicted: list[tuple[bytes, int]] = []
+    ours: list[bytes] = []
+    for key in batch:
+        got = idx.try_allocate(key)
+        if got is None:
+            slots.append(None)
+            continue
+        slot, victim = got
+        if victim is not None:
+            evicted.append((victim, slot))
+        if idx.pin_count(key) == 0:
+            idx.pin(key)
+            ours.append(key)
+        slots.append(slot)
+    for key in ours:
+        idx.unpin(key)
+    return slots, evicted
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["alloc", "pin", "pop", "touch"]), st.integers(0, 11)),
+                    max_size=30),
+       batch=st.lists(st.integers(0, 11), max_size=8, unique=True))
+def test_allocate_many_matches_sequential_try_allocate(ops, batch):
+    a, b = SlotIndex(5), SlotIndex(5)
+    for idx in (a, b):
+        for op, i in ops:
+            key = k(i)
+            if op == "alloc":
+                idx.try_allocate(key)
+            elif op == "pin" and key in idx:
+                idx.pin(key)
+            elif op == "pop" and key in idx and not idx.pin_count(key):
+                idx.pop(key)
+            elif op == "touch":
+                idx.touch(key)
+    keys = [k(i) for i in batch]
+    assert a.allocate_many(keys) == sequential_allocate(b, keys)
+    assert list(a) == list(b) and a.num_free == b.num_free
+    assert all(a.lookup(key) == b.lookup(key) for key in keys + [k(i) for i in range(12)])
+    a.check()
+
+
+def test_allocate_many_fills_free_slots_in_order_then_evicts_lru():
+    idx = SlotIndex(4)
+    assert idx.allocate_many([k(0), k(1)]) == ([0, 1], [])
+    assert idx.allocate_many([k(2), k(3), k(4), k(5)]) == ([2, 3, 0, 1], [(k(0), 0), (k(1), 1)])
+    idx.pin(k(2))
+    assert idx.allocate_many([k(6), k(7), k(8), k(9)]) == ([3, 0, 1, None], [(k(3), 3), (k(4), 0), (k(5), 1)])
+    assert list(idx) == [k(6), k(7), k(8), k(2)]
+    with pytest.raises(ValueError, match="^keys"):
+        idx.allocate_many([k(1), "x"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="^keys"):
+        idx.lookup_many([7])  # type: ignore[list-item]
+    idx.check()
+
+
+# ---------------------------------------------------------------------- batches against a model
+
+class CPUTierModel(RuleBasedStateMachine):
+    """put_many/get_many/pins against a plain model of contents, LRU order and evictions."""
+
+    N = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tier, self.evicted = make(self.N)
+        self.data: dict[bytes, bytes] = {}
+        self.lru: OrderedDict[bytes, None] = OrderedDict()
+        self.pins: dict[bytes, int] = {}
+        self.expect_evicted: list[tuple[bytes, bytes]] = []
+
+    keys = st.integers(0, 7).map(k)
+
+    @rule(batch=st.lists(st.tuples(keys, st.integers(0, 250)), max_size=7))
+    def put_many(self, batch):
+        last = {key: i for i, (key, _) in enumerate(batch)}
+        placed: set[bytes] = set()
+        stored: set[bytes] = set()
+        for key, row in last.items():
+            if key in self.pins:
+                stored.add(key)
+                continue
+            if key in self.lru:
+                self.lru.move_to_end(key)
+            elif len(self.data) == self.N:
+                victim = next(iter(self.lru), None)
+                if victim is None or victim in placed:
+                    continue
+                del self.lru[victim]
+                self.expect_evicted.append((victim, self.data.pop(victim)))
+            self.lru[key] = None
+            self.data[key] = bytes(block(batch[row][1]))
+            placed.add(key)
+            stored.add(key)
+        rows = np.stack([block(v) for _, v in batch]) if batch else np.empty((0, B), np.uint8)
+        flags = self.tier.put_many([key for key, _ in batch], rows)
+        assert flags == [key in stored for key, _ in batch]
+
+    @rule(batch=st.lists(keys, max_size=6), fill=st.integers(0, 250))
+    def get_many(self, batch, fill):
+        out = np.full((len(batch), B), fill, np.uint8)
+        hits = self.tier.get_many(batch, out)
+        assert hits == [key in self.data for key in batch]
+        for key, row in zip(batch, out):
+            assert bytes(row) == self.data.get(key, bytes(np.full(B, fill, np.uint8)))
+            if key in self.lru:
+                self.lru.move_to_end(key)
+
+    @rule(key=keys)
+    def pin(self, key):
+        if key in self.data:
+            self.tier.pin(key)
+            self.lru.pop(key, None)
+            self.pins[key] = self.pins.get(key, 0) + 1
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data):
+        key = data.draw(st.sampled_from(sorted(self.pins)))
+        self.tier.unpin(key)
+        self.pins[key] -= 1
+        if not self.pins[key]:
+            del self.pins[key]
+            self.lru[key] = None
+
+    @invariant()
+    def agrees(self):
+        self.tier.index.check()
+        assert list(self.tier.index) == list(self.lru) + [key for key in self.tier.index._pins]
+        assert set(self.tier.index._pins) == set(self.pins)
+        assert self.evicted == self.expect_evicted
+        for key, value in self.data.items():
+            assert bytes(self.tier.view(self.tier.slot_of(key))) == value
+
+
+TestCPUTierModel = CPUTierModel.TestCase
+TestCPUTierModel.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+
+
+# ---------------------------------------------------------------------- copy_rows
+
+def copy_rows_reference(src: np.ndarray, src_rows, dst: np.ndarray, dst_rows) -> None:
+    for s, d in zip(src_rows, dst_rows):
+        dst[d] = src[s]
+
+
+@pytest.mark.parametrize("src_rows, dst_rows", [
+    ([2, 3, 4], [5, 6, 7]),              # both runs: one slice
+    (range(3), range(4, 7)),
+    ([7, 0, 3], [1, 2, 3]),              # gather into a run
+    ([0, 1, 2], [7, 0, 4]),              # scatter from a run
+    ([5, 1, 6], [3, 7, 0]),              # neither
+    ([0, 1, 3], [0, 1, 2]),              # almost a run
+    ([2, 3, 4], [0, 1, 3]),
+    ([-1, -2, 0], [0, 1, 2]),            # negative rows keep numpy's meaning
+    ([0, 1, 2], [-3, -2, -1]),
+    (np.array([4, 5, 6]), np.array([1, 2, 3])),
+    ([np.int64(6), np.int64(2)], [0, 1]),
+    ([0, 1, 2], [4, 4, 5]),              # a repeated destination: the last row wins
+    ([3, 3, 3], [0, 1, 2]),
+    ([], []),
+])
+def test_copy_rows_matches_row_by_row(src_rows, dst_rows):
+    from tierkv.transfer import copy_rows
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, (8, 16), dtype=np.uint8)
+    got = np.zeros((8, 16), np.uint8)
+    want = got.copy()
+    copy_rows(src, src_rows, got, dst_rows)
+    copy_rows_reference(src, src_rows, want, dst_rows)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("src_rows, dst_rows", [([0, 8], [0, 1]), ([0, 1], [3, 8]), ([0, 1], [8, 9])])
+def test_copy_rows_out_of_range_raises(src_rows, dst_rows):
+    from tierkv.transfer import copy_rows
+    with pytest.raises(IndexError):
+        copy_rows(np.zeros((8, 4), np.uint8), src_rows, np.zeros((8, 4), np.uint8), dst_rows)

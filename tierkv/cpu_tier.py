@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from itertools import islice
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -50,6 +51,13 @@ def _check_key(key: object, what: str = "key") -> bytes:
     if not isinstance(key, bytes):
         raise ValueError(f"{what}: expected bytes (a block hash), got {type(key).__name__}")
     return key
+
+
+def _check_keys(keys: Collection[object], what: str = "keys") -> None:
+    """:func:`_check_key` for every key, with one C-level pass when all are plain ``bytes``."""
+    if not set(map(type, keys)) <= {bytes}:
+        for key in keys:
+            _check_key(key, what)
 
 
 class SlotIndex:
@@ -94,6 +102,15 @@ class SlotIndex:
         """The slot of ``key``, or None; does not change recency."""
         return self._slot.get(_check_key(key))
 
+    def lookup_many(self, keys: Sequence[bytes]) -> list[int | None]:
+        """:meth:`lookup` for each key: slots (None where absent); no recency change."""
+        _check_keys(keys)
+        return list(map(self._slot.get, keys))
+
+    def pinned_among(self, keys: Iterable[bytes]) -> set[bytes]:
+        """The keys of ``keys`` that hold at least one pin."""
+        return self._pins.keys() & keys if self._pins else set()
+
     def pin_count(self, key: bytes) -> int:
         """How many pins ``key`` holds (0 when unpinned or absent)."""
         return self._pins.get(key, 0)
@@ -106,6 +123,14 @@ class SlotIndex:
             self._lru.move_to_end(key)
             return True
         return key in self._pins
+
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        """:meth:`touch` each key in turn (absent keys are skipped)."""
+        lru = self._lru
+        move = lru.move_to_end
+        for key in keys:
+            if key in lru:
+                move(key)
 
     def allocate(self, key: bytes) -> tuple[int, bytes | None]:
         """Give ``key`` a slot, evicting the least recently used unpinned entry if full.
@@ -138,6 +163,69 @@ class SlotIndex:
         self._slot[key] = slot
         self._lru[key] = None
         return slot, evicted
+
+    def allocate_many(self, keys: Sequence[bytes]
+                      ) -> tuple[list[int | None], list[tuple[bytes, int]]]:
+        """:meth:`try_allocate` each key in turn, except that no key given a slot by
+        this call is evicted to place a later one.
+
+        Returns ``(slots, evicted)``: ``slots[i]`` is the slot of ``keys[i]``, or
+        None when every other slot is pinned or taken by an earlier key of the
+        batch; ``evicted`` lists the evicted entries as ``(key, slot)``, least
+        recently used first (their bytes are still in those slots).
+        """
+        _check_keys(keys)
+        if len(keys) == len(set(keys)) and self._slot.keys().isdisjoint(keys):
+            return self._allocate_new(keys)
+        return self._allocate_each(keys)
+
+    def _allocate_new(self, keys: Sequence[bytes]
+                      ) -> tuple[list[int | None], list[tuple[bytes, int]]]:
+        """:meth:`allocate_many` for distinct keys that are all absent."""
+        nfree = min(len(keys), len(self._free))
+        slots: list[int | None] = self._free[len(self._free) - nfree:][::-1]  # pop() order
+        del self._free[len(self._free) - nfree:]
+        victims = list(islice(self._lru, min(len(keys) - nfree, len(self._lru))))
+        lru = self._lru
+        for key in victims:
+            del lru[key]
+        freed = list(map(self._slot.pop, victims))
+        slots += freed
+        placed = keys[:len(slots)]
+        self._slot.update(zip(placed, slots))
+        for key in placed:
+            lru[key] = None
+        slots += [None] * (len(keys) - len(slots))
+        return slots, list(zip(victims, freed))
+
+    def _allocate_each(self, keys: Sequence[bytes]
+                       ) -> tuple[list[int | None], list[tuple[bytes, int]]]:
+        """:meth:`allocate_many` one key at a time (repeated or present keys)."""
+        slots: list[int | None] = []
+        evicted: list[tuple[bytes, int]] = []
+        placed: set[bytes] = set()  # keys of this call in the LRU list, all behind the others
+        for key in keys:
+            slot = self._slot.get(key)
+            if slot is not None:
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+                    placed.add(key)
+                slots.append(slot)
+                continue
+            if self._free:
+                slot = self._free.pop()
+            elif len(self._lru) > len(placed):
+                victim, _ = self._lru.popitem(last=False)
+                slot = self._slot.pop(victim)
+                evicted.append((victim, slot))
+            else:
+                slots.append(None)
+                continue
+            self._slot[key] = slot
+            self._lru[key] = None
+            placed.add(key)
+            slots.append(slot)
+        return slots, evicted
 
     def pop(self, key: bytes) -> int | None:
         """Remove ``key`` and free its slot; return the slot or None if absent.
@@ -347,45 +435,28 @@ class CPUTier:
         of the batch is copied.
         """
         rows = _as_rows(data, len(keys), self.block_nbytes, "data")
-        stored = [False] * len(keys)
-        last = {_check_key(k, "keys"): i for i, k in enumerate(keys)}
-        src, dst, placed = self._place(last, stored)
-        if src:
-            copy_rows(rows, src, self._np, dst)
-        for key in placed:
-            self.index.unpin(key)
-        for i, k in enumerate(keys):  # a repeated key is stored through its last row
-            stored[i] = stored[last[k]]
+        _check_keys(keys, "keys")
+        last = {k: i for i, k in enumerate(keys)}
+        todo, src = self._unpinned_rows(last, len(keys))
+        slots, evicted = self.index.allocate_many(todo)
+        self._evicted(evicted)
+        dropped = _dropped(todo, slots)
+        if dropped:
+            src = [row for row, slot in zip(src, slots) if slot is not None]
+            slots = [slot for slot in slots if slot is not None]
+            self._counts["dropped_all_pinned"] += len(dropped)
+        copy_rows(rows, src, self._np, slots)
         self._counts["puts"] += len(src)
-        return stored
+        return [k not in dropped for k in keys] if dropped else [True] * len(keys)
 
-    def _place(self, last: dict[bytes, int], stored: list[bool]
-               ) -> tuple[list[int], list[int], list[bytes]]:
-        """Give every key a slot, pinning each for the rest of the batch when the
-        batch could otherwise evict its own earlier keys (more keys than free
-        slots plus older unpinned entries)."""
-        src: list[int] = []
-        dst: list[int] = []
-        placed: list[bytes] = []
-        protect = len(last) > self.index.num_free + len(self.index._lru)
-        for key, row in last.items():
-            if self.index.pin_count(key):
-                stored[row] = True  # in use by a transfer: keep its bytes, just count the use
-                continue
-            got = self.index.try_allocate(key)
-            if got is None:
-                self._counts["dropped_all_pinned"] += 1
-                continue
-            slot, evicted = got
-            if evicted is not None:
-                self._evicted(evicted, slot)
-            if protect:
-                self.index.pin(key)
-                placed.append(key)
-            src.append(row)
-            dst.append(slot)
-            stored[row] = True
-        return src, dst, placed
+    def _unpinned_rows(self, last: dict[bytes, int], n: int) -> tuple[list[bytes], Sequence[int]]:
+        """The keys of a batch to place (pinned ones are in use by a transfer: their
+        bytes are kept) and the row of ``data`` that each one stores."""
+        pinned = self.index.pinned_among(last)
+        if not pinned and len(last) == n:
+            return list(last), range(n)
+        todo = [k for k in last if k not in pinned]
+        return todo, list(map(last.__getitem__, todo))
 
     def get_many(self, keys: Sequence[bytes], out: Any) -> list[bool]:
         """Copy the blocks of ``keys`` into rows of ``out`` (``[n, block_nbytes]``, writable).
@@ -394,27 +465,39 @@ class CPUTier:
         misses are left untouched. Returns one hit flag per key.
         """
         dst = _as_rows(out, len(keys), self.block_nbytes, "out", writable=True)
-        slots = [self.index.lookup(_check_key(k, "keys")) for k in keys]
-        hit = [s is not None for s in slots]
+        slots = self.index.lookup_many(keys)
+        if None in slots:
+            hit = [s is not None for s in slots]
+            copy_rows(self._np, [s for s in slots if s is not None], dst,
+                      [i for i, s in enumerate(slots) if s is not None])
+        else:
+            hit = [True] * len(keys)
+            copy_rows(self._np, slots, dst, range(len(keys)))
+        self.index.touch_many(keys)
         nhit = sum(hit)
-        copy_rows(self._np, [s for s in slots if s is not None], dst, [i for i, s in enumerate(slots) if s is not None])
-        for k, h in zip(keys, hit):
-            if h:
-                self.index.touch(k)
         self._counts["hits"] += nhit
         self._counts["misses"] += len(keys) - nhit
         return hit
 
-    def _evicted(self, key: bytes, slot: int) -> None:
-        self._counts["evictions"] += 1
+    def _evicted(self, evicted: list[tuple[bytes, int]]) -> None:
+        """Count evictions and hand each old block to ``on_evict``, least recently used first."""
+        self._counts["evictions"] += len(evicted)
         if self.on_evict is None:
             return
-        try:
-            self.on_evict(key, self.view(slot))
-        except Exception:
-            if self._counts["evict_callback_errors"] == 0:
-                log.exception("CPU tier: on_evict raised; the evicted block is dropped")
-            self._counts["evict_callback_errors"] += 1
+        for key, slot in evicted:
+            try:
+                self.on_evict(key, self.view(slot))
+            except Exception:
+                if self._counts["evict_callback_errors"] == 0:
+                    log.exception("CPU tier: on_evict raised; the evicted block is dropped")
+                self._counts["evict_callback_errors"] += 1
+
+
+def _dropped(keys: Sequence[bytes], slots: Sequence[int | None]) -> set[bytes]:
+    """The keys that got no slot."""
+    if None not in slots:
+        return set()
+    return {k for k, slot in zip(keys, slots) if slot is None}
 
 
 def _check_positive(value: object, what: str, *, allow_zero: bool = False) -> None:
