@@ -523,7 +523,8 @@ class TieredKVCache:
             occupancy["ssd"] = ssd["current_bytes"] // self.block_nbytes  # approximate: records are compressed
             capacity["ssd"] = self.config.ssd.capacity // self.block_nbytes
             out["corrupt_blocks"]["ssd"] += ssd["corrupt_deleted"] + ssd["read_errors"]
-            out["dropped_spills"]["ssd"] += ssd["dropped_write_error"]  # asynchronous; the rest counted at put
+            out["dropped_spills"]["ssd"] += (ssd["dropped_write_error"]  # asynchronous; the rest
+                                             + ssd["dropped_no_room"])    # counted at put
         if self.cpu is not None:
             out["cpu"] = self.cpu.stats()
         return out
