@@ -74,6 +74,7 @@ _NS_LEN = 16
 _MAX_TOUCHED = 1 << 16          # pending recency updates kept between writer batches
 _TOUCH_INTERVAL_S = 1.0
 _LINGER_S = 0.005               # a writer that woke on one put waits this long for a batch to fill
+_EAGER_BYTES = 1024**2          # ... or until this much is queued
 _SYNC_BYTES = 64 * 1024**2      # unsynced commits are synced at a flush, past this many bytes,
 _SYNC_INTERVAL_S = 1.0          # or after this long
 _MAX_ATTEMPTS = 4
@@ -730,8 +731,11 @@ class SSDTier:
                 return
 
     def _batch_ready(self) -> bool:
-        return (self._queued_bytes >= self.batch_bytes or not self._queue or self._stop
-                or self._flush_req > self._flush_done)
+        """Worth a commit: enough bytes to keep the disk busy while more are being queued
+        (writing overlaps the callers' copies), a flush or a stop. Otherwise the writer
+        lingers, so that small puts share a commit."""
+        return (self._queued_bytes >= min(self.batch_bytes, _EAGER_BYTES) or not self._queue
+                or self._stop or self._flush_req > self._flush_done)
 
     def _has_work(self) -> bool:
         return bool(self._queue or self._bad or self._stop or self._flush_req > self._flush_done)
