@@ -188,20 +188,25 @@ def read_raw_cold(path: Path, block: int, order: list[int]) -> float:
 
 def read_tier_cold(path: Path, keys: list[bytes], order: list[int], expect: np.ndarray,
                    batch: int = 1) -> float:
-    """Seconds to read ``order`` from a cold tier: one ``get`` per block, or ``get_many``
-    over ``batch`` blocks at a time. Like the raw reference, blocks are dropped once read
-    (holding all of them would add the cost of touching fresh memory to the tier's side)."""
+    """Seconds to read ``order`` from a cold tier: one ``get`` per block, or ``get_into``
+    one reused buffer of ``batch`` rows at a time. Like the raw reference, blocks are
+    dropped once read (holding all of them would add the cost of touching fresh memory
+    to the tier's side)."""
     from tierkv.ssd_tier import SSDTier
     drop_page_cache(path)
     tier = SSDTier(path, capacity_bytes=2 * expect.nbytes + 64 * MiB, fingerprint="bench")
     first = expect[order[0]].tobytes()
+    rows = np.empty((batch, expect.shape[1]), dtype=np.uint8)
     hits = wrong = 0
     t0 = time.perf_counter()
     for s in range(0, len(order), batch):
-        got = [tier.get(keys[order[s]])] if batch == 1 else tier.get_many(
-            [keys[i] for i in order[s:s + batch]])
-        hits += sum(g is not None for g in got)
-        wrong += s == 0 and got[0] != first
+        if batch == 1:
+            got = tier.get(keys[order[s]])
+            hits += got is not None
+        else:
+            hits += sum(tier.get_into([keys[i] for i in order[s:s + batch]], list(rows)))
+            got = rows[0].tobytes()
+        wrong += s == 0 and got != first
     seconds = time.perf_counter() - t0
     tier.close()
     assert hits == len(order) and not wrong, (hits, wrong)
@@ -266,7 +271,7 @@ def bench_ssd(quick: bool, root: Path) -> None:
             "raw": lambda: read_raw_cold(raw_file, block, order),
             "none": lambda: read_tier_cold(results["none"][0], keys, order, blocks),
             "auto": lambda: read_tier_cold(results["auto"][0], keys, order, blocks),
-            "get_many": lambda: read_tier_cold(results["none"][0], keys, order, blocks, batch=32),
+            "get_into": lambda: read_tier_cold(results["none"][0], keys, order, blocks, batch=32),
         }
         best = dict.fromkeys(runs, float("inf"))
         for _ in range(2 if quick else 3):
@@ -276,7 +281,7 @@ def bench_ssd(quick: bool, root: Path) -> None:
         for compression in ("none", "auto"):
             row(f"cold read {label}, compression={compression}", total / best[compression] / 1e9,
                 ref, 0.7 if compression == "none" else None)
-        row(f"cold get_many(32) {label}, none", total / best["get_many"] / 1e9, ref, None)
+        row(f"cold get_into(32 rows) {label}, none", total / best["get_into"] / 1e9, ref, None)
     stats = results["auto"][1]
     print(f"  compression ratio on KV-like fp16 (auto, zstd level 1, byte planes): "
           f"{stats['compression_ratio']:.3f}  ({stats['bytes_raw'] / MiB:.0f} MiB -> "

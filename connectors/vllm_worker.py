@@ -25,7 +25,6 @@ import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from tierkv.config import TierKVConfig
@@ -180,17 +179,17 @@ class TierKVWorker:
         idx = [i for i, slot in enumerate(spec.cpu_slots) if slot < 0]
         if not idx:
             return []
-        datas = self.ssd.get_many([spec.keys[i] for i in idx]) if self.ssd is not None else [None] * len(idx)
         out = rows.numpy()
+        hits = (self.ssd.get_into([spec.keys[i] for i in idx], [out[i] for i in idx])
+                if self.ssd is not None else [False] * len(idx))  # read from disk into the rows
         ok: list[int] = []
-        for i, data in zip(idx, datas):
+        for i, hit in zip(idx, hits):
             dst = spec.promote_slots[i]
-            if data is None or len(data) != self.block_nbytes:
+            if not hit:
                 self._lose(spec.keys[i])
                 if dst >= 0:
                     self._slot_keys[dst] = None
                 continue
-            out[i] = np.frombuffer(data, dtype=np.uint8)
             ok.append(i)
             if dst >= 0 and self.slab is not None:
                 self.slab.numpy()[dst] = out[i]

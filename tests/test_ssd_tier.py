@@ -114,6 +114,46 @@ def test_small_payload_lives_in_the_index_and_tail_saves_a_page(tmp):
     assert record_footprint(48, 1000) < 4096 < record_footprint(48, 4096) < 2 * 4096
 
 
+@pytest.mark.parametrize("compression", ["none", "auto"])
+def test_get_into_fills_caller_buffers(tmp, compression):
+    sizes = [65536, 65536 + 500, 1000]  # whole pages, pages + tail, tail only
+    with SSDTier(tmp, capacity_bytes=16 * MiB, fingerprint=FP, compression=compression) as tier:
+        for i, n in enumerate(sizes):
+            tier.put(k(i), kv_like(n, i))
+        pending = [bytearray(n) for n in sizes]
+        assert tier.get_into([k(i) for i in range(3)], pending) == [True] * 3  # queued or written
+        assert [bytes(b) for b in pending] == [kv_like(n, i) for i, n in enumerate(sizes)]
+        tier.flush()
+        rows = np.zeros((2, 65536), dtype=np.uint8)
+        assert tier.get_into([k(0), k(9)], list(rows)) == [True, False]
+        assert rows[0].tobytes() == kv_like(65536, 0) and not rows[1].any()
+        wrong_size = bytearray(65536)
+        assert tier.get_into([k(1)], [wrong_size]) == [False]
+        with pytest.raises(ValueError, match="^outs"):
+            tier.get_into([k(0)], [bytes(65536)])
+        with pytest.raises(ValueError, match="^outs"):
+            tier.get_into([k(0), k(1)], [bytearray(65536)])
+        s = tier.stats()
+        assert s["hits"] == 4 and s["misses"] == 2
+
+
+def test_get_into_verifies_in_place(tmp):
+    with SSDTier(tmp, capacity_bytes=4 * MiB, fingerprint=FP, compression="none") as tier:
+        tier.put(k(0), rand(65536))
+        tier.put(k(1), rand(65536, 1))
+        tier.flush()
+        with open(tmp / "blocks.dat", "r+b") as f:  # records are laid out in put order
+            f.seek(777)
+            byte = f.read(1)[0]
+            f.seek(777)
+            f.write(bytes([byte ^ 1]))
+        bufs = [bytearray(65536), bytearray(65536)]
+        assert tier.get_into([k(0), k(1)], bufs) == [False, True]
+        assert bytes(bufs[1]) == rand(65536, 1)
+        tier.flush()
+        assert tier.stats()["corrupt_deleted"] == 1 and k(0) not in tier
+
+
 def test_put_of_stored_key_is_a_no_op(tmp):
     with SSDTier(tmp, capacity_bytes=4 * MiB, fingerprint=FP) as tier:
         tier.put(k(0), rand(1000))

@@ -58,7 +58,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from tierkv.codec import (HEADER, PAGE, RECORD_VERSION, Codec, CorruptRecord, Header,
+from tierkv.codec import (HEADER, PAGE, RAW, RECORD_VERSION, Codec, CorruptRecord, Header,
                           body_pages, checksum, split_tail)
 from tierkv.errors import ConfigError
 from tierkv.extents import ExtentMap
@@ -581,8 +581,49 @@ class SSDTier:
         self._count("misses", len(out) - hits)
         return out
 
-    def _read_records(self, nskeys: list[bytes]) -> list[Any]:
-        """Per key: pending raw bytes, ``(header, payload)`` to verify, or None."""
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        """Read the blocks of ``keys`` straight into caller buffers; return hit flags.
+
+        ``outs[i]`` (a writable, C-contiguous numpy array, CPU tensor, bytearray or
+        memoryview of the block's size) receives the block of ``keys[i]``. Raw
+        records are read from disk into it and verified there, with no
+        intermediate copy or allocation. The buffer of a miss may have been
+        overwritten (with bytes that did not verify): use only buffers flagged True.
+        """
+        if len(outs) != len(keys):
+            raise ValueError(f"outs: expected {len(keys)} buffers (one per key), got {len(outs)}")
+        nskeys = [self._ns + _check_key(k, "keys") for k in keys]
+        views = [_writable_view(o, "outs") for o in outs]
+        self._count("gets", len(nskeys))
+        if not self._usable():
+            self._count("misses", len(nskeys))
+            return [False] * len(nskeys)
+        records = self._read_records(nskeys, views)
+        hit = [self._land(nskey, rec, view) for nskey, rec, view in zip(nskeys, records, views)]
+        nhit = sum(hit)
+        self._count("hits", nhit)
+        self._count("misses", len(hit) - nhit)
+        return hit
+
+    def _land(self, nskey: bytes, rec: Any, view: memoryview) -> bool:
+        """Put a record read by :meth:`_read_records` into ``view``, verified."""
+        if rec is not None and not isinstance(rec, bytes) and rec[1] is view:
+            if checksum(nskey, view) != rec[0].checksum:  # read in place: verify in place
+                self._report_corrupt(nskey, "checksum mismatch")
+                return False
+            self._touch(nskey)
+            return True
+        raw = rec if isinstance(rec, bytes) else self._verify(nskey, rec)
+        if raw is None or len(raw) != len(view):
+            return False
+        view[:] = raw
+        return True
+
+    def _read_records(self, nskeys: list[bytes],
+                      into: list[memoryview] | None = None) -> list[Any]:
+        """Per key: pending raw bytes, ``(header, payload)`` to verify, or None. With
+        ``into``, a raw record of the right size is read into ``into[i]``, which then
+        stands for the payload."""
         import lmdb
         with self._cond:  # the writer recycles a pending buffer once it is written
             records: list[Any] = [_frozen(self._pending.get(k)) for k in nskeys]
@@ -600,7 +641,8 @@ class SSDTier:
             self._prefetch([h for h in parsed if isinstance(h, Header)])
             for i, (head, hdr) in enumerate(zip(heads, parsed)):
                 if head is not None:
-                    records[i] = (None, head) if hdr is None else self._read_payload(hdr, head)
+                    records[i] = (None, head) if hdr is None else self._read_payload(
+                        hdr, head, None if into is None else into[i])
         return records
 
     @contextlib.contextmanager
@@ -637,13 +679,16 @@ class SSDTier:
         except OSError:
             pass  # only a hint
 
-    def _read_payload(self, hdr: Header, head: bytes) -> tuple[Header | None, bytes] | None:
+    def _read_payload(self, hdr: Header, head: bytes, into: memoryview | None = None
+                      ) -> tuple[Header | None, Any] | None:
         """The payload a verified head points to (not decoded, not verified); None on an
-        I/O error."""
+        I/O error. A raw payload of ``len(into)`` bytes is read into ``into``."""
         tail = head[HEADER.size:]
         body_len = hdr.payload_len - hdr.tail_len
         if not body_len:
             return hdr, tail
+        if into is not None and hdr.codec == RAW and hdr.raw_len == len(into):
+            return self._read_in_place(hdr, tail, into)
         try:
             body = os.pread(self._fd, body_len, hdr.page * PAGE)
         except OSError as exc:
@@ -653,6 +698,20 @@ class SSDTier:
         if len(body) != body_len:
             return (None, head)  # the block file ends inside this body
         return hdr, body + tail if tail else body
+
+    def _read_in_place(self, hdr: Header, tail: bytes, into: memoryview
+                       ) -> tuple[Header | None, Any] | None:
+        body_len = hdr.payload_len - hdr.tail_len
+        try:
+            got = os.preadv(self._fd, [into[:body_len]], hdr.page * PAGE)
+        except OSError as exc:
+            self._count("read_errors")
+            self._log_once("read", "reading %s failed, reporting misses: %s", _BLOCKS, exc)
+            return None
+        if got != body_len:
+            return (None, b"")  # the block file ends inside this body
+        into[body_len:] = tail
+        return hdr, into
 
     def _verify(self, nskey: bytes, rec: tuple[Header | None, bytes] | None) -> bytes | None:
         if rec is None:
@@ -1093,6 +1152,17 @@ def _parse_head(head: bytes) -> Header | None:
         return Header.unpack(head)
     except CorruptRecord:
         return None
+
+
+def _writable_view(buf: Any, what: str) -> memoryview:
+    """A flat writable byte view of ``buf`` (numpy array, CPU tensor, bytearray, memoryview)."""
+    from tierkv.cpu_tier import _as_numpy
+    if isinstance(buf, bytes):
+        raise ValueError(f"{what}: bytes are read-only; pass a bytearray or an array")
+    arr = _as_numpy(buf, what)
+    if not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise ValueError(f"{what}: every buffer must be writable and C-contiguous")
+    return memoryview(arr.reshape(-1).view(np.uint8))
 
 
 def _frozen(raw: bytes | bytearray | None) -> bytes | None:
