@@ -135,10 +135,11 @@ def bench_cpu_blocks(block: int, nbatch: int, quick: bool) -> None:
 
 # ====================================================================== SSD tier
 
-def write_raw(path: Path, blocks: np.ndarray) -> float:
-    """Seconds to write ``blocks`` to a new file with an fsync every 16 MiB."""
+def write_raw(path: Path, blocks: np.ndarray, in_place: bool = False) -> float:
+    """Seconds to write ``blocks`` to a new file (or over an existing one, from its start)
+    with an fsync every 16 MiB."""
     t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | (0 if in_place else os.O_CREAT | os.O_TRUNC), 0o644)
     try:
         pending = 0
         for b in blocks:
@@ -158,20 +159,53 @@ def write_tier(path: Path, blocks: np.ndarray, keys: list[bytes], compression: s
     total = blocks.nbytes
     tier = SSDTier(path, capacity_bytes=2 * total + 64 * MiB, fingerprint="bench",
                    compression=compression, queue_capacity_bytes=4 * FLUSH_EVERY)
-    t0 = time.perf_counter()
-    pending = 0
-    for key, b in zip(keys, blocks):
-        tier.put(key, b)
-        pending += b.nbytes
-        if pending >= FLUSH_EVERY:
-            tier.flush()
-            pending = 0
-    tier.flush()
-    seconds = time.perf_counter() - t0
+    seconds = put_all(tier, keys, blocks)
     stats = tier.stats()
     tier.close()
     assert stats["dropped_queue_full"] == 0 and stats["blocks_written"] == len(keys), stats
     return seconds, stats
+
+
+def put_all(tier: object, keys: list[bytes], blocks: np.ndarray) -> float:
+    """Seconds to put every block, with a ``flush()`` every 16 MiB and at the end."""
+    t0 = time.perf_counter()
+    pending = 0
+    for key, b in zip(keys, blocks):
+        tier.put(key, b)  # type: ignore[attr-defined]
+        pending += b.nbytes
+        if pending >= FLUSH_EVERY:
+            tier.flush()  # type: ignore[attr-defined]
+            pending = 0
+    tier.flush()  # type: ignore[attr-defined]
+    return time.perf_counter() - t0
+
+
+def bench_steady_write(root: Path, blocks: np.ndarray, quick: bool) -> None:
+    """A full tier, where every put evicts a block and reuses its pages, against
+    rewriting an existing file in place; pairs alternate as in :func:`bench_write`."""
+    from tierkv.ssd_tier import SSDTier
+    total = blocks.nbytes
+    raw_file = root / "steady-raw.bin"
+    write_raw(raw_file, blocks)
+    tier = SSDTier(root / "steady-tier", capacity_bytes=total + 16 * MiB, fingerprint="bench",
+                   compression="none", queue_capacity_bytes=4 * FLUSH_EVERY)
+    generation = lambda g: [b"%d/%d" % (g, i) for i in range(len(blocks))]  # noqa: E731
+    put_all(tier, generation(0), blocks)  # fills the tier
+    raw_s: list[float] = []
+    tier_s: list[float] = []
+    for rep in range(2 if quick else 5):
+        for side in (("raw", "tier") if rep % 2 == 0 else ("tier", "raw")):
+            if side == "raw":
+                raw_s.append(write_raw(raw_file, blocks, in_place=True))
+            else:
+                tier_s.append(put_all(tier, generation(rep + 1), blocks))
+    stats = tier.stats()
+    tier.close()
+    assert stats["evictions"] >= len(tier_s) * len(blocks) * 0.9, stats
+    assert stats["dropped_queue_full"] == stats["dropped_no_room"] == 0, stats
+    report_pairs("steady-state write (full tier), compression=none", total, raw_s, tier_s, None)
+    print(f"    blocks.dat {stats['block_file_bytes'] / MiB:.0f} MiB for a capacity of "
+          f"{(total + 16 * MiB) / MiB:.0f} MiB; {stats['evictions']} evictions")
 
 
 def read_raw_cold(path: Path, block: int, order: list[int]) -> float:
@@ -242,12 +276,18 @@ def bench_write(root: Path, blocks: np.ndarray, keys: list[bytes], compression: 
                     shutil.rmtree(old[1])
                 seconds, stats = write_tier(tier_path, blocks, keys, compression)
                 tier_s.append(seconds)
+    report_pairs(f"write compression={compression}", total, raw_s, tier_s,
+                 0.7 if compression == "none" else None)
+    return raw_file, (tier_path, stats)
+
+
+def report_pairs(name: str, total: int, raw_s: list[float], tier_s: list[float],
+                 target: float | None) -> None:
+    """One row: the median raw speed, and the tier's as the median per-pair ratio."""
     ratios = sorted(r / t for r, t in zip(raw_s, tier_s))
     raw_gbps = total / statistics.median(raw_s) / 1e9
-    row(f"write compression={compression}", raw_gbps * statistics.median(ratios), raw_gbps,
-        0.7 if compression == "none" else None)
+    row(name, raw_gbps * statistics.median(ratios), raw_gbps, target)
     print(f"    per-pair ratios {', '.join(f'{r:.2f}' for r in ratios)}")
-    return raw_file, (tier_path, stats)
 
 
 def bench_ssd(quick: bool, root: Path) -> None:
@@ -263,6 +303,7 @@ def bench_ssd(quick: bool, root: Path) -> None:
     results = {}
     for compression in ("none", "auto"):
         raw_file, results[compression] = bench_write(root, blocks, keys, compression, quick)
+    bench_steady_write(root, blocks, quick)
     rng = np.random.default_rng(1)
     for label, order in (("in write order", list(range(nblocks))),
                          ("random order", list(rng.permutation(nblocks)))):
