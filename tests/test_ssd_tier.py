@@ -154,6 +154,20 @@ def test_get_into_verifies_in_place(tmp):
         assert tier.stats()["corrupt_deleted"] == 1 and k(0) not in tier
 
 
+def test_batches_compress_on_several_threads(tmp, monkeypatch):
+    from tierkv import ssd_tier
+    monkeypatch.setattr(ssd_tier, "_ENCODERS", 3)
+    blocks = {k(i): kv_like(65536, i) if i % 4 else rand(65536, i) for i in range(48)}
+    with SSDTier(tmp, capacity_bytes=32 * MiB, fingerprint=FP, compression="auto") as tier:
+        with tier._env.begin(write=True):  # hold the writer back: the puts form big batches
+            for key, data in blocks.items():
+                assert tier.put(key, data)
+        assert tier.flush()
+        assert tier._encoder is not None and tier.stats()["batches_committed"] < 24
+        assert tier.get_many(list(blocks)) == list(blocks.values())
+        assert tier.stats()["compression_ratio"] > 1.05
+
+
 def test_put_of_stored_key_is_a_no_op(tmp):
     with SSDTier(tmp, capacity_bytes=4 * MiB, fingerprint=FP) as tier:
         tier.put(k(0), rand(1000))

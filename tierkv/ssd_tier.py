@@ -75,6 +75,7 @@ _MAX_TOUCHED = 1 << 16          # pending recency updates kept between writer ba
 _TOUCH_INTERVAL_S = 1.0
 _LINGER_S = 0.005               # a writer that woke on one put waits this long for a batch to fill
 _EAGER_BYTES = 1024**2          # ... or until this much is queued
+_ENCODERS = min(4, os.cpu_count() or 1)  # threads compressing one batch
 _SYNC_BYTES = 64 * 1024**2      # unsynced commits are synced at a flush, past this many bytes,
 _SYNC_INTERVAL_S = 1.0          # or after this long
 _MAX_ATTEMPTS = 4
@@ -208,6 +209,7 @@ class SSDTier:
         self._init_state()
         self._env: Any = None
         self._fd = -1
+        self._encoder: Any = None  # thread pool for compression, made on first use
         self._register_path()
         try:
             self._open()
@@ -814,7 +816,7 @@ class SSDTier:
                       bad: list[bytes], sync: bool) -> None:
         import lmdb
         try:
-            encoded = [_Encoded(k, raw, self._codec) for k, raw in batch]
+            encoded = self._encode(batch)
             if not self._write_with_retries(encoded, touched, bad, sync):
                 self._count("dropped_no_room", len(encoded))
         except lmdb.Error as exc:
@@ -827,6 +829,17 @@ class SSDTier:
             self._count("dropped_write_error", len(batch))
             log.exception("SSD tier at %s: unexpected error in the writer; batch dropped",
                           self.path)
+
+    def _encode(self, batch: list[tuple[bytes, bytes]]) -> list[_Encoded]:
+        """Compress and checksum a batch, several blocks at once when compressing (zstd,
+        numpy and xxhash release the GIL; each thread has its own compressor)."""
+        if self.compression == "none" or len(batch) < 2 or _ENCODERS < 2:
+            return [_Encoded(k, raw, self._codec) for k, raw in batch]
+        if self._encoder is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._encoder = ThreadPoolExecutor(_ENCODERS, thread_name_prefix="tierkv-ssd-encode")
+        return list(self._encoder.map(lambda item: _Encoded(item[0], item[1], self._codec),
+                                      batch))
 
     def _write_with_retries(self, encoded: list[_Encoded], touched: list[bytes],
                             bad: list[bytes], sync: bool) -> bool:
@@ -1035,6 +1048,8 @@ class SSDTier:
             self._stop = True
             self._cond.notify_all()
         self._writer.join()
+        if self._encoder is not None:
+            self._encoder.shutdown()
         self._closed = True
         if self._fd >= 0:
             os.close(self._fd)
