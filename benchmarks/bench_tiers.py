@@ -313,6 +313,8 @@ def bench_ssd(quick: bool, root: Path) -> None:
             "none": lambda: read_tier_cold(results["none"][0], keys, order, blocks),
             "auto": lambda: read_tier_cold(results["auto"][0], keys, order, blocks),
             "get_into": lambda: read_tier_cold(results["none"][0], keys, order, blocks, batch=32),
+            "get_into auto": lambda: read_tier_cold(results["auto"][0], keys, order, blocks,
+                                                    batch=32),
         }
         best = dict.fromkeys(runs, float("inf"))
         for _ in range(2 if quick else 3):
@@ -322,7 +324,10 @@ def bench_ssd(quick: bool, root: Path) -> None:
         for compression in ("none", "auto"):
             row(f"cold read {label}, compression={compression}", total / best[compression] / 1e9,
                 ref, 0.7 if compression == "none" else None)
-        row(f"cold get_into(32 rows) {label}, none", total / best["get_into"] / 1e9, ref, None)
+        for compression in ("none", "auto"):
+            name = "get_into" + ("" if compression == "none" else " auto")
+            row(f"cold get_into(32 rows) {label}, {compression}", total / best[name] / 1e9,
+                ref, None)
     stats = results["auto"][1]
     print(f"  compression ratio on KV-like fp16 (auto, zstd level 1, byte planes): "
           f"{stats['compression_ratio']:.3f}  ({stats['bytes_raw'] / MiB:.0f} MiB -> "

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ssd_helper
-from tierkv.codec import PLANES, RAW, Codec, Header
+from tierkv.codec import PLANES, RAW, Codec, CorruptRecord, Header
 from tierkv.errors import ConfigError
 from tierkv.ssd_tier import SSDTier, record_footprint
 
@@ -154,17 +154,20 @@ def test_get_into_verifies_in_place(tmp):
         assert tier.stats()["corrupt_deleted"] == 1 and k(0) not in tier
 
 
-def test_batches_compress_on_several_threads(tmp, monkeypatch):
+def test_batches_compress_and_decompress_on_several_threads(tmp, monkeypatch):
     from tierkv import ssd_tier
-    monkeypatch.setattr(ssd_tier, "_ENCODERS", 3)
+    monkeypatch.setattr(ssd_tier, "_CODER_THREADS", 3)
     blocks = {k(i): kv_like(65536, i) if i % 4 else rand(65536, i) for i in range(48)}
     with SSDTier(tmp, capacity_bytes=32 * MiB, fingerprint=FP, compression="auto") as tier:
         with tier._env.begin(write=True):  # hold the writer back: the puts form big batches
             for key, data in blocks.items():
                 assert tier.put(key, data)
         assert tier.flush()
-        assert tier._encoder is not None and tier.stats()["batches_committed"] < 24
+        assert tier._coders is not None and tier.stats()["batches_committed"] < 24
         assert tier.get_many(list(blocks)) == list(blocks.values())
+        rows = np.zeros((len(blocks), 65536), dtype=np.uint8)
+        assert tier.get_into(list(blocks), list(rows)) == [True] * len(blocks)
+        assert [r.tobytes() for r in rows] == list(blocks.values())
         assert tier.stats()["compression_ratio"] > 1.05
 
 
@@ -275,6 +278,21 @@ def test_auto_stores_random_bytes_raw_and_compresses_kv(tmp):
     codec = Codec("auto")
     assert codec.encode(rand(65536))[0] == RAW
     assert codec.encode(kv_like(65536))[0] == PLANES
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd", "auto"])
+def test_codec_decodes_into_a_buffer_as_it_decodes_to_bytes(compression):
+    codec = Codec(compression)
+    for data in (kv_like(65536, 1), rand(65536, 2), kv_like(8192, 3) + b"\x01"):  # odd: zstd
+        kind, payload = codec.encode(data)
+        out = bytearray(len(data))
+        assert codec.decode(kind, payload, len(data), memoryview(out)) is not None
+        assert bytes(out) == data == codec.decode(kind, payload, len(data))
+        with pytest.raises(ValueError, match="^into"):
+            codec.decode(kind, payload, len(data), memoryview(bytearray(len(data) - 1)))
+        if kind != RAW:
+            with pytest.raises(CorruptRecord):
+                codec.decode(kind, payload[:-7], len(data), memoryview(out))
 
 
 # ---------------------------------------------------------------------- integrity

@@ -188,15 +188,24 @@ class Codec:
 
     # ------------------------------------------------------------------ decode
 
-    def decode(self, codec: int, payload: bytes, raw_len: int) -> bytes:
-        """Invert :meth:`encode`; raise :class:`CorruptRecord` on any inconsistency."""
+    def decode(self, codec: int, payload: bytes, raw_len: int,
+               into: memoryview | None = None) -> Any:
+        """Invert :meth:`encode`; raise :class:`CorruptRecord` on any inconsistency.
+
+        Returns the block as ``bytes``, or writes it into ``into`` (a writable
+        byte view of ``raw_len`` bytes) and returns ``into``: byte-plane records
+        are then interleaved straight into it, with no intermediate block.
+        """
+        if into is not None and len(into) != raw_len:
+            raise ValueError(f"into: {len(into)} bytes for a block of {raw_len}")
         try:
-            if codec == RAW:
-                raw = payload
-            elif codec == ZSTD:
-                raw = self._decompress(payload, raw_len)
+            if codec == PLANES:
+                raw = self._unplanes(payload, raw_len, into)
             else:
-                raw = self._unplanes(payload, raw_len)
+                raw = payload if codec == RAW else self._decompress(payload, raw_len)
+                if into is not None and len(raw) == raw_len:
+                    into[:] = raw
+                    raw = into
         except CorruptRecord:
             raise
         except Exception as exc:  # zstd reports damaged frames with its own error types
@@ -212,7 +221,7 @@ class Codec:
             raise CorruptRecord(f"zstd frame declares {declared} bytes, expected {size}")
         return self._dctx().decompress(frame, max_output_size=size)
 
-    def _unplanes(self, payload: bytes, raw_len: int) -> bytes:
+    def _unplanes(self, payload: bytes, raw_len: int, into: memoryview | None) -> Any:
         if raw_len % 2 or len(payload) < _U32.size:
             raise CorruptRecord("byte-plane record of odd length")
         (hlen,) = _U32.unpack_from(payload)
@@ -223,7 +232,8 @@ class Codec:
         high = self._decompress(view[_U32.size:_U32.size + hlen], half)
         if len(high) != half:
             raise CorruptRecord("high plane has the wrong length")
-        out = np.empty((half, 2), dtype=np.uint8)
+        out = np.empty((half, 2), dtype=np.uint8) if into is None else \
+            np.frombuffer(into, dtype=np.uint8).reshape(half, 2)
         out[:, 0] = np.frombuffer(view[_U32.size + hlen:], dtype=np.uint8)
         out[:, 1] = np.frombuffer(high, dtype=np.uint8)
-        return out.tobytes()
+        return out.tobytes() if into is None else into

@@ -54,7 +54,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -75,7 +75,7 @@ _MAX_TOUCHED = 1 << 16          # pending recency updates kept between writer ba
 _TOUCH_INTERVAL_S = 1.0
 _LINGER_S = 0.005               # a writer that woke on one put waits this long for a batch to fill
 _EAGER_BYTES = 1024**2          # ... or until this much is queued
-_ENCODERS = min(4, os.cpu_count() or 1)  # threads compressing one batch
+_CODER_THREADS = min(4, os.cpu_count() or 1)  # threads (de)compressing one batch
 _SYNC_BYTES = 64 * 1024**2      # unsynced commits are synced at a flush, past this many bytes,
 _SYNC_INTERVAL_S = 1.0          # or after this long
 _MAX_ATTEMPTS = 4
@@ -209,7 +209,7 @@ class SSDTier:
         self._init_state()
         self._env: Any = None
         self._fd = -1
-        self._encoder: Any = None  # thread pool for compression, made on first use
+        self._coders: Any = None  # thread pool for (de)compression, made on first use
         self._register_path()
         try:
             self._open()
@@ -576,8 +576,8 @@ class SSDTier:
             self._count("misses", len(nskeys))
             return out
         records = self._read_records(nskeys)
-        for i, (nskey, rec) in enumerate(zip(nskeys, records)):
-            out[i] = rec if isinstance(rec, bytes) else self._verify(nskey, rec)
+        out = self._map(lambda kr: kr[1] if isinstance(kr[1], bytes) else self._verify(*kr),
+                        list(zip(nskeys, records)))
         hits = sum(v is not None for v in out)
         self._count("hits", hits)
         self._count("misses", len(out) - hits)
@@ -601,7 +601,7 @@ class SSDTier:
             self._count("misses", len(nskeys))
             return [False] * len(nskeys)
         records = self._read_records(nskeys, views)
-        hit = [self._land(nskey, rec, view) for nskey, rec, view in zip(nskeys, records, views)]
+        hit = self._map(lambda krv: self._land(*krv), list(zip(nskeys, records, views)))
         nhit = sum(hit)
         self._count("hits", nhit)
         self._count("misses", len(hit) - nhit)
@@ -615,11 +615,14 @@ class SSDTier:
                 return False
             self._touch(nskey)
             return True
-        raw = rec if isinstance(rec, bytes) else self._verify(nskey, rec)
-        if raw is None or len(raw) != len(view):
+        if isinstance(rec, bytes):  # pending
+            if len(rec) != len(view):
+                return False
+            view[:] = rec
+            return True
+        if rec is None or (rec[0] is not None and rec[0].raw_len != len(view)):
             return False
-        view[:] = raw
-        return True
+        return self._verify(nskey, rec, view) is not None
 
     def _read_records(self, nskeys: list[bytes],
                       into: list[memoryview] | None = None) -> list[Any]:
@@ -715,14 +718,16 @@ class SSDTier:
         into[body_len:] = tail
         return hdr, into
 
-    def _verify(self, nskey: bytes, rec: tuple[Header | None, bytes] | None) -> bytes | None:
+    def _verify(self, nskey: bytes, rec: tuple[Header | None, bytes] | None,
+                into: memoryview | None = None) -> Any:
+        """The decoded block (in ``into`` when given) if it verifies, else None."""
         if rec is None:
             return None
         hdr, payload = rec
         try:
             if hdr is None:
                 raise CorruptRecord("header")
-            raw = self._codec.decode(hdr.codec, payload, hdr.raw_len)
+            raw = self._codec.decode(hdr.codec, payload, hdr.raw_len, into)
             if checksum(nskey, raw) != hdr.checksum:
                 raise CorruptRecord("checksum mismatch")
         except CorruptRecord as exc:
@@ -831,15 +836,20 @@ class SSDTier:
                           self.path)
 
     def _encode(self, batch: list[tuple[bytes, bytes]]) -> list[_Encoded]:
-        """Compress and checksum a batch, several blocks at once when compressing (zstd,
-        numpy and xxhash release the GIL; each thread has its own compressor)."""
-        if self.compression == "none" or len(batch) < 2 or _ENCODERS < 2:
-            return [_Encoded(k, raw, self._codec) for k, raw in batch]
-        if self._encoder is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._encoder = ThreadPoolExecutor(_ENCODERS, thread_name_prefix="tierkv-ssd-encode")
-        return list(self._encoder.map(lambda item: _Encoded(item[0], item[1], self._codec),
-                                      batch))
+        """Compress and checksum a batch."""
+        return self._map(lambda item: _Encoded(item[0], item[1], self._codec), batch)
+
+    def _map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``[fn(x) for x in items]``, on several threads when compressed blocks make it
+        pay (zstd, numpy and xxhash release the GIL; each thread has its own compressor)."""
+        if self.compression == "none" or len(items) < 2 or _CODER_THREADS < 2:
+            return [fn(x) for x in items]
+        with self._stats_lock:
+            if self._coders is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._coders = ThreadPoolExecutor(_CODER_THREADS,
+                                                  thread_name_prefix="tierkv-ssd-codec")
+        return list(self._coders.map(fn, items))
 
     def _write_with_retries(self, encoded: list[_Encoded], touched: list[bytes],
                             bad: list[bytes], sync: bool) -> bool:
@@ -1048,8 +1058,8 @@ class SSDTier:
             self._stop = True
             self._cond.notify_all()
         self._writer.join()
-        if self._encoder is not None:
-            self._encoder.shutdown()
+        if self._coders is not None:
+            self._coders.shutdown()
         self._closed = True
         if self._fd >= 0:
             os.close(self._fd)
