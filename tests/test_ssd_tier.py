@@ -433,6 +433,25 @@ def test_evicted_pages_are_not_reused_under_a_running_read(tmp):
         assert tier.stats()["dropped_no_room"] == 0
 
 
+def test_no_room_drops_and_counts_then_recovers(tmp):
+    """A read that never ends pins every page freed after it began: once the slack is
+    used up, batches find no room. They are dropped and counted; nothing hangs or raises,
+    and writes succeed again when the read is over."""
+    cap = 2 * MiB
+    with SSDTier(tmp, capacity_bytes=cap, fingerprint=FP, compression="none") as tier:
+        limit = (cap + tier.slack_bytes) // 65536
+        with tier._reading():
+            t0 = time.monotonic()
+            fill(tier, range(limit + 40))
+            assert time.monotonic() - t0 < 30
+            s = tier.stats()
+            assert s["dropped_no_room"] > 0 and s["block_file_bytes"] <= cap + tier.slack_bytes
+            assert s["current_bytes"] <= cap
+        fill(tier, range(1000, 1010))
+        assert tier.get_many([k(i) for i in range(1000, 1010)]) == [rand(65536, i)
+                                                                  for i in range(1000, 1010)]
+
+
 def test_concurrent_reads_during_heavy_eviction_see_exact_bytes(tmp):
     errors: list[BaseException] = []
     stop = threading.Event()
