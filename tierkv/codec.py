@@ -203,7 +203,7 @@ class Codec:
                 raw = self._unplanes(payload, raw_len, into)
             else:
                 raw = payload if codec == RAW else self._decompress(payload, raw_len)
-                if into is not None and len(raw) == raw_len:
+                if into is not None and raw is not into and len(raw) == raw_len:
                     into[:] = raw
                     raw = into
         except CorruptRecord:

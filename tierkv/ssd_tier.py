@@ -608,13 +608,8 @@ class SSDTier:
         return hit
 
     def _land(self, nskey: bytes, rec: Any, view: memoryview) -> bool:
-        """Put a record read by :meth:`_read_records` into ``view``, verified."""
-        if rec is not None and not isinstance(rec, bytes) and rec[1] is view:
-            if checksum(nskey, view) != rec[0].checksum:  # read in place: verify in place
-                self._report_corrupt(nskey, "checksum mismatch")
-                return False
-            self._touch(nskey)
-            return True
+        """Put a record read by :meth:`_read_records` into ``view`` (where a raw one
+        already is), verified."""
         if isinstance(rec, bytes):  # pending
             if len(rec) != len(view):
                 return False
@@ -692,31 +687,23 @@ class SSDTier:
         body_len = hdr.payload_len - hdr.tail_len
         if not body_len:
             return hdr, tail
-        if into is not None and hdr.codec == RAW and hdr.raw_len == len(into):
-            return self._read_in_place(hdr, tail, into)
+        in_place = into is not None and hdr.codec == RAW and hdr.raw_len == len(into)
         try:
-            body = os.pread(self._fd, body_len, hdr.page * PAGE)
-        except OSError as exc:
-            self._count("read_errors")
-            self._log_once("read", "reading %s failed, reporting misses: %s", _BLOCKS, exc)
-            return None
-        if len(body) != body_len:
-            return (None, head)  # the block file ends inside this body
-        return hdr, body + tail if tail else body
-
-    def _read_in_place(self, hdr: Header, tail: bytes, into: memoryview
-                       ) -> tuple[Header | None, Any] | None:
-        body_len = hdr.payload_len - hdr.tail_len
-        try:
-            got = os.preadv(self._fd, [into[:body_len]], hdr.page * PAGE)
+            if in_place:
+                got = os.preadv(self._fd, [into[:body_len]], hdr.page * PAGE)
+            else:
+                body = os.pread(self._fd, body_len, hdr.page * PAGE)
+                got = len(body)
         except OSError as exc:
             self._count("read_errors")
             self._log_once("read", "reading %s failed, reporting misses: %s", _BLOCKS, exc)
             return None
         if got != body_len:
-            return (None, b"")  # the block file ends inside this body
-        into[body_len:] = tail
-        return hdr, into
+            return (None, head)  # the block file ends inside this body
+        if in_place:
+            into[body_len:] = tail
+            return hdr, into
+        return hdr, body + tail if tail else body
 
     def _verify(self, nskey: bytes, rec: tuple[Header | None, bytes] | None,
                 into: memoryview | None = None) -> Any:
