@@ -242,6 +242,20 @@ def test_import_does_not_load_torch():
 
 # ---------------------------------------------------------------------- model check
 
+def model_pin(model, key: bytes) -> None:
+    """Reference bookkeeping of a pin: a pinned key leaves the LRU order."""
+    model.lru.pop(key, None)
+    model.pins[key] = model.pins.get(key, 0) + 1
+
+
+def model_unpin(model, key: bytes) -> None:
+    """Reference bookkeeping of an unpin: the last one puts the key back as most recent."""
+    model.pins[key] -= 1
+    if not model.pins[key]:
+        del model.pins[key]
+        model.lru[key] = None
+
+
 class SlotIndexModel(RuleBasedStateMachine):
     """SlotIndex against a plain model: an LRU list of unpinned keys plus pin counts."""
 
@@ -289,18 +303,14 @@ class SlotIndexModel(RuleBasedStateMachine):
                 self.idx.pin(key)
             return
         self.idx.pin(key)
-        self.lru.pop(key, None)
-        self.pins[key] = self.pins.get(key, 0) + 1
+        model_pin(self, key)
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
     def unpin(self, data):
         key = data.draw(st.sampled_from(sorted(self.pins)))
         self.idx.unpin(key)
-        self.pins[key] -= 1
-        if not self.pins[key]:
-            del self.pins[key]
-            self.lru[key] = None
+        model_unpin(self, key)
 
     @rule(key=keys)
     def pop(self, key):
@@ -494,18 +504,14 @@ class CPUTierModel(RuleBasedStateMachine):
     def pin(self, key):
         if key in self.data:
             self.tier.pin(key)
-            self.lru.pop(key, None)
-            self.pins[key] = self.pins.get(key, 0) + 1
+            model_pin(self, key)
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
     def unpin(self, data):
         key = data.draw(st.sampled_from(sorted(self.pins)))
         self.tier.unpin(key)
-        self.pins[key] -= 1
-        if not self.pins[key]:
-            del self.pins[key]
-            self.lru[key] = None
+        model_unpin(self, key)
 
     @invariant()
     def agrees(self):
