@@ -155,7 +155,7 @@ def write_raw(path: Path, blocks: np.ndarray, in_place: bool = False) -> float:
 
 
 def write_tier(path: Path, blocks: np.ndarray, keys: list[bytes], compression: str) -> tuple[float, dict]:
-    from tierkv.ssd_tier import SSDTier
+    from tierkv.tiers.ssd import SSDTier
     total = blocks.nbytes
     tier = SSDTier(path, capacity_bytes=2 * total + 64 * MiB, fingerprint="bench",
                    compression=compression, queue_capacity_bytes=4 * FLUSH_EVERY)
@@ -183,7 +183,7 @@ def put_all(tier: object, keys: list[bytes], blocks: np.ndarray) -> float:
 def bench_steady_write(root: Path, blocks: np.ndarray, quick: bool) -> None:
     """A full tier, where every put evicts a block and reuses its pages, against
     rewriting an existing file in place; pairs alternate as in :func:`bench_write`."""
-    from tierkv.ssd_tier import SSDTier
+    from tierkv.tiers.ssd import SSDTier
     total = blocks.nbytes
     raw_file = root / "steady-raw.bin"
     write_raw(raw_file, blocks)
@@ -226,7 +226,7 @@ def read_tier_cold(path: Path, keys: list[bytes], order: list[int], expect: np.n
     one reused buffer of ``batch`` rows at a time. Like the raw reference, blocks are
     dropped once read (holding all of them would add the cost of touching fresh memory
     to the tier's side)."""
-    from tierkv.ssd_tier import SSDTier
+    from tierkv.tiers.ssd import SSDTier
     drop_page_cache(path)
     tier = SSDTier(path, capacity_bytes=2 * expect.nbytes + 64 * MiB, fingerprint="bench")
     first = expect[order[0]].tobytes()

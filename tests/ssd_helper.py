@@ -4,6 +4,10 @@
     python ssd_helper.py stream PATH SEED     put blocks forever; print each flushed count
     python ssd_helper.py check  PATH N SEED   read N blocks; print a JSON summary; exit 1 on
                                               wrong data or any exception
+    python ssd_helper.py hold   PATH MAPSIZE  hold the LMDB writer lock of PATH (a tier's
+                                              writer thread stalls) until stdin closes
+    python ssd_helper.py efbig  PATH LIMIT    put blocks into a tier whose files may not grow
+                                              past LIMIT bytes; print a JSON summary
 
 Blocks are a deterministic function of (SEED, i), so any process can verify them.
 """
@@ -17,6 +21,8 @@ import os
 import sys
 
 import numpy as np
+
+from tierkv.tiers.ssd import SSDTier
 
 CAPACITY = 64 * 1024**2
 FINGERPRINT = "test-model/fp16/bs16"
@@ -35,8 +41,7 @@ def block_of(seed: int, i: int) -> bytes:
     return rng.integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-def open_tier(path: str):
-    from tierkv.ssd_tier import SSDTier
+def open_tier(path: str) -> SSDTier:
     return SSDTier(path, capacity_bytes=CAPACITY, fingerprint=FINGERPRINT)
 
 
@@ -73,6 +78,45 @@ def check(path: str, n: int, seed: int) -> int:
     return 1 if wrong else 0
 
 
+def hold(path: str, map_size: int) -> None:
+    import lmdb
+    env = lmdb.open(path, map_size=map_size, max_dbs=8)
+    txn = env.begin(write=True)
+    print("held", flush=True)
+    sys.stdin.read()
+    txn.abort()
+    env.close()
+
+
+def efbig(path: str, limit: int) -> None:
+    """Page writes past ``limit`` bytes fail with EFBIG, a real write error like a full disk.
+    Prints which keys were reported lost and which are present at each step."""
+    import resource
+    import signal
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    tier = SSDTier(path, capacity_bytes=CAPACITY, fingerprint=FINGERPRINT, compression="none")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    keys = [key_of(0, i) for i in range(limit // 65536 + 6)]
+    full = limit // 65536                  # 64 KiB blocks that fit below the limit
+    out: dict = {}
+    for i, key in enumerate(keys[:full + 4]):
+        assert tier.put(key, block_of(9, i * 3 + 1)), i  # 65,536-byte blocks of kind 1
+        tier.flush()
+    out["lost_full"] = [keys.index(k) for k in tier.take_lost()]
+    assert tier.put(keys[full + 4], block_of(9, (full + 4) * 3 + 1))
+    tier.discard_many(keys[:2])            # mostly joins the failing batch, then is retried
+    out["flushed"] = tier.flush()
+    out["lost_discard"] = [keys.index(k) for k in tier.take_lost()]
+    assert tier.put(keys[full + 5], block_of(9, (full + 5) * 3 + 1))  # in freed pages
+    tier.flush()
+    out["present"] = [i for i, key in enumerate(keys) if key in tier]
+    out["exact"] = all(tier.get(key) == block_of(9, i * 3 + 1)
+                       for i, key in enumerate(keys) if i in out["present"])
+    out["stats"] = tier.stats()
+    print(json.dumps(out), flush=True)
+    tier.close()
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     mode, path = argv[1], argv[2]
@@ -82,6 +126,12 @@ def main(argv: list[str]) -> int:
         stream(path, int(argv[3]))
     elif mode == "check":
         return check(path, int(argv[3]), int(argv[4]))
+    elif mode == "hold":
+        hold(path, int(argv[3]))
+        return 0
+    elif mode == "efbig":
+        efbig(path, int(argv[3]))
+        return 0
     raise SystemExit(f"unknown mode {mode}")
 
 

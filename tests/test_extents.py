@@ -1,4 +1,4 @@
-"""The block file's free-space map against a page-by-page reference."""
+"""The page file's free-space map against a page-by-page reference."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.extents import ExtentMap
+from tierkv.tiers.ssd.extents import ExtentMap
 
 
 def test_best_fit_prefers_the_smallest_hole_and_grows_last():

@@ -1,7 +1,10 @@
-"""SSD tier on a real LMDB environment in temporary directories (nothing mocked)."""
+"""The SSD tier end to end, through SSDTier alone: real LMDB environments and page files in
+temporary directories, real processes (nothing mocked). Its parts have their own tests:
+test_ssd_record, test_extents, test_ssd_reclaim, test_ssd_index, test_ssd_writer."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -11,15 +14,17 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
 
 import ssd_helper
-from tierkv.codec import PLANES, RAW, Codec, CorruptRecord, Header
 from tierkv.errors import ConfigError
-from tierkv.ssd_tier import SSDTier, record_footprint
+from tierkv.tiers.ssd import SSDTier, capacity_blocks, record_footprint
+from tierkv.tiers.ssd import coders
 
 HELPER = str(Path(__file__).with_name("ssd_helper.py"))
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -50,6 +55,23 @@ def helper(*args: object, timeout: float = 60) -> subprocess.CompletedProcess:
 @pytest.fixture
 def tmp(tmp_path: Path) -> Path:
     return tmp_path / "ssd"
+
+
+@contextmanager
+def writer_stalled(tier: SSDTier) -> Iterator[None]:
+    """Another process holds the environment's writer lock: the tier's writer thread
+    blocks at its next transaction until the block exits."""
+    proc = subprocess.Popen([sys.executable, HELPER, "hold", str(tier.path),
+                             str(tier.capacity_bytes + tier.slack_bytes)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        yield
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
 
 
 # ---------------------------------------------------------------------- round trips
@@ -154,16 +176,20 @@ def test_get_into_verifies_in_place(tmp):
         assert tier.stats()["corrupt_deleted"] == 1 and k(0) not in tier
 
 
+def codec_threads() -> int:
+    return sum(t.name.startswith("tierkv-ssd-codec") for t in threading.enumerate())
+
+
 def test_batches_compress_and_decompress_on_several_threads(tmp, monkeypatch):
-    from tierkv import ssd_tier
-    monkeypatch.setattr(ssd_tier, "_CODER_THREADS", 3)
+    monkeypatch.setattr(coders, "CODER_THREADS", 3)
     blocks = {k(i): kv_like(65536, i) if i % 4 else rand(65536, i) for i in range(48)}
     with SSDTier(tmp, capacity_bytes=32 * MiB, fingerprint=FP, compression="auto") as tier:
-        with tier._env.begin(write=True):  # hold the writer back: the puts form big batches
+        before = codec_threads()
+        with writer_stalled(tier):  # the puts form big batches
             for key, data in blocks.items():
                 assert tier.put(key, data)
         assert tier.flush()
-        assert tier._coders is not None and tier.stats()["batches_committed"] < 24
+        assert codec_threads() - before == 3 and tier.stats()["batches_committed"] < 24
         assert tier.get_many(list(blocks)) == list(blocks.values())
         rows = np.zeros((len(blocks), 65536), dtype=np.uint8)
         assert tier.get_into(list(blocks), list(rows)) == [True] * len(blocks)
@@ -275,24 +301,6 @@ def test_auto_stores_random_bytes_raw_and_compresses_kv(tmp):
             tier.put(k(i), kv_like(65536, i))
         tier.flush()
         assert tier.stats()["compression_ratio"] > 1.05
-    codec = Codec("auto")
-    assert codec.encode(rand(65536))[0] == RAW
-    assert codec.encode(kv_like(65536))[0] == PLANES
-
-
-@pytest.mark.parametrize("compression", ["none", "zstd", "auto"])
-def test_codec_decodes_into_a_buffer_as_it_decodes_to_bytes(compression):
-    codec = Codec(compression)
-    for data in (kv_like(65536, 1), rand(65536, 2), kv_like(8192, 3) + b"\x01"):  # odd: zstd
-        kind, payload = codec.encode(data)
-        out = bytearray(len(data))
-        assert codec.decode(kind, payload, len(data), memoryview(out)) is not None
-        assert bytes(out) == data == codec.decode(kind, payload, len(data))
-        with pytest.raises(ValueError, match="^into"):
-            codec.decode(kind, payload, len(data), memoryview(bytearray(len(data) - 1)))
-        if kind != RAW:
-            with pytest.raises(CorruptRecord):
-                codec.decode(kind, payload[:-7], len(data), memoryview(out))
 
 
 # ---------------------------------------------------------------------- integrity
@@ -302,12 +310,11 @@ def test_corrupt_record_is_deleted_counted_and_missed(tmp, caplog):
         tier.put(k(0), rand(20000))
         tier.put(k(1), rand(20000, 1))
         tier.flush()
-        with tier._env.begin() as txn:  # damage the stored payload in place
-            page = Header.unpack(txn.get(tier._ns + k(0), db=tier._head)).page
-        with open(tmp / "blocks.dat", "r+b") as f:
-            f.seek(page * 4096 + 1234)
+        at = (tmp / "blocks.dat").read_bytes().index(rand(20000)[:4096])  # stored raw
+        with open(tmp / "blocks.dat", "r+b") as f:  # damage the stored payload in place
+            f.seek(at + 1234)
             byte = f.read(1)[0]
-            f.seek(page * 4096 + 1234)
+            f.seek(at + 1234)
             f.write(bytes([byte ^ 0x40]))
         with caplog.at_level(logging.WARNING):
             assert tier.get(k(0)) is None
@@ -317,6 +324,7 @@ def test_corrupt_record_is_deleted_counted_and_missed(tmp, caplog):
         s = tier.stats()
         assert s["corrupt_deleted"] == 1 and s["misses"] == 2
         assert list(tier.keys()) == [k(1)]
+        assert tier.take_lost() == [k(0)]  # deleted by the tier: its owner must hear of it
         assert sum("does not verify" in r.message for r in caplog.records) == 1
 
 
@@ -394,62 +402,13 @@ def test_truncated_block_file_costs_only_the_cut_records(tmp):
         assert got[10:] == [None] * 10
         s = tier.stats()
         assert s["available"] and s["corrupt_deleted"] == 10
+        assert sorted(tier.take_lost()) == sorted(k(i) for i in range(10, 20))
         assert s["block_file_bytes"] == 10 * 65536  # the torn tail is cut off at open
         fill(tier, range(20, 25))                    # and its pages are reused
         assert s["current_bytes"] == 10 * record_footprint(48, 65536)
         assert tier.get_many([k(i) for i in range(20, 25)]) == [rand(65536, i)
                                                                  for i in range(20, 25)]
         assert tier.stats()["block_file_bytes"] == 15 * 65536
-
-
-def pages_of(tier: SSDTier, ids: range) -> dict[int, set[int]]:
-    out = {}
-    with tier._env.begin() as txn:
-        for i in ids:
-            head = txn.get(tier._ns + k(i), db=tier._head)
-            if head is not None:
-                hdr = Header.unpack(head)
-                out[i] = set(range(hdr.page, hdr.page + hdr.pages))
-    return out
-
-
-def test_evicted_pages_are_not_reused_under_a_running_read(tmp):
-    """A read that looked up a head before an eviction must never find another block's
-    bytes at its pages: their reuse waits for such reads (and for the sync of the eviction)."""
-    cap = 2 * MiB
-    with SSDTier(tmp, capacity_bytes=cap, fingerprint=FP, compression="none") as tier:
-        fill(tier, range(30))
-        old = pages_of(tier, range(30))
-        with tier._reading():                        # a read in flight since before the evictions
-            fill(tier, range(30, 60))
-            evicted = set().union(*(old[i] for i in old if k(i) not in tier))
-            assert evicted
-            new = set().union(*pages_of(tier, range(30, 60)).values())
-            assert not new & evicted
-        fill(tier, range(60, 200))                   # the read is over: pages are reused
-        assert tier.stats()["block_file_bytes"] <= cap + tier.slack_bytes
-        new = set().union(*pages_of(tier, range(60, 200)).values())
-        assert new & evicted
-        assert tier.stats()["dropped_no_room"] == 0
-
-
-def test_no_room_drops_and_counts_then_recovers(tmp):
-    """A read that never ends pins every page freed after it began: once the slack is
-    used up, batches find no room. They are dropped and counted; nothing hangs or raises,
-    and writes succeed again when the read is over."""
-    cap = 2 * MiB
-    with SSDTier(tmp, capacity_bytes=cap, fingerprint=FP, compression="none") as tier:
-        limit = (cap + tier.slack_bytes) // 65536
-        with tier._reading():
-            t0 = time.monotonic()
-            fill(tier, range(limit + 40))
-            assert time.monotonic() - t0 < 30
-            s = tier.stats()
-            assert s["dropped_no_room"] > 0 and s["block_file_bytes"] <= cap + tier.slack_bytes
-            assert s["current_bytes"] <= cap
-        fill(tier, range(1000, 1010))
-        assert tier.get_many([k(i) for i in range(1000, 1010)]) == [rand(65536, i)
-                                                                  for i in range(1000, 1010)]
 
 
 def test_concurrent_reads_during_heavy_eviction_see_exact_bytes(tmp):
@@ -507,14 +466,15 @@ def test_records_of_an_older_format_are_discarded(tmp, caplog):
 def test_full_queue_drops_and_counts_without_blocking(tmp):
     with SSDTier(tmp, capacity_bytes=16 * MiB, fingerprint=FP,
                  queue_capacity_bytes=4 * 65536) as tier:
-        with tier._env.begin(write=True):  # hold LMDB's writer lock: the writer thread stalls
+        with writer_stalled(tier):
             t0 = time.monotonic()
             accepted = [tier.put(k(i), rand(65536, i)) for i in range(10)]
             assert time.monotonic() - t0 < 2.0
-        assert accepted.count(True) in (4, 5)  # the first may already be in the writer's hands
+        assert accepted.count(True) == 4
         assert tier.stats()["dropped_queue_full"] == accepted.count(False)
         assert tier.flush()
         assert [tier.get(k(i)) is not None for i in range(10)] == accepted
+        assert tier.take_lost() == []  # the caller was told False; nothing to report
 
 
 def test_reads_from_another_thread_during_writes(tmp):
@@ -583,6 +543,8 @@ def test_bad_arguments_are_named(tmp, tmp_path):
             tier.put(k(0), rand(999))
         with pytest.raises(ValueError, match="^data"):
             tier.put(k(0), [1, 2, 3])
+        with pytest.raises(ValueError, match="^keys"):
+            tier.discard_many([k(0), "abc"])  # type: ignore[list-item]
         with pytest.raises(ConfigError, match="^path"):
             SSDTier(tmp, **good)  # the same environment twice in one process
 
@@ -640,9 +602,186 @@ def test_trickled_puts_share_commits_and_syncs(tmp):
 
 
 
+# ---------------------------------------------------------------------- keys() in LRU order
+
+def test_keys_are_listed_least_recently_used_first_across_restarts(tmp):
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP) as tier:
+        fill(tier, range(5), size=8192)
+        assert list(tier.keys()) == [k(i) for i in range(5)]
+        assert tier.get(k(1)) is not None and tier.get(k(3)) is not None
+        assert tier.put(k(0), rand(8192, 0))   # a put of a stored key is an access too
+        tier.flush()
+        order = [k(2), k(4), k(1), k(3), k(0)]
+        assert list(tier.keys()) == order
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=b"other") as other:
+        fill(other, range(10, 12), size=8192)  # interleaved in the shared LRU: not listed
+        assert list(other.keys()) == [k(10), k(11)]
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP) as tier:
+        assert list(tier.keys()) == order
+        fill(tier, range(5, 6), size=8192)
+        assert list(tier.keys()) == order + [k(5)]
+
+
+def test_keys_order_is_the_eviction_order(tmp):
+    cap = 2 * MiB
+    with SSDTier(tmp, capacity_bytes=cap, fingerprint=FP, compression="none") as tier:
+        fill(tier, range(20))
+        tier.get_many([k(i) for i in (7, 3, 11)])
+        tier.flush()
+        order = list(tier.keys())
+        fill(tier, range(100, 100 + capacity_blocks(cap, 65536)))  # evicts all 20, in order
+        assert tier.take_lost() == order
+
+
+# ---------------------------------------------------------------------- discard_many
+
+def test_discard_many_deletes_and_frees_the_pages(tmp):
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP, compression="none") as tier:
+        fill(tier, range(6))
+        used = tier.stats()["current_bytes"]
+        tier.discard_many([k(1), k(4), k(99)])         # k(99) was never stored
+        assert k(1) not in tier and tier.get(k(4)) is None  # at once, before the commit
+        assert list(tier.keys()) == [k(0), k(2), k(3), k(5)]
+        assert tier.flush()
+        s = tier.stats()
+        assert s["discarded"] == 2 and s["evictions"] == 0 and s["corrupt_deleted"] == 0
+        assert s["current_bytes"] == used - 2 * record_footprint(48, 65536)
+        fill(tier, range(10, 12))                      # into the discarded records' pages
+        assert tier.stats()["block_file_bytes"] == 6 * 65536
+        assert tier.get_many([k(10), k(11)]) == [rand(65536, 10), rand(65536, 11)]
+        assert tier.take_lost() == []
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP, compression="none") as tier:
+        assert list(tier.keys()) == [k(0), k(2), k(3), k(5), k(10), k(11)]
+        assert tier.get(k(1)) is None and tier.get(k(3)) == rand(65536, 3)
+
+
+def test_discard_cancels_a_queued_put_and_recycles_its_buffer(tmp):
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP, compression="none") as tier:
+        with writer_stalled(tier):
+            assert tier.put(k(0), np.frombuffer(rand(65536, 0), np.uint8))
+            time.sleep(0.2)                            # the writer took k(0) and waits
+            assert tier.put(k(1), np.frombuffer(rand(65536, 1), np.uint8))
+            assert tier.stats()["queued_bytes"] == 2 * 65536
+            tier.discard_many([k(1)])
+            assert tier.stats()["queued_bytes"] == 65536 and k(1) not in tier
+            assert tier.get(k(1)) is None
+        assert tier.flush()
+        s = tier.stats()
+        assert s["blocks_written"] == 1 and s["discarded"] == 0
+        assert list(tier.keys()) == [k(0)] and tier.take_lost() == []
+
+
+def test_discard_of_a_block_being_written_deletes_it_after(tmp):
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP, compression="none") as tier:
+        with writer_stalled(tier):
+            assert tier.put(k(0), rand(65536, 0))
+            time.sleep(0.2)                            # in the writer's hands
+            tier.discard_many([k(0)])
+            assert k(0) not in tier and tier.get(k(0)) is None
+        assert tier.flush()
+        s = tier.stats()
+        assert s["blocks_written"] == 1 and s["discarded"] == 1 and s["current_bytes"] == 0
+        assert list(tier.keys()) == [] and tier.take_lost() == []
+
+
+@pytest.mark.parametrize("stalled", [False, True])
+def test_a_put_after_a_discard_stores_the_new_block(tmp, stalled):
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP, compression="none") as tier:
+        fill(tier, range(3))
+        with writer_stalled(tier) if stalled else contextlib.nullcontext():
+            tier.put(k(5), rand(65536, 5))
+            time.sleep(0.05)
+            tier.discard_many([k(1), k(5)])
+            assert tier.put(k(1), rand(65536, 101))    # stored again, not "already present"
+            assert tier.put(k(5), rand(65536, 105))
+            assert tier.put(k(5), rand(65536, 999))    # a queued put of it: a no-op
+            assert tier.get(k(1)) == rand(65536, 101)
+        assert tier.flush()
+        assert tier.get(k(1)) == rand(65536, 101) and tier.get(k(5)) == rand(65536, 105)
+        assert tier.stats()["current_bytes"] == 4 * record_footprint(48, 65536)
+        assert list(tier.keys())[-2:] == [k(1), k(5)]
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP, compression="none") as tier:
+        assert tier.get(k(1)) == rand(65536, 101) and tier.get(k(5)) == rand(65536, 105)
+        assert tier.stats()["corrupt_deleted"] == 0
+
+
+# ---------------------------------------------------------------------- take_lost
+
+def test_take_lost_reports_capacity_evictions_once(tmp):
+    cap = 2 * MiB
+    fits = capacity_blocks(cap, 65536)
+    with SSDTier(tmp, capacity_bytes=cap, fingerprint=FP, compression="none") as tier:
+        fill(tier, range(fits + 5))
+        assert tier.take_lost() == [k(i) for i in range(5)]
+        assert tier.take_lost() == []
+        tier.discard_many([k(5)])
+        fill(tier, range(100, 103))
+        assert tier.take_lost() == [k(6), k(7)]        # k(5) was discarded, not lost
+
+
+def test_take_lost_forgets_a_key_put_again(tmp):
+    cap = 2 * MiB
+    fits = capacity_blocks(cap, 65536)
+    with SSDTier(tmp, capacity_bytes=cap, fingerprint=FP, compression="none") as tier:
+        fill(tier, range(fits + 3))
+        fill(tier, range(1, 2))                        # k(1) lost, then stored again
+        assert k(1) in tier
+        assert tier.take_lost() == [k(0), k(2), k(3)]  # and storing k(1) evicted k(3)
+
+
+def test_take_lost_ignores_other_fingerprints(tmp):
+    with SSDTier(tmp, capacity_bytes=2 * MiB, fingerprint=b"other", compression="none") as o:
+        fill(o, range(100, 110))
+    with SSDTier(tmp, capacity_bytes=2 * MiB, fingerprint=FP, compression="none") as tier:
+        fill(tier, range(40))                          # evicts the other fingerprint's first
+        ours = 50 - capacity_blocks(2 * MiB, 65536) - 10
+        assert ours > 0 and tier.take_lost() == [k(i) for i in range(ours)]
+        assert tier.stats()["evictions"] == 10 + ours
+
+
+def test_write_errors_drop_and_report_and_discards_still_commit(tmp):
+    """A real write error (RLIMIT_FSIZE makes writes past 1 MiB fail with EFBIG, as a full
+    disk would): the batch is dropped, counted and reported lost; a discard asked for
+    meanwhile is committed all the same, and its pages take the next block."""
+    out = helper("efbig", tmp, MiB)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    full = MiB // 65536
+    assert res["lost_full"] == list(range(full, full + 4))
+    assert res["flushed"] and res["exact"]
+    assert res["lost_discard"] in ([full + 4], [])      # [] only if the discard came first
+    expect = set(range(2, full)) | {full + 5} | ({full + 4} if not res["lost_discard"] else set())
+    assert set(res["present"]) == expect
+    s = res["stats"]
+    assert s["dropped_write_error"] == 4 + len(res["lost_discard"]) and s["available"]
+    assert s["discarded"] == 2 and s["block_file_bytes"] <= MiB
+
+
+# ---------------------------------------------------------------------- capacity_blocks
+
+@pytest.mark.parametrize("block", [65536, 100_000, 65536 + 500])
+def test_capacity_blocks_is_exactly_what_the_tier_holds(tmp, block):
+    n = capacity_blocks(3 * MiB, block)
+    cap = n * record_footprint(16 + 32, block)        # the tightest capacity for n blocks
+    assert capacity_blocks(cap, block) == n and capacity_blocks(cap - 1, block) == n - 1
+    with SSDTier(tmp, capacity_bytes=cap, fingerprint=FP, compression="none") as tier:
+        fill(tier, range(n), size=block)
+        s = tier.stats()
+        assert s["evictions"] == 0 and s["current_bytes"] == cap and tier.take_lost() == []
+        fill(tier, range(n, n + 1), size=block)
+        assert tier.stats()["evictions"] == 1 and tier.take_lost() == [k(0)]
+        assert len(list(tier.keys())) == n
+
+
+def test_capacity_blocks_counts_the_key_length():
+    assert capacity_blocks(10 * MiB, 65536, key_len=400) < capacity_blocks(10 * MiB, 65536)
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        capacity_blocks(MiB, 0)
+
+
 _REOPEN = """
 import sys
-from tierkv.ssd_tier import SSDTier
+from tierkv.tiers.ssd import SSDTier
 with SSDTier(sys.argv[1], capacity_bytes=16 * 1024**2, fingerprint="fp") as t:
     for i in range(30):
         t.get(i.to_bytes(32, "little"))

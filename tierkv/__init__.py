@@ -24,7 +24,7 @@ _LAZY = {
     "BlockManager": "tierkv.block_pool",
     "Allocation": "tierkv.block_pool",
     "CPUTier": "tierkv.cpu_tier",
-    "SSDTier": "tierkv.ssd_tier",
+    "SSDTier": "tierkv.tiers.ssd",
     "TieredKVCache": "tierkv.tiered",
 }
 

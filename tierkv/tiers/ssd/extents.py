@@ -1,13 +1,14 @@
-"""Free-space map of the SSD tier's block file: page extents, best fit, coalescing.
+"""Free-space map of the SSD tier's page file: page extents, best fit, coalescing.
 
-The block file is an array of 4 KiB pages ``[0, limit)``. Every stored
+The page file is an array of 4 KiB pages ``[0, limit)``. Every stored
 payload occupies one extent (a run of pages). :class:`ExtentMap` hands out
 the smallest free extent that fits (so the file grows only when no hole fits:
 the free space past the end of the file is one large extent) and merges an extent with its free
 neighbours when it is returned. Both operations take O(log s) for s distinct
 free-extent sizes.
 
-Not thread-safe: the SSD tier's writer thread owns it.
+Not thread-safe and needs no lock: recovery builds it at open, before the
+writer thread starts; from then on the writer thread alone allocates and frees.
 """
 
 from __future__ import annotations

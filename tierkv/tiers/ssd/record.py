@@ -1,17 +1,17 @@
-"""On-disk record format of the SSD tier: a fixed header and a (compressed) payload.
+"""The SSD tier's record format: a fixed header and a (compressed) payload.
 
 A record is stored in two places so that page rounding never carries the header:
 
-* the *head*, a small LMDB value: :data:`HEADER` (44 bytes) followed by an
+* the *head*, a small index value: :data:`HEADER` (44 bytes) followed by an
   optional *tail*, the last few bytes of the payload that would otherwise take
   one more 4 KiB page (see :func:`split_tail`);
-* the *body*, the rest of the payload: whole pages of the block file, starting
+* the *body*, the rest of the payload: whole pages of the page file, starting
   at the page number in the header.
 
 Header fields (little endian): format version, codec, reserved, raw length,
 payload length, tail length, ``xxh3_64`` of the raw block (seeded with a hash
 of the namespaced key, so a record can never verify under another key),
-access clock, first page of the body in the block file, and ``xxh32`` of all
+access clock, first page of the body in the page file, and ``xxh32`` of all
 preceding header bytes.
 
 Codecs:
@@ -23,13 +23,21 @@ Codecs:
   low-byte plane (mantissa noise: stored raw). Payload = ``u32`` compressed
   high-plane length, compressed high plane, raw low plane.
 
-Compressor and decompressor objects are not thread-safe: every thread gets
-its own through :class:`Codec`, which keeps them in thread-local storage.
+Keys are stored under a :data:`NS_LEN`-byte namespace prefix derived from the
+record version and the fingerprint (:func:`namespace_of`). What a record
+costs against the tier's capacity is :func:`record_footprint`, the one rule
+the writer enforces and :func:`capacity_blocks` inverts.
+
+Threads: everything here is immutable or per call, except :class:`Codec`,
+whose zstd contexts are not thread-safe: each thread gets its own, kept in
+thread-local storage, so one :class:`Codec` is shared by the writer thread,
+the codec threads and every reading thread without a lock.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import struct
 import threading
 from dataclasses import dataclass
@@ -39,8 +47,9 @@ import numpy as np
 import xxhash
 
 __all__ = [
-    "RECORD_VERSION", "RAW", "ZSTD", "PLANES", "HEADER", "Header", "Codec",
-    "CorruptRecord", "checksum", "split_tail", "body_pages", "COMPRESSIONS",
+    "RECORD_VERSION", "RAW", "ZSTD", "PLANES", "HEADER", "PAGE", "NS_LEN", "CLOCK", "Header",
+    "Codec", "Encoded", "CorruptRecord", "checksum", "split_tail", "body_pages",
+    "record_footprint", "capacity_blocks", "namespace_of", "COMPRESSIONS",
 ]
 
 RECORD_VERSION = 2
@@ -51,10 +60,14 @@ COMPRESSIONS = ("auto", "zstd", "none")
 HEADER = struct.Struct("<BBHIIIQQQI")
 _CHECKED = struct.Struct("<BBHIIIQQQ")
 _U32 = struct.Struct("<I")
+_CLOCK_AT = struct.calcsize("<BBHIIIQ")  # offset of the clock field in HEADER
 
 PAGE = 4096
 TAIL_MAX = 1024         # longest tail moved into the small head record
 MAX_RAW_LEN = 1 << 31   # sanity bound checked before allocating for a record
+NS_LEN = 16             # bytes of the namespace prefix on every stored key
+CLOCK = struct.Struct(">Q")  # an access clock as an LRU key: big endian, key order == clock order
+_NODE = 10              # index leaf node header + slot, per entry
 
 
 class CorruptRecord(Exception):
@@ -81,8 +94,35 @@ def split_tail(payload_len: int) -> int:
 
 
 def body_pages(payload_len: int, tail_len: int) -> int:
-    """Pages of the block file that hold a payload's body."""
+    """Pages of the page file that hold a payload's body."""
     return -(-(payload_len - tail_len) // PAGE)
+
+
+def record_footprint(key_len: int, payload_len: int) -> int:
+    """Bytes one record occupies, as counted against the capacity.
+
+    ``key_len`` is the stored key's length, namespace prefix included. The
+    body's whole pages in the page file, plus the head entry (header and
+    tail) and the LRU entry in the index.
+    """
+    tail = split_tail(payload_len)
+    return (body_pages(payload_len, tail) * PAGE + (key_len + HEADER.size + tail + _NODE)
+            + (CLOCK.size + key_len + _NODE))
+
+
+def capacity_blocks(capacity_bytes: int, block_nbytes: int, key_len: int = 32) -> int:
+    """How many uncompressed blocks of ``block_nbytes`` under keys of ``key_len`` bytes
+    a tier of ``capacity_bytes`` holds before its own LRU evicts one."""
+    if block_nbytes < 1 or key_len < 0 or capacity_bytes < 0:
+        raise ValueError(f"capacity_blocks: expected capacity_bytes >= 0, block_nbytes >= 1 "
+                         f"and key_len >= 0, got {capacity_bytes}, {block_nbytes}, {key_len}")
+    return capacity_bytes // record_footprint(NS_LEN + key_len, block_nbytes)
+
+
+def namespace_of(fingerprint: bytes) -> bytes:
+    """The :data:`NS_LEN`-byte key prefix of a fingerprint (changes with the record version)."""
+    return hashlib.blake2b(b"tierkv/%d/" % RECORD_VERSION + fingerprint,
+                           digest_size=NS_LEN).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +162,11 @@ class Header:
                 or len(head) != HEADER.size + tail_len):
             raise CorruptRecord("inconsistent lengths in header")
         return cls(codec, raw_len, payload_len, tail_len, csum, clock, page)
+
+    @staticmethod
+    def clock_of(head: Any) -> int:
+        """The access clock field of a packed header, read without verifying anything."""
+        return int.from_bytes(head[_CLOCK_AT:_CLOCK_AT + 8], "little")
 
     def with_clock(self, clock: int) -> "Header":
         return dataclasses.replace(self, clock=clock)
@@ -168,7 +213,7 @@ class Codec:
 
     # ------------------------------------------------------------------ encode
 
-    def encode(self, raw: bytes) -> tuple[int, bytes]:
+    def encode(self, raw: bytes | bytearray) -> tuple[int, bytes | bytearray]:
         """Return ``(codec, payload)`` for one block."""
         if self.compression == "none" or not raw:
             return RAW, raw
@@ -180,7 +225,7 @@ class Codec:
             return RAW, raw
         return codec, payload
 
-    def _planes(self, raw: bytes) -> tuple[int, bytes]:
+    def _planes(self, raw: bytes | bytearray) -> tuple[int, bytes]:
         words = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 2)
         high = self._cctx().compress(np.ascontiguousarray(words[:, 1]))
         low = np.ascontiguousarray(words[:, 0])
@@ -237,3 +282,28 @@ class Codec:
         out[:, 0] = np.frombuffer(view[_U32.size + hlen:], dtype=np.uint8)
         out[:, 1] = np.frombuffer(high, dtype=np.uint8)
         return out.tobytes() if into is None else into
+
+
+class Encoded:
+    """A block ready to be written: header (page not yet assigned), body, tail, footprint."""
+
+    __slots__ = ("nskey", "header", "body", "tail", "footprint", "raw_len")
+
+    def __init__(self, nskey: bytes, raw: bytes | bytearray, codec: Codec) -> None:
+        kind, payload = codec.encode(raw)
+        ntail = split_tail(len(payload))
+        view = memoryview(payload)
+        self.nskey = nskey
+        self.raw_len = len(raw)
+        self.body = view[:len(payload) - ntail]
+        self.tail = bytes(view[len(payload) - ntail:])
+        self.header = Header(kind, len(raw), len(payload), ntail, checksum(nskey, raw), 0)
+        self.footprint = record_footprint(len(nskey), len(payload))
+
+    @property
+    def pages(self) -> int:
+        return self.header.pages
+
+    def head(self, clock: int) -> bytes:
+        """The head entry stored in the index, stamped with ``clock``."""
+        return self.header.with_clock(clock).pack() + self.tail

@@ -1,0 +1,32 @@
+"""The SSD tier: a capacity-bounded, checksummed, crash-safe block store.
+
+Two files under the tier's directory:
+
+* ``blocks.dat`` (:mod:`.pagefile`): the payloads, each in a run of whole
+  4 KiB pages written with ``pwrite`` straight from the encoded block,
+  allocated best-fit by :mod:`.extents`.
+* ``data.mdb`` (:mod:`.index`): an LMDB environment holding, per record, a
+  small head (header, first page, checksum, access clock, payload tail; the
+  format is :mod:`.record`) and an LRU entry.
+
+A record becomes visible when its head is committed, after its body was
+written. Pages of a deleted or evicted record are reused only once the
+deletion is synced and no read that could still hold the old head is running
+(:mod:`.reclaim`). At every open (:mod:`.recovery`) the environment is
+verified in a child process and the free-space map rebuilt from the heads.
+Fingerprints get separate namespaces (a 16-byte key prefix); blocks of
+another fingerprint are never visible and age out through the shared LRU.
+
+Writes are asynchronous: ``put`` copies a block into a bounded queue
+(:mod:`.writequeue`) and returns; one writer thread (:mod:`.writer`) encodes,
+evicts and commits many blocks per transaction, then syncs both files. Reads
+(:mod:`.reader`) verify the header and an ``xxh3_64`` checksum; a record that
+does not verify is deleted and reported as a miss. Failures of the
+environment degrade the tier to misses and dropped puts, logged once; they
+never raise to the caller. :class:`SSDTier` (:mod:`.tier`) is the front.
+"""
+
+from tierkv.tiers.ssd.record import capacity_blocks, record_footprint
+from tierkv.tiers.ssd.tier import SSDTier
+
+__all__ = ["SSDTier", "capacity_blocks", "record_footprint"]

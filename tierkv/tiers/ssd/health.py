@@ -1,0 +1,81 @@
+"""Whether the SSD tier is usable, its counters, and warnings logged once.
+
+Shared by every thread of a tier:
+
+* ``counts`` is guarded by :attr:`Health.lock`; :meth:`Health.count` and
+  :meth:`Health.snapshot` take it.
+* ``broken`` and ``closed`` are set once (by the thread that opens or fails
+  the tier, and by the owner at close) and read without a lock: a reader that
+  misses the change by one call sees a working tier one call longer, which is
+  harmless (every part still degrades to misses on its own errors).
+* The log-once set is checked and filled without a lock: at worst a warning
+  is logged twice.
+* ``pid`` is the opening process: a tier used after ``fork()`` reports itself
+  unusable in the child and never touches the environment there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Health", "COUNTERS"]
+
+log = logging.getLogger("tierkv.tiers.ssd")
+
+COUNTERS = (
+    "puts", "puts_present", "dropped_queue_full", "dropped_unavailable",
+    "dropped_write_error", "blocks_written", "batches_committed", "bytes_raw",
+    "bytes_stored", "gets", "hits", "misses", "corrupt_deleted", "read_errors",
+    "evictions", "map_full_retries", "syncs", "dropped_no_room", "discarded")
+
+
+class Health:
+    """Counters, the disabled state and log-once warnings of the tier at ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pid = os.getpid()
+        self.broken: str | None = None
+        self.closed = False
+        self.lock = threading.Lock()
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._logged: set[str] = set()
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self._counts[name] += n
+
+    def add(self, counts: dict[str, int]) -> None:
+        """Add to several counters at once."""
+        with self.lock:
+            for name, n in counts.items():
+                self._counts[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        """A copy of every counter."""
+        with self.lock:
+            return dict(self._counts)
+
+    def log_once(self, kind: str, message: str, *args: Any) -> None:
+        """Log a warning about this tier, once per ``kind``."""
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("SSD tier at %s: " + message, self.path, *args)
+
+    def fail(self, message: str) -> None:
+        """Disable the tier (misses, dropped puts) and log the first reason as an error."""
+        if self.broken is None:
+            self.broken = message
+            log.error("SSD tier at %s disabled: %s", self.path, message)
+
+    def usable(self) -> bool:
+        """Open, not disabled, and in the process that opened it."""
+        if os.getpid() != self.pid:
+            self.log_once("fork", "used in pid %d but opened in pid %d; a tier must not "
+                          "cross fork(), open a new one in the child", os.getpid(), self.pid)
+            return False
+        return self.broken is None and not self.closed

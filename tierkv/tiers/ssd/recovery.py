@@ -1,0 +1,309 @@
+"""Opening the SSD tier's files, and repairing what a crash or damage left behind.
+
+At every open, before anything touches an existing environment:
+
+1. A directory that holds neither an LMDB environment nor only tierkv's own
+   files is refused, untouched (``ConfigError``).
+2. The environment is walked in a child process: a damaged B-tree (bit rot, a
+   torn write, a crash mid-sync) can make LMDB abort() or fault with SIGBUS on
+   the first page it reaches, and the child takes that risk. This runs after a
+   clean shutdown too (damage can happen while closed); the clean marker only
+   says what to log.
+3. ``data.mdb`` must be as long as its last page, or access would fault.
+4. An LMDB environment that tierkv did not create is refused, untouched.
+5. Records of another record format are discarded (logged): they cannot be read.
+6. The page file's free-space map is rebuilt from the heads: records whose head
+   does not verify, whose body lies past the end of ``blocks.dat`` or overlaps
+   an earlier record's pages are deleted (counted, reported lost); the used
+   bytes are recounted; pages no head points to (a crash between ``pwrite``
+   and commit) are free again; the file is cut after its last used page.
+
+A failure in steps 2-6 disables the tier (logged once with the path); it
+never raises, except ``ConfigError`` for a directory that is not ours.
+
+Threads: runs on the thread that constructs the tier, before its writer
+starts; nothing here is shared until :func:`open_files` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+from tierkv.errors import ConfigError
+from tierkv.tiers.ssd.extents import ExtentMap
+from tierkv.tiers.ssd.index import Index, IndexFailure, WriteTxn, parse_head
+from tierkv.tiers.ssd.pagefile import BLOCKS, PageFile
+from tierkv.tiers.ssd.record import PAGE, RECORD_VERSION, record_footprint
+
+if TYPE_CHECKING:
+    from tierkv.tiers.ssd.health import Health
+    from tierkv.tiers.ssd.lost import LostKeys
+
+__all__ = ["Files", "open_files", "mark_clean", "CLEAN"]
+
+log = logging.getLogger("tierkv.tiers.ssd")
+
+CLEAN = "tierkv.clean"   # written at a clean close; its absence at open means an unclean shutdown
+
+# Run in a child: every page the B-tree reaches is read, and every value must lie
+# inside data.mdb (checked by address, without reading overflow pages).
+_WALK = r"""
+import os, sys, lmdb, numpy as np
+path = sys.argv[1]
+env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, readahead=False)
+data = os.path.realpath(os.path.join(path, "data.mdb"))
+lo = hi = None
+with open("/proc/self/maps") as maps:
+    for line in maps:
+        if line.rstrip().endswith(data):
+            lo = int(line.split("-")[0], 16)
+            break
+if lo is not None:
+    hi = lo + os.path.getsize(data)
+with env.begin(buffers=True) as txn:
+    names = [bytes(k) for k in txn.cursor().iternext(values=False)]
+    if names and b"meta" not in names:
+        sys.exit(4)  # not a tierkv environment: the caller refuses it without writing
+    for name in names:
+        db = env.open_db(name, txn=txn, create=False)
+        for k, v in txn.cursor(db=db).iternext():
+            if lo is not None and len(v):
+                at = np.frombuffer(v, dtype=np.uint8).ctypes.data
+                if not (lo <= at and at + len(v) <= hi):
+                    sys.exit(3)
+"""
+
+
+@dataclass
+class Files:
+    """An open tier's files: the index, the page file and the page file's free-space map
+    (owned by the writer thread once it starts)."""
+
+    index: Index
+    pages: PageFile
+    space: ExtentMap
+
+    def close(self) -> None:
+        self.pages.close()
+        self.index.close()
+
+
+def open_files(path: Path, *, map_size: int, namespace: bytes, about: dict[str, Any],
+               health: "Health", lost: "LostKeys") -> Files | None:
+    """Open (or create) the tier in ``path``, the index map and the page file bounded by
+    ``map_size`` bytes, and register ``namespace`` (described by ``about``). None when
+    the tier had to be disabled (``health`` says why)."""
+    existed = (path / "data.mdb").exists()
+    _refuse_foreign_directory(path, existed)
+    path.mkdir(exist_ok=True)
+    if existed and not _verified(path, health):
+        return None
+    index = _open_index(path, map_size, existed, health)
+    if index is None:
+        return None
+    try:
+        ready = _complete(path, index, health) and _prepare(path, index, namespace, about,
+                                                            health)
+    except BaseException:
+        index.close()
+        raise
+    files = _open_pages(path, index, map_size, health, lost) if ready else None
+    if files is None:
+        index.close()
+    return files
+
+
+def mark_clean(path: Path, health: "Health") -> None:
+    """Record a clean close (the next open logs damage as such, not as a crash)."""
+    try:
+        (path / CLEAN).touch()
+    except OSError as exc:  # the directory went away or is read-only: next open re-verifies
+        health.log_once("close", "cannot write the clean marker: %s", exc)
+
+
+# ====================================================================== steps
+
+def _refuse_foreign_directory(path: Path, existed: bool) -> None:
+    if not existed and path.exists() and not {p.name for p in path.iterdir()} <= {
+            "lock.mdb", CLEAN, BLOCKS}:
+        raise ConfigError(f"path: {path} is a non-empty directory without an LMDB "
+                          "environment; refusing to write into it")
+
+
+def _verified(path: Path, health: "Health") -> bool:
+    """Walk an existing environment in a child process before this one touches it."""
+    marker = path / CLEAN
+    clean = marker.exists()
+    if clean:
+        marker.unlink()
+    problem = walk_in_subprocess(path)
+    if problem is not None:
+        when = "" if clean else " after an unclean shutdown"
+        health.fail(f"the environment does not verify{when} ({problem})")
+        return False
+    return True
+
+
+def walk_in_subprocess(path: Path, timeout: float = 600.0) -> str | None:
+    """None if a child process can walk the whole environment; otherwise what went wrong."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _WALK, str(path)], capture_output=True,
+                              text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"verification did not finish: {exc}"
+    if proc.returncode in (0, 4):
+        return None
+    if proc.returncode < 0:
+        return f"walking it killed a process with signal {-proc.returncode}"
+    if proc.returncode == 3:
+        return "a value points past the end of data.mdb"
+    return (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1]
+
+
+def _open_index(path: Path, map_size: int, existed: bool, health: "Health") -> Index | None:
+    try:
+        return Index(path, map_size)
+    except IndexFailure as exc:
+        if not existed:
+            raise ConfigError(f"path: cannot create an LMDB environment in {path}: "
+                              f"{exc}") from exc
+        health.fail(f"cannot open the LMDB environment: {exc}")
+        return None
+
+
+def _complete(path: Path, index: Index, health: "Health") -> bool:
+    """A data file shorter than its last page would fault on access: treat it as corrupt."""
+    try:
+        need = index.data_end()
+    except IndexFailure as exc:
+        health.fail(f"cannot read the LMDB environment: {exc}")
+        return False
+    size = (path / "data.mdb").stat().st_size
+    if size < need:
+        health.fail(f"data.mdb has {size} bytes but its pages reach {need}: "
+                    "truncated or half-written")
+        return False
+    return True
+
+
+def _prepare(path: Path, index: Index, namespace: bytes, about: dict[str, Any],
+             health: "Health") -> bool:
+    """Refuse an environment tierkv did not create; set up (or convert) the meta records."""
+    try:
+        names = index.names()
+    except IndexFailure:
+        names = []  # unreadable: opening the databases reports it
+    if names and b"meta" not in names:
+        raise ConfigError(f"path: {path} holds an LMDB environment that tierkv did not "
+                          "create; refusing to use it")
+    try:
+        index.open_dbs()
+        with index.write() as tx:
+            _set_up_meta(path, tx, namespace, about)
+        index.sync()
+    except IndexFailure as exc:
+        health.fail(f"cannot read the LMDB environment: {exc}")
+        return False
+    return True
+
+
+def _set_up_meta(path: Path, tx: WriteTxn, namespace: bytes, about: dict[str, Any]) -> None:
+    import msgpack
+    now = time.time()
+    info = tx.meta(b"tierkv")
+    if info is None:
+        if tx.records():
+            raise ConfigError(f"path: {path} holds an LMDB environment that tierkv did not "
+                              "create; refusing to use it")
+        _init_meta(tx, now)
+    elif _format_of(info) != RECORD_VERSION:
+        log.warning("SSD tier at %s: records of format %r are not readable by format %d; "
+                    "discarding %d of them", path, _format_of(info), RECORD_VERSION,
+                    tx.records())
+        tx.drop_all()
+        _init_meta(tx, now)
+    key = b"ns:" + namespace
+    if tx.meta(key) is None:
+        tx.put_meta(key, msgpack.packb({**about, "created_at": now}))
+
+
+def _init_meta(tx: WriteTxn, now: float) -> None:
+    import msgpack
+    tx.put_meta(b"tierkv", msgpack.packb({"format": RECORD_VERSION, "created_at": now}))
+    tx.used = tx.clock = 0
+
+
+def _format_of(info: bytes) -> object:
+    import msgpack
+    try:
+        return msgpack.unpackb(info).get("format")
+    except Exception:  # a damaged meta record: treated as an unknown format
+        return None
+
+
+def _open_pages(path: Path, index: Index, map_size: int, health: "Health",
+                lost: "LostKeys") -> Files | None:
+    """Open the page file and rebuild its free-space map from the heads."""
+    try:
+        pages = PageFile(path)
+    except OSError as exc:
+        health.fail(f"cannot open {BLOCKS}: {exc}")
+        return None
+    try:
+        return Files(index, pages, _rebuild(index, pages, map_size, health, lost))
+    except OSError as exc:
+        health.fail(f"cannot open {BLOCKS}: {exc}")
+    except Exception as exc:  # IndexFailure, or a head LMDB returns malformed
+        health.fail(f"cannot read the index: {exc!r}")
+    pages.close()
+    return None
+
+
+def _rebuild(index: Index, pages: PageFile, map_size: int, health: "Health",
+             lost: "LostKeys") -> ExtentMap:
+    """Drop records that do not verify, recount the used bytes, free every other page."""
+    size = pages.size()
+    with index.write() as tx:
+        good, bad = _survey(tx.heads(), size)
+        for nskey in bad:
+            tx.drop(nskey)
+        tx.used = sum(fp for _, _, fp in good.values())
+    if bad:
+        health.count("corrupt_deleted", len(bad))
+        health.log_once("corrupt", "deleted %d records whose header or pages do not verify "
+                        "at open", len(bad))
+        lost.add(bad)
+    space = ExtentMap(map_size // PAGE, [(p, n) for p, n, _ in good.values() if n])
+    if size > space.high_water * PAGE:
+        pages.truncate(space.high_water)
+    return space
+
+
+def _survey(heads: Iterable[tuple[bytes, bytes]], size: int
+            ) -> tuple[dict[bytes, tuple[int, int, int]], list[bytes]]:
+    """Split heads into good ones (nskey -> page, pages, footprint) and the keys of bad
+    ones: unverifiable, past the end of a page file of ``size`` bytes, or overlapping."""
+    good: dict[bytes, tuple[int, int, int]] = {}
+    bad: list[bytes] = []
+    for nskey, head in heads:
+        hdr = parse_head(head)
+        if hdr is None:
+            bad.append(nskey)
+            continue
+        body_len = hdr.payload_len - hdr.tail_len
+        if body_len and hdr.page * PAGE + body_len > size:
+            bad.append(nskey)  # its body was never written in full (a torn file)
+            continue
+        good[nskey] = (hdr.page, hdr.pages, record_footprint(len(nskey), hdr.payload_len))
+    extents = {(p, n): k for k, (p, n, _) in good.items() if n}
+    for extent in ExtentMap.overlapping(extents):
+        bad.append(extents[extent])
+        del good[extents[extent]]
+    return good, bad

@@ -1,0 +1,370 @@
+"""The SSD tier's front: :class:`SSDTier`, the parts put together behind one object.
+
+The front checks arguments, adds the namespace prefix to keys, counts, and
+routes each call to its part: puts and discards to the write queue, reads to
+the reader, ``keys()`` and membership to the index, lost keys to their log.
+It owns the parts' lifetime: recovery opens the files, then the writer thread
+starts; ``close()`` flushes, stops the writer and closes the files.
+
+Threads: ``get``, ``get_many``, ``get_into``, ``__contains__``, ``keys``,
+``put``, ``discard_many``, ``take_lost`` and ``stats`` may be called from any
+thread; ``flush`` and ``close`` from the owner. The front keeps no mutable
+state of its own besides the process-wide registry of open paths (guarded by
+``_OPEN_LOCK``); each part documents its own locks. Never use a tier across
+``fork()``: a child process sees it as disabled and must open its own.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+from tierkv.buffers import as_numpy, nbytes, writable_view
+from tierkv.errors import ConfigError
+from tierkv.tiers.ssd.coders import Coders
+from tierkv.tiers.ssd.health import Health
+from tierkv.tiers.ssd.index import IndexFailure
+from tierkv.tiers.ssd.lost import LostKeys
+from tierkv.tiers.ssd.pagefile import BLOCKS
+from tierkv.tiers.ssd.reader import Reader
+from tierkv.tiers.ssd.reclaim import Reclaim
+from tierkv.tiers.ssd.record import NS_LEN, Codec, namespace_of
+from tierkv.tiers.ssd.recovery import Files, mark_clean, open_files
+from tierkv.tiers.ssd.writequeue import WriteQueue
+from tierkv.tiers.ssd.writer import Writer
+
+__all__ = ["SSDTier"]
+
+_OPEN_PATHS: set[str] = set()   # LMDB forbids opening one environment twice in a process
+_OPEN_LOCK = threading.Lock()
+
+
+class SSDTier:
+    """Blocks on SSD: a page file indexed by LMDB, bounded by bytes, evicted LRU.
+
+    Parameters: ``path`` (a directory whose parent exists; created if
+    missing; must be empty or hold a tierkv environment), ``capacity_bytes``
+    (hard bound on the bytes of stored records, page rounding included, see
+    :func:`~tierkv.tiers.ssd.record.capacity_blocks`), ``fingerprint`` (str or
+    bytes identifying model + KV layout + dtype + block size), ``compression``
+    (``"auto"``, ``"zstd"`` or ``"none"``), ``level`` (zstd level),
+    ``queue_capacity_bytes`` (puts beyond this much unwritten data are
+    dropped), ``block_nbytes`` (when given, every block must have exactly this
+    size).
+
+    Each file stays below ``capacity_bytes + slack_bytes``: the page file's
+    free-space map never hands out pages past that, and it is the LMDB map
+    size. The slack holds pages freed but not yet reusable (see
+    :mod:`~tierkv.tiers.ssd.reclaim`) and fragmentation; the index itself is
+    small (about 200 bytes per record).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, capacity_bytes: int,
+                 fingerprint: str | bytes, compression: str = "auto", level: int = 1,
+                 queue_capacity_bytes: int = 256 * 1024**2,
+                 block_nbytes: int | None = None) -> None:
+        self.path = _check_path(path)
+        self.block_nbytes = _check_block_nbytes(block_nbytes)
+        self.capacity_bytes = _check_capacity(capacity_bytes, self.block_nbytes)
+        self.fingerprint = _check_fingerprint(fingerprint)
+        self.queue_capacity_bytes = _check_int(queue_capacity_bytes, "queue_capacity_bytes", 1)
+        self._codec = Codec(compression, level)
+        self.compression = compression
+        self.batch_bytes = min(16 * 1024**2, max(self.capacity_bytes // 16, 256 * 1024))
+        self.slack_bytes = self.capacity_bytes // 16 + 4 * self.batch_bytes + 4 * 1024**2
+        self._ns = namespace_of(self.fingerprint)
+        self._health = Health(self.path)
+        self._lost = LostKeys(self._ns)
+        self._queue = WriteQueue(self.queue_capacity_bytes, self.batch_bytes)
+        self._reclaim = Reclaim()
+        self._coders = Coders(parallel=compression != "none")
+        self._files: Files | None = None
+        self._reader: Reader | None = None
+        self._writer: Writer | None = None
+        self._register_path()
+        try:
+            self._files = open_files(
+                self.path, map_size=self.capacity_bytes + self.slack_bytes, namespace=self._ns,
+                about={"fingerprint": self.fingerprint, "block_nbytes": self.block_nbytes,
+                       "compression": compression},
+                health=self._health, lost=self._lost)
+        except BaseException:
+            self._unregister_path()
+            raise
+        if self._files is not None:
+            self._start(self._files)
+
+    def _start(self, files: Files) -> None:
+        self._reader = Reader(files=files, reclaim=self._reclaim, queue=self._queue,
+                              codec=self._codec, coders=self._coders, health=self._health)
+        self._writer = Writer(files=files, reclaim=self._reclaim, queue=self._queue,
+                              codec=self._codec, coders=self._coders, health=self._health,
+                              lost=self._lost, capacity_bytes=self.capacity_bytes,
+                              name=f"tierkv-ssd-writer:{self.path.name}")
+        self._writer.start()
+
+    def _register_path(self) -> None:
+        real = os.path.realpath(self.path)
+        with _OPEN_LOCK:
+            if real in _OPEN_PATHS:
+                raise ConfigError(f"path: {self.path} is already open by another SSDTier in "
+                                  "this process; share that instance")
+            _OPEN_PATHS.add(real)
+
+    def _unregister_path(self) -> None:
+        with _OPEN_LOCK:
+            _OPEN_PATHS.discard(os.path.realpath(self.path))
+
+    def _live(self) -> Files | None:
+        """The open files, or None when the tier is unusable (disabled, closed, forked)."""
+        return self._files if self._health.usable() else None
+
+    # ================================================================== writes
+
+    def put(self, key: bytes, data: Any) -> bool:
+        """Queue one block for writing; return True if it is stored or will be.
+
+        ``data`` (bytes-like, numpy array or CPU tensor) is copied before this
+        returns, so the caller may reuse its buffer. A key already stored or
+        queued only counts as an access. Returns False, storing nothing, when
+        the queue is full or the tier is unavailable. Never blocks on disk.
+        """
+        _check_key(key, "key")
+        size = nbytes(data)
+        if self.block_nbytes is not None and size != self.block_nbytes:
+            raise ValueError(f"data: expected {self.block_nbytes} bytes, got {size}")
+        if size == 0 or size > self.capacity_bytes // 2:
+            raise ValueError(f"data: a block of {size} bytes does not fit a tier of "
+                             f"{self.capacity_bytes} bytes (at most half of it per block)")
+        self._health.count("puts")
+        files = self._live()
+        if files is None:
+            self._health.count("dropped_unavailable")
+            return False
+        nskey = self._ns + key
+        if self._present(files, nskey):
+            self._health.count("puts_present")
+            self._queue.touch(nskey)
+        elif not (self._queue.fits(size) and self._queue.put(nskey, self._private(data))):
+            self._health.count("dropped_queue_full")
+            return False
+        self._lost.forget(key)
+        return True
+
+    def _private(self, data: Any) -> bytes | bytearray:
+        """``data`` itself if immutable, else a copy the queue may keep."""
+        if isinstance(data, bytes):
+            return data
+        arr = as_numpy(data, "data")
+        if not arr.flags.c_contiguous:
+            raise ValueError("data: must be C-contiguous")
+        return self._queue.copy_in(arr)
+
+    def _present(self, files: Files, nskey: bytes) -> bool:
+        return self._queue.has_put(nskey) or (
+            not self._queue.discarding(nskey) and files.index.has(nskey))
+
+    def discard_many(self, keys: Iterable[bytes]) -> None:
+        """Delete the records of ``keys`` (absent ones are ignored), asynchronously.
+
+        Queued puts of these keys are cancelled; stored records are deleted by the
+        writer's next transaction (committed and synced when a later :meth:`flush`
+        returns), and their pages are reused under the same rules as evicted ones.
+        From now on they are absent to ``get``, ``in`` and :meth:`keys`, and they are
+        never reported by :meth:`take_lost`. Never blocks on disk, never raises for I/O.
+        """
+        keys = [_check_key(k, "keys") for k in keys]
+        self._lost.forget_many(keys)
+        if keys and self._health.usable():
+            self._queue.discard([self._ns + k for k in keys])
+
+    def take_lost(self) -> list[bytes]:
+        """Keys of this fingerprint the tier dropped on its own since the last call.
+
+        Oldest first: evicted by the capacity LRU, deleted because they did not verify
+        (at a read or at open), or accepted by :meth:`put` but then dropped (no room,
+        a write error, the tier disabled). Keys removed by :meth:`discard_many`, puts
+        that returned False and keys put again since they were lost are not reported.
+        At most a million unread keys are kept; older ones are dropped and counted in
+        ``stats()["lost_overflow"]``. Safe from any thread.
+        """
+        return self._lost.take()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every block accepted and every discard asked for so far is committed
+        and synced to disk.
+
+        Also persists pending access-recency updates. Returns False on timeout
+        or when the tier is unavailable (its queued blocks are then lost).
+        """
+        if not self._health.usable():
+            return False
+        return self._queue.flush(timeout) and self._health.broken is None
+
+    # ================================================================== reads
+
+    def get(self, key: bytes) -> bytes | None:
+        """The block stored under ``key``, verified, or None. Safe from any thread."""
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Verified blocks (or None) for ``keys``, read in one transaction."""
+        nskeys = [self._ns + _check_key(k, "keys") for k in keys]
+        reader = self._reader if self._health.usable() else None
+        out = [None] * len(nskeys) if reader is None else reader.get_many(nskeys)
+        self._count_reads(len(out), sum(v is not None for v in out))
+        return out
+
+    def get_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        """Read the blocks of ``keys`` straight into caller buffers; return hit flags.
+
+        ``outs[i]`` (a writable, C-contiguous numpy array, CPU tensor, bytearray or
+        memoryview of the block's size) receives the block of ``keys[i]``. Raw
+        records are read from disk into it and verified there, with no
+        intermediate copy or allocation. The buffer of a miss may have been
+        overwritten (with bytes that did not verify): use only buffers flagged True.
+        """
+        if len(outs) != len(keys):
+            raise ValueError(f"outs: expected {len(keys)} buffers (one per key), got {len(outs)}")
+        nskeys = [self._ns + _check_key(k, "keys") for k in keys]
+        views = [writable_view(o, "outs") for o in outs]
+        reader = self._reader if self._health.usable() else None
+        hit = [False] * len(nskeys) if reader is None else reader.get_into(nskeys, views)
+        self._count_reads(len(hit), sum(hit))
+        return hit
+
+    def _count_reads(self, n: int, hits: int) -> None:
+        self._health.add({"gets": n, "hits": hits, "misses": n - hits})
+
+    def __contains__(self, key: object) -> bool:
+        """True if ``key`` is queued or has a stored record (not verified until read)."""
+        if not isinstance(key, bytes):
+            return False
+        files = self._live()
+        return files is not None and self._present(files, self._ns + key)
+
+    def keys(self) -> Iterator[bytes]:
+        """Keys of this fingerprint with a committed record, least recently used first
+        (one read transaction)."""
+        files = self._live()
+        if files is None:
+            return iter(())
+        try:
+            nskeys = files.index.keys_lru(self._ns)
+        except IndexFailure as exc:
+            self._health.count("read_errors")
+            self._health.log_once("read", "read failed, reporting misses: %s", exc)
+            return iter(())
+        discarding = self._queue.discarding
+        return iter([k[NS_LEN:] for k in nskeys if not discarding(k)])
+
+    # ================================================================== lifecycle
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since open, plus the environment's current size."""
+        out: dict[str, Any] = self._health.snapshot()
+        out["lost_overflow"] = self._lost.overflow
+        out["compression_ratio"] = (out["bytes_raw"] / out["bytes_stored"]
+                                    if out["bytes_stored"] else 1.0)
+        out["capacity_bytes"] = self.capacity_bytes
+        out["queued_bytes"] = self._queue.queued_bytes
+        files = self._live()
+        out["current_bytes"] = 0 if files is None else files.index.used_bytes()
+        out["index_file_bytes"] = _size(self.path / "data.mdb")
+        out["block_file_bytes"] = _size(self.path / BLOCKS)
+        out["file_bytes"] = out["index_file_bytes"] + out["block_file_bytes"]
+        out["available"] = self._health.broken is None and not self._health.closed
+        return out
+
+    def close(self) -> None:
+        """Flush, stop the writer and close the files. Idempotent."""
+        health = self._health
+        if health.closed:
+            return
+        if os.getpid() != health.pid:
+            health.closed = True  # the parent owns the environment; leave it alone
+            return
+        if health.broken is None:
+            self.flush()
+        self._queue.stop()
+        if self._writer is not None:
+            self._writer.join()
+        self._coders.close()
+        health.closed = True
+        if self._files is not None:
+            self._files.close()
+            if health.broken is None:
+                mark_clean(self.path, health)
+        self._unregister_path()
+
+    def __enter__(self) -> "SSDTier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"SSDTier({str(self.path)!r}, capacity_bytes={self.capacity_bytes}, "
+                f"compression={self.compression!r})")
+
+
+# ====================================================================== argument checks
+
+def _check_key(key: object, what: str) -> bytes:
+    if not isinstance(key, bytes):
+        raise ValueError(f"{what}: expected bytes (a block hash), got {type(key).__name__}")
+    return key
+
+
+def _check_int(value: object, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{what}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_block_nbytes(value: int | None) -> int | None:
+    return None if value is None else _check_int(value, "block_nbytes", 1)
+
+
+def _check_capacity(value: object, block_nbytes: int | None) -> int:
+    cap = _check_int(value, "capacity_bytes", 0)
+    floor = max(2 * (block_nbytes or 0), 1024**2)
+    if cap < floor:
+        raise ConfigError(f"capacity_bytes: {cap} is too small; the SSD tier needs at least "
+                          f"{floor} bytes (1 MiB and two blocks)")
+    return cap
+
+
+def _check_fingerprint(value: object) -> bytes:
+    if isinstance(value, str):
+        value = value.encode()
+    if not isinstance(value, bytes) or not value:
+        raise ConfigError(f"fingerprint: expected a non-empty str or bytes, got {value!r}")
+    return value
+
+
+def _check_path(value: object) -> Path:
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise ConfigError(f"path: expected a directory path, got {value!r}")
+    path = Path(os.path.expanduser(os.fspath(value))).absolute()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"path: {path} exists and is not a directory")
+    if not path.exists() and not path.parent.is_dir():
+        raise ConfigError(f"path: the parent directory {path.parent} does not exist "
+                          "(create it first; tierkv does not create mount points)")
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise ConfigError(f"path: {target} is not writable")
+    for name in ("data.mdb", BLOCKS):
+        if (path / name).exists() and not os.access(path / name, os.R_OK | os.W_OK):
+            raise ConfigError(f"path: {path / name} is not readable and writable")
+    return path
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -1,0 +1,275 @@
+"""The SSD tier's write queue: blocks accepted by ``put`` until the writer has written them.
+
+Callers put private copies of their blocks here and return at once; the
+writer thread takes them in batches. Besides the blocks, the queue carries
+what the next write transaction must also do: deletions asked for by
+``discard_many``, records readers found corrupt, accesses to persist, and
+flush tickets.
+
+Bounded by bytes: a put that would take the queue past its capacity is
+refused (the caller counts it). Copy buffers of written blocks are kept for
+reuse, up to the same capacity (fresh allocations page-fault, which makes a
+block copy several times slower than a memcpy).
+
+A discarded key is *discarding* from ``discard_many`` until the writer has
+committed its deletion. A queued put of it is cancelled at once (its buffer
+recycled); a put the writer has already taken is written, then deleted by the
+next transaction. A put of a discarding key is queued again even if the old
+record is still stored, and reads treat a discarding key as absent.
+
+Threads: every field is guarded by :attr:`WriteQueue.cond` except
+``_touched`` (accesses, filled lock-free by reading threads; a touch that
+races the writer taking the set may be lost, which only costs recency) and
+the lock-free membership checks of :meth:`WriteQueue.has_put` and
+:meth:`WriteQueue.discarding` (callers re-check under the lock where it
+matters). Callers use the first group of methods; the writer thread the
+second (:meth:`WriteQueue.next_work`, :meth:`WriteQueue.finish`,
+:meth:`WriteQueue.fail`, :meth:`WriteQueue.requeue_discards`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["WriteQueue", "Work", "Put"]
+
+_MAX_TOUCHED = 1 << 16   # pending recency updates kept between writer batches
+_EAGER_BYTES = 1024**2   # a batch of this much is written without lingering for more
+
+
+class Put:
+    """One queued block. ``taken`` once the writer has it; ``live`` until cancelled."""
+
+    __slots__ = ("nskey", "raw", "taken", "live")
+
+    def __init__(self, nskey: bytes, raw: bytes | bytearray) -> None:
+        self.nskey = nskey
+        self.raw = raw
+        self.taken = False
+        self.live = True
+
+
+@dataclass
+class Work:
+    """What one turn of the writer takes from the queue."""
+
+    batch: list[Put]
+    touched: list[bytes]
+    bad: list[bytes]
+    discards: list[bytes]
+    ticket: int      # the flush ticket this turn completes (0: none)
+    stop: bool       # the last turn: the queue is closed and drained
+
+
+class WriteQueue:
+    """Blocks waiting for the writer, at most ``capacity_bytes`` of them; batches of
+    about ``batch_bytes``."""
+
+    def __init__(self, capacity_bytes: int, batch_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.batch_bytes = batch_bytes
+        self.cond = threading.Condition()
+        self.queued_bytes = 0
+        self.failed = False
+        self._queue: deque[Put] = deque()
+        self._pending: dict[bytes, Put] = {}     # queued or being written
+        self._spare: dict[int, list[bytearray]] = {}  # copy buffers for reuse, by size
+        self._spare_bytes = 0
+        self._touched: dict[bytes, None] = {}
+        self._bad: dict[bytes, None] = {}
+        self._discards: dict[bytes, None] = {}   # asked for, not yet taken by the writer
+        self._discarding: dict[bytes, None] = {}  # taken, not yet committed
+        self._flush_req = 0
+        self._flush_done = 0
+        self._stop = False
+
+    # ================================================================== callers
+
+    def has_put(self, nskey: bytes) -> bool:
+        """A put of ``nskey`` is queued or being written, and no discard undoes it."""
+        item = self._pending.get(nskey)
+        return item is not None and (not item.taken or not self.discarding(nskey))
+
+    def discarding(self, nskey: bytes) -> bool:
+        """A deletion of ``nskey`` was asked for and is not yet committed."""
+        return nskey in self._discards or nskey in self._discarding
+
+    def fits(self, nbytes: int) -> bool:
+        return self.queued_bytes + nbytes <= self.capacity_bytes
+
+    def copy_in(self, arr: np.ndarray) -> bytearray:
+        """A private copy of a C-contiguous array, in a recycled buffer when one fits."""
+        with self.cond:
+            spare = self._spare.get(arr.nbytes)
+            buf = spare.pop() if spare else None
+            if buf is not None:
+                self._spare_bytes -= len(buf)
+        if buf is None:
+            buf = bytearray(arr.nbytes)
+        np.copyto(np.frombuffer(buf, dtype=np.uint8), arr.reshape(-1).view(np.uint8))
+        return buf
+
+    def put(self, nskey: bytes, raw: bytes | bytearray) -> bool:
+        """Queue ``raw`` (which the queue now owns) for ``nskey``. False when the queue is
+        full; True without queueing when a put of ``nskey`` is already there."""
+        with self.cond:
+            if self.queued_bytes + len(raw) > self.capacity_bytes:
+                self._recycle(raw)
+                return False
+            if self.has_put(nskey):
+                self._recycle(raw)
+                return True
+            item = Put(nskey, raw)
+            self._queue.append(item)
+            self._pending[nskey] = item
+            self.queued_bytes += len(raw)
+            self.cond.notify_all()
+        return True
+
+    def discard(self, nskeys: Iterable[bytes]) -> None:
+        """Have the writer delete these records; cancel their queued puts."""
+        with self.cond:
+            for nskey in nskeys:
+                item = self._pending.get(nskey)
+                if item is not None and not item.taken:
+                    item.live = False
+                    del self._pending[nskey]
+                    self.queued_bytes -= len(item.raw)
+                    self._recycle(item.raw)
+                self._discards[nskey] = None
+            self.cond.notify_all()
+
+    def touch(self, nskey: bytes) -> None:
+        """Record an access; the writer persists it in its next transaction."""
+        if len(self._touched) < _MAX_TOUCHED:
+            self._touched[nskey] = None
+
+    def report_bad(self, nskey: bytes) -> None:
+        """Have the writer delete a record that does not verify."""
+        with self.cond:
+            if nskey not in self._bad:
+                self._bad[nskey] = None
+                self.cond.notify_all()
+
+    def held(self, nskeys: Sequence[bytes]) -> tuple[list[bytes | None], list[bool]]:
+        """Per key, a copy of its queued block (or None), and whether to look on disk
+        (not when queued, nor when discarding)."""
+        with self.cond:  # the writer recycles a buffer once its block is written
+            if not self._discards and not self._discarding:
+                items = [self._pending.get(k) for k in nskeys]
+                return ([None if i is None else _frozen(i.raw) for i in items],
+                        [i is None for i in items])
+            raws: list[bytes | None] = []
+            look: list[bool] = []
+            for nskey in nskeys:
+                held = self.has_put(nskey)
+                raws.append(_frozen(self._pending[nskey].raw) if held else None)
+                look.append(not held and not self.discarding(nskey))
+            return raws, look
+
+    def flush(self, timeout: float | None) -> bool:
+        """Wait until everything queued so far is committed and synced. False on timeout
+        or when the writer failed."""
+        with self.cond:
+            self._flush_req += 1
+            ticket = self._flush_req
+            self.cond.notify_all()
+            done = self.cond.wait_for(
+                lambda: self._flush_done >= ticket or self.failed, timeout)
+        return bool(done) and not self.failed
+
+    def stop(self) -> None:
+        """Let the writer finish what is queued and stop."""
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+
+    # ================================================================== writer
+
+    def next_work(self, idle_s: float, linger_s: float) -> Work:
+        """Wait up to ``idle_s`` for work, then up to ``linger_s`` for a batch worth a
+        commit (so that small puts share one); take it."""
+        with self.cond:
+            self.cond.wait_for(self._has_work, idle_s)
+            self.cond.wait_for(self._batch_ready, linger_s)
+            batch, ticket = self._take_batch()
+            touched, self._touched = list(self._touched), {}
+            bad, self._bad = list(self._bad), {}
+            discards, self._discards = list(self._discards), {}
+            self._discarding.update(dict.fromkeys(discards))
+            stop = self._stop and not self._queue
+        return Work(batch, touched, bad, discards, ticket, stop)
+
+    def finish(self, work: Work) -> None:
+        """The writer is done with ``work`` (written, dropped, or failed)."""
+        with self.cond:
+            for item in work.batch:
+                if self._pending.get(item.nskey) is item:
+                    del self._pending[item.nskey]
+                self.queued_bytes = max(0, self.queued_bytes - len(item.raw))
+                self._recycle(item.raw)
+            for nskey in work.discards:
+                self._discarding.pop(nskey, None)
+            if work.ticket:
+                self._flush_done = max(self._flush_done, work.ticket)
+            self.cond.notify_all()
+
+    def requeue_discards(self, nskeys: Sequence[bytes]) -> None:
+        """Deletions that a failed transaction did not commit: do them in the next one."""
+        with self.cond:
+            self._discards.update(dict.fromkeys(nskeys))
+            self.cond.notify_all()
+
+    def fail(self) -> list[bytes]:
+        """The tier is disabled: drop everything queued, wake every flush; return the keys
+        of the dropped puts the writer had not taken."""
+        with self.cond:
+            dropped = [k for k, item in self._pending.items() if not item.taken]
+            self.failed = True
+            self._queue.clear()
+            self._pending.clear()
+            self.queued_bytes = 0
+            self.cond.notify_all()
+        return dropped
+
+    def _has_work(self) -> bool:
+        return bool(self._queue or self._bad or self._discards or self._stop
+                    or self._flush_req > self._flush_done)
+
+    def _batch_ready(self) -> bool:
+        """Worth a commit: enough bytes to keep the disk busy while more are being queued
+        (writing overlaps the callers' copies), a flush or a stop."""
+        return (self.queued_bytes >= min(self.batch_bytes, _EAGER_BYTES) or not self._queue
+                or self._stop or self._flush_req > self._flush_done)
+
+    def _take_batch(self) -> tuple[list[Put], int]:
+        """Up to ``batch_bytes`` of queued blocks; the flush ticket they complete, if any."""
+        batch: list[Put] = []
+        size = 0
+        queue = self._queue
+        while queue:
+            item = queue[0]
+            if item.live and batch and size + len(item.raw) > self.batch_bytes:
+                break
+            queue.popleft()
+            if item.live:
+                item.taken = True
+                batch.append(item)
+                size += len(item.raw)
+        done = not queue and self._flush_req > self._flush_done
+        return batch, (self._flush_req if done else 0)
+
+    def _recycle(self, raw: bytes | bytearray) -> None:
+        """Keep a copy buffer for reuse, up to the queue's capacity in all. Hold ``cond``."""
+        if isinstance(raw, bytearray) and self._spare_bytes + len(raw) <= self.capacity_bytes:
+            self._spare.setdefault(len(raw), []).append(raw)
+            self._spare_bytes += len(raw)
+
+
+def _frozen(raw: bytes | bytearray) -> bytes:
+    return bytes(raw) if isinstance(raw, bytearray) else raw

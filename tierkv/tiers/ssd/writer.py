@@ -1,0 +1,261 @@
+"""The SSD tier's writer thread: batches from the write queue into the index and page file.
+
+Each turn takes a batch from the :class:`~tierkv.tiers.ssd.writequeue.WriteQueue`,
+encodes it (compression and checksums, on the codec threads) and commits it
+in one write transaction, which also applies the turn's deletions (discards
+first, then records found corrupt), persists accesses, and evicts least
+recently used records down to the capacity. Bodies are written into pages
+allocated best-fit before their heads are inserted, so a committed head
+always points at a written body.
+
+Syncs (page file first, then the index) happen at a flush, past
+:data:`SYNC_BYTES` of unsynced writes, after :data:`SYNC_INTERVAL_S`, at stop,
+and whenever a batch found no room; pages freed by deletions go through
+:class:`~tierkv.tiers.ssd.reclaim.Reclaim` and are handed back to the
+free-space map after a sync. A batch that finds no room is retried (the
+first retry after syncing the evictions, later ones after evicting more);
+when the map is full, room is made by evicting and committing twice (LMDB
+reuses freed pages two commits later). A batch that still finds no room is
+dropped and counted; a page file error drops the batch; an index error
+disables the tier. The writer never raises.
+
+Threads: one writer thread per tier owns everything here: the free-space
+map, the commit and sync counters, the unsynced byte count, and every write
+transaction. It shares the queue (its condition), the page file (positionless
+I/O), :class:`~tierkv.tiers.ssd.reclaim.Reclaim` (its lock), and the
+health counters and lost keys (their locks) with other threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tierkv.tiers.ssd.record import Codec, Encoded
+
+if TYPE_CHECKING:
+    from tierkv.tiers.ssd.coders import Coders
+    from tierkv.tiers.ssd.health import Health
+    from tierkv.tiers.ssd.index import WriteTxn
+    from tierkv.tiers.ssd.lost import LostKeys
+    from tierkv.tiers.ssd.reclaim import Reclaim
+    from tierkv.tiers.ssd.recovery import Files
+    from tierkv.tiers.ssd.writequeue import Put, Work, WriteQueue
+
+__all__ = ["Writer"]
+
+log = logging.getLogger("tierkv.tiers.ssd")
+
+IDLE_S = 1.0                   # an idle writer wakes this often to persist accesses
+LINGER_S = 0.005               # a writer that woke on one put waits this long for a batch to fill
+SYNC_BYTES = 64 * 1024**2      # unsynced commits are synced at a flush, past this many bytes,
+SYNC_INTERVAL_S = 1.0          # or after this long
+MAX_ATTEMPTS = 4
+
+
+@dataclass
+class _Changes:
+    """What one transaction must do (deletions and accesses are done once, even when the
+    new records find no room)."""
+
+    encoded: list[Encoded]
+    touched: list[bytes] = field(default_factory=list)
+    bad: list[bytes] = field(default_factory=list)
+    discards: list[bytes] = field(default_factory=list)
+
+    def committed(self) -> None:
+        """The deletions and accesses are committed: retries carry only the new records."""
+        self.touched, self.bad, self.discards = [], [], []
+
+    def __bool__(self) -> bool:
+        return bool(self.encoded or self.touched or self.bad or self.discards)
+
+
+class Writer:
+    """The writer thread of one tier (start it with :meth:`start`; it stops when the
+    queue is stopped and drained)."""
+
+    def __init__(self, *, files: "Files", reclaim: "Reclaim", queue: "WriteQueue", codec: Codec,
+                 coders: "Coders", health: "Health", lost: "LostKeys", capacity_bytes: int,
+                 name: str) -> None:
+        self.files = files
+        self.reclaim = reclaim
+        self.queue = queue
+        self.codec = codec
+        self.coders = coders
+        self.health = health
+        self.lost = lost
+        self.capacity_bytes = capacity_bytes
+        self._unsynced = 0
+        self._last_sync = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    # ================================================================== the loop
+
+    def _loop(self) -> None:
+        while True:
+            work = self.queue.next_work(IDLE_S, LINGER_S)
+            sync = bool(work.ticket) or work.stop or self._unsynced >= SYNC_BYTES or (
+                self._unsynced > 0 and time.monotonic() - self._last_sync >= SYNC_INTERVAL_S)
+            busy = work.batch or work.touched or work.bad or work.discards
+            if self.health.broken is None and (busy or sync):
+                self._write_safely(work, sync)
+            self.queue.finish(work)
+            if work.stop:
+                return
+
+    def _write_safely(self, work: "Work", sync: bool) -> None:
+        from tierkv.tiers.ssd.index import IndexFailure
+        changes = _Changes([], work.touched, work.bad, work.discards)
+        try:
+            changes.encoded = self._encode(work.batch)
+            unplaced = self._write_with_retries(changes, sync)
+            if unplaced:
+                self.health.count("dropped_no_room", len(unplaced))
+                self.lost.add(e.nskey for e in unplaced)
+        except IndexFailure as exc:
+            self._dropped(work)
+            self.health.fail(f"write failed: {exc}")
+            self.lost.add(self.queue.fail())
+        except OSError as exc:  # the page file: disk full, I/O error
+            self._dropped(work)
+            if changes.discards:  # not committed: retried next turn, and a flush waits for them
+                self.queue.requeue_discards(changes.discards)
+                work.ticket = 0
+            self.health.log_once("pwrite", "writing %s failed, dropping the batch: %s",
+                                 self.files.pages.path.name, exc)
+        except Exception:
+            self._dropped(work)
+            log.exception("SSD tier at %s: unexpected error in the writer; batch dropped",
+                          self.health.path)
+
+    def _dropped(self, work: "Work") -> None:
+        """A turn that failed: its puts are lost."""
+        self.health.count("dropped_write_error", len(work.batch))
+        self.lost.add(item.nskey for item in work.batch)
+
+    def _encode(self, batch: list["Put"]) -> list[Encoded]:
+        """Compress and checksum a batch."""
+        codec = self.codec
+        return self.coders.map(lambda item: Encoded(item.nskey, item.raw, codec), batch)
+
+    # ================================================================== commits
+
+    def _write_with_retries(self, changes: _Changes, sync: bool) -> list[Encoded]:
+        """Commit one batch, evicting more and retrying when the page file has no room
+        for it or the map is full; sync when asked to. Returns the records dropped."""
+        from tierkv.tiers.ssd.index import MapFull
+        unplaced = changes.encoded
+        stored = not changes
+        step = max(self.capacity_bytes // 8, sum(e.footprint for e in changes.encoded))
+        for attempt in range(MAX_ATTEMPTS):
+            if stored:
+                break
+            extra = max(0, attempt - 1) * step  # first retry: only the synced evictions
+            try:
+                unplaced = self._commit(changes, extra)
+                stored = not unplaced
+                changes.committed()
+                if not stored:  # evictions committed: make them durable so their pages free up
+                    self._sync()
+            except MapFull:
+                self.health.count("map_full_retries")
+                self.health.log_once("mapfull", "the map is full (fragmented free pages); "
+                                     "evicting more and retrying")
+                self._make_room(max(step, extra))
+        if self._unsynced and (sync or not stored):
+            self._sync()
+        return [] if stored else unplaced
+
+    def _make_room(self, extra: int) -> None:
+        """Evict ``extra`` bytes beyond the capacity and commit twice, so that the
+        freed index pages become reusable (LMDB reuses pages two commits after freeing)."""
+        self._commit(_Changes([]), extra=extra)
+        self._commit(_Changes([]))
+
+    def _commit(self, changes: _Changes, extra: int = 0) -> list[Encoded]:
+        """One write transaction: deletions, accesses, evictions, then the new bodies and
+        heads. Returns the new records the page file had no room for (all of them or
+        none; everything else is committed either way)."""
+        taken: list[tuple[int, int]] = []
+        try:
+            with self.files.index.write() as tx:
+                discarded, corrupt = self._delete(tx, changes)
+                for nskey in changes.touched:
+                    tx.retouch(nskey)
+                new = [e for e in changes.encoded if not tx.has(e.nskey)]
+                evicted = tx.evict(self.capacity_bytes - sum(e.footprint for e in new) - extra)
+                placed = self._place(new, taken)
+                if placed:
+                    self._insert(tx, new)
+        except BaseException:
+            for extent in taken:
+                self.files.space.free(*extent)
+            raise
+        self.reclaim.committed(tx.freed)
+        self._unsynced += 1
+        self.health.add({"discarded": discarded, "corrupt_deleted": len(corrupt),
+                         "evictions": len(evicted)})
+        if corrupt or evicted:
+            self.lost.add(corrupt + evicted)
+        if placed:
+            self._account(new)
+        return [] if placed else new
+
+    @staticmethod
+    def _delete(tx: "WriteTxn", changes: _Changes) -> tuple[int, list[bytes]]:
+        """Delete discarded records, then those found corrupt. Returns how many discarded
+        records were there, and the keys of the corrupt ones that were (a second report
+        of the same record finds it gone)."""
+        discarded = sum(1 for nskey in changes.discards if tx.delete(nskey))
+        return discarded, [nskey for nskey in changes.bad if tx.delete(nskey)]
+
+    def _place(self, new: list[Encoded], taken: list[tuple[int, int]]) -> bool:
+        """Give every new record's body pages in the page file (all or none)."""
+        space = self.files.space
+        for e in new:
+            if not e.pages:
+                continue
+            page = space.allocate(e.pages)
+            if page is None:
+                for extent in taken:
+                    space.free(*extent)
+                taken.clear()
+                return False
+            taken.append((page, e.pages))
+            e.header = e.header.at_page(page)
+        return True
+
+    def _insert(self, tx: "WriteTxn", new: list[Encoded]) -> None:
+        """Write the bodies, then insert their heads."""
+        pages = self.files.pages
+        for e in new:
+            pages.write(e.body, e.header.page)
+            tx.insert(e)
+        self._unsynced += sum(len(e.body) for e in new)
+
+    def _account(self, new: list[Encoded]) -> None:
+        self.health.add({"blocks_written": len(new), "batches_committed": 1,
+                         "bytes_raw": sum(e.raw_len for e in new),
+                         "bytes_stored": sum(e.header.payload_len for e in new)})
+
+    def _sync(self) -> None:
+        """Make every commit so far durable (page file first), then hand the pages they
+        freed back to the free-space map where no read could still see them."""
+        self.files.pages.sync()
+        self.files.index.sync()
+        self.health.count("syncs")
+        self._unsynced = 0
+        self._last_sync = time.monotonic()
+        self.reclaim.mark_synced()
+        for page, pages in self.reclaim.release():
+            self.files.space.free(page, pages)
