@@ -1,23 +1,19 @@
-"""Pieces shared by both halves of the vLLM connector: configuration,
-fingerprints, and the small picklable messages that cross between them.
+"""Pieces shared by both halves of the vLLM connector: configuration, the
+fingerprint, and the small picklable messages that cross between them.
 
-Scheduler -> worker (:class:`TierKVMetadata`, once per engine step):
-
-* ``loads``: per request, ``(vllm block id, key, cpu slot or -1, promote slot or -1)``;
-  a block comes from the CPU slab when its slot is given, else from the SSD
-  tier (and is then also written into ``promote slot`` of the slab).
-* ``spills``: ``(slot, key)`` pairs to copy from the slab to the SSD tier before
-  the slot is reused (only when ``spill.write_through`` is off).
-* ``stores``: newly full vLLM blocks -> ``(key, cpu slot or -1, write to SSD?)``.
+Scheduler -> worker (:class:`TierKVMetadata`, once per engine step): the tier
+policy's plans themselves (:mod:`tierkv.policy.plans`), and the changes to
+the set of hashed GPU blocks (:class:`ResidentDelta`) the worker mirrors so
+that its shutdown can persist the hot set.
 
 Worker -> scheduler (:class:`TierKVWorkerMetadata`, aggregated over workers):
-keys that turned out to be missing or corrupt, so the index forgets them.
+which store plans every worker finished, and which blocks turned out to be
+missing or corrupt (so the policy forgets them).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -26,63 +22,47 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-import tierkv
 from tierkv.config import TierKVConfig
 from tierkv.errors import ConfigError
+from tierkv.identity import Fingerprint, model_identity
+from tierkv.policy import LoadPlan, PolicySpec, StorePlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["load_config", "layout_fingerprint", "namespace_of", "worker_fingerprint",
-           "block_nbytes_of", "LoadSpec", "StoreSpec", "TierKVMetadata", "TierKVWorkerMetadata"]
+__all__ = ["load_config", "vllm_fingerprint", "policy_spec", "block_nbytes_of", "num_workers", "ResidentDelta",
+           "TierKVMetadata", "TierKVWorkerMetadata"]
 
 CONFIG_FILE_KEY = "config"
+_VLLM_OWNS = (
+    ("block_size", "vLLM's --block-size sets it"),
+    ("gpu", "vLLM sizes its own KV pool (--gpu-memory-utilization or --kv-cache-memory-bytes)"),
+    ("model.name", "taken from the model vLLM serves (set model.id to name its identity)"),
+    ("model.layers", "taken from the model vLLM serves"),
+    ("model.kv_heads", "taken from the model vLLM serves"),
+    ("model.head_size", "taken from the model vLLM serves"),
+    ("model.kv_dtype", "vLLM's --kv-cache-dtype sets it"),
+    ("model.block_nbytes", "taken from vLLM's KV cache tensors"),
+)
 
 
 def load_config(extra: Mapping[str, Any] | None) -> TierKVConfig:
     """Build the config from ``kv_connector_extra_config``: an optional YAML file
     under ``"config"`` plus dotted-key overrides (``"cpu.capacity": "16GiB"``).
-    Unknown keys raise :class:`ConfigError` naming the key."""
+    Unknown keys, and keys vLLM decides, raise :class:`ConfigError` naming the key."""
     overrides = dict(extra or {})
     path = overrides.pop(CONFIG_FILE_KEY, None)
     bad = [k for k in overrides if not isinstance(k, str)]
     if bad:
         raise ConfigError(f"kv_connector_extra_config: keys must be strings, got {bad[0]!r}")
     try:
-        if path is not None:
-            return TierKVConfig.from_yaml(path, overrides)
-        return TierKVConfig.from_dict({}, overrides)
+        cfg = TierKVConfig.from_yaml(path, overrides) if path is not None else TierKVConfig.from_dict({}, overrides)
+        for key, why in _VLLM_OWNS:
+            cfg.reject((key,), f"not used under vLLM: {why}")
     except ConfigError as exc:
         raise ConfigError(f"kv_connector_extra_config: {exc}") from None
-
-
-def layout_fingerprint(vllm_config: "VllmConfig") -> dict[str, Any]:
-    """Everything (except the TP rank) that makes KV bytes incompatible."""
-    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    return {
-        "format": tierkv.FORMAT_VERSION,
-        "model": str(mc.model),
-        "revision": mc.revision,
-        "dtype": str(mc.dtype),
-        "kv_dtype": str(cc.cache_dtype),
-        "block_size": int(cc.block_size),
-        "layers": int(mc.get_num_layers(pc)),
-        "kv_heads": int(mc.get_num_kv_heads(pc)),
-        "head_size": int(mc.get_head_size()),
-        "tp_size": int(pc.tensor_parallel_size),
-        "pp_size": int(pc.pipeline_parallel_size),
-    }
-
-
-def namespace_of(fingerprint: Mapping[str, Any]) -> bytes:
-    """The hash-chain namespace: a canonical serialisation of the fingerprint."""
-    return json.dumps(dict(fingerprint), sort_keys=True, separators=(",", ":")).encode()
-
-
-def worker_fingerprint(fingerprint: Mapping[str, Any], tp_rank: int) -> str:
-    """The SSD tier fingerprint of one worker: the layout plus its TP rank."""
-    return hashlib.sha256(namespace_of({**fingerprint, "tp_rank": tp_rank})).hexdigest()
+    return cfg
 
 
 def block_nbytes_of(kv_cache_config: "KVCacheConfig") -> int:
@@ -94,47 +74,73 @@ def block_nbytes_of(kv_cache_config: "KVCacheConfig") -> int:
     return total // kv_cache_config.num_blocks
 
 
+def vllm_fingerprint(cfg: TierKVConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Fingerprint:
+    """The fingerprint of the blocks this vLLM deployment computes (the same in every process)."""
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    return Fingerprint(
+        model=model_identity(str(mc.model), mc.revision, cfg.model.id),
+        dtype=str(mc.dtype), kv_dtype=str(cc.cache_dtype), block_size=int(cc.block_size),
+        block_nbytes=block_nbytes_of(kv_cache_config), layers=int(mc.get_num_layers(pc)),
+        kv_heads=int(mc.get_num_kv_heads(pc)), head_size=int(mc.get_head_size()), hash=cfg.hash,
+        tp_size=int(pc.tensor_parallel_size), pp_size=int(pc.pipeline_parallel_size))
+
+
+def policy_spec(cfg: TierKVConfig, kv_cache_config: "KVCacheConfig") -> PolicySpec:
+    """The tier policy's spec under vLLM (its pool: ``kv_cache_config.num_blocks`` blocks)."""
+    return PolicySpec.from_config(cfg, block_nbytes=block_nbytes_of(kv_cache_config),
+                                  gpu_blocks=int(kv_cache_config.num_blocks))
+
+
+def num_workers(vllm_config: "VllmConfig") -> int:
+    """Workers that each run every step's plans (and report them done)."""
+    pc = vllm_config.parallel_config
+    return int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
+
+
 @dataclass
-class LoadSpec:
-    """One request's load: parallel lists, one entry per block, in prefix order."""
+class ResidentDelta:
+    """Changes to the hashed GPU blocks since the last step, in the order to apply them:
+    ``cleared`` (all dropped), ``dropped`` block ids, ``added`` ``(block id, key)``,
+    ``used`` block ids (most recently used last)."""
 
-    req_id: str
-    block_ids: list[int]
-    keys: list[bytes]
-    cpu_slots: list[int]      # source slot, or -1: read from the SSD tier
-    promote_slots: list[int]  # for SSD blocks: slab slot to fill too, or -1
+    cleared: bool = False
+    dropped: list[int] = field(default_factory=list)
+    added: list[tuple[int, bytes]] = field(default_factory=list)
+    used: list[int] = field(default_factory=list)
 
-
-@dataclass
-class StoreSpec:
-    """Newly full vLLM blocks to copy down (parallel lists)."""
-
-    block_ids: list[int] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
-    cpu_slots: list[int] = field(default_factory=list)  # -1: not kept in the CPU tier
-    to_ssd: list[bool] = field(default_factory=list)
-
-    def add(self, block_id: int, key: bytes, slot: int, to_ssd: bool) -> None:
-        self.block_ids.append(block_id)
-        self.keys.append(key)
-        self.cpu_slots.append(slot)
-        self.to_ssd.append(to_ssd)
-
-    def __len__(self) -> int:
-        return len(self.block_ids)
+    def __bool__(self) -> bool:
+        return bool(self.cleared or self.dropped or self.added or self.used)
 
 
 @dataclass
 class TierKVMetadata(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    spills: list[tuple[int, bytes]] = field(default_factory=list)
-    stores: StoreSpec = field(default_factory=StoreSpec)
+    """One step's work for the workers.
+
+    ``early_stores`` (blocks vLLM evicted in this step: their bytes are intact
+    until this step's forward) and ``loads`` run in ``start_load_kv``;
+    ``stores`` (computed blocks, the page-out window) in ``wait_for_save``.
+    ``ssd_evictions``: keys to delete from the SSD tier (start-up overflow).
+    """
+
+    loads: list[LoadPlan] = field(default_factory=list)
+    early_stores: list[StorePlan] = field(default_factory=list)
+    stores: list[StorePlan] = field(default_factory=list)
+    ssd_evictions: list[bytes] = field(default_factory=list)
+    resident: ResidentDelta = field(default_factory=ResidentDelta)
 
 
 @dataclass
 class TierKVWorkerMetadata(KVConnectorWorkerMetadata):
-    lost_keys: set[bytes] = field(default_factory=set)
+    """``stored``: store plan id -> workers that finished it. ``lost``: ``(tier, key)``
+    of blocks a worker could not store or read. ``load_lost``: the same per request."""
+
+    stored: Counter = field(default_factory=Counter)
+    lost: set[tuple[str, bytes]] = field(default_factory=set)
+    load_lost: dict[str, set[tuple[str, bytes]]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TierKVWorkerMetadata), type(other)
-        return TierKVWorkerMetadata(self.lost_keys | other.lost_keys)
+        load_lost = {r: set(v) for r, v in self.load_lost.items()}
+        for r, v in other.load_lost.items():
+            load_lost.setdefault(r, set()).update(v)
+        return TierKVWorkerMetadata(self.stored + other.stored, self.lost | other.lost, load_lost)

@@ -1,61 +1,76 @@
-"""Scheduler half of the vLLM connector: the index, never any I/O.
+"""Scheduler half of the vLLM connector: drives the tier policy, never any I/O.
 
-It knows which block hashes live in the CPU tier (a :class:`SlotIndex`, slot
-bookkeeping without bytes) and on SSD (a set, read once from the tier at
-start-up and then kept up to date from its own decisions and the keys the
-workers report lost). Every answer comes from memory.
+vLLM owns the GPU pool; this half tells the :class:`~tierkv.policy.TierPolicy`
+what vLLM's scheduler did and sends the plans it gets back to the workers as
+connector metadata. It never waits on disk or device. The step protocol is
+the one ``tierkv bench`` replays:
 
-Lifetime rules:
+* ``get_num_new_matched_tokens``: the policy's pure lookup after vLLM's GPU
+  prefix (whole blocks, never the last prompt token);
+* ``update_state_after_alloc``: the GPU-hit prefix is touched below; the load
+  is planned (its sources pinned) and the request waits for it;
+* ``build_connector_meta``: blocks vLLM evicted in this step are offered as
+  ``evicted`` (the workers copy them before this step's forward rewrites
+  them), newly computed full blocks as ``computed``, vLLM's least recently
+  used free blocks as ``pageout``;
+* ``update_connector_output``: store plans every worker finished complete,
+  then finished loads; blocks the workers could not store or read, and
+  those the SSD tier dropped on its own, are forgotten.
 
-* a CPU slot read or filled by a load is pinned from ``update_state_after_alloc``
-  until the worker reports the request in ``finished_recving``; a pinned slot
-  is never handed to another block;
-* a request whose load was handed to the worker is not freed before that load
-  finished (``request_finished`` returns True and vLLM frees its blocks on
-  ``finished_recving``);
-* stores copy out of vLLM blocks in ``wait_for_save`` of the step that computed
-  them, and the worker runs steps in order, so a freed block can never be
-  overwritten before its store finished: no delay is needed for stores.
+vLLM's evictions are observed through the block pool's metrics hook (a
+collector that forwards to vLLM's own, if any): ``on_block_evicted`` sees a
+block while it still carries its hash. A prefix-cache reset is not an
+eviction: those blocks are not stored (the reset may follow a weight update).
+
+Lifetime rules: every slot a plan uses stays pinned in the policy until its
+completion is reported (see :mod:`tierkv.policy.manager`); a request whose
+load was handed to the workers is not freed before that load finished
+(``request_finished`` returns True). State is owned by vLLM's scheduler
+thread; nothing here is shared with another thread.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Sequence
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tierkv.config import TierKVConfig
-from tierkv.cpu_tier import SlotIndex
 from tierkv.hashing import BlockHasher
+from tierkv.metrics import Lifecycle, LifecycleRecorder
+from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, LoadPlan, StorePlan, TierPolicy
 
 from tierkv.connectors.vllm_common import (
-    LoadSpec,
-    StoreSpec,
+    ResidentDelta,
     TierKVMetadata,
     TierKVWorkerMetadata,
     block_nbytes_of,
-    layout_fingerprint,
-    namespace_of,
-    worker_fingerprint,
+    num_workers,
+    policy_spec,
+    vllm_fingerprint,
 )
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["TierKVScheduler"]
+__all__ = ["TierKVScheduler", "PoolObserver"]
 
 log = logging.getLogger(__name__)
 
+_SOURCES = {"cpu": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
+
 
 class _Req:
-    """Per-request state: the request object, its hash chain so far, and how
-    many of its leading blocks are already known to be in a tier."""
+    """Per-request state: the request, its hash chain so far, and how many of its
+    leading full blocks were already offered as computed."""
 
     __slots__ = ("request", "hashes", "handled")
 
@@ -75,32 +90,102 @@ def _mm_hashes(request: "Request") -> list[tuple[str, int, int]] | None:
     return out or None
 
 
+class PoolObserver:
+    """vLLM block pool's metrics collector hook: records which blocks lose their hash
+    (evicted) or are handed out again, then forwards to vLLM's own collector."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.evicted: list[int] = []     # block ids that were hashed when popped, in order
+        self.reassigned: list[int] = []  # block ids handed out again
+        self.cleared = False             # the prefix cache was reset
+
+    @property
+    def sample_rate(self) -> float:
+        return self.inner.sample_rate if self.inner is not None else 0.01
+
+    def on_block_evicted(self, block: Any) -> None:
+        if block.block_hash is not None:
+            self.evicted.append(block.block_id)
+        if self.inner is not None:
+            self.inner.on_block_evicted(block)
+
+    def on_block_allocated(self, block: Any) -> None:
+        self.reassigned.append(block.block_id)
+        if self.inner is not None:
+            self.inner.on_block_allocated(block)
+
+    def on_block_accessed(self, block: Any) -> None:
+        if self.inner is not None:
+            self.inner.on_block_accessed(block)
+
+    def reset(self) -> None:
+        self.cleared = True
+        self.evicted.clear()
+        self.reassigned.clear()
+        if self.inner is not None:
+            self.inner.reset()
+
+    def drain_events(self) -> list[Any]:
+        return self.inner.drain_events() if self.inner is not None else []
+
+    def __getattr__(self, name: str) -> Any:
+        if self.inner is None:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
 class TierKVScheduler:
-    def __init__(self, cfg: TierKVConfig, vllm_config: "VllmConfig",
-                 kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(self, cfg: TierKVConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
+        self.cfg = cfg
         self.block_size = int(vllm_config.cache_config.block_size)
-        fingerprint = layout_fingerprint(vllm_config)
-        self.hasher = BlockHasher(self.block_size, cfg.hash, namespace_of(fingerprint))
+        self.fingerprint = vllm_fingerprint(cfg, vllm_config, kv_cache_config)
+        self.hasher = BlockHasher(self.block_size, cfg.hash, self.fingerprint.namespace())
         self.block_nbytes = block_nbytes_of(kv_cache_config)
-        num_slots = cfg.cpu.capacity // self.block_nbytes
-        self.cpu: SlotIndex | None = SlotIndex(num_slots) if num_slots else None
-        self.ssd_enabled = cfg.ssd.enabled
-        self.write_through = cfg.spill.write_through
-        self.ssd_keys: set[bytes] = (_read_ssd_keys(cfg, worker_fingerprint(fingerprint, 0),
-                                                    self.block_nbytes)
-                                     if self.ssd_enabled else set())
+        self.lifecycle = {t: Lifecycle() for t in ("cpu", "ssd")}
+        self.policy = TierPolicy(policy_spec(cfg, kv_cache_config), observers=[LifecycleRecorder(self.lifecycle)])
+        self.num_workers = num_workers(vllm_config)
         self._reqs: dict[str, _Req] = {}
-        self._matched: dict[str, tuple[int, int]] = {}     # req -> (first block, blocks) of the last answer
+        self._matched: dict[str, tuple[int, int]] = {}     # req -> (first block, blocks below) of the last answer
         self._sources: dict[str, dict[CacheHitSource, int]] = {}
-        self._loads: list[LoadSpec] = []                    # for the next metadata
-        self._spills: list[tuple[int, bytes]] = []
-        self._pins: dict[str, list[bytes]] = {}             # req -> keys pinned until its load finished
-        self._doomed: set[bytes] = set()                    # lost keys still pinned
+        self._loads: list[LoadPlan] = []                    # planned, for the next metadata
+        self._inflight: dict[str, LoadPlan] = {}            # handed to the workers, not finished
+        self._load_lost: dict[str, set[tuple[str, bytes]]] = {}
+        self._stores: dict[int, StorePlan] = {}             # handed to the workers, not finished
+        self._store_done: Counter = Counter()
+        self._resident: dict[int, bytes] = {}               # vLLM block id -> key, hashed blocks we computed
+        self._delta = ResidentDelta()
+        self._observer: PoolObserver | None = None
+        self._pool: BlockPool | None = None
         self._manager: KVCacheManager | None = None
-        self._stores = StoreSpec()                          # being planned for this step
-        self._store_pos: dict[bytes, int] = {}              # key -> its entry in self._stores
-        log.info("tierkv scheduler: block %d bytes, %d CPU slots, %d blocks on SSD",
-                 self.block_nbytes, num_slots, len(self.ssd_keys))
+        self._queries = {"blocks": 0, "tokens": 0}
+        self._hits = {"gpu": 0, "cpu": 0, "ssd": 0}
+        self._ssd_evictions = self._seed_ssd() if self.policy.ssd is not None else []
+        self._metrics_server = self._start_metrics(cfg.metrics.port)
+        log.info("tierkv scheduler: %s; block %d bytes; %s admission; %d CPU slots, %d SSD blocks (%d held)",
+                 self.fingerprint.describe(), self.block_nbytes, self.policy.spec.admission,
+                 self.policy.spec.cpu_slots, self.policy.spec.ssd_slots, self.policy.occupancy()["ssd"])
+
+    def _seed_ssd(self) -> list[bytes]:
+        from tierkv.connectors.vllm_worker import read_ssd_keys
+
+        return self.policy.seed_ssd(read_ssd_keys(self.cfg, self.fingerprint.tier_id(0), self.block_nbytes))
+
+    def _start_metrics(self, port: int | None) -> Any:
+        if port is None:
+            return None
+        from tierkv.metrics import TierKVCollector, start_metrics_server
+
+        return start_metrics_server(port, TierKVCollector(self.stats, self.lifecycle))
+
+    # ------------------------------------------------------------------ binding
+
+    def bind_gpu_block_pool(self, pool: "BlockPool") -> None:
+        """Observe vLLM's evictions (needed by ``on_evict`` admission and the shutdown mirror)."""
+        self._pool = pool
+        if not isinstance(pool.metrics_collector, PoolObserver):
+            pool.metrics_collector = PoolObserver(pool.metrics_collector)
+        self._observer = pool.metrics_collector
 
     def bind_kv_cache_manager(self, manager: "KVCacheManager") -> None:
         self._manager = manager
@@ -124,105 +209,110 @@ class TierKVScheduler:
                                cache_salt=req.cache_salt, lora_id=lora, mm_hashes=_mm_hashes(req))
         return st.hashes
 
-    def _present(self, key: bytes) -> bool:
-        return (self.cpu is not None and key in self.cpu) or key in self.ssd_keys
-
-    def get_num_new_matched_tokens(self, request: "Request",
-                                   num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` that the tiers hold (whole blocks,
-        never the last prompt token); loaded asynchronously. Side-effect free
-        apart from caching the request's hash chain."""
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` held below (whole blocks, never the last
+        prompt token); loaded asynchronously. Pure apart from caching the hash chain."""
         if not _cacheable(request):
             return 0, False
         st = self._state(request)
         last = (request.num_tokens - 1) // self.block_size
         first = num_computed_tokens // self.block_size
-        hashes = self._hashes(st, last)
-        hits = 0
-        for key in hashes[first:last]:
-            if not self._present(key):
-                break
-            hits += 1
-        self._matched[request.request_id] = (first, hits)
-        return (hits * self.block_size, True) if hits else (0, False)
+        below = self.policy.lookup(self._hashes(st, last)[first:last])
+        self._matched[request.request_id] = (first, len(below))
+        return (len(below) * self.block_size, True) if below else (0, False)
 
     # ------------------------------------------------------------------ loads
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        req_id = request.request_id
+        matched = self._matched.pop(req_id, None)
+        if matched is None or req_id not in self._reqs:  # resumed after its load: no new lookup
+            return
+        first, hits = matched
+        block_ids = blocks.get_block_ids()[0]
+        keys = self._reqs[req_id].hashes
+        self.policy.touch(keys[:first])
+        self._delta.used.extend(block_ids[:first])
+        self._count_query(request, first, num_external_tokens // self.block_size)
         if num_external_tokens == 0:
             return
-        req_id = request.request_id
-        first, hits = self._matched.pop(req_id)
         assert hits * self.block_size == num_external_tokens, (hits, num_external_tokens)
-        block_ids = blocks.get_block_ids()[0][first:first + hits]
-        keys = self._reqs[req_id].hashes[first:first + hits]
-        # Pin the CPU hits first so that placing the SSD hits cannot evict them.
-        cpu_slots = [self._pin_if_cached(key) for key in keys]
-        promote: list[int] = []
-        for key, src in zip(keys, cpu_slots):
-            dst = -1 if src >= 0 else self._place(key)
-            if dst >= 0:
-                self.cpu.pin(key)  # type: ignore[union-attr]
-            promote.append(dst)
-        pinned = [key for key, src, dst in zip(keys, cpu_slots, promote) if src >= 0 or dst >= 0]
-        spec = LoadSpec(req_id, list(block_ids), list(keys), cpu_slots, promote)
-        on_cpu = sum(slot >= 0 for slot in cpu_slots)
-        self._loads.append(spec)
-        self._pins[req_id] = pinned
-        bs = self.block_size
-        self._sources[req_id] = {k: v for k, v in ((CacheHitSource.HOST, on_cpu * bs),
-                                                   (CacheHitSource.DISK, (hits - on_cpu) * bs)) if v}
+        plan = self.policy.prepare_load(req_id, keys[first:first + hits], block_ids[first:first + hits])
+        self._loads.append(plan)
+        tiers = Counter(plan.tiers())
+        self._sources[req_id] = {_SOURCES[t]: n * self.block_size for t, n in tiers.items() if t in _SOURCES}
 
-    def _pin_if_cached(self, key: bytes) -> int:
-        if self.cpu is None or key not in self.cpu:
-            return -1
-        return self.cpu.pin(key)
+    def _count_query(self, request: "Request", gpu_hits: int, below: int) -> None:
+        self._queries["blocks"] += -(-request.num_tokens // self.block_size)
+        self._queries["tokens"] += request.num_tokens
+        self._hits["gpu"] += gpu_hits
 
-    def get_external_cache_hit_sources(self, request: "Request",
-                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         return self._sources.pop(request.request_id, {})
-
-    def _place(self, key: bytes) -> int:
-        """A CPU slot for ``key`` (-1 if there is no CPU tier or every slot is pinned).
-        The block it evicts is spilled to SSD first unless SSD already has it."""
-        if self.cpu is None:
-            return -1
-        got = self.cpu.try_allocate(key)
-        if got is None:
-            return -1
-        slot, evicted = got
-        if evicted is None:
-            return slot
-        pos = self._store_pos.pop(evicted, None)
-        if pos is not None:  # planned in this step, never written to the slot: send it to SSD only
-            self._stores.cpu_slots[pos] = -1
-            if self.ssd_enabled and evicted not in self.ssd_keys:
-                self._stores.to_ssd[pos] = True
-                self.ssd_keys.add(evicted)
-        elif self.ssd_enabled and evicted not in self.ssd_keys:
-            self._spills.append((slot, evicted))
-            self.ssd_keys.add(evicted)
-        return slot
 
     # ------------------------------------------------------------------ stores
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TierKVMetadata:
-        stores = self._stores = StoreSpec()
-        self._store_pos = {}
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            self._plan_stores(new.req_id, new.num_computed_tokens + scheduled[new.req_id], stores)
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
-            self._plan_stores(req_id, computed + scheduled[req_id], stores)
-        meta = TierKVMetadata(loads=self._loads, spills=self._spills, stores=stores)
-        self._loads, self._spills = [], []
-        self._stores, self._store_pos = StoreSpec(), {}
+        meta = TierKVMetadata(loads=self._loads, ssd_evictions=self._ssd_evictions)
+        self._loads, self._ssd_evictions = [], []
+        for plan in meta.loads:
+            self._inflight[plan.req_id] = plan
+        evicted = self._take_pool_changes()
+        policy = self.policy
+        if evicted and policy.admits(EVICTED):
+            meta.early_stores.append(self._offer(evicted, EVICTED))
+        computed = self._computed(scheduler_output)
+        if computed and policy.admits(COMPUTED):
+            meta.stores.append(self._offer(computed, COMPUTED))
+        if policy.pageout_blocks:
+            window = self._free_window(policy.pageout_blocks)
+            if window:
+                meta.stores.append(self._offer(window, PAGEOUT))
+        meta.early_stores = [p for p in meta.early_stores if not self._done_if_empty(p)]
+        meta.stores = [p for p in meta.stores if not self._done_if_empty(p)]
+        meta.resident, self._delta = self._delta, ResidentDelta()
         return meta
 
-    def _plan_stores(self, req_id: str, computed: int, stores: StoreSpec) -> None:
-        """Queue the blocks of ``req_id`` that are full once this step ran."""
+    def _offer(self, blocks: list[tuple[int, bytes]], reason: str) -> StorePlan:
+        plan = self.policy.prepare_store([b for b, _ in blocks], [k for _, k in blocks], reason)
+        self._stores[plan.plan_id] = plan
+        return plan
+
+    def _done_if_empty(self, plan: StorePlan) -> bool:
+        if plan.empty:
+            self._stores.pop(plan.plan_id, None)
+            self.policy.complete_store(plan)
+            return True
+        return False
+
+    def _take_pool_changes(self) -> list[tuple[int, bytes]]:
+        """Blocks vLLM evicted since the last step (with our keys); updates the resident map."""
+        obs = self._observer
+        if obs is None:
+            return []
+        if obs.cleared:
+            obs.cleared = False
+            self._resident.clear()
+            self._delta.cleared = True
+        evicted = [(b, self._resident[b]) for b in obs.evicted if b in self._resident]
+        for block_id in obs.reassigned:
+            if self._resident.pop(block_id, None) is not None:
+                self._delta.dropped.append(block_id)
+        obs.evicted, obs.reassigned = [], []
+        return evicted
+
+    def _computed(self, scheduler_output: "SchedulerOutput") -> list[tuple[int, bytes]]:
+        """Full blocks that this step computes (or loaded blocks now counted as computed)."""
+        out: list[tuple[int, bytes]] = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self._full_blocks(new.req_id, new.num_computed_tokens + scheduled[new.req_id], out)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            self._full_blocks(req_id, computed + scheduled[req_id], out)
+        return out
+
+    def _full_blocks(self, req_id: str, computed: int, out: list[tuple[int, bytes]]) -> None:
         st = self._reqs.get(req_id)
         if st is None or not _cacheable(st.request):
             return
@@ -233,47 +323,54 @@ class TierKVScheduler:
         block_ids = self._manager.get_block_ids(req_id)[0]
         hashes = self._hashes(st, full)
         for i in range(st.handled, full):
-            self._plan_store(block_ids[i], hashes[i], stores)
+            out.append((block_ids[i], hashes[i]))
+            self._resident[block_ids[i]] = hashes[i]
+            self._delta.added.append((block_ids[i], hashes[i]))
         st.handled = full
 
-    def _plan_store(self, block_id: int, key: bytes, stores: StoreSpec) -> None:
-        if self.cpu is not None and self.cpu.touch(key):
-            return
-        slot = self._place(key)
-        to_ssd = self.ssd_enabled and key not in self.ssd_keys and (self.write_through or slot < 0)
-        if slot < 0 and not to_ssd:
-            return
-        if to_ssd:
-            self.ssd_keys.add(key)
-        if slot >= 0:
-            self._store_pos[key] = len(stores)
-        stores.add(block_id, key, slot, to_ssd)
+    def _free_window(self, n: int) -> list[tuple[int, bytes]]:
+        """The hashed blocks among the ``n`` vLLM evicts next (the head of its free queue)."""
+        if self._pool is None:
+            return []
+        queue = self._pool.free_block_queue
+        block = queue.fake_free_list_head.next_free_block
+        tail = queue.fake_free_list_tail
+        out = []
+        for _ in range(n):
+            if block is None or block is tail:
+                break
+            key = self._resident.get(block.block_id) if block.block_hash is not None else None
+            if key is not None:
+                out.append((block.block_id, key))
+            block = block.next_free_block
+        return out
 
     # ------------------------------------------------------------------ completion
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
-        for req_id in output.finished_recving or ():
-            self._unpin(req_id)
         meta = output.kv_connector_worker_meta
         if isinstance(meta, TierKVWorkerMetadata):
-            for key in meta.lost_keys:
-                self._forget(key)
+            self._store_done.update(meta.stored)
+            for plan_id in [p for p, n in self._store_done.items() if n >= self.num_workers]:
+                del self._store_done[plan_id]
+                plan = self._stores.pop(plan_id, None)
+                if plan is not None:
+                    self.policy.complete_store(plan)
+            self.policy.forget_pairs(meta.lost)
+            for req_id, lost in meta.load_lost.items():
+                self._load_lost.setdefault(req_id, set()).update(lost)
+        for req_id in output.finished_recving or ():
+            plan = self._inflight.pop(req_id, None)
+            if plan is not None:
+                self._finish_load(plan, self._load_lost.pop(req_id, set()))
 
-    def _unpin(self, req_id: str) -> None:
-        for key in self._pins.pop(req_id, ()):
-            self.cpu.unpin(key)  # type: ignore[union-attr]
-            if key in self._doomed and self.cpu.pin_count(key) == 0:  # type: ignore[union-attr]
-                self._doomed.discard(key)
-                self.cpu.pop(key)  # type: ignore[union-attr]
-
-    def _forget(self, key: bytes) -> None:
-        self.ssd_keys.discard(key)
-        if self.cpu is None or key not in self.cpu:
-            return
-        if self.cpu.pin_count(key):
-            self._doomed.add(key)
-        else:
-            self.cpu.pop(key)
+    def _finish_load(self, plan: LoadPlan, lost: set[tuple[str, bytes]]) -> None:
+        self.policy.complete_load(plan, lost)
+        failed = {k for _, k in lost}
+        loaded = next((i for i, k in enumerate(plan.keys) if k in failed), len(plan))
+        for tier in plan.tiers()[:loaded]:
+            if tier:
+                self._hits[tier] += 1
 
     def request_finished(self, request: "Request", block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         """Delay freeing only while a load into the request's blocks is in flight."""
@@ -281,30 +378,32 @@ class TierKVScheduler:
         self._reqs.pop(req_id, None)
         self._matched.pop(req_id, None)
         self._sources.pop(req_id, None)
-        pending = [s for s in self._loads if s.req_id == req_id]
-        if pending:  # not handed to the worker yet: drop it
-            self._loads = [s for s in self._loads if s.req_id != req_id]
-            self._unpin(req_id)
+        pending = [p for p in self._loads if p.req_id == req_id]
+        if pending:  # not handed to the workers yet: cancel it
+            self._loads = [p for p in self._loads if p.req_id != req_id]
+            for plan in pending:
+                self.policy.complete_load(plan)
             return False, None
-        return req_id in self._pins, None
+        return req_id in self._inflight, None
 
+    # ------------------------------------------------------------------ metrics
 
-def _read_ssd_keys(cfg: TierKVConfig, fingerprint: str, block_nbytes: int) -> set[bytes]:
-    """The keys on SSD at start-up, read once. In this process the worker's tier
-    is shared (LMDB forbids a second handle); otherwise the tier is opened
-    briefly. A tier that cannot be read yields an empty set (misses only)."""
-    from tierkv.connectors.vllm_worker import open_ssd_tier, shared_ssd_tier
+    def stats(self) -> dict[str, Any]:
+        counts = self.policy.counts.snapshot()
+        zero = {"gpu": 0, "cpu": 0, "ssd": 0}
+        return {
+            "queries": dict(self._queries),
+            "hits": {t: {"blocks": b, "tokens": b * self.block_size} for t, b in self._hits.items()},
+            "spills": {**zero, **counts["stored"]}, "promotions": {**zero, **counts["hit"]},
+            "evictions": {**zero, **counts["evicted"]}, "dropped_spills": {**zero, **counts["dropped"]},
+            "corrupt_blocks": {**zero, **counts["lost"]},
+            "occupancy": {"gpu": 0, **self.policy.occupancy()},
+            "capacity_blocks": {"gpu": 0, **self.policy.capacity()},
+            "transfer": {},
+        }
 
-    tier = shared_ssd_tier(cfg)
-    if tier is not None:
-        return set(tier.keys())
-    try:
-        tier = open_ssd_tier(cfg, fingerprint, block_nbytes, shared=False)
-    except Exception as exc:  # a broken tier costs hits, never the engine
-        log.warning("tierkv: cannot read the SSD tier at %s (%s); starting with none of its blocks",
-                    cfg.ssd.path, exc)
-        return set()
-    try:
-        return set(tier.keys())
-    finally:
-        tier.close()
+    def shutdown(self) -> None:
+        server, self._metrics_server = self._metrics_server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()

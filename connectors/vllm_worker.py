@@ -1,19 +1,24 @@
-"""Worker half of the vLLM connector: it owns the bytes.
+"""Worker half of the vLLM connector: it owns the bytes and runs the plans.
 
-* the CPU tier's slab, ``[slots, block_nbytes]`` uint8, addressed by the slots
-  the scheduler half chose (the scheduler's :class:`SlotIndex` is the only
-  index; the worker remembers which key each slot holds, to refuse a stale
-  slot instead of loading wrong bytes);
-* the SSD tier, opened here (in the worker process, never across ``fork()``);
-* copies between vLLM's KV tensors and tierkv blocks (:class:`KVLayout`).
+* an :class:`~tierkv.executor.Executor` over vLLM's KV tensors
+  (:class:`LayoutRows`, through :class:`~tierkv.connectors.kv_layout.KVLayout`),
+  the CPU slab (:class:`~tierkv.tiers.host.HostSlab`, whose slots the
+  scheduler half's policy chose; each slot is tagged with its key, so a stale
+  slot is refused rather than loaded) and the SSD tier, opened here (in the
+  worker process, never across ``fork()``);
+* a mirror of the hashed GPU blocks (from each step's
+  :class:`~tierkv.connectors.vllm_common.ResidentDelta`), so that
+  :meth:`TierKVWorker.shutdown` can store the hot set the SSD tier lacks.
 
-Loads run on one background thread, first in first out, so a block promoted
-from SSD into a slot by one load is in place before a later load reads that
-slot. Stores run in ``wait_for_save`` of the step that computed the blocks.
-A block that cannot be loaded (slot overwritten, SSD miss, bad record) is
-reported through ``get_block_ids_with_load_errors`` (with it every later
-block of that request) and vLLM recomputes it when
-``kv_load_failure_policy`` is ``"recompute"``.
+Per step: ``start_load_kv`` applies SSD deletions, stores the blocks vLLM
+evicted in this step (before the forward rewrites them), then queues the
+loads on one loader thread (first in, first out); ``wait_for_save`` runs the
+stores of computed and paged-out blocks. A block that cannot be loaded is
+reported through ``get_block_ids_with_load_errors`` (with every later block
+of that request) and vLLM recomputes it when ``kv_load_failure_policy`` is
+``"recompute"``. Threads: vLLM's worker thread owns everything here except
+the executor calls the loader thread makes (see :mod:`tierkv.executor`);
+``_lock`` guards the reports collected for the scheduler half.
 """
 
 from __future__ import annotations
@@ -22,31 +27,35 @@ import atexit
 import logging
 import os
 import threading
+from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from tierkv.config import TierKVConfig
-from tierkv.ssd_tier import SSDTier
-from tierkv.transfer import copy_rows
+from tierkv.executor import Executor, LoadResult
+from tierkv.policy import SHUTDOWN, LoadPlan, StorePlan
+from tierkv.policy.manager import select_for_shutdown
+from tierkv.tiers.host import HostSlab
+from tierkv.tiers.ssd import SSDTier
 
 from tierkv.connectors.kv_layout import KVLayout
 from tierkv.connectors.vllm_common import (
-    LoadSpec,
-    StoreSpec,
+    ResidentDelta,
     TierKVMetadata,
     TierKVWorkerMetadata,
     block_nbytes_of,
-    layout_fingerprint,
-    worker_fingerprint,
+    policy_spec,
+    vllm_fingerprint,
 )
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["TierKVWorker", "open_ssd_tier", "shared_ssd_tier"]
+__all__ = ["TierKVWorker", "LayoutRows", "open_ssd_tier", "read_ssd_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +74,6 @@ def _ssd_path(cfg: TierKVConfig) -> str:
     return os.path.realpath(path)
 
 
-def shared_ssd_tier(cfg: TierKVConfig) -> SSDTier | None:
-    return _SHARED.get(_ssd_path(cfg))
-
-
 def open_ssd_tier(cfg: TierKVConfig, fingerprint: str, block_nbytes: int, *, shared: bool = True) -> SSDTier:
     path = _ssd_path(cfg)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -80,6 +85,25 @@ def open_ssd_tier(cfg: TierKVConfig, fingerprint: str, block_nbytes: int, *, sha
     return tier
 
 
+def read_ssd_keys(cfg: TierKVConfig, fingerprint: str, block_nbytes: int) -> list[bytes]:
+    """The keys on SSD at start-up, least recently used first, read once. In this process
+    the worker's tier is shared (LMDB forbids a second handle); otherwise the tier is
+    opened briefly. A tier that cannot be read yields none (misses only)."""
+    tier = _SHARED.get(_ssd_path(cfg))
+    if tier is not None:
+        return list(tier.keys())
+    try:
+        tier = open_ssd_tier(cfg, fingerprint, block_nbytes, shared=False)
+    except Exception as exc:  # a broken tier costs hits, never the engine
+        log.warning("tierkv: cannot read the SSD tier at %s (%s); starting with none of its blocks",
+                    cfg.ssd.path, exc)
+        return []
+    try:
+        return list(tier.keys())
+    finally:
+        tier.close()
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -89,130 +113,97 @@ def _tp_rank() -> int:
         return 0
 
 
-def _index(values: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+class LayoutRows:
+    """:class:`~tierkv.executor.DeviceRows` over vLLM's KV tensors (row copies on CPU)."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.block_nbytes = layout.block_nbytes
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.layout.device)
+
+    def read(self, block_ids: Sequence[int]) -> np.ndarray:
+        rows = torch.empty((len(block_ids), self.block_nbytes), dtype=torch.uint8, device=self.layout.device)
+        self.layout.gather(self._index(block_ids), rows)
+        return rows.cpu().numpy()
+
+    def write(self, block_ids: Sequence[int], rows: np.ndarray) -> Any:
+        src = torch.from_numpy(np.ascontiguousarray(rows)).to(self.layout.device, non_blocking=True)
+        self.layout.scatter(self._index(block_ids), src)
+        return None
 
 
 class TierKVWorker:
     def __init__(self, cfg: TierKVConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
         self.cfg = cfg
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.block_nbytes = block_nbytes_of(kv_cache_config)
-        self.num_slots = cfg.cpu.capacity // self.block_nbytes
-        self.fingerprint = worker_fingerprint(layout_fingerprint(vllm_config), _tp_rank())
-        self.layout: KVLayout | None = None
-        self.slab: torch.Tensor | None = None
-        self.ssd: SSDTier | None = None
-        self._slot_keys: list[bytes | None] = [None] * self.num_slots
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tierkv-load")
-        self._inflight: dict[str, tuple[LoadSpec, Future[int]]] = {}
+        self.spec = policy_spec(cfg, kv_cache_config)
+        self.executor: Executor | None = None
+        self._mirror: OrderedDict[int, bytes] = OrderedDict()  # hashed GPU blocks, least recently used first
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-load")
+        self._inflight: dict[str, tuple[LoadPlan, Future[LoadResult]]] = {}
         self._errors: set[int] = set()
-        self._lost: set[bytes] = set()
+        self._report = TierKVWorkerMetadata()
         self._lock = threading.Lock()
         self._closed = False
 
     # ------------------------------------------------------------------ setup
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.layout = KVLayout(kv_caches, self.num_blocks)
-        if self.layout.block_nbytes != self.block_nbytes:
-            raise ValueError(f"kv_caches: tensors hold {self.layout.block_nbytes} bytes per block, "
+        layout = KVLayout(kv_caches, self.num_blocks)
+        if layout.block_nbytes != self.block_nbytes:
+            raise ValueError(f"kv_caches: tensors hold {layout.block_nbytes} bytes per block, "
                              f"kv_cache_config says {self.block_nbytes}")
-        if self.num_slots:
+        slab = None
+        if self.spec.cpu_slots:
             pin = self.cfg.cpu.pin if self.cfg.cpu.pin is not None else torch.cuda.is_available()
-            self.slab = torch.empty((self.num_slots, self.block_nbytes), dtype=torch.uint8, pin_memory=pin)
-        if self.cfg.ssd.enabled:
-            self.ssd = open_ssd_tier(self.cfg, self.fingerprint, self.block_nbytes)
+            slab = HostSlab(self.spec.cpu_slots, self.block_nbytes, pin_memory=pin)
+        ssd = None
+        if self.spec.ssd_slots:
+            fp = vllm_fingerprint(self.cfg, self.vllm_config, self.kv_cache_config)
+            ssd = open_ssd_tier(self.cfg, fp.tier_id(_tp_rank()), self.block_nbytes)
+        self.executor = Executor(LayoutRows(layout), slab, ssd)
         atexit.register(self.shutdown)
         log.info("tierkv worker: %d layer segments (%s copies), %d B/block, %d CPU slots, SSD %s",
-                 len(self.layout.segments), "fused" if self.layout.fused else "per-segment",
-                 self.block_nbytes, self.num_slots, self.ssd.path if self.ssd else "off")
+                 len(layout.segments), "fused" if layout.fused else "per-segment",
+                 self.block_nbytes, self.spec.cpu_slots, ssd.path if ssd else "off")
+
+    @property
+    def ssd(self) -> SSDTier | None:
+        return self.executor.ssd if self.executor is not None else None
 
     # ------------------------------------------------------------------ loads
 
     def start_load_kv(self, meta: TierKVMetadata) -> None:
-        self._spill(meta.spills)
-        for spec in meta.loads:
-            self._inflight[spec.req_id] = (spec, self._pool.submit(self._load, spec))
-
-    def _spill(self, spills: list[tuple[int, bytes]]) -> None:
-        """Copy evicted slots to SSD before the slots are reused."""
-        for slot, key in spills:
-            if self._slot_keys[slot] == key and self.ssd is not None and self.slab is not None:
-                if not self.ssd.put(key, self.slab[slot]):
-                    self._lose(key)
-            else:
-                self._lose(key)
-            self._slot_keys[slot] = None
-
-    def _load(self, spec: LoadSpec) -> int:
-        """Fill the request's blocks; returns how many leading blocks were loaded."""
-        assert self.layout is not None
-        n = len(spec.block_ids)
-        rows = torch.empty((n, self.block_nbytes), dtype=torch.uint8)
-        ok = set(self._rows_from_cpu(spec, rows)) | set(self._rows_from_ssd(spec, rows))
-        good = 0
-        while good < n and good in ok:
-            good += 1
-        if good:
-            dev_rows = rows[:good].to(self.layout.device, non_blocking=True)
-            self.layout.scatter(_index(spec.block_ids[:good], self.layout.device), dev_rows)
-        return good
-
-    def _rows_from_cpu(self, spec: LoadSpec, rows: torch.Tensor) -> list[int]:
-        idx: list[int] = []
-        for i, slot in enumerate(spec.cpu_slots):
-            if slot < 0:
-                continue
-            if self._slot_keys[slot] == spec.keys[i]:
-                idx.append(i)
-            else:  # the slot was overwritten or never filled
-                self._lose(spec.keys[i])
-        if not idx:
-            return []
-        assert self.slab is not None
-        # row memcpys on this loader thread: torch's intra-op threads would fight the forward pass
-        copy_rows(self.slab.numpy(), [spec.cpu_slots[i] for i in idx], rows.numpy(), idx)
-        return idx
-
-    def _rows_from_ssd(self, spec: LoadSpec, rows: torch.Tensor) -> list[int]:
-        idx = [i for i, slot in enumerate(spec.cpu_slots) if slot < 0]
-        if not idx:
-            return []
-        out = rows.numpy()
-        hits = (self.ssd.get_into([spec.keys[i] for i in idx], [out[i] for i in idx])
-                if self.ssd is not None else [False] * len(idx))  # read from disk into the rows
-        ok: list[int] = []
-        for i, hit in zip(idx, hits):
-            dst = spec.promote_slots[i]
-            if not hit:
-                self._lose(spec.keys[i])
-                if dst >= 0:
-                    self._slot_keys[dst] = None
-                continue
-            ok.append(i)
-            if dst >= 0 and self.slab is not None:
-                self.slab.numpy()[dst] = out[i]
-                self._slot_keys[dst] = spec.keys[i]
-        return ok
-
-    def _lose(self, key: bytes) -> None:
-        with self._lock:
-            self._lost.add(key)
+        ex = self.executor
+        assert ex is not None, "register_kv_caches was not called"
+        self._mirror_apply(meta.resident)
+        if meta.ssd_evictions:
+            ex.evict([], meta.ssd_evictions)
+        self._run_stores(meta.early_stores)  # before the forward rewrites these blocks, before any load
+        for plan in meta.loads:
+            self._inflight[plan.req_id] = (plan, self._loader.submit(ex.load, plan))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._inflight:  # a short GIL-free wait instead of letting the engine spin on empty steps
             wait([fut for _, fut in self._inflight.values()], timeout=_POLL_S, return_when=FIRST_COMPLETED)
         done = {rid for rid, (_, fut) in self._inflight.items() if fut.done()}
         for rid in done:
-            spec, fut = self._inflight.pop(rid)
+            plan, fut = self._inflight.pop(rid)
             try:
-                good = fut.result()
+                result = fut.result()
             except Exception:
                 log.exception("tierkv: load for request %s failed; vLLM recomputes it", rid)
-                good = 0
-            if good < len(spec.block_ids):
-                self._errors.update(spec.block_ids[good:])
+                result = LoadResult(0, [(t, k) for t, k in zip(plan.tiers(), plan.keys) if t])
+            if result.loaded < len(plan):
+                self._errors.update(plan.block_ids[result.loaded:])
+            if result.lost:
+                with self._lock:
+                    self._report.load_lost.setdefault(rid, set()).update(result.lost)
         return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -220,38 +211,62 @@ class TierKVWorker:
         return errors
 
     def build_connector_worker_meta(self) -> TierKVWorkerMetadata | None:
+        if self.executor is not None:
+            self._lose(self.executor.take_lost())
         with self._lock:
-            if not self._lost:
-                return None
-            lost, self._lost = self._lost, set()
-        return TierKVWorkerMetadata(lost)
+            report, self._report = self._report, TierKVWorkerMetadata()
+        return report if (report.stored or report.lost or report.load_lost) else None
 
     # ------------------------------------------------------------------ stores
 
     def wait_for_save(self, meta: TierKVMetadata) -> None:
-        stores = meta.stores
-        if not len(stores):
-            return
-        assert self.layout is not None
-        rows = torch.empty((len(stores), self.block_nbytes), dtype=torch.uint8, device=self.layout.device)
-        self.layout.gather(_index(stores.block_ids, self.layout.device), rows)
-        rows = rows.cpu()
-        self._to_slab(stores, rows)
-        self._to_ssd(stores, rows)
+        self._run_stores(meta.stores)
 
-    def _to_slab(self, stores: StoreSpec, rows: torch.Tensor) -> None:
-        idx = [i for i, slot in enumerate(stores.cpu_slots) if slot >= 0]
-        if not idx or self.slab is None:
-            return
-        slots = [stores.cpu_slots[i] for i in idx]
-        copy_rows(rows.numpy(), idx, self.slab.numpy(), slots)
-        for i, slot in zip(idx, slots):
-            self._slot_keys[slot] = stores.keys[i]
+    def _run_stores(self, plans: list[StorePlan]) -> None:
+        ex = self.executor
+        assert ex is not None
+        for plan in plans:
+            self._lose(ex.store(plan))
+            with self._lock:
+                self._report.stored[plan.plan_id] += 1
 
-    def _to_ssd(self, stores: StoreSpec, rows: torch.Tensor) -> None:
-        for i, to_ssd in enumerate(stores.to_ssd):
-            if to_ssd and (self.ssd is None or not self.ssd.put(stores.keys[i], rows[i])):
-                self._lose(stores.keys[i])
+    def _lose(self, lost: list[tuple[str, bytes]]) -> None:
+        if lost:
+            with self._lock:
+                self._report.lost.update(lost)
+
+    # ------------------------------------------------------------------ hot set
+
+    def _mirror_apply(self, delta: ResidentDelta) -> None:
+        if not delta or not self.spec.ssd_slots:
+            return
+        mirror = self._mirror
+        if delta.cleared:
+            mirror.clear()
+        for block_id in delta.dropped:
+            mirror.pop(block_id, None)
+        for block_id, key in delta.added:
+            mirror[block_id] = key
+            mirror.move_to_end(block_id)
+        for block_id in delta.used:
+            if block_id in mirror:
+                mirror.move_to_end(block_id)
+
+    def _mirror_mru(self) -> Iterator[tuple[int, bytes]]:
+        return reversed(self._mirror.items())
+
+    def persist_hot_set(self) -> int:
+        """Store the hashed GPU blocks the SSD tier lacks, most recently used first, as many
+        as the tier holds (the policy's shutdown rule); returns how many were stored."""
+        ex, ssd = self.executor, self.ssd
+        if ex is None or ssd is None or not self._mirror:
+            return 0
+        chosen = select_for_shutdown(self._mirror_mru(), ssd.__contains__, self.spec.ssd_slots)
+        plan = StorePlan(0, SHUTDOWN)
+        for block_id, key in chosen:
+            plan.add(block_id, key, -1, True)
+        lost = ex.store(plan, patient=True)
+        return len(plan) - len(lost)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -259,10 +274,19 @@ class TierKVWorker:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
-        if self.ssd is not None:
+        self._loader.shutdown(wait=True)
+        try:
+            stored = self.persist_hot_set()
+            if stored:
+                log.info("tierkv worker: stored %d GPU-resident blocks to the SSD tier at shutdown", stored)
+        except Exception:
+            log.exception("tierkv worker: storing the hot set at shutdown failed")
+        ssd = self.ssd
+        if ssd is not None:
             _SHARED.pop(_ssd_path(self.cfg), None)
-            self.ssd.close()
+            ssd.close()
 
     def stats(self) -> dict[str, Any]:
-        return {"cpu_slots": self.num_slots, "ssd": self.ssd.stats() if self.ssd else None}
+        return {"cpu_slots": self.spec.cpu_slots, "executor": self.executor.stats() if self.executor else None,
+                "ssd": self.ssd.stats() if self.ssd else None}
+

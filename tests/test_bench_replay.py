@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.bench.replay import ReplayError, ReplayOptions, config_for_trace, replay, tier_capacities
+from tierkv.bench.replay import ReplayOptions, config_for_trace, replay, tier_capacities
 from tierkv.bench.traces import TraceBuilder, load_trace
 from tierkv.bench.workloads import generate
 from tierkv.config import TierKVConfig
@@ -67,9 +67,11 @@ def test_running_requests_are_finished_early_when_the_pool_is_full(tmp_path: Pat
     assert r.forced_frees == 1 and r.peak_running == 1
 
 
-def test_request_larger_than_the_pool_is_an_error_naming_the_line(tmp_path: Path) -> None:
-    with pytest.raises(ReplayError, match=r"tiers\.jsonl:1: .*gpu\.num_blocks=2"):
-        replay(tiers_trace(), cfg(tmp_path, gpu=1))
+def test_request_larger_than_the_pool_is_rejected_and_counted(tmp_path: Path) -> None:
+    r = replay(tiers_trace(), cfg(tmp_path, gpu=1))  # every request needs 2 blocks
+    assert r.rejected == 4 and r.rejected_max_blocks == 2
+    assert r.miss_reasons["rejected"] == 8 and r.hits == 0
+    assert r.admit_hint is not None and "--set gpu.num_blocks=2" in r.admit_hint
 
 
 def test_capacities_keep_tokens_when_the_block_size_changes() -> None:

@@ -1,4 +1,4 @@
-"""Random allocate/append/fork/free against a plain reference model (Hypothesis)."""
+"""Random allocate/commit/append/fork/free against a plain reference model (Hypothesis)."""
 from __future__ import annotations
 
 import math
@@ -34,7 +34,7 @@ class RefModel:
         return b
 
     def _register(self, b: int, h: bytes) -> None:
-        if h not in self.cached:
+        if h not in self.cached and self.hash[b] is None:
             self.cached[h] = b
             self.hash[b] = h
 
@@ -53,13 +53,21 @@ class RefModel:
                 self.free.remove(b)
             self.ref[b] += 1
         table = list(hits)
-        for pos in range(len(hits), math.ceil(len(toks) / BS)):
-            b = self._pop()
-            if pos < len(hashes):
-                self._register(b, hashes[pos])
-            table.append(b)
-        self.reqs[rid] = dict(toks=list(toks), table=table, salt=salt)
+        for _ in range(len(hits), math.ceil(len(toks) / BS)):
+            table.append(self._pop())
+        self.reqs[rid] = dict(toks=list(toks), table=table, salt=salt, committed=0)
         return table, len(hits) * BS
+
+    def commit(self, rid):
+        """Register the request's full blocks (its KV is written); report each once."""
+        r = self.reqs[rid]
+        hashes = HASHER.hash_blocks(r["toks"], cache_salt=r["salt"])
+        out = []
+        for i in range(r["committed"], len(hashes)):
+            self._register(r["table"][i], hashes[i])
+            out.append((r["table"][i], hashes[i]))
+        r["committed"] = max(r["committed"], len(hashes))
+        return out
 
     def append(self, rid, new):
         r = self.reqs[rid]
@@ -77,24 +85,27 @@ class RefModel:
             self.ref[old] -= 1
         for _ in range(extra):
             r["table"].append(self._pop())
-        old_full = n // BS
         r["toks"] += new
-        hashes = HASHER.hash_blocks(r["toks"], cache_salt=r["salt"])
-        for i in range(old_full, len(hashes)):
-            self._register(r["table"][i], hashes[i])
         return ops
 
     def fork(self, parent, child):
         r = self.reqs[parent]
         for b in r["table"]:
             self.ref[b] += 1
-        self.reqs[child] = dict(toks=list(r["toks"]), table=list(r["table"]), salt=r["salt"])
+        self.reqs[child] = dict(toks=list(r["toks"]), table=list(r["table"]), salt=r["salt"],
+                                committed=r["committed"])
 
     def free_req(self, rid):
+        """Last block first; unhashed blocks to the head (in that order), hashed to the tail."""
+        first = []
         for b in reversed(self.reqs.pop(rid)["table"]):
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                self.free.append(b)
+                if self.hash[b] is None:
+                    first.append(b)
+                else:
+                    self.free.append(b)
+        self.free[:0] = first
 
 
 # few distinct prefixes so that prompts share blocks often
@@ -140,6 +151,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         out = self._same_outcome(lambda: self.m.append(rid, new), lambda: self.ref.append(rid, new))
         if out:
             assert out[0] == out[1]
+
+    @precondition(lambda self: self.ref.reqs)
+    @rule(data=st.data())
+    def commit(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.ref.reqs)))
+        assert self.m.commit(rid) == self.ref.commit(rid)
 
     @precondition(lambda self: self.ref.reqs)
     @rule(data=st.data())

@@ -91,10 +91,46 @@ def test_missing_file_bad_override_and_skip_bad_lines(tmp_path: Path, capsys: py
     assert json.loads((tmp_path / "o.json").read_text())["trace"]["skipped_lines"] == 1
 
 
-def test_gpu_pool_too_small_says_how_to_fix(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["bench", "--trace", str(DATA / "small_mooncake.jsonl"), "--set", "gpu.num_blocks=64", "--quiet"])
-    assert rc == 2
-    assert "--set gpu.num_blocks=" in capsys.readouterr().err
+def test_requests_larger_than_the_pool_are_reported_not_fatal(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--trace", str(DATA / "small_mooncake.jsonl"), "--set", "gpu.num_blocks=64",
+               "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    rejected = report["replay"]["rejected"]
+    assert rejected["requests"] > 0 and report["miss_reasons"]["rejected"] > 0
+    assert "--set gpu.num_blocks=" in rejected["admit_with"] and rejected["admit_with"] in text
+    need = int(rejected["admit_with"].split("=")[1].split()[0])
+    assert need * 16 >= rejected["largest_tokens"] > 64 * 16
+    rc = main(["bench", "--trace", str(DATA / "small_mooncake.jsonl"), "--set", f"gpu.num_blocks={need}",
+               "--json", str(out), "--quiet"])
+    assert rc == 0 and json.loads(out.read_text())["replay"]["rejected"]["requests"] == 0
+
+
+def test_admission_both_compares_modes_in_one_report(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    assert main(["bench", "--workload", "chat", "--admission", "both", "--set", "gpu.num_blocks=512",
+                 "--json", str(out), "--quiet"]) == 0
+    cmp = json.loads(out.read_text())["admission_comparison"]
+    assert set(cmp) == {"on_compute", "on_evict"}
+    for mode in cmp.values():
+        assert mode["blocks_written"]["cpu"] > 0 and mode["hit_rate"]["total"] > 0
+    # on_compute writes every computed block down, on_evict only what the GPU pool lets go
+    assert cmp["on_compute"]["blocks_written"]["cpu"] > cmp["on_evict"]["blocks_written"]["cpu"]
+
+
+@pytest.mark.parametrize("flag", [["--block-size", "-1"], ["--scale", "nan"], ["--scale", "-1"],
+                                  ["--decode-ms-per-token", "nan"], ["--payload-block-bytes", "0"],
+                                  ["--admission", "sometimes"]])
+def test_bad_flags_are_usage_errors_without_traceback(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        rc = main(["bench", "--quiet", *flag])
+    except SystemExit as exc:  # argparse's own usage error
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and flag[0] in err
 
 
 def test_plan_cli_reproduces_the_seed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

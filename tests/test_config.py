@@ -53,6 +53,26 @@ def test_scenario_fp8_halves_bytes_per_token():
     assert rag.gpu.resolve_num_blocks(rag.block_nbytes()) == 50 * 2**30 // rag.block_nbytes()
 
 
+def test_admission_rules_reject_what_a_mode_cannot_honour():
+    cfg = TierKVConfig.from_dict({})
+    assert cfg.spill.admission == "on_compute"
+    with pytest.raises(ConfigError, match=r"^spill.promotion: exclusive needs spill.admission: on_evict"):
+        TierKVConfig.from_dict({"spill": {"promotion": "exclusive"}})
+    with pytest.raises(ConfigError, match=r"^spill.watermark: only used with spill.admission: on_evict"):
+        TierKVConfig.from_dict({"spill": {"watermark": 0.05}})
+    ok = TierKVConfig.from_dict({"spill": {"admission": "on_evict", "watermark": 0.05, "promotion": "exclusive"}})
+    assert ok.spill.watermark == 0.05 and ok.explicit >= {"spill.admission", "spill.watermark"}
+    with pytest.raises(ConfigError, match=r"^spill.admission: expected one of on_compute, on_evict"):
+        TierKVConfig.from_dict({"spill": {"admission": "lazy"}})
+
+
+def test_reject_names_only_explicit_keys():
+    cfg = TierKVConfig.from_dict({"gpu": {"device": "cpu"}})
+    cfg.reject(("block_size", "cpu"), "never")  # not set: nothing raised
+    with pytest.raises(ConfigError, match=r"^gpu.device: vLLM sizes"):
+        cfg.reject(("gpu",), "vLLM sizes its pool")
+
+
 def test_bad_value_names_field_path():
     with pytest.raises(ConfigError, match=r"^cpu.capacity: expected a size like '8GiB', got 'lots'"):
         TierKVConfig.from_dict({"cpu": {"capacity": "lots"}})

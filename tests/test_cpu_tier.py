@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierkv.cpu_tier import CPUTier, PinnedError, SlotIndex
+from tierkv.policy.slot_index import PinnedError, SlotIndex
+from tierkv.tiers.host import CPUTier
 from tierkv.errors import ConfigError
 
 B = 64  # block bytes in most tests
@@ -234,9 +235,18 @@ def test_bad_input_names_the_argument():
 
 
 def test_import_does_not_load_torch():
-    code = ("import sys, tierkv, tierkv.cpu_tier, tierkv.ssd_tier; "
-            "idx = tierkv.cpu_tier.SlotIndex(2); idx.allocate(b'x'); "
+    code = ("import sys, tierkv, tierkv.tiers.host, tierkv.tiers.ssd; "
             "assert not {'torch', 'lmdb', 'zstandard'} & set(sys.modules), sys.modules.keys()")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_policy_is_bytes_free():
+    """The policy package loads no numpy, torch or storage library."""
+    code = ("import sys, tierkv.policy as p; "
+            "pol = p.TierPolicy(p.PolicySpec(cpu_slots=2, ssd_slots=2)); "
+            "pol.complete_store(pol.prepare_store([0], [b'x' * 32], 'computed')); "
+            "assert pol.lookup([b'x' * 32]) == ['cpu'], pol.lookup([b'x' * 32]); "
+            "assert not {'numpy', 'torch', 'lmdb', 'zstandard'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

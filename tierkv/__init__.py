@@ -10,12 +10,9 @@ import importlib
 from typing import Any
 
 from tierkv.errors import ConfigError, OutOfBlocksError
+from tierkv.identity import FORMAT_VERSION
 
 __version__ = "0.1.0"
-
-# Bumped whenever the byte layout of stored blocks or the hash chain changes;
-# it enters every namespace fingerprint, so old blocks can never be loaded.
-FORMAT_VERSION = 1
 
 _LAZY = {
     "TierKVConfig": "tierkv.config",
@@ -23,7 +20,11 @@ _LAZY = {
     "BlockHasher": "tierkv.hashing",
     "BlockManager": "tierkv.block_pool",
     "Allocation": "tierkv.block_pool",
-    "CPUTier": "tierkv.cpu_tier",
+    "CPUTier": "tierkv.tiers.host",
+    "SlotIndex": "tierkv.policy.slot_index",
+    "TierPolicy": "tierkv.policy.manager",
+    "PolicySpec": "tierkv.policy.spec",
+    "Fingerprint": "tierkv.identity",
     "SSDTier": "tierkv.tiers.ssd",
     "TieredKVCache": "tierkv.tiered",
 }

@@ -13,6 +13,13 @@ Structures (the seed's section 6.2):
 ``ref_cnt`` and ``block_hash`` are independent: a freed block keeps its hash and
 content until it is popped for reuse, which is what makes prefix hits (and, in
 the tiered cache, spills) possible.
+
+A block's hash is registered only once its KV is known to be valid: blocks
+found in the pool or loaded from a lower tier at :meth:`BlockManager.allocate`,
+newly computed blocks at :meth:`BlockManager.commit`. A request freed before it
+committed (an abort) leaves nothing cached. Freed blocks without a hash go to
+the head of the free queue (reused first), hashed ones to its tail, last block
+first: the same order as vLLM's block pool.
 """
 
 from __future__ import annotations
@@ -23,10 +30,7 @@ from typing import Callable, Iterator, Sequence
 from tierkv.errors import OutOfBlocksError
 from tierkv.hashing import BlockHasher
 
-__all__ = ["Block", "FreeBlockQueue", "BlockManager", "Allocation", "ExternalHit"]
-
-# (position in the prompt, block hash) -> does a lower tier hold this block?
-ExternalHit = Callable[[int, bytes], bool]
+__all__ = ["Block", "FreeBlockQueue", "BlockManager", "Allocation", "Prompt"]
 
 
 class Block:
@@ -68,6 +72,23 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def appendleft(self, block: Block) -> None:
+        """Put ``block`` at the head (next to be reused)."""
+        first = self._head.next_free
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block  # type: ignore[union-attr]
+        self.num_free += 1
+
+    def reversed(self) -> Iterator[Block]:
+        """Free blocks most recently freed first."""
+        block = self._tail.prev_free
+        while block is not self._head:
+            assert block is not None
+            yield block
+            block = block.prev_free
+
     def peek(self) -> Block | None:
         block = self._head.next_free
         return None if block is self._tail else block
@@ -100,14 +121,33 @@ class FreeBlockQueue:
         return self.num_free
 
 
+@dataclass(slots=True)
+class Prompt:
+    """A prompt as the pool sees it: its full-block hashes and how many of them may hit.
+
+    ``cap``: blocks that may be served from cache. The last prompt token is
+    always computed, so ``(num_tokens - 1) // block_size``, except for hashes
+    given without a token count (a trace that names its blocks says nothing of
+    the tokens after them): then every named block may hit.
+    """
+
+    hashes: list[bytes]
+    num_tokens: int
+    cap: int
+    tokens: list[int] | None = None
+    cache_salt: str | bytes | None = None
+    lora_id: str | bytes | int | None = None
+
+
 @dataclass
 class Allocation:
     """Result of :meth:`BlockManager.allocate`.
 
-    ``block_ids`` is the request's block table. The first ``num_cached_tokens``
-    tokens need no prefill: ``num_gpu_hit_blocks`` blocks were found in the pool,
-    and the ``external`` blocks (``(position, block_id, block_hash)``) were
-    reported by a lower tier and must be loaded into their new rows first.
+    ``block_ids`` is the request's block table (so far: see ``num_blocks``).
+    The first ``num_cached_tokens`` tokens need no prefill:
+    ``num_gpu_hit_blocks`` blocks were found in the pool, and the ``external``
+    blocks (``(position, block_id, block_hash)``) come from a lower tier and
+    must be loaded into their new rows first.
     """
 
     block_ids: list[int]
@@ -117,16 +157,16 @@ class Allocation:
 
 
 class _Request:
-    __slots__ = ("tokens", "blocks", "hashes", "cache_salt", "lora_id", "num_tokens")
+    __slots__ = ("tokens", "blocks", "hashes", "cache_salt", "lora_id", "num_tokens", "committed")
 
-    def __init__(self, tokens: list[int] | None, num_tokens: int, blocks: list[Block], hashes: list[bytes],
-                 cache_salt: str | bytes | None, lora_id: str | bytes | int | None) -> None:
-        self.tokens = tokens
-        self.num_tokens = num_tokens
+    def __init__(self, prompt: Prompt, blocks: list[Block]) -> None:
+        self.tokens = prompt.tokens
+        self.num_tokens = prompt.num_tokens
         self.blocks = blocks
-        self.hashes = hashes
-        self.cache_salt = cache_salt
-        self.lora_id = lora_id
+        self.hashes = prompt.hashes
+        self.cache_salt = prompt.cache_salt
+        self.lora_id = prompt.lora_id
+        self.committed = 0  # leading full blocks reported by commit()
 
 
 class BlockManager:
@@ -134,7 +174,7 @@ class BlockManager:
 
     ``on_evict(block_id, block_hash)`` is called when a free block that still
     carries a hash is popped for reuse, before it is handed out: the last moment
-    its bytes are intact (the tiered cache spills it there).
+    its bytes are known intact (a tiered cache stores it below then).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, hasher: BlockHasher | None = None,
@@ -177,60 +217,134 @@ class BlockManager:
     def num_tokens(self, request_id: str) -> int:
         return self._request(request_id).num_tokens
 
+    def prompt(self, token_ids: Sequence[int] | None = None, *, block_hashes: Sequence[bytes] | None = None,
+               num_tokens: int | None = None, cache_salt: str | bytes | None = None,
+               lora_id: str | bytes | int | None = None) -> Prompt:
+        """Hash (or take) a prompt's full blocks. Pass ``token_ids``, or precomputed
+        full-block ``block_hashes`` (``num_tokens`` defaults to ``len(block_hashes) * block_size``)."""
+        if (token_ids is None) == (block_hashes is None):
+            raise ValueError("token_ids/block_hashes: pass exactly one of them")
+        if token_ids is not None:
+            tokens = list(token_ids)
+            if not tokens:
+                raise ValueError("token_ids: a request needs at least one token")
+            hashes = self.hasher.hash_blocks(tokens, cache_salt=cache_salt, lora_id=lora_id)
+            return Prompt(hashes, len(tokens), min((len(tokens) - 1) // self.block_size, len(hashes)),
+                          tokens, cache_salt, lora_id)
+        hashes = list(block_hashes)  # type: ignore[arg-type]
+        if len(set(hashes)) != len(hashes):
+            raise ValueError("block_hashes: the same hash appears twice in one request")
+        n = len(hashes) * self.block_size if num_tokens is None else num_tokens
+        if n < 1 or n < len(hashes) * self.block_size - (self.block_size - 1) or not all(
+                isinstance(h, bytes) for h in hashes):
+            raise ValueError(f"block_hashes/num_tokens: {len(hashes)} full block hashes do not fit "
+                             f"{n} tokens of block size {self.block_size} (or a hash is not bytes)")
+        hashes = hashes[: n // self.block_size]
+        cap = len(hashes) if num_tokens is None else min((n - 1) // self.block_size, len(hashes))
+        return Prompt(hashes, n, cap, None, cache_salt, lora_id)
+
+    def lookup(self, prompt: Prompt) -> int:
+        """How many leading blocks of ``prompt`` the pool holds (at most ``prompt.cap``). Pure."""
+        cached = self.cached
+        hashes = prompt.hashes
+        n = 0
+        while n < prompt.cap and hashes[n] in cached:
+            n += 1
+        return n
+
+    def blocks_needed(self, prompt: Prompt) -> int:
+        return -(-prompt.num_tokens // self.block_size)
+
     # ---------------------------------------------------------------- requests
 
-    def allocate(self, request_id: str, token_ids: Sequence[int] | None = None, *,
+    def allocate(self, request_id: str, token_ids: Sequence[int] | None = None, *, prompt: Prompt | None = None,
                  block_hashes: Sequence[bytes] | None = None, num_tokens: int | None = None,
                  cache_salt: str | bytes | None = None, lora_id: str | bytes | int | None = None,
-                 external_hit: ExternalHit | None = None) -> Allocation:
+                 num_external: int = 0, num_blocks: int | None = None) -> Allocation:
         """Give a new request its block table, reusing cached prefix blocks.
 
-        Pass ``token_ids``, or precomputed full-block ``block_hashes`` (then
-        ``num_tokens`` defaults to ``len(block_hashes) * block_size``). At most
-        ``(num_tokens - 1) // block_size`` blocks hit: the last prompt token is
-        always computed; hashes given without ``num_tokens`` may all hit (a
-        trace that names its blocks says nothing of the tokens after them). The walk stops at the first block that neither the pool
-        nor ``external_hit`` holds. Raises :class:`OutOfBlocksError` with nothing
-        changed when too few blocks are free.
+        The prompt comes as ``token_ids``, ``block_hashes`` or a :class:`Prompt`
+        from :meth:`prompt`. The pool's cached prefix (:meth:`lookup`) is reused;
+        the next ``num_external`` blocks (held by a lower tier, at most up to the
+        prompt's cap) get new blocks registered under their hashes, to be loaded.
+        ``num_blocks``: hold only that many blocks now (at least the cached
+        prefix); :meth:`grow` adds the rest. Raises :class:`OutOfBlocksError`
+        with nothing changed when too few blocks are free.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already allocated")
-        tokens, hashes, n = self._prompt(token_ids, block_hashes, num_tokens, cache_salt, lora_id)
-        # the last prompt token is always computed, unless precomputed hashes came without a token count
-        cap = len(hashes) if token_ids is None and num_tokens is None else min((n - 1) // self.block_size,
-                                                                              len(hashes))
-        walk = self._walk(hashes, cap, external_hit)
-        hits = [b for b in walk if b is not None]
-        num_total = -(-n // self.block_size)
-        num_new = num_total - len(hits)
+        if prompt is None:
+            prompt = self.prompt(token_ids, block_hashes=block_hashes, num_tokens=num_tokens,
+                                 cache_salt=cache_salt, lora_id=lora_id)
+        hashes = prompt.hashes
+        hits = [self.cached[h] for h in hashes[:self.lookup(prompt)]]
+        cached_blocks = min(len(hits) + max(0, num_external), prompt.cap)
+        total = self.blocks_needed(prompt) if num_blocks is None else max(num_blocks, cached_blocks)
         reusable = sum(1 for b in hits if b.ref_cnt == 0)
-        if num_new > self.free_queue.num_free - reusable:
-            raise OutOfBlocksError(
-                f"request {request_id!r} needs {num_new} new blocks, {self.free_queue.num_free - reusable} free")
+        if total - len(hits) > self.free_queue.num_free - reusable:
+            raise OutOfBlocksError(f"request {request_id!r} needs {total - len(hits)} new blocks, "
+                                   f"{self.free_queue.num_free - reusable} free")
         for b in hits:
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
-        blocks: list[Block] = []
+        blocks = list(hits)
         external: list[tuple[int, int, bytes]] = []
-        for pos in range(num_total):
-            b = walk[pos] if pos < len(walk) else None
-            if b is None:
-                b = self._pop()
-                if pos < len(walk):
-                    external.append((pos, b.block_id, hashes[pos]))
-                if pos < len(hashes):
-                    self._register(b, hashes[pos])
+        for pos in range(len(hits), total):
+            b = self._pop()
+            if pos < cached_blocks:
+                external.append((pos, b.block_id, hashes[pos]))
+                self._register(b, hashes[pos])
             blocks.append(b)
-        self.requests[request_id] = _Request(tokens, n, blocks, hashes, cache_salt, lora_id)
-        return Allocation([b.block_id for b in blocks], len(walk) * self.block_size, len(hits), external)
+        self.requests[request_id] = _Request(prompt, blocks)
+        return Allocation([b.block_id for b in blocks], cached_blocks * self.block_size, len(hits), external)
+
+    def grow(self, request_id: str) -> list[int]:
+        """Add the blocks a request allocated with ``num_blocks`` still lacks; returns their ids.
+        Raises :class:`OutOfBlocksError` with nothing changed."""
+        req = self._request(request_id)
+        need = -(-req.num_tokens // self.block_size) - len(req.blocks)
+        if need > self.free_queue.num_free:
+            raise OutOfBlocksError(f"request {request_id!r} needs {need} new blocks, {self.free_queue.num_free} free")
+        new = [self._pop() for _ in range(max(0, need))]
+        req.blocks.extend(new)
+        return [b.block_id for b in new]
+
+    def commit(self, request_id: str, num_tokens: int | None = None) -> list[tuple[int, bytes]]:
+        """The KV of the request's first ``num_tokens`` tokens (all when None) is written.
+
+        Registers the full blocks among them, so later requests hit them, and
+        returns ``(block_id, block_hash)`` of every full block not reported by an
+        earlier commit, in prefix order (cached and loaded ones included).
+        """
+        req = self._request(request_id)
+        n = req.num_tokens if num_tokens is None else min(num_tokens, req.num_tokens)
+        full = min(n // self.block_size, len(req.hashes), len(req.blocks))
+        if full <= req.committed:
+            return []
+        out = []
+        for i in range(req.committed, full):
+            b = req.blocks[i]
+            self._register(b, req.hashes[i])
+            out.append((b.block_id, req.hashes[i]))
+        req.committed = full
+        return out
+
+    def invalidate(self, request_id: str, position: int) -> None:
+        """The request's blocks from ``position`` on do not hold their KV (a failed load):
+        unregister their hashes so nobody hits them; they stay in the block table."""
+        req = self._request(request_id)
+        for b in req.blocks[position:]:
+            self.evict_cached(b)
+        req.committed = min(req.committed, position)
 
     def append(self, request_id: str, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """Append tokens to a request; return copy-on-write ops ``(src, dst)`` to perform.
 
         A partial, shared last block is copied on write before new tokens land in
-        it. Blocks that become full are hashed (continuing the chain) and
-        registered. Raises :class:`OutOfBlocksError` with nothing changed.
+        it. Blocks that become full are hashed (continuing the chain); they are
+        registered by :meth:`commit`. Raises :class:`OutOfBlocksError` with nothing
+        changed.
         """
         req = self._request(request_id)
         if req.tokens is None:
@@ -256,10 +370,7 @@ class BlockManager:
             req.blocks.append(self._pop())
         req.tokens.extend(new)
         req.num_tokens = len(req.tokens)
-        first_new_full = len(req.hashes)
         self.hasher.extend(req.hashes, req.tokens, cache_salt=req.cache_salt, lora_id=req.lora_id)
-        for i in range(first_new_full, len(req.hashes)):
-            self._register(req.blocks[i], req.hashes[i])
         return ops
 
     def fork(self, parent_request_id: str, child_request_id: str) -> None:
@@ -270,30 +381,55 @@ class BlockManager:
         for b in parent.blocks:
             b.ref_cnt += 1
         tokens = list(parent.tokens) if parent.tokens is not None else None
-        self.requests[child_request_id] = _Request(tokens, parent.num_tokens, list(parent.blocks),
-                                                   list(parent.hashes), parent.cache_salt, parent.lora_id)
+        child = _Request(Prompt(list(parent.hashes), parent.num_tokens, 0, tokens, parent.cache_salt,
+                                parent.lora_id), list(parent.blocks))
+        child.committed = parent.committed
+        self.requests[child_request_id] = child
 
     def free(self, request_id: str) -> None:
-        """Release a request. Blocks reaching ref_cnt 0 join the free queue's tail,
-        last block first, keeping content and hash (so the prompt's first block is
-        the last of them to be evicted)."""
+        """Release a request. Blocks reaching ref_cnt 0 keep content and hash: hashed
+        ones join the free queue's tail, last block first (so the prompt's first block
+        is the last of them to be evicted); blocks without a hash go to its head."""
         req = self.requests.pop(request_id, None)
         if req is None:
             raise ValueError(f"request_id: {request_id!r} is not allocated")
+        first: list[Block] = []
         for b in reversed(req.blocks):
             b.ref_cnt -= 1
             assert b.ref_cnt >= 0, f"{b}: ref_cnt below zero"
             if b.ref_cnt == 0:
-                self.free_queue.append(b)
+                if b.block_hash is None:
+                    first.append(b)
+                else:
+                    self.free_queue.append(b)
+        for b in reversed(first):
+            self.free_queue.appendleft(b)
 
     def evict_cached(self, block: Block) -> None:
-        """Drop a free block's hash (its bytes become garbage)."""
+        """Drop a block's hash (its bytes become garbage)."""
         h = block.block_hash
         if h is None:
             return
         block.block_hash = None
         if self.cached.get(h) is block:
             del self.cached[h]
+
+    def free_window(self, n: int) -> list[tuple[int, bytes]]:
+        """``(block_id, hash)`` of the hashed blocks among the ``n`` next to be evicted."""
+        out = []
+        for i, b in enumerate(self.free_queue):
+            if i >= n:
+                break
+            if b.block_hash is not None:
+                out.append((b.block_id, b.block_hash))
+        return out
+
+    def resident(self) -> list[tuple[int, bytes]]:
+        """``(block_id, hash)`` of every hashed block, most recently used first: blocks in
+        use by a request, then free ones from the most recently freed."""
+        in_use = [(b.block_id, h) for h, b in self.cached.items() if b.ref_cnt > 0]
+        free = [(b.block_id, b.block_hash) for b in self.free_queue.reversed() if b.block_hash is not None]
+        return in_use + free  # type: ignore[return-value]
 
     # --------------------------------------------------------------- internals
 
@@ -302,37 +438,6 @@ class BlockManager:
         if req is None:
             raise ValueError(f"request_id: {request_id!r} is not allocated")
         return req
-
-    def _prompt(self, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
-                num_tokens: int | None, cache_salt: str | bytes | None,
-                lora_id: str | bytes | int | None) -> tuple[list[int] | None, list[bytes], int]:
-        if (token_ids is None) == (block_hashes is None):
-            raise ValueError("token_ids/block_hashes: pass exactly one of them")
-        if token_ids is not None:
-            tokens = list(token_ids)
-            if not tokens:
-                raise ValueError("token_ids: a request needs at least one token")
-            return tokens, self.hasher.hash_blocks(tokens, cache_salt=cache_salt, lora_id=lora_id), len(tokens)
-        hashes = list(block_hashes)  # type: ignore[arg-type]
-        if len(set(hashes)) != len(hashes):
-            raise ValueError("block_hashes: the same hash appears twice in one request")
-        n = len(hashes) * self.block_size if num_tokens is None else num_tokens
-        if n < 1 or n < len(hashes) * self.block_size - (self.block_size - 1) or not all(
-                isinstance(h, bytes) for h in hashes):
-            raise ValueError(f"block_hashes/num_tokens: {len(hashes)} full block hashes do not fit "
-                             f"{n} tokens of block size {self.block_size} (or a hash is not bytes)")
-        return None, hashes[: n // self.block_size], n
-
-    def _walk(self, hashes: Sequence[bytes], cap: int, external_hit: ExternalHit | None) -> list[Block | None]:
-        """Blocks of the cached prefix: a pool Block, or None for an external hit."""
-        out: list[Block | None] = []
-        cached = self.cached
-        for pos in range(cap):
-            b = cached.get(hashes[pos])
-            if b is None and not (external_hit is not None and external_hit(pos, hashes[pos])):
-                break
-            out.append(b)
-        return out
 
     def _pop(self) -> Block:
         b = self.free_queue.popleft()
@@ -345,6 +450,6 @@ class BlockManager:
         return b
 
     def _register(self, block: Block, block_hash: bytes) -> None:
-        if block_hash not in self.cached:
+        if block.block_hash is None and block_hash not in self.cached:
             self.cached[block_hash] = block
             block.block_hash = block_hash

@@ -53,13 +53,24 @@ class Progress:
 
 # ------------------------------------------------------------------ bench
 
-def _load_config(args: argparse.Namespace) -> Any:
+# The deployment `tierkv bench` assumes without --config: an 8B model (fp16 KV, 128 KiB per token) on
+# one 48 GB card (22 GiB of KV pool, ~180K tokens), a 64 GiB DRAM tier and a 1 TiB SSD tier.
+BENCH_DEPLOYMENT: dict[str, Any] = {
+    "model": {"name": "llama-3-8b", "layers": 32, "kv_heads": 8, "head_size": 128, "kv_dtype": "fp16"},
+    "gpu": {"capacity": "22GiB"}, "cpu": {"capacity": "64GiB"}, "ssd": {"capacity": "1TiB"},
+}
+
+
+def _load_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Any:
     from tierkv.config import TierKVConfig
 
     overrides = list(args.set or [])
     if args.config:
         return TierKVConfig.from_yaml(args.config, overrides)
-    return TierKVConfig.from_dict({}, overrides)
+    base = {k: dict(v) for k, v in (defaults or {}).items()}
+    if any(o.split("=", 1)[0].strip().startswith("gpu.") for o in overrides if isinstance(o, str)):
+        base.pop("gpu", None)  # --set gpu.num_blocks replaces the default pool size, not adds to it
+    return TierKVConfig.from_dict(base, overrides)
 
 
 def _load_trace(args: argparse.Namespace, config: Any, progress: Progress) -> Any:
@@ -95,18 +106,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from tierkv.bench.replay import ReplayOptions
     from tierkv.bench.report import build_report, render_text
     from tierkv.config import parse_size
+    from tierkv.errors import ConfigError
 
     t0 = time.perf_counter()
     progress = Progress(enabled=not args.quiet and (args.progress or sys.stderr.isatty()))
-    config = _load_config(args)
+    config = _load_config(args, BENCH_DEPLOYMENT)
+    block_bytes = parse_size(args.payload_block_bytes, "--payload-block-bytes")
+    if block_bytes < 1:
+        raise ConfigError(f"--payload-block-bytes: must be at least 1 byte, got {args.payload_block_bytes!r}")
+    admission = None if args.admission in (None, "both") else args.admission
     options = ReplayOptions(decode_s_per_token=args.decode_ms_per_token / 1000.0, payload=args.payload,
-                            payload_block_bytes=parse_size(args.payload_block_bytes, "--payload-block-bytes"))
+                            payload_block_bytes=block_bytes, admission=admission)
     trace = _load_trace(args, config, progress)
     t_load = time.perf_counter() - t0
     if trace.skipped_lines and not args.quiet:
         print(f"tierkv: skipped {trace.skipped_lines:,} bad lines (first: {trace.first_skipped})", file=sys.stderr)
     try:
-        res = run_bench(trace, config, options, progress=progress.phase("replay", len(trace.requests)))
+        res = run_bench(trace, config, options, progress=progress.phase("replay", len(trace.requests)),
+                        compare_admissions=args.admission == "both")
     finally:
         progress.done()
     res.timings_s = {"load": t_load, **res.timings_s}
@@ -178,6 +195,32 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------- parser
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _finite(minimum: float, inclusive: bool) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        import math
+
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        low_ok = value >= minimum if inclusive else value > minimum
+        if not math.isfinite(value) or not low_ok:
+            bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+            raise argparse.ArgumentTypeError(f"expected a finite number {bound}, got {text!r}")
+        return value
+    return parse
+
+
 def _bench_args(p: argparse.ArgumentParser) -> None:
     from tierkv.bench.workloads import DEFAULT_WORKLOAD, WORKLOADS
 
@@ -187,8 +230,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--workload", choices=WORKLOADS, default=DEFAULT_WORKLOAD,
                      help=f"built-in workload when no --trace is given (default: {DEFAULT_WORKLOAD})")
     src.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    src.add_argument("--scale", type=float, default=1.0, help="workload size multiplier (default: 1)")
-    src.add_argument("--block-size", type=int, default=None, metavar="TOKENS",
+    src.add_argument("--scale", type=_finite(0, False), default=1.0, help="workload size multiplier (default: 1)")
+    src.add_argument("--block-size", type=_positive_int, default=None, metavar="TOKENS",
                      help="tokens per trace block (default: 512 mooncake, 16 qwen, the config's otherwise)")
     bad = src.add_mutually_exclusive_group()
     bad.add_argument("--strict", dest="skip_bad_lines", action="store_false",
@@ -197,9 +240,13 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                      help="skip malformed lines and report how many")
     p.set_defaults(skip_bad_lines=False)
     cfg = p.add_argument_group("cache")
-    cfg.add_argument("--config", metavar="PATH", help="tierkv YAML config (default: built-in defaults)")
+    cfg.add_argument("--config", metavar="PATH",
+                     help="tierkv YAML config (default: an 8B fp16 model on a 48 GB card, 22 GiB GPU pool, "
+                          "64 GiB DRAM, 1 TiB SSD)")
     cfg.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. cpu.capacity=16GiB")
-    cfg.add_argument("--decode-ms-per-token", type=float, default=20.0,
+    cfg.add_argument("--admission", choices=("on_compute", "on_evict", "both"), default=None,
+                     help="spill.admission to replay (default: the config's); 'both' compares them in one report")
+    cfg.add_argument("--decode-ms-per-token", type=_finite(0, True), default=20.0,
                      help="a request holds its GPU blocks for output_length x this (default: 20)")
     cfg.add_argument("--payload", action="store_true", help="move real bytes through the CPU slab and LMDB")
     cfg.add_argument("--payload-block-bytes", default="16KiB", help="bytes per block with --payload")

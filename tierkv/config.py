@@ -195,13 +195,19 @@ class SSDConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """KV layout, used to size one block when no engine hands tierkv its tensors.
+    """The model: its identity and KV layout (the layout sizes one block when no engine
+    hands tierkv its tensors).
 
-    ``block_nbytes`` overrides the value derived from the layout
-    (``2 * layers * kv_heads * head_size * dtype bytes * block_size``).
+    ``id`` overrides the model's identity in every fingerprint: blocks are
+    shared exactly between deployments with equal ids (and layouts). Without
+    it the library uses ``name``, and the vLLM connector derives the identity
+    from the checkpoint's weight files. ``block_nbytes`` overrides the value
+    derived from the layout (``2 * layers * kv_heads * head_size * dtype bytes
+    * block_size``).
     """
 
     name: str = "default"
+    id: str | None = None
     layers: int = 32
     kv_heads: int = 8
     head_size: int = 128
@@ -210,13 +216,17 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "model") -> "ModelConfig":
-        _check_keys(d, ("name", "layers", "kv_heads", "head_size", "kv_dtype", "block_nbytes"), p)
+        _check_keys(d, ("name", "id", "layers", "kv_heads", "head_size", "kv_dtype", "block_nbytes"), p)
         name = d.get("name", cls.name)
         if not isinstance(name, str):
             raise ConfigError(f"{p}.name: expected a string, got {name!r}")
+        ident = d.get("id")
+        if ident is not None and (not isinstance(ident, str) or not ident.strip()):
+            raise ConfigError(f"{p}.id: expected a non-empty string, got {ident!r}")
         bn = d.get("block_nbytes")
         return cls(
             name=name,
+            id=ident,
             layers=_int(d.get("layers", cls.layers), f"{p}.layers", minimum=1),
             kv_heads=_int(d.get("kv_heads", cls.kv_heads), f"{p}.kv_heads", minimum=1),
             head_size=_int(d.get("head_size", cls.head_size), f"{p}.head_size", minimum=1),
@@ -230,23 +240,26 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class SpillConfig:
-    """How blocks move between tiers.
+    """How blocks move between tiers (the tier policy's rules, the same in every mode).
 
-    ``watermark``: fraction of the GPU pool (at least one block) kept as
-    already-copied-down LRU free blocks, so taking a block rarely waits.
-    ``promotion``: ``inclusive`` keeps the lower copy when a block is promoted,
-    ``exclusive`` moves it.  ``write_through``: every block spilled to the CPU
-    tier is also queued for the SSD tier, so the SSD tier is a persistent
-    superset of what was spilled.
+    ``admission``: ``on_compute`` stores every block below as soon as it is
+    computed; ``on_evict`` stores a block when the GPU pool evicts it.
+    ``watermark`` (``on_evict`` only): fraction of the GPU pool (at least one
+    block) of least recently used free blocks paged out ahead of eviction.
+    ``promotion``: ``inclusive`` keeps the lower copy when a block is loaded,
+    ``exclusive`` moves it out of the CPU tier (``on_evict`` only).
+    ``write_through``: every block stored to the CPU tier is also queued for
+    the SSD tier, so the SSD tier is a persistent superset of the CPU tier.
     """
 
+    admission: str = "on_compute"
     watermark: float = 0.02
     promotion: str = "inclusive"
     write_through: bool = True
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "spill") -> "SpillConfig":
-        _check_keys(d, ("watermark", "promotion", "write_through"), p)
+        _check_keys(d, ("admission", "watermark", "promotion", "write_through"), p)
         wm = d.get("watermark", cls.watermark)
         if isinstance(wm, bool) or not isinstance(wm, (int, float)) or not 0 <= wm <= 1:
             raise ConfigError(f"{p}.watermark: expected a fraction between 0 and 1, got {wm!r}")
@@ -254,7 +267,14 @@ class SpillConfig:
         if not isinstance(wt, bool):
             raise ConfigError(f"{p}.write_through: expected true or false, got {wt!r}")
         promo = _choice(d.get("promotion", cls.promotion), f"{p}.promotion", ("inclusive", "exclusive"))
-        return cls(watermark=float(wm), promotion=promo, write_through=wt)
+        adm = _choice(d.get("admission", cls.admission), f"{p}.admission", ("on_compute", "on_evict"))
+        if adm == "on_compute" and promo == "exclusive":
+            raise ConfigError(f"{p}.promotion: exclusive needs {p}.admission: on_evict (with on_compute a "
+                              "loaded block is stored again as soon as its request computes)")
+        if adm == "on_compute" and "watermark" in d:
+            raise ConfigError(f"{p}.watermark: only used with {p}.admission: on_evict (on_compute stores "
+                              "every block when it is computed; there is nothing to page out)")
+        return cls(admission=adm, watermark=float(wm), promotion=promo, write_through=wt)
 
 
 @dataclass(frozen=True)
@@ -292,6 +312,9 @@ class TierKVConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     spill: SpillConfig = field(default_factory=SpillConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    #: dotted paths of the keys the input set (defaults excluded): a mode that cannot
+    #: honour a key rejects it only when it was set
+    explicit: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, overrides: Mapping[str, Any] | Iterable[str] = ()) -> "TierKVConfig":
@@ -306,7 +329,17 @@ class TierKVConfig:
         for name, section in _SECTIONS.items():
             sub = d.get(name) or {}
             kwargs[name] = section.from_dict(sub, name)
-        return cls(**kwargs)
+        explicit = {k for k in d if k not in _SECTIONS}
+        explicit |= {f"{name}.{k}" for name in _SECTIONS for k in (d.get(name) or {})}
+        return cls(**kwargs, explicit=frozenset(explicit))
+
+    def reject(self, keys: Iterable[str], why: str) -> None:
+        """Raise :class:`ConfigError` naming the first of ``keys`` (dotted paths, or a
+        section name for all its keys) that was set explicitly, with ``why``."""
+        for key in keys:
+            hit = sorted(k for k in self.explicit if k == key or k.startswith(key + "."))
+            if hit:
+                raise ConfigError(f"{hit[0]}: {why}")
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], overrides: Mapping[str, Any] | Iterable[str] = ()) -> "TierKVConfig":
@@ -339,7 +372,9 @@ class TierKVConfig:
         return self.model.bytes_per_token() * self.block_size
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out.pop("explicit", None)
+        return out
 
 
 def _parse_override_value(raw: str) -> Any:

@@ -13,7 +13,7 @@ import bisect
 import threading
 from typing import Any, Callable, Iterator
 
-__all__ = ["TIERS", "Histogram", "Lifecycle", "TierKVCollector", "start_metrics_server"]
+__all__ = ["TIERS", "Histogram", "Lifecycle", "LifecycleRecorder", "TierKVCollector", "start_metrics_server"]
 
 TIERS = ("gpu", "cpu", "ssd")
 
@@ -83,6 +83,12 @@ class Lifecycle:
         self._born[key] = now
         self._last[key] = now
 
+    def enter_new(self, key: bytes, now: float) -> None:
+        """:meth:`enter` unless ``key`` is already in the tier."""
+        if key not in self._born:
+            self._born[key] = now
+            self._last[key] = now
+
     def access(self, key: bytes, now: float) -> None:
         last = self._last.get(key)
         if last is not None:
@@ -94,6 +100,32 @@ class Lifecycle:
         if born is not None:
             self.lifetime.observe(now - born)
             self.idle_before_evict.observe(now - self._last.pop(key))
+
+    def samples(self) -> dict[str, list[float] | None]:
+        return {"lifetime_s": self.lifetime.samples, "idle_before_evict_s": self.idle_before_evict.samples,
+                "reuse_gap_s": self.reuse_gap.samples}
+
+
+class LifecycleRecorder:
+    """A tier-policy observer feeding one :class:`Lifecycle` per lower tier: a block enters
+    a tier when stored there, is accessed when a load reads it, leaves when evicted or lost."""
+
+    __slots__ = ("lifecycles",)
+
+    def __init__(self, lifecycles: dict[str, Lifecycle]) -> None:
+        self.lifecycles = lifecycles
+
+    def __call__(self, kind: str, tier: str, keys: Any, now: float) -> None:
+        lc = self.lifecycles[tier]
+        if kind == "stored":
+            for key in keys:
+                lc.enter(key, now)
+        elif kind == "hit":
+            for key in keys:
+                lc.access(key, now)
+        elif kind in ("evicted", "lost"):
+            for key in keys:
+                lc.leave(key, now)
 
 
 class TierKVCollector:

@@ -16,6 +16,7 @@ from tierkv.config import format_size
 if TYPE_CHECKING:
     from tierkv.bench.mrc import MissRatioCurve
     from tierkv.config import TierKVConfig
+    from tierkv.policy import PolicySpec
 
 __all__ = ["hit_rate_band", "pool_checks", "recommend", "effective_capacity_blocks"]
 
@@ -93,11 +94,9 @@ def pool_checks(reuse: dict[str, dict[str, Any]], idle: dict[str, dict[str, Any]
     return out
 
 
-def effective_capacity_blocks(cfg: "TierKVConfig", caps: dict[str, int]) -> int:
-    """Distinct blocks the hierarchy can hold (approx.): with write-through the SSD tier
-    is a superset of the CPU tier, so the lower tiers add ``max(cpu, ssd)``; otherwise ``cpu + ssd``."""
-    lower = max(caps["cpu"], caps["ssd"]) if cfg.spill.write_through else caps["cpu"] + caps["ssd"]
-    return caps["gpu"] + lower
+def effective_capacity_blocks(spec: "PolicySpec", caps: dict[str, int]) -> int:
+    """Distinct blocks the hierarchy can hold (approx.; the policy's own rule)."""
+    return spec.effective_blocks(caps["gpu"])
 
 
 def _target(mrc: "MissRatioCurve", cfg: "TierKVConfig", caps: dict[str, int], frac: float) -> dict[str, Any]:
@@ -131,9 +130,9 @@ def _size_arg(nbytes: int) -> str:
     return f"{max(1, -(-nbytes // 1024**2))}MiB"
 
 
-def recommend(mrc: "MissRatioCurve", cfg: "TierKVConfig", caps: dict[str, int]) -> dict[str, Any]:
+def recommend(mrc: "MissRatioCurve", cfg: "TierKVConfig", spec: "PolicySpec", caps: dict[str, int]) -> dict[str, Any]:
     """Capacities reaching 90% and 99% of the ideal hit rate, split between the GPU pool and the tiers below."""
-    configured = effective_capacity_blocks(cfg, caps)
+    configured = effective_capacity_blocks(spec, caps)
     return {
         "ideal_hit_rate": round(mrc.ideal_hit_rate, 6),
         "configured_total_tokens": configured * cfg.block_size,

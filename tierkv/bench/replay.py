@@ -1,24 +1,37 @@
-"""Replay a trace through the real :class:`tierkv.tiered.TieredKVCache`.
+"""Replay a trace through the deployed placement: tierkv's pool, the tier policy, an executor.
+
+The replay drives the same :class:`~tierkv.policy.TierPolicy` as the library
+and the vLLM connector, in the order the connector drives it under vLLM's
+scheduler, so its hit counts are what a deployment of the same config sees:
+
+* a request whose prefix is partly held below takes two steps, as in vLLM:
+  step A allocates its cached prefix and the blocks to load (the load is
+  planned, sources pinned), step B the rest of the prompt (computed);
+* every step ends the same way: blocks the pool evicted in the step are
+  offered as ``evicted``, newly computed blocks as ``computed``, the page-out
+  window as ``pageout``; then the step's stores complete, then its loads.
+
+The GPU pool is a :class:`~tierkv.block_pool.BlockManager`, which evicts and
+frees in vLLM's order. With one request at a time this is exactly what the
+connector does under vLLM (a test checks it against the real scheduler);
+with concurrent requests vLLM interleaves steps of different requests,
+which the replay approximates by running each arrival's steps back to back.
 
 Hash-id traces (Mooncake, Qwen-Bailian): every id is a full block that may
-hit; the request is handed to the cache as its block hashes without a token
-count, so it takes ``len(hash_ids)`` GPU blocks and no last-token cap applies.
-
-Request lifetimes: a request holds its GPU blocks from arrival until
-``arrival + output_length * decode_s_per_token`` (prefill time and the
-output tokens' own blocks are not modelled). Requests that have finished are
-freed, in finishing order and at their finishing time, before the next
-arrival is allocated. When the GPU pool has too few free blocks for an
-arrival, running requests are finished early, earliest finisher first, and
-counted as ``forced_frees``: a non-zero count means the pool is smaller than
-the trace's concurrency at this decode speed.
+hit (no last-token cap). Request lifetimes: a request holds its GPU blocks
+from arrival until ``arrival + output_length * decode_s_per_token``
+(prefill time and the output tokens' own blocks are not modelled). When the
+GPU pool has too few free blocks for an arrival, running requests are
+finished early, earliest finisher first, and counted as ``forced_frees``. A
+request that needs more blocks than the whole pool is rejected, as an engine
+rejects it: counted (``rejected``), with the pool size that would admit it.
 
 Capacities: the trace's block size replaces the config's ``block_size``;
 tier capacities keep their meaning in tokens and bytes (``gpu.num_blocks``
-is converted to the same number of tokens). Without payload the tiers are
-metadata only; ``payload=True`` moves real bytes (``payload_block_bytes``
-per block) through the CPU slab and an LMDB tier in a temporary directory,
-with the tiers holding the same number of blocks as without payload.
+is converted to the same number of tokens). Without payload no bytes move
+(a null executor); ``payload=True`` moves real bytes (``payload_block_bytes``
+per block) through a host pool, the CPU slab and an SSD tier in a temporary
+directory, with the tiers holding the same number of blocks.
 """
 
 from __future__ import annotations
@@ -30,35 +43,40 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from tierkv.block_pool import BlockManager, Prompt
 from tierkv.config import TierKVConfig
-from tierkv.errors import OutOfBlocksError
+from tierkv.errors import ConfigError, OutOfBlocksError
+from tierkv.executor import Executor, NullExecutor
+from tierkv.metrics import Lifecycle, LifecycleRecorder
+from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, LoadPlan, PolicySpec, StorePlan, TierPolicy
 
 if TYPE_CHECKING:
     from tierkv.bench.traces import Trace
 
 __all__ = ["TIERS", "MISS_REASONS", "ReplayError", "ReplayOptions", "ReplayResult", "config_for_trace",
-           "tier_capacities", "replay"]
+           "tier_capacities", "policy_spec", "replay"]
 
 TIERS = ("gpu", "cpu", "ssd")
-MISS_REASONS = ("new", "evicted_gpu", "evicted_cpu", "evicted_ssd", "prefix_miss", "last_token", "other")
+MISS_REASONS = ("new", "evicted_gpu", "evicted_cpu", "evicted_ssd", "prefix_miss", "last_token", "rejected", "other")
 
 # per-block state while replaying
 _NEVER, _CACHED = 0, 1
-_DROPPED = {"gpu": 2, "cpu": 3, "ssd": 4}
+_LEFT = {"gpu": 2, "cpu": 3, "ssd": 4}
 _STATE_REASON = {2: "evicted_gpu", 3: "evicted_cpu", 4: "evicted_ssd"}
 
 
 class ReplayError(ValueError):
-    """The configuration cannot replay this trace (e.g. a request larger than the GPU pool)."""
+    """The configuration cannot replay this trace."""
 
 
 @dataclass(frozen=True)
 class ReplayOptions:
-    """How requests are timed and whether bytes move."""
+    """How requests are timed, whether bytes move, and which admission runs."""
 
     decode_s_per_token: float = 0.02
     payload: bool = False
     payload_block_bytes: int = 16 * 1024
+    admission: str | None = None   # None: the config's spill.admission
 
 
 @dataclass
@@ -66,6 +84,7 @@ class ReplayResult:
     """Counts from one replay (block counts are of the trace's block size)."""
 
     config: TierKVConfig
+    spec: PolicySpec
     capacity_blocks: dict[str, int]
     requests: int
     accesses: int
@@ -75,6 +94,9 @@ class ReplayResult:
     peak_running: int
     wall_s: float
     stats: dict[str, Any]
+    rejected: int = 0
+    rejected_max_blocks: int = 0
+    admit_hint: str | None = None
     cache_lifetime_s: list[float] = field(default_factory=list)
     cache_idle_before_evict_s: list[float] = field(default_factory=list)
     payload_block_bytes: int | None = None
@@ -98,91 +120,49 @@ def _gpu_tokens(cfg: TierKVConfig) -> int | None:
     return cfg.gpu.num_blocks * cfg.block_size if cfg.gpu.num_blocks is not None else None
 
 
-def config_for_trace(cfg: TierKVConfig, block_size: int) -> TierKVConfig:
+def config_for_trace(cfg: TierKVConfig, block_size: int, admission: str | None = None) -> TierKVConfig:
     """``cfg`` with the trace's block size, keeping every capacity in tokens/bytes."""
-    model, gpu = cfg.model, cfg.gpu
+    model, gpu, spill = cfg.model, cfg.gpu, cfg.spill
     if model.block_nbytes is not None:
         per_token = model.block_nbytes / cfg.block_size
         model = dataclasses.replace(model, block_nbytes=max(1, round(per_token * block_size)))
     tokens = _gpu_tokens(cfg)
     if tokens is not None:
         gpu = dataclasses.replace(gpu, num_blocks=max(1, tokens // block_size))
-    return dataclasses.replace(cfg, block_size=block_size, model=model, gpu=gpu)
+    if admission is not None and admission != spill.admission:
+        promotion = spill.promotion if admission == "on_evict" else "inclusive"
+        spill = dataclasses.replace(spill, admission=admission, promotion=promotion)
+    return dataclasses.replace(cfg, block_size=block_size, model=model, gpu=gpu, spill=spill)
+
+
+def policy_spec(cfg: TierKVConfig) -> PolicySpec:
+    """The policy a deployment of ``cfg`` runs (blocks of ``cfg.block_nbytes()``)."""
+    nbytes = cfg.block_nbytes()
+    return PolicySpec.from_config(cfg, block_nbytes=nbytes, gpu_blocks=cfg.gpu.resolve_num_blocks(nbytes))
 
 
 def tier_capacities(cfg: TierKVConfig) -> dict[str, int]:
     """Blocks each tier holds under ``cfg``."""
-    nbytes = cfg.block_nbytes()
-    return {
-        "gpu": cfg.gpu.resolve_num_blocks(nbytes),
-        "cpu": cfg.cpu.capacity // nbytes,
-        "ssd": cfg.ssd.capacity // nbytes if cfg.ssd.enabled else 0,
-    }
-
-
-def _payload_config(cfg: TierKVConfig, block_bytes: int, ssd_dir: str) -> TierKVConfig:
-    """Same capacities in blocks, with ``block_bytes`` per block and the SSD tier in ``ssd_dir``."""
-    caps = tier_capacities(cfg)
-    return dataclasses.replace(
-        cfg,
-        model=dataclasses.replace(cfg.model, block_nbytes=block_bytes),
-        gpu=dataclasses.replace(cfg.gpu, num_blocks=caps["gpu"], capacity=None),
-        cpu=dataclasses.replace(cfg.cpu, capacity=caps["cpu"] * block_bytes),
-        ssd=dataclasses.replace(cfg.ssd, path=ssd_dir, capacity=caps["ssd"] * block_bytes),
-    )
-
-
-def _num_tokens(trace: "Trace", r: Any) -> int | None:
-    """Prompt tokens handed to the cache; None for hash-id traces, whose ids are full blocks
-    that may all hit (the cache then applies no last-token cap)."""
-    return r.input_length if trace.token_based else None
-
-
-def _blocks_needed(trace: "Trace") -> tuple[int, int]:
-    """(most GPU blocks one request needs, its line)."""
-    bs, worst, line = trace.block_size, 0, 0
-    for r in trace.requests:
-        n = _num_tokens(trace, r)
-        need = len(r.blocks) if n is None else -(-n // bs)
-        if need > worst:
-            worst, line = need, r.line
-    return worst, line
-
-
-def check_fits(trace: "Trace", cfg: TierKVConfig, gpu_blocks: int, original: TierKVConfig) -> None:
-    """Raise :class:`ReplayError` if one request alone needs more blocks than the GPU pool has."""
-    need, line = _blocks_needed(trace)
-    if need <= gpu_blocks:
-        return
-    where = f"{trace.name}:{line}: " if line else ""
-    unit = original.block_size
-    hint = (f"--set gpu.num_blocks={-(-need * trace.block_size // unit)}" if original.gpu.num_blocks is not None
-            else f"--set gpu.capacity={need * cfg.block_nbytes()}")
-    raise ReplayError(f"{where}a request needs {need} blocks of {trace.block_size} tokens "
-                      f"({need * trace.block_size:,} tokens) but the GPU pool holds {gpu_blocks} "
-                      f"({gpu_blocks * trace.block_size:,} tokens); raise it to at least that ({hint}) "
-                      "or more for concurrent requests")
+    spec = policy_spec(cfg)
+    return {"gpu": cfg.gpu.resolve_num_blocks(cfg.block_nbytes()), "cpu": spec.cpu_slots, "ssd": spec.ssd_slots}
 
 
 class _Tracker:
-    """Per-block state for miss reasons and whole-cache lifetimes (via ``on_drop``)."""
+    """Per-block state for miss reasons and whole-cache lifetimes."""
 
-    def __init__(self, id_bound: int, clock: list[float]) -> None:
+    def __init__(self, id_bound: int) -> None:
         self.state = bytearray(id_bound)
         self.entered = [0.0] * id_bound
         self.last = [0.0] * id_bound
-        self.clock = clock
         self.lifetime: list[float] = []
         self.idle: list[float] = []
 
-    def on_drop(self, block_hash: bytes, tier: str) -> None:
-        b = int.from_bytes(block_hash[:8], "little")
-        if self.state[b] != _CACHED:
+    def left(self, block: int, tier: str, now: float) -> None:
+        if self.state[block] != _CACHED:
             return
-        now = self.clock[0]
-        self.state[b] = _DROPPED.get(tier, 2)
-        self.lifetime.append(now - self.entered[b])
-        self.idle.append(now - self.last[b])
+        self.state[block] = _LEFT[tier]
+        self.lifetime.append(now - self.entered[block])
+        self.idle.append(now - self.last[block])
 
     def touch(self, blocks: list[int], now: float) -> None:
         state, entered, last = self.state, self.entered, self.last
@@ -193,7 +173,7 @@ class _Tracker:
             last[b] = now
 
 
-def _classify(blocks: list[int], before: list[int], hit: int, hittable: int, reasons: dict[str, int]) -> None:
+def _classify(blocks: list[int], before: bytes, hit: int, hittable: int, reasons: dict[str, int]) -> None:
     for j in range(hit, len(blocks)):
         s = before[j]
         if j >= hittable:
@@ -206,76 +186,232 @@ def _classify(blocks: list[int], before: list[int], hit: int, hittable: int, rea
             reasons[_STATE_REASON[s]] += 1
 
 
-def _hash_of(block: int) -> bytes:
+def _key(block: int) -> bytes:
     return block.to_bytes(8, "little") + bytes(24)
 
 
-class _Replayer:
-    def __init__(self, trace: "Trace", cfg: TierKVConfig, opts: ReplayOptions, payload_cfg: TierKVConfig | None):
-        from tierkv.tiered import TieredKVCache
+def _block(key: bytes) -> int:
+    return int.from_bytes(key[:8], "little")
 
+
+class _Replayer:
+    """One pass over a trace (see the module docstring for the step protocol)."""
+
+    def __init__(self, trace: "Trace", cfg: TierKVConfig, opts: ReplayOptions, executor: Executor) -> None:
         self.trace, self.opts = trace, opts
-        self.clock = [0.0]
-        self.tracker = _Tracker(trace.id_bound, self.clock)
-        self.cache = TieredKVCache(payload_cfg or cfg, payload=opts.payload, clock=lambda: self.clock[0],
-                                   record_samples=True, on_drop=self.tracker.on_drop)
+        self.now = 0.0
+        self.spec = policy_spec(cfg)
+        self.tracker = _Tracker(trace.id_bound)
+        self.lifecycle = {t: Lifecycle(keep_samples=True) for t in TIERS}
+        self._evicted: list[tuple[int, bytes]] = []
+        self._left: list[tuple[bytes, str]] = []
+        self.gpu_blocks = cfg.gpu.resolve_num_blocks(cfg.block_nbytes())
+        self.manager = BlockManager(self.gpu_blocks, trace.block_size,
+                                    on_evict=lambda b, h: self._evicted.append((b, h)))
+        self.policy = TierPolicy(self.spec, clock=lambda: self.now,
+                                 observers=[LifecycleRecorder({t: self.lifecycle[t] for t in ("cpu", "ssd")}),
+                                            self._observe])
+        self.executor = executor
         self.running: list[tuple[float, int]] = []
         self.hit_blocks = dict.fromkeys(TIERS, 0)
         self.reasons = dict.fromkeys(MISS_REASONS, 0)
-        self.forced = 0
-        self.peak = 0
+        self.forced = self.peak = self.rejected = self.rejected_max = 0
+        self.gpu_evictions = self.stored_at_eviction = 0
+
+    def _observe(self, kind: str, tier: str, keys: Any, now: float) -> None:
+        if kind in ("evicted", "lost", "dropped"):
+            self._left.extend((k, tier) for k in keys)
+
+    # ------------------------------------------------------------------ requests
 
     def finish_until(self, now: float) -> None:
-        running, clock = self.running, self.clock
+        running = self.running
         while running and running[0][0] <= now:
             fin, rid = heapq.heappop(running)
-            clock[0] = max(clock[0], fin)
-            self.cache.free(rid)
+            self.now = max(self.now, fin)
+            self.manager.free(str(rid))
 
-    def allocate(self, rid: int, hashes: list[bytes], num_tokens: int | None) -> Any:
+    def _room(self, call: Callable[[], Any]) -> Any:
+        """``call()``, finishing running requests early while the pool is too full for it."""
         while True:
             try:
-                return self.cache.allocate(rid, block_hashes=hashes, num_tokens=num_tokens)
+                return call()
             except OutOfBlocksError:
                 if not self.running:
-                    raise ReplayError(f"{self.trace.name}: request {rid} does not fit the empty GPU pool") from None
+                    raise
                 _, victim = heapq.heappop(self.running)
-                self.cache.free(victim)
+                self.manager.free(str(victim))
                 self.forced += 1
 
     def step(self, rid: int) -> None:
         r = self.trace.requests[rid]
-        now = r.timestamp
-        self.finish_until(now)
-        self.clock[0] = max(self.clock[0], now)
-        before = [self.tracker.state[b] for b in r.blocks]
-        a = self.allocate(rid, [_hash_of(b) for b in r.blocks], _num_tokens(self.trace, r))
-        hit = 0
-        for tier, n in a.hit_blocks.items():
-            self.hit_blocks[tier] += n
-            hit += n
-        _classify(r.blocks, before, hit, r.hittable, self.reasons)
-        self.tracker.touch(r.blocks, now)
-        heapq.heappush(self.running, (now + r.output_length * self.opts.decode_s_per_token, rid))
+        self.finish_until(r.timestamp)
+        self.now = max(self.now, r.timestamp)
+        n_tokens = r.input_length if self.trace.token_based else len(r.blocks) * self.trace.block_size
+        prompt = Prompt([_key(b) for b in r.blocks], n_tokens, r.hittable)
+        if self.manager.blocks_needed(prompt) > self.gpu_blocks:
+            self.rejected += 1
+            self.rejected_max = max(self.rejected_max, self.manager.blocks_needed(prompt))
+            self.reasons["rejected"] += len(r.blocks)
+            return
+        before = bytes(self.tracker.state[b] for b in r.blocks)
+        hits = self._schedule(str(rid), prompt)
+        _classify(r.blocks, before, hits, r.hittable, self.reasons)
+        self.tracker.touch(r.blocks, self.now)
+        heapq.heappush(self.running, (r.timestamp + r.output_length * self.opts.decode_s_per_token, rid))
         self.peak = max(self.peak, len(self.running))
+
+    def _schedule(self, rid: str, prompt: Prompt) -> int:
+        """Steps A (prefix + loads) and B (the rest, computed); returns the blocks served from cache."""
+        manager, policy = self.manager, self.policy
+        gpu_hits = manager.lookup(prompt)
+        below = policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
+        if below:
+            alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, num_external=len(below),
+                                                        num_blocks=gpu_hits + len(below)))
+        else:
+            alloc = self._room(lambda: manager.allocate(rid, prompt=prompt))
+        policy.touch(prompt.hashes[:gpu_hits])
+        self._gpu_hits(prompt.hashes[:gpu_hits])
+        loaded = 0
+        if below:
+            load = policy.prepare_load(rid, prompt.hashes[gpu_hits:gpu_hits + len(below)],
+                                       alloc.block_ids[gpu_hits:gpu_hits + len(below)])
+            loaded = self._end_step([], load)
+            if loaded < len(below):
+                manager.invalidate(rid, gpu_hits + loaded)
+            self._room(lambda: manager.grow(rid))
+        computed = manager.commit(rid)
+        self._note_computed(computed)
+        self._end_step(computed, None)
+        self.hit_blocks["gpu"] += gpu_hits
+        for tier in below[:loaded]:
+            self.hit_blocks[tier] += 1
+        return gpu_hits + loaded
+
+    def _end_step(self, computed: list[tuple[int, bytes]], load: LoadPlan | None) -> int:
+        """Offer evicted, computed and page-out blocks; run and complete the step's plans."""
+        policy = self.policy
+        plans: list[StorePlan] = []
+        evicted, self._evicted = self._evicted, []
+        if evicted:
+            self._gpu_evicted(evicted)
+            if policy.admits(EVICTED):
+                plans.append(policy.prepare_store([b for b, _ in evicted], [h for _, h in evicted], EVICTED))
+                self.stored_at_eviction += len(plans[-1])
+        if computed and policy.admits(COMPUTED):
+            plans.append(policy.prepare_store([b for b, _ in computed], [h for _, h in computed], COMPUTED))
+        if policy.pageout_blocks:
+            window = self.manager.free_window(policy.pageout_blocks)
+            if window:
+                plans.append(policy.prepare_store([b for b, _ in window], [h for _, h in window], PAGEOUT))
+        results = [(plan, self.executor.store(plan) if not plan.empty else []) for plan in plans]
+        loaded = 0
+        if load is not None:
+            result = self.executor.load(load)
+            loaded = result.loaded
+        for plan, lost in results:
+            policy.complete_store(plan, lost)
+        if load is not None:
+            policy.complete_load(load, result.lost)
+        self._settle([h for _, h in evicted])
+        return loaded
+
+    # ------------------------------------------------------------------ accounting
+
+    def _gpu_hits(self, keys: list[bytes]) -> None:
+        lc, now = self.lifecycle["gpu"], self.now
+        for key in keys:
+            lc.access(key, now)
+
+    def _note_computed(self, computed: list[tuple[int, bytes]]) -> None:
+        lc, now, blocks = self.lifecycle["gpu"], self.now, self.manager.blocks
+        for block_id, key in computed:
+            if blocks[block_id].block_hash == key:
+                lc.enter_new(key, now)
+
+    def _gpu_evicted(self, evicted: list[tuple[int, bytes]]) -> None:
+        lc, now = self.lifecycle["gpu"], self.now
+        for _, key in evicted:
+            lc.leave(key, now)
+        self.gpu_evictions += len(evicted)
+
+    def _settle(self, gpu_evicted: list[bytes]) -> None:
+        """Blocks that left a tier in this step and are held nowhere now have left the cache."""
+        left, self._left = self._left, []
+        cached, holds, now = self.manager.cached, self.policy.holds, self.now
+        for key, tier in left:  # a lower tier first: it held the block after the GPU let it go
+            if key not in cached and holds(key) is None:
+                self.tracker.left(_block(key), tier, now)
+        for key in gpu_evicted:
+            if key not in cached and holds(key) is None:
+                self.tracker.left(_block(key), "gpu", now)
 
     def close(self) -> dict[str, Any]:
         self.finish_until(float("inf"))
-        stats = self.cache.stats()
-        self.cache.close()
+        counts = self.policy.counts.snapshot()
+        zero = dict.fromkeys(TIERS, 0)
+        stats = {"spills": {**zero, **counts["stored"]}, "promotions": {**zero, **counts["hit"]},
+                 "evictions": {**zero, **counts["evicted"], "gpu": self.gpu_evictions},
+                 "dropped_spills": {**zero, **counts["dropped"]}, "corrupt_blocks": {**zero, **counts["lost"]},
+                 "spills_at_eviction": self.stored_at_eviction,
+                 "occupancy": {"gpu": self.manager.num_cached_blocks, **self.policy.occupancy()},
+                 "executor": self.executor.stats(),
+                 "lifecycle": {t: lc.samples() for t, lc in self.lifecycle.items()}}
+        device = getattr(self.executor.device, "engine", None)
+        stats["transfer"] = {d: dict(v) for d, v in device.moved.items()} if device is not None else {}
         return stats
+
+
+def _payload_config(cfg: TierKVConfig, block_bytes: int, ssd_dir: str) -> TierKVConfig:
+    """Same capacities in blocks, with ``block_bytes`` per block and the SSD tier in ``ssd_dir``."""
+    from tierkv.tiers.ssd import capacity_blocks
+
+    caps = tier_capacities(cfg)
+    ssd_cap = cfg.ssd.capacity
+    if caps["ssd"]:  # the smallest capacity that holds as many blocks of the new size
+        ssd_cap = caps["ssd"] * block_bytes
+        while capacity_blocks(ssd_cap, block_bytes) < caps["ssd"]:
+            ssd_cap += block_bytes
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, block_nbytes=block_bytes),
+        gpu=dataclasses.replace(cfg.gpu, num_blocks=caps["gpu"], capacity=None),
+        cpu=dataclasses.replace(cfg.cpu, capacity=caps["cpu"] * block_bytes),
+        ssd=dataclasses.replace(cfg.ssd, path=ssd_dir, capacity=ssd_cap),
+    )
+
+
+def _payload_executor(cfg: TierKVConfig) -> Executor:
+    """Real bytes: a host 'device' pool, the CPU slab and an SSD tier (``cfg.ssd.path``)."""
+    import torch
+
+    from tierkv.executor import PoolRows
+    from tierkv.tiers.host import HostSlab
+    from tierkv.tiers.ssd import SSDTier
+    from tierkv.transfer import TransferEngine
+
+    spec, nbytes = policy_spec(cfg), cfg.block_nbytes()
+    pool = torch.zeros((cfg.gpu.resolve_num_blocks(nbytes), nbytes), dtype=torch.uint8)
+    slab = HostSlab(spec.cpu_slots, nbytes, pin_memory=False) if spec.cpu_slots else None
+    ssd = SSDTier(cfg.ssd.path, capacity_bytes=cfg.ssd.capacity, fingerprint="tierkv-bench", compression="none",
+                  block_nbytes=nbytes) if spec.ssd_slots else None
+    return Executor(PoolRows(TransferEngine(pool)), slab, ssd)
 
 
 def replay(trace: "Trace", config: TierKVConfig, options: ReplayOptions = ReplayOptions(),
            progress: Callable[[int], None] | None = None) -> ReplayResult:
-    """Drive ``trace`` through a :class:`~tierkv.tiered.TieredKVCache` built from ``config``."""
-    cfg = config_for_trace(config, trace.block_size)
-    caps = tier_capacities(cfg)
-    check_fits(trace, cfg, caps["gpu"], config)
+    """Drive ``trace`` through the tier policy of ``config`` (see the module docstring)."""
+    try:
+        cfg = config_for_trace(config, trace.block_size, options.admission)
+        caps = tier_capacities(cfg)
+    except ConfigError as exc:
+        raise ReplayError(str(exc)) from None
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-") as tmp:
-        payload_cfg = _payload_config(cfg, options.payload_block_bytes, tmp) if options.payload else None
+        run_cfg = _payload_config(cfg, options.payload_block_bytes, tmp) if options.payload else cfg
+        executor = _payload_executor(run_cfg) if options.payload else NullExecutor()
         t0 = time.perf_counter()
-        rp = _Replayer(trace, cfg, options, payload_cfg)
+        rp = _Replayer(trace, run_cfg, options, executor)
         try:
             for rid in range(len(trace.requests)):
                 rp.step(rid)
@@ -283,7 +419,19 @@ def replay(trace: "Trace", config: TierKVConfig, options: ReplayOptions = Replay
                     progress(rid + 1)
         finally:
             stats = rp.close()
+            if executor.ssd is not None:
+                executor.ssd.close()
         wall = time.perf_counter() - t0
-    return ReplayResult(cfg, caps, len(trace.requests), trace.num_accesses, rp.hit_blocks, rp.reasons,
-                        rp.forced, rp.peak, wall, stats, rp.tracker.lifetime, rp.tracker.idle,
+    return ReplayResult(cfg, rp.spec, caps, len(trace.requests), trace.num_accesses, rp.hit_blocks, rp.reasons,
+                        rp.forced, rp.peak, wall, stats, rp.rejected, rp.rejected_max,
+                        _admit_hint(config, rp.rejected_max * trace.block_size) if rp.rejected else None,
+                        rp.tracker.lifetime, rp.tracker.idle,
                         options.payload_block_bytes if options.payload else None)
+
+
+def _admit_hint(original: TierKVConfig, tokens: int) -> str:
+    """The ``--set`` that gives the GPU pool room for ``tokens`` (in the config's own units)."""
+    if original.gpu.num_blocks is not None:
+        return f"--set gpu.num_blocks={-(-tokens // original.block_size)} or more for concurrent requests"
+    need = int(tokens * original.block_nbytes() / original.block_size)
+    return f"--set gpu.capacity={-(-need // 1024**3)}GiB or more"

@@ -22,6 +22,7 @@ from tierkv.config import format_size
 
 if TYPE_CHECKING:
     from tierkv.bench.analysis import BenchResult
+    from tierkv.bench.replay import ReplayResult
 
 __all__ = ["HIT_RATE_DEFINITION", "build_report", "render_text"]
 
@@ -34,6 +35,7 @@ _REASON_TEXT = {
     "evicted_ssd": "evicted earlier from the SSD tier",
     "prefix_miss": "still cached, unreachable: an earlier block of the prompt missed",
     "last_token": "last prompt block (its last token is always computed)",
+    "rejected": "the request needs more blocks than the whole GPU pool (rejected)",
     "other": "cached, yet not served (e.g. a failed lower-tier read)",
 }
 
@@ -55,13 +57,13 @@ def _capacity(res: "BenchResult") -> dict[str, Any]:
     bs, nbytes = rp.config.block_size, rp.config.block_nbytes()
     cap: dict[str, Any] = {t: {"blocks": n, "tokens": n * bs, "bytes": n * nbytes}
                            for t, n in rp.capacity_blocks.items()}
-    cap["effective_total_tokens"] = diagnose.effective_capacity_blocks(rp.config, rp.capacity_blocks) * bs
+    cap["effective_total_tokens"] = diagnose.effective_capacity_blocks(rp.spec, rp.capacity_blocks) * bs
     cap["bytes_per_token"] = nbytes / bs
     return cap
 
 
 def _diagnosis(rates: dict[str, float], ideal: float, life: dict[str, dict[str, Any]],
-               evictions: dict[str, int], forced: int) -> dict[str, Any]:
+               evictions: dict[str, int], forced: int, rejected: dict[str, Any]) -> dict[str, Any]:
     reuse = {t: life["reuse_gap_s"]["tiers"][t] for t in TIERS}
     reuse["trace"] = life["reuse_gap_s"]
     idle = {t: life["idle_before_evict_s"]["tiers"][t] for t in TIERS}
@@ -72,6 +74,10 @@ def _diagnosis(rates: dict[str, float], ideal: float, life: dict[str, dict[str, 
     if forced:
         messages.append(f"{forced:,} running requests were finished early to make room: the GPU pool is smaller "
                         "than this trace's concurrency (see --decode-ms-per-token).")
+    if rejected["requests"]:
+        messages.append(f"{rejected['requests']:,} requests need more blocks than the whole GPU pool holds (up to "
+                        f"{rejected['largest_tokens']:,} tokens) and were rejected, as an engine rejects them; "
+                        f"their blocks count as misses. To admit them: {rejected['admit_with']}.")
     return {"hit_rate_band": band["band"], "pools": pools, "messages": messages}
 
 
@@ -100,16 +106,38 @@ def build_report(res: "BenchResult") -> dict[str, Any]:
         "miss_reasons": dict(rp.miss_reasons),
         "capacity": cap,
         "mrc": [[c * bs, round(h, 6)] for c, h in mrc.points(extra=marks)],
-        "recommendation": diagnose.recommend(mrc, rp.config, rp.capacity_blocks),
-        "diagnosis": _diagnosis(rates, mrc.ideal_hit_rate, life, evictions, rp.forced_frees),
+        "recommendation": diagnose.recommend(mrc, rp.config, rp.spec, rp.capacity_blocks),
+        "diagnosis": _diagnosis(rates, mrc.ideal_hit_rate, life, evictions, rp.forced_frees, _rejected(rp)),
+        "policy": {"admission": rp.spec.admission, "promotion": rp.spec.promotion,
+                   "write_through": rp.spec.write_through, "pageout_blocks": rp.spec.pageout_blocks},
+        "admission_comparison": {mode: _comparison(r) for mode, r in res.comparison.items()},
         "replay": {"decode_s_per_token": res.options.decode_s_per_token, "payload": res.options.payload,
                    "payload_block_bytes": rp.payload_block_bytes, "forced_frees": rp.forced_frees,
+                   "rejected": _rejected(rp),
                    "peak_running_requests": rp.peak_running, "wall_s": round(rp.wall_s, 3),
                    **{k: dict(rp.stats.get(k, {})) for k in ("spills", "promotions", "evictions",
                                                              "dropped_spills", "corrupt_blocks")},
                    "transfer": rp.stats.get("transfer", {})},
         "timings_s": {k: round(v, 3) for k, v in res.timings_s.items()},
     }
+
+
+def _rejected(rp: "ReplayResult") -> dict[str, Any]:
+    bs = rp.config.block_size
+    return {"requests": rp.rejected, "largest_tokens": rp.rejected_max_blocks * bs, "admit_with": rp.admit_hint}
+
+
+def _comparison(rp: "ReplayResult") -> dict[str, Any]:
+    """One admission mode's outcome: hit rates, blocks written per tier, SSD bytes written per hit."""
+    nbytes = rp.config.block_nbytes()
+    stored = rp.stats.get("spills", {})
+    ssd_bytes = stored.get("ssd", 0) * nbytes
+    return {"hit_rate": {k: round(v, 6) for k, v in rp.hit_rate().items()},
+            "hit_blocks": dict(rp.hit_blocks),
+            "blocks_written": {t: stored.get(t, 0) for t in ("cpu", "ssd")},
+            "ssd_bytes_written": ssd_bytes,
+            "ssd_bytes_written_per_hit": round(ssd_bytes / rp.hits, 1) if rp.hits else None,
+            "ssd_bytes_written_per_ssd_hit": round(ssd_bytes / rp.hit_blocks["ssd"], 1) if rp.hit_blocks["ssd"] else None}
 
 
 # ------------------------------------------------------------------ rendering
@@ -168,6 +196,12 @@ def _mrc_rows(r: dict[str, Any], rows: int = 12) -> list[list[str]]:
     return [[f"{tok:,}", format_size(tok * per_token), _pct(rate)] for tok, rate in pts]
 
 
+def _comparison_row(mode: str, c: dict[str, Any]) -> list[str]:
+    per_hit = c["ssd_bytes_written_per_hit"]
+    return [mode, *(_pct(c["hit_rate"][t]) for t in ("gpu", "cpu", "ssd", "total")),
+            format_size(c["ssd_bytes_written"]), "-" if per_hit is None else format_size(per_hit)]
+
+
 def render_text(r: dict[str, Any]) -> str:
     """The terminal report."""
     tr = r["trace"]
@@ -193,10 +227,20 @@ def render_text(r: dict[str, Any]) -> str:
             f"{rec['saturation_tokens']:,} tokens"]
     out += [f"  {t['message']}" for t in rec["targets"]]
     out += ["", "Diagnosis"] + [f"  {m}" for m in r["diagnosis"]["messages"]]
+    if r["admission_comparison"]:
+        out += ["", "Admission modes (the same trace and capacities)"]
+        out += _table(["admission", "GPU", "CPU", "SSD", "total", "SSD writes", "SSD bytes/hit"],
+                      [_comparison_row(m, c) for m, c in r["admission_comparison"].items()])
     rp = r["replay"]
-    out += ["", f"Replay: {rp['peak_running_requests']} requests running at peak, decode "
+    pol = r["policy"]
+    out += ["", f"Policy: {pol['admission']} admission, {pol['promotion']} promotion, write-through "
+                f"{'on' if pol['write_through'] else 'off'}"
+            + (f", page-out window {pol['pageout_blocks']:,} blocks" if pol["pageout_blocks"] else "")]
+    out += [f"Replay: {rp['peak_running_requests']} requests running at peak, decode "
                 f"{1000 * rp['decode_s_per_token']:g} ms/token, {rp['forced_frees']:,} finished early"
-            + (f"; payload {format_size(rp['payload_block_bytes'])} per block" if rp["payload"] else "")]
+            + (f"; payload {format_size(rp['payload_block_bytes'])} per block" if rp["payload"] else "")
+            + (f"; {rp['rejected']['requests']:,} requests rejected (larger than the GPU pool)"
+               if rp["rejected"]["requests"] else "")]
     if rp["payload"]:
         moved = [f"{d} {format_size(v['bytes'])} in {v['seconds']:.2f} s" for d, v in rp["transfer"].items()
                  if v.get("bytes")]

@@ -1,0 +1,259 @@
+"""The executor: applies the tier policy's plans to bytes.
+
+Device blocks <-> the CPU slab (:class:`~tierkv.tiers.host.HostSlab`) <-> the
+SSD tier. The device side is a :class:`DeviceRows` adapter: tierkv's own pool
+(:class:`PoolRows`, over :class:`~tierkv.transfer.TransferEngine`) for the
+library, vLLM's paged KV tensors for the connector's worker half. Nothing
+else in tierkv moves block bytes between tiers.
+
+Each plan runs in the order :mod:`tierkv.policy.plans` defines: spills, SSD
+evictions, then its copies. The result names what could not be done as
+``(tier, key)`` pairs for :meth:`TierPolicy.forget`: a slab slot that does
+not hold the block the plan expects, an SSD record that is missing or does
+not verify, a put the SSD tier refused. Failures below the device are
+counted and reported, never raised.
+
+Thread-safety: :meth:`Executor.load` may run on a loader thread while the
+owner thread runs :meth:`Executor.store`; the policy's pins keep their slots
+disjoint, the SSD tier is thread-safe, and the counters take a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+import numpy as np
+
+from tierkv.policy.plans import LoadPlan, StorePlan
+
+if TYPE_CHECKING:
+    from tierkv.tiers.host import HostSlab
+    from tierkv.tiers.ssd import SSDTier
+    from tierkv.transfer import TransferEngine
+
+__all__ = ["DeviceRows", "PoolRows", "Executor", "NullExecutor", "LoadResult", "Lost"]
+
+log = logging.getLogger(__name__)
+
+Lost = list[tuple[str, bytes]]
+_CHUNK_BYTES = 64 * 1024**2   # device rows read per copy while storing
+COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu", "blocks_stored_ssd", "blocks_spilled",
+            "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures")
+
+
+class DeviceRows(Protocol):
+    """Whole blocks of the device KV storage, as host rows of ``block_nbytes`` bytes."""
+
+    block_nbytes: int
+
+    def read(self, block_ids: Sequence[int]) -> np.ndarray:
+        """A host copy ``[len(block_ids), block_nbytes]`` uint8, complete on return."""
+
+    def write(self, block_ids: Sequence[int], rows: np.ndarray) -> Any:
+        """Copy host ``rows`` into the blocks; returns an event to wait on before the
+        blocks are read, or None when the copy is complete."""
+
+
+class PoolRows:
+    """:class:`DeviceRows` over tierkv's own pool through a :class:`TransferEngine`."""
+
+    def __init__(self, engine: "TransferEngine") -> None:
+        self.engine = engine
+        self.block_nbytes = engine.block_nbytes
+
+    def read(self, block_ids: Sequence[int]) -> np.ndarray:
+        return self.engine.read_rows(block_ids).numpy()
+
+    def write(self, block_ids: Sequence[int], rows: np.ndarray) -> Any:
+        return self.engine.write_rows(block_ids, rows)
+
+
+@dataclass
+class LoadResult:
+    """``loaded``: leading blocks of the plan now in (or on their way to) their device
+    blocks; ``event``: wait on it before reading them (None: done)."""
+
+    loaded: int
+    lost: Lost = field(default_factory=list)
+    event: Any = None
+
+
+class Executor:
+    """Runs plans against ``device`` (None: stores and loads of device blocks are not
+    possible, e.g. a replay), a slab (None: no CPU tier) and an SSD tier (None: none)."""
+
+    def __init__(self, device: DeviceRows | None, slab: "HostSlab | None", ssd: "SSDTier | None") -> None:
+        self.device = device
+        self.slab = slab
+        self.ssd = ssd
+        self.block_nbytes = device.block_nbytes if device is not None else (slab.block_nbytes if slab else 0)
+        self._lock = threading.Lock()
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self._logged: set[str] = set()
+
+    # ------------------------------------------------------------------ stores
+
+    def store(self, plan: StorePlan, *, patient: bool = False) -> Lost:
+        """Copy the plan's device blocks down; returns what could not be stored.
+
+        Rows are read in chunks of at most 64 MiB. ``patient`` (a shutdown): an
+        SSD put refused for a full queue waits for the queue to drain and retries.
+        """
+        lost = self.evict(plan.spills, plan.ssd_evictions)
+        if not plan.keys:
+            return lost
+        assert self.device is not None, "a store plan needs a device"
+        step = max(1, _CHUNK_BYTES // max(1, self.block_nbytes))
+        for lo in range(0, len(plan), step):
+            lost += self._store_chunk(plan, lo, min(len(plan), lo + step), patient)
+        return lost
+
+    def _store_chunk(self, plan: StorePlan, lo: int, hi: int, patient: bool) -> Lost:
+        assert self.device is not None
+        rows = self.device.read(plan.block_ids[lo:hi])
+        idx = [i for i in range(lo, hi) if plan.cpu_slots[i] >= 0]
+        if idx and self.slab is not None:
+            self.slab.write([plan.cpu_slots[i] for i in idx], [plan.keys[i] for i in idx], rows, [i - lo for i in idx])
+            self._count("blocks_stored_cpu", len(idx))
+        lost: Lost = []
+        for i in range(lo, hi):
+            if not plan.to_ssd[i]:
+                continue
+            ok = self._put(plan.keys[i], rows[i - lo], count_failure=not patient)
+            if not ok and patient and self.flush():
+                ok = self._put(plan.keys[i], rows[i - lo])
+            if not ok:
+                lost.append(("ssd", plan.keys[i]))
+        return lost
+
+    def evict(self, spills: Sequence[tuple[int, bytes]], ssd_evictions: Sequence[bytes]) -> Lost:
+        """Spill evicted CPU slots to the SSD tier, then delete what the policy evicted there."""
+        lost: Lost = []
+        for slot, key in spills:
+            if self.slab is not None and self.slab.holds(slot, key) and self._put(key, self.slab.view(slot)):
+                self._count("blocks_spilled")
+            else:
+                self._count("spill_failures")
+                lost.append(("ssd", key))
+        if ssd_evictions and self.ssd is not None:
+            self._safely("discard", self.ssd.discard_many, list(ssd_evictions))
+        return lost
+
+    def _put(self, key: bytes, row: Any, count_failure: bool = True) -> bool:
+        ok = self.ssd is not None and bool(self._safely("put", self.ssd.put, key, row))
+        if ok or count_failure:
+            self._count("blocks_stored_ssd" if ok else "store_failures_ssd")
+        return ok
+
+    # ------------------------------------------------------------------ loads
+
+    def load(self, plan: LoadPlan) -> LoadResult:
+        """Copy the plan's blocks into their device blocks, up to the first that fails."""
+        lost = self.evict(plan.spills, plan.ssd_evictions)
+        n = len(plan)
+        rows = np.empty((n, self.block_nbytes), dtype=np.uint8)
+        ok = [False] * n
+        lost += self._from_cpu(plan, rows, ok)
+        lost += self._from_ssd(plan, rows, ok)
+        loaded = ok.index(False) if False in ok else n
+        event = None
+        if loaded:
+            assert self.device is not None, "a load plan needs a device"
+            event = self.device.write(plan.block_ids[:loaded], rows[:loaded])
+        return LoadResult(loaded, lost, event)
+
+    def _from_cpu(self, plan: LoadPlan, rows: np.ndarray, ok: list[bool]) -> Lost:
+        lost: Lost = []
+        idx = []
+        for i, slot in enumerate(plan.cpu_slots):
+            if slot < 0:
+                continue
+            if self.slab is not None and self.slab.holds(slot, plan.keys[i]):
+                idx.append(i)
+            else:  # the slot was never filled or was overwritten: refuse it, never copy wrong bytes
+                lost.append(("cpu", plan.keys[i]))
+        if idx:
+            assert self.slab is not None
+            self.slab.read([plan.cpu_slots[i] for i in idx], rows, idx)
+            for i in idx:
+                ok[i] = True
+        self._count("blocks_loaded_cpu", len(idx))
+        self._count("load_failures_cpu", len(lost))
+        return lost
+
+    def _from_ssd(self, plan: LoadPlan, rows: np.ndarray, ok: list[bool]) -> Lost:
+        idx = [i for i, f in enumerate(plan.from_ssd) if f and plan.cpu_slots[i] < 0]
+        if not idx:
+            return []
+        hits = self._safely("get_into", self.ssd.get_into, [plan.keys[i] for i in idx],
+                            [rows[i] for i in idx]) if self.ssd is not None else None
+        hits = hits or [False] * len(idx)
+        lost: Lost = []
+        promote: list[int] = []
+        for i, hit in zip(idx, hits):
+            slot = plan.promote_slots[i]
+            if hit:
+                ok[i] = True
+                if slot >= 0:
+                    promote.append(i)
+                continue
+            lost.append(("ssd", plan.keys[i]))
+            if slot >= 0:  # the promotion slot receives nothing
+                lost.append(("cpu", plan.keys[i]))
+                if self.slab is not None:
+                    self.slab.forget(slot)
+        if promote and self.slab is not None:
+            self.slab.write([plan.promote_slots[i] for i in promote], [plan.keys[i] for i in promote], rows, promote)
+        self._count("blocks_loaded_ssd", sum(map(bool, hits)))
+        self._count("load_failures_ssd", len(idx) - sum(map(bool, hits)))
+        return lost
+
+    # ------------------------------------------------------------------ SSD upkeep
+
+    def take_lost(self) -> Lost:
+        """Blocks the SSD tier dropped on its own since the last call (its capacity backstop,
+        corrupt records, asynchronous write failures)."""
+        if self.ssd is None:
+            return []
+        keys = self._safely("take_lost", self.ssd.take_lost) or []
+        return [("ssd", k) for k in keys]
+
+    def flush(self) -> bool:
+        """Wait until every accepted SSD write is committed and synced."""
+        return self.ssd is None or bool(self._safely("flush", self.ssd.flush))
+
+    def _safely(self, what: str, fn: Any, *args: Any) -> Any:
+        """Call into the SSD tier; it promises not to raise, and it never takes the engine down."""
+        try:
+            return fn(*args)
+        except Exception:
+            if what not in self._logged:
+                self._logged.add(what)
+                log.exception("SSD tier: %s failed; counted as a miss or a dropped store", what)
+            return None
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._lock:
+                self.counts[name] += n
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+
+class NullExecutor(Executor):
+    """Moves no bytes and fails nothing: what a replay of the policy alone needs."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, None)
+
+    def store(self, plan: StorePlan, *, patient: bool = False) -> Lost:
+        return []
+
+    def load(self, plan: LoadPlan) -> LoadResult:
+        held = [s >= 0 or f for s, f in zip(plan.cpu_slots, plan.from_ssd)]
+        return LoadResult(held.index(False) if False in held else len(held), [])

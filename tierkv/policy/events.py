@@ -1,0 +1,52 @@
+"""What the tier policy reports: one event per decision, per tier, with a timestamp.
+
+Kinds (``tier`` is ``cpu`` or ``ssd``):
+
+* ``stored``: blocks placed in the tier (a store, a promotion, a cascade);
+* ``hit``: blocks a load reads from the tier;
+* ``evicted``: blocks the tier's LRU pushed out to make room;
+* ``dropped``: blocks offered for storing that found no room (every slot pinned);
+* ``lost``: blocks the tier turned out not to hold (a failed copy, a corrupt or
+  vanished record, an exclusive promotion that moved them up).
+
+Metrics, the bench statistics and KV-cache events all consume these; none of
+them keeps its own idea of where a block is. Observers receive batches:
+``observer(kind, tier, keys, now)``; ``keys`` is valid only during the call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+__all__ = ["EVENT_KINDS", "LOWER_TIERS", "PolicyEvent", "Observer", "EventCounts"]
+
+EVENT_KINDS = ("stored", "hit", "evicted", "dropped", "lost")
+LOWER_TIERS = ("cpu", "ssd")
+
+Observer = Callable[[str, str, Sequence[bytes], float], None]
+
+
+@dataclass(frozen=True)
+class PolicyEvent:
+    """One batch of keys that underwent the same event (see the module docstring)."""
+
+    kind: str
+    tier: str
+    keys: tuple[bytes, ...]
+    time: float
+
+
+class EventCounts:
+    """Blocks per event kind and tier (the policy always keeps one)."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self) -> None:
+        self.counts = {kind: dict.fromkeys(LOWER_TIERS, 0) for kind in EVENT_KINDS}
+
+    def __call__(self, kind: str, tier: str, keys: Sequence[bytes], now: float) -> None:
+        self.counts[kind][tier] += len(keys)
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {kind: dict(v) for kind, v in self.counts.items()}

@@ -1,0 +1,86 @@
+"""Plans: what the tier policy hands to an executor. Plain, picklable values.
+
+A plan names device blocks (rows of tierkv's pool, or vLLM block ids), CPU
+slab slots and SSD keys; it never holds bytes. The vLLM connector sends the
+same objects from its scheduler half to its workers as connector metadata.
+
+Execution order inside one plan (the executor's contract):
+
+1. ``spills``: ``(cpu slot, key)`` pairs whose bytes are copied from the slab
+   to the SSD tier: the policy evicted those keys from the CPU tier to make
+   room, and the slot is rewritten by this plan or a later one;
+2. ``ssd_evictions``: keys the policy evicted from the SSD tier;
+3. the plan's own copies.
+
+Every slot a plan reads or writes stays pinned in the policy until the plan
+is completed, so plans of one step never touch each other's slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["LoadPlan", "StorePlan", "COMPUTED", "PAGEOUT", "EVICTED", "SHUTDOWN", "STORE_REASONS"]
+
+#: Why blocks are offered for storing (admission decides which reasons it takes).
+COMPUTED = "computed"   # blocks became full and their KV was written
+PAGEOUT = "pageout"     # the least recently used free device blocks (the page-out window)
+EVICTED = "evicted"     # the device pool took these blocks for reuse; rows intact until rewritten
+SHUTDOWN = "shutdown"   # a graceful close: device-resident blocks the persistent tier lacks
+STORE_REASONS = (COMPUTED, PAGEOUT, EVICTED, SHUTDOWN)
+
+
+@dataclass
+class LoadPlan:
+    """Copy a request's blocks held below into its device blocks (parallel lists, prefix order).
+
+    ``cpu_slots[i] >= 0``: read from that slab slot. Otherwise ``from_ssd[i]``:
+    read from the SSD tier, and when ``promote_slots[i] >= 0`` also write the
+    block into that slab slot. Neither: the policy no longer holds the block
+    (the load of it and of every later block fails).
+    """
+
+    plan_id: int
+    req_id: str
+    block_ids: list[int]
+    keys: list[bytes]
+    cpu_slots: list[int]
+    from_ssd: list[bool]
+    promote_slots: list[int]
+    spills: list[tuple[int, bytes]] = field(default_factory=list)
+    ssd_evictions: list[bytes] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def tiers(self) -> list[str]:
+        """Where each block comes from: ``cpu``, ``ssd`` or ``""`` (not held)."""
+        return ["cpu" if s >= 0 else "ssd" if f else "" for s, f in zip(self.cpu_slots, self.from_ssd)]
+
+
+@dataclass
+class StorePlan:
+    """Copy device blocks down (parallel lists): into slab slot ``cpu_slots[i]`` when
+    ``>= 0``, and to the SSD tier when ``to_ssd[i]``."""
+
+    plan_id: int
+    reason: str
+    block_ids: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    cpu_slots: list[int] = field(default_factory=list)
+    to_ssd: list[bool] = field(default_factory=list)
+    spills: list[tuple[int, bytes]] = field(default_factory=list)
+    ssd_evictions: list[bytes] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def add(self, block_id: int, key: bytes, slot: int, to_ssd: bool) -> None:
+        self.block_ids.append(block_id)
+        self.keys.append(key)
+        self.cpu_slots.append(slot)
+        self.to_ssd.append(to_ssd)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.keys or self.spills or self.ssd_evictions)

@@ -1,0 +1,101 @@
+"""The policy's parameters: tier sizes in blocks and the placement rules, from a config.
+
+``PolicySpec.from_config`` is the one place where capacities in bytes become
+capacities in blocks, for every mode (library, vLLM connector, bench replay):
+the CPU tier holds ``cpu.capacity // block_nbytes`` blocks; the SSD tier holds
+as many uncompressed blocks as its footprint rule admits under
+``ssd.capacity`` (compression then saves disk space and bandwidth, it does
+not change which blocks are kept, so every mode agrees on placement).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tierkv.errors import ConfigError
+from tierkv.policy.plans import COMPUTED, EVICTED, PAGEOUT, SHUTDOWN
+
+if TYPE_CHECKING:
+    from tierkv.config import TierKVConfig
+
+__all__ = ["PolicySpec", "ADMISSIONS", "PROMOTIONS", "ON_COMPUTE", "ON_EVICT"]
+
+ON_COMPUTE, ON_EVICT = "on_compute", "on_evict"
+ADMISSIONS = (ON_COMPUTE, ON_EVICT)
+PROMOTIONS = ("inclusive", "exclusive")
+_ADMITTED = {ON_COMPUTE: (COMPUTED, SHUTDOWN), ON_EVICT: (PAGEOUT, EVICTED, SHUTDOWN)}
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """Placement rules and lower-tier sizes (in blocks; 0 = no such tier).
+
+    ``admission``: ``on_compute`` stores every block as soon as it is computed;
+    ``on_evict`` stores a block when the device pool evicts it, paging out the
+    ``pageout_blocks`` least recently used free device blocks ahead of time.
+    ``promotion``: ``inclusive`` keeps the lower copy of a loaded block,
+    ``exclusive`` moves it out of the CPU tier (SSD copies always stay).
+    ``write_through``: every block stored to the CPU tier also goes to the
+    SSD tier; otherwise blocks reach the SSD tier when the CPU tier evicts them.
+    """
+
+    cpu_slots: int = 0
+    ssd_slots: int = 0
+    admission: str = ON_COMPUTE
+    promotion: str = "inclusive"
+    write_through: bool = True
+    pageout_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.admission not in ADMISSIONS:
+            raise ConfigError(f"spill.admission: expected one of {', '.join(ADMISSIONS)}; got {self.admission!r}")
+        if self.promotion not in PROMOTIONS:
+            raise ConfigError(f"spill.promotion: expected one of {', '.join(PROMOTIONS)}; got {self.promotion!r}")
+        for name in ("cpu_slots", "ssd_slots", "pageout_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}: expected a non-negative integer, got {value!r}")
+
+    @classmethod
+    def from_config(cls, config: "TierKVConfig", *, block_nbytes: int, gpu_blocks: int) -> "PolicySpec":
+        """The spec a deployment of ``config`` runs, with blocks of ``block_nbytes`` bytes
+        and a device pool of ``gpu_blocks`` blocks."""
+        cpu = config.cpu.capacity // block_nbytes
+        ssd = ssd_blocks(config, block_nbytes)
+        spill = config.spill
+        lower = cpu > 0 or ssd > 0
+        pageout = max(1, int(spill.watermark * gpu_blocks)) if spill.admission == ON_EVICT and lower else 0
+        return cls(cpu_slots=cpu, ssd_slots=ssd, admission=spill.admission, promotion=spill.promotion,
+                   write_through=spill.write_through, pageout_blocks=pageout)
+
+    def admits(self, reason: str) -> bool:
+        """Does admission take blocks offered for ``reason``?"""
+        return reason in _ADMITTED[self.admission]
+
+    @property
+    def has_lower_tier(self) -> bool:
+        return self.cpu_slots > 0 or self.ssd_slots > 0
+
+    def lower_blocks(self) -> int:
+        """Distinct blocks the tiers below the device can hold."""
+        if self.write_through:
+            return max(self.cpu_slots, self.ssd_slots)
+        return self.cpu_slots + self.ssd_slots
+
+    def effective_blocks(self, gpu_blocks: int) -> int:
+        """Distinct blocks the whole hierarchy can hold (approximately): ``on_evict`` keeps
+        the device pool and the tiers below disjoint; ``on_compute`` copies every
+        computed block down, so the tiers below also hold what the device holds."""
+        if self.admission == ON_EVICT:
+            return gpu_blocks + self.lower_blocks()
+        return max(gpu_blocks, self.lower_blocks())
+
+
+def ssd_blocks(config: "TierKVConfig", block_nbytes: int) -> int:
+    """Uncompressed blocks the SSD tier of ``config`` holds (0 when disabled)."""
+    if not config.ssd.enabled:
+        return 0
+    from tierkv.tiers.ssd import capacity_blocks
+
+    return capacity_blocks(config.ssd.capacity, block_nbytes)

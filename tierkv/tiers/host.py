@@ -1,0 +1,292 @@
+"""The CPU DRAM tier's bytes: a preallocated slab of fixed-size slots.
+
+* :class:`HostSlab`: ``[num_slots, block_nbytes]`` uint8 (page-locked when CUDA
+  is available), each slot tagged with the key whose bytes it holds. The
+  executor writes and reads it at the slots the tier policy chose; the tag
+  lets it refuse a slot that does not hold the expected block instead of
+  copying wrong bytes.
+* :class:`CPUTier`: a :class:`~tierkv.policy.slot_index.SlotIndex` plus a
+  slab, for use on its own (LRU eviction, pins, batched copies).
+
+Not thread-safe: one owner thread, or the caller serialises access. (The
+vLLM worker's loader thread and its main thread touch disjoint slots: the
+policy pins every slot a plan uses until the plan completes.)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from tierkv.buffers import as_numpy
+from tierkv.errors import ConfigError
+from tierkv.policy.slot_index import PinnedError, SlotIndex, check_keys
+from tierkv.transfer import copy_rows
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["HostSlab", "CPUTier", "PinnedError", "EvictCallback", "as_rows"]
+
+log = logging.getLogger(__name__)
+
+#: ``on_evict(key, slot_view)``: ``slot_view`` is a read-only uint8 numpy view of
+#: the evicted block, valid only during the call (the slot is reused right after).
+EvictCallback = Callable[[bytes, np.ndarray], None]
+
+
+def as_rows(data: Any, n: int, block_nbytes: int, what: str, *, writable: bool = False) -> np.ndarray:
+    """View ``data`` as a C-contiguous uint8 array ``[n, block_nbytes]`` without copying.
+
+    Accepts CPU torch tensors and numpy arrays of any dtype (``bytes``-like
+    objects for reading); raises ValueError naming ``what`` otherwise.
+    """
+    arr = as_numpy(data, what)
+    if writable and not arr.flags.writeable:
+        raise ValueError(f"{what}: must be writable")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{what}: must be C-contiguous")
+    if arr.nbytes != n * block_nbytes:
+        raise ValueError(f"{what}: expected {n} x {block_nbytes} = {n * block_nbytes} bytes, "
+                         f"got {arr.nbytes}")
+    return arr.reshape(-1).view(np.uint8).reshape(n, block_nbytes)
+
+
+def _pin_wanted(pin_memory: bool | None) -> bool:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if pin_memory and not cuda:
+        log.info("pin_memory=True but CUDA is not available; the CPU slab is not pinned")
+    return cuda and pin_memory is not False
+
+
+class HostSlab:
+    """``num_slots`` blocks of ``block_nbytes`` in one preallocated uint8 tensor."""
+
+    def __init__(self, num_slots: int, block_nbytes: int, *, pin_memory: bool | None = None) -> None:
+        import torch
+
+        _check_positive(num_slots, "num_slots")
+        _check_positive(block_nbytes, "block_nbytes")
+        self.block_nbytes = block_nbytes
+        self.pinned = _pin_wanted(pin_memory)
+        self.tensor: torch.Tensor = torch.empty((num_slots, block_nbytes), dtype=torch.uint8,
+                                                pin_memory=self.pinned)
+        self.array: np.ndarray = self.tensor.numpy()
+        self.keys: list[bytes | None] = [None] * num_slots
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.keys)
+
+    def holds(self, slot: int, key: bytes) -> bool:
+        """Does ``slot`` hold the bytes of ``key``?"""
+        return 0 <= slot < len(self.keys) and self.keys[slot] == key
+
+    def write(self, slots: Sequence[int], keys: Sequence[bytes], rows: np.ndarray,
+              src_rows: Sequence[int] | None = None) -> None:
+        """Copy ``rows[src_rows[i]]`` (all rows in order when None) into ``slots[i]``, tagged ``keys[i]``."""
+        if not slots:
+            return
+        copy_rows(rows, range(len(slots)) if src_rows is None else src_rows, self.array, slots)
+        for slot, key in zip(slots, keys):
+            self.keys[slot] = key
+
+    def read(self, slots: Sequence[int], out: np.ndarray, dst_rows: Sequence[int]) -> None:
+        """Copy ``slots[i]`` into ``out[dst_rows[i]]``."""
+        copy_rows(self.array, slots, out, dst_rows)
+
+    def forget(self, slot: int) -> None:
+        self.keys[slot] = None
+
+    def view(self, slot: int) -> np.ndarray:
+        """Read-only numpy view of one slot's bytes (valid until the slot is rewritten)."""
+        row = self.array[slot]
+        row.flags.writeable = False
+        return row
+
+
+class CPUTier:
+    """A fixed-capacity block store in one preallocated slab, LRU-evicted, with pins.
+
+    ``capacity_bytes // block_nbytes`` slots exist and never more blocks are
+    held. When a new block needs a slot and none is free, the least recently
+    used unpinned block is evicted: ``on_evict(key, slot_view)`` is called
+    first (``slot_view`` is a read-only numpy view of the old bytes, valid only
+    during the callback), then the slot is overwritten. An exception raised by
+    ``on_evict`` is logged and counted, never propagated.
+
+    Views returned by :meth:`get` and :meth:`view` alias the slab: they stay
+    valid while the key is resident, i.e. until a ``put``/``put_many`` evicts it
+    or ``pop`` removes it; pin the key to keep a view valid across those calls.
+    Not thread-safe.
+    """
+
+    def __init__(self, capacity_bytes: int, block_nbytes: int, *,
+                 pin_memory: bool | None = None, on_evict: EvictCallback | None = None) -> None:
+        _check_positive(block_nbytes, "block_nbytes")
+        _check_positive(capacity_bytes, "capacity_bytes", allow_zero=True)
+        if capacity_bytes < block_nbytes:
+            raise ConfigError(f"capacity_bytes: {capacity_bytes} is below one block "
+                              f"({block_nbytes} bytes)")
+        if on_evict is not None and not callable(on_evict):
+            raise ConfigError(f"on_evict: expected a callable, got {type(on_evict).__name__}")
+        self.block_nbytes = block_nbytes
+        self.index = SlotIndex(capacity_bytes // block_nbytes)
+        self.on_evict = on_evict
+        self._slab = HostSlab(self.index.num_slots, block_nbytes, pin_memory=pin_memory)
+        self.pinned = self._slab.pinned
+        self.slab: torch.Tensor = self._slab.tensor
+        self._np = self._slab.array
+        self._counts = dict(puts=0, hits=0, misses=0, evictions=0, dropped_all_pinned=0,
+                            evict_callback_errors=0)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_slots(self) -> int:
+        return self.index.num_slots
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Usable capacity: ``num_slots * block_nbytes``."""
+        return self.index.num_slots * self.block_nbytes
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def slot_of(self, key: bytes) -> int | None:
+        """The slot (row of :attr:`slab`) holding ``key``, or None; no recency change."""
+        return self.index.lookup(key)
+
+    def view(self, slot: int) -> np.ndarray:
+        """Read-only numpy view of one slot's bytes (see the class docstring for its lifetime)."""
+        row = self._np[slot]
+        row.flags.writeable = False
+        return row
+
+    def stats(self) -> dict[str, int]:
+        """Counters plus current occupancy."""
+        return dict(self._counts, blocks=len(self.index), slots=self.num_slots,
+                    pinned_blocks=self.index.num_pinned, capacity_bytes=self.capacity_bytes)
+
+    # ------------------------------------------------------------------ single blocks
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        """Read-only view of ``key``'s block, or None; marks it most recently used."""
+        slot = self.index.lookup(key)
+        if slot is None:
+            self._counts["misses"] += 1
+            return None
+        self.index.touch(key)
+        self._counts["hits"] += 1
+        return self.view(slot)
+
+    def put(self, key: bytes, data: Any) -> bool:
+        """Copy one block in (``block_nbytes`` bytes: tensor, array or bytes-like).
+
+        Returns False, storing nothing, when every slot is pinned. A key already
+        present is overwritten in place, unless it is pinned (then it is only
+        touched: its bytes are in use, and equal keys mean equal content).
+        """
+        return self.put_many([key], as_rows(data, 1, self.block_nbytes, "data"))[0]
+
+    def pop(self, key: bytes) -> bool:
+        """Drop ``key`` without calling ``on_evict``; False if absent. PinnedError if pinned."""
+        return self.index.pop(key) is not None
+
+    def pin(self, key: bytes) -> int:
+        """Pin ``key`` against eviction and return its slot; KeyError if absent."""
+        return self.index.pin(key)
+
+    def unpin(self, key: bytes) -> None:
+        """Release one pin taken with :meth:`pin`."""
+        self.index.unpin(key)
+
+    # ------------------------------------------------------------------ batches
+
+    def put_many(self, keys: Sequence[bytes], data: Any) -> list[bool]:
+        """Store ``len(keys)`` blocks from ``data`` (``[n, block_nbytes]`` bytes) in one copy.
+
+        Returns one flag per key: False where the block was not stored because
+        every slot was pinned, or because the batch holds more blocks than the
+        tier (its later blocks never displace its earlier ones). When a key
+        repeats, its last row wins. Evictions call ``on_evict`` before any byte
+        of the batch is copied.
+        """
+        rows = as_rows(data, len(keys), self.block_nbytes, "data")
+        check_keys(keys, "keys")
+        last = {k: i for i, k in enumerate(keys)}
+        todo, src = self._unpinned_rows(last, len(keys))
+        slots, evicted = self.index.allocate_many(todo)
+        self._evicted(evicted)
+        dropped = _dropped(todo, slots)
+        if dropped:
+            src = [row for row, slot in zip(src, slots) if slot is not None]
+            slots = [slot for slot in slots if slot is not None]
+            self._counts["dropped_all_pinned"] += len(dropped)
+        copy_rows(rows, src, self._np, slots)
+        self._counts["puts"] += len(src)
+        return [k not in dropped for k in keys] if dropped else [True] * len(keys)
+
+    def _unpinned_rows(self, last: dict[bytes, int], n: int) -> tuple[list[bytes], Sequence[int]]:
+        """The keys of a batch to place (pinned ones are in use by a transfer: their
+        bytes are kept) and the row of ``data`` that each one stores."""
+        pinned = self.index.pinned_among(last)
+        if not pinned and len(last) == n:
+            return list(last), range(n)
+        todo = [k for k in last if k not in pinned]
+        return todo, list(map(last.__getitem__, todo))
+
+    def get_many(self, keys: Sequence[bytes], out: Any) -> list[bool]:
+        """Copy the blocks of ``keys`` into rows of ``out`` (``[n, block_nbytes]``, writable).
+
+        Hits are copied with one gather and marked most recently used; rows of
+        misses are left untouched. Returns one hit flag per key.
+        """
+        dst = as_rows(out, len(keys), self.block_nbytes, "out", writable=True)
+        slots = self.index.lookup_many(keys)
+        if None in slots:
+            hit = [s is not None for s in slots]
+            copy_rows(self._np, [s for s in slots if s is not None], dst,
+                      [i for i, s in enumerate(slots) if s is not None])
+        else:
+            hit = [True] * len(keys)
+            copy_rows(self._np, slots, dst, range(len(keys)))
+        self.index.touch_many(keys)
+        nhit = sum(hit)
+        self._counts["hits"] += nhit
+        self._counts["misses"] += len(keys) - nhit
+        return hit
+
+    def _evicted(self, evicted: list[tuple[bytes, int]]) -> None:
+        """Count evictions and hand each old block to ``on_evict``, least recently used first."""
+        self._counts["evictions"] += len(evicted)
+        if self.on_evict is None:
+            return
+        for key, slot in evicted:
+            try:
+                self.on_evict(key, self.view(slot))
+            except Exception:
+                if self._counts["evict_callback_errors"] == 0:
+                    log.exception("CPU tier: on_evict raised; the evicted block is dropped")
+                self._counts["evict_callback_errors"] += 1
+
+
+def _dropped(keys: Sequence[bytes], slots: Sequence[int | None]) -> set[bytes]:
+    """The keys that got no slot."""
+    if None not in slots:
+        return set()
+    return {k for k, slot in zip(keys, slots) if slot is None}
+
+
+def _check_positive(value: object, what: str, *, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
+        raise ConfigError(f"{what}: expected a {'non-negative' if allow_zero else 'positive'} "
+                          f"integer, got {value!r}")
