@@ -86,9 +86,10 @@ def vllm_fingerprint(cfg: TierKVConfig, vllm_config: "VllmConfig", kv_cache_conf
 
 
 def policy_spec(cfg: TierKVConfig, kv_cache_config: "KVCacheConfig") -> PolicySpec:
-    """The tier policy's spec under vLLM (its pool: ``kv_cache_config.num_blocks`` blocks)."""
+    """The tier policy's spec under vLLM (its pool: ``kv_cache_config.num_blocks`` blocks,
+    one of which vLLM keeps as its null block)."""
     return PolicySpec.from_config(cfg, block_nbytes=block_nbytes_of(kv_cache_config),
-                                  gpu_blocks=int(kv_cache_config.num_blocks))
+                                  gpu_blocks=max(1, int(kv_cache_config.num_blocks) - 1))
 
 
 def num_workers(vllm_config: "VllmConfig") -> int:
@@ -117,8 +118,9 @@ class TierKVMetadata(KVConnectorMetadata):
     """One step's work for the workers.
 
     ``early_stores`` (blocks vLLM evicted in this step: their bytes are intact
-    until this step's forward) and ``loads`` run in ``start_load_kv``;
-    ``stores`` (computed blocks, the page-out window) in ``wait_for_save``.
+    until this step's forward) run in ``handle_preemptions``, before the
+    forward; ``loads`` in ``start_load_kv``; ``stores`` (computed blocks, the
+    page-out window) in ``wait_for_save``.
     ``ssd_evictions``: keys to delete from the SSD tier (start-up overflow).
     """
 
@@ -127,6 +129,7 @@ class TierKVMetadata(KVConnectorMetadata):
     stores: list[StorePlan] = field(default_factory=list)
     ssd_evictions: list[bytes] = field(default_factory=list)
     resident: ResidentDelta = field(default_factory=ResidentDelta)
+    prepared: bool = False  # set by the worker once the pre-forward part ran
 
 
 @dataclass

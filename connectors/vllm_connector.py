@@ -77,6 +77,11 @@ class TierKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Called before the forward: blocks evicted in this step are stored now."""
+        assert isinstance(kv_connector_metadata, TierKVMetadata), type(kv_connector_metadata)
+        self.worker.before_forward(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         self.worker.start_load_kv(self._meta())
 

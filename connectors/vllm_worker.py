@@ -10,10 +10,12 @@
   :class:`~tierkv.connectors.vllm_common.ResidentDelta`), so that
   :meth:`TierKVWorker.shutdown` can store the hot set the SSD tier lacks.
 
-Per step: ``start_load_kv`` applies SSD deletions, stores the blocks vLLM
-evicted in this step (before the forward rewrites them), then queues the
-loads on one loader thread (first in, first out); ``wait_for_save`` runs the
-stores of computed and paged-out blocks. A block that cannot be loaded is
+Per step: ``handle_preemptions`` (which vLLM calls before the forward, unlike
+``start_load_kv``, which it calls after the forward when no load is
+synchronous) applies SSD deletions and stores the blocks vLLM evicted in this
+step, whose bytes the forward is about to rewrite; ``start_load_kv`` queues
+the loads on one loader thread (first in, first out); ``wait_for_save`` runs
+the stores of computed and paged-out blocks. A block that cannot be loaded is
 reported through ``get_block_ids_with_load_errors`` (with every later block
 of that request) and vLLM recomputes it when ``kv_load_failure_policy`` is
 ``"recompute"``. Threads: vLLM's worker thread owns everything here except
@@ -178,13 +180,22 @@ class TierKVWorker:
 
     # ------------------------------------------------------------------ loads
 
-    def start_load_kv(self, meta: TierKVMetadata) -> None:
+    def before_forward(self, meta: TierKVMetadata) -> None:
+        """Store the blocks vLLM evicted in this step before the forward rewrites them
+        (and before any load of this step is queued)."""
         ex = self.executor
         assert ex is not None, "register_kv_caches was not called"
         self._mirror_apply(meta.resident)
         if meta.ssd_evictions:
             ex.evict([], meta.ssd_evictions)
-        self._run_stores(meta.early_stores)  # before the forward rewrites these blocks, before any load
+        self._run_stores(meta.early_stores)
+        meta.prepared = True
+
+    def start_load_kv(self, meta: TierKVMetadata) -> None:
+        ex = self.executor
+        assert ex is not None, "register_kv_caches was not called"
+        if not meta.prepared:  # an engine that does not call handle_preemptions
+            self.before_forward(meta)
         for plan in meta.loads:
             self._inflight[plan.req_id] = (plan, self._loader.submit(ex.load, plan))
 

@@ -167,3 +167,64 @@ def test_unknown_extra_config_key_fails_start_up(model: str, tmp_path: Path) -> 
         run_in_subprocess(spec)
     assert "cpu.capcity: unknown key" in str(info.value)
     assert "did you mean 'capacity'" in str(info.value)
+
+
+def _chat_trace(users: int, turns: int, seed: int = 3) -> list[list[int]]:
+    """Multi-turn chat on two system prompts; every prompt is 32k + 1 tokens long."""
+    rng = random.Random(seed)
+    systems = [random_token_prompt(3 * BLOCK, seed=100 + i) for i in range(2)]
+    convo = {u: list(systems[u % 2]) for u in range(users)}
+    out = []
+    for _ in range(users * turns):
+        u = rng.randrange(users)
+        convo[u] += random_token_prompt(BLOCK * rng.randint(1, 3), seed=rng.randrange(1 << 30))
+        out.append(convo[u] + [7])
+        if len(convo[u]) > 12 * BLOCK:
+            convo[u] = list(systems[u % 2])
+    return out
+
+
+@pytest.mark.parametrize("admission", ["on_compute", "on_evict"])
+def test_engine_loads_come_from_the_tiers_the_replay_predicts(model: str, tmp_path: Path, admission: str) -> None:
+    """The real engine, one prompt per step: the tier every prompt's cached tokens came from
+    (vLLM's own per-source counter) is what ``tierkv bench``'s replay predicts for the same
+    trace and capacities, and every output matches an engine without tierkv."""
+    from tierkv.bench.replay import ReplayOptions, replay
+    from tierkv.bench.traces import TraceBuilder
+    from tierkv.config import TierKVConfig
+
+    prompts = _chat_trace(users=8, turns=5)
+    cpu_blocks, ssd_bytes = 48, 72 * BLOCK_BYTES
+    extra = {"cpu.capacity": cpu_blocks * BLOCK_BYTES, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": ssd_bytes,
+             "spill.admission": admission}
+    steps = [{"prompts": [p]} for p in prompts]
+    common = {"model": model, "max_tokens": 1, "max_model_len": 1024, "kv_bytes": 40 * BLOCK_BYTES, "steps": steps}
+    got = run_in_subprocess({**common, "tierkv": extra})
+    ref = run_in_subprocess({**common, "kv_bytes": 256 * BLOCK_BYTES})["steps"]
+
+    builder = TraceBuilder("chat", "tierkv", BLOCK)
+    for i, p in enumerate(prompts):
+        builder.add_tokens(float(i), p, 1)
+    cfg = TierKVConfig.from_dict({"block_size": BLOCK, "model": {"block_nbytes": BLOCK_BYTES},
+                                  "gpu": {"num_blocks": got["num_gpu_blocks"] - 1}},  # vLLM's null block
+                                 {**extra, "ssd.path": str(tmp_path / "unused")})
+    predicted = replay(builder.build(), cfg, ReplayOptions(decode_s_per_token=0.0, record_requests=True))
+    names = {"gpu": "device", "cpu": "host", "ssd": "disk"}
+    seen = [{t: step["by_source"].get(names[t], 0) // BLOCK for t in names} for step in got["steps"]]
+    assert seen == predicted.request_hits
+    assert all(predicted.stats["evictions"][t] > 0 for t in ("gpu", "cpu", "ssd")), predicted.stats["evictions"]
+    assert all(sum(h[t] for h in seen) > 0 for t in ("gpu", "cpu", "ssd")), seen
+    for step, base in zip(got["steps"], ref):
+        assert same(step, base)
+
+
+def test_on_evict_engine_persists_its_gpu_resident_prefix_at_shutdown(model: str, baseline: dict[str, Any],
+                                                                       tmp_path: Path) -> None:
+    """With on_evict admission a prompt that never left vLLM's GPU cache was never stored;
+    the worker's shutdown writes it to the SSD tier, so a new engine serves all of it from disk."""
+    cfg = tierkv(tmp_path, **{"spill.admission": "on_evict"})
+    first = run_in_subprocess({"model": model, "tierkv": cfg, "steps": [{"prompts": [PROMPT]}]})["steps"][0]
+    assert same(first, baseline["prompt"])
+    again = run_in_subprocess({"model": model, "tierkv": cfg, "steps": [{"prompts": [PROMPT]}]})["steps"][0]
+    assert again["by_source"] == {"disk": 21 * BLOCK}
+    assert same(again, baseline["prompt"])

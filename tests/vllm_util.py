@@ -107,6 +107,16 @@ def _external_hits(llm: Any) -> int:
     return total
 
 
+def _hits_by_source(llm: Any) -> dict[str, int]:
+    """Prompt tokens served per cache tier (device, host, disk, ...) so far."""
+    out: dict[str, int] = {}
+    for m in llm.get_metrics():
+        if m.name == "vllm:prompt_tokens_cached_by_source":
+            source = m.labels.get("source", "?")
+            out[source] = out.get(source, 0) + int(getattr(m, "value", 0))
+    return out
+
+
 def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
     """Run ``spec["steps"]`` on one engine. Each step is ``{"prompts": [[ids...]], "salt": str|None}``
     or ``{"reset": true}`` (reset vLLM's prefix cache)."""
@@ -127,17 +137,29 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
             for p in prompts:
                 p["cache_salt"] = step["salt"]
         hits_before = _external_hits(llm)
+        by_source_before = _hits_by_source(llm)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         elapsed = time.perf_counter() - t0
+        by_source = {k: v - by_source_before.get(k, 0) for k, v in _hits_by_source(llm).items()}
         results.append({
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "logprobs": [_sampled_logprobs(o.outputs[0]) for o in outs],
             "cached": [int(o.num_cached_tokens or 0) for o in outs],
             "external_hits": _external_hits(llm) - hits_before,
+            "by_source": {k: v for k, v in by_source.items() if v},
             "seconds": elapsed,
         })
-    return {"steps": results, "pid": os.getpid(), "engine_pids": _worker_pids(llm)}
+    return {"steps": results, "pid": os.getpid(), "engine_pids": _worker_pids(llm),
+            "num_gpu_blocks": _num_gpu_blocks(llm)}
+
+
+def _num_gpu_blocks(llm: Any) -> int | None:
+    """Blocks of the engine's KV cache (vLLM's null block included)."""
+    try:
+        return int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
+    except Exception:  # multiprocess engines keep it in the engine-core process
+        return None
 
 
 def _sampled_logprobs(completion: Any) -> list[float]:

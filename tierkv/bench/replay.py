@@ -77,6 +77,7 @@ class ReplayOptions:
     payload: bool = False
     payload_block_bytes: int = 16 * 1024
     admission: str | None = None   # None: the config's spill.admission
+    record_requests: bool = False  # keep each request's hits per tier (ReplayResult.request_hits)
 
 
 @dataclass
@@ -97,6 +98,7 @@ class ReplayResult:
     rejected: int = 0
     rejected_max_blocks: int = 0
     admit_hint: str | None = None
+    request_hits: list[dict[str, int]] = field(default_factory=list)
     cache_lifetime_s: list[float] = field(default_factory=list)
     cache_idle_before_evict_s: list[float] = field(default_factory=list)
     payload_block_bytes: int | None = None
@@ -216,6 +218,7 @@ class _Replayer:
         self.hit_blocks = dict.fromkeys(TIERS, 0)
         self.reasons = dict.fromkeys(MISS_REASONS, 0)
         self.forced = self.peak = self.rejected = self.rejected_max = 0
+        self.request_hits: list[dict[str, int]] | None = [] if opts.record_requests else None
         self.gpu_evictions = self.stored_at_eviction = 0
 
     def _observe(self, kind: str, tier: str, keys: Any, now: float) -> None:
@@ -225,11 +228,17 @@ class _Replayer:
     # ------------------------------------------------------------------ requests
 
     def finish_until(self, now: float) -> None:
+        """Free the requests finished by ``now``; then a step with nothing scheduled runs
+        (as in vLLM, the step that tells the workers): the page-out window is offered."""
         running = self.running
+        freed = False
         while running and running[0][0] <= now:
             fin, rid = heapq.heappop(running)
             self.now = max(self.now, fin)
             self.manager.free(str(rid))
+            freed = True
+        if freed and self.policy.pageout_blocks:
+            self._end_step([], None)
 
     def _room(self, call: Callable[[], Any]) -> Any:
         """``call()``, finishing running requests early while the pool is too full for it."""
@@ -253,6 +262,8 @@ class _Replayer:
             self.rejected += 1
             self.rejected_max = max(self.rejected_max, self.manager.blocks_needed(prompt))
             self.reasons["rejected"] += len(r.blocks)
+            if self.request_hits is not None:
+                self.request_hits.append({"gpu": 0, "cpu": 0, "ssd": 0})
             return
         before = bytes(self.tracker.state[b] for b in r.blocks)
         hits = self._schedule(str(rid), prompt)
@@ -287,6 +298,9 @@ class _Replayer:
         self.hit_blocks["gpu"] += gpu_hits
         for tier in below[:loaded]:
             self.hit_blocks[tier] += 1
+        if self.request_hits is not None:
+            self.request_hits.append({"gpu": gpu_hits, "cpu": below[:loaded].count("cpu"),
+                                      "ssd": below[:loaded].count("ssd")})
         return gpu_hits + loaded
 
     def _end_step(self, computed: list[tuple[int, bytes]], load: LoadPlan | None) -> int:
@@ -425,7 +439,7 @@ def replay(trace: "Trace", config: TierKVConfig, options: ReplayOptions = Replay
     return ReplayResult(cfg, rp.spec, caps, len(trace.requests), trace.num_accesses, rp.hit_blocks, rp.reasons,
                         rp.forced, rp.peak, wall, stats, rp.rejected, rp.rejected_max,
                         _admit_hint(config, rp.rejected_max * trace.block_size) if rp.rejected else None,
-                        rp.tracker.lifetime, rp.tracker.idle,
+                        rp.request_hits or [], rp.tracker.lifetime, rp.tracker.idle,
                         options.payload_block_bytes if options.payload else None)
 
 

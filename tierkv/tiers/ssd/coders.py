@@ -40,7 +40,11 @@ class Coders:
                 from concurrent.futures import ThreadPoolExecutor
                 self._pool = ThreadPoolExecutor(CODER_THREADS,
                                                 thread_name_prefix="tierkv-ssd-codec")
-        return list(self._pool.map(fn, items))
+        try:
+            results = self._pool.map(fn, items)  # submits every item now
+        except RuntimeError:  # the interpreter is exiting (a close from atexit): no new work for threads
+            return [fn(x) for x in items]
+        return list(results)
 
     def close(self) -> None:
         with self.lock:

