@@ -26,8 +26,8 @@ def test_keys_come_back_once_oldest_first_without_prefix():
 def test_a_key_stored_again_is_withdrawn():
     lost = LostKeys(NS)
     lost.add([NS + k(i) for i in range(4)])
-    lost.forget(k(1))
-    lost.forget_many([k(3), k(9)])
+    lost.withdraw([NS + k(1)])
+    lost.withdraw([NS + k(3), NS + k(9)])
     assert lost.take() == [k(0), k(2)]
 
 

@@ -675,7 +675,7 @@ def test_discard_of_a_block_being_written_deletes_it_after(tmp):
     with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP, compression="none") as tier:
         with writer_stalled(tier):
             assert tier.put(k(0), rand(65536, 0))
-            time.sleep(0.2)                            # in the writer's hands
+            time.sleep(0.5)                            # in the writer's hands
             tier.discard_many([k(0)])
             assert k(0) not in tier and tier.get(k(0)) is None
         assert tier.flush()

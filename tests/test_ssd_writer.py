@@ -34,7 +34,7 @@ def rand(nbytes: int, seed: int = 0) -> bytes:
 # ====================================================================== the queue alone
 
 def test_queue_refuses_past_its_capacity_and_ignores_a_second_put():
-    q = WriteQueue(capacity_bytes=3500, batch_bytes=10_000)
+    q = WriteQueue(capacity_bytes=3500, batch_bytes=10_000, lost=LostKeys(NS))
     assert [q.put(k(i), bytearray(1000)) for i in range(4)] == [True, True, True, False]
     assert q.queued_bytes == 3000 and q.has_put(k(0)) and not q.has_put(k(3))
     assert q.put(k(0), bytearray(1000)) is False     # full: even a duplicate is refused
@@ -49,7 +49,7 @@ def test_queue_refuses_past_its_capacity_and_ignores_a_second_put():
 
 
 def test_queue_recycles_buffers_for_copies():
-    q = WriteQueue(capacity_bytes=10_000, batch_bytes=10_000)
+    q = WriteQueue(capacity_bytes=10_000, batch_bytes=10_000, lost=LostKeys(NS))
     first = q.copy_in(np.arange(1000, dtype=np.uint8))
     assert q.put(k(0), first)
     q.finish(q.next_work(0, 0))
@@ -58,7 +58,7 @@ def test_queue_recycles_buffers_for_copies():
 
 
 def test_queue_batches_stop_at_batch_bytes_and_carry_the_flush_ticket():
-    q = WriteQueue(capacity_bytes=10 * MiB, batch_bytes=2500)
+    q = WriteQueue(capacity_bytes=10 * MiB, batch_bytes=2500, lost=LostKeys(NS))
     for i in range(5):
         q.put(k(i), bytearray(1000))
     waiter = threading.Thread(target=q.flush, args=(10.0,))
@@ -78,7 +78,7 @@ def test_queue_batches_stop_at_batch_bytes_and_carry_the_flush_ticket():
 
 
 def test_queue_discard_cancels_queued_puts_but_not_taken_ones():
-    q = WriteQueue(capacity_bytes=10_000, batch_bytes=1000)
+    q = WriteQueue(capacity_bytes=10_000, batch_bytes=1000, lost=LostKeys(NS))
     q.put(k(0), bytearray(1000))
     taken = q.next_work(0, 0)                       # k(0) is being written
     q.put(k(1), bytearray(1000))
@@ -99,7 +99,7 @@ def test_queue_discard_cancels_queued_puts_but_not_taken_ones():
 
 
 def test_queue_failure_drops_everything_and_wakes_flushes():
-    q = WriteQueue(capacity_bytes=10_000, batch_bytes=1000)
+    q = WriteQueue(capacity_bytes=10_000, batch_bytes=1000, lost=LostKeys(NS))
     q.put(k(0), bytearray(1000))
     taken = q.next_work(0, 0)
     q.put(k(1), bytearray(1000))
@@ -107,10 +107,30 @@ def test_queue_failure_drops_everything_and_wakes_flushes():
     waiter = threading.Thread(target=lambda: results.append(q.flush(10.0)))
     waiter.start()
     time.sleep(0.05)
-    assert q.fail() == [k(1)]                       # k(0) belongs to the writer's turn
+    q.fail()
     waiter.join(5)
     assert results == [False] and q.queued_bytes == 0
+    assert q.lost.take() == [k(1)[16:]]             # k(0) belongs to the writer's turn
     q.finish(taken)
+
+
+def test_reports_are_ordered_against_puts_and_discards_of_the_key():
+    q = WriteQueue(capacity_bytes=10_000, batch_bytes=1000, lost=LostKeys(NS))
+    q.report_lost([k(0), k(1)])
+    q.put(k(0), bytearray(10))                      # stored again: no longer lost
+    q.discard([k(1)])                               # its owner is done with it
+    assert q.lost.take() == []
+    q.report_lost([k(0), k(1), k(2)])               # k(0) queued again, k(1) discarding
+    assert q.lost.take() == [k(2)[16:]]
+    work = q.next_work(0, 0)                        # takes k(0) and the discard of k(1)
+    q.discard([k(0)])                               # after the writer took its put
+    q.report_dropped(work.batch)                    # ... which then found no room
+    assert q.lost.take() == []
+    q.finish(work)
+    q.put(k(3), bytearray(10))
+    work = q.next_work(0, 0)
+    q.report_dropped(work.batch)
+    assert q.lost.take() == [k(3)[16:]]
 
 
 # ====================================================================== the writer
@@ -123,7 +143,7 @@ class Rig:
         self.map_size = map_size
         self.health = Health(path)
         self.lost = LostKeys(NS)
-        self.queue = WriteQueue(capacity_bytes=64 * MiB, batch_bytes=256 * 1024)
+        self.queue = WriteQueue(capacity_bytes=64 * MiB, batch_bytes=256 * 1024, lost=self.lost)
         self.reclaim = Reclaim()
         files = open_files(path, map_size=map_size, namespace=NS, about={},
                            health=self.health, lost=self.lost)
@@ -131,7 +151,7 @@ class Rig:
         self.files: Files = files
         self.writer = Writer(files=files, reclaim=self.reclaim, queue=self.queue,
                              codec=Codec("none"), coders=Coders(False), health=self.health,
-                             lost=self.lost, capacity_bytes=capacity, name="test-writer")
+                             capacity_bytes=capacity, name="test-writer")
         self.writer.start()
 
     def fill(self, ids: range, size: int = 65536) -> None:

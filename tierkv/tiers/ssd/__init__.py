@@ -24,6 +24,10 @@ evicts and commits many blocks per transaction, then syncs both files. Reads
 does not verify is deleted and reported as a miss. Failures of the
 environment degrade the tier to misses and dropped puts, logged once; they
 never raise to the caller. :class:`SSDTier` (:mod:`.tier`) is the front.
+
+Threads: the writer thread alone writes (index transactions, page writes,
+the free-space map); any number of threads read; each module says what it
+owns and which lock guards what it shares.
 """
 
 from tierkv.tiers.ssd.record import capacity_blocks, record_footprint

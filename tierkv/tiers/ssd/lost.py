@@ -7,11 +7,11 @@ policy that indexes the tier's keys learns about those through
 :meth:`SSDTier.take_lost`; records it deleted itself (``discard_many``) and
 puts that returned False are never reported.
 
-Threads: the writer thread (and recovery, before it starts) adds keys; any
-thread forgets keys (a put that stores a key again) and takes them. Every
-method holds :attr:`LostKeys.lock`, except the lock-free emptiness check in
-:meth:`LostKeys.forget` (a key added concurrently with its re-put is
-genuinely lost afterwards, so missing it there is right).
+Threads: the write queue adds and withdraws keys while holding its own
+condition (see :mod:`~tierkv.tiers.ssd.writequeue`: that orders every report
+against the puts and discards of the same key), recovery adds keys before the
+writer starts, and any thread takes them. :attr:`LostKeys.lock` guards the
+keys.
 """
 
 from __future__ import annotations
@@ -52,19 +52,15 @@ class LostKeys:
                 self._keys.popitem(last=False)
                 self.overflow += 1
 
-    def forget(self, key: bytes) -> None:
-        """Withdraw a report: ``key`` (without prefix) is being stored again."""
+    def withdraw(self, nskeys: Iterable[bytes]) -> None:
+        """Withdraw reports of these keys (namespace prefix included): they are being
+        stored again, or their owner discarded them."""
         if not self._keys:
             return
+        n = len(self.prefix)
         with self.lock:
-            self._keys.pop(key, None)
-
-    def forget_many(self, keys: Iterable[bytes]) -> None:
-        if not self._keys:
-            return
-        with self.lock:
-            for key in keys:
-                self._keys.pop(key, None)
+            for nskey in nskeys:
+                self._keys.pop(nskey[n:], None)
 
     def take(self) -> list[bytes]:
         """Every key reported since the last call, oldest first (without prefix)."""

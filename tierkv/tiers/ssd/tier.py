@@ -77,7 +77,7 @@ class SSDTier:
         self._ns = namespace_of(self.fingerprint)
         self._health = Health(self.path)
         self._lost = LostKeys(self._ns)
-        self._queue = WriteQueue(self.queue_capacity_bytes, self.batch_bytes)
+        self._queue = WriteQueue(self.queue_capacity_bytes, self.batch_bytes, self._lost)
         self._reclaim = Reclaim()
         self._coders = Coders(parallel=compression != "none")
         self._files: Files | None = None
@@ -101,7 +101,7 @@ class SSDTier:
                               codec=self._codec, coders=self._coders, health=self._health)
         self._writer = Writer(files=files, reclaim=self._reclaim, queue=self._queue,
                               codec=self._codec, coders=self._coders, health=self._health,
-                              lost=self._lost, capacity_bytes=self.capacity_bytes,
+                              capacity_bytes=self.capacity_bytes,
                               name=f"tierkv-ssd-writer:{self.path.name}")
         self._writer.start()
 
@@ -150,7 +150,6 @@ class SSDTier:
         elif not (self._queue.fits(size) and self._queue.put(nskey, self._private(data))):
             self._health.count("dropped_queue_full")
             return False
-        self._lost.forget(key)
         return True
 
     def _private(self, data: Any) -> bytes | bytearray:
@@ -175,10 +174,9 @@ class SSDTier:
         From now on they are absent to ``get``, ``in`` and :meth:`keys`, and they are
         never reported by :meth:`take_lost`. Never blocks on disk, never raises for I/O.
         """
-        keys = [_check_key(k, "keys") for k in keys]
-        self._lost.forget_many(keys)
-        if keys and self._health.usable():
-            self._queue.discard([self._ns + k for k in keys])
+        nskeys = [self._ns + _check_key(k, "keys") for k in keys]
+        if nskeys and self._health.usable():
+            self._queue.discard(nskeys)
 
     def take_lost(self) -> list[bytes]:
         """Keys of this fingerprint the tier dropped on its own since the last call.
@@ -188,7 +186,9 @@ class SSDTier:
         a write error, the tier disabled). Keys removed by :meth:`discard_many`, puts
         that returned False and keys put again since they were lost are not reported.
         At most a million unread keys are kept; older ones are dropped and counted in
-        ``stats()["lost_overflow"]``. Safe from any thread.
+        ``stats()["lost_overflow"]``. Reports live in memory: take them before
+        ``close()``; a new instance starts with none (seed from :meth:`keys`).
+        Safe from any thread.
         """
         return self._lost.take()
 

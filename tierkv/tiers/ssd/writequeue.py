@@ -17,14 +17,23 @@ recycled); a put the writer has already taken is written, then deleted by the
 next transaction. A put of a discarding key is queued again even if the old
 record is still stored, and reads treat a discarding key as absent.
 
-Threads: every field is guarded by :attr:`WriteQueue.cond` except
+Keys the tier drops on its own are reported to :class:`~tierkv.tiers.ssd.lost.LostKeys`
+through the queue, under its condition, so that each report is ordered
+against the puts and discards of the same key: a put that queues a key
+withdraws earlier reports of it (and a deletion that committed just before
+it is not reported); a discard withdraws them and suppresses later reports
+of the discarded record (an eviction or corruption of a discarding key, a
+put that was taken before it).
+
+Threads: every field, and every change to the lost keys, is guarded by
+:attr:`WriteQueue.cond` except
 ``_touched`` (accesses, filled lock-free by reading threads; a touch that
 races the writer taking the set may be lost, which only costs recency) and
 the lock-free membership checks of :meth:`WriteQueue.has_put` and
 :meth:`WriteQueue.discarding` (callers re-check under the lock where it
 matters). Callers use the first group of methods; the writer thread the
 second (:meth:`WriteQueue.next_work`, :meth:`WriteQueue.finish`,
-:meth:`WriteQueue.fail`, :meth:`WriteQueue.requeue_discards`).
+:meth:`WriteQueue.fail`, :meth:`WriteQueue.requeue_discards` and the reports).
 """
 
 from __future__ import annotations
@@ -32,9 +41,12 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tierkv.tiers.ssd.lost import LostKeys
 
 __all__ = ["WriteQueue", "Work", "Put"]
 
@@ -43,15 +55,17 @@ _EAGER_BYTES = 1024**2   # a batch of this much is written without lingering for
 
 
 class Put:
-    """One queued block. ``taken`` once the writer has it; ``live`` until cancelled."""
+    """One queued block. ``taken`` once the writer has it; ``live`` until cancelled;
+    ``discarded`` when a discard of its key came after the writer took it."""
 
-    __slots__ = ("nskey", "raw", "taken", "live")
+    __slots__ = ("nskey", "raw", "taken", "live", "discarded")
 
     def __init__(self, nskey: bytes, raw: bytes | bytearray) -> None:
         self.nskey = nskey
         self.raw = raw
         self.taken = False
         self.live = True
+        self.discarded = False
 
 
 @dataclass
@@ -68,11 +82,12 @@ class Work:
 
 class WriteQueue:
     """Blocks waiting for the writer, at most ``capacity_bytes`` of them; batches of
-    about ``batch_bytes``."""
+    about ``batch_bytes``; dropped keys reported to ``lost``."""
 
-    def __init__(self, capacity_bytes: int, batch_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, batch_bytes: int, lost: "LostKeys") -> None:
         self.capacity_bytes = capacity_bytes
         self.batch_bytes = batch_bytes
+        self.lost = lost
         self.cond = threading.Condition()
         self.queued_bytes = 0
         self.failed = False
@@ -128,11 +143,13 @@ class WriteQueue:
             self._queue.append(item)
             self._pending[nskey] = item
             self.queued_bytes += len(raw)
+            self.lost.withdraw((nskey,))
             self.cond.notify_all()
         return True
 
-    def discard(self, nskeys: Iterable[bytes]) -> None:
-        """Have the writer delete these records; cancel their queued puts."""
+    def discard(self, nskeys: Sequence[bytes]) -> None:
+        """Have the writer delete these records; cancel their queued puts; withdraw and
+        suppress reports of them as lost."""
         with self.cond:
             for nskey in nskeys:
                 item = self._pending.get(nskey)
@@ -141,7 +158,10 @@ class WriteQueue:
                     del self._pending[nskey]
                     self.queued_bytes -= len(item.raw)
                     self._recycle(item.raw)
+                elif item is not None:
+                    item.discarded = True
                 self._discards[nskey] = None
+            self.lost.withdraw(nskeys)
             self.cond.notify_all()
 
     def touch(self, nskey: bytes) -> None:
@@ -219,23 +239,36 @@ class WriteQueue:
                 self._flush_done = max(self._flush_done, work.ticket)
             self.cond.notify_all()
 
+    def report_lost(self, nskeys: Sequence[bytes]) -> None:
+        """Stored records the writer deleted on its own (evicted, corrupt). Not reported:
+        those of discarding keys (they were going anyway), and those of keys put again
+        since the deletion committed (the new put will store them or be reported)."""
+        if nskeys:
+            with self.cond:
+                self.lost.add([k for k in nskeys
+                               if not self.discarding(k) and not self.has_put(k)])
+
+    def report_dropped(self, items: Sequence[Put]) -> None:
+        """Taken puts the writer could not write; those discarded since are not reported."""
+        if items:
+            with self.cond:
+                self.lost.add([item.nskey for item in items if not item.discarded])
+
     def requeue_discards(self, nskeys: Sequence[bytes]) -> None:
         """Deletions that a failed transaction did not commit: do them in the next one."""
         with self.cond:
             self._discards.update(dict.fromkeys(nskeys))
             self.cond.notify_all()
 
-    def fail(self) -> list[bytes]:
-        """The tier is disabled: drop everything queued, wake every flush; return the keys
-        of the dropped puts the writer had not taken."""
+    def fail(self) -> None:
+        """The tier is disabled: drop everything queued (reported lost), wake every flush."""
         with self.cond:
-            dropped = [k for k, item in self._pending.items() if not item.taken]
+            self.lost.add([k for k, item in self._pending.items() if not item.taken])
             self.failed = True
             self._queue.clear()
             self._pending.clear()
             self.queued_bytes = 0
             self.cond.notify_all()
-        return dropped
 
     def _has_work(self) -> bool:
         return bool(self._queue or self._bad or self._discards or self._stop

@@ -23,7 +23,8 @@ Threads: one writer thread per tier owns everything here: the free-space
 map, the commit and sync counters, the unsynced byte count, and every write
 transaction. It shares the queue (its condition), the page file (positionless
 I/O), :class:`~tierkv.tiers.ssd.reclaim.Reclaim` (its lock), and the
-health counters and lost keys (their locks) with other threads.
+health counters (their lock) with other threads; it reports lost keys
+through the queue.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
     from tierkv.tiers.ssd.coders import Coders
     from tierkv.tiers.ssd.health import Health
     from tierkv.tiers.ssd.index import WriteTxn
-    from tierkv.tiers.ssd.lost import LostKeys
     from tierkv.tiers.ssd.reclaim import Reclaim
     from tierkv.tiers.ssd.recovery import Files
     from tierkv.tiers.ssd.writequeue import Put, Work, WriteQueue
@@ -79,15 +79,13 @@ class Writer:
     queue is stopped and drained)."""
 
     def __init__(self, *, files: "Files", reclaim: "Reclaim", queue: "WriteQueue", codec: Codec,
-                 coders: "Coders", health: "Health", lost: "LostKeys", capacity_bytes: int,
-                 name: str) -> None:
+                 coders: "Coders", health: "Health", capacity_bytes: int, name: str) -> None:
         self.files = files
         self.reclaim = reclaim
         self.queue = queue
         self.codec = codec
         self.coders = coders
         self.health = health
-        self.lost = lost
         self.capacity_bytes = capacity_bytes
         self._unsynced = 0
         self._last_sync = time.monotonic()
@@ -118,14 +116,14 @@ class Writer:
         changes = _Changes([], work.touched, work.bad, work.discards)
         try:
             changes.encoded = self._encode(work.batch)
-            unplaced = self._write_with_retries(changes, sync)
+            unplaced = {e.nskey for e in self._write_with_retries(changes, sync)}
             if unplaced:
                 self.health.count("dropped_no_room", len(unplaced))
-                self.lost.add(e.nskey for e in unplaced)
+                self.queue.report_dropped([p for p in work.batch if p.nskey in unplaced])
         except IndexFailure as exc:
             self._dropped(work)
             self.health.fail(f"write failed: {exc}")
-            self.lost.add(self.queue.fail())
+            self.queue.fail()
         except OSError as exc:  # the page file: disk full, I/O error
             self._dropped(work)
             if changes.discards:  # not committed: retried next turn, and a flush waits for them
@@ -141,7 +139,7 @@ class Writer:
     def _dropped(self, work: "Work") -> None:
         """A turn that failed: its puts are lost."""
         self.health.count("dropped_write_error", len(work.batch))
-        self.lost.add(item.nskey for item in work.batch)
+        self.queue.report_dropped(work.batch)
 
     def _encode(self, batch: list["Put"]) -> list[Encoded]:
         """Compress and checksum a batch."""
@@ -205,8 +203,7 @@ class Writer:
         self._unsynced += 1
         self.health.add({"discarded": discarded, "corrupt_deleted": len(corrupt),
                          "evictions": len(evicted)})
-        if corrupt or evicted:
-            self.lost.add(corrupt + evicted)
+        self.queue.report_lost(corrupt + evicted)
         if placed:
             self._account(new)
         return [] if placed else new
