@@ -1,0 +1,555 @@
+"""TierPolicy against a plain reference model, driven by Hypothesis state machines.
+
+The model keeps each lower tier as plain lists and dicts: ``slot_of`` (key ->
+slot), ``lru`` (unpinned keys, least recently used first), ``pinned`` (pinned
+keys in the order of their first pin) with ``pins`` (counts), ``freed``
+(slots given back, most recently freed last) and ``next_unused`` (slots at or
+above it were never handed out). From the documented semantics:
+
+* a slot comes from ``freed`` (most recently freed first), else the lowest
+  never-used one, else the least recently used unpinned key is evicted and
+  its slot reused; a batch never evicts a key it placed itself;
+* pinning takes a key off the LRU list; its last unpin makes it the most
+  recently used (and removes it when it was forgotten meanwhile);
+* admission: ``on_compute`` takes computed, ``on_evict`` pageout and evicted,
+  both shutdown; computed touches the copies below, pageout/evicted skip keys
+  any lower tier holds; new keys get CPU slots, CPU evictions spill to the SSD
+  tier without write-through; with write-through (or no room in the CPU
+  tier, or no CPU tier) keys the SSD tier lacks go there; shutdown stores the
+  most recent keys the SSD tier lacks, least recent first;
+* loads pin their sources; inclusive promotion gives SSD hits pinned CPU
+  slots; exclusive promotion drops loaded CPU keys at complete_load;
+* forget drops keys now, or at their last unpin when pinned.
+
+Every step compares plans, events (kind, tier, keys, time), event counts, the
+order/slots/pins of both tiers, ``lookup``/``holds`` (and that calling them
+changes nothing), the pins of the open plans and ``TierPolicy.check()``.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import pytest
+
+from tierkv.policy import (
+    COMPUTED, EVENT_KINDS, LOWER_TIERS, SHUTDOWN, STORE_REASONS, LoadPlan, PolicySpec, StorePlan, TierPolicy,
+)
+
+KEYS = tuple(bytes([c]) * 2 for c in b"ABCDEFG")  # a small universe, so that keys meet again
+ADMITTED = {"on_compute": ("computed", "shutdown"), "on_evict": ("pageout", "evicted", "shutdown")}
+
+
+# ---------------------------------------------------------------------------- reference model
+
+
+class RefTier:
+    """One lower tier: keys, slots, LRU order and pins, in plain lists and dicts."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.slot_of: dict[bytes, int] = {}
+        self.lru: list[bytes] = []      # unpinned keys, least recently used first
+        self.pinned: list[bytes] = []   # pinned keys, in the order of their first pin
+        self.pins: dict[bytes, int] = {}
+        self.freed: list[int] = []      # most recently freed last
+        self.next_unused = 0
+        self.doomed: set[bytes] = set()  # forgotten while pinned: removed at the last unpin
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.slot_of
+
+    def order(self) -> list[bytes]:
+        return self.lru + self.pinned
+
+    def num_free(self) -> int:
+        return len(self.freed) + self.num_slots - self.next_unused
+
+    def touch(self, key: bytes) -> None:
+        if key in self.lru:
+            self.lru.remove(key)
+            self.lru.append(key)
+
+    def _free_slot(self) -> int | None:
+        if self.freed:
+            return self.freed.pop()
+        if self.next_unused < self.num_slots:
+            self.next_unused += 1
+            return self.next_unused - 1
+        return None
+
+    def place(self, keys: list[bytes]) -> tuple[list[int | None], list[tuple[bytes, int]]]:
+        """Slots for distinct absent ``keys`` one at a time; never evicts a key placed here."""
+        assert len(set(keys)) == len(keys) and not any(k in self for k in keys)
+        slots: list[int | None] = []
+        evicted: list[tuple[bytes, int]] = []
+        for key in keys:
+            slot = self._free_slot()
+            if slot is None:
+                victims = [k for k in self.lru if k not in keys]
+                if not victims:
+                    slots.append(None)
+                    continue
+                victim = victims[0]
+                self.lru.remove(victim)
+                slot = self.slot_of.pop(victim)
+                evicted.append((victim, slot))
+            self.slot_of[key] = slot
+            self.lru.append(key)
+            slots.append(slot)
+        return slots, evicted
+
+    def pin(self, key: bytes) -> int:
+        if not self.pins.get(key):
+            self.lru.remove(key)
+            self.pinned.append(key)
+        self.pins[key] = self.pins.get(key, 0) + 1
+        return self.slot_of[key]
+
+    def unpin(self, key: bytes) -> None:
+        self.pins[key] -= 1
+        if self.pins[key] == 0:
+            del self.pins[key]
+            self.pinned.remove(key)
+            self.lru.append(key)
+            if key in self.doomed:
+                self.doomed.discard(key)
+                self.remove(key)
+
+    def remove(self, key: bytes) -> None:
+        self.lru.remove(key)
+        self.freed.append(self.slot_of.pop(key))
+
+    def lose(self, key: bytes) -> None:
+        if self.pins.get(key):
+            self.doomed.add(key)
+        elif key in self:
+            self.remove(key)
+
+
+class RefPolicy:
+    """What TierPolicy should do, written from its documentation."""
+
+    def __init__(self, spec: PolicySpec) -> None:
+        self.spec = spec
+        self.tiers = {"cpu": RefTier(spec.cpu_slots) if spec.cpu_slots else None,
+                      "ssd": RefTier(spec.ssd_slots) if spec.ssd_slots else None}
+        self.cpu, self.ssd = self.tiers["cpu"], self.tiers["ssd"]
+        self.events: list[tuple[str, str, tuple[bytes, ...]]] = []
+        self.counts = {kind: dict.fromkeys(LOWER_TIERS, 0) for kind in EVENT_KINDS}
+        self.open: dict[int, list[tuple[str, bytes]]] = {}  # plan id -> (tier, key) pins, in pin order
+        self.last_plan = 0
+
+    # -- helpers
+
+    def emit(self, kind: str, tier: str, keys: list[bytes]) -> None:
+        if keys:
+            self.events.append((kind, tier, tuple(keys)))
+            self.counts[kind][tier] += len(keys)
+
+    def take_events(self) -> list[tuple[str, str, tuple[bytes, ...]]]:
+        out, self.events = self.events, []
+        return out
+
+    def new_plan(self) -> int:
+        self.last_plan += 1
+        self.open[self.last_plan] = []
+        return self.last_plan
+
+    def pin(self, plan_id: int, tier: str, key: bytes) -> int:
+        self.open[plan_id].append((tier, key))
+        return self.tiers[tier].pin(key)
+
+    def held(self, key: bytes) -> bool:
+        return any(t is not None and key in t for t in (self.cpu, self.ssd))
+
+    # -- queries
+
+    def lookup(self, keys: list[bytes]) -> list[str]:
+        out = []
+        for key in keys:
+            tier = self.holds(key)
+            if tier is None:
+                break
+            out.append(tier)
+        return out
+
+    def holds(self, key: bytes) -> str | None:
+        for name in ("cpu", "ssd"):
+            tier = self.tiers[name]
+            if tier is not None and key in tier:
+                return name
+        return None
+
+    def touch(self, keys: list[bytes]) -> None:
+        for tier in (self.cpu, self.ssd):
+            if tier is not None:
+                for key in keys:
+                    tier.touch(key)
+
+    def seed_ssd(self, keys: list[bytes]) -> None:
+        assert self.ssd is not None
+        slots, evicted = self.ssd.place([k for k in dict.fromkeys(keys) if k not in self.ssd])
+        assert None not in slots and not evicted
+
+    # -- placement
+
+    def put_ssd(self, plan: StorePlan | LoadPlan, keys: list[bytes]) -> list[bytes]:
+        """Place absent keys in the SSD tier, pinned for the plan; its evictions go in the plan."""
+        assert self.ssd is not None
+        slots, evicted = self.ssd.place(keys)
+        gone = [k for k, _ in evicted]
+        plan.ssd_evictions += gone
+        self.emit("evicted", "ssd", gone)
+        placed = [k for k, s in zip(keys, slots) if s is not None]
+        for key in placed:
+            self.pin(plan.plan_id, "ssd", key)
+        self.emit("stored", "ssd", placed)
+        self.emit("dropped", "ssd", [k for k, s in zip(keys, slots) if s is None])
+        return placed
+
+    def put_cpu(self, plan: StorePlan | LoadPlan, keys: list[bytes]) -> dict[bytes, int]:
+        """CPU slots for absent keys, pinned for the plan; what they evict cascades."""
+        assert self.cpu is not None
+        slots, evicted = self.cpu.place(keys)
+        if evicted:
+            self.emit("evicted", "cpu", [k for k, _ in evicted])
+            if self.ssd is not None and not self.spec.write_through:
+                down = [(k, s) for k, s in evicted if k not in self.ssd]
+                if down:
+                    placed = self.put_ssd(plan, [k for k, _ in down])
+                    plan.spills += [(s, k) for k, s in down if k in placed]
+        given = {k: s for k, s in zip(keys, slots) if s is not None}
+        for key in given:
+            self.pin(plan.plan_id, "cpu", key)
+        return given
+
+    # -- stores
+
+    def prepare_store(self, block_ids: list[int], keys: list[bytes], reason: str) -> StorePlan:
+        plan = StorePlan(self.new_plan(), reason)
+        if reason not in ADMITTED[self.spec.admission] or (self.cpu is None and self.ssd is None):
+            return plan
+        if reason == SHUTDOWN:
+            return self._shutdown(plan, block_ids, keys)
+        block_of: dict[bytes, int] = {}
+        for block, key in zip(block_ids, keys):
+            block_of[key] = block  # a repeated key is stored once
+        in_cpu = [k for k in block_of if self.cpu is not None and k in self.cpu]
+        if reason == COMPUTED:
+            self.touch(list(block_of))
+        else:
+            block_of = {k: b for k, b in block_of.items() if not self.held(k)}
+            in_cpu = []
+        new = [k for k in block_of if k not in in_cpu] if self.cpu is not None else []
+        cpu_slots = self.put_cpu(plan, new) if new else {}
+        if cpu_slots:
+            self.emit("stored", "cpu", list(cpu_slots))
+        to_ssd: list[bytes] = []
+        if self.ssd is not None:
+            every = self.spec.write_through or self.cpu is None
+            to_ssd = [k for k in block_of if k not in self.ssd
+                      and (every or (k not in cpu_slots and k not in in_cpu))]
+        in_ssd = self.put_ssd(plan, to_ssd) if to_ssd else []
+        for key, block in block_of.items():
+            if key in cpu_slots or key in in_ssd:
+                plan.add(block, key, cpu_slots.get(key, -1), key in in_ssd)
+        self.emit("dropped", "cpu", [k for k in new if k not in cpu_slots and k not in in_ssd
+                                     and not (self.ssd is not None and k in self.ssd)])
+        return plan
+
+    def _shutdown(self, plan: StorePlan, block_ids: list[int], keys: list[bytes]) -> StorePlan:
+        if self.ssd is None:
+            return plan
+        room = self.ssd.num_slots - len(self.ssd.pinned)
+        chosen: list[tuple[int, bytes]] = []
+        for block, key in zip(block_ids, keys):  # most recently used first
+            if len(chosen) < room and key not in self.ssd and key not in [k for _, k in chosen]:
+                chosen.append((block, key))
+        chosen.reverse()
+        placed = self.put_ssd(plan, [k for _, k in chosen])
+        for block, key in chosen:
+            if key in placed:
+                plan.add(block, key, -1, True)
+        return plan
+
+    # -- loads
+
+    def prepare_load(self, req_id: str, keys: list[bytes], block_ids: list[int]) -> LoadPlan:
+        plan = LoadPlan(self.new_plan(), req_id, list(block_ids), list(keys), [], [], [-1] * len(keys))
+        from_cpu, from_ssd = [], []
+        for key in keys:
+            if self.cpu is not None and key in self.cpu:
+                plan.cpu_slots.append(self.pin(plan.plan_id, "cpu", key))
+                plan.from_ssd.append(False)
+                from_cpu.append(key)
+            elif self.ssd is not None and key in self.ssd:
+                self.pin(plan.plan_id, "ssd", key)
+                plan.cpu_slots.append(-1)
+                plan.from_ssd.append(True)
+                from_ssd.append(key)
+            else:
+                plan.cpu_slots.append(-1)
+                plan.from_ssd.append(False)
+        self.emit("hit", "cpu", from_cpu)
+        self.emit("hit", "ssd", from_ssd)
+        if from_ssd and self.cpu is not None and self.spec.promotion == "inclusive":
+            given = self.put_cpu(plan, from_ssd)
+            plan.promote_slots = [given.get(k, -1) if f else -1 for k, f in zip(keys, plan.from_ssd)]
+            self.emit("stored", "cpu", list(given))
+            self.emit("dropped", "cpu", [k for k in from_ssd if k not in given])
+        return plan
+
+    # -- completion and failures
+
+    def complete(self, plan: StorePlan | LoadPlan, lost: list[tuple[str, bytes]]) -> None:
+        for tier, key in self.open.pop(plan.plan_id):
+            self.tiers[tier].unpin(key)
+        self.forget_pairs(lost)
+        if isinstance(plan, LoadPlan) and self.spec.promotion == "exclusive" and self.cpu is not None:
+            failed = {k for t, k in lost if t == "cpu"}
+            # every loaded CPU key is reported lost, also one the tier already dropped
+            self._drop("cpu", [k for k, s in zip(plan.keys, plan.cpu_slots) if s >= 0 and k not in failed])
+
+    def forget(self, tier: str, keys: list[bytes]) -> None:
+        if self.tiers.get(tier) is None:
+            raise ValueError(tier)
+        self._drop(tier, [k for k in keys if k in self.tiers[tier]])
+
+    def forget_pairs(self, lost: list[tuple[str, bytes]]) -> None:
+        for tier in LOWER_TIERS:
+            keys = [k for t, k in lost if t == tier]
+            if keys and self.tiers[tier] is not None:
+                self.forget(tier, keys)
+
+    def _drop(self, tier: str, keys: list[bytes]) -> None:
+        for key in keys:
+            self.tiers[tier].lose(key)
+        self.emit("lost", tier, keys)
+
+
+# ---------------------------------------------------------------------------- the machine
+
+key_lists = st.lists(st.sampled_from(KEYS), max_size=5)
+unique_keys = st.lists(st.sampled_from(KEYS), max_size=5, unique=True)
+
+
+class PolicyMachine(RuleBasedStateMachine):
+    """Random verbs on a TierPolicy and on RefPolicy; they must agree after every step."""
+
+    ADMISSION = "on_compute"
+    PROMOTION = "inclusive"
+    WRITE_THROUGH = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.next_block = 0
+        self.open: list[StorePlan | LoadPlan] = []
+
+    @initialize(cpu=st.integers(0, 4), ssd=st.integers(0, 4), seed=unique_keys)
+    def setup(self, cpu: int, ssd: int, seed: list[bytes]) -> None:
+        spec = PolicySpec(cpu_slots=cpu, ssd_slots=ssd, admission=self.ADMISSION, promotion=self.PROMOTION,
+                          write_through=self.WRITE_THROUGH, pageout_blocks=1 if self.ADMISSION == "on_evict" else 0)
+        self.policy = TierPolicy(spec, clock=lambda: self.now, record_events=True)
+        self.ref = RefPolicy(spec)
+        assert [self.policy.admits(r) for r in STORE_REASONS] == [r in ADMITTED[self.ADMISSION]
+                                                                   for r in STORE_REASONS]
+        if ssd:
+            seed = seed[:ssd]  # what fits (overflow is covered in test_policy.py)
+            assert self.policy.seed_ssd(seed) == []
+            self.ref.seed_ssd(seed)
+        assert self.policy.take_events() == []
+
+    # -- helpers
+
+    def tick(self) -> None:
+        self.now += 1.0
+
+    def blocks(self, n: int) -> list[int]:
+        self.next_block += n
+        return list(range(self.next_block - n, self.next_block))
+
+    # -- rules
+
+    @rule(reason=st.sampled_from(STORE_REASONS), keys=key_lists)
+    def store(self, reason: str, keys: list[bytes]) -> None:
+        self.tick()
+        base = self.blocks(len(KEYS))[0]
+        block_ids = [base + KEYS.index(k) for k in keys]  # a key offered twice comes from one block
+        plan = self.policy.prepare_store(block_ids, keys, reason)
+        expected = self.ref.prepare_store(block_ids, keys, reason)
+        assert plan == expected
+        self.open.append(plan)
+        self._compare_events()
+
+    @rule(reason=st.sampled_from(STORE_REASONS), keys=key_lists)
+    def store_and_complete(self, reason: str, keys: list[bytes]) -> None:
+        """A synchronous driver: the plan completes before anything else happens."""
+        self.store(reason, keys)
+        self._complete(len(self.open) - 1, None)
+
+    @rule(keys=unique_keys, stale=st.booleans())
+    def load(self, keys: list[bytes], stale: bool) -> None:
+        self.tick()
+        found = self.policy.lookup(keys)
+        assert found == self.ref.lookup(keys)
+        n = len(found) + (1 if stale and len(found) < len(keys) else 0)  # stale: and the first key not held
+        block_ids = self.blocks(n)
+        plan = self.policy.prepare_load(f"r{self.next_block}", keys[:n], block_ids)
+        expected = self.ref.prepare_load(f"r{self.next_block}", keys[:n], block_ids)
+        assert plan == expected
+        assert plan.tiers() == found + [""] * (n - len(found))
+        self.open.append(plan)
+        self._compare_events()
+
+    @rule(keys=unique_keys, stale=st.booleans())
+    def load_and_complete(self, keys: list[bytes], stale: bool) -> None:
+        self.load(keys, stale)
+        self._complete(len(self.open) - 1, None)
+
+    @precondition(lambda self: self.open)
+    @rule(data=st.data())
+    def complete_oldest(self, data: st.DataObject) -> None:
+        self._complete(0, data)
+
+    @precondition(lambda self: self.open)
+    @rule(data=st.data())
+    def complete_any(self, data: st.DataObject) -> None:
+        self._complete(data.draw(st.integers(0, len(self.open) - 1), label="which"), data)
+
+    def _complete(self, which: int, data: st.DataObject | None) -> None:
+        """Complete an open plan; ``data`` draws the copies that failed (none without it)."""
+        self.tick()
+        plan = self.open.pop(which)
+        used = self._used(plan)
+        lost: list[tuple[str, bytes]] = []
+        if data is not None and used:
+            failures = st.lists(st.sampled_from(used), min_size=1, max_size=3, unique=True)
+            lost = data.draw(st.one_of(st.just([]), st.just([]), st.just([]), failures), label="lost")
+        if isinstance(plan, LoadPlan):
+            self.policy.complete_load(plan, lost)
+        else:
+            self.policy.complete_store(plan, lost)
+        self.ref.complete(plan, lost)
+        self._compare_events()
+
+    @rule(tier=st.sampled_from(LOWER_TIERS), keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=2,
+                                                          unique=True))
+    def forget(self, tier: str, keys: list[bytes]) -> None:
+        self.tick()
+        if self.ref.tiers[tier] is None:
+            with pytest.raises(ValueError):
+                self.policy.forget(tier, keys)
+        else:
+            self.policy.forget(tier, keys)
+            self.ref.forget(tier, keys)
+        self._compare_events()
+
+    @rule(keys=key_lists)
+    def touch(self, keys: list[bytes]) -> None:
+        self.tick()
+        self.policy.touch(keys)
+        self.ref.touch(keys)
+        self._compare_events()
+
+    def _compare_events(self) -> None:
+        events = self.policy.take_events()
+        assert [(e.kind, e.tier, e.keys) for e in events] == self.ref.take_events()
+        assert all(e.time == self.now for e in events)
+        assert self.policy.counts.snapshot() == self.ref.counts
+
+    @staticmethod
+    def _used(plan: StorePlan | LoadPlan) -> list[tuple[str, bytes]]:
+        """(tier, key) pairs whose copies an executor could report as failed."""
+        if isinstance(plan, LoadPlan):
+            out = [("cpu" if s >= 0 else "ssd", k) for k, s, f in zip(plan.keys, plan.cpu_slots, plan.from_ssd)
+                   if s >= 0 or f]
+            out += [("cpu", k) for k, s in zip(plan.keys, plan.promote_slots) if s >= 0]
+        else:
+            out = [("cpu", k) for k, s in zip(plan.keys, plan.cpu_slots) if s >= 0]
+            out += [("ssd", k) for k, t in zip(plan.keys, plan.to_ssd) if t]
+        out += [("ssd", k) for _, k in plan.spills]
+        return list(dict.fromkeys(out))
+
+    # -- invariants
+
+    @invariant()
+    def agrees_with_the_model(self) -> None:
+        """Queries first, then the whole state: the queries must have changed nothing."""
+        for n in range(len(KEYS) + 1):
+            assert self.policy.lookup(list(KEYS[:n])) == self.ref.lookup(list(KEYS[:n]))
+        assert self.policy.lookup(list(reversed(KEYS))) == self.ref.lookup(list(reversed(KEYS)))
+        assert [self.policy.holds(k) for k in KEYS] == [self.ref.holds(k) for k in KEYS]
+        assert self.policy.take_events() == []
+        self.policy.check()
+        for name, index in (("cpu", self.policy.cpu), ("ssd", self.policy.ssd)):
+            ref = self.ref.tiers[name]
+            if ref is None:
+                assert index is None
+                continue
+            assert list(index) == ref.order()
+            assert index.lru_keys() == ref.lru
+            assert {k: index.lookup(k) for k in index} == ref.slot_of
+            assert {k: index.pin_count(k) for k in KEYS if index.pin_count(k)} == ref.pins
+            assert index.num_free == ref.num_free()
+            assert index.num_pinned == len(ref.pinned)
+        assert self.policy.occupancy() == {n: len(t.slot_of) if t else 0 for n, t in self.ref.tiers.items()}
+        assert self.policy.pinned() == {n: len(t.pinned) if t else 0 for n, t in self.ref.tiers.items()}
+
+    @invariant()
+    def open_plans_hold_their_slots(self) -> None:
+        """Every slot and SSD key an open plan reads or writes is pinned, and no CPU slot
+        is written by two open plans."""
+        cpu, ssd = self.policy.cpu, self.policy.ssd
+        written: list[int] = []
+        for plan in self.open:
+            if isinstance(plan, LoadPlan):
+                for key, slot, from_ssd, promote in zip(plan.keys, plan.cpu_slots, plan.from_ssd,
+                                                        plan.promote_slots):
+                    if slot >= 0:
+                        assert cpu.lookup(key) == slot and cpu.pin_count(key) >= 1
+                    elif from_ssd:
+                        assert ssd.pin_count(key) >= 1
+                    if promote >= 0:
+                        assert cpu.lookup(key) == promote and cpu.pin_count(key) >= 1
+                        written.append(promote)
+            else:
+                for key, slot, to_ssd in zip(plan.keys, plan.cpu_slots, plan.to_ssd):
+                    if slot >= 0:
+                        assert cpu.lookup(key) == slot and cpu.pin_count(key) >= 1
+                        written.append(slot)
+                    if to_ssd:
+                        assert ssd.pin_count(key) >= 1
+            for slot, key in plan.spills:
+                assert ssd.pin_count(key) >= 1
+                assert any(cpu.lookup(k) == slot and cpu.pin_count(k) for k in cpu)
+        assert len(written) == len(set(written)), f"a CPU slot written by two open plans: {written}"
+
+
+MODES = [(a, p, wt) for a in ("on_compute", "on_evict") for p in ("inclusive", "exclusive")
+         for wt in (True, False) if not (a == "on_compute" and p == "exclusive")]
+
+SETTINGS = settings(max_examples=300, stateful_step_count=50, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def _case(admission: str, promotion: str, write_through: bool) -> type:
+    """The machine's TestCase for one mode (one pytest test per mode)."""
+    machine = type(f"PolicyMachine_{admission}_{promotion}_{'wt' if write_through else 'nowt'}", (PolicyMachine,),
+                   {"ADMISSION": admission, "PROMOTION": promotion, "WRITE_THROUGH": write_through})
+    case = machine.TestCase
+    case.settings = SETTINGS
+    return case
+
+
+for _mode in MODES:
+    globals()[f"Test_{_mode[0]}_{_mode[1]}_{'wt' if _mode[2] else 'nowt'}"] = _case(*_mode)
+del _mode
+
+
+def test_every_valid_mode_has_a_machine() -> None:
+    assert len(MODES) == 6
+    assert ("on_compute", "exclusive", True) not in MODES
