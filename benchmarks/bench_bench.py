@@ -31,7 +31,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = Path("/work/shared/traces/mooncake_conversation.jsonl")
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"  # ../shared beside the checkout
 CHUNK_BYTES = 512 * 131072          # one 512-token block of Llama-3-8B (fp16) KV
 # a tiered cache that holds the concurrency: 393,216-token GPU pool (the seed's 48 GiB), 4M tokens DRAM, 32M SSD
 TIERKV_SETS = ["gpu.num_blocks=24576", "cpu.capacity=512GiB", "ssd.capacity=4TiB"]

@@ -70,7 +70,7 @@ _SOURCES = {"cpu": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
 
 class _Req:
     """Per-request state: the request, its hash chain so far, and how many of its
-    leading full blocks were already offered as computed."""
+    leading full blocks are accounted for (served from cache, or offered as computed)."""
 
     __slots__ = ("request", "hashes", "handled")
 
@@ -230,7 +230,10 @@ class TierKVScheduler:
             return
         first, hits = matched
         block_ids = blocks.get_block_ids()[0]
-        keys = self._reqs[req_id].hashes
+        st = self._reqs[req_id]
+        keys = st.hashes
+        self._add_resident(block_ids[:first], keys[:first])
+        st.handled = max(st.handled, first + num_external_tokens // self.block_size)  # not computed now
         self.policy.touch(keys[:first])
         self._delta.used.extend(block_ids[:first])
         self._count_query(request, first, num_external_tokens // self.block_size)
@@ -312,6 +315,12 @@ class TierKVScheduler:
             self._full_blocks(req_id, computed + scheduled[req_id], out)
         return out
 
+    def _add_resident(self, block_ids: Sequence[int], keys: Sequence[bytes]) -> None:
+        """These vLLM blocks hold these keys' KV (hashed in vLLM's prefix cache)."""
+        for block_id, key in zip(block_ids, keys):
+            self._resident[block_id] = key
+            self._delta.added.append((block_id, key))
+
     def _full_blocks(self, req_id: str, computed: int, out: list[tuple[int, bytes]]) -> None:
         st = self._reqs.get(req_id)
         if st is None or not _cacheable(st.request):
@@ -322,10 +331,9 @@ class TierKVScheduler:
         assert self._manager is not None, "bind_kv_cache_manager was not called"
         block_ids = self._manager.get_block_ids(req_id)[0]
         hashes = self._hashes(st, full)
-        for i in range(st.handled, full):
-            out.append((block_ids[i], hashes[i]))
-            self._resident[block_ids[i]] = hashes[i]
-            self._delta.added.append((block_ids[i], hashes[i]))
+        new = list(zip(block_ids[st.handled:full], hashes[st.handled:full]))
+        out.extend(new)
+        self._add_resident([b for b, _ in new], [k for _, k in new])
         st.handled = full
 
     def _free_window(self, n: int) -> list[tuple[int, bytes]]:
@@ -365,12 +373,17 @@ class TierKVScheduler:
                 self._finish_load(plan, self._load_lost.pop(req_id, set()))
 
     def _finish_load(self, plan: LoadPlan, lost: set[tuple[str, bytes]]) -> None:
+        """The workers finished a load: loaded blocks are resident; from the first block that
+        failed on, vLLM recomputes, and those blocks are offered as computed then."""
         self.policy.complete_load(plan, lost)
         failed = {k for _, k in lost}
-        loaded = next((i for i, k in enumerate(plan.keys) if k in failed), len(plan))
+        loaded = next((i for i, k in enumerate(plan.keys) if k in failed or not plan.tiers()[i]), len(plan))
         for tier in plan.tiers()[:loaded]:
-            if tier:
-                self._hits[tier] += 1
+            self._hits[tier] += 1
+        self._add_resident(plan.block_ids[:loaded], plan.keys[:loaded])
+        st = self._reqs.get(plan.req_id)
+        if st is not None and loaded < len(plan):
+            st.handled = min(st.handled, st.hashes.index(plan.keys[0]) + loaded)
 
     def request_finished(self, request: "Request", block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         """Delay freeing only while a load into the request's blocks is in flight."""

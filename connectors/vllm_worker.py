@@ -10,12 +10,14 @@
   :class:`~tierkv.connectors.vllm_common.ResidentDelta`), so that
   :meth:`TierKVWorker.shutdown` can store the hot set the SSD tier lacks.
 
-Per step: ``handle_preemptions`` (which vLLM calls before the forward, unlike
-``start_load_kv``, which it calls after the forward when no load is
-synchronous) applies SSD deletions and stores the blocks vLLM evicted in this
-step, whose bytes the forward is about to rewrite; ``start_load_kv`` queues
-the loads on one loader thread (first in, first out); ``wait_for_save`` runs
-the stores of computed and paged-out blocks. A block that cannot be loaded is
+Per step, plans run in the order the policy prepared them: ``handle_preemptions``
+(which vLLM calls before the forward, unlike ``start_load_kv``, which it calls
+after the forward when no load is synchronous) applies SSD deletions, the
+loads' spills and evictions, and stores the blocks vLLM evicted in this step,
+whose bytes the forward is about to rewrite; ``start_load_kv`` queues the
+loads' copies on one loader thread (first in, first out: a load may read a
+slot an earlier load of the step promotes into); ``wait_for_save`` runs the
+stores of computed and paged-out blocks. A block that cannot be loaded is
 reported through ``get_block_ids_with_load_errors`` (with every later block
 of that request) and vLLM recomputes it when ``kv_load_failure_policy`` is
 ``"recompute"``. Threads: vLLM's worker thread owns everything here except
@@ -188,6 +190,8 @@ class TierKVWorker:
         self._mirror_apply(meta.resident)
         if meta.ssd_evictions:
             ex.evict([], meta.ssd_evictions)
+        for plan in meta.loads:  # plans prepared before the stores: their evictions go first
+            self._lose(ex.evict(plan.spills, plan.ssd_evictions))
         self._run_stores(meta.early_stores)
         meta.prepared = True
 
@@ -196,8 +200,8 @@ class TierKVWorker:
         assert ex is not None, "register_kv_caches was not called"
         if not meta.prepared:  # an engine that does not call handle_preemptions
             self.before_forward(meta)
-        for plan in meta.loads:
-            self._inflight[plan.req_id] = (plan, self._loader.submit(ex.load, plan))
+        for plan in meta.loads:  # the copies, in order on one thread (a load may read a slot an earlier one fills)
+            self._inflight[plan.req_id] = (plan, self._loader.submit(ex.load, plan, evict=False))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._inflight:  # a short GIL-free wait instead of letting the engine spin on empty steps
@@ -272,7 +276,7 @@ class TierKVWorker:
         ex, ssd = self.executor, self.ssd
         if ex is None or ssd is None or not self._mirror:
             return 0
-        chosen = select_for_shutdown(self._mirror_mru(), ssd.__contains__, self.spec.ssd_slots)
+        chosen, _ = select_for_shutdown(self._mirror_mru(), ssd.__contains__, self.spec.ssd_slots)
         plan = StorePlan(0, SHUTDOWN)
         for block_id, key in chosen:
             plan.add(block_id, key, -1, True)

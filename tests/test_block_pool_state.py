@@ -55,11 +55,11 @@ class RefModel:
         table = list(hits)
         for _ in range(len(hits), math.ceil(len(toks) / BS)):
             table.append(self._pop())
-        self.reqs[rid] = dict(toks=list(toks), table=table, salt=salt, committed=0)
+        self.reqs[rid] = dict(toks=list(toks), table=table, salt=salt, committed=len(hits))
         return table, len(hits) * BS
 
     def commit(self, rid):
-        """Register the request's full blocks (its KV is written); report each once."""
+        """Register the request's full blocks (its KV is written); report each computed one once."""
         r = self.reqs[rid]
         hashes = HASHER.hash_blocks(r["toks"], cache_salt=r["salt"])
         out = []

@@ -72,6 +72,19 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def extend(self, blocks: list[Block]) -> None:
+        """:meth:`append` each block in turn (one relinking pass)."""
+        if not blocks:
+            return
+        prev = self._tail.prev_free
+        for block in blocks:
+            prev.next_free = block  # type: ignore[union-attr]
+            block.prev_free = prev
+            prev = block
+        prev.next_free = self._tail
+        self._tail.prev_free = prev
+        self.num_free += len(blocks)
+
     def appendleft(self, block: Block) -> None:
         """Put ``block`` at the head (next to be reused)."""
         first = self._head.next_free
@@ -159,26 +172,28 @@ class Allocation:
 class _Request:
     __slots__ = ("tokens", "blocks", "hashes", "cache_salt", "lora_id", "num_tokens", "committed")
 
-    def __init__(self, prompt: Prompt, blocks: list[Block]) -> None:
+    def __init__(self, prompt: Prompt, blocks: list[Block], cached: int = 0) -> None:
         self.tokens = prompt.tokens
         self.num_tokens = prompt.num_tokens
         self.blocks = blocks
         self.hashes = prompt.hashes
         self.cache_salt = prompt.cache_salt
         self.lora_id = prompt.lora_id
-        self.committed = 0  # leading full blocks reported by commit()
+        self.committed = cached  # leading full blocks that are registered: served from cache, or committed
 
 
 class BlockManager:
     """Request-level allocation over a pool of ``num_blocks`` rows with prefix caching.
 
-    ``on_evict(block_id, block_hash)`` is called when a free block that still
-    carries a hash is popped for reuse, before it is handed out: the last moment
-    its bytes are known intact (a tiered cache stores it below then).
+    When a free block that still carries a hash is popped for reuse, before it
+    is handed out (the last moment its bytes are known intact; a tiered cache
+    stores it below then), ``(block_id, block_hash)`` is recorded for
+    :meth:`take_evicted` when ``track_evictions`` is on, and ``on_evict(block_id,
+    block_hash)`` is called when given.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, hasher: BlockHasher | None = None,
-                 on_evict: Callable[[int, bytes], None] | None = None) -> None:
+                 on_evict: Callable[[int, bytes], None] | None = None, track_evictions: bool = False) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks: expected a positive integer, got {num_blocks!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -188,6 +203,7 @@ class BlockManager:
         self.block_size = block_size
         self.hasher = hasher or BlockHasher(block_size)
         self.on_evict = on_evict
+        self._evicted: list[tuple[int, bytes]] | None = [] if track_evictions else None
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}
@@ -288,15 +304,13 @@ class BlockManager:
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
-        blocks = list(hits)
+        blocks = hits + self._pop_many(total - len(hits))
         external: list[tuple[int, int, bytes]] = []
-        for pos in range(len(hits), total):
-            b = self._pop()
-            if pos < cached_blocks:
-                external.append((pos, b.block_id, hashes[pos]))
-                self._register(b, hashes[pos])
-            blocks.append(b)
-        self.requests[request_id] = _Request(prompt, blocks)
+        for pos in range(len(hits), cached_blocks):
+            b = blocks[pos]
+            external.append((pos, b.block_id, hashes[pos]))
+            self._register(b, hashes[pos])
+        self.requests[request_id] = _Request(prompt, blocks, cached_blocks)
         return Allocation([b.block_id for b in blocks], cached_blocks * self.block_size, len(hits), external)
 
     def grow(self, request_id: str) -> list[int]:
@@ -306,7 +320,7 @@ class BlockManager:
         need = -(-req.num_tokens // self.block_size) - len(req.blocks)
         if need > self.free_queue.num_free:
             raise OutOfBlocksError(f"request {request_id!r} needs {need} new blocks, {self.free_queue.num_free} free")
-        new = [self._pop() for _ in range(max(0, need))]
+        new = self._pop_many(max(0, need))
         req.blocks.extend(new)
         return [b.block_id for b in new]
 
@@ -314,19 +328,22 @@ class BlockManager:
         """The KV of the request's first ``num_tokens`` tokens (all when None) is written.
 
         Registers the full blocks among them, so later requests hit them, and
-        returns ``(block_id, block_hash)`` of every full block not reported by an
-        earlier commit, in prefix order (cached and loaded ones included).
+        returns ``(block_id, block_hash)`` of each block computed since the last
+        commit, in prefix order (blocks served from the pool or loaded from a
+        lower tier were not computed and are never reported).
         """
         req = self._request(request_id)
         n = req.num_tokens if num_tokens is None else min(num_tokens, req.num_tokens)
         full = min(n // self.block_size, len(req.hashes), len(req.blocks))
         if full <= req.committed:
             return []
+        cached = self.cached
         out = []
-        for i in range(req.committed, full):
-            b = req.blocks[i]
-            self._register(b, req.hashes[i])
-            out.append((b.block_id, req.hashes[i]))
+        for b, h in zip(req.blocks[req.committed:full], req.hashes[req.committed:full]):
+            if b.block_hash is None and h not in cached:  # _register, inlined: the hot path
+                cached[h] = b
+                b.block_hash = h
+            out.append((b.block_id, h))
         req.committed = full
         return out
 
@@ -394,16 +411,24 @@ class BlockManager:
         if req is None:
             raise ValueError(f"request_id: {request_id!r} is not allocated")
         first: list[Block] = []
+        last: list[Block] = []
         for b in reversed(req.blocks):
             b.ref_cnt -= 1
             assert b.ref_cnt >= 0, f"{b}: ref_cnt below zero"
             if b.ref_cnt == 0:
-                if b.block_hash is None:
-                    first.append(b)
-                else:
-                    self.free_queue.append(b)
+                (first if b.block_hash is None else last).append(b)
+        self.free_queue.extend(last)
         for b in reversed(first):
             self.free_queue.appendleft(b)
+
+    def take_evicted(self) -> list[tuple[int, bytes]]:
+        """``(block_id, block_hash)`` of the hashed blocks popped for reuse since the last
+        call, in order (empty unless ``track_evictions``)."""
+        out = self._evicted
+        if out:
+            self._evicted = []
+            return out
+        return []
 
     def evict_cached(self, block: Block) -> None:
         """Drop a block's hash (its bytes become garbage)."""
@@ -440,14 +465,38 @@ class BlockManager:
         return req
 
     def _pop(self) -> Block:
-        b = self.free_queue.popleft()
-        if b.block_hash is not None:
-            h = b.block_hash
-            self.evict_cached(b)
-            if self.on_evict is not None:
-                self.on_evict(b.block_id, h)
-        b.ref_cnt = 1
-        return b
+        return self._pop_many(1)[0]
+
+    def _pop_many(self, n: int) -> list[Block]:
+        """Take ``n`` blocks from the head of the free queue (the caller checked there are
+        enough), evicting their hashes in order: ``on_evict`` sees each before it is reused."""
+        queue = self.free_queue
+        if n > queue.num_free:
+            raise OutOfBlocksError(f"{n} blocks needed, {queue.num_free} free")
+        head = queue._head
+        cached, on_evict, evicted = self.cached, self.on_evict, self._evicted
+        out: list[Block] = []
+        block = head.next_free
+        for _ in range(n):
+            assert block is not None
+            out.append(block)
+            h = block.block_hash
+            if h is not None:
+                block.block_hash = None
+                if cached.get(h) is block:
+                    del cached[h]
+                if evicted is not None:
+                    evicted.append((block.block_id, h))
+                if on_evict is not None:
+                    on_evict(block.block_id, h)
+            block.ref_cnt = 1
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        head.next_free = block
+        block.prev_free = head  # type: ignore[union-attr]
+        queue.num_free -= len(out)
+        return out
 
     def _register(self, block: Block, block_hash: bytes) -> None:
         if block.block_hash is None and block_hash not in self.cached:

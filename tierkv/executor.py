@@ -150,9 +150,10 @@ class Executor:
 
     # ------------------------------------------------------------------ loads
 
-    def load(self, plan: LoadPlan) -> LoadResult:
-        """Copy the plan's blocks into their device blocks, up to the first that fails."""
-        lost = self.evict(plan.spills, plan.ssd_evictions)
+    def load(self, plan: LoadPlan, *, evict: bool = True) -> LoadResult:
+        """Copy the plan's blocks into their device blocks, up to the first that fails.
+        ``evict=False``: the caller already ran the plan's spills and evictions."""
+        lost = self.evict(plan.spills, plan.ssd_evictions) if evict else []
         n = len(plan)
         rows = np.empty((n, self.block_nbytes), dtype=np.uint8)
         ok = [False] * n
@@ -254,6 +255,6 @@ class NullExecutor(Executor):
     def store(self, plan: StorePlan, *, patient: bool = False) -> Lost:
         return []
 
-    def load(self, plan: LoadPlan) -> LoadResult:
+    def load(self, plan: LoadPlan, *, evict: bool = True) -> LoadResult:
         held = [s >= 0 or f for s, f in zip(plan.cpu_slots, plan.from_ssd)]
         return LoadResult(held.index(False) if False in held else len(held), [])

@@ -101,6 +101,31 @@ class Lifecycle:
             self.lifetime.observe(now - born)
             self.idle_before_evict.observe(now - self._last.pop(key))
 
+    def access_many(self, keys: Any, now: float) -> None:
+        for key in keys:
+            self.access(key, now)
+
+    def enter_many(self, keys: Any, now: float) -> None:
+        born, last = self._born, self._last
+        for key in keys:
+            born[key] = now
+            last[key] = now
+
+    def leave_many(self, keys: Any, now: float) -> None:
+        """:meth:`leave` for each key (the hot path of replays: inlined)."""
+        born_pop, last_pop = self._born.pop, self._last.pop
+        life, idle = self.lifetime, self.idle_before_evict
+        if life.samples is None or idle.samples is None:
+            for key in keys:
+                self.leave(key, now)
+            return
+        life_add, idle_add = life.samples.append, idle.samples.append
+        for key in keys:
+            born = born_pop(key, None)
+            if born is not None:
+                life_add(now - born)
+                idle_add(now - last_pop(key))
+
     def samples(self) -> dict[str, list[float] | None]:
         return {"lifetime_s": self.lifetime.samples, "idle_before_evict_s": self.idle_before_evict.samples,
                 "reuse_gap_s": self.reuse_gap.samples}
@@ -112,20 +137,17 @@ class LifecycleRecorder:
 
     __slots__ = ("lifecycles",)
 
-    def __init__(self, lifecycles: dict[str, Lifecycle]) -> None:
-        self.lifecycles = lifecycles
+    def __init__(self, lifecycles: dict[str, Any]) -> None:
+        self.lifecycles = lifecycles  # tier -> Lifecycle, or anything with its *_many methods
 
     def __call__(self, kind: str, tier: str, keys: Any, now: float) -> None:
         lc = self.lifecycles[tier]
         if kind == "stored":
-            for key in keys:
-                lc.enter(key, now)
+            lc.enter_many(keys, now)
         elif kind == "hit":
-            for key in keys:
-                lc.access(key, now)
+            lc.access_many(keys, now)
         elif kind in ("evicted", "lost"):
-            for key in keys:
-                lc.leave(key, now)
+            lc.leave_many(keys, now)
 
 
 class TierKVCollector:

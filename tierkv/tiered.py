@@ -103,9 +103,7 @@ class TieredKVCache:
         num_blocks = int(kv_pool.shape[0]) if kv_pool is not None else config.gpu.resolve_num_blocks(self.block_nbytes)
         self.fingerprint = fingerprint or library_fingerprint(config, self.block_nbytes)
         self.hasher = BlockHasher(self.block_size, config.hash, namespace=self.fingerprint.namespace())
-        self._evicted: list[tuple[int, bytes]] = []
-        self.manager = BlockManager(num_blocks, self.block_size, hasher=self.hasher,
-                                    on_evict=lambda b, h: self._evicted.append((b, h)))
+        self.manager = BlockManager(num_blocks, self.block_size, hasher=self.hasher, track_evictions=True)
         self.lifecycle = {t: Lifecycle(record_samples) for t in TIERS}
         spec = PolicySpec.from_config(config, block_nbytes=self.block_nbytes, gpu_blocks=num_blocks)
         self.policy = TierPolicy(spec, clock=self.clock,
@@ -189,7 +187,7 @@ class TieredKVCache:
                                      cache_salt=cache_salt, lora_id=lora_id)
         gpu_hits = self.manager.lookup(prompt)
         below = self.policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
-        self._evicted.clear()
+        self.manager.take_evicted()  # (nothing since the last call)
         alloc = self.manager.allocate(request_id, prompt=prompt, num_external=len(below))
         hashes = prompt.hashes
         self.policy.touch(hashes[:gpu_hits])
@@ -235,7 +233,6 @@ class TieredKVCache:
     def append(self, request_id: str, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """Append tokens (BlockManager semantics); returns the COW copies ``(src, dst)`` to perform.
         Blocks evicted to make room are stored below first (``evicted``)."""
-        self._evicted.clear()
         ops = self.manager.append(request_id, token_ids)
         self._store_evicted()
         return ops
@@ -255,7 +252,7 @@ class TieredKVCache:
     def _store_evicted(self) -> None:
         """Offer the blocks the pool evicted in this call; their rows are intact until the
         caller writes them (loads into them are queued after this)."""
-        evicted, self._evicted = self._evicted, []
+        evicted = self.manager.take_evicted()
         if not evicted:
             return
         now = self.clock()

@@ -47,7 +47,8 @@ from tierkv.block_pool import BlockManager, Prompt
 from tierkv.config import TierKVConfig
 from tierkv.errors import ConfigError, OutOfBlocksError
 from tierkv.executor import Executor, NullExecutor
-from tierkv.metrics import Lifecycle, LifecycleRecorder
+from tierkv.bench.lifelog import LifecycleLog
+from tierkv.metrics import LifecycleRecorder
 from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, LoadPlan, PolicySpec, StorePlan, TierPolicy
 
 if TYPE_CHECKING:
@@ -159,12 +160,15 @@ class _Tracker:
         self.lifetime: list[float] = []
         self.idle: list[float] = []
 
-    def left(self, block: int, tier: str, now: float) -> None:
-        if self.state[block] != _CACHED:
-            return
-        self.state[block] = _LEFT[tier]
-        self.lifetime.append(now - self.entered[block])
-        self.idle.append(now - self.last[block])
+    def left_many(self, keys: list[bytes], tier: str, now: float) -> None:
+        """These blocks left the last tier that held them (``tier``)."""
+        state, code = self.state, _LEFT[tier]
+        for key in keys:
+            block = _block(key)
+            if state[block] == _CACHED:
+                state[block] = code
+                self.lifetime.append(now - self.entered[block])
+                self.idle.append(now - self.last[block])
 
     def touch(self, blocks: list[int], now: float) -> None:
         state, entered, last = self.state, self.entered, self.last
@@ -189,11 +193,12 @@ def _classify(blocks: list[int], before: bytes, hit: int, hittable: int, reasons
 
 
 def _key(block: int) -> bytes:
-    return block.to_bytes(8, "little") + bytes(24)
+    """The key of a trace's block id (ids are dense and unique; no hash needed)."""
+    return block.to_bytes(8, "little")
 
 
 def _block(key: bytes) -> int:
-    return int.from_bytes(key[:8], "little")
+    return int.from_bytes(key, "little")
 
 
 class _Replayer:
@@ -204,12 +209,11 @@ class _Replayer:
         self.now = 0.0
         self.spec = policy_spec(cfg)
         self.tracker = _Tracker(trace.id_bound)
-        self.lifecycle = {t: Lifecycle(keep_samples=True) for t in TIERS}
-        self._evicted: list[tuple[int, bytes]] = []
-        self._left: list[tuple[bytes, str]] = []
+        self.keys = [_key(b) for b in range(trace.id_bound)]
+        self.lifecycle = {t: LifecycleLog() for t in TIERS}
+        self._left: list[tuple[list[bytes], str]] = []
         self.gpu_blocks = cfg.gpu.resolve_num_blocks(cfg.block_nbytes())
-        self.manager = BlockManager(self.gpu_blocks, trace.block_size,
-                                    on_evict=lambda b, h: self._evicted.append((b, h)))
+        self.manager = BlockManager(self.gpu_blocks, trace.block_size, track_evictions=True)
         self.policy = TierPolicy(self.spec, clock=lambda: self.now,
                                  observers=[LifecycleRecorder({t: self.lifecycle[t] for t in ("cpu", "ssd")}),
                                             self._observe])
@@ -223,7 +227,7 @@ class _Replayer:
 
     def _observe(self, kind: str, tier: str, keys: Any, now: float) -> None:
         if kind in ("evicted", "lost", "dropped"):
-            self._left.extend((k, tier) for k in keys)
+            self._left.append((list(keys), tier))
 
     # ------------------------------------------------------------------ requests
 
@@ -257,7 +261,7 @@ class _Replayer:
         self.finish_until(r.timestamp)
         self.now = max(self.now, r.timestamp)
         n_tokens = r.input_length if self.trace.token_based else len(r.blocks) * self.trace.block_size
-        prompt = Prompt([_key(b) for b in r.blocks], n_tokens, r.hittable)
+        prompt = Prompt(list(map(self.keys.__getitem__, r.blocks)), n_tokens, r.hittable)
         if self.manager.blocks_needed(prompt) > self.gpu_blocks:
             self.rejected += 1
             self.rejected_max = max(self.rejected_max, self.manager.blocks_needed(prompt))
@@ -265,7 +269,7 @@ class _Replayer:
             if self.request_hits is not None:
                 self.request_hits.append({"gpu": 0, "cpu": 0, "ssd": 0})
             return
-        before = bytes(self.tracker.state[b] for b in r.blocks)
+        before = bytes(map(self.tracker.state.__getitem__, r.blocks))
         hits = self._schedule(str(rid), prompt)
         _classify(r.blocks, before, hits, r.hittable, self.reasons)
         self.tracker.touch(r.blocks, self.now)
@@ -291,6 +295,7 @@ class _Replayer:
             loaded = self._end_step([], load)
             if loaded < len(below):
                 manager.invalidate(rid, gpu_hits + loaded)
+            self.lifecycle["gpu"].enter_many(prompt.hashes[gpu_hits:gpu_hits + loaded], self.now)
             self._room(lambda: manager.grow(rid))
         computed = manager.commit(rid)
         self._note_computed(computed)
@@ -307,7 +312,7 @@ class _Replayer:
         """Offer evicted, computed and page-out blocks; run and complete the step's plans."""
         policy = self.policy
         plans: list[StorePlan] = []
-        evicted, self._evicted = self._evicted, []
+        evicted = self.manager.take_evicted()
         if evicted:
             self._gpu_evicted(evicted)
             if policy.admits(EVICTED):
@@ -334,32 +339,26 @@ class _Replayer:
     # ------------------------------------------------------------------ accounting
 
     def _gpu_hits(self, keys: list[bytes]) -> None:
-        lc, now = self.lifecycle["gpu"], self.now
-        for key in keys:
-            lc.access(key, now)
+        self.lifecycle["gpu"].access_many(keys, self.now)
 
     def _note_computed(self, computed: list[tuple[int, bytes]]) -> None:
-        lc, now, blocks = self.lifecycle["gpu"], self.now, self.manager.blocks
-        for block_id, key in computed:
-            if blocks[block_id].block_hash == key:
-                lc.enter_new(key, now)
+        """Computed blocks the pool registered enter it (a duplicate of a cached block does not)."""
+        blocks = self.manager.blocks
+        self.lifecycle["gpu"].enter_many([k for b, k in computed if blocks[b].block_hash == k], self.now)
 
     def _gpu_evicted(self, evicted: list[tuple[int, bytes]]) -> None:
-        lc, now = self.lifecycle["gpu"], self.now
-        for _, key in evicted:
-            lc.leave(key, now)
+        self.lifecycle["gpu"].leave_many([h for _, h in evicted], self.now)
         self.gpu_evictions += len(evicted)
 
     def _settle(self, gpu_evicted: list[bytes]) -> None:
         """Blocks that left a tier in this step and are held nowhere now have left the cache."""
         left, self._left = self._left, []
-        cached, holds, now = self.manager.cached, self.policy.holds, self.now
-        for key, tier in left:  # a lower tier first: it held the block after the GPU let it go
-            if key not in cached and holds(key) is None:
-                self.tracker.left(_block(key), tier, now)
-        for key in gpu_evicted:
-            if key not in cached and holds(key) is None:
-                self.tracker.left(_block(key), "gpu", now)
+        cached, in_cpu, in_ssd, now = self.manager.cached, self.policy._cpu, self.policy._ssd, self.now
+        leave = self.tracker.left_many
+        for keys, tier in [*left, (gpu_evicted, "gpu")]:  # a lower tier first: it held the block last
+            gone = [k for k in keys if k not in cached and k not in in_cpu and k not in in_ssd]
+            if gone:
+                leave(gone, tier, now)
 
     def close(self) -> dict[str, Any]:
         self.finish_until(float("inf"))

@@ -22,10 +22,10 @@ Verbs (in the manner of vLLM's ``OffloadingManager``):
 
 Lifetime rules: every slot a plan reads or writes (load sources, promotion
 slots, store targets, cascade targets) is pinned from ``prepare_*`` until
-``complete_*``; a pinned key is never evicted, so plans prepared in one step
-never touch each other's slots, and an executor may run them in any order
-that keeps each plan's own order (see :mod:`tierkv.policy.plans`). A key
-forgotten while pinned leaves when its last pin goes.
+``complete_*``; a pinned entry is never evicted or reused. Executors run
+plans in the order they were prepared (see :mod:`tierkv.policy.plans`). A key
+forgotten while pinned leaves at once (lookups stop finding it); its entry
+keeps the slot under a tombstone until the plans that pinned it complete.
 
 Threading: not thread-safe. One owner thread (an engine's scheduler thread)
 calls every verb; executors run elsewhere and report back through that thread.
@@ -45,20 +45,27 @@ __all__ = ["TierPolicy", "select_for_shutdown"]
 
 
 def select_for_shutdown(offered_mru_first: Iterable[tuple[int, bytes]], persisted: Callable[[bytes], bool],
-                        limit: int) -> list[tuple[int, bytes]]:
-    """The shutdown rule: of the device blocks offered most recently used first, the
-    ``limit`` most recent that the persistent tier lacks, returned least recently used
-    first (so that the most recent end up most recent there too)."""
-    chosen: list[tuple[int, bytes]] = []
+                        limit: int) -> tuple[list[tuple[int, bytes]], list[bytes]]:
+    """The shutdown rule: the hot set is the ``limit`` most recently used device blocks
+    offered (most recent first). Returns ``(to store, already held)``: the hot blocks the
+    persistent tier lacks and the hot keys it holds, both least recently used first (so
+    that, stored or touched in that order, the most recent end up most recent)."""
+    store: list[tuple[int, bytes]] = []
+    held: list[bytes] = []
     seen: set[bytes] = set()
     for block, key in offered_mru_first:
-        if len(chosen) >= limit:
+        if len(seen) >= limit:
             break
-        if key not in seen and not persisted(key):
-            seen.add(key)
-            chosen.append((block, key))
-    chosen.reverse()
-    return chosen
+        if key in seen:
+            continue
+        seen.add(key)
+        if persisted(key):
+            held.append(key)
+        else:
+            store.append((block, key))
+    store.reverse()
+    held.reverse()
+    return store, held
 
 
 class TierPolicy:
@@ -70,20 +77,24 @@ class TierPolicy:
         self.clock = clock
         self.cpu: SlotIndex | None = SlotIndex(spec.cpu_slots) if spec.cpu_slots else None
         self.ssd: SlotIndex | None = SlotIndex(spec.ssd_slots) if spec.ssd_slots else None
+        self._cpu = self.cpu._slot if self.cpu is not None else {}  # key -> slot, for lookups
+        self._ssd = self.ssd._slot if self.ssd is not None else {}
         self.counts = EventCounts()
-        self._observers: list[Observer] = [self.counts, *observers]
+        self._observers: list[Observer] = list(observers)
         self._events: list[PolicyEvent] | None = [] if record_events else None
-        self._pins: dict[int, list[tuple[SlotIndex, bytes]]] = {}
-        self._doomed: dict[int, set[bytes]] = {}   # id(index) -> keys to drop at their last unpin
+        self._pins: dict[int, tuple[list[bytes], list[bytes]]] = {}  # plan -> (CPU keys, SSD keys) it pinned
+        # Keys forgotten while pinned leave at once; their entries live on under a tombstone key
+        # (holding the slot and pins) until the last plan that pinned them completes.
+        self._tombs: tuple[set[bytes], set[bytes]] = (set(), set())  # CPU, SSD
         self._next_plan = 0
+        self._next_tomb = 0
 
     # ------------------------------------------------------------------ queries
 
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
         """``cpu`` or ``ssd`` for each key of the longest prefix of ``keys`` held below.
         Pure: nothing is pinned, touched or counted."""
-        cpu = self.cpu._slot if self.cpu is not None else {}
-        ssd = self.ssd._slot if self.ssd is not None else {}
+        cpu, ssd = self._cpu, self._ssd
         out: list[str] = []
         for key in keys:
             if key in cpu:
@@ -96,9 +107,9 @@ class TierPolicy:
 
     def holds(self, key: bytes) -> str | None:
         """The highest lower tier holding ``key`` (``cpu``/``ssd``), or None."""
-        if self.cpu is not None and key in self.cpu:
+        if key in self._cpu:
             return "cpu"
-        if self.ssd is not None and key in self.ssd:
+        if key in self._ssd:
             return "ssd"
         return None
 
@@ -138,9 +149,10 @@ class TierPolicy:
         """
         if self.ssd is None:
             return list(keys_lru_first)
-        keys = [k for k in dict.fromkeys(keys_lru_first) if k not in self.ssd]
-        _, evicted = self.ssd.allocate_many(keys)
-        return [k for k, _ in evicted]
+        keys = [k for k in dict.fromkeys(keys_lru_first) if k not in self._ssd]
+        keep = keys[max(0, len(keys) - self.ssd.num_slots):]
+        _, evicted = self.ssd.allocate_many(keep)
+        return keys[:len(keys) - len(keep)] + [k for k, _ in evicted]
 
     # ------------------------------------------------------------------ loads
 
@@ -153,44 +165,26 @@ class TierPolicy:
         if len(keys) != len(block_ids):
             raise ValueError(f"block_ids: expected {len(keys)} blocks (one per key), got {len(block_ids)}")
         plan = LoadPlan(self._plan_id(), req_id, list(block_ids), list(keys), [], [], [-1] * len(keys))
-        pins = self._pins[plan.plan_id] = []
-        cpu, ssd = self.cpu, self.ssd
-        from_cpu: list[bytes] = []
-        from_ssd: list[bytes] = []
-        for key in plan.keys:
-            if cpu is not None and key in cpu:
-                plan.cpu_slots.append(cpu.pin(key))
-                plan.from_ssd.append(False)
-                pins.append((cpu, key))
-                from_cpu.append(key)
-            else:
-                held = ssd is not None and key in ssd
-                if held:
-                    ssd.pin(key)  # type: ignore[union-attr]
-                    pins.append((ssd, key))  # type: ignore[arg-type]
-                    from_ssd.append(key)
-                plan.cpu_slots.append(-1)
-                plan.from_ssd.append(held)
+        self._pins[plan.plan_id] = ([], [])
+        in_cpu, in_ssd = self._cpu, self._ssd
+        from_cpu = [k for k in plan.keys if k in in_cpu]
+        from_ssd = [k for k in plan.keys if k not in in_cpu and k in in_ssd]
+        cpu_slot = dict(zip(from_cpu, self._pin("cpu", plan.plan_id, from_cpu))) if from_cpu else {}
+        if from_ssd:
+            self._pin("ssd", plan.plan_id, from_ssd)
+        plan.cpu_slots = [cpu_slot.get(k, -1) for k in plan.keys]
+        plan.from_ssd = [k not in cpu_slot and k in in_ssd for k in plan.keys]
         now = self.clock()
         self._emit("hit", "cpu", from_cpu, now)
         self._emit("hit", "ssd", from_ssd, now)
-        if from_ssd and cpu is not None and self.spec.promotion == "inclusive":
+        if from_ssd and self.cpu is not None and self.spec.promotion == "inclusive":
             self._promote(plan, from_ssd, now)
         return plan
 
     def _promote(self, plan: LoadPlan, keys: list[bytes], now: float) -> None:
         """Give SSD hits pinned CPU slots (promote_slots), cascading what that evicts."""
-        assert self.cpu is not None
-        slots, evicted = self.cpu.allocate_many(keys)
-        self._cascade(plan, evicted, now)
-        placed = {}
-        for key, slot in zip(keys, slots):
-            if slot is not None:
-                self.cpu.pin(key)
-                self._pins[plan.plan_id].append((self.cpu, key))
-                placed[key] = slot
+        placed = self._place_cpu(plan, keys, now)
         plan.promote_slots = [placed.get(k, -1) if s else -1 for k, s in zip(plan.keys, plan.from_ssd)]
-        self._emit("stored", "cpu", list(placed), now)
         self._emit("dropped", "cpu", [k for k in keys if k not in placed], now)
 
     def complete_load(self, plan: LoadPlan, lost: Iterable[tuple[str, bytes]] = ()) -> None:
@@ -200,9 +194,8 @@ class TierPolicy:
         lost = list(lost)
         self.forget_pairs(lost)
         if self.spec.promotion == "exclusive" and self.cpu is not None:
-            failed = {k for t, k in lost if t == "cpu"}
-            moved = [k for k, s in zip(plan.keys, plan.cpu_slots) if s >= 0 and k not in failed]
-            self._drop_keys(self.cpu, "cpu", moved)
+            moved = [k for k, s in zip(plan.keys, plan.cpu_slots) if s >= 0]
+            self._drop_keys(self.cpu, "cpu", moved)  # (keys forgotten above are gone already)
 
     # ------------------------------------------------------------------ stores
 
@@ -220,7 +213,7 @@ class TierPolicy:
         if len(keys) != len(block_ids):
             raise ValueError(f"block_ids: expected {len(keys)} blocks (one per key), got {len(block_ids)}")
         plan = StorePlan(self._plan_id(), reason)
-        self._pins[plan.plan_id] = []
+        self._pins[plan.plan_id] = ([], [])
         if not self.spec.admits(reason) or not self.spec.has_lower_tier:
             return plan
         if reason == SHUTDOWN:
@@ -232,8 +225,7 @@ class TierPolicy:
     def _plan_store(self, plan: StorePlan, block_ids: Sequence[int], keys: Sequence[bytes], reason: str) -> None:
         now = self.clock()
         cpu, ssd = self.cpu, self.ssd
-        cpu_keys = cpu._slot if cpu is not None else {}
-        ssd_keys = ssd._slot if ssd is not None else {}
+        cpu_keys, ssd_keys = self._cpu, self._ssd
         offered = dict(zip(keys, block_ids))  # a repeated key is stored once
         if reason == COMPUTED:  # a recomputed block is a use of the copies below
             present = [k for k in offered if k in cpu_keys]
@@ -248,12 +240,14 @@ class TierPolicy:
         slots = self._place_cpu(plan, new, now) if new else {}
         to_ssd = self._ssd_wanted(offered, slots, set(present))
         placed_ssd = self._place_ssd(plan, to_ssd, now) if to_ssd else set()
-        for key, block in offered.items():
-            slot = slots.get(key, -1)
-            if slot >= 0 or key in placed_ssd:
-                plan.add(block, key, slot, key in placed_ssd)
-        nowhere = [k for k in new if k not in slots and k not in placed_ssd and k not in ssd_keys]
-        self._emit("dropped", "cpu", nowhere, now)
+        stored = [k for k in offered if k in slots or k in placed_ssd]
+        plan.keys = stored
+        plan.block_ids = [offered[k] for k in stored]
+        plan.cpu_slots = [slots.get(k, -1) for k in stored]
+        plan.to_ssd = [k in placed_ssd for k in stored]
+        if len(slots) < len(new):
+            nowhere = [k for k in new if k not in slots and k not in placed_ssd and k not in ssd_keys]
+            self._emit("dropped", "cpu", nowhere, now)
 
     def _ssd_wanted(self, offered: dict[bytes, int], cpu_slots: dict[bytes, int], in_cpu: set[bytes]) -> list[bytes]:
         """Keys that go to the SSD tier: all it lacks with write-through, else those
@@ -261,15 +255,18 @@ class TierPolicy:
         ssd = self.ssd
         if ssd is None:
             return []
+        held = self._ssd
         if self.spec.write_through or self.cpu is None:
-            return [k for k in offered if k not in ssd._slot]
-        return [k for k in offered if k not in ssd._slot and k not in cpu_slots and k not in in_cpu]
+            return [k for k in offered if k not in held]
+        return [k for k in offered if k not in held and k not in cpu_slots and k not in in_cpu]
 
     def _plan_shutdown(self, plan: StorePlan, block_ids: Sequence[int], keys: Sequence[bytes]) -> None:
         ssd = self.ssd
         if ssd is None:
             return
-        chosen = select_for_shutdown(zip(block_ids, keys), ssd._slot.__contains__, ssd.num_slots - ssd.num_pinned)
+        chosen, held = select_for_shutdown(zip(block_ids, keys), self._ssd.__contains__,
+                                           ssd.num_slots - ssd.num_pinned)
+        ssd.touch_many(held)  # hot blocks already stored are kept
         placed = self._place_ssd(plan, [k for _, k in chosen], self.clock())
         for block, key in chosen:
             if key in placed:
@@ -285,31 +282,33 @@ class TierPolicy:
     def _place_cpu(self, plan: StorePlan | LoadPlan, keys: list[bytes], now: float) -> dict[bytes, int]:
         """CPU slots for absent ``keys`` (pinned for the plan); cascades what they evict."""
         assert self.cpu is not None
-        slots, evicted = self.cpu.allocate_many(keys)
+        slots, evicted = self.cpu.allocate_many(keys, pin=True)
         self._cascade(plan, evicted, now)
         placed = {k: s for k, s in zip(keys, slots) if s is not None}
-        pins = self._pins[plan.plan_id]
-        for key in placed:
-            self.cpu.pin(key)
-            pins.append((self.cpu, key))
+        self._pins[plan.plan_id][0].extend(placed)
         self._emit("stored", "cpu", list(placed), now)
         return placed
 
     def _place_ssd(self, plan: StorePlan | LoadPlan, keys: list[bytes], now: float) -> set[bytes]:
         """Place absent ``keys`` in the SSD tier (pinned for the plan); evictions go in the plan."""
         assert self.ssd is not None
-        slots, evicted = self.ssd.allocate_many(keys)
+        slots, evicted = self.ssd.allocate_many(keys, pin=True)
         gone = [k for k, _ in evicted]
         plan.ssd_evictions.extend(gone)
         self._emit("evicted", "ssd", gone, now)
-        placed = [k for k, s in zip(keys, slots) if s is not None]
-        pins = self._pins[plan.plan_id]
-        for key in placed:
-            self.ssd.pin(key)
-            pins.append((self.ssd, key))
+        placed = list(keys) if None not in slots else [k for k, s in zip(keys, slots) if s is not None]
+        self._pins[plan.plan_id][1].extend(placed)
         self._emit("stored", "ssd", placed, now)
-        self._emit("dropped", "ssd", [k for k, s in zip(keys, slots) if s is None], now)
+        if len(placed) < len(keys):
+            self._emit("dropped", "ssd", [k for k, s in zip(keys, slots) if s is None], now)
         return set(placed)
+
+    def _pin(self, tier: str, plan_id: int, keys: list[bytes]) -> list[int]:
+        """Pin ``keys`` in ``tier`` until the plan completes; returns their slots."""
+        index = self.cpu if tier == "cpu" else self.ssd
+        assert index is not None
+        self._pins[plan_id][tier == "ssd"].extend(keys)
+        return index.pin_many(keys)
 
     def _cascade(self, plan: StorePlan | LoadPlan, evicted: list[tuple[bytes, int]], now: float) -> None:
         """Keys the CPU tier evicted: without write-through they go down to the SSD tier
@@ -320,7 +319,7 @@ class TierPolicy:
         ssd = self.ssd
         if ssd is None or self.spec.write_through:
             return
-        down = [(k, s) for k, s in evicted if k not in ssd._slot]
+        down = [(k, s) for k, s in evicted if k not in self._ssd]
         if not down:
             return
         placed = self._place_ssd(plan, [k for k, _ in down], now)
@@ -330,36 +329,53 @@ class TierPolicy:
 
     def forget(self, tier: str, keys: Iterable[bytes]) -> None:
         """The tier does not hold ``keys`` after all (a failed copy, a corrupt or vanished
-        record): drop them; pinned ones leave at their last unpin."""
-        index = self.cpu if tier == "cpu" else self.ssd if tier == "ssd" else None
-        if index is None:
+        record): they leave it now (a pinned entry keeps its slot until its plans complete)."""
+        if tier not in ("cpu", "ssd"):
             raise ValueError(f"tier: expected 'cpu' or 'ssd', got {tier!r}")
-        self._drop_keys(index, tier, [k for k in keys if k in index])
+        index = self.cpu if tier == "cpu" else self.ssd
+        if index is not None:
+            self._drop_keys(index, tier, list(keys))
 
     def forget_pairs(self, lost: Iterable[tuple[str, bytes]]) -> None:
         """:meth:`forget` for ``(tier, key)`` pairs."""
         lost = list(lost)
         for tier in ("cpu", "ssd"):
             keys = [k for t, k in lost if t == tier]
-            if keys and (self.cpu if tier == "cpu" else self.ssd) is not None:
+            if keys:
                 self.forget(tier, keys)
 
     def _drop_keys(self, index: SlotIndex, tier: str, keys: list[bytes]) -> None:
-        doomed = self._doomed.setdefault(id(index), set())
-        for key in keys:
+        present = [k for k in dict.fromkeys(keys) if k in index]
+        for key in present:
             if index.pin_count(key):
-                doomed.add(key)
+                self._bury(index, tier, key)
             else:
                 index.pop(key)
-        self._emit("lost", tier, keys, self.clock())
+        self._emit("lost", tier, present, self.clock())
+
+    def _bury(self, index: SlotIndex, tier: str, key: bytes) -> None:
+        """Move a pinned entry under a tombstone key: ``key`` is gone, its slot stays taken."""
+        self._next_tomb += 1
+        tomb = b"\x00tierkv-tombstone:%d" % self._next_tomb
+        index.rename(key, tomb)
+        side = tier == "ssd"
+        self._tombs[side].add(tomb)
+        for pins in self._pins.values():
+            held = pins[side]
+            if key in held:
+                held[:] = [tomb if k == key else k for k in held]
 
     def _release(self, plan_id: int) -> None:
-        for index, key in self._pins.pop(plan_id, ()):
-            index.unpin(key)
-            doomed = self._doomed.get(id(index))
-            if doomed and key in doomed and not index.pin_count(key):
-                doomed.discard(key)
-                index.pop(key)
+        cpu_keys, ssd_keys = self._pins.pop(plan_id, ((), ()))
+        for index, keys, tombs in ((self.cpu, cpu_keys, self._tombs[0]), (self.ssd, ssd_keys, self._tombs[1])):
+            if not keys:
+                continue
+            assert index is not None
+            index.unpin_many(keys)
+            if tombs:
+                for tomb in [k for k in keys if k in tombs and not index.pin_count(k)]:
+                    tombs.discard(tomb)
+                    index.pop(tomb)
 
     # ------------------------------------------------------------------ events
 
@@ -370,6 +386,7 @@ class TierPolicy:
     def _emit(self, kind: str, tier: str, keys: Sequence[bytes], now: float) -> None:
         if not keys:
             return
+        self.counts.counts[kind][tier] += len(keys)
         for observer in self._observers:
             observer(kind, tier, keys, now)
         if self._events is not None:
@@ -387,18 +404,18 @@ class TierPolicy:
 
     def check(self) -> None:
         """Assert the accounting invariants (tests)."""
-        for index in (self.cpu, self.ssd):
-            if index is not None:
-                index.check()
-        held: dict[tuple[int, bytes], int] = {}
-        for pins in self._pins.values():
-            for index, key in pins:
-                held[(id(index), key)] = held.get((id(index), key), 0) + 1
-        for (index_id, key), n in held.items():
-            index = self.cpu if self.cpu is not None and id(self.cpu) == index_id else self.ssd
-            assert index is not None and index.pin_count(key) == n, (
-                f"key {key.hex()[:12]}: plans hold {n} pins, the index counts {index.pin_count(key) if index else 0}")
-        for index in (self.cpu, self.ssd):
-            if index is not None:
-                stray = [k for k in index._pins if (id(index), k) not in held]
-                assert not stray, f"{len(stray)} pins no open plan holds"
+        for tier, index in (("cpu", self.cpu), ("ssd", self.ssd)):
+            if index is None:
+                continue
+            index.check()
+            held: dict[bytes, int] = {}
+            for pins in self._pins.values():
+                for key in pins[tier == "ssd"]:
+                    held[key] = held.get(key, 0) + 1
+            for key, n in held.items():
+                assert index.pin_count(key) == n, (
+                    f"{tier} key {key.hex()[:12]}: plans hold {n} pins, the index counts {index.pin_count(key)}")
+            stray = [k for k in index._pins if k not in held]
+            assert not stray, f"{len(stray)} {tier} pins no open plan holds"
+            tombs = self._tombs[tier == "ssd"]
+            assert all(index.pin_count(t) for t in tombs), f"a {tier} tombstone outlived its pins"

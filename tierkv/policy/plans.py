@@ -13,7 +13,11 @@ Execution order inside one plan (the executor's contract):
 3. the plan's own copies.
 
 Every slot a plan reads or writes stays pinned in the policy until the plan
-is completed, so plans of one step never touch each other's slots.
+is completed, so no plan evicts or reuses a slot another open plan uses. Plans
+may still depend on earlier ones: a load may read a CPU slot that an earlier
+load promotes into, or a key an earlier plan deleted from the SSD tier may be
+written again by a later one. Executors therefore run plans in the order the
+policy prepared them (loads on one first-in-first-out thread).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ what 10 keys cost.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from itertools import islice
 from typing import Collection, Iterable, Iterator, Sequence
 
@@ -43,6 +43,11 @@ def check_keys(keys: Collection[object], what: str = "keys") -> None:
     if not set(map(type, keys)) <= {bytes}:
         for key in keys:
             check_key(key, what)
+
+
+def _drain(calls: Iterable[object]) -> None:
+    """Run a lazy ``map`` of calls for their effect, iterating in C."""
+    deque(calls, maxlen=0)
 
 
 class SlotIndex:
@@ -177,7 +182,7 @@ class SlotIndex:
         self._lru[key] = None
         return slot, evicted
 
-    def allocate_many(self, keys: Sequence[bytes]
+    def allocate_many(self, keys: Sequence[bytes], *, pin: bool = False
                       ) -> tuple[list[int | None], list[tuple[bytes, int]]]:
         """:meth:`try_allocate` each key in turn, except that no key given a slot by
         this call is evicted to place a later one.
@@ -185,27 +190,32 @@ class SlotIndex:
         Returns ``(slots, evicted)``: ``slots[i]`` is the slot of ``keys[i]``, or
         None when every other slot is pinned or taken by an earlier key of the
         batch; ``evicted`` lists the evicted entries as ``(key, slot)``, least
-        recently used first (their bytes are still in those slots).
+        recently used first (their bytes are still in those slots). ``pin``: every
+        key that got a slot also gets a pin (as :meth:`pin_many` would).
         """
         check_keys(keys)
         if len(keys) == len(set(keys)) and self._slot.keys().isdisjoint(keys):
-            return self._allocate_new(keys)
-        return self._allocate_each(keys)
+            return self._allocate_new(keys, pin)
+        slots, evicted = self._allocate_each(keys)
+        if pin:
+            self.pin_many([k for k, s in zip(keys, slots) if s is not None])
+        return slots, evicted
 
-    def _allocate_new(self, keys: Sequence[bytes]
+    def _allocate_new(self, keys: Sequence[bytes], pin: bool
                       ) -> tuple[list[int | None], list[tuple[bytes, int]]]:
         """:meth:`allocate_many` for distinct keys that are all absent."""
         slots: list[int | None] = list(self._take_free_many(len(keys)))
         lru = self._lru
         victims = list(islice(lru, min(len(keys) - len(slots), len(lru))))
-        for key in victims:
-            del lru[key]
+        _drain(map(lru.__delitem__, victims))
         freed = list(map(self._slot.pop, victims))
         slots += freed
         placed = keys[:len(slots)]
         self._slot.update(zip(placed, slots))
-        for key in placed:
-            lru[key] = None
+        if pin:
+            self._pins.update(dict.fromkeys(placed, 1))
+        else:
+            lru.update(dict.fromkeys(placed))
         slots += [None] * (len(keys) - len(slots))
         return slots, list(zip(victims, freed))
 
@@ -252,6 +262,17 @@ class SlotIndex:
         self._free.append(slot)
         return slot
 
+    def rename(self, key: bytes, new_key: bytes) -> None:
+        """Give ``key``'s entry (slot, pins, recency) to the absent ``new_key``."""
+        if new_key in self._slot:
+            raise ValueError("new_key: already present")
+        self._slot[new_key] = self._slot.pop(key)
+        if key in self._pins:
+            self._pins[new_key] = self._pins.pop(key)
+        else:
+            self._lru[new_key] = None  # most recently used: it is on its way out anyway
+            del self._lru[key]
+
     def pin(self, key: bytes) -> int:
         """Add one pin to ``key`` and return its slot; KeyError if absent."""
         slot = self._slot.get(check_key(key))
@@ -262,6 +283,37 @@ class SlotIndex:
             del self._lru[key]
         self._pins[key] = count + 1
         return slot
+
+    def pin_many(self, keys: Sequence[bytes]) -> list[int]:
+        """:meth:`pin` each key (all must be present); returns their slots."""
+        slot_of, pins, lru = self._slot, self._pins, self._lru
+        out = []
+        for key in keys:
+            slot = slot_of[key]
+            count = pins.get(key, 0)
+            if not count:
+                del lru[key]
+            pins[key] = count + 1
+            out.append(slot)
+        return out
+
+    def unpin_many(self, keys: Sequence[bytes]) -> None:
+        """:meth:`unpin` each key in turn."""
+        pins, lru = self._pins, self._lru
+        counts = list(map(pins.get, keys))
+        if counts.count(1) == len(keys) and len(set(keys)) == len(keys):  # the usual case: one pin each
+            _drain(map(pins.__delitem__, keys))
+            lru.update(dict.fromkeys(keys))
+            return
+        for key in keys:
+            count = pins.get(key, 0)
+            if count == 1:
+                del pins[key]
+                lru[key] = None
+            elif count:
+                pins[key] = count - 1
+            else:
+                raise RuntimeError(f"unpin of key {key.hex()[:16]}... that holds no pin")
 
     def unpin(self, key: bytes) -> None:
         """Release one pin; the entry becomes most recently used when the last pin goes."""

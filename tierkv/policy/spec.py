@@ -56,11 +56,18 @@ class PolicySpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}: expected a non-negative integer, got {value!r}")
+        if not isinstance(self.write_through, bool):
+            raise ConfigError(f"spill.write_through: expected true or false, got {self.write_through!r}")
+        if self.admission == ON_COMPUTE and self.promotion == "exclusive":
+            raise ConfigError("spill.promotion: exclusive needs spill.admission: on_evict (with on_compute a "
+                              "loaded block is stored again as soon as its request computes)")
 
     @classmethod
     def from_config(cls, config: "TierKVConfig", *, block_nbytes: int, gpu_blocks: int) -> "PolicySpec":
         """The spec a deployment of ``config`` runs, with blocks of ``block_nbytes`` bytes
         and a device pool of ``gpu_blocks`` blocks."""
+        if isinstance(block_nbytes, bool) or not isinstance(block_nbytes, int) or block_nbytes < 1:
+            raise ConfigError(f"block_nbytes: expected a positive integer, got {block_nbytes!r}")
         cpu = config.cpu.capacity // block_nbytes
         ssd = ssd_blocks(config, block_nbytes)
         spill = config.spill

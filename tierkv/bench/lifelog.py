@@ -1,0 +1,100 @@
+"""Block lifecycles of a replay, recorded as an event log and measured at the end.
+
+:class:`LifecycleLog` has the recording interface of
+:class:`tierkv.metrics.Lifecycle` (enter, access, leave) and the same
+semantics, but appends each batch to flat lists in C (no per-key Python work)
+and derives every sample at the end with numpy:
+
+* a block's *life* in a tier runs from an enter to the first leave after it
+  (another enter before that leave restarts it); accesses and leaves outside
+  a life are ignored;
+* lifetime = leave - enter; idle before evict = leave - the life's last
+  enter or access; reuse gap = access - the life's previous enter or access.
+
+Keys are the replay's 8-byte block keys (little-endian block ids).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["LifecycleLog"]
+
+_ENTER, _ACCESS, _LEAVE = 0, 1, 2
+
+
+class LifecycleLog:
+    """Enter/access/leave events of one tier; :meth:`samples` measures them."""
+
+    __slots__ = ("_batches",)
+
+    def __init__(self) -> None:
+        self._batches: list[tuple[int, float, tuple[bytes, ...]]] = []
+
+    def _log(self, kind: int, keys: Any, now: float) -> None:
+        if keys:
+            self._batches.append((kind, now, tuple(keys)))
+
+    def enter_many(self, keys: Any, now: float) -> None:
+        self._log(_ENTER, keys, now)
+
+    def access_many(self, keys: Any, now: float) -> None:
+        self._log(_ACCESS, keys, now)
+
+    def leave_many(self, keys: Any, now: float) -> None:
+        self._log(_LEAVE, keys, now)
+
+    def access(self, key: bytes, now: float) -> None:
+        self._log(_ACCESS, (key,), now)
+
+    def samples(self) -> dict[str, list[float]]:
+        """``lifetime_s``, ``idle_before_evict_s`` and ``reuse_gap_s`` in event order."""
+        import numpy as np
+
+        empty: dict[str, list[float]] = {"lifetime_s": [], "idle_before_evict_s": [], "reuse_gap_s": []}
+        if not self._batches:
+            return empty
+        sizes = np.fromiter((len(b[2]) for b in self._batches), dtype=np.int64, count=len(self._batches))
+        keys = np.frombuffer(b"".join(k for b in self._batches for k in b[2]), dtype="<u8")
+        times = np.repeat(np.fromiter((b[1] for b in self._batches), dtype=np.float64), sizes)
+        kinds = np.repeat(np.fromiter((b[0] for b in self._batches), dtype=np.int8), sizes)
+        order = np.argsort(keys, kind="stable")  # per key, in the order the events happened
+        keys, times, kinds = keys[order], times[order], kinds[order]
+        alive = _alive(keys, kinds)
+        prev_t = np.concatenate(([0.0], times[:-1]))  # in a life, the previous event is its enter or an access
+        first_leave = alive & (kinds == _LEAVE)
+        access = alive & (kinds == _ACCESS)
+        born = times[_last_enter(kinds)]
+        events = np.sort(order[first_leave])  # report leaves in the order they happened
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order))
+        life = (times - born)[rank[events]]
+        idle = (times - prev_t)[rank[events]]
+        gaps_at = np.sort(order[access])
+        gaps = (times - prev_t)[rank[gaps_at]]
+        return {"lifetime_s": life.tolist(), "idle_before_evict_s": idle.tolist(), "reuse_gap_s": gaps.tolist()}
+
+
+def _last_enter(kinds: Any) -> Any:
+    """Index of the latest enter at or before each event (0 where none)."""
+    import numpy as np
+
+    idx = np.where(kinds == _ENTER, np.arange(len(kinds)), 0)
+    return np.maximum.accumulate(idx)
+
+
+def _alive(keys: Any, kinds: Any) -> Any:
+    """Events (sorted by key, then time) that fall inside a life: after an enter of the same
+    key, with no leave between that enter and the event (the first leave itself counts)."""
+    import numpy as np
+
+    n = len(kinds)
+    idx = np.arange(n)
+    key_start = np.maximum.accumulate(np.where(np.concatenate(([True], keys[1:] != keys[:-1])), idx, 0))
+    last_enter = np.maximum.accumulate(np.where(kinds == _ENTER, idx, -1))
+    entered = last_enter >= key_start
+    leaves = np.cumsum(kinds == _LEAVE)
+    leaves_at_enter = leaves[np.maximum(last_enter, 0)]  # an enter is never a leave: leaves up to it
+    before = leaves - (kinds == _LEAVE) - leaves_at_enter  # leaves after the enter, before this event
+    return entered & (before == 0) & (kinds != _ENTER)
+
