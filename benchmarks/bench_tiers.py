@@ -94,7 +94,7 @@ def bench_cpu_blocks(block: int, nbatch: int, quick: bool) -> None:
     reuses; copying into one buffer again and again would keep it hot in the caches.
     Reference and tier runs alternate; the best of each is kept."""
     import torch
-    from tierkv.cpu_tier import CPUTier
+    from tierkv.tiers.host import CPUTier
     torch.set_num_threads(1)  # DESIGN 6: multi-threaded copies collapse under CPU contention
     nslots = 4 * nbatch
     repeat = 5 if quick else 9

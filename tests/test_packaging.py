@@ -29,6 +29,9 @@ def test_wheel_contents(wheel):
     assert len(cu) >= 3, names
     assert "tierkv/connectors/__init__.py" in names
     assert "tierkv/tiered.py" in names and "tierkv/py.typed" in names
+    source = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tierkv").rglob("*.py")}
+    missing = sorted(source - set(names))
+    assert not missing, f"modules left out of the wheel (pyproject's packages list): {missing}"
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
     meta = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(meta).decode()
@@ -42,7 +45,7 @@ def test_installed_wheel_imports_connectors_and_finds_cu_files(wheel, tmp_path):
     py = env / "bin" / "python"
     subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
     code = (
-        "import pathlib, tierkv, tierkv.connectors, tierkv.cuda;"
+        "import pathlib, tierkv, tierkv.connectors, tierkv.cuda, tierkv.policy;"
         "(where,) = tierkv.cuda.__path__;"
         "files = sorted(p.name for p in pathlib.Path(where).glob('*.cu'));"
         "assert files and 'site-packages' in where, where;"

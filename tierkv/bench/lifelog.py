@@ -11,7 +11,8 @@ and derives every sample at the end with numpy:
 * lifetime = leave - enter; idle before evict = leave - the life's last
   enter or access; reuse gap = access - the life's previous enter or access.
 
-Keys are the replay's 8-byte block keys (little-endian block ids).
+Keys are the replay's 8-byte block keys (little-endian block ids); each batch
+is kept as one joined bytes object.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ class LifecycleLog:
     __slots__ = ("_batches",)
 
     def __init__(self) -> None:
-        self._batches: list[tuple[int, float, tuple[bytes, ...]]] = []
+        self._batches: list[tuple[int, float, int, bytes]] = []  # kind, time, keys, joined keys
 
     def _log(self, kind: int, keys: Any, now: float) -> None:
         if keys:
-            self._batches.append((kind, now, tuple(keys)))
+            self._batches.append((kind, now, len(keys), b"".join(keys)))
 
     def enter_many(self, keys: Any, now: float) -> None:
         self._log(_ENTER, keys, now)
@@ -47,17 +48,19 @@ class LifecycleLog:
     def access(self, key: bytes, now: float) -> None:
         self._log(_ACCESS, (key,), now)
 
-    def samples(self) -> dict[str, list[float]]:
-        """``lifetime_s``, ``idle_before_evict_s`` and ``reuse_gap_s`` in event order."""
+    def samples(self) -> dict[str, Any]:
+        """``lifetime_s``, ``idle_before_evict_s`` and ``reuse_gap_s`` (float arrays) in event order."""
         import numpy as np
 
-        empty: dict[str, list[float]] = {"lifetime_s": [], "idle_before_evict_s": [], "reuse_gap_s": []}
         if not self._batches:
-            return empty
-        sizes = np.fromiter((len(b[2]) for b in self._batches), dtype=np.int64, count=len(self._batches))
-        keys = np.frombuffer(b"".join(k for b in self._batches for k in b[2]), dtype="<u8")
-        times = np.repeat(np.fromiter((b[1] for b in self._batches), dtype=np.float64), sizes)
-        kinds = np.repeat(np.fromiter((b[0] for b in self._batches), dtype=np.int8), sizes)
+            return {"lifetime_s": np.empty(0), "idle_before_evict_s": np.empty(0), "reuse_gap_s": np.empty(0)}
+        kinds_b, times_b, sizes_b, blobs = zip(*self._batches)
+        sizes = np.asarray(sizes_b, dtype=np.int64)
+        keys = np.frombuffer(b"".join(blobs), dtype="<u8")
+        if len(keys) != sizes.sum():
+            raise ValueError("LifecycleLog: keys must be 8 bytes long")
+        times = np.repeat(np.asarray(times_b, dtype=np.float64), sizes)
+        kinds = np.repeat(np.asarray(kinds_b, dtype=np.int8), sizes)
         order = np.argsort(keys, kind="stable")  # per key, in the order the events happened
         keys, times, kinds = keys[order], times[order], kinds[order]
         alive = _alive(keys, kinds)
@@ -72,7 +75,7 @@ class LifecycleLog:
         idle = (times - prev_t)[rank[events]]
         gaps_at = np.sort(order[access])
         gaps = (times - prev_t)[rank[gaps_at]]
-        return {"lifetime_s": life.tolist(), "idle_before_evict_s": idle.tolist(), "reuse_gap_s": gaps.tolist()}
+        return {"lifetime_s": life, "idle_before_evict_s": idle, "reuse_gap_s": gaps}
 
 
 def _last_enter(kinds: Any) -> Any:

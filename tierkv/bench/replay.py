@@ -114,9 +114,12 @@ class ReplayResult:
         rates["total"] = self.hits / n
         return rates
 
-    def lifecycle(self, tier: str, what: str) -> list[float]:
-        """Raw samples ``what`` (lifetime_s | idle_before_evict_s | reuse_gap_s) of ``tier``."""
-        return list(self.stats.get("lifecycle", {}).get(tier, {}).get(what, []) or [])
+    def lifecycle(self, tier: str, what: str) -> Any:
+        """Raw samples ``what`` (lifetime_s | idle_before_evict_s | reuse_gap_s) of ``tier`` (an array)."""
+        import numpy as np
+
+        got = self.stats.get("lifecycle", {}).get(tier, {}).get(what)
+        return np.asarray(got if got is not None else [], dtype=np.float64)
 
 
 def _gpu_tokens(cfg: TierKVConfig) -> int | None:
