@@ -1,4 +1,4 @@
-"""Core benchmark: hash-chain throughput and BlockManager allocate+free throughput.
+"""Core benchmark: hash-chain throughput and BlockManager allocate+commit+free throughput.
 
 Prints tierkv's figures next to vLLM's own code measured in the same run (when
 vLLM is importable): ``hash_block_tokens`` with sha256 for hashing, and vLLM's
@@ -75,6 +75,7 @@ def bench_manager(workload: list[tuple[str, list[int]]]) -> tuple[float, int]:
     t0 = time.perf_counter()
     for rid, toks in workload:
         blocks += len(m.allocate(rid, toks).block_ids)
+        m.commit(rid)
         m.free(rid)
     return time.perf_counter() - t0, blocks
 
@@ -128,7 +129,7 @@ def main() -> None:
     work = chat_workload(2000)
     runs = [bench_manager(work) for _ in range(3)]
     t, blocks = min(runs)
-    print(f"BlockManager allocate+free, chat workload ({len(work)} requests, {blocks} blocks):")
+    print(f"BlockManager allocate+commit+free, chat workload ({len(work)} requests, {blocks} blocks):")
     print(f"  {len(work) / t:,.0f} requests/s, {blocks / t / 1e6:.2f} M blocks/s (hashing included)")
     pairs = [(bench_queue_ops(tierkv_queue), bench_queue_ops(vllm_queue) if vl else 0.0) for _ in range(5)]
     qt = statistics.median(p[0] for p in pairs)

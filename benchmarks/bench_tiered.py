@@ -85,10 +85,11 @@ def measure_tiers(blocks: torch.Tensor) -> tuple[dict[str, float], tuple, dict]:
         cfg = TierKVConfig.from_dict({
             "block_size": BS, "model": {"block_nbytes": nbytes}, "gpu": {"num_blocks": nblocks + 8},
             "cpu": {"capacity": 2 * (nblocks + 8) * nbytes},
-            "ssd": {"path": d, "capacity": 4 * (nblocks + 8) * nbytes}, "spill": {"watermark": 0.05}})
+            "ssd": {"path": d, "capacity": 4 * (nblocks + 8) * nbytes}})
         with TieredKVCache(cfg) as cache:
             a = cache.allocate("first", tokens)
             cache.kv_pool[a.block_ids[:nblocks]] = blocks
+            cache.commit("first")  # computed: stored below (on_compute admission, write-through)
             cache.free("first")
             times["gpu"], hits_gpu = serve(cache, "gpu", tokens)
             cache.allocate("evict", list(range(10**6, 10**6 + (nblocks + 8) * BS)))  # the prefix spills

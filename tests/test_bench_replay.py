@@ -82,7 +82,9 @@ def test_capacities_keep_tokens_when_the_block_size_changes() -> None:
     assert caps["cpu"] == 8 * 1024**3 // (512 * 131072)
 
 
-def test_default_workload_hits_every_tier_with_the_default_config() -> None:
-    r = replay(generate("mixed", 0), TierKVConfig())
+def test_default_workload_hits_every_tier_of_the_default_deployment() -> None:
+    from tierkv.bench.deployment import default_config
+
+    r = replay(generate("mixed", 0), default_config())
     assert all(r.hit_blocks[t] > 0 for t in ("gpu", "cpu", "ssd")), r.hit_blocks
     assert r.forced_frees == 0

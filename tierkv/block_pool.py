@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Sequence
 from tierkv.errors import OutOfBlocksError
 from tierkv.hashing import BlockHasher
 
-__all__ = ["Block", "FreeBlockQueue", "BlockManager", "Allocation", "Prompt"]
+__all__ = ["Block", "FreeBlockQueue", "BlockManager", "Allocation", "Prompt", "make_prompt"]
 
 
 class Block:
@@ -152,6 +152,32 @@ class Prompt:
     lora_id: str | bytes | int | None = None
 
 
+def make_prompt(hasher: BlockHasher, token_ids: Sequence[int] | None = None, *,
+                block_hashes: Sequence[bytes] | None = None, num_tokens: int | None = None,
+                cache_salt: str | bytes | None = None, lora_id: str | bytes | int | None = None) -> Prompt:
+    """A prompt from ``token_ids`` (hashed with ``hasher``), or from precomputed full-block
+    ``block_hashes`` (``num_tokens`` defaults to ``len(block_hashes) * block_size``)."""
+    bs = hasher.block_size
+    if (token_ids is None) == (block_hashes is None):
+        raise ValueError("token_ids/block_hashes: pass exactly one of them")
+    if token_ids is not None:
+        tokens = list(token_ids)
+        if not tokens:
+            raise ValueError("token_ids: a request needs at least one token")
+        hashes = hasher.hash_blocks(tokens, cache_salt=cache_salt, lora_id=lora_id)
+        return Prompt(hashes, len(tokens), min((len(tokens) - 1) // bs, len(hashes)), tokens, cache_salt, lora_id)
+    hashes = list(block_hashes)  # type: ignore[arg-type]
+    if len(set(hashes)) != len(hashes):
+        raise ValueError("block_hashes: the same hash appears twice in one request")
+    n = len(hashes) * bs if num_tokens is None else num_tokens
+    if n < 1 or n < len(hashes) * bs - (bs - 1) or not all(isinstance(h, bytes) for h in hashes):
+        raise ValueError(f"block_hashes/num_tokens: {len(hashes)} full block hashes do not fit "
+                         f"{n} tokens of block size {bs} (or a hash is not bytes)")
+    hashes = hashes[: n // bs]
+    cap = len(hashes) if num_tokens is None else min((n - 1) // bs, len(hashes))
+    return Prompt(hashes, n, cap, None, cache_salt, lora_id)
+
+
 @dataclass
 class Allocation:
     """Result of :meth:`BlockManager.allocate`.
@@ -236,28 +262,9 @@ class BlockManager:
     def prompt(self, token_ids: Sequence[int] | None = None, *, block_hashes: Sequence[bytes] | None = None,
                num_tokens: int | None = None, cache_salt: str | bytes | None = None,
                lora_id: str | bytes | int | None = None) -> Prompt:
-        """Hash (or take) a prompt's full blocks. Pass ``token_ids``, or precomputed
-        full-block ``block_hashes`` (``num_tokens`` defaults to ``len(block_hashes) * block_size``)."""
-        if (token_ids is None) == (block_hashes is None):
-            raise ValueError("token_ids/block_hashes: pass exactly one of them")
-        if token_ids is not None:
-            tokens = list(token_ids)
-            if not tokens:
-                raise ValueError("token_ids: a request needs at least one token")
-            hashes = self.hasher.hash_blocks(tokens, cache_salt=cache_salt, lora_id=lora_id)
-            return Prompt(hashes, len(tokens), min((len(tokens) - 1) // self.block_size, len(hashes)),
-                          tokens, cache_salt, lora_id)
-        hashes = list(block_hashes)  # type: ignore[arg-type]
-        if len(set(hashes)) != len(hashes):
-            raise ValueError("block_hashes: the same hash appears twice in one request")
-        n = len(hashes) * self.block_size if num_tokens is None else num_tokens
-        if n < 1 or n < len(hashes) * self.block_size - (self.block_size - 1) or not all(
-                isinstance(h, bytes) for h in hashes):
-            raise ValueError(f"block_hashes/num_tokens: {len(hashes)} full block hashes do not fit "
-                             f"{n} tokens of block size {self.block_size} (or a hash is not bytes)")
-        hashes = hashes[: n // self.block_size]
-        cap = len(hashes) if num_tokens is None else min((n - 1) // self.block_size, len(hashes))
-        return Prompt(hashes, n, cap, None, cache_salt, lora_id)
+        """Hash (or take) a prompt's full blocks (see :func:`make_prompt`)."""
+        return make_prompt(self.hasher, token_ids, block_hashes=block_hashes, num_tokens=num_tokens,
+                           cache_salt=cache_salt, lora_id=lora_id)
 
     def lookup(self, prompt: Prompt) -> int:
         """How many leading blocks of ``prompt`` the pool holds (at most ``prompt.cap``). Pure."""

@@ -53,24 +53,14 @@ class Progress:
 
 # ------------------------------------------------------------------ bench
 
-# The deployment `tierkv bench` assumes without --config: an 8B model (fp16 KV, 128 KiB per token) on
-# one 48 GB card (22 GiB of KV pool, ~180K tokens), a 64 GiB DRAM tier and a 1 TiB SSD tier.
-BENCH_DEPLOYMENT: dict[str, Any] = {
-    "model": {"name": "llama-3-8b", "layers": 32, "kv_heads": 8, "head_size": 128, "kv_dtype": "fp16"},
-    "gpu": {"capacity": "22GiB"}, "cpu": {"capacity": "64GiB"}, "ssd": {"capacity": "1TiB"},
-}
-
-
-def _load_config(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> Any:
+def _load_config(args: argparse.Namespace) -> Any:
+    from tierkv.bench.deployment import default_config
     from tierkv.config import TierKVConfig
 
     overrides = list(args.set or [])
     if args.config:
         return TierKVConfig.from_yaml(args.config, overrides)
-    base = {k: dict(v) for k, v in (defaults or {}).items()}
-    if any(o.split("=", 1)[0].strip().startswith("gpu.") for o in overrides if isinstance(o, str)):
-        base.pop("gpu", None)  # --set gpu.num_blocks replaces the default pool size, not adds to it
-    return TierKVConfig.from_dict(base, overrides)
+    return default_config(overrides)
 
 
 def _load_trace(args: argparse.Namespace, config: Any, progress: Progress) -> Any:
@@ -110,7 +100,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     progress = Progress(enabled=not args.quiet and (args.progress or sys.stderr.isatty()))
-    config = _load_config(args, BENCH_DEPLOYMENT)
+    config = _load_config(args)
     block_bytes = parse_size(args.payload_block_bytes, "--payload-block-bytes")
     if block_bytes < 1:
         raise ConfigError(f"--payload-block-bytes: must be at least 1 byte, got {args.payload_block_bytes!r}")

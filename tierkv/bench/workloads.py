@@ -5,18 +5,19 @@ ids stand for equal text. Full blocks are chained to their parent the way an
 engine hashes tokens, so two prompts share blocks exactly as long as they
 share a token prefix; the last prompt token is always computed.
 
-Shapes (sized so the default configuration sees hits from every tier):
+Shapes (an hour of traffic, sized so that the default deployment of ``tierkv
+bench`` sees hits from every tier of the mixed workload):
 
 ``chat``
     conversations on one of a few system prompts; each turn's prompt is the
     whole conversation so far plus a new user message; the user thinks for
-    a few seconds to a minute between turns.
+    seconds to many minutes between turns (lognormal, median 2.5 minutes).
 ``rag``
-    a shared instruction, then three documents retrieved from a fixed set
+    a shared instruction, then three documents retrieved from a set of 4,000
     with Zipf popularity, then a question.
 ``agent``
-    a handful of agents with long fixed system prompts (tool descriptions);
-    each task runs several steps, every step appending an action and a tool
+    ten agents with long fixed system prompts (tool descriptions); each task
+    runs several steps, every step appending an action and a tool
     observation.
 ``mixed``
     all three at once.
@@ -35,6 +36,12 @@ __all__ = ["WORKLOADS", "DEFAULT_WORKLOAD", "generate"]
 WORKLOADS = ("chat", "rag", "agent", "mixed")
 DEFAULT_WORKLOAD = "mixed"
 
+# An hour of traffic on the default deployment (tierkv.bench.deployment): every tier serves hits.
+CHAT_SESSIONS, THINK_S = 300, (5.0, 1.3)   # lognormal think time: median 2.5 min, 1 in 10 over 13 min
+RAG_DOCS, RAG_QUERIES = 4000, 1500
+AGENTS, AGENT_TASKS = 10, 80
+DURATION_S = 3600.0
+
 Segments = list[tuple[int, int]]
 Event = tuple[float, Segments, int]   # (arrival s, prompt segments, output tokens)
 
@@ -51,7 +58,7 @@ class _Ids:
 
 def _chat(rng: random.Random, new: _Ids, scale: float, duration: float) -> Iterator[Event]:
     systems = [(new(), rng.randint(150, 500)) for _ in range(3)]
-    for _ in range(int(110 * scale)):
+    for _ in range(int(CHAT_SESSIONS * scale)):
         t = rng.uniform(0, duration)
         prompt: Segments = [rng.choice(systems)]
         for _ in range(rng.randint(2, 8)):
@@ -59,7 +66,7 @@ def _chat(rng: random.Random, new: _Ids, scale: float, duration: float) -> Itera
             out = rng.randint(30, 300)
             yield t, prompt, out
             prompt = prompt + [(new(), out)]
-            t += out * 0.02 + rng.expovariate(1 / 15)
+            t += out * 0.02 + rng.lognormvariate(*THINK_S)  # reading and typing: seconds to many minutes
 
 
 def _zipf_weights(n: int, s: float) -> list[float]:
@@ -68,9 +75,9 @@ def _zipf_weights(n: int, s: float) -> list[float]:
 
 def _rag(rng: random.Random, new: _Ids, scale: float, duration: float) -> Iterator[Event]:
     instruction = (new(), 120)
-    docs = [(new(), rng.randint(200, 700)) for _ in range(400)]
+    docs = [(new(), rng.randint(200, 700)) for _ in range(RAG_DOCS)]
     weights = _zipf_weights(len(docs), 1.1)
-    for _ in range(int(330 * scale)):
+    for _ in range(int(RAG_QUERIES * scale)):
         picked: Segments = []
         while len(picked) < 3:
             d = rng.choices(docs, weights)[0]
@@ -80,8 +87,8 @@ def _rag(rng: random.Random, new: _Ids, scale: float, duration: float) -> Iterat
 
 
 def _agent(rng: random.Random, new: _Ids, scale: float, duration: float) -> Iterator[Event]:
-    systems = [(new(), rng.randint(1500, 3000)) for _ in range(4)]
-    for _ in range(int(40 * scale)):
+    systems = [(new(), rng.randint(1500, 3000)) for _ in range(AGENTS)]
+    for _ in range(int(AGENT_TASKS * scale)):
         t = rng.uniform(0, duration)
         prompt: Segments = [rng.choice(systems), (new(), rng.randint(40, 200))]
         for _ in range(rng.randint(3, 9)):
@@ -120,7 +127,7 @@ def _blocks(b: TraceBuilder, segments: Segments) -> tuple[list[int], int]:
 
 
 def generate(name: str = DEFAULT_WORKLOAD, seed: int = 0, *, block_size: int = 16, scale: float = 1.0,
-             duration_s: float = 600.0) -> Trace:
+             duration_s: float = DURATION_S) -> Trace:
     """A seeded workload as a :class:`Trace` (``scale`` multiplies the number of sessions)."""
     if name not in _SHAPES:
         raise ValueError(f"--workload: expected one of {', '.join(WORKLOADS)}; got {name!r}")

@@ -73,6 +73,13 @@ def paged_attention(
         _check_indices(bt, sl, kc.shape[0], kc.shape[3])
     if q.device.type == "cpu":
         return paged_attention_ref(o, q, kc, vc, bt, sl, scale, k_scale, v_scale)
+    _launch(o, q, kc, vc, bt, sl, (scale, k_scale, v_scale), max_seq_len, version)
+    return o
+
+
+def _launch(o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bt: torch.Tensor,
+            sl: torch.Tensor, scales: tuple[float, float, float], max_seq_len: int | None, version: str) -> None:
+    """Pick v1 or v2 and launch it on the current stream (inputs already validated)."""
     from tierkv.kernels.cuda_attention import choose_v1, paged_attention_cuda
 
     if max_seq_len is None:
@@ -80,8 +87,7 @@ def paged_attention(
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len: {max_seq_len} must be >= 1")
     use_v1 = choose_v1(q.shape[0], q.shape[1], max_seq_len) if version == "auto" else version == "v1"
-    paged_attention_cuda(o, q, kc, vc, bt, sl, scale, k_scale, v_scale, max_seq_len, use_v1)
-    return o
+    paged_attention_cuda(o, q, kc, vc, bt, sl, *scales, max_seq_len, use_v1)
 
 
 def _check_shapes(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bt: torch.Tensor, sl: torch.Tensor) -> None:
