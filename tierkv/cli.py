@@ -238,7 +238,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                      help="spill.admission to replay (default: the config's); 'both' compares them in one report")
     cfg.add_argument("--decode-ms-per-token", type=_finite(0, True), default=20.0,
                      help="a request holds its GPU blocks for output_length x this (default: 20)")
-    cfg.add_argument("--payload", action="store_true", help="move real bytes through the CPU slab and LMDB")
+    cfg.add_argument("--payload", action="store_true", help="move real bytes through the CPU slab and the SSD tier")
     cfg.add_argument("--payload-block-bytes", default="16KiB", help="bytes per block with --payload")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the report as JSON ('-' for stdout)")

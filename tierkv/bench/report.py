@@ -244,7 +244,7 @@ def render_text(r: dict[str, Any]) -> str:
     if rp["payload"]:
         moved = [f"{d} {format_size(v['bytes'])} in {v['seconds']:.2f} s" for d, v in rp["transfer"].items()
                  if v.get("bytes")]
-        out += [f"Payload: real bytes moved through the CPU slab and LMDB ({format_size(rp['payload_block_bytes'])}"
+        out += [f"Payload: real bytes moved through the CPU slab and the SSD tier ({format_size(rp['payload_block_bytes'])}"
                 " per block; times are copy and storage costs at that block size): " + ("; ".join(moved) or "none")]
     out += ["Timings: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["timings_s"].items())]
     return "\n".join(out) + "\n"
