@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Sequence
 
 from tierkv.policy.events import EventCounts, Observer, PolicyEvent
 from tierkv.policy.plans import COMPUTED, SHUTDOWN, LoadPlan, StorePlan
-from tierkv.policy.slot_index import SlotIndex
+from tierkv.policy.holdings import Holdings
 from tierkv.policy.spec import PolicySpec
 
 __all__ = ["TierPolicy", "select_for_shutdown"]
@@ -75,19 +75,13 @@ class TierPolicy:
                  observers: Iterable[Observer] = (), record_events: bool = False) -> None:
         self.spec = spec
         self.clock = clock
-        self.cpu: SlotIndex | None = SlotIndex(spec.cpu_slots) if spec.cpu_slots else None
-        self.ssd: SlotIndex | None = SlotIndex(spec.ssd_slots) if spec.ssd_slots else None
-        self._cpu = self.cpu._slot if self.cpu is not None else {}  # key -> slot, for lookups
-        self._ssd = self.ssd._slot if self.ssd is not None else {}
+        self.holdings = Holdings(spec.cpu_slots, spec.ssd_slots)
+        self.cpu, self.ssd = self.holdings.cpu, self.holdings.ssd
+        self._cpu, self._ssd = self.holdings.in_cpu, self.holdings.in_ssd  # key -> slot, for lookups
         self.counts = EventCounts()
         self._observers: list[Observer] = list(observers)
         self._events: list[PolicyEvent] | None = [] if record_events else None
-        self._pins: dict[int, tuple[list[bytes], list[bytes]]] = {}  # plan -> (CPU keys, SSD keys) it pinned
-        # Keys forgotten while pinned leave at once; their entries live on under a tombstone key
-        # (holding the slot and pins) until the last plan that pinned them completes.
-        self._tombs: tuple[set[bytes], set[bytes]] = (set(), set())  # CPU, SSD
         self._next_plan = 0
-        self._next_tomb = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -165,13 +159,12 @@ class TierPolicy:
         if len(keys) != len(block_ids):
             raise ValueError(f"block_ids: expected {len(keys)} blocks (one per key), got {len(block_ids)}")
         plan = LoadPlan(self._plan_id(), req_id, list(block_ids), list(keys), [], [], [-1] * len(keys))
-        self._pins[plan.plan_id] = ([], [])
         in_cpu, in_ssd = self._cpu, self._ssd
         from_cpu = [k for k in plan.keys if k in in_cpu]
         from_ssd = [k for k in plan.keys if k not in in_cpu and k in in_ssd]
-        cpu_slot = dict(zip(from_cpu, self._pin("cpu", plan.plan_id, from_cpu))) if from_cpu else {}
+        cpu_slot = dict(zip(from_cpu, self.holdings.pin("cpu", plan.plan_id, from_cpu))) if from_cpu else {}
         if from_ssd:
-            self._pin("ssd", plan.plan_id, from_ssd)
+            self.holdings.pin("ssd", plan.plan_id, from_ssd)
         plan.cpu_slots = [cpu_slot.get(k, -1) for k in plan.keys]
         plan.from_ssd = [k not in cpu_slot and k in in_ssd for k in plan.keys]
         now = self.clock()
@@ -190,12 +183,11 @@ class TierPolicy:
     def complete_load(self, plan: LoadPlan, lost: Iterable[tuple[str, bytes]] = ()) -> None:
         """The load finished: release its pins. ``lost``: ``(tier, key)`` the executor
         could not read (forgotten). Exclusive promotion moves loaded CPU blocks up."""
-        self._release(plan.plan_id)
-        lost = list(lost)
+        self.holdings.release(plan.plan_id)
         self.forget_pairs(lost)
-        if self.spec.promotion == "exclusive" and self.cpu is not None:
+        if self.spec.promotion == "exclusive":
             moved = [k for k, s in zip(plan.keys, plan.cpu_slots) if s >= 0]
-            self._drop_keys(self.cpu, "cpu", moved)  # (keys forgotten above are gone already)
+            self.forget("cpu", moved)  # moved up (keys forgotten above are gone already)
 
     # ------------------------------------------------------------------ stores
 
@@ -213,7 +205,6 @@ class TierPolicy:
         if len(keys) != len(block_ids):
             raise ValueError(f"block_ids: expected {len(keys)} blocks (one per key), got {len(block_ids)}")
         plan = StorePlan(self._plan_id(), reason)
-        self._pins[plan.plan_id] = ([], [])
         if not self.spec.admits(reason) or not self.spec.has_lower_tier:
             return plan
         if reason == SHUTDOWN:
@@ -239,7 +230,7 @@ class TierPolicy:
         new = [k for k in offered if k not in cpu_keys] if cpu is not None else []
         slots = self._place_cpu(plan, new, now) if new else {}
         to_ssd = self._ssd_wanted(offered, slots, set(present))
-        placed_ssd = self._place_ssd(plan, to_ssd, now) if to_ssd else set()
+        placed_ssd = self._place_ssd(plan, to_ssd, now) if to_ssd else {}
         stored = [k for k in offered if k in slots or k in placed_ssd]
         plan.keys = stored
         plan.block_ids = [offered[k] for k in stored]
@@ -274,41 +265,28 @@ class TierPolicy:
 
     def complete_store(self, plan: StorePlan, lost: Iterable[tuple[str, bytes]] = ()) -> None:
         """The plan's copies finished: release its pins; forget ``(tier, key)`` that failed."""
-        self._release(plan.plan_id)
+        self.holdings.release(plan.plan_id)
         self.forget_pairs(lost)
 
     # ------------------------------------------------------------------ placement
 
     def _place_cpu(self, plan: StorePlan | LoadPlan, keys: list[bytes], now: float) -> dict[bytes, int]:
         """CPU slots for absent ``keys`` (pinned for the plan); cascades what they evict."""
-        assert self.cpu is not None
-        slots, evicted = self.cpu.allocate_many(keys, pin=True)
+        placed, evicted = self.holdings.place("cpu", plan.plan_id, keys)
         self._cascade(plan, evicted, now)
-        placed = {k: s for k, s in zip(keys, slots) if s is not None}
-        self._pins[plan.plan_id][0].extend(placed)
         self._emit("stored", "cpu", list(placed), now)
         return placed
 
-    def _place_ssd(self, plan: StorePlan | LoadPlan, keys: list[bytes], now: float) -> set[bytes]:
+    def _place_ssd(self, plan: StorePlan | LoadPlan, keys: list[bytes], now: float) -> dict[bytes, int]:
         """Place absent ``keys`` in the SSD tier (pinned for the plan); evictions go in the plan."""
-        assert self.ssd is not None
-        slots, evicted = self.ssd.allocate_many(keys, pin=True)
+        placed, evicted = self.holdings.place("ssd", plan.plan_id, keys)
         gone = [k for k, _ in evicted]
         plan.ssd_evictions.extend(gone)
         self._emit("evicted", "ssd", gone, now)
-        placed = list(keys) if None not in slots else [k for k, s in zip(keys, slots) if s is not None]
-        self._pins[plan.plan_id][1].extend(placed)
-        self._emit("stored", "ssd", placed, now)
+        self._emit("stored", "ssd", list(placed), now)
         if len(placed) < len(keys):
-            self._emit("dropped", "ssd", [k for k, s in zip(keys, slots) if s is None], now)
-        return set(placed)
-
-    def _pin(self, tier: str, plan_id: int, keys: list[bytes]) -> list[int]:
-        """Pin ``keys`` in ``tier`` until the plan completes; returns their slots."""
-        index = self.cpu if tier == "cpu" else self.ssd
-        assert index is not None
-        self._pins[plan_id][tier == "ssd"].extend(keys)
-        return index.pin_many(keys)
+            self._emit("dropped", "ssd", [k for k in keys if k not in placed], now)
+        return placed
 
     def _cascade(self, plan: StorePlan | LoadPlan, evicted: list[tuple[bytes, int]], now: float) -> None:
         """Keys the CPU tier evicted: without write-through they go down to the SSD tier
@@ -332,9 +310,7 @@ class TierPolicy:
         record): they leave it now (a pinned entry keeps its slot until its plans complete)."""
         if tier not in ("cpu", "ssd"):
             raise ValueError(f"tier: expected 'cpu' or 'ssd', got {tier!r}")
-        index = self.cpu if tier == "cpu" else self.ssd
-        if index is not None:
-            self._drop_keys(index, tier, list(keys))
+        self._emit("lost", tier, self.holdings.forget(tier, keys), self.clock())
 
     def forget_pairs(self, lost: Iterable[tuple[str, bytes]]) -> None:
         """:meth:`forget` for ``(tier, key)`` pairs."""
@@ -344,43 +320,12 @@ class TierPolicy:
             if keys:
                 self.forget(tier, keys)
 
-    def _drop_keys(self, index: SlotIndex, tier: str, keys: list[bytes]) -> None:
-        present = [k for k in dict.fromkeys(keys) if k in index]
-        for key in present:
-            if index.pin_count(key):
-                self._bury(index, tier, key)
-            else:
-                index.pop(key)
-        self._emit("lost", tier, present, self.clock())
-
-    def _bury(self, index: SlotIndex, tier: str, key: bytes) -> None:
-        """Move a pinned entry under a tombstone key: ``key`` is gone, its slot stays taken."""
-        self._next_tomb += 1
-        tomb = b"\x00tierkv-tombstone:%d" % self._next_tomb
-        index.rename(key, tomb)
-        side = tier == "ssd"
-        self._tombs[side].add(tomb)
-        for pins in self._pins.values():
-            held = pins[side]
-            if key in held:
-                held[:] = [tomb if k == key else k for k in held]
-
-    def _release(self, plan_id: int) -> None:
-        cpu_keys, ssd_keys = self._pins.pop(plan_id, ((), ()))
-        for index, keys, tombs in ((self.cpu, cpu_keys, self._tombs[0]), (self.ssd, ssd_keys, self._tombs[1])):
-            if not keys:
-                continue
-            assert index is not None
-            index.unpin_many(keys)
-            if tombs:
-                for tomb in [k for k in keys if k in tombs and not index.pin_count(k)]:
-                    tombs.discard(tomb)
-                    index.pop(tomb)
-
     # ------------------------------------------------------------------ events
 
     def _plan_id(self) -> int:
+        """A new plan's id (its pins are recorded from now until it completes)."""
         self._next_plan += 1
+        self.holdings.open(self._next_plan)
         return self._next_plan
 
     def _emit(self, kind: str, tier: str, keys: Sequence[bytes], now: float) -> None:
@@ -404,18 +349,4 @@ class TierPolicy:
 
     def check(self) -> None:
         """Assert the accounting invariants (tests)."""
-        for tier, index in (("cpu", self.cpu), ("ssd", self.ssd)):
-            if index is None:
-                continue
-            index.check()
-            held: dict[bytes, int] = {}
-            for pins in self._pins.values():
-                for key in pins[tier == "ssd"]:
-                    held[key] = held.get(key, 0) + 1
-            for key, n in held.items():
-                assert index.pin_count(key) == n, (
-                    f"{tier} key {key.hex()[:12]}: plans hold {n} pins, the index counts {index.pin_count(key)}")
-            stray = [k for k in index._pins if k not in held]
-            assert not stray, f"{len(stray)} {tier} pins no open plan holds"
-            tombs = self._tombs[tier == "ssd"]
-            assert all(index.pin_count(t) for t in tombs), f"a {tier} tombstone outlived its pins"
+        self.holdings.check()
