@@ -13,6 +13,7 @@ missing or corrupt (so the policy forgets them).
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
@@ -22,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from tierkv.config import TierKVConfig
+from tierkv.config import TierKVConfig, key_paths, read_yaml
 from tierkv.errors import ConfigError
 from tierkv.identity import Fingerprint, model_identity
 from tierkv.policy import LoadPlan, PolicySpec, StorePlan
@@ -57,12 +58,21 @@ def load_config(extra: Mapping[str, Any] | None) -> TierKVConfig:
     if bad:
         raise ConfigError(f"kv_connector_extra_config: keys must be strings, got {bad[0]!r}")
     try:
-        cfg = TierKVConfig.from_yaml(path, overrides) if path is not None else TierKVConfig.from_dict({}, overrides)
-        for key, why in _VLLM_OWNS:
-            cfg.reject((key,), f"not used under vLLM: {why}")
+        data = read_yaml(path) if path is not None else {}
+        _reject_vllm_keys(key_paths(data), f"{path}: ")
+        _reject_vllm_keys(key_paths({}, overrides), "")
+        cfg = TierKVConfig.from_dict(data, overrides)
     except ConfigError as exc:
         raise ConfigError(f"kv_connector_extra_config: {exc}") from None
     return cfg
+
+
+def _reject_vllm_keys(paths: set[str], where: str) -> None:
+    """Keys vLLM decides are errors whatever their value (checked before any value is)."""
+    for key, why in _VLLM_OWNS:
+        hit = sorted(p for p in paths if p == key or p.startswith(key + "."))
+        if hit:
+            raise ConfigError(f"{where}{hit[0]}: not used under vLLM: {why}")
 
 
 def block_nbytes_of(kv_cache_config: "KVCacheConfig") -> int:
@@ -82,7 +92,21 @@ def vllm_fingerprint(cfg: TierKVConfig, vllm_config: "VllmConfig", kv_cache_conf
         dtype=str(mc.dtype), kv_dtype=str(cc.cache_dtype), block_size=int(cc.block_size),
         block_nbytes=block_nbytes_of(kv_cache_config), layers=int(mc.get_num_layers(pc)),
         kv_heads=int(mc.get_num_kv_heads(pc)), head_size=int(mc.get_head_size()), hash=cfg.hash,
-        tp_size=int(pc.tensor_parallel_size), pp_size=int(pc.pipeline_parallel_size))
+        tp_size=int(pc.tensor_parallel_size), pp_size=int(pc.pipeline_parallel_size),
+        variant=_variant(mc))
+
+
+def _variant(mc: Any) -> str:
+    """What vLLM changes about the checkpoint's KV beyond its files: quantization and config overrides."""
+    parts = []
+    if getattr(mc, "quantization", None):
+        parts.append(f"quantization={mc.quantization}")
+    overrides = getattr(mc, "hf_overrides", None)
+    if overrides:
+        text = (json.dumps(overrides, sort_keys=True, default=str) if isinstance(overrides, Mapping)
+                else f"{getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', repr(overrides))}")
+        parts.append(f"hf_overrides={text}")
+    return ";".join(parts)
 
 
 def policy_spec(cfg: TierKVConfig, kv_cache_config: "KVCacheConfig") -> PolicySpec:

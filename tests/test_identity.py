@@ -352,7 +352,7 @@ def test_digest_cache_is_reused(tiny: Path, tmp_path: Path, home: Path, monkeypa
     for name in ("config.json", WEIGHTS):
         real = os.path.realpath(ckpt / name)
         st = os.stat(real)
-        key = f"{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+        key = f"{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
         assert entries[key].startswith(f"xxh3:{st.st_size}:"), (key, entries)
     assert len(entries) == 2  # tokenizer files are neither read nor remembered
     forbid_digests(monkeypatch)
@@ -401,12 +401,9 @@ def test_digest_cache_entry_follows_the_file_version(tiny: Path, tmp_path: Path,
     assert read == [WEIGHTS]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the digest cache keys a file by (path, size, mtime, inode), not ctime: a weight file overwritten "
-    "in place with another checkpoint's bytes of the same size and with its mtime preserved "
-    "(cp -p / rsync --inplace -t / archives with normalised mtimes) keeps the old file's identity, "
-    "so the new weights would be served the old weights' KV"))
 def test_in_place_overwrite_with_preserved_mtime_changes_identity(tiny: Path, tmp_path: Path) -> None:
+    """A weight file overwritten in place with another checkpoint's bytes of the same size, its
+    mtime preserved (cp -p, rsync --inplace -t), is digested again: the ctime moved."""
     ckpt = copy_of(tiny, tmp_path / "ckpt")
     tuned = copy_of(tiny, tmp_path / "tuned")
     bump_one_tensor(tuned / WEIGHTS)

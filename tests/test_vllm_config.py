@@ -96,10 +96,6 @@ def test_rejects_keys_vllm_owns_in_the_config_file(tmp_path: Path, key: str, val
     ("gpu.capacity", "90%"),
     ("block_size", "auto"),
 ])
-@pytest.mark.xfail(strict=True, reason=(
-    "load_config validates a vLLM-owned key's value before rejecting the key: the error is "
-    "'expected one of ...' / 'must be >= 1' (inviting the user to fix the value) instead of "
-    "naming the vLLM flag that owns the key"))
 def test_rejects_keys_vllm_owns_whatever_their_value(key: str, value: Any) -> None:
     msg = _error({key: value})
     assert f"{key}: not used under vLLM" in msg
@@ -201,10 +197,6 @@ def _rope_override(model: str, theta: float) -> dict[str, Any]:
     return {"rope_theta": theta}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "vllm_fingerprint identifies the checkpoint by its files only: vLLM's hf_overrides (here the RoPE "
-    "theta, which rotates every cached key) change the KV but not the fingerprint, so a deployment "
-    "with the override shares blocks with one without it"))
 def test_fingerprint_follows_hf_overrides(model: str, tmp_path: Path) -> None:
     ov = _rope_override(model, 20000.0)
     with _environ_kept():
@@ -215,9 +207,6 @@ def test_fingerprint_follows_hf_overrides(model: str, tmp_path: Path) -> None:
     assert _fingerprint(model, hf_overrides=ov) != _fingerprint(model)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "vllm_fingerprint leaves out vLLM's --quantization: the same checkpoint served with online fp8 "
-    "weight quantization computes other KV (same dtype, same KV layout) but gets the same fingerprint"))
 def test_fingerprint_follows_quantization(model: str) -> None:
     assert _fingerprint(model, quantization="fp8") != _fingerprint(model)
 

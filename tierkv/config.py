@@ -29,6 +29,8 @@ __all__ = [
     "parse_size",
     "format_size",
     "apply_overrides",
+    "read_yaml",
+    "key_paths",
 ]
 
 _UNITS = {
@@ -343,27 +345,11 @@ class TierKVConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], overrides: Mapping[str, Any] | Iterable[str] = ()) -> "TierKVConfig":
-        import yaml
-
-        p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"{p}: config file not found") from None
-        except OSError as e:
-            raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f":{mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{p}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
-        if data is not None and not isinstance(data, Mapping):
-            raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
+        data = read_yaml(path)
         try:
             return cls.from_dict(data, overrides)
         except ConfigError as e:
-            raise ConfigError(f"{p}: {e}") from None
+            raise ConfigError(f"{path}: {e}") from None
 
     def block_nbytes(self) -> int:
         """Bytes of one block (all layers, K and V)."""
@@ -375,6 +361,39 @@ class TierKVConfig:
         out = dataclasses.asdict(self)
         out.pop("explicit", None)
         return out
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The mapping in a YAML config file (empty for an empty file); errors name the file and line."""
+    import yaml
+
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: config file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    if data is not None and not isinstance(data, Mapping):
+        raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
+    return dict(data or {})
+
+
+def key_paths(d: Mapping[str, Any], overrides: Mapping[str, Any] | Iterable[str] = ()) -> set[str]:
+    """The dotted paths a config mapping and its overrides set (before any value is checked)."""
+    def flat(m: Mapping[str, Any]) -> set[str]:
+        paths = {str(k) for k, v in m.items() if not isinstance(v, Mapping) or not v}
+        return paths | {f"{k}.{sub}" for k, v in m.items() if isinstance(v, Mapping) for sub in flat(v)}
+
+    items = flat(overrides) if isinstance(overrides, Mapping) else {
+        str(o).split("=", 1)[0].strip() for o in overrides}
+    return flat(d) | items
 
 
 def _parse_override_value(raw: str) -> Any:

@@ -16,8 +16,11 @@
   ``config.json``: the identity is derived from the weight files' contents
   (the Hugging Face cache's content-addressed blob names when the files come
   from there, else an xxh3-128 digest of each file, computed once per file
-  version and remembered in ``~/.cache/tierkv/model-ids.json``). An explicit
-  ``model.id`` overrides it, for deployments that know better.
+  version and remembered in ``~/.cache/tierkv/model-ids.json``, keyed by path,
+  size, mtime, ctime and inode). An explicit ``model.id`` overrides it, for
+  deployments that know better. (A Hugging Face snapshot and a plain copy of
+  it are identified differently, blob names against content digests: they do
+  not share blocks unless ``model.id`` says they are the same.)
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class Fingerprint:
     hash: str = "sha256"
     tp_size: int = 1
     pp_size: int = 1
+    variant: str = ""  # what the engine changes beyond the files (quantization, config overrides)
     format: int = FORMAT_VERSION
 
     def namespace(self) -> bytes:
@@ -150,7 +154,8 @@ class _DigestCache:
             return blob
         real = os.path.realpath(path)
         st = os.stat(real)
-        key = f"{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+        # ctime too: a rewrite in place that restores the mtime still moves the ctime
+        key = f"{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
         got = self.entries.get(key)
         if got is None:
             if st.st_size > 1024**3:
