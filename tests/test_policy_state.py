@@ -10,20 +10,33 @@ above it were never handed out). From the documented semantics:
   never-used one, else the least recently used unpinned key is evicted and
   its slot reused; a batch never evicts a key it placed itself;
 * pinning takes a key off the LRU list; its last unpin makes it the most
-  recently used (and removes it when it was forgotten meanwhile);
+  recently used;
 * admission: ``on_compute`` takes computed, ``on_evict`` pageout and evicted,
   both shutdown; computed touches the copies below, pageout/evicted skip keys
   any lower tier holds; new keys get CPU slots, CPU evictions spill to the SSD
   tier without write-through; with write-through (or no room in the CPU
-  tier, or no CPU tier) keys the SSD tier lacks go there; shutdown stores the
-  most recent keys the SSD tier lacks, least recent first;
+  tier, or no CPU tier) keys the SSD tier lacks go there;
+* shutdown: the hot set is the ``SSD slots - pinned`` most recent distinct
+  offered keys; the hot keys the SSD tier holds are touched (least recent
+  first), then the hot keys it lacks are placed (least recent first);
+* ``seed_ssd`` keeps the most recent ``ssd_slots`` keys it is given and returns
+  the older ones, then whatever it evicted;
 * loads pin their sources; inclusive promotion gives SSD hits pinned CPU
-  slots; exclusive promotion drops loaded CPU keys at complete_load;
-* forget drops keys now, or at their last unpin when pinned.
+  slots; exclusive promotion drops the loaded CPU keys still present at
+  complete_load;
+* forget (and the ``lost`` reports of complete_*) removes present keys at
+  once, emitting ``lost`` for them only; a pinned one is renamed to the
+  tombstone ``b"\\x00tierkv-tombstone:N"`` (N counts burials across both
+  tiers), which keeps its slot and pins (and moves to the end of the pinned
+  order) until its last unpin pops it; open plans' pins follow the rename.
 
 Every step compares plans, events (kind, tier, keys, time), event counts, the
-order/slots/pins of both tiers, ``lookup``/``holds`` (and that calling them
-changes nothing), the pins of the open plans and ``TierPolicy.check()``.
+order/slots/pins of both tiers (tombstones included), ``lookup``/``holds``
+(and that calling them changes nothing), the pins of the open plans and
+``TierPolicy.check()``. A simulated executor (a dict slab and a dict SSD)
+runs every plan when it is prepared, so in preparation order as the plan
+contract requires: every load must read the bytes of the key it asked for,
+and every key the policy holds must be where the policy says.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ from tierkv.policy import (
 
 KEYS = tuple(bytes([c]) * 2 for c in b"ABCDEFG")  # a small universe, so that keys meet again
 ADMITTED = {"on_compute": ("computed", "shutdown"), "on_evict": ("pageout", "evicted", "shutdown")}
+TOMBSTONE = b"\x00tierkv-tombstone:"
 
 
 # ---------------------------------------------------------------------------- reference model
@@ -56,7 +70,7 @@ class RefTier:
         self.pins: dict[bytes, int] = {}
         self.freed: list[int] = []      # most recently freed last
         self.next_unused = 0
-        self.doomed: set[bytes] = set()  # forgotten while pinned: removed at the last unpin
+        self.tombs: set[bytes] = set()  # forgotten while pinned: popped at the last unpin
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.slot_of
@@ -114,19 +128,21 @@ class RefTier:
             del self.pins[key]
             self.pinned.remove(key)
             self.lru.append(key)
-            if key in self.doomed:
-                self.doomed.discard(key)
+            if key in self.tombs:
+                self.tombs.discard(key)
                 self.remove(key)
 
     def remove(self, key: bytes) -> None:
         self.lru.remove(key)
         self.freed.append(self.slot_of.pop(key))
 
-    def lose(self, key: bytes) -> None:
-        if self.pins.get(key):
-            self.doomed.add(key)
-        elif key in self:
-            self.remove(key)
+    def bury(self, key: bytes, tomb: bytes) -> None:
+        """A pinned ``key`` leaves; ``tomb`` takes its slot and pins (as the last pinned)."""
+        self.slot_of[tomb] = self.slot_of.pop(key)
+        self.pins[tomb] = self.pins.pop(key)
+        self.pinned.remove(key)
+        self.pinned.append(tomb)
+        self.tombs.add(tomb)
 
 
 class RefPolicy:
@@ -139,8 +155,10 @@ class RefPolicy:
         self.cpu, self.ssd = self.tiers["cpu"], self.tiers["ssd"]
         self.events: list[tuple[str, str, tuple[bytes, ...]]] = []
         self.counts = {kind: dict.fromkeys(LOWER_TIERS, 0) for kind in EVENT_KINDS}
-        self.open: dict[int, list[tuple[str, bytes]]] = {}  # plan id -> (tier, key) pins, in pin order
+        self.open: dict[int, list[tuple[str, bytes]]] = {}  # plan id -> (tier, key or tombstone) pins
+        self.buried: dict[bytes, bytes] = {}  # tombstone -> the key it was
         self.last_plan = 0
+        self.last_tomb = 0
 
     # -- helpers
 
@@ -189,10 +207,16 @@ class RefPolicy:
                 for key in keys:
                     tier.touch(key)
 
-    def seed_ssd(self, keys: list[bytes]) -> None:
-        assert self.ssd is not None
-        slots, evicted = self.ssd.place([k for k in dict.fromkeys(keys) if k not in self.ssd])
-        assert None not in slots and not evicted
+    def seed_ssd(self, keys: list[bytes]) -> list[bytes]:
+        """Keep the most recent ``ssd_slots`` of ``keys`` (least recent first); return the
+        older ones, then what placing the kept ones evicted."""
+        if self.ssd is None:
+            return list(keys)
+        new = [k for k in dict.fromkeys(keys) if k not in self.ssd]
+        cut = max(0, len(new) - self.ssd.num_slots)
+        slots, evicted = self.ssd.place(new[cut:])
+        assert None not in slots
+        return new[:cut] + [k for k, _ in evicted]
 
     # -- placement
 
@@ -263,16 +287,21 @@ class RefPolicy:
     def _shutdown(self, plan: StorePlan, block_ids: list[int], keys: list[bytes]) -> StorePlan:
         if self.ssd is None:
             return plan
-        room = self.ssd.num_slots - len(self.ssd.pinned)
-        chosen: list[tuple[int, bytes]] = []
-        for block, key in zip(block_ids, keys):  # most recently used first
-            if len(chosen) < room and key not in self.ssd and key not in [k for _, k in chosen]:
-                chosen.append((block, key))
-        chosen.reverse()
-        placed = self.put_ssd(plan, [k for _, k in chosen])
-        for block, key in chosen:
+        limit = self.ssd.num_slots - len(self.ssd.pinned)
+        hot: dict[bytes, int] = {}  # the most recent distinct offered keys, most recent first
+        for block, key in zip(block_ids, keys):
+            if len(hot) >= limit:
+                break
+            hot.setdefault(key, block)
+        hot_lru_first = list(hot)[::-1]
+        for key in hot_lru_first:
+            if key in self.ssd:
+                self.ssd.touch(key)
+        missing = [k for k in hot_lru_first if k not in self.ssd]
+        placed = self.put_ssd(plan, missing) if missing else []
+        for key in missing:
             if key in placed:
-                plan.add(block, key, -1, True)
+                plan.add(hot[key], key, -1, True)
         return plan
 
     # -- loads
@@ -309,31 +338,77 @@ class RefPolicy:
             self.tiers[tier].unpin(key)
         self.forget_pairs(lost)
         if isinstance(plan, LoadPlan) and self.spec.promotion == "exclusive" and self.cpu is not None:
-            failed = {k for t, k in lost if t == "cpu"}
-            # every loaded CPU key is reported lost, also one the tier already dropped
-            self._drop("cpu", [k for k, s in zip(plan.keys, plan.cpu_slots) if s >= 0 and k not in failed])
+            self._drop("cpu", [k for k, s in zip(plan.keys, plan.cpu_slots) if s >= 0])
 
     def forget(self, tier: str, keys: list[bytes]) -> None:
-        if self.tiers.get(tier) is None:
+        if tier not in LOWER_TIERS:
             raise ValueError(tier)
-        self._drop(tier, [k for k in keys if k in self.tiers[tier]])
+        if self.tiers[tier] is not None:
+            self._drop(tier, keys)
 
     def forget_pairs(self, lost: list[tuple[str, bytes]]) -> None:
         for tier in LOWER_TIERS:
             keys = [k for t, k in lost if t == tier]
-            if keys and self.tiers[tier] is not None:
+            if keys:
                 self.forget(tier, keys)
 
     def _drop(self, tier: str, keys: list[bytes]) -> None:
-        for key in keys:
-            self.tiers[tier].lose(key)
-        self.emit("lost", tier, keys)
+        """``keys`` leave ``tier`` now; a pinned one's entry lives on under a tombstone."""
+        index = self.tiers[tier]
+        present = [k for k in dict.fromkeys(keys) if k in index]
+        for key in present:
+            if not index.pins.get(key):
+                index.remove(key)
+                continue
+            self.last_tomb += 1
+            tomb = TOMBSTONE + str(self.last_tomb).encode()
+            index.bury(key, tomb)
+            self.buried[tomb] = key
+            for pins in self.open.values():
+                pins[:] = [(t, tomb if (t, k) == (tier, key) else k) for t, k in pins]
+        self.emit("lost", tier, present)
+
+
+# ---------------------------------------------------------------------------- a simulated executor
+
+
+class SimExecutor:
+    """Runs plans on a dict slab (slot -> the key whose bytes it holds) and a dict SSD
+    (key -> the key whose bytes its record holds), one plan at a time, each in the
+    order the plan contract gives (spills, SSD evictions, copies). A device block of
+    key k holds k's bytes."""
+
+    def __init__(self) -> None:
+        self.slab: dict[int, bytes] = {}
+        self.disk: dict[bytes, bytes] = {}
+
+    def run(self, plan: StorePlan | LoadPlan) -> None:
+        for slot, key in plan.spills:
+            assert self.slab.get(slot) == key, f"spill of {key!r} from slot {slot} holding {self.slab.get(slot)!r}"
+            self.disk[key] = self.slab[slot]
+        for key in plan.ssd_evictions:
+            self.disk.pop(key, None)
+        if isinstance(plan, StorePlan):
+            for key, slot, to_ssd in zip(plan.keys, plan.cpu_slots, plan.to_ssd):
+                if slot >= 0:
+                    self.slab[slot] = key
+                if to_ssd:
+                    self.disk[key] = key
+            return
+        for key, slot, from_ssd, promote in zip(plan.keys, plan.cpu_slots, plan.from_ssd, plan.promote_slots):
+            if slot >= 0:
+                assert self.slab.get(slot) == key, f"load of {key!r} read slot {slot} holding {self.slab.get(slot)!r}"
+            elif from_ssd:
+                assert self.disk.get(key) == key, f"load of {key!r} from the SSD found {self.disk.get(key)!r}"
+                if promote >= 0:
+                    self.slab[promote] = self.disk[key]
 
 
 # ---------------------------------------------------------------------------- the machine
 
 key_lists = st.lists(st.sampled_from(KEYS), max_size=5)
 unique_keys = st.lists(st.sampled_from(KEYS), max_size=5, unique=True)
+seed_lists = st.lists(st.sampled_from(KEYS), max_size=7)
 
 
 class PolicyMachine(RuleBasedStateMachine):
@@ -348,19 +423,22 @@ class PolicyMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.next_block = 0
         self.open: list[StorePlan | LoadPlan] = []
+        self.sim = SimExecutor()
 
-    @initialize(cpu=st.integers(0, 4), ssd=st.integers(0, 4), seed=unique_keys)
-    def setup(self, cpu: int, ssd: int, seed: list[bytes]) -> None:
+    @initialize(cpu=st.integers(0, 4), ssd=st.integers(0, 4), seed=seed_lists, reseed=seed_lists)
+    def setup(self, cpu: int, ssd: int, seed: list[bytes], reseed: list[bytes]) -> None:
         spec = PolicySpec(cpu_slots=cpu, ssd_slots=ssd, admission=self.ADMISSION, promotion=self.PROMOTION,
                           write_through=self.WRITE_THROUGH, pageout_blocks=1 if self.ADMISSION == "on_evict" else 0)
         self.policy = TierPolicy(spec, clock=lambda: self.now, record_events=True)
         self.ref = RefPolicy(spec)
         assert [self.policy.admits(r) for r in STORE_REASONS] == [r in ADMITTED[self.ADMISSION]
                                                                    for r in STORE_REASONS]
-        if ssd:
-            seed = seed[:ssd]  # what fits (overflow is covered in test_policy.py)
-            assert self.policy.seed_ssd(seed) == []
-            self.ref.seed_ssd(seed)
+        for keys in (seed, reseed):  # what the SSD tier held at start, least recent first
+            returned = self.policy.seed_ssd(keys)
+            assert returned == self.ref.seed_ssd(keys)
+            for key in returned:
+                self.sim.disk.pop(key, None)  # the caller deletes them
+            self.sim.disk.update((k, k) for k in keys if k not in returned)
         assert self.policy.take_events() == []
 
     # -- helpers
@@ -382,6 +460,7 @@ class PolicyMachine(RuleBasedStateMachine):
         plan = self.policy.prepare_store(block_ids, keys, reason)
         expected = self.ref.prepare_store(block_ids, keys, reason)
         assert plan == expected
+        self.sim.run(plan)
         self.open.append(plan)
         self._compare_events()
 
@@ -402,6 +481,7 @@ class PolicyMachine(RuleBasedStateMachine):
         expected = self.ref.prepare_load(f"r{self.next_block}", keys[:n], block_ids)
         assert plan == expected
         assert plan.tiers() == found + [""] * (n - len(found))
+        self.sim.run(plan)
         self.open.append(plan)
         self._compare_events()
 
@@ -436,12 +516,11 @@ class PolicyMachine(RuleBasedStateMachine):
         self.ref.complete(plan, lost)
         self._compare_events()
 
-    @rule(tier=st.sampled_from(LOWER_TIERS), keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=2,
-                                                          unique=True))
+    @rule(tier=st.sampled_from(LOWER_TIERS + ("gpu",)), keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3))
     def forget(self, tier: str, keys: list[bytes]) -> None:
         self.tick()
-        if self.ref.tiers[tier] is None:
-            with pytest.raises(ValueError):
+        if tier not in LOWER_TIERS:
+            with pytest.raises(ValueError, match=tier):
                 self.policy.forget(tier, keys)
         else:
             self.policy.forget(tier, keys)
@@ -493,7 +572,7 @@ class PolicyMachine(RuleBasedStateMachine):
             assert list(index) == ref.order()
             assert index.lru_keys() == ref.lru
             assert {k: index.lookup(k) for k in index} == ref.slot_of
-            assert {k: index.pin_count(k) for k in KEYS if index.pin_count(k)} == ref.pins
+            assert {k: index.pin_count(k) for k in index if index.pin_count(k)} == ref.pins
             assert index.num_free == ref.num_free()
             assert index.num_pinned == len(ref.pinned)
         assert self.policy.occupancy() == {n: len(t.slot_of) if t else 0 for n, t in self.ref.tiers.items()}
@@ -501,32 +580,50 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @invariant()
     def open_plans_hold_their_slots(self) -> None:
-        """Every slot and SSD key an open plan reads or writes is pinned, and no CPU slot
-        is written by two open plans."""
+        """Every slot and SSD key an open plan reads or writes is pinned for it (under a
+        tombstone once forgotten), and no CPU slot is written by two open plans."""
         cpu, ssd = self.policy.cpu, self.policy.ssd
         written: list[int] = []
         for plan in self.open:
+            held = {(t, self.ref.buried.get(k, k)): k for t, k in self.ref.open[plan.plan_id]}
+
+            def pinned(tier: str, key: bytes, slot: int | None = None) -> None:
+                name = held[(tier, key)]
+                index = cpu if tier == "cpu" else ssd
+                assert index.pin_count(name) >= 1
+                if slot is not None:
+                    assert index.lookup(name) == slot
+
             if isinstance(plan, LoadPlan):
                 for key, slot, from_ssd, promote in zip(plan.keys, plan.cpu_slots, plan.from_ssd,
                                                         plan.promote_slots):
                     if slot >= 0:
-                        assert cpu.lookup(key) == slot and cpu.pin_count(key) >= 1
+                        pinned("cpu", key, slot)
                     elif from_ssd:
-                        assert ssd.pin_count(key) >= 1
+                        pinned("ssd", key)
                     if promote >= 0:
-                        assert cpu.lookup(key) == promote and cpu.pin_count(key) >= 1
+                        pinned("cpu", key, promote)
                         written.append(promote)
             else:
                 for key, slot, to_ssd in zip(plan.keys, plan.cpu_slots, plan.to_ssd):
                     if slot >= 0:
-                        assert cpu.lookup(key) == slot and cpu.pin_count(key) >= 1
+                        pinned("cpu", key, slot)
                         written.append(slot)
                     if to_ssd:
-                        assert ssd.pin_count(key) >= 1
+                        pinned("ssd", key)
             for slot, key in plan.spills:
-                assert ssd.pin_count(key) >= 1
+                pinned("ssd", key)
                 assert any(cpu.lookup(k) == slot and cpu.pin_count(k) for k in cpu)
         assert len(written) == len(set(written)), f"a CPU slot written by two open plans: {written}"
+
+    @invariant()
+    def the_executor_holds_what_the_policy_holds(self) -> None:
+        """Plans run in preparation order leave every held key's bytes where the policy says."""
+        for key in KEYS:
+            if self.policy.cpu is not None and key in self.policy.cpu:
+                assert self.sim.slab.get(self.policy.cpu.lookup(key)) == key
+            if self.policy.ssd is not None and key in self.policy.ssd:
+                assert self.sim.disk.get(key) == key
 
 
 MODES = [(a, p, wt) for a in ("on_compute", "on_evict") for p in ("inclusive", "exclusive")
