@@ -316,13 +316,6 @@ def test_exclusive_promotion_moves_loaded_cpu_blocks_out_of_the_cpu_tier() -> No
     assert tiers(policy) == ([], [B, A])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a load that names one SSD-held key twice leaks a CPU pin under inclusive promotion: "
-    "Holdings.place calls SlotIndex.allocate_many(keys, pin=True), which pins the repeated key "
-    "once per occurrence, but records the placed keys as a dict (once), so complete_load "
-    "releases one pin and the promotion slot stays pinned for good (TierPolicy.check fails with "
-    "'1 cpu pins no open plan holds'); prepare_load pins repeated CPU and SSD sources once per "
-    "occurrence and releases them all"))
 def test_a_load_that_names_a_key_twice_releases_every_pin() -> None:
     policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict")
     policy.seed_ssd([A])

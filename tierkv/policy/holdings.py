@@ -55,6 +55,8 @@ class Holdings:
         evicted (key, slot))``. Keys that found no room (every other slot pinned) are not placed."""
         index = self.index(tier)
         assert index is not None
+        if len(set(keys)) != len(keys):
+            keys = list(dict.fromkeys(keys))  # one slot and one pin per key
         slots, evicted = index.allocate_many(keys, pin=True)
         placed = dict(zip(keys, slots)) if None not in slots else {k: s for k, s in zip(keys, slots) if s is not None}
         self._pins[plan_id][tier == "ssd"].extend(placed)

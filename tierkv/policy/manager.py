@@ -315,6 +315,9 @@ class TierPolicy:
     def forget_pairs(self, lost: Iterable[tuple[str, bytes]]) -> None:
         """:meth:`forget` for ``(tier, key)`` pairs."""
         lost = list(lost)
+        unknown = {t for t, _ in lost} - {"cpu", "ssd"}
+        if unknown:
+            raise ValueError(f"lost: tiers are 'cpu' or 'ssd', got {sorted(unknown)}")
         for tier in ("cpu", "ssd"):
             keys = [k for t, k in lost if t == tier]
             if keys:
