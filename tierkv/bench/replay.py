@@ -182,17 +182,22 @@ class _Tracker:
             last[b] = now
 
 
-def _classify(blocks: list[int], before: bytes, hit: int, hittable: int, reasons: dict[str, int]) -> None:
-    for j in range(hit, len(blocks)):
-        s = before[j]
-        if j >= hittable:
-            reasons["last_token"] += 1
-        elif s == _NEVER:
-            reasons["new"] += 1
-        elif s == _CACHED:
-            reasons["prefix_miss" if j > hit else "other"] += 1
-        else:
-            reasons[_STATE_REASON[s]] += 1
+def _classify(before: bytes, hit: int, hittable: int, reasons: dict[str, int]) -> None:
+    """Why each block after the first ``hit`` missed, from its state before the request
+    (``before[j]``): counted per state with ``bytes.count``, no per-block loop."""
+    if hittable < len(before):
+        reasons["last_token"] += len(before) - max(hit, hittable)
+    seg = before[hit:hittable]
+    if not seg:
+        return
+    reasons["new"] += seg.count(_NEVER)
+    cached = seg.count(_CACHED)
+    if cached:  # still cached: unreachable behind an earlier miss, or (the first one) not served
+        first = seg[0] == _CACHED
+        reasons["other"] += first
+        reasons["prefix_miss"] += cached - first
+    for code, reason in _STATE_REASON.items():
+        reasons[reason] += seg.count(code)
 
 
 def _key(block: int) -> bytes:
@@ -274,7 +279,7 @@ class _Replayer:
             return
         before = bytes(map(self.tracker.state.__getitem__, r.blocks))
         hits = self._schedule(str(rid), prompt)
-        _classify(r.blocks, before, hits, r.hittable, self.reasons)
+        _classify(before, hits, r.hittable, self.reasons)
         self.tracker.touch(r.blocks, self.now)
         heapq.heappush(self.running, (r.timestamp + r.output_length * self.opts.decode_s_per_token, rid))
         self.peak = max(self.peak, len(self.running))

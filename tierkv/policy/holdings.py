@@ -51,13 +51,14 @@ class Holdings:
 
     def place(self, tier: str, plan_id: int, keys: list[bytes]
               ) -> tuple[dict[bytes, int], list[tuple[bytes, int]]]:
-        """Slots for absent ``keys`` in ``tier``, pinned for the plan: ``(placed key -> slot,
-        evicted (key, slot))``. Keys that found no room (every other slot pinned) are not placed."""
+        """Slots for ``keys`` the tier does not hold, pinned for the plan: ``(placed key ->
+        slot, evicted (key, slot))``. Keys that found no room (every other slot pinned) are
+        not placed."""
         index = self.index(tier)
         assert index is not None
         if len(set(keys)) != len(keys):
             keys = list(dict.fromkeys(keys))  # one slot and one pin per key
-        slots, evicted = index.allocate_many(keys, pin=True)
+        slots, evicted = index.allocate_absent(keys, pin=True)
         placed = dict(zip(keys, slots)) if None not in slots else {k: s for k, s in zip(keys, slots) if s is not None}
         self._pins[plan_id][tier == "ssd"].extend(placed)
         return placed, evicted  # type: ignore[return-value]

@@ -196,6 +196,12 @@ class SlotIndex:
             self.pin_many([k for k, s in zip(keys, slots) if s is not None])
         return slots, evicted
 
+    def allocate_absent(self, keys: Sequence[bytes], *, pin: bool = False
+                        ) -> tuple[list[int | None], list[tuple[bytes, int]]]:
+        """:meth:`allocate_many` for keys the caller knows are distinct ``bytes`` and absent
+        (not checked: the tier policy's hot path)."""
+        return self._allocate_new(keys, pin)
+
     def _allocate_new(self, keys: Sequence[bytes], pin: bool
                       ) -> tuple[list[int | None], list[tuple[bytes, int]]]:
         """:meth:`allocate_many` for distinct keys that are all absent."""
