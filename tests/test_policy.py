@@ -19,8 +19,10 @@ from tierkv.policy import LoadPlan, PolicySpec, StorePlan, TierPolicy
 from tierkv.policy.manager import select_for_shutdown
 from tierkv.tiers.ssd import capacity_blocks
 
+from policy_sim import TOMBSTONE_PREFIX, SimExecutor
+
 A, B, C, D, E, X, Y, Z = (bytes([c]) * 32 for c in b"ABCDEXYZ")  # block hashes
-TOMB = b"\x00tierkv-tombstone:"  # the key a pinned entry takes when its key is forgotten
+TOMB = TOMBSTONE_PREFIX  # the key a pinned entry takes when its key is forgotten (+ a counter)
 
 
 def make(**spec) -> TierPolicy:
@@ -41,47 +43,6 @@ def stored(policy: TierPolicy, keys: list[bytes], reason: str = "computed") -> S
 def tiers(policy: TierPolicy) -> tuple[list[bytes], list[bytes]]:
     """Keys of each tier in eviction order (unpinned least recently used first, then pinned)."""
     return (list(policy.cpu) if policy.cpu else [], list(policy.ssd) if policy.ssd else [])
-
-
-class SimExecutor:
-    """Applies plans to a dict slab (slot -> whose bytes it holds) and a dict SSD tier
-    (key -> whose bytes its record holds), each plan in the contract's order: spills,
-    SSD evictions, copies. A device block offered for key k holds k's bytes."""
-
-    def __init__(self, ssd: list[bytes] = ()) -> None:
-        self.slab: dict[int, bytes] = {}
-        self.disk: dict[bytes, bytes] = {k: k for k in ssd}
-
-    def run(self, plan: StorePlan | LoadPlan) -> list[bytes | None]:
-        """Execute ``plan``; for a load, the bytes each of its device blocks received."""
-        for slot, key in plan.spills:
-            self.disk[key] = self.slab.get(slot)
-        for key in plan.ssd_evictions:
-            self.disk.pop(key, None)
-        if isinstance(plan, StorePlan):
-            for key, slot, to_ssd in zip(plan.keys, plan.cpu_slots, plan.to_ssd):
-                if slot >= 0:
-                    self.slab[slot] = key
-                if to_ssd:
-                    self.disk[key] = key
-            return []
-        got: list[bytes | None] = []
-        for slot, from_ssd, promote, key in zip(plan.cpu_slots, plan.from_ssd, plan.promote_slots, plan.keys):
-            if slot >= 0:
-                got.append(self.slab.get(slot))
-            elif from_ssd:
-                got.append(self.disk.get(key))
-                if promote >= 0:
-                    self.slab[promote] = got[-1]
-            else:
-                got.append(None)
-        return got
-
-    def misplaced(self, policy: TierPolicy) -> list[tuple[str, bytes]]:
-        """``(tier, key)`` the policy holds whose bytes are not where it says."""
-        out = [("cpu", k) for k in (policy.cpu or ()) if not k.startswith(TOMB)
-               and self.slab.get(policy.cpu.lookup(k)) != k]
-        return out + [("ssd", k) for k in (policy.ssd or ()) if not k.startswith(TOMB) and self.disk.get(k) != k]
 
 
 # ---------------------------------------------------------------------------- admission

@@ -51,9 +51,10 @@ from tierkv.policy import (
     COMPUTED, EVENT_KINDS, LOWER_TIERS, SHUTDOWN, STORE_REASONS, LoadPlan, PolicySpec, StorePlan, TierPolicy,
 )
 
+from policy_sim import TOMBSTONE_PREFIX, SimExecutor
+
 KEYS = tuple(bytes([c]) * 2 for c in b"ABCDEFG")  # a small universe, so that keys meet again
 ADMITTED = {"on_compute": ("computed", "shutdown"), "on_evict": ("pageout", "evicted", "shutdown")}
-TOMBSTONE = b"\x00tierkv-tombstone:"
 
 
 # ---------------------------------------------------------------------------- reference model
@@ -361,47 +362,12 @@ class RefPolicy:
                 index.remove(key)
                 continue
             self.last_tomb += 1
-            tomb = TOMBSTONE + str(self.last_tomb).encode()
+            tomb = TOMBSTONE_PREFIX + str(self.last_tomb).encode()
             index.bury(key, tomb)
             self.buried[tomb] = key
             for pins in self.open.values():
                 pins[:] = [(t, tomb if (t, k) == (tier, key) else k) for t, k in pins]
         self.emit("lost", tier, present)
-
-
-# ---------------------------------------------------------------------------- a simulated executor
-
-
-class SimExecutor:
-    """Runs plans on a dict slab (slot -> the key whose bytes it holds) and a dict SSD
-    (key -> the key whose bytes its record holds), one plan at a time, each in the
-    order the plan contract gives (spills, SSD evictions, copies). A device block of
-    key k holds k's bytes."""
-
-    def __init__(self) -> None:
-        self.slab: dict[int, bytes] = {}
-        self.disk: dict[bytes, bytes] = {}
-
-    def run(self, plan: StorePlan | LoadPlan) -> None:
-        for slot, key in plan.spills:
-            assert self.slab.get(slot) == key, f"spill of {key!r} from slot {slot} holding {self.slab.get(slot)!r}"
-            self.disk[key] = self.slab[slot]
-        for key in plan.ssd_evictions:
-            self.disk.pop(key, None)
-        if isinstance(plan, StorePlan):
-            for key, slot, to_ssd in zip(plan.keys, plan.cpu_slots, plan.to_ssd):
-                if slot >= 0:
-                    self.slab[slot] = key
-                if to_ssd:
-                    self.disk[key] = key
-            return
-        for key, slot, from_ssd, promote in zip(plan.keys, plan.cpu_slots, plan.from_ssd, plan.promote_slots):
-            if slot >= 0:
-                assert self.slab.get(slot) == key, f"load of {key!r} read slot {slot} holding {self.slab.get(slot)!r}"
-            elif from_ssd:
-                assert self.disk.get(key) == key, f"load of {key!r} from the SSD found {self.disk.get(key)!r}"
-                if promote >= 0:
-                    self.slab[promote] = self.disk[key]
 
 
 # ---------------------------------------------------------------------------- the machine
@@ -423,7 +389,7 @@ class PolicyMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.next_block = 0
         self.open: list[StorePlan | LoadPlan] = []
-        self.sim = SimExecutor()
+        self.sim = SimExecutor(strict=True)
 
     @initialize(cpu=st.integers(0, 4), ssd=st.integers(0, 4), seed=seed_lists, reseed=seed_lists)
     def setup(self, cpu: int, ssd: int, seed: list[bytes], reseed: list[bytes]) -> None:

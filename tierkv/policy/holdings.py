@@ -19,9 +19,10 @@ from typing import Iterable
 
 from tierkv.policy.slot_index import SlotIndex
 
-__all__ = ["Holdings", "TIERS"]
+__all__ = ["Holdings", "TIERS", "TOMBSTONE_PREFIX"]
 
 TIERS = ("cpu", "ssd")
+TOMBSTONE_PREFIX = b"\x00tierkv-tombstone:"  # + a counter: the key a forgotten pinned entry takes
 
 
 class Holdings:
@@ -91,7 +92,7 @@ class Holdings:
 
     def _bury(self, index: SlotIndex, side: bool, key: bytes) -> None:
         self._next_tomb += 1
-        tomb = b"\x00tierkv-tombstone:%d" % self._next_tomb
+        tomb = TOMBSTONE_PREFIX + b"%d" % self._next_tomb
         index.rename(key, tomb)
         self._tombs[side].add(tomb)
         for pins in self._pins.values():
