@@ -439,6 +439,30 @@ def test_concurrent_reads_during_heavy_eviction_see_exact_bytes(tmp):
     assert s["corrupt_deleted"] == 0 and s["evictions"] > 300 and s["dropped_no_room"] == 0
 
 
+def test_records_of_another_fingerprint_are_reported_at_open_and_evicted_first(tmp, caplog):
+    """A directory written under another fingerprint (an earlier tierkv format version's
+    namespace, another model) opens and serves the new one; the open says how many
+    records it cannot serve, and they are the first the LRU evicts."""
+    cap = 2 * MiB
+    fits = cap // record_footprint(32 + 16, 65536)
+    with SSDTier(tmp, capacity_bytes=cap, fingerprint="tierkv/v1|model=m", compression="none") as tier:
+        fill(tier, range(5))
+    with caplog.at_level(logging.INFO, logger="tierkv.tiers.ssd"):
+        with SSDTier(tmp, capacity_bytes=cap, fingerprint=FP, compression="none") as tier:
+            assert tier.get(k(0)) is None
+            fill(tier, range(100, 100 + fits - 2))
+            s = tier.stats()
+            assert s["evictions"] == 3 and len(list(tier.keys())) == fits - 2
+            assert all(tier.get(k(i)) == rand(65536, i) for i in range(100, 100 + fits - 2))
+    said = [r.getMessage() for r in caplog.records if "other fingerprints" in r.getMessage()]
+    assert len(said) == 1 and "5 of its 5 records" in said[0] and str(tmp) in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tierkv.tiers.ssd"):
+        with SSDTier(tmp, capacity_bytes=cap, fingerprint="tierkv/v1|model=m", compression="none") as tier:
+            assert [tier.get(k(i)) is not None for i in range(5)] == [False] * 3 + [True] * 2
+    assert any(f"{fits - 2} of its {fits} records" in r.getMessage() for r in caplog.records)
+
+
 def test_records_of_an_older_format_are_discarded(tmp, caplog):
     import lmdb
     import msgpack

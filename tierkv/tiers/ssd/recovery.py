@@ -114,7 +114,7 @@ def open_files(path: Path, *, map_size: int, namespace: bytes, about: dict[str, 
     except BaseException:
         index.close()
         raise
-    files = _open_pages(path, index, map_size, health, lost) if ready else None
+    files = _open_pages(path, index, map_size, namespace, health, lost) if ready else None
     if files is None:
         index.close()
     return files
@@ -248,7 +248,7 @@ def _format_of(info: bytes) -> object:
         return None
 
 
-def _open_pages(path: Path, index: Index, map_size: int, health: "Health",
+def _open_pages(path: Path, index: Index, map_size: int, namespace: bytes, health: "Health",
                 lost: "LostKeys") -> Files | None:
     """Open the page file and rebuild its free-space map from the heads."""
     try:
@@ -257,7 +257,7 @@ def _open_pages(path: Path, index: Index, map_size: int, health: "Health",
         health.fail(f"cannot open {BLOCKS}: {exc}")
         return None
     try:
-        return Files(index, pages, _rebuild(index, pages, map_size, health, lost))
+        return Files(index, pages, _rebuild(index, pages, map_size, namespace, health, lost))
     except OSError as exc:
         health.fail(f"cannot open {BLOCKS}: {exc}")
     except Exception as exc:  # IndexFailure, or a head LMDB returns malformed
@@ -266,9 +266,10 @@ def _open_pages(path: Path, index: Index, map_size: int, health: "Health",
     return None
 
 
-def _rebuild(index: Index, pages: PageFile, map_size: int, health: "Health",
+def _rebuild(index: Index, pages: PageFile, map_size: int, namespace: bytes, health: "Health",
              lost: "LostKeys") -> ExtentMap:
-    """Drop records that do not verify, recount the used bytes, free every other page."""
+    """Drop records that do not verify, recount the used bytes, free every other page;
+    say how many records belong to other namespaces (this cache never reads them)."""
     size = pages.size()
     with index.write() as tx:
         good, bad = _survey(tx.heads(), size)
@@ -280,6 +281,12 @@ def _rebuild(index: Index, pages: PageFile, map_size: int, health: "Health",
         health.log_once("corrupt", "deleted %d records whose header or pages do not verify "
                         "at open", len(bad))
         lost.add(bad)
+    foreign = sum(1 for nskey in good if not nskey.startswith(namespace))
+    if foreign:
+        log.info("SSD tier at %s: %d of its %d records belong to other fingerprints (another "
+                 "model, layout or tierkv format version); they are not served here and, "
+                 "unless another cache reads them, are the first the LRU evicts",
+                 health.path, foreign, len(good))
     space = ExtentMap(map_size // PAGE, [(p, n) for p, n, _ in good.values() if n])
     if size > space.high_water * PAGE:
         pages.truncate(space.high_water)
