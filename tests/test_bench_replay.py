@@ -88,3 +88,12 @@ def test_default_workload_hits_every_tier_of_the_default_deployment() -> None:
     r = replay(generate("mixed", 0), default_config())
     assert all(r.hit_blocks[t] > 0 for t in ("gpu", "cpu", "ssd")), r.hit_blocks
     assert r.forced_frees == 0
+
+
+def test_default_deployment_keeps_its_pool_unless_its_size_is_overridden() -> None:
+    from tierkv.bench.deployment import default_config
+
+    assert default_config(["gpu.device=cpu"]).gpu.capacity == 22 * 1024**3
+    sized = default_config(["gpu.num_blocks=64"]).gpu
+    assert (sized.num_blocks, sized.capacity) == (64, None)
+    assert default_config(["gpu.capacity=8GiB"]).gpu.capacity == 8 * 1024**3

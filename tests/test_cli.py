@@ -121,6 +121,16 @@ def test_admission_both_compares_modes_in_one_report(tmp_path: Path) -> None:
     assert cmp["on_compute"]["blocks_written"]["cpu"] > cmp["on_evict"]["blocks_written"]["cpu"]
 
 
+def test_admission_flag_decides_before_the_config_is_checked(tmp_path: Path) -> None:
+    """Keys only on_evict uses are valid with --admission on_evict on the default deployment
+    (whose admission is on_compute), and the report names the mode replayed."""
+    out = tmp_path / "r.json"
+    assert main(["bench", "--workload", "chat", "--admission", "on_evict", "--set", "spill.watermark=0.05",
+                 "--set", "spill.promotion=exclusive", "--json", str(out), "--quiet"]) == 0
+    policy = json.loads(out.read_text())["policy"]
+    assert (policy["admission"], policy["promotion"]) == ("on_evict", "exclusive")
+
+
 @pytest.mark.parametrize("flag", [["--block-size", "-1"], ["--scale", "nan"], ["--scale", "-1"],
                                   ["--decode-ms-per-token", "nan"], ["--payload-block-bytes", "0"],
                                   ["--admission", "sometimes"]])

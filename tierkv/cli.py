@@ -58,6 +58,8 @@ def _load_config(args: argparse.Namespace) -> Any:
     from tierkv.config import TierKVConfig
 
     overrides = list(args.set or [])
+    if getattr(args, "admission", None) in ("on_compute", "on_evict"):  # the flag decides, before checks
+        overrides.append(f"spill.admission={args.admission}")
     if args.config:
         return TierKVConfig.from_yaml(args.config, overrides)
     return default_config(overrides)

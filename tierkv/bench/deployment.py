@@ -3,8 +3,8 @@
 An 8B model (Llama-3-8B's KV layout, fp16: 128 KiB per token) served by vLLM on
 one 48 GB card: 22 GiB of KV pool (about 180K tokens, enough for long-context
 requests), a 64 GiB DRAM tier and a 1 TiB SSD tier, with the library's
-default placement rules. ``--set`` overrides any of it (``--set gpu.*``
-replaces the pool size rather than adding to it).
+default placement rules. ``--set`` overrides any of it (``--set
+gpu.num_blocks`` replaces the pool's capacity).
 """
 
 from __future__ import annotations
@@ -25,6 +25,6 @@ def default_config(overrides: Iterable[str] = ()) -> TierKVConfig:
     """The default deployment with ``--set`` style overrides applied."""
     overrides = list(overrides)
     base = {k: dict(v) for k, v in DEFAULT_DEPLOYMENT.items()}
-    if any(isinstance(o, str) and o.split("=", 1)[0].strip().startswith("gpu.") for o in overrides):
-        base.pop("gpu")  # one pool size: num_blocks and capacity are exclusive
+    if any(isinstance(o, str) and o.split("=", 1)[0].strip() == "gpu.num_blocks" for o in overrides):
+        base["gpu"].pop("capacity")  # one pool size: num_blocks and capacity are exclusive
     return TierKVConfig.from_dict(base, overrides)
