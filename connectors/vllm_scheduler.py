@@ -375,9 +375,8 @@ class TierKVScheduler:
     def _finish_load(self, plan: LoadPlan, lost: set[tuple[str, bytes]]) -> None:
         """The workers finished a load: loaded blocks are resident; from the first block that
         failed on, vLLM recomputes, and those blocks are offered as computed then."""
-        self.policy.complete_load(plan, lost)
-        failed = {k for _, k in lost}
-        loaded = next((i for i, k in enumerate(plan.keys) if k in failed or not plan.tiers()[i]), len(plan))
+        loaded = plan.loaded(lost)
+        self.policy.complete_load(plan, lost, loaded)
         for tier in plan.tiers()[:loaded]:
             self._hits[tier] += 1
         self._add_resident(plan.block_ids[:loaded], plan.keys[:loaded])
@@ -395,7 +394,7 @@ class TierKVScheduler:
         if pending:  # not handed to the workers yet: cancel it
             self._loads = [p for p in self._loads if p.req_id != req_id]
             for plan in pending:
-                self.policy.complete_load(plan)
+                self.policy.complete_load(plan, loaded=0)
             return False, None
         return req_id in self._inflight, None
 

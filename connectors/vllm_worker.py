@@ -280,7 +280,7 @@ class TierKVWorker:
         plan = StorePlan(0, SHUTDOWN)
         for block_id, key in chosen:
             plan.add(block_id, key, -1, True)
-        lost = ex.store(plan, patient=True)
+        lost = ex.store(plan)
         return len(plan) - len(lost)
 
     # ------------------------------------------------------------------ shutdown

@@ -518,6 +518,25 @@ def test_exclusive_loads_of_one_key_move_it_up_once() -> None:
     policy.check()
 
 
+def test_exclusive_promotion_keeps_the_cpu_blocks_a_failed_load_never_delivered() -> None:
+    """The device gets the blocks before the first failure; the CPU blocks after it were
+    not loaded (they are recomputed), so they stay in the CPU tier. A cancelled load moves
+    nothing."""
+    policy = make(cpu_slots=3, ssd_slots=3, admission="on_evict", promotion="exclusive", write_through=False)
+    policy.seed_ssd([A])
+    stored(policy, [B, C], "evicted")
+    load = policy.prepare_load("r", [A, B, C], [1, 2, 3])
+    assert load.tiers() == ["ssd", "cpu", "cpu"] and load.loaded([("ssd", A)]) == 0
+    policy.complete_load(load, [("ssd", A)])
+    assert tiers(policy) == ([B, C], [])
+    cancelled = policy.prepare_load("r2", [B, C], [4, 5])
+    policy.complete_load(cancelled, loaded=0)
+    assert policy.lookup([B, C]) == ["cpu", "cpu"]
+    policy.complete_load(policy.prepare_load("r3", [B, C], [4, 5]))
+    assert policy.lookup([B, C]) == [] and policy.occupancy() == {"cpu": 0, "ssd": 0}
+    policy.check()
+
+
 def test_a_forgotten_pinned_key_is_not_found_by_lookup() -> None:
     """Nor does a load pin it again (which would extend its stay)."""
     policy = make(cpu_slots=2)

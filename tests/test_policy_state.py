@@ -23,7 +23,7 @@ above it were never handed out). From the documented semantics:
   the older ones, then whatever it evicted;
 * loads pin their sources; inclusive promotion gives SSD hits pinned CPU
   slots; exclusive promotion drops the loaded CPU keys still present at
-  complete_load;
+  complete_load (those before the first block that failed or was held nowhere);
 * forget (and the ``lost`` reports of complete_*) removes present keys at
   once, emitting ``lost`` for them only; a pinned one is renamed to the
   tombstone ``b"\\x00tierkv-tombstone:N"`` (N counts burials across both
@@ -339,7 +339,10 @@ class RefPolicy:
             self.tiers[tier].unpin(key)
         self.forget_pairs(lost)
         if isinstance(plan, LoadPlan) and self.spec.promotion == "exclusive" and self.cpu is not None:
-            self._drop("cpu", [k for k, s in zip(plan.keys, plan.cpu_slots) if s >= 0])
+            failed = {k for _, k in lost}  # the device got the blocks before the first failure
+            rows = list(zip(plan.keys, plan.cpu_slots, plan.from_ssd))
+            n = next((i for i, (k, s, f) in enumerate(rows) if k in failed or (s < 0 and not f)), len(rows))
+            self._drop("cpu", [k for k, s, _ in rows[:n] if s >= 0])
 
     def forget(self, tier: str, keys: list[bytes]) -> None:
         if tier not in LOWER_TIERS:

@@ -1,6 +1,7 @@
 """TieredKVCache on the CPU device with a real CPU slab and a real LMDB SSD tier."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import urllib.request
@@ -282,3 +283,16 @@ def test_cuda_pool_every_hit_is_byte_exact(tmp_path):
                 hits[t] += n
             cache.free(rid)
     assert all(hits.values()), hits
+
+
+def test_close_persists_the_whole_hot_set_through_a_small_ssd_queue(tmp_path):
+    """The shutdown store waits for a full SSD write queue instead of dropping blocks."""
+    toks = list(range(60 * BS + 1))  # 60 full blocks, all GPU-resident at close
+    cfg = config(tmp_path, gpu=64, cpu=1, ssd="16MiB", admission="on_evict")
+    cfg = dataclasses.replace(cfg, ssd=dataclasses.replace(cfg.ssd, queue_capacity=2 * NBYTES))
+    with TieredKVCache(cfg) as cache:
+        Driver(cache).run("a", toks)
+        cache.free("a")
+    with TieredKVCache(cfg) as fresh:
+        a = Driver(fresh).run("again", toks)  # byte-exact
+        assert a.hit_blocks == {"gpu": 0, "cpu": 0, "ssd": 60}

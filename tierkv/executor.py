@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
-from tierkv.policy.plans import LoadPlan, StorePlan
+from tierkv.policy.plans import SHUTDOWN, LoadPlan, StorePlan
 
 if TYPE_CHECKING:
     from tierkv.tiers.host import HostSlab
@@ -96,12 +96,14 @@ class Executor:
 
     # ------------------------------------------------------------------ stores
 
-    def store(self, plan: StorePlan, *, patient: bool = False) -> Lost:
+    def store(self, plan: StorePlan) -> Lost:
         """Copy the plan's device blocks down; returns what could not be stored.
 
-        Rows are read in chunks of at most 64 MiB. ``patient`` (a shutdown): an
-        SSD put refused for a full queue waits for the queue to drain and retries.
+        Rows are read in chunks of at most 64 MiB. A shutdown plan is patient: an
+        SSD put refused for a full queue waits for the queue to drain and retries
+        (at any other time a full queue drops the block rather than stall a step).
         """
+        patient = plan.reason == SHUTDOWN
         lost = self.evict(plan.spills, plan.ssd_evictions)
         if not plan.keys:
             return lost
@@ -252,9 +254,8 @@ class NullExecutor(Executor):
     def __init__(self) -> None:
         super().__init__(None, None, None)
 
-    def store(self, plan: StorePlan, *, patient: bool = False) -> Lost:
+    def store(self, plan: StorePlan) -> Lost:
         return []
 
     def load(self, plan: LoadPlan, *, evict: bool = True) -> LoadResult:
-        held = [s >= 0 or f for s, f in zip(plan.cpu_slots, plan.from_ssd)]
-        return LoadResult(held.index(False) if False in held else len(held), [])
+        return LoadResult(plan.loaded(), [])

@@ -213,7 +213,7 @@ class TieredKVCache:
         if result.event is not None:
             for row in load.block_ids[:result.loaded]:
                 self._pending[row] = result.event
-        self.policy.complete_load(load, result.lost)
+        self.policy.complete_load(load, result.lost, result.loaded)
         return result
 
     def commit(self, request_id: str, num_tokens: int | None = None) -> None:

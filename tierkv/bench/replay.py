@@ -340,7 +340,7 @@ class _Replayer:
         for plan, lost in results:
             policy.complete_store(plan, lost)
         if load is not None:
-            policy.complete_load(load, result.lost)
+            policy.complete_load(load, result.lost, loaded)
         self._settle([h for _, h in evicted])
         return loaded
 

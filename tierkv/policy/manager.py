@@ -180,13 +180,18 @@ class TierPolicy:
         plan.promote_slots = [placed.get(k, -1) if s else -1 for k, s in zip(plan.keys, plan.from_ssd)]
         self._emit("dropped", "cpu", [k for k in keys if k not in placed], now)
 
-    def complete_load(self, plan: LoadPlan, lost: Iterable[tuple[str, bytes]] = ()) -> None:
+    def complete_load(self, plan: LoadPlan, lost: Iterable[tuple[str, bytes]] = (),
+                      loaded: int | None = None) -> None:
         """The load finished: release its pins. ``lost``: ``(tier, key)`` the executor
-        could not read (forgotten). Exclusive promotion moves loaded CPU blocks up."""
+        could not read (forgotten). ``loaded``: how many blocks reached the device (by
+        default what ``lost`` leaves, :meth:`LoadPlan.loaded`; 0 for a cancelled load).
+        Exclusive promotion moves the loaded CPU blocks up; the rest stay where they are."""
+        lost = list(lost)
         self.holdings.release(plan.plan_id)
         self.forget_pairs(lost)
         if self.spec.promotion == "exclusive":
-            moved = [k for k, s in zip(plan.keys, plan.cpu_slots) if s >= 0]
+            n = plan.loaded(lost) if loaded is None else loaded
+            moved = [k for k, s in zip(plan.keys[:n], plan.cpu_slots[:n]) if s >= 0]
             self.forget("cpu", moved)  # moved up (keys forgotten above are gone already)
 
     # ------------------------------------------------------------------ stores

@@ -23,6 +23,7 @@ policy prepared them (loads on one first-in-first-out thread).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 __all__ = ["LoadPlan", "StorePlan", "COMPUTED", "PAGEOUT", "EVICTED", "SHUTDOWN", "STORE_REASONS"]
 
@@ -60,6 +61,15 @@ class LoadPlan:
     def tiers(self) -> list[str]:
         """Where each block comes from: ``cpu``, ``ssd`` or ``""`` (not held)."""
         return ["cpu" if s >= 0 else "ssd" if f else "" for s, f in zip(self.cpu_slots, self.from_ssd)]
+
+    def loaded(self, lost: Iterable[tuple[str, bytes]] = ()) -> int:
+        """How many blocks, from the first, a run of this plan delivers: up to the first
+        one held nowhere or named in ``lost`` (``(tier, key)`` the executor could not read)."""
+        failed = {key for _, key in lost}
+        for i, (key, slot, from_ssd) in enumerate(zip(self.keys, self.cpu_slots, self.from_ssd)):
+            if (slot < 0 and not from_ssd) or key in failed:
+                return i
+        return len(self.keys)
 
 
 @dataclass
