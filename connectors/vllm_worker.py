@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from tierkv.config import TierKVConfig
-from tierkv.executor import Executor, LoadResult
+from tierkv.executor import Executor, LoadResult, host_rows
 from tierkv.policy import SHUTDOWN, LoadPlan, StorePlan
 from tierkv.policy.manager import select_for_shutdown
 from tierkv.tiers.host import HostSlab
@@ -136,6 +136,9 @@ class LayoutRows:
         src = torch.from_numpy(np.ascontiguousarray(rows)).to(self.layout.device, non_blocking=True)
         self.layout.scatter(self._index(block_ids), src)
         return None
+
+    def staging(self, n: int) -> np.ndarray:
+        return host_rows(n, self.block_nbytes, pinned=torch.device(self.layout.device).type == "cuda")
 
 
 class TierKVWorker:

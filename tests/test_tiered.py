@@ -7,6 +7,7 @@ import random
 import urllib.request
 
 import pytest
+import numpy as np
 import torch
 
 from tierkv import OutOfBlocksError, TierKVConfig, TieredKVCache
@@ -296,3 +297,22 @@ def test_close_persists_the_whole_hot_set_through_a_small_ssd_queue(tmp_path):
     with TieredKVCache(cfg) as fresh:
         a = Driver(fresh).run("again", toks)  # byte-exact
         assert a.hit_blocks == {"gpu": 0, "cpu": 0, "ssd": 60}
+
+
+def test_load_staging_rows_are_pinned_only_for_a_cuda_pool() -> None:
+    from tierkv.executor import PoolRows
+    from tierkv.transfer import TransferEngine
+
+    rows = PoolRows(TransferEngine(torch.zeros((4, NBYTES), dtype=torch.uint8))).staging(3)
+    assert rows.shape == (3, NBYTES) and rows.dtype == np.uint8
+    assert not torch.from_numpy(rows).is_pinned()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pinned host memory)")
+def test_load_staging_rows_are_pinned_for_a_cuda_pool() -> None:
+    from tierkv.executor import PoolRows
+    from tierkv.transfer import TransferEngine
+
+    rows = PoolRows(TransferEngine(torch.zeros((4, NBYTES), dtype=torch.uint8, device="cuda"))).staging(3)
+    assert torch.from_numpy(rows).is_pinned()  # write_rows copies it up without a second host copy

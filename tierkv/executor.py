@@ -56,6 +56,10 @@ class DeviceRows(Protocol):
         """Copy host ``rows`` into the blocks; returns an event to wait on before the
         blocks are read, or None when the copy is complete."""
 
+    def staging(self, n: int) -> np.ndarray:
+        """Host rows ``[n, block_nbytes]`` uint8 to gather a load into before :meth:`write`
+        (pinned when the device is a GPU, so the copy up needs no second host copy)."""
+
 
 class PoolRows:
     """:class:`DeviceRows` over tierkv's own pool through a :class:`TransferEngine`."""
@@ -69,6 +73,18 @@ class PoolRows:
 
     def write(self, block_ids: Sequence[int], rows: np.ndarray) -> Any:
         return self.engine.write_rows(block_ids, rows)
+
+    def staging(self, n: int) -> np.ndarray:
+        return host_rows(n, self.block_nbytes, pinned=self.engine.cuda)
+
+
+def host_rows(n: int, block_nbytes: int, *, pinned: bool) -> np.ndarray:
+    """``[n, block_nbytes]`` uint8 host rows, in page-locked memory when ``pinned``."""
+    if not pinned:
+        return np.empty((n, block_nbytes), dtype=np.uint8)
+    import torch
+
+    return torch.empty((n, block_nbytes), dtype=torch.uint8, pin_memory=True).numpy()
 
 
 @dataclass
@@ -157,7 +173,7 @@ class Executor:
         ``evict=False``: the caller already ran the plan's spills and evictions."""
         lost = self.evict(plan.spills, plan.ssd_evictions) if evict else []
         n = len(plan)
-        rows = np.empty((n, self.block_nbytes), dtype=np.uint8)
+        rows = self.device.staging(n) if self.device is not None else np.empty((n, self.block_nbytes), np.uint8)
         ok = [False] * n
         lost += self._from_cpu(plan, rows, ok)
         lost += self._from_ssd(plan, rows, ok)

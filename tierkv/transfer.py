@@ -88,7 +88,9 @@ def _scatter(rows: np.ndarray, dst: np.ndarray, dst_rows: Sequence[int]) -> bool
     return True
 
 
-DIRECTIONS = ("gpu->cpu", "cpu->gpu", "ssd->gpu", "ssd->cpu", "cpu->ssd")
+# Copies between the device pool and host memory. What a load read from each tier is
+# counted by the tier policy (``promotions{tier}``), not here.
+DIRECTIONS = ("gpu->cpu", "cpu->gpu")
 
 
 class TransferEngine:
@@ -117,7 +119,7 @@ class TransferEngine:
 
     # ------------------------------------------------------------- device -> host
 
-    def read_rows(self, rows: Sequence[int], direction: str = "gpu->cpu") -> Any:
+    def read_rows(self, rows: Sequence[int]) -> Any:
         """Copy pool rows into a new host tensor ``[len(rows), block_nbytes]``; returns when done."""
         import torch
 
@@ -137,12 +139,12 @@ class TransferEngine:
                 done = torch.cuda.Event()
                 done.record(self.stream)
             done.synchronize()  # this copy only: the bytes must be on the host before the row is reused
-        self.count(direction, out.numel(), time.perf_counter() - t0)
+        self.count("gpu->cpu", out.numel(), time.perf_counter() - t0)
         return out
 
     # ------------------------------------------------------------- host -> device
 
-    def write_rows(self, rows: Sequence[int], data: Any, direction: str = "cpu->gpu") -> Any | None:
+    def write_rows(self, rows: Sequence[int], data: Any) -> Any | None:
         """Copy host rows ``data`` (``[len(rows), block_nbytes]`` uint8) into pool rows.
 
         Returns None when the copy is complete (CPU pool), else a CUDA event
@@ -153,7 +155,7 @@ class TransferEngine:
         t0 = time.perf_counter()
         if not self.cuda:
             copy_rows(data.numpy() if isinstance(data, torch.Tensor) else data, range(len(rows)), self._np, rows)
-            self.count(direction, len(rows) * self.block_nbytes, time.perf_counter() - t0)
+            self.count("cpu->gpu", len(rows) * self.block_nbytes, time.perf_counter() - t0)
             return None
         idx = torch.tensor(list(rows), dtype=torch.int64)
         src = data if isinstance(data, torch.Tensor) else torch.from_numpy(data)
@@ -167,7 +169,7 @@ class TransferEngine:
             done.record(self.stream)
         self._inflight.append((done, src))
         self._reap()
-        self.count(direction, src.numel(), time.perf_counter() - t0)
+        self.count("cpu->gpu", src.numel(), time.perf_counter() - t0)
         return done
 
     @staticmethod
