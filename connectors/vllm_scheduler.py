@@ -39,7 +39,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tierkv.config import TierKVConfig
 from tierkv.hashing import BlockHasher
-from tierkv.metrics import Lifecycle, LifecycleRecorder
+from tierkv.metrics import Lifecycle, LifecycleRecorder, policy_stats
 from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, LoadPlan, StorePlan, TierPolicy
 
 from tierkv.connectors.vllm_common import (
@@ -401,16 +401,10 @@ class TierKVScheduler:
     # ------------------------------------------------------------------ metrics
 
     def stats(self) -> dict[str, Any]:
-        counts = self.policy.counts.snapshot()
-        zero = {"gpu": 0, "cpu": 0, "ssd": 0}
         return {
             "queries": dict(self._queries),
             "hits": {t: {"blocks": b, "tokens": b * self.block_size} for t, b in self._hits.items()},
-            "spills": {**zero, **counts["stored"]}, "promotions": {**zero, **counts["hit"]},
-            "evictions": {**zero, **counts["evicted"]}, "dropped_spills": {**zero, **counts["dropped"]},
-            "corrupt_blocks": {**zero, **counts["lost"]},
-            "occupancy": {"gpu": 0, **self.policy.occupancy()},
-            "capacity_blocks": {"gpu": 0, **self.policy.capacity()},
+            **policy_stats(self.policy),
             "transfer": {},
         }
 

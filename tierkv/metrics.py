@@ -13,7 +13,8 @@ import bisect
 import threading
 from typing import Any, Callable, Iterator
 
-__all__ = ["TIERS", "Histogram", "Lifecycle", "LifecycleRecorder", "TierKVCollector", "start_metrics_server"]
+__all__ = ["TIERS", "Histogram", "Lifecycle", "LifecycleRecorder", "TierKVCollector", "policy_stats",
+           "start_metrics_server"]
 
 TIERS = ("gpu", "cpu", "ssd")
 
@@ -150,6 +151,23 @@ class LifecycleRecorder:
             lc.leave_many(keys, now)
 
 
+def policy_stats(policy: Any, *, gpu_evictions: int = 0, gpu_cached: int = 0, gpu_blocks: int = 0) -> dict[str, Any]:
+    """The per-tier counters of a stats snapshot, from a tier policy's event counts: the
+    same in the library, the vLLM connector and the bench replay. The ``gpu`` entries
+    are the driver's (its pool's evictions, cached blocks and size)."""
+    counts = policy.counts.snapshot()
+    zero = dict.fromkeys(TIERS, 0)
+    return {
+        "spills": {**zero, **counts["stored"]},
+        "promotions": {**zero, **counts["hit"]},
+        "evictions": {**zero, **counts["evicted"], "gpu": gpu_evictions},
+        "dropped_spills": {**zero, **counts["dropped"]},
+        "corrupt_blocks": {**zero, **counts["lost"]},
+        "occupancy": {"gpu": gpu_cached, **policy.occupancy()},
+        "capacity_blocks": {"gpu": gpu_blocks, **policy.capacity()},
+    }
+
+
 class TierKVCollector:
     """Prometheus collector that renders ``snapshot()`` (a TieredKVCache.stats() dict)."""
 
@@ -182,7 +200,8 @@ class TierKVCollector:
         yield per_tier("promotions", "Blocks promoted from a tier into the GPU pool", s["promotions"])
         yield per_tier("evictions", "Blocks evicted from a tier", s["evictions"])
         yield per_tier("dropped_spills", "Spills dropped (full queue, pinned slots, I/O error)", s["dropped_spills"])
-        yield per_tier("corrupt_blocks", "Blocks that failed verification (counted as misses)", s["corrupt_blocks"])
+        yield per_tier("corrupt_blocks", "Blocks a tier lost: failed verification, I/O error or a refused write "
+                       "(counted as misses)", s["corrupt_blocks"])
         yield per_tier("occupancy_blocks", "Blocks held per tier", s["occupancy"], GaugeMetricFamily)
         yield per_tier("capacity_blocks", "Block capacity per tier", s["capacity_blocks"], GaugeMetricFamily)
         moved = CounterMetricFamily("tierkv:transfer_bytes", "Bytes moved between tiers", labels=["direction"])

@@ -44,7 +44,7 @@ from tierkv.config import TierKVConfig
 from tierkv.executor import Executor, LoadResult, PoolRows
 from tierkv.hashing import BlockHasher
 from tierkv.identity import Fingerprint
-from tierkv.metrics import TIERS, Lifecycle, LifecycleRecorder, TierKVCollector
+from tierkv.metrics import TIERS, Lifecycle, LifecycleRecorder, TierKVCollector, policy_stats
 from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, SHUTDOWN, PolicySpec, StorePlan, TierPolicy
 
 __all__ = ["TieredKVCache", "TieredAllocation", "library_fingerprint"]
@@ -302,26 +302,17 @@ class TieredKVCache:
 
     def stats(self) -> dict[str, Any]:
         """A snapshot of every counter (see the README's metrics table)."""
-        counts = self.policy.counts.snapshot()
         ex = self.executor.stats()
-        zero = dict.fromkeys(TIERS, 0)
         out: dict[str, Any] = {
             "queries": dict(self._queries),
             "hits": {t: {"blocks": b, "tokens": b * self.block_size} for t, b in self._hits.items()},
-            "spills": {**zero, **counts["stored"]},
-            "promotions": {**zero, **counts["hit"]},
-            "evictions": {**zero, **counts["evicted"], "gpu": self._gpu_evictions},
-            "dropped_spills": {**zero, **counts["dropped"]},
-            "corrupt_blocks": {**zero, "cpu": ex["load_failures_cpu"], "ssd": ex["load_failures_ssd"]},
-            "lost_blocks": {**zero, **counts["lost"]},
+            **policy_stats(self.policy, gpu_evictions=self._gpu_evictions,
+                           gpu_cached=self.manager.num_cached_blocks, gpu_blocks=self.manager.num_blocks),
             "spills_at_eviction": self._stored_at_eviction,
-            "occupancy": {"gpu": self.manager.num_cached_blocks, **self.policy.occupancy()},
-            "capacity_blocks": {"gpu": self.manager.num_blocks, **self.policy.capacity()},
             "transfer": {d: dict(v) for d, v in self.transfer.moved.items()},
             "executor": ex,
             "lifecycle": {t: lc.samples() for t, lc in self.lifecycle.items()},
         }
-        out["dropped_spills"]["ssd"] += ex["store_failures_ssd"]
         if self.ssd is not None:
             out["ssd"] = self.ssd.stats()
         return out

@@ -48,7 +48,7 @@ from tierkv.config import TierKVConfig
 from tierkv.errors import ConfigError, OutOfBlocksError
 from tierkv.executor import Executor, NullExecutor
 from tierkv.bench.lifelog import LifecycleLog
-from tierkv.metrics import LifecycleRecorder
+from tierkv.metrics import LifecycleRecorder, policy_stats
 from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, LoadPlan, PolicySpec, StorePlan, TierPolicy
 
 if TYPE_CHECKING:
@@ -370,13 +370,9 @@ class _Replayer:
 
     def close(self) -> dict[str, Any]:
         self.finish_until(float("inf"))
-        counts = self.policy.counts.snapshot()
-        zero = dict.fromkeys(TIERS, 0)
-        stats = {"spills": {**zero, **counts["stored"]}, "promotions": {**zero, **counts["hit"]},
-                 "evictions": {**zero, **counts["evicted"], "gpu": self.gpu_evictions},
-                 "dropped_spills": {**zero, **counts["dropped"]}, "corrupt_blocks": {**zero, **counts["lost"]},
+        stats = {**policy_stats(self.policy, gpu_evictions=self.gpu_evictions,
+                                gpu_cached=self.manager.num_cached_blocks, gpu_blocks=self.gpu_blocks),
                  "spills_at_eviction": self.stored_at_eviction,
-                 "occupancy": {"gpu": self.manager.num_cached_blocks, **self.policy.occupancy()},
                  "executor": self.executor.stats(),
                  "lifecycle": {t: lc.samples() for t, lc in self.lifecycle.items()}}
         device = getattr(self.executor.device, "engine", None)
