@@ -43,7 +43,7 @@ from tierkv.metrics import Lifecycle, LifecycleRecorder, policy_stats
 from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, LoadPlan, StorePlan, TierPolicy
 
 from tierkv.connectors.vllm_common import (
-    ResidentDelta,
+    ResidentMap,
     TierKVMetadata,
     TierKVWorkerMetadata,
     block_nbytes_of,
@@ -153,8 +153,7 @@ class TierKVScheduler:
         self._load_lost: dict[str, set[tuple[str, bytes]]] = {}
         self._stores: dict[int, StorePlan] = {}             # handed to the workers, not finished
         self._store_done: Counter = Counter()
-        self._resident: dict[int, bytes] = {}               # vLLM block id -> key, hashed blocks we computed
-        self._delta = ResidentDelta()
+        self._resident = ResidentMap(record=self.policy.ssd is not None)  # the workers' hot set mirrors follow it
         self._observer: PoolObserver | None = None
         self._pool: BlockPool | None = None
         self._manager: KVCacheManager | None = None
@@ -232,10 +231,10 @@ class TierKVScheduler:
         block_ids = blocks.get_block_ids()[0]
         st = self._reqs[req_id]
         keys = st.hashes
-        self._add_resident(block_ids[:first], keys[:first])
+        self._resident.add(block_ids[:first], keys[:first])
         st.handled = max(st.handled, first + num_external_tokens // self.block_size)  # not computed now
         self.policy.touch(keys[:first])
-        self._delta.used.extend(block_ids[:first])
+        self._resident.used(block_ids[:first])
         self._count_query(request, first, num_external_tokens // self.block_size)
         if num_external_tokens == 0:
             return
@@ -273,7 +272,7 @@ class TierKVScheduler:
                 meta.stores.append(self._offer(window, PAGEOUT))
         meta.early_stores = [p for p in meta.early_stores if not self._done_if_empty(p)]
         meta.stores = [p for p in meta.stores if not self._done_if_empty(p)]
-        meta.resident, self._delta = self._delta, ResidentDelta()
+        meta.resident = self._resident.take_delta()
         return meta
 
     def _offer(self, blocks: list[tuple[int, bytes]], reason: str) -> StorePlan:
@@ -296,11 +295,10 @@ class TierKVScheduler:
         if obs.cleared:
             obs.cleared = False
             self._resident.clear()
-            self._delta.cleared = True
-        evicted = [(b, self._resident[b]) for b in obs.evicted if b in self._resident]
+        resident = self._resident.blocks
+        evicted = [(b, resident[b]) for b in obs.evicted if b in resident]
         for block_id in obs.reassigned:
-            if self._resident.pop(block_id, None) is not None:
-                self._delta.dropped.append(block_id)
+            self._resident.drop(block_id)
         obs.evicted, obs.reassigned = [], []
         return evicted
 
@@ -315,12 +313,6 @@ class TierKVScheduler:
             self._full_blocks(req_id, computed + scheduled[req_id], out)
         return out
 
-    def _add_resident(self, block_ids: Sequence[int], keys: Sequence[bytes]) -> None:
-        """These vLLM blocks hold these keys' KV (hashed in vLLM's prefix cache)."""
-        for block_id, key in zip(block_ids, keys):
-            self._resident[block_id] = key
-            self._delta.added.append((block_id, key))
-
     def _full_blocks(self, req_id: str, computed: int, out: list[tuple[int, bytes]]) -> None:
         st = self._reqs.get(req_id)
         if st is None or not _cacheable(st.request):
@@ -333,7 +325,7 @@ class TierKVScheduler:
         hashes = self._hashes(st, full)
         new = list(zip(block_ids[st.handled:full], hashes[st.handled:full]))
         out.extend(new)
-        self._add_resident([b for b, _ in new], [k for _, k in new])
+        self._resident.add([b for b, _ in new], [k for _, k in new])
         st.handled = full
 
     def _free_window(self, n: int) -> list[tuple[int, bytes]]:
@@ -347,7 +339,7 @@ class TierKVScheduler:
         for _ in range(n):
             if block is None or block is tail:
                 break
-            key = self._resident.get(block.block_id) if block.block_hash is not None else None
+            key = self._resident.blocks.get(block.block_id) if block.block_hash is not None else None
             if key is not None:
                 out.append((block.block_id, key))
             block = block.next_free_block
@@ -379,7 +371,7 @@ class TierKVScheduler:
         self.policy.complete_load(plan, lost, loaded)
         for tier in plan.tiers()[:loaded]:
             self._hits[tier] += 1
-        self._add_resident(plan.block_ids[:loaded], plan.keys[:loaded])
+        self._resident.add(plan.block_ids[:loaded], plan.keys[:loaded])
         st = self._reqs.get(plan.req_id)
         if st is not None and loaded < len(plan):
             st.handled = min(st.handled, st.hashes.index(plan.keys[0]) + loaded)

@@ -256,19 +256,8 @@ class TierKVWorker:
     # ------------------------------------------------------------------ hot set
 
     def _mirror_apply(self, delta: ResidentDelta) -> None:
-        if not delta or not self.spec.ssd_slots:
-            return
-        mirror = self._mirror
-        if delta.cleared:
-            mirror.clear()
-        for block_id in delta.dropped:
-            mirror.pop(block_id, None)
-        for block_id, key in delta.added:
-            mirror[block_id] = key
-            mirror.move_to_end(block_id)
-        for block_id in delta.used:
-            if block_id in mirror:
-                mirror.move_to_end(block_id)
+        if delta and self.spec.ssd_slots:
+            delta.apply(self._mirror)
 
     def _mirror_mru(self) -> Iterator[tuple[int, bytes]]:
         return reversed(self._mirror.items())
@@ -279,8 +268,8 @@ class TierKVWorker:
         ex, ssd = self.executor, self.ssd
         if ex is None or ssd is None or not self._mirror:
             return 0
-        chosen, _ = select_for_shutdown(self._mirror_mru(), ssd.__contains__, self.spec.ssd_slots)
-        plan = StorePlan(0, SHUTDOWN)
+        chosen, held = select_for_shutdown(self._mirror_mru(), ssd.__contains__, self.spec.ssd_slots)
+        plan = StorePlan(0, SHUTDOWN, ssd_touches=held)
         for block_id, key in chosen:
             plan.add(block_id, key, -1, True)
         lost = ex.store(plan)

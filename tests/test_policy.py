@@ -340,7 +340,8 @@ def test_shutdown_keeps_the_most_recent_offered_blocks() -> None:
     policy = make(ssd_slots=2, admission="on_evict")
     policy.seed_ssd([X])
     plan = policy.prepare_store([1, 2, 3], [A, X, B], "shutdown")
-    assert plan == StorePlan(1, "shutdown", block_ids=[1], keys=[A], cpu_slots=[-1], to_ssd=[True])
+    assert plan == StorePlan(1, "shutdown", block_ids=[1], keys=[A], cpu_slots=[-1], to_ssd=[True],
+                             ssd_touches=[X])  # X's recency is refreshed on disk too
     assert events(policy) == [("stored", "ssd", (A,))]
     policy.complete_store(plan)
     assert tiers(policy) == ([], [X, A])
@@ -352,7 +353,7 @@ def test_shutdown_touches_the_hot_keys_the_ssd_tier_holds_before_placing_the_oth
     plan = policy.prepare_store([1, 2, 3, 4], [A, Y, B, X], "shutdown")  # hot: A, Y, B
     # Y, touched first, is not evicted to place B and A: X and Z are
     assert plan == StorePlan(1, "shutdown", block_ids=[3, 1], keys=[B, A], cpu_slots=[-1, -1],
-                             to_ssd=[True, True], ssd_evictions=[X, Z])
+                             to_ssd=[True, True], ssd_evictions=[X, Z], ssd_touches=[Y])
     assert events(policy) == [("evicted", "ssd", (X, Z)), ("stored", "ssd", (B, A))]
     policy.complete_store(plan)
     assert tiers(policy) == ([], [Y, B, A])

@@ -295,9 +295,10 @@ class RefPolicy:
                 break
             hot.setdefault(key, block)
         hot_lru_first = list(hot)[::-1]
-        for key in hot_lru_first:
-            if key in self.ssd:
-                self.ssd.touch(key)
+        held = [k for k in hot_lru_first if k in self.ssd]
+        for key in held:
+            self.ssd.touch(key)
+        plan.ssd_touches.extend(held)  # the executor refreshes them on disk too
         missing = [k for k in hot_lru_first if k not in self.ssd]
         placed = self.put_ssd(plan, missing) if missing else []
         for key in missing:

@@ -837,3 +837,19 @@ def test_bit_rot_after_a_clean_close_cannot_crash_the_opener(tmp_path):
         out = subprocess.run([sys.executable, "-c", _REOPEN, str(path)], capture_output=True, text=True,
                              cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
         assert out.returncode == 0, (seed, out.returncode, out.stderr[-2000:])
+
+
+def test_an_access_to_a_block_still_queued_makes_it_most_recent_once_written(tmp):
+    """touch_many (and a put of a queued key) of blocks not written yet is applied when
+    the batch that writes them commits, not lost before their records exist."""
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP, compression="none") as tier:
+        for i in range(6):
+            tier.put(k(i), rand(65536, i))
+        tier.touch_many([k(1), k(0)])   # queued (a batch lingers before it commits)
+        tier.touch_many([k(99)])        # absent: ignored
+        assert tier.flush()
+        assert list(tier.keys()) == [k(i) for i in (2, 3, 4, 5, 1, 0)]
+    with SSDTier(tmp, capacity_bytes=8 * MiB, fingerprint=FP, compression="none") as tier:
+        assert list(tier.keys()) == [k(i) for i in (2, 3, 4, 5, 1, 0)]
+        tier.touch_many([k(2)])
+        assert tier.flush() and list(tier.keys())[-1] == k(2)

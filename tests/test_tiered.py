@@ -316,3 +316,21 @@ def test_load_staging_rows_are_pinned_for_a_cuda_pool() -> None:
 
     rows = PoolRows(TransferEngine(torch.zeros((4, NBYTES), dtype=torch.uint8, device="cuda"))).staging(3)
     assert torch.from_numpy(rows).is_pinned()  # write_rows copies it up without a second host copy
+
+
+def test_close_leaves_the_hot_set_most_recent_on_disk(tmp_path):
+    """Blocks stored when computed and hit on the GPU ever since (a shared system prompt)
+    are the oldest records on disk until close() refreshes them: a new cache's SSD tier
+    then lists them as most recently used, so new traffic evicts colder records first."""
+    system = list(range(1000, 1032))  # 8 full blocks, stored at once (on_compute)
+    with TieredKVCache(config(tmp_path, gpu=24, cpu=1)) as cache:
+        d = Driver(cache)
+        for u in range(12):  # each user's own blocks are stored after the system prompt's
+            d.run(f"u{u}", system + [50_000 + 100 * u + i for i in range(9)])
+            cache.free(f"u{u}")
+        d.run("last", system + [1])
+        cache.free("last")
+        system_keys = cache.hasher.hash_blocks(system)
+    with TieredKVCache(config(tmp_path, gpu=24, cpu=1)) as fresh:
+        on_disk = list(fresh.ssd.keys())
+        assert set(system_keys) <= set(on_disk) and on_disk[-8:] == system_keys[::-1]  # the head is evicted last

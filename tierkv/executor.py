@@ -121,6 +121,8 @@ class Executor:
         """
         patient = plan.reason == SHUTDOWN
         lost = self.evict(plan.spills, plan.ssd_evictions)
+        if plan.ssd_touches and self.ssd is not None:
+            self._safely("touch_many", self.ssd.touch_many, plan.ssd_touches)
         if not plan.keys:
             return lost
         assert self.device is not None, "a store plan needs a device"

@@ -262,7 +262,8 @@ class TierPolicy:
             return
         chosen, held = select_for_shutdown(zip(block_ids, keys), self._ssd.__contains__,
                                            ssd.num_slots - ssd.num_pinned)
-        ssd.touch_many(held)  # hot blocks already stored are kept
+        ssd.touch_many(held)  # hot blocks already stored are kept, here and on disk
+        plan.ssd_touches.extend(held)
         placed = self._place_ssd(plan, [k for _, k in chosen], self.clock())
         for block, key in chosen:
             if key in placed:

@@ -75,7 +75,8 @@ class LoadPlan:
 @dataclass
 class StorePlan:
     """Copy device blocks down (parallel lists): into slab slot ``cpu_slots[i]`` when
-    ``>= 0``, and to the SSD tier when ``to_ssd[i]``."""
+    ``>= 0``, and to the SSD tier when ``to_ssd[i]``. ``ssd_touches``: keys the SSD tier
+    holds whose recency to refresh, least recently used first (a shutdown's hot set)."""
 
     plan_id: int
     reason: str
@@ -85,6 +86,7 @@ class StorePlan:
     to_ssd: list[bool] = field(default_factory=list)
     spills: list[tuple[int, bytes]] = field(default_factory=list)
     ssd_evictions: list[bytes] = field(default_factory=list)
+    ssd_touches: list[bytes] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -97,4 +99,4 @@ class StorePlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.keys or self.spills or self.ssd_evictions)
+        return not (self.keys or self.spills or self.ssd_evictions or self.ssd_touches)

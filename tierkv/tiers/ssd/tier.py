@@ -178,6 +178,17 @@ class SSDTier:
         if nskeys and self._health.usable():
             self._queue.discard(nskeys)
 
+    def touch_many(self, keys: Iterable[bytes]) -> None:
+        """Record an access to each key (absent ones are ignored), in order, so the last
+        is the most recently used; persisted with the writer's next transaction."""
+        files = self._live()
+        if files is None:
+            return
+        for key in keys:
+            nskey = self._ns + _check_key(key, "keys")
+            if self._present(files, nskey):
+                self._queue.touch(nskey)
+
     def take_lost(self) -> list[bytes]:
         """Keys of this fingerprint the tier dropped on its own since the last call.
 
@@ -251,14 +262,15 @@ class SSDTier:
         files = self._live()
         if files is None:
             return iter(())
+        discarding = self._queue.discarding
         try:
-            nskeys = files.index.keys_lru(self._ns)
+            with self._queue.cond:  # a deletion is committed either before this read or after the check
+                nskeys = files.index.keys_lru(self._ns)
+                return iter([k[NS_LEN:] for k in nskeys if not discarding(k)])
         except IndexFailure as exc:
             self._health.count("read_errors")
             self._health.log_once("read", "read failed, reporting misses: %s", exc)
             return iter(())
-        discarding = self._queue.discarding
-        return iter([k[NS_LEN:] for k in nskeys if not discarding(k)])
 
     # ================================================================== lifecycle
 

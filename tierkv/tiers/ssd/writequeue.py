@@ -218,10 +218,11 @@ class WriteQueue:
             self.cond.wait_for(self._has_work, idle_s)
             self.cond.wait_for(self._batch_ready, linger_s)
             batch, ticket = self._take_batch()
-            touched, self._touched = list(self._touched), {}
+            touched = self._take_touched()
             bad, self._bad = list(self._bad), {}
-            discards, self._discards = list(self._discards), {}
-            self._discarding.update(dict.fromkeys(discards))
+            discards = list(self._discards)
+            self._discarding.update(dict.fromkeys(discards))  # first: lock-free readers see one of the two
+            self._discards = {}
             stop = self._stop and not self._queue
         return Work(batch, touched, bad, discards, ticket, stop)
 
@@ -296,6 +297,18 @@ class WriteQueue:
                 size += len(item.raw)
         done = not queue and self._flush_req > self._flush_done
         return batch, (self._flush_req if done else 0)
+
+    def _take_touched(self) -> list[bytes]:
+        """Accesses to apply now. An access to a block still queued waits for the batch
+        that writes it (applied earlier, it would find no record). Hold ``cond``."""
+        touched, self._touched = list(self._touched), {}  # one C call: readers may add meanwhile
+        pending = self._pending
+        later = [k for k in touched if k in pending and not pending[k].taken]
+        if not later:
+            return touched
+        self._touched.update(dict.fromkeys(later))
+        wait = set(later)
+        return [k for k in touched if k not in wait]
 
     def _recycle(self, raw: bytes | bytearray) -> None:
         """Keep a copy buffer for reuse, up to the queue's capacity in all. Hold ``cond``."""

@@ -182,8 +182,8 @@ class Writer:
 
     def _commit(self, changes: _Changes, extra: int = 0) -> list[Encoded]:
         """One write transaction: deletions, accesses, evictions, then the new bodies and
-        heads. Returns the new records the page file had no room for (all of them or
-        none; everything else is committed either way)."""
+        heads, and the accesses to those. Returns the new records the page file had no
+        room for (all of them or none; everything else is committed either way)."""
         taken: list[tuple[int, int]] = []
         try:
             with self.files.index.write() as tx:
@@ -195,6 +195,10 @@ class Writer:
                 placed = self._place(new, taken)
                 if placed:
                     self._insert(tx, new)
+                    inserted = {e.nskey for e in new}
+                    for nskey in changes.touched:
+                        if nskey in inserted:  # accessed while queued: most recent after all
+                            tx.retouch(nskey)
         except BaseException:
             for extent in taken:
                 self.files.space.free(*extent)
