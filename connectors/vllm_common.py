@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from tierkv.config import TierKVConfig, key_paths, read_yaml
+from tierkv.config import TierKVConfig, first_under, key_paths, read_yaml
 from tierkv.errors import ConfigError
 from tierkv.identity import Fingerprint, model_identity
 from tierkv.policy import LoadPlan, PolicySpec, StorePlan
@@ -70,9 +70,9 @@ def load_config(extra: Mapping[str, Any] | None) -> TierKVConfig:
 def _reject_vllm_keys(paths: set[str], where: str) -> None:
     """Keys vLLM decides are errors whatever their value (checked before any value is)."""
     for key, why in _VLLM_OWNS:
-        hit = sorted(p for p in paths if p == key or p.startswith(key + "."))
-        if hit:
-            raise ConfigError(f"{where}{hit[0]}: not used under vLLM: {why}")
+        hit = first_under(paths, key)
+        if hit is not None:
+            raise ConfigError(f"{where}{hit}: not used under vLLM: {why}")
 
 
 def block_nbytes_of(kv_cache_config: "KVCacheConfig") -> int:

@@ -59,6 +59,34 @@ def test_payload_mode_moves_bytes_with_the_same_hits(tmp_path: Path) -> None:
     assert r.payload_block_bytes == 4096
 
 
+def test_payload_replay_forgets_what_the_ssd_tier_dropped_on_its_own(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record the SSD tier drops by itself (a corrupt page found by its writer, its capacity
+    backstop) is reported through take_lost; the replay, like the library and the connector,
+    forgets it, so the policy never plans a load of it. The drop is injected (it cannot be
+    produced on demand): the tier reports its oldest record, block 1 of [1,2], once."""
+    from tierkv.tiers.ssd import SSDTier
+
+    real = SSDTier.take_lost
+    reported: list[bytes] = []
+
+    def take_lost(self: SSDTier) -> list[bytes]:
+        keys = real(self)
+        self.flush()  # committed records only are listed
+        oldest = next(iter(self.keys()), None)
+        if not reported and oldest is not None:
+            self.discard_many([oldest])
+            reported.append(oldest)
+            keys.append(oldest)
+        return keys
+
+    monkeypatch.setattr(SSDTier, "take_lost", take_lost)
+    r = replay(tiers_trace(), cfg(tmp_path, gpu=2, cpu=2, ssd=2000),
+               ReplayOptions(payload=True, payload_block_bytes=1024))
+    assert reported and r.hit_blocks == {"gpu": 0, "cpu": 0, "ssd": 0}
+    assert r.stats["corrupt_blocks"]["ssd"] == 1
+
+
 def test_running_requests_are_finished_early_when_the_pool_is_full(tmp_path: Path) -> None:
     b = TraceBuilder("t", "mooncake", 4)
     b.add_ids(0.0, [1, 2], 8, 1000)       # runs for 20 s at 20 ms/token

@@ -268,11 +268,10 @@ class SpillConfig:
         wt = d.get("write_through", cls.write_through)
         if not isinstance(wt, bool):
             raise ConfigError(f"{p}.write_through: expected true or false, got {wt!r}")
-        promo = _choice(d.get("promotion", cls.promotion), f"{p}.promotion", ("inclusive", "exclusive"))
-        adm = _choice(d.get("admission", cls.admission), f"{p}.admission", ("on_compute", "on_evict"))
-        if adm == "on_compute" and promo == "exclusive":
-            raise ConfigError(f"{p}.promotion: exclusive needs {p}.admission: on_evict (with on_compute a "
-                              "loaded block is stored again as soon as its request computes)")
+        from tierkv.policy.spec import check_spill_rules
+
+        promo, adm = d.get("promotion", cls.promotion), d.get("admission", cls.admission)
+        check_spill_rules(adm, promo, p)
         if adm == "on_compute" and "watermark" in d:
             raise ConfigError(f"{p}.watermark: only used with {p}.admission: on_evict (on_compute stores "
                               "every block when it is computed; there is nothing to page out)")
@@ -339,9 +338,9 @@ class TierKVConfig:
         """Raise :class:`ConfigError` naming the first of ``keys`` (dotted paths, or a
         section name for all its keys) that was set explicitly, with ``why``."""
         for key in keys:
-            hit = sorted(k for k in self.explicit if k == key or k.startswith(key + "."))
-            if hit:
-                raise ConfigError(f"{hit[0]}: {why}")
+            hit = first_under(self.explicit, key)
+            if hit is not None:
+                raise ConfigError(f"{hit}: {why}")
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], overrides: Mapping[str, Any] | Iterable[str] = ()) -> "TierKVConfig":
@@ -383,6 +382,11 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     if data is not None and not isinstance(data, Mapping):
         raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
     return dict(data or {})
+
+
+def first_under(paths: Iterable[str], key: str) -> str | None:
+    """The first (sorted) of ``paths`` that is ``key`` or lies under it (``key.``...)."""
+    return min((p for p in paths if p == key or p.startswith(key + ".")), default=None)
 
 
 def key_paths(d: Mapping[str, Any], overrides: Mapping[str, Any] | Iterable[str] = ()) -> set[str]:

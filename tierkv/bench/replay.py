@@ -266,6 +266,7 @@ class _Replayer:
 
     def step(self, rid: int) -> None:
         r = self.trace.requests[rid]
+        self.policy.forget_pairs(self.executor.take_lost())  # what the SSD tier dropped on its own
         self.finish_until(r.timestamp)
         self.now = max(self.now, r.timestamp)
         n_tokens = r.input_length if self.trace.token_based else len(r.blocks) * self.trace.block_size

@@ -19,12 +19,24 @@ from tierkv.policy.plans import COMPUTED, EVICTED, PAGEOUT, SHUTDOWN
 if TYPE_CHECKING:
     from tierkv.config import TierKVConfig
 
-__all__ = ["PolicySpec", "ADMISSIONS", "PROMOTIONS", "ON_COMPUTE", "ON_EVICT"]
+__all__ = ["PolicySpec", "ADMISSIONS", "PROMOTIONS", "ON_COMPUTE", "ON_EVICT", "check_spill_rules"]
 
 ON_COMPUTE, ON_EVICT = "on_compute", "on_evict"
 ADMISSIONS = (ON_COMPUTE, ON_EVICT)
 PROMOTIONS = ("inclusive", "exclusive")
 _ADMITTED = {ON_COMPUTE: (COMPUTED, SHUTDOWN), ON_EVICT: (PAGEOUT, EVICTED, SHUTDOWN)}
+
+
+def check_spill_rules(admission: object, promotion: object, section: str = "spill") -> None:
+    """The admission and promotion choices, and which combinations exist (``ConfigError``
+    naming the key under ``section``)."""
+    if admission not in ADMISSIONS:
+        raise ConfigError(f"{section}.admission: expected one of {', '.join(ADMISSIONS)}; got {admission!r}")
+    if promotion not in PROMOTIONS:
+        raise ConfigError(f"{section}.promotion: expected one of {', '.join(PROMOTIONS)}; got {promotion!r}")
+    if admission == ON_COMPUTE and promotion == "exclusive":
+        raise ConfigError(f"{section}.promotion: exclusive needs {section}.admission: on_evict (with on_compute "
+                          "a loaded block is stored again as soon as its request computes)")
 
 
 @dataclass(frozen=True)
@@ -48,19 +60,13 @@ class PolicySpec:
     pageout_blocks: int = 0
 
     def __post_init__(self) -> None:
-        if self.admission not in ADMISSIONS:
-            raise ConfigError(f"spill.admission: expected one of {', '.join(ADMISSIONS)}; got {self.admission!r}")
-        if self.promotion not in PROMOTIONS:
-            raise ConfigError(f"spill.promotion: expected one of {', '.join(PROMOTIONS)}; got {self.promotion!r}")
+        check_spill_rules(self.admission, self.promotion)
         for name in ("cpu_slots", "ssd_slots", "pageout_blocks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}: expected a non-negative integer, got {value!r}")
         if not isinstance(self.write_through, bool):
             raise ConfigError(f"spill.write_through: expected true or false, got {self.write_through!r}")
-        if self.admission == ON_COMPUTE and self.promotion == "exclusive":
-            raise ConfigError("spill.promotion: exclusive needs spill.admission: on_evict (with on_compute a "
-                              "loaded block is stored again as soon as its request computes)")
 
     @classmethod
     def from_config(cls, config: "TierKVConfig", *, block_nbytes: int, gpu_blocks: int) -> "PolicySpec":

@@ -46,13 +46,14 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from tierkv.identity import RECORD_VERSION
+
 __all__ = [
     "RECORD_VERSION", "RAW", "ZSTD", "PLANES", "HEADER", "PAGE", "NS_LEN", "CLOCK", "Header",
     "Codec", "Encoded", "CorruptRecord", "checksum", "split_tail", "body_pages",
     "record_footprint", "capacity_blocks", "namespace_of", "COMPRESSIONS",
 ]
 
-RECORD_VERSION = 2
 RAW, ZSTD, PLANES = 0, 1, 2
 COMPRESSIONS = ("auto", "zstd", "none")
 
