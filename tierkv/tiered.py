@@ -187,7 +187,7 @@ class TieredKVCache:
                                      cache_salt=cache_salt, lora_id=lora_id)
         gpu_hits = self.manager.lookup(prompt)
         below = self.policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
-        self.manager.take_evicted()  # (nothing since the last call)
+        assert not self.manager.take_evicted(), "evictions are stored by the call that made them"
         alloc = self.manager.allocate(request_id, prompt=prompt, num_external=len(below))
         hashes = prompt.hashes
         self.policy.touch(hashes[:gpu_hits])

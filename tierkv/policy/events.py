@@ -45,8 +45,5 @@ class EventCounts:
     def __init__(self) -> None:
         self.counts = {kind: dict.fromkeys(LOWER_TIERS, 0) for kind in EVENT_KINDS}
 
-    def __call__(self, kind: str, tier: str, keys: Sequence[bytes], now: float) -> None:
-        self.counts[kind][tier] += len(keys)
-
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {kind: dict(v) for kind, v in self.counts.items()}

@@ -19,9 +19,8 @@ from typing import Iterable
 
 from tierkv.policy.slot_index import SlotIndex
 
-__all__ = ["Holdings", "TIERS", "TOMBSTONE_PREFIX"]
+__all__ = ["Holdings", "TOMBSTONE_PREFIX"]
 
-TIERS = ("cpu", "ssd")
 TOMBSTONE_PREFIX = b"\x00tierkv-tombstone:"  # + a counter: the key a forgotten pinned entry takes
 
 

@@ -346,9 +346,6 @@ class TierPolicy:
         if self._events is not None:
             self._events.append(PolicyEvent(kind, tier, tuple(keys), now))
 
-    def add_observer(self, observer: Observer) -> None:
-        self._observers.append(observer)
-
     def take_events(self) -> list[PolicyEvent]:
         """Events recorded since the last call (empty unless ``record_events`` is on)."""
         if self._events is None:

@@ -140,7 +140,6 @@ class CPUTier:
         self._slab = HostSlab(self.index.num_slots, block_nbytes, pin_memory=pin_memory)
         self.pinned = self._slab.pinned
         self.slab: torch.Tensor = self._slab.tensor
-        self._np = self._slab.array
         self._counts = dict(puts=0, hits=0, misses=0, evictions=0, dropped_all_pinned=0,
                             evict_callback_errors=0)
 
@@ -167,9 +166,7 @@ class CPUTier:
 
     def view(self, slot: int) -> np.ndarray:
         """Read-only numpy view of one slot's bytes (see the class docstring for its lifetime)."""
-        row = self._np[slot]
-        row.flags.writeable = False
-        return row
+        return self._slab.view(slot)
 
     def stats(self) -> dict[str, int]:
         """Counters plus current occupancy."""
@@ -229,9 +226,10 @@ class CPUTier:
         dropped = _dropped(todo, slots)
         if dropped:
             src = [row for row, slot in zip(src, slots) if slot is not None]
+            todo = [key for key, slot in zip(todo, slots) if slot is not None]
             slots = [slot for slot in slots if slot is not None]
             self._counts["dropped_all_pinned"] += len(dropped)
-        copy_rows(rows, src, self._np, slots)
+        self._slab.write(slots, todo, rows, src)
         self._counts["puts"] += len(src)
         return [k not in dropped for k in keys] if dropped else [True] * len(keys)
 
@@ -254,11 +252,11 @@ class CPUTier:
         slots = self.index.lookup_many(keys)
         if None in slots:
             hit = [s is not None for s in slots]
-            copy_rows(self._np, [s for s in slots if s is not None], dst,
-                      [i for i, s in enumerate(slots) if s is not None])
+            self._slab.read([s for s in slots if s is not None], dst,
+                            [i for i, s in enumerate(slots) if s is not None])
         else:
             hit = [True] * len(keys)
-            copy_rows(self._np, slots, dst, range(len(keys)))
+            self._slab.read(slots, dst, range(len(keys)))
         self.index.touch_many(keys)
         nhit = sum(hit)
         self._counts["hits"] += nhit
