@@ -58,10 +58,10 @@ def load_config(extra: Mapping[str, Any] | None) -> TierKVConfig:
     if bad:
         raise ConfigError(f"kv_connector_extra_config: keys must be strings, got {bad[0]!r}")
     try:
-        data = read_yaml(path) if path is not None else {}
-        _reject_vllm_keys(key_paths(data), f"{path}: ")
+        if path is not None:
+            _reject_vllm_keys(key_paths(read_yaml(path)), f"{path}: ")
         _reject_vllm_keys(key_paths({}, overrides), "")
-        cfg = TierKVConfig.from_dict(data, overrides)
+        cfg = TierKVConfig.from_yaml(path, overrides) if path is not None else TierKVConfig.from_dict({}, overrides)
     except ConfigError as exc:
         raise ConfigError(f"kv_connector_extra_config: {exc}") from None
     return cfg

@@ -235,7 +235,7 @@ class TierKVScheduler:
         st.handled = max(st.handled, first + num_external_tokens // self.block_size)  # not computed now
         self.policy.touch(keys[:first])
         self._resident.used(block_ids[:first])
-        self._count_query(request, first, num_external_tokens // self.block_size)
+        self._count_query(request, first)
         if num_external_tokens == 0:
             return
         assert hits * self.block_size == num_external_tokens, (hits, num_external_tokens)
@@ -244,7 +244,7 @@ class TierKVScheduler:
         tiers = Counter(plan.tiers())
         self._sources[req_id] = {_SOURCES[t]: n * self.block_size for t, n in tiers.items() if t in _SOURCES}
 
-    def _count_query(self, request: "Request", gpu_hits: int, below: int) -> None:
+    def _count_query(self, request: "Request", gpu_hits: int) -> None:
         self._queries["blocks"] += -(-request.num_tokens // self.block_size)
         self._queries["tokens"] += request.num_tokens
         self._hits["gpu"] += gpu_hits
@@ -262,30 +262,26 @@ class TierKVScheduler:
         evicted = self._take_pool_changes()
         policy = self.policy
         if evicted and policy.admits(EVICTED):
-            meta.early_stores.append(self._offer(evicted, EVICTED))
+            self._offer(evicted, EVICTED, meta.early_stores)
         computed = self._computed(scheduler_output)
         if computed and policy.admits(COMPUTED):
-            meta.stores.append(self._offer(computed, COMPUTED))
+            self._offer(computed, COMPUTED, meta.stores)
         if policy.pageout_blocks:
             window = self._free_window(policy.pageout_blocks)
             if window:
-                meta.stores.append(self._offer(window, PAGEOUT))
-        meta.early_stores = [p for p in meta.early_stores if not self._done_if_empty(p)]
-        meta.stores = [p for p in meta.stores if not self._done_if_empty(p)]
+                self._offer(window, PAGEOUT, meta.stores)
         meta.resident = self._resident.take_delta()
         return meta
 
-    def _offer(self, blocks: list[tuple[int, bytes]], reason: str) -> StorePlan:
+    def _offer(self, blocks: list[tuple[int, bytes]], reason: str, plans: list[StorePlan]) -> None:
+        """Plan storing ``blocks``; a plan with work goes to the workers (into ``plans``),
+        an empty one is complete at once."""
         plan = self.policy.prepare_store([b for b, _ in blocks], [k for _, k in blocks], reason)
-        self._stores[plan.plan_id] = plan
-        return plan
-
-    def _done_if_empty(self, plan: StorePlan) -> bool:
         if plan.empty:
-            self._stores.pop(plan.plan_id, None)
             self.policy.complete_store(plan)
-            return True
-        return False
+        else:
+            self._stores[plan.plan_id] = plan
+            plans.append(plan)
 
     def _take_pool_changes(self) -> list[tuple[int, bytes]]:
         """Blocks vLLM evicted since the last step (with our keys); updates the resident map."""

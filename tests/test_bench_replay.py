@@ -125,3 +125,11 @@ def test_default_deployment_keeps_its_pool_unless_its_size_is_overridden() -> No
     sized = default_config(["gpu.num_blocks=64"]).gpu
     assert (sized.num_blocks, sized.capacity) == (64, None)
     assert default_config(["gpu.capacity=8GiB"]).gpu.capacity == 8 * 1024**3
+
+
+@pytest.mark.parametrize("block_bytes", [1024, 4096, 16384, 100_000])
+def test_payload_tiers_hold_as_many_blocks_as_the_replayed_ones(tmp_path: Path, block_bytes: int) -> None:
+    from tierkv.bench.replay import _payload_config
+
+    c = cfg(tmp_path, gpu=8, cpu=5, ssd=3000)
+    assert tier_capacities(_payload_config(c, block_bytes, str(tmp_path))) == tier_capacities(c)

@@ -132,6 +132,13 @@ def test_accepts_a_config_file_with_overrides(tmp_path: Path) -> None:
         (1024**3, "override", 9400, 0)
 
 
+def test_a_bad_value_in_the_config_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "tierkv.yaml"
+    path.write_text("cpu:\n  capacity: lots\n")
+    with pytest.raises(ConfigError, match=f"^kv_connector_extra_config: {re.escape(str(path))}: cpu.capacity"):
+        load_config({"config": str(path)})
+
+
 @pytest.mark.parametrize("key,suggestion", [
     ("cpu.capacty", "capacity"),
     ("spil.admission", "spill"),

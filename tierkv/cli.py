@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
 
+from tierkv.policy.spec import ADMISSIONS
+
 __all__ = ["main", "build_parser"]
 
 
@@ -58,7 +60,7 @@ def _load_config(args: argparse.Namespace) -> Any:
     from tierkv.config import TierKVConfig
 
     overrides = list(args.set or [])
-    if getattr(args, "admission", None) in ("on_compute", "on_evict"):  # the flag decides, before checks
+    if getattr(args, "admission", None) in ADMISSIONS:  # the flag decides, before checks
         overrides.append(f"spill.admission={args.admission}")
     if args.config:
         return TierKVConfig.from_yaml(args.config, overrides)
@@ -236,7 +238,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                      help="tierkv YAML config (default: an 8B fp16 model on a 48 GB card, 22 GiB GPU pool, "
                           "64 GiB DRAM, 1 TiB SSD)")
     cfg.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. cpu.capacity=16GiB")
-    cfg.add_argument("--admission", choices=("on_compute", "on_evict", "both"), default=None,
+    cfg.add_argument("--admission", choices=(*ADMISSIONS, "both"), default=None,
                      help="spill.admission to replay (default: the config's); 'both' compares them in one report")
     cfg.add_argument("--decode-ms-per-token", type=_finite(0, True), default=20.0,
                      help="a request holds its GPU blocks for output_length x this (default: 20)")

@@ -44,7 +44,6 @@ def run_bench(trace: "Trace", config: "TierKVConfig", options: ReplayOptions = R
     t0 = time.perf_counter()
     curve = _curve_alongside(trace)
     result = replay(trace, config, options, progress)
-    t1 = time.perf_counter()
     stack, curve_s = curve()
     t2 = time.perf_counter()
     res = BenchResult(trace, stack, result, options, {"mrc": curve_s, "replay": result.wall_s, "analysis": t2 - t0})
@@ -54,7 +53,6 @@ def run_bench(trace: "Trace", config: "TierKVConfig", options: ReplayOptions = R
             if mode not in res.comparison:
                 res.comparison[mode] = replay(trace, config, dataclasses.replace(options, admission=mode))
         res.timings_s["compare"] = time.perf_counter() - t2
-    del t1
     return res
 
 

@@ -271,9 +271,10 @@ class _Replayer:
         self.now = max(self.now, r.timestamp)
         n_tokens = r.input_length if self.trace.token_based else len(r.blocks) * self.trace.block_size
         prompt = Prompt(list(map(self.keys.__getitem__, r.blocks)), n_tokens, r.hittable)
-        if self.manager.blocks_needed(prompt) > self.gpu_blocks:
+        needed = self.manager.blocks_needed(prompt)
+        if needed > self.gpu_blocks:
             self.rejected += 1
-            self.rejected_max = max(self.rejected_max, self.manager.blocks_needed(prompt))
+            self.rejected_max = max(self.rejected_max, needed)
             self.reasons["rejected"] += len(r.blocks)
             if self.request_hits is not None:
                 self.request_hits.append({"gpu": 0, "cpu": 0, "ssd": 0})
@@ -362,7 +363,8 @@ class _Replayer:
     def _settle(self, gpu_evicted: list[bytes]) -> None:
         """Blocks that left a tier in this step and are held nowhere now have left the cache."""
         left, self._left = self._left, []
-        cached, in_cpu, in_ssd, now = self.manager.cached, self.policy._cpu, self.policy._ssd, self.now
+        holdings = self.policy.holdings
+        cached, in_cpu, in_ssd, now = self.manager.cached, holdings.in_cpu, holdings.in_ssd, self.now
         leave = self.tracker.left_many
         for keys, tier in [*left, (gpu_evicted, "gpu")]:  # a lower tier first: it held the block last
             gone = [k for k in keys if k not in cached and k not in in_cpu and k not in in_ssd]
@@ -383,14 +385,12 @@ class _Replayer:
 
 def _payload_config(cfg: TierKVConfig, block_bytes: int, ssd_dir: str) -> TierKVConfig:
     """Same capacities in blocks, with ``block_bytes`` per block and the SSD tier in ``ssd_dir``."""
-    from tierkv.tiers.ssd import capacity_blocks
+    from tierkv.tiers.ssd.record import NS_LEN, record_footprint
 
     caps = tier_capacities(cfg)
     ssd_cap = cfg.ssd.capacity
-    if caps["ssd"]:  # the smallest capacity that holds as many blocks of the new size
-        ssd_cap = caps["ssd"] * block_bytes
-        while capacity_blocks(ssd_cap, block_bytes) < caps["ssd"]:
-            ssd_cap += block_bytes
+    if caps["ssd"]:  # the capacity that holds as many blocks of the new size (see capacity_blocks)
+        ssd_cap = caps["ssd"] * record_footprint(NS_LEN + 32, block_bytes)
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, block_nbytes=block_bytes),
