@@ -99,16 +99,17 @@ def efbig(path: str, limit: int) -> None:
     keys = [key_of(0, i) for i in range(limit // 65536 + 6)]
     full = limit // 65536                  # 64 KiB blocks that fit below the limit
     out: dict = {}
+    out["flush_ok"] = []
     for i, key in enumerate(keys[:full + 4]):
         assert tier.put(key, block_of(9, i * 3 + 1)), i  # 65,536-byte blocks of kind 1
-        tier.flush()
+        out["flush_ok"].append(tier.flush())
     out["lost_full"] = [keys.index(k) for k in tier.take_lost()]
     assert tier.put(keys[full + 4], block_of(9, (full + 4) * 3 + 1))
     tier.discard_many(keys[:2])            # mostly joins the failing batch, then is retried
     out["flushed"] = tier.flush()
     out["lost_discard"] = [keys.index(k) for k in tier.take_lost()]
     assert tier.put(keys[full + 5], block_of(9, (full + 5) * 3 + 1))  # in freed pages
-    tier.flush()
+    out["recovered"] = tier.flush()
     out["present"] = [i for i, key in enumerate(keys) if key in tier]
     out["exact"] = all(tier.get(key) == block_of(9, i * 3 + 1)
                        for i, key in enumerate(keys) if i in out["present"])

@@ -766,14 +766,19 @@ def test_take_lost_ignores_other_fingerprints(tmp):
 def test_write_errors_drop_and_report_and_discards_still_commit(tmp):
     """A real write error (RLIMIT_FSIZE makes writes past 1 MiB fail with EFBIG, as a full
     disk would): the batch is dropped, counted and reported lost; a discard asked for
-    meanwhile is committed all the same, and its pages take the next block."""
+    meanwhile is committed all the same, and its pages take the next block. Each flush
+    after a dropped block says so (False, the reason in stats); the first flush with
+    nothing dropped is True again."""
     out = helper("efbig", tmp, MiB)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     full = MiB // 65536
     assert res["lost_full"] == list(range(full, full + 4))
-    assert res["flushed"] and res["exact"]
+    assert res["flush_ok"] == [True] * full + [False] * 4
+    assert res["exact"] and res["recovered"]
     assert res["lost_discard"] in ([full + 4], [])      # [] only if the discard came first
+    assert res["flushed"] is (not res["lost_discard"])
+    assert "File too large" in res["stats"]["last_error"]
     expect = set(range(2, full)) | {full + 5} | ({full + 4} if not res["lost_discard"] else set())
     assert set(res["present"]) == expect
     s = res["stats"]

@@ -15,7 +15,7 @@ from tierkv.tiers.ssd.health import Health
 from tierkv.tiers.ssd.lost import LostKeys
 from tierkv.tiers.ssd.reclaim import Reclaim
 from tierkv.tiers.ssd.record import Codec
-from tierkv.tiers.ssd.recovery import Files, open_files
+from tierkv.tiers.ssd.recovery import Files, open_files, prepare_directory
 from tierkv.tiers.ssd.writequeue import WriteQueue
 from tierkv.tiers.ssd.writer import Writer
 
@@ -98,6 +98,15 @@ def test_queue_discard_cancels_queued_puts_but_not_taken_ones():
     assert not q.discarding(k(0)) and q.queued_bytes == 0
 
 
+def test_queue_accesses_come_out_in_the_order_of_their_last_touch():
+    """A key touched again is the most recent: the writer persists accesses in this order
+    (a shutdown's hot set must end up most recently used on disk)."""
+    q = WriteQueue(capacity_bytes=10_000, batch_bytes=10_000, lost=LostKeys(NS))
+    for key in (b"a", b"b", b"c", b"a"):
+        q.touch(NS + key)
+    assert q.next_work(idle_s=0, linger_s=0).touched == [NS + b"b", NS + b"c", NS + b"a"]
+
+
 def test_queue_failure_drops_everything_and_wakes_flushes():
     q = WriteQueue(capacity_bytes=10_000, batch_bytes=1000, lost=LostKeys(NS))
     q.put(k(0), bytearray(1000))
@@ -145,6 +154,7 @@ class Rig:
         self.lost = LostKeys(NS)
         self.queue = WriteQueue(capacity_bytes=64 * MiB, batch_bytes=256 * 1024, lost=self.lost)
         self.reclaim = Reclaim()
+        prepare_directory(path)
         files = open_files(path, map_size=map_size, namespace=NS, about={},
                            health=self.health, lost=self.lost)
         assert files is not None, self.health.broken

@@ -44,6 +44,7 @@ class ExtentMap:
             at = max(at, start + npages)
         if at < limit:
             self._add(at, limit - at)
+        self._used_end = at  # pages past the limit stay in the file until reopened
 
     @staticmethod
     def overlapping(used: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -61,9 +62,10 @@ class ExtentMap:
 
     @property
     def high_water(self) -> int:
-        """One past the last page that is not free (the file never needs to be longer)."""
+        """One past the last page that is not free (the file never needs to be longer).
+        Used extents given past the limit count until the map is rebuilt."""
         start = self._by_end.get(self.limit)
-        return self.limit if start is None else start
+        return max(self.limit if start is None else start, self._used_end)
 
     def largest(self) -> int:
         """Pages in the largest free extent (0 if none)."""

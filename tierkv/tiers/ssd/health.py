@@ -12,15 +12,21 @@ Shared by every thread of a tier:
   is logged twice.
 * ``pid`` is the opening process: a tier used after ``fork()`` reports itself
   unusable in the child and never touches the environment there.
+* Calls that touch the open files from other threads run inside
+  :meth:`Health.using` (a count guarded by the lock): :meth:`Health.quiesce`,
+  at close, marks the tier closed and waits for them before the files close.
+* ``failures`` (blocks accepted, then dropped by a write error or for want of
+  room, and failed syncs) and ``last_error`` are guarded by the lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 __all__ = ["Health", "COUNTERS"]
 
@@ -30,7 +36,7 @@ COUNTERS = (
     "puts", "puts_present", "dropped_queue_full", "dropped_unavailable",
     "dropped_write_error", "blocks_written", "batches_committed", "bytes_raw",
     "bytes_stored", "gets", "hits", "misses", "corrupt_deleted", "read_errors",
-    "evictions", "map_full_retries", "syncs", "dropped_no_room", "discarded")
+    "evictions", "map_full_retries", "syncs", "dropped_no_room", "discarded", "sync_errors")
 
 
 class Health:
@@ -42,8 +48,12 @@ class Health:
         self.broken: str | None = None
         self.closed = False
         self.lock = threading.Lock()
+        self._idle = threading.Condition(self.lock)
+        self._users = 0
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._logged: set[str] = set()
+        self.failures = 0
+        self.last_error: str | None = None
 
     def count(self, name: str, n: int = 1) -> None:
         with self.lock:
@@ -54,6 +64,15 @@ class Health:
         with self.lock:
             for name, n in counts.items():
                 self._counts[name] += n
+
+    def write_failed(self, counter: str, n: int, kind: str, message: str) -> None:
+        """``n`` accepted blocks (0: a failed sync) did not reach the disk: count them, keep
+        ``message`` as the last error, log it once per ``kind``."""
+        with self.lock:
+            self._counts[counter] += n
+            self.failures += 1
+            self.last_error = message
+        self.log_once(kind, "%s", message)
 
     def snapshot(self) -> dict[str, int]:
         """A copy of every counter."""
@@ -79,3 +98,27 @@ class Health:
                           "cross fork(), open a new one in the child", os.getpid(), self.pid)
             return False
         return self.broken is None and not self.closed
+
+    @contextlib.contextmanager
+    def using(self) -> Iterator[bool]:
+        """Whether the tier is usable; while True, :meth:`quiesce` waits for the block."""
+        ok = self.usable()
+        if ok:
+            with self.lock:
+                ok = not self.closed
+                self._users += ok
+        try:
+            yield ok
+        finally:
+            if ok:
+                with self.lock:
+                    self._users -= 1
+                    if not self._users:
+                        self._idle.notify_all()
+
+    def quiesce(self) -> None:
+        """Mark the tier closed and wait until no call is using its files."""
+        with self.lock:
+            self.closed = True
+            while self._users:
+                self._idle.wait()

@@ -35,9 +35,10 @@ from typing import Any, Iterator, Sequence
 
 from tierkv.tiers.ssd.record import CLOCK, HEADER, CorruptRecord, Encoded, Header, record_footprint
 
-__all__ = ["Index", "WriteTxn", "IndexFailure", "MapFull", "STATE"]
+__all__ = ["Index", "WriteTxn", "IndexFailure", "MapFull", "DiskFull", "STATE", "MAX_KEY"]
 
 STATE = struct.Struct("<QQ")   # used bytes, access clock
+MAX_KEY = 511                   # LMDB's longest key (namespace prefix included)
 
 
 class IndexFailure(Exception):
@@ -48,6 +49,11 @@ class MapFull(IndexFailure):
     """The LMDB map has no room for a transaction (make room and retry)."""
 
 
+class DiskFull(IndexFailure):
+    """The disk had no room for a write (the transaction was aborted; the environment
+    stays usable)."""
+
+
 @contextlib.contextmanager
 def _lmdb_errors() -> Iterator[None]:
     import lmdb
@@ -55,6 +61,8 @@ def _lmdb_errors() -> Iterator[None]:
         yield
     except lmdb.MapFullError as exc:
         raise MapFull(f"{type(exc).__name__}: {exc}") from exc
+    except lmdb.DiskError as exc:
+        raise DiskFull(f"{type(exc).__name__}: {exc}") from exc
     except lmdb.Error as exc:
         raise IndexFailure(f"{type(exc).__name__}: {exc}") from exc
 
@@ -70,12 +78,16 @@ def parse_head(head: bytes) -> Header | None:
 class Index:
     """The LMDB environment at ``path`` with a map of ``map_size`` bytes."""
 
-    def __init__(self, path: Path, map_size: int) -> None:
+    def __init__(self, path: Path, map_size: int, *, readonly: bool = False) -> None:
         import lmdb
         with _lmdb_errors():
-            self._env: Any = lmdb.open(str(path), map_size=map_size, subdir=True, max_dbs=8,
-                                       sync=False, metasync=False, readahead=True,
-                                       meminit=False, max_spare_txns=4)
+            if readonly:  # one more reader beside the owner (a slot in lock.mdb), never a write
+                self._env: Any = lmdb.open(str(path), subdir=True, max_dbs=8, readonly=True,
+                                           create=False, readahead=False)
+            else:
+                self._env = lmdb.open(str(path), map_size=map_size, subdir=True, max_dbs=8,
+                                      sync=False, metasync=False, readahead=True,
+                                      meminit=False, max_spare_txns=4, mode=0o600)
         self._meta: Any = None
         self._head: Any = None
         self._lru: Any = None
@@ -92,11 +104,11 @@ class Index:
         with _lmdb_errors():
             return int((self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"])
 
-    def open_dbs(self) -> None:
+    def open_dbs(self, create: bool = True) -> None:
         with _lmdb_errors():
-            self._meta = self._env.open_db(b"meta")
-            self._head = self._env.open_db(b"head")
-            self._lru = self._env.open_db(b"lru")
+            self._meta = self._env.open_db(b"meta", create=create)
+            self._head = self._env.open_db(b"head", create=create)
+            self._lru = self._env.open_db(b"lru", create=create)
 
     # ------------------------------------------------------------------ writes
 
@@ -294,3 +306,31 @@ class WriteTxn:
         key = CLOCK.pack(clock)
         if self._txn.get(key, db=self._lru) == nskey:
             self._txn.delete(key, db=self._lru)
+
+
+def read_keys_lru(path: Path, prefix: bytes) -> list[bytes]:
+    """:meth:`Index.keys_lru` of the environment at ``path``, opened read-only beside the
+    process that owns it (empty if it has no tierkv databases yet). Raises
+    :class:`IndexFailure`."""
+    index = Index(path, 0, readonly=True)
+    try:
+        if b"head" not in index.names():
+            return []
+        index.open_dbs(create=False)
+        return index.keys_lru(prefix)
+    finally:
+        index.close()
+
+
+def _print_keys() -> None:
+    """``python -c`` entry of :func:`tierkv.tiers.ssd.tier.read_keys`'s child: argv
+    ``path prefix-hex``; the keys (msgpack) on stdout, exit 3 on an LMDB error."""
+    import sys
+
+    import msgpack
+    try:
+        keys = read_keys_lru(Path(sys.argv[1]), bytes.fromhex(sys.argv[2]))
+    except IndexFailure as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(3)
+    sys.stdout.buffer.write(msgpack.packb(keys))

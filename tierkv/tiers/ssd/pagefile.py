@@ -27,11 +27,11 @@ BLOCKS = "blocks.dat"
 
 
 class PageFile:
-    """The page file in directory ``path``, created if missing (mode 0o644)."""
+    """The page file in directory ``path``, created if missing (owner-only, mode 0o600)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path / BLOCKS
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
     def size(self) -> int:
         """Bytes in the file."""

@@ -1,9 +1,15 @@
 """Opening the SSD tier's files, and repairing what a crash or damage left behind.
 
-At every open, before anything touches an existing environment:
+First, :func:`prepare_directory`: a directory that holds neither an LMDB
+environment nor only tierkv's own files is refused, untouched
+(``ConfigError``); otherwise it is created if missing, and it and its files
+are made owner-only (0700, 0600) whatever the umask. The tier then takes the
+directory's lock (:mod:`~tierkv.tiers.ssd.owner`), and :func:`open_files`
+goes on, before anything touches an existing environment:
 
-1. A directory that holds neither an LMDB environment nor only tierkv's own
-   files is refused, untouched (``ConfigError``).
+1. LMDB's lock file gets its disk blocks up front: LMDB writes it through a
+   memory map, where a full disk is a SIGBUS instead of an error. No room
+   for them disables the tier.
 2. The environment is walked in a child process: a damaged B-tree (bit rot, a
    torn write, a crash mid-sync) can make LMDB abort() or fault with SIGBUS on
    the first page it reaches, and the child takes that risk. This runs after a
@@ -18,7 +24,7 @@ At every open, before anything touches an existing environment:
    bytes are recounted; pages no head points to (a crash between ``pwrite``
    and commit) are free again; the file is cut after its last used page.
 
-A failure in steps 2-6 disables the tier (logged once with the path); it
+A failure in steps 1-6 disables the tier (logged once with the path); it
 never raises, except ``ConfigError`` for a directory that is not ours.
 
 Threads: runs on the thread that constructs the tier, before its writer
@@ -27,6 +33,7 @@ starts; nothing here is shared until :func:`open_files` returns.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
@@ -46,11 +53,15 @@ if TYPE_CHECKING:
     from tierkv.tiers.ssd.health import Health
     from tierkv.tiers.ssd.lost import LostKeys
 
-__all__ = ["Files", "open_files", "mark_clean", "CLEAN"]
+__all__ = ["Files", "open_files", "prepare_directory", "mark_clean", "CLEAN", "FILE_MODE"]
 
 log = logging.getLogger("tierkv.tiers.ssd")
 
 CLEAN = "tierkv.clean"   # written at a clean close; its absence at open means an unclean shutdown
+DIR_MODE = 0o700         # KV bytes derive from users' prompts: owner-only at rest
+FILE_MODE = 0o600
+LMDB_LOCK = "lock.mdb"
+LMDB_LOCK_BYTES = 8192   # what LMDB sizes its lock file to (126 reader slots); more is fine
 
 # Run in a child: every page the B-tree reaches is read, and every value must lie
 # inside data.mdb (checked by address, without reading overflow pages).
@@ -101,8 +112,8 @@ def open_files(path: Path, *, map_size: int, namespace: bytes, about: dict[str, 
     ``map_size`` bytes, and register ``namespace`` (described by ``about``). None when
     the tier had to be disabled (``health`` says why)."""
     existed = (path / "data.mdb").exists()
-    _refuse_foreign_directory(path, existed)
-    path.mkdir(exist_ok=True)
+    if not _reserve_lock_file(path, health):
+        return None
     if existed and not _verified(path, health):
         return None
     index = _open_index(path, map_size, existed, health)
@@ -120,22 +131,62 @@ def open_files(path: Path, *, map_size: int, namespace: bytes, about: dict[str, 
     return files
 
 
+def prepare_directory(path: Path) -> None:
+    """Refuse a directory that is not a tier's; create ``path`` if missing; make it and
+    the files tierkv keeps there owner-only (logged when they were not)."""
+    from tierkv.tiers.ssd.owner import LOCK_FILE
+    ours = {LMDB_LOCK, CLEAN, BLOCKS, LOCK_FILE}
+    if path.exists() and not (path / "data.mdb").exists() and not {
+            p.name for p in path.iterdir()} <= ours:
+        raise ConfigError(f"path: {path} is a non-empty directory without an LMDB "
+                          "environment; refusing to write into it")
+    path.mkdir(mode=DIR_MODE, exist_ok=True)
+    _owner_only(path, DIR_MODE)
+    for name in ours | {"data.mdb"}:
+        if (path / name).exists():
+            _owner_only(path / name, FILE_MODE)
+
+
+def _owner_only(path: Path, mode: int) -> None:
+    """Set ``mode`` on ``path`` if it grants more; say so (an older tier, a loose umask)."""
+    try:
+        was = path.stat().st_mode & 0o777
+        if was & ~mode:
+            os.chmod(path, mode)
+            log.warning("SSD tier: %s was readable by others (mode %o); now %o",
+                        path, was, mode)
+    except OSError as exc:
+        log.warning("SSD tier: cannot make %s owner-only: %s", path, exc)
+
+
+def _reserve_lock_file(path: Path, health: "Health") -> bool:
+    """Give LMDB's lock file its disk blocks now (it is written through a memory map: on
+    a full disk, a SIGBUS). Only allocates; bytes already there are left as they are."""
+    try:
+        fd = os.open(path / LMDB_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+    except OSError as exc:
+        health.fail(f"cannot create {LMDB_LOCK}: {exc}")
+        return False
+    try:
+        os.posix_fallocate(fd, 0, max(os.fstat(fd).st_size, LMDB_LOCK_BYTES))
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            health.fail(f"no room for {LMDB_LOCK} ({exc.strerror}); is the disk full?")
+            return False
+    finally:
+        os.close(fd)
+    return True
+
+
 def mark_clean(path: Path, health: "Health") -> None:
     """Record a clean close (the next open logs damage as such, not as a crash)."""
     try:
-        (path / CLEAN).touch()
+        (path / CLEAN).touch(mode=FILE_MODE)
     except OSError as exc:  # the directory went away or is read-only: next open re-verifies
         health.log_once("close", "cannot write the clean marker: %s", exc)
 
 
 # ====================================================================== steps
-
-def _refuse_foreign_directory(path: Path, existed: bool) -> None:
-    if not existed and path.exists() and not {p.name for p in path.iterdir()} <= {
-            "lock.mdb", CLEAN, BLOCKS}:
-        raise ConfigError(f"path: {path} is a non-empty directory without an LMDB "
-                          "environment; refusing to write into it")
-
 
 def _verified(path: Path, health: "Health") -> bool:
     """Walk an existing environment in a child process before this one touches it."""

@@ -6,18 +6,26 @@ the reader, ``keys()`` and membership to the index, lost keys to their log.
 It owns the parts' lifetime: recovery opens the files, then the writer thread
 starts; ``close()`` flushes, stops the writer and closes the files.
 
+One process, one tier per directory: the tier holds the directory's lock
+(:mod:`~tierkv.tiers.ssd.owner`) from before recovery until ``close()``. The
+directory is 0700 and its files 0600. :func:`read_keys` lists the keys of a
+directory another process owns, without opening it.
+
 Threads: ``get``, ``get_many``, ``get_into``, ``__contains__``, ``keys``,
-``put``, ``discard_many``, ``take_lost`` and ``stats`` may be called from any
-thread; ``flush`` and ``close`` from the owner. The front keeps no mutable
-state of its own besides the process-wide registry of open paths (guarded by
-``_OPEN_LOCK``); each part documents its own locks. Never use a tier across
-``fork()``: a child process sees it as disabled and must open its own.
+``put``, ``discard_many``, ``touch_many``, ``take_lost`` and ``stats`` may be
+called from any thread, also while ``close()`` runs (they then miss, or drop);
+``flush`` and ``close`` from the owner. The front's only mutable state is the
+failure count seen by the last flush (owner only); each part documents its own
+locks. Never use a tier across ``fork()``: a child process sees it as disabled
+and must open its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import threading
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -25,27 +33,29 @@ from tierkv.buffers import as_numpy, nbytes, writable_view
 from tierkv.errors import ConfigError
 from tierkv.tiers.ssd.coders import Coders
 from tierkv.tiers.ssd.health import Health
-from tierkv.tiers.ssd.index import IndexFailure
+from tierkv.tiers.ssd.index import MAX_KEY, IndexFailure
 from tierkv.tiers.ssd.lost import LostKeys
+from tierkv.tiers.ssd.owner import Owner
 from tierkv.tiers.ssd.pagefile import BLOCKS
 from tierkv.tiers.ssd.reader import Reader
 from tierkv.tiers.ssd.reclaim import Reclaim
 from tierkv.tiers.ssd.record import NS_LEN, Codec, namespace_of
-from tierkv.tiers.ssd.recovery import Files, mark_clean, open_files
+from tierkv.tiers.ssd.recovery import Files, mark_clean, open_files, prepare_directory
 from tierkv.tiers.ssd.writequeue import WriteQueue
 from tierkv.tiers.ssd.writer import Writer
 
-__all__ = ["SSDTier"]
+__all__ = ["SSDTier", "read_keys", "MAX_KEY_LEN"]
 
-_OPEN_PATHS: set[str] = set()   # LMDB forbids opening one environment twice in a process
-_OPEN_LOCK = threading.Lock()
+MAX_KEY_LEN = MAX_KEY - NS_LEN   # longest key a caller may use
 
 
 class SSDTier:
     """Blocks on SSD: a page file indexed by LMDB, bounded by bytes, evicted LRU.
 
     Parameters: ``path`` (a directory whose parent exists; created if
-    missing; must be empty or hold a tierkv environment), ``capacity_bytes``
+    missing; must be empty or hold a tierkv environment; owned by this
+    instance until ``close()``: a second opener gets a ``ConfigError`` naming
+    the holder's PID), ``capacity_bytes``
     (hard bound on the bytes of stored records, page rounding included, see
     :func:`~tierkv.tiers.ssd.record.capacity_blocks`), ``fingerprint`` (str or
     bytes identifying model + KV layout + dtype + block size), ``compression``
@@ -83,7 +93,9 @@ class SSDTier:
         self._files: Files | None = None
         self._reader: Reader | None = None
         self._writer: Writer | None = None
-        self._register_path()
+        self._flushed_failures = 0
+        prepare_directory(self.path)
+        self._owner = Owner(self.path)
         try:
             self._files = open_files(
                 self.path, map_size=self.capacity_bytes + self.slack_bytes, namespace=self._ns,
@@ -91,7 +103,7 @@ class SSDTier:
                        "compression": compression},
                 health=self._health, lost=self._lost)
         except BaseException:
-            self._unregister_path()
+            self._owner.release()
             raise
         if self._files is not None:
             self._start(self._files)
@@ -105,21 +117,12 @@ class SSDTier:
                               name=f"tierkv-ssd-writer:{self.path.name}")
         self._writer.start()
 
-    def _register_path(self) -> None:
-        real = os.path.realpath(self.path)
-        with _OPEN_LOCK:
-            if real in _OPEN_PATHS:
-                raise ConfigError(f"path: {self.path} is already open by another SSDTier in "
-                                  "this process; share that instance")
-            _OPEN_PATHS.add(real)
-
-    def _unregister_path(self) -> None:
-        with _OPEN_LOCK:
-            _OPEN_PATHS.discard(os.path.realpath(self.path))
-
-    def _live(self) -> Files | None:
-        """The open files, or None when the tier is unusable (disabled, closed, forked)."""
-        return self._files if self._health.usable() else None
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[Files | None]:
+        """The open files, or None when the tier is unusable (disabled, closed, forked);
+        ``close()`` waits until the block exits before it closes them."""
+        with self._health.using() as ok:
+            yield self._files if ok else None
 
     # ================================================================== writes
 
@@ -130,6 +133,8 @@ class SSDTier:
         returns, so the caller may reuse its buffer. A key already stored or
         queued only counts as an access. Returns False, storing nothing, when
         the queue is full or the tier is unavailable. Never blocks on disk.
+        Raises ``ValueError`` for a key that is not bytes or longer than
+        :data:`MAX_KEY_LEN`, and for data of the wrong size.
         """
         _check_key(key, "key")
         size = nbytes(data)
@@ -139,17 +144,17 @@ class SSDTier:
             raise ValueError(f"data: a block of {size} bytes does not fit a tier of "
                              f"{self.capacity_bytes} bytes (at most half of it per block)")
         self._health.count("puts")
-        files = self._live()
-        if files is None:
-            self._health.count("dropped_unavailable")
-            return False
-        nskey = self._ns + key
-        if self._present(files, nskey):
-            self._health.count("puts_present")
-            self._queue.touch(nskey)
-        elif not (self._queue.fits(size) and self._queue.put(nskey, self._private(data))):
-            self._health.count("dropped_queue_full")
-            return False
+        with self._using() as files:
+            if files is None:
+                self._health.count("dropped_unavailable")
+                return False
+            nskey = self._ns + key
+            if self._present(files, nskey):
+                self._health.count("puts_present")
+                self._queue.touch(nskey)
+            elif not (self._queue.fits(size) and self._queue.put(nskey, self._private(data))):
+                self._health.count("dropped_queue_full")
+                return False
         return True
 
     def _private(self, data: Any) -> bytes | bytearray:
@@ -181,13 +186,11 @@ class SSDTier:
     def touch_many(self, keys: Iterable[bytes]) -> None:
         """Record an access to each key (absent ones are ignored), in order, so the last
         is the most recently used; persisted with the writer's next transaction."""
-        files = self._live()
-        if files is None:
-            return
-        for key in keys:
-            nskey = self._ns + _check_key(key, "keys")
-            if self._present(files, nskey):
-                self._queue.touch(nskey)
+        nskeys = [self._ns + _check_key(k, "keys") for k in keys]
+        with self._using() as files:
+            for nskey in nskeys if files is not None else ():
+                if self._present(files, nskey):
+                    self._queue.touch(nskey)
 
     def take_lost(self) -> list[bytes]:
         """Keys of this fingerprint the tier dropped on its own since the last call.
@@ -207,12 +210,18 @@ class SSDTier:
         """Wait until every block accepted and every discard asked for so far is committed
         and synced to disk.
 
-        Also persists pending access-recency updates. Returns False on timeout
-        or when the tier is unavailable (its queued blocks are then lost).
+        Also persists pending access-recency updates. Returns False on timeout,
+        when the tier is unavailable (its queued blocks are then lost), and when
+        anything accepted since the previous flush was dropped or a sync failed
+        (a full disk, an I/O error: ``stats()["last_error"]`` says what, and
+        the tier goes on trying, so a later flush is True once the disk has
+        room again).
         """
         if not self._health.usable():
             return False
-        return self._queue.flush(timeout) and self._health.broken is None
+        done = self._queue.flush(timeout) and self._health.broken is None
+        failures, self._flushed_failures = self._flushed_failures, self._health.failures
+        return done and failures == self._health.failures
 
     # ================================================================== reads
 
@@ -223,8 +232,9 @@ class SSDTier:
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Verified blocks (or None) for ``keys``, read in one transaction."""
         nskeys = [self._ns + _check_key(k, "keys") for k in keys]
-        reader = self._reader if self._health.usable() else None
-        out = [None] * len(nskeys) if reader is None else reader.get_many(nskeys)
+        with self._using() as files:
+            reader = self._reader if files is not None else None
+            out = [None] * len(nskeys) if reader is None else reader.get_many(nskeys)
         self._count_reads(len(out), sum(v is not None for v in out))
         return out
 
@@ -241,8 +251,9 @@ class SSDTier:
             raise ValueError(f"outs: expected {len(keys)} buffers (one per key), got {len(outs)}")
         nskeys = [self._ns + _check_key(k, "keys") for k in keys]
         views = [writable_view(o, "outs") for o in outs]
-        reader = self._reader if self._health.usable() else None
-        hit = [False] * len(nskeys) if reader is None else reader.get_into(nskeys, views)
+        with self._using() as files:
+            reader = self._reader if files is not None else None
+            hit = [False] * len(nskeys) if reader is None else reader.get_into(nskeys, views)
         self._count_reads(len(hit), sum(hit))
         return hit
 
@@ -251,26 +262,26 @@ class SSDTier:
 
     def __contains__(self, key: object) -> bool:
         """True if ``key`` is queued or has a stored record (not verified until read)."""
-        if not isinstance(key, bytes):
+        if not isinstance(key, bytes) or len(key) > MAX_KEY_LEN:
             return False
-        files = self._live()
-        return files is not None and self._present(files, self._ns + key)
+        with self._using() as files:
+            return files is not None and self._present(files, self._ns + key)
 
     def keys(self) -> Iterator[bytes]:
         """Keys of this fingerprint with a committed record, least recently used first
         (one read transaction)."""
-        files = self._live()
-        if files is None:
-            return iter(())
         discarding = self._queue.discarding
-        try:
-            with self._queue.cond:  # a deletion is committed either before this read or after the check
-                nskeys = files.index.keys_lru(self._ns)
-                return iter([k[NS_LEN:] for k in nskeys if not discarding(k)])
-        except IndexFailure as exc:
-            self._health.count("read_errors")
-            self._health.log_once("read", "read failed, reporting misses: %s", exc)
-            return iter(())
+        with self._using() as files:
+            if files is None:
+                return iter(())
+            try:
+                with self._queue.cond:  # a deletion is committed before this read or after the check
+                    nskeys = files.index.keys_lru(self._ns)
+                    return iter([k[NS_LEN:] for k in nskeys if not discarding(k)])
+            except IndexFailure as exc:
+                self._health.count("read_errors")
+                self._health.log_once("read", "read failed, reporting misses: %s", exc)
+                return iter(())
 
     # ================================================================== lifecycle
 
@@ -282,12 +293,14 @@ class SSDTier:
                                     if out["bytes_stored"] else 1.0)
         out["capacity_bytes"] = self.capacity_bytes
         out["queued_bytes"] = self._queue.queued_bytes
-        files = self._live()
-        out["current_bytes"] = 0 if files is None else files.index.used_bytes()
+        with self._using() as files:
+            out["current_bytes"] = 0 if files is None else files.index.used_bytes()
         out["index_file_bytes"] = _size(self.path / "data.mdb")
         out["block_file_bytes"] = _size(self.path / BLOCKS)
         out["file_bytes"] = out["index_file_bytes"] + out["block_file_bytes"]
         out["available"] = self._health.broken is None and not self._health.closed
+        out["disabled_reason"] = self._health.broken
+        out["last_error"] = self._health.last_error
         return out
 
     def close(self) -> None:
@@ -303,13 +316,13 @@ class SSDTier:
         self._queue.stop()
         if self._writer is not None:
             self._writer.join()
+        health.quiesce()  # from here every call misses or drops; none is still reading
         self._coders.close()
-        health.closed = True
         if self._files is not None:
             self._files.close()
             if health.broken is None:
                 mark_clean(self.path, health)
-        self._unregister_path()
+        self._owner.release()
 
     def __enter__(self) -> "SSDTier":
         return self
@@ -327,6 +340,8 @@ class SSDTier:
 def _check_key(key: object, what: str) -> bytes:
     if not isinstance(key, bytes):
         raise ValueError(f"{what}: expected bytes (a block hash), got {type(key).__name__}")
+    if len(key) > MAX_KEY_LEN:
+        raise ValueError(f"{what}: a key has at most {MAX_KEY_LEN} bytes, got {len(key)}")
     return key
 
 
@@ -380,3 +395,28 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+def read_keys(path: str | os.PathLike[str], fingerprint: str | bytes, *,
+              timeout: float = 600.0) -> list[bytes]:
+    """The keys of ``fingerprint`` in the tier at ``path``, least recently used first,
+    read without owning the directory: beside the process that has the tier open, as
+    one more LMDB reader, in a child process (a damaged environment can fault the
+    process that maps it). Empty when there is no tier there. Never writes. Raises
+    ``OSError`` when the keys cannot be read."""
+    where = Path(os.path.expanduser(os.fspath(path))).absolute()
+    if not (where / "data.mdb").exists():
+        return []
+    import msgpack
+    prefix = namespace_of(_check_fingerprint(fingerprint))
+    code = "from tierkv.tiers.ssd.index import _print_keys; _print_keys()"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, str(where), prefix.hex()],
+                              capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise OSError(f"reading the keys of {where} took over {timeout:g} s") from None
+    if proc.returncode != 0:
+        why = proc.stderr.decode(errors="replace").strip().splitlines()
+        raise OSError(f"cannot read the keys of {where}: "
+                      f"{why[-1] if why else f'exit {proc.returncode}'}")
+    return [k[NS_LEN:] for k in msgpack.unpackb(proc.stdout)]

@@ -165,9 +165,12 @@ class WriteQueue:
             self.cond.notify_all()
 
     def touch(self, nskey: bytes) -> None:
-        """Record an access; the writer persists it in its next transaction."""
-        if len(self._touched) < _MAX_TOUCHED:
-            self._touched[nskey] = None
+        """Record an access; the writer persists it in its next transaction, after the
+        accesses recorded before it (a key accessed again moves to the end)."""
+        touched = self._touched
+        if len(touched) < _MAX_TOUCHED:
+            touched.pop(nskey, None)
+            touched[nskey] = None
 
     def report_bad(self, nskey: bytes) -> None:
         """Have the writer delete a record that does not verify."""

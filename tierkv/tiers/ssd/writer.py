@@ -16,8 +16,10 @@ free-space map after a sync. A batch that finds no room is retried (the
 first retry after syncing the evictions, later ones after evicting more);
 when the map is full, room is made by evicting and committing twice (LMDB
 reuses freed pages two commits later). A batch that still finds no room is
-dropped and counted; a page file error drops the batch; an index error
-disables the tier. The writer never raises.
+dropped and counted; a write error or a full disk drops the batch (the next
+one tries again); a failed sync is counted and retried; any other index
+error disables the tier. Every drop and failed sync makes the next flush
+return False. The writer never raises.
 
 Threads: one writer thread per tier owns everything here: the free-space
 map, the commit and sync counters, the unsynced byte count, and every write
@@ -112,33 +114,33 @@ class Writer:
                 return
 
     def _write_safely(self, work: "Work", sync: bool) -> None:
-        from tierkv.tiers.ssd.index import IndexFailure
+        from tierkv.tiers.ssd.index import DiskFull, IndexFailure
         changes = _Changes([], work.touched, work.bad, work.discards)
         try:
             changes.encoded = self._encode(work.batch)
             unplaced = {e.nskey for e in self._write_with_retries(changes, sync)}
             if unplaced:
-                self.health.count("dropped_no_room", len(unplaced))
+                self.health.write_failed("dropped_no_room", len(unplaced), "noroom",
+                                         f"dropped {len(unplaced)} blocks: no room in the page "
+                                         "file even after evicting (fragmented free pages)")
                 self.queue.report_dropped([p for p in work.batch if p.nskey in unplaced])
-        except IndexFailure as exc:
-            self._dropped(work)
-            self.health.fail(f"write failed: {exc}")
-            self.queue.fail()
-        except OSError as exc:  # the page file: disk full, I/O error
-            self._dropped(work)
+        except (OSError, DiskFull) as exc:  # disk full, I/O error: the next turn tries again
+            self._dropped(work, f"writing failed, dropping the batch: {exc}")
             if changes.discards:  # not committed: retried next turn, and a flush waits for them
                 self.queue.requeue_discards(changes.discards)
                 work.ticket = 0
-            self.health.log_once("pwrite", "writing %s failed, dropping the batch: %s",
-                                 self.files.pages.path.name, exc)
-        except Exception:
-            self._dropped(work)
+        except IndexFailure as exc:
+            self._dropped(work, f"writing the index failed: {exc}")
+            self.health.fail(f"write failed: {exc}")
+            self.queue.fail()
+        except Exception as exc:
+            self._dropped(work, f"unexpected error in the writer, batch dropped: {exc!r}")
             log.exception("SSD tier at %s: unexpected error in the writer; batch dropped",
                           self.health.path)
 
-    def _dropped(self, work: "Work") -> None:
+    def _dropped(self, work: "Work", why: str) -> None:
         """A turn that failed: its puts are lost."""
-        self.health.count("dropped_write_error", len(work.batch))
+        self.health.write_failed("dropped_write_error", len(work.batch), "write", why)
         self.queue.report_dropped(work.batch)
 
     def _encode(self, batch: list["Put"]) -> list[Encoded]:
@@ -251,9 +253,16 @@ class Writer:
 
     def _sync(self) -> None:
         """Make every commit so far durable (page file first), then hand the pages they
-        freed back to the free-space map where no read could still see them."""
-        self.files.pages.sync()
-        self.files.index.sync()
+        freed back to the free-space map where no read could still see them. A sync that
+        fails is counted (the next flush returns False) and retried at the next one; the
+        pages stay reserved until a sync succeeds."""
+        from tierkv.tiers.ssd.index import IndexFailure
+        try:
+            self.files.pages.sync()
+            self.files.index.sync()
+        except (OSError, IndexFailure) as exc:
+            self.health.write_failed("sync_errors", 0, "sync", f"sync failed: {exc}")
+            return
         self.health.count("syncs")
         self._unsynced = 0
         self._last_sync = time.monotonic()

@@ -1,0 +1,395 @@
+"""The SSD tier under deployment mistakes and hostile conditions: a second owner of one
+directory (another process, this process, a forked child), a full disk (a real tmpfs
+mounted full), loose permissions, over-long keys, a close racing reads, a smaller
+capacity at reopen, and reading the keys of a tier another process owns. Real LMDB
+environments, real processes, real file systems; nothing mocked."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from tierkv.errors import ConfigError
+from tierkv.tiers.ssd import SSDTier
+from tierkv.tiers.ssd.tier import MAX_KEY_LEN, read_keys
+
+ROOT = str(Path(__file__).resolve().parents[1])
+MiB = 1024**2
+FP = "model-a/fp16/bs16"
+
+
+def k(i: int) -> bytes:
+    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=32).digest()
+
+
+def block(i: int, n: int = 65536) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def open_tier(path: Path, capacity: int = 32 * MiB, **kw: object) -> SSDTier:
+    return SSDTier(path, capacity_bytes=capacity, fingerprint=FP, compression="none", **kw)
+
+
+@pytest.fixture
+def tmp(tmp_path: Path) -> Path:
+    return tmp_path / "ssd"
+
+
+# ====================================================================== one owner
+
+_HOLD = """
+import sys
+from tierkv.tiers.ssd import SSDTier
+tier = SSDTier(sys.argv[1], capacity_bytes=32 << 20, fingerprint="model-a/fp16/bs16",
+               compression="none")
+print("open", flush=True)
+sys.stdin.read()
+tier.close()
+"""
+
+
+@contextlib.contextmanager
+def holder(path: Path) -> Iterator[subprocess.Popen]:
+    """Another process with the tier at ``path`` open, until the block exits."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        assert proc.stdout.readline().strip() == "open"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.stdin.close()
+            proc.wait(30)
+
+
+def test_a_second_process_is_refused_with_the_holders_pid(tmp):
+    with holder(tmp) as proc:
+        with pytest.raises(ConfigError, match=rf"in use by process {proc.pid}\b"):
+            open_tier(tmp)
+    with open_tier(tmp) as tier:  # the holder closed: free again
+        assert tier.put(k(0), block(0)) and tier.flush()
+
+
+def test_the_lock_goes_with_a_killed_holder(tmp):
+    with holder(tmp) as proc:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        with open_tier(tmp) as tier:
+            assert tier.stats()["available"]
+
+
+def test_a_second_instance_in_this_process_is_refused(tmp):
+    with open_tier(tmp):
+        with pytest.raises(ConfigError, match="in use by this process"):
+            open_tier(tmp)
+        with pytest.raises(ConfigError, match="in use by this process"):
+            open_tier(Path(str(tmp) + "/."))  # another spelling of the same directory
+
+
+_SECOND = """
+import sys
+from tierkv.errors import ConfigError
+from tierkv.tiers.ssd import SSDTier
+try:
+    tier = SSDTier(sys.argv[1], capacity_bytes=32 << 20, fingerprint="model-b",
+                   compression="none")
+except ConfigError as exc:
+    print(exc)
+    sys.exit(7)
+for i in range(200):
+    tier.put(b"%032d" % i, bytes([i % 251]) * 65536)
+tier.close()
+"""
+
+
+def test_a_second_writer_never_costs_confirmed_blocks(tmp):
+    """A second process on the directory (a replica started from the same config) used
+    to share it, each with its own free-space map, overwriting confirmed pages."""
+    with open_tier(tmp) as first:
+        for i in range(40):
+            assert first.put(k(i), block(i))
+        assert first.flush()
+        proc = subprocess.run([sys.executable, "-c", _SECOND, str(tmp)], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+        assert proc.returncode == 7 and f"in use by process {os.getpid()}" in proc.stdout
+        assert first.get_many([k(i) for i in range(40)]) == [block(i) for i in range(40)]
+
+
+def _in_child(fn) -> int:
+    """Run ``fn`` in a forked child; its exit status (0: fn returned True)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if fn() else 1
+        except BaseException as exc:  # report, never return into pytest in the child
+            print(f"child: {exc!r}", file=sys.stderr, flush=True)
+            code = 2
+        os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_forked_child_opens_tiers_of_its_own(tmp, tmp_path):
+    """The child inherits the parent's tier and its lock descriptor: it opens tiers of
+    its own, and is refused the parent's directory with a clear error: naming the parent
+    while the parent has it, saying why once the parent let it go (LMDB: one handle per
+    environment and process, and the child's copy of the parent's must stay untouched)."""
+    parent = open_tier(tmp)
+    assert parent.put(k(1), block(1)) and parent.flush()
+    ppid = os.getpid()
+
+    def refused() -> bool:
+        try:
+            open_tier(tmp)
+        except ConfigError as exc:
+            return f"process {ppid}" in str(exc)
+        return False
+
+    def elsewhere() -> bool:
+        with open_tier(tmp_path / "child") as mine:
+            return mine.put(k(2), block(2)) and mine.flush() and mine.get(k(2)) == block(2)
+
+    assert _in_child(refused) == 0
+    assert _in_child(elsewhere) == 0
+    go_r, go_w = os.pipe()
+
+    def after_parent_closed() -> bool:
+        os.read(go_r, 1)
+        try:
+            open_tier(tmp)
+        except ConfigError as exc:
+            return "forked" in str(exc) and "spawn" in str(exc)
+        return False
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if after_parent_closed() else 1)
+    parent.close()
+    os.write(go_w, b"x")
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    with open_tier(tmp) as again:  # and the parent itself reopens it
+        assert again.get(k(1)) == block(1)
+
+
+# ====================================================================== a full disk
+
+@contextlib.contextmanager
+def small_fs(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``where`` (needs root, as CI runs)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small file system needs root (CI runs as root)")
+    where.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                   check=True, capture_output=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False, capture_output=True)
+
+
+def fill(path: Path) -> None:
+    """Write zeros to ``path`` until the file system has no room left."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for size in (MiB, 4096, 512, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, bytes(size))
+    finally:
+        os.close(fd)
+
+
+_OPEN_FULL = """
+import json, logging, sys
+logging.basicConfig(level=logging.ERROR)
+from tierkv.tiers.ssd import SSDTier
+tier = SSDTier(sys.argv[1], capacity_bytes=32 << 20, fingerprint="m", compression="none")
+s = tier.stats()
+print(json.dumps({"available": s["available"], "reason": s["disabled_reason"],
+                  "put": tier.put(b"k" * 32, b"x" * 4096), "get": tier.get(b"k" * 32)}))
+tier.close()
+"""
+
+
+def test_opening_on_a_full_disk_is_a_disabled_tier_not_a_signal(tmp_path):
+    with small_fs(tmp_path / "fs", "1m") as fs:
+        fill(fs / "filler")
+        proc = subprocess.run([sys.executable, "-c", _OPEN_FULL, str(fs / "tier")],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+        assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+        import json
+        out = json.loads(proc.stdout)
+        assert out == {"available": False, "reason": out["reason"], "put": False, "get": None}
+        assert "disk" in out["reason"] or "space" in out["reason"], out["reason"]
+        assert "disabled" in proc.stderr  # logged once, as an error
+
+
+def test_a_full_disk_fails_the_flush_then_recovers(tmp_path, caplog):
+    """Blocks accepted while the disk is full are dropped: the flush says so (False, the
+    reason in stats, logged once) and they are reported lost. Once there is room again,
+    the tier stores, flushes True and serves exact bytes, with no restart."""
+    with small_fs(tmp_path / "fs", "4m") as fs:
+        tier = open_tier(fs / "tier")
+        try:
+            assert tier.put(k(0), block(0)) and tier.flush()
+            fill(fs / "filler")
+            with caplog.at_level(logging.WARNING, logger="tierkv.tiers.ssd"):
+                accepted = [i for i in range(1, 9) if tier.put(k(i), block(i))]
+                assert accepted and not tier.flush()
+                assert [k(i) for i in accepted if k(i) not in tier] == \
+                       [k(i) for i in accepted] == tier.take_lost()
+                assert not any(tier.put(k(i), block(i)) and tier.flush() for i in (9, 10))
+            stats = tier.stats()
+            assert "No space left" in stats["last_error"] and stats["dropped_write_error"] >= 3
+            assert stats["available"]
+            assert sum("No space left" in r.getMessage() for r in caplog.records) == 1
+            (fs / "filler").unlink()
+            assert tier.put(k(11), block(11)) and tier.flush()
+            assert tier.get_many([k(0), k(11)]) == [block(0), block(11)]
+        finally:
+            tier.close()
+        with open_tier(fs / "tier") as again:
+            assert again.get_many([k(0), k(11)]) == [block(0), block(11)]
+
+
+# ====================================================================== permissions
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_kv_at_rest_is_owner_only_whatever_the_umask(tmp):
+    old = os.umask(0o002)
+    try:
+        with open_tier(tmp) as tier:
+            assert tier.put(k(0), block(0)) and tier.flush()
+        files = sorted(p.name for p in tmp.iterdir())
+        assert {"data.mdb", "lock.mdb", "blocks.dat", "tierkv.lock", "tierkv.clean"} <= set(files)
+        assert _mode(tmp) == 0o700
+        assert {name: _mode(tmp / name) for name in files} == dict.fromkeys(files, 0o600)
+    finally:
+        os.umask(old)
+
+
+def test_an_existing_loose_directory_is_tightened(tmp, caplog):
+    with open_tier(tmp) as tier:
+        assert tier.put(k(0), block(0)) and tier.flush()
+    os.chmod(tmp, 0o755)
+    os.chmod(tmp / "blocks.dat", 0o644)
+    with caplog.at_level(logging.WARNING, logger="tierkv.tiers.ssd"):
+        with open_tier(tmp) as tier:
+            assert tier.get(k(0)) == block(0)
+    assert _mode(tmp) == 0o700 and _mode(tmp / "blocks.dat") == 0o600
+    assert sum("readable by others" in r.getMessage() for r in caplog.records) == 2
+
+
+# ====================================================================== keys
+
+def test_an_over_long_key_is_refused_at_the_door(tmp):
+    """LMDB takes keys of at most 511 bytes (prefix included): a longer one used to reach
+    the writer and switch the whole tier off."""
+    with open_tier(tmp) as tier:
+        assert tier.put(b"x" * MAX_KEY_LEN, block(0))
+        with pytest.raises(ValueError, match=f"at most {MAX_KEY_LEN} bytes, got 600"):
+            tier.put(b"y" * 600, block(1))
+        with pytest.raises(ValueError, match="at most"):
+            tier.get(b"y" * 600)
+        assert b"y" * 600 not in tier
+        assert tier.put(k(2), block(2)) and tier.flush()
+        assert tier.get_many([b"x" * MAX_KEY_LEN, k(2)]) == [block(0), block(2)]
+        assert tier.stats()["available"]
+
+
+# ====================================================================== close and reads
+
+def test_close_racing_reads_never_raises_nor_logs(tmp, caplog):
+    """Readers on other threads while the owner closes: each read is exact or a miss;
+    none fails inside LMDB or reads a closed file."""
+    for round_ in range(12):
+        path = tmp / str(round_)
+        tmp.mkdir(exist_ok=True)
+        tier = SSDTier(path, capacity_bytes=32 * MiB, fingerprint=FP, compression="zstd")
+        keys = [k(i) for i in range(32)]
+        for i, key in enumerate(keys):
+            assert tier.put(key, block(i, 16384))
+        assert tier.flush()
+        errors: list[BaseException] = []
+        wrong = []
+
+        def read() -> None:
+            try:
+                for _ in range(300):
+                    for i, got in enumerate(tier.get_many(keys)):
+                        if got is not None and got != block(i, 16384):
+                            wrong.append(i)
+                    list(tier.keys())
+            except BaseException as exc:
+                errors.append(exc)
+
+        with caplog.at_level(logging.WARNING, logger="tierkv.tiers.ssd"):
+            threads = [threading.Thread(target=read) for _ in range(2)]
+            for t in threads:
+                t.start()
+            time.sleep(0.002 * round_)
+            tier.close()
+            for t in threads:
+                t.join()
+        assert not errors and not wrong
+        assert not [r for r in caplog.records if "failed" in r.getMessage()]
+
+
+# ====================================================================== capacity
+
+def test_reopening_smaller_keeps_every_record_readable(tmp):
+    """Records placed under a larger capacity lie past the smaller one's page limit: the
+    page file keeps them (the LRU then evicts down to the new capacity)."""
+    n = 240  # 15 MiB: past the page limit of a 2 MiB tier (capacity plus its slack)
+    with open_tier(tmp, 32 * MiB) as tier:
+        for i in range(n):
+            assert tier.put(k(i), block(i))
+        assert tier.flush()
+    size = (tmp / "blocks.dat").stat().st_size
+    with open_tier(tmp, 2 * MiB) as tier:
+        assert size > (tier.capacity_bytes + tier.slack_bytes)
+        assert (tmp / "blocks.dat").stat().st_size == size
+        assert tier.get_many([k(i) for i in range(n)]) == [block(i) for i in range(n)]
+        assert tier.put(k(999), block(999)) and tier.flush()
+        assert tier.stats()["current_bytes"] <= 2 * MiB and tier.get(k(999)) == block(999)
+
+
+# ====================================================================== keys of an owned tier
+
+def test_read_keys_beside_the_owner_writes_nothing(tmp):
+    """The vLLM scheduler's view of a tier a worker process owns: LRU order, this
+    fingerprint only, and nothing in the directory changes."""
+    with open_tier(tmp) as tier:
+        for i in range(6):
+            assert tier.put(k(i), block(i))
+        assert tier.flush()
+        tier.get(k(0))  # now the most recent
+        assert tier.flush()
+        before = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in tmp.iterdir()
+                  if p.name != "lock.mdb"}  # LMDB's reader table (shared memory) is the one write
+        assert read_keys(tmp, FP) == [k(i) for i in (1, 2, 3, 4, 5, 0)]
+        assert read_keys(tmp, "another-model") == []
+        after = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in tmp.iterdir()
+                 if p.name != "lock.mdb"}
+        assert after == before
+        assert tier.put(k(7), block(7)) and tier.flush()  # the owner is not disturbed
+    assert read_keys(tmp.parent / "nothing-here", FP) == []
