@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from tierkv import ConfigError
-from tierkv.config import TierKVConfig, apply_overrides, parse_size
+from tierkv.config import TierKVConfig, apply_overrides, parse_size, short_repr
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,6 +23,85 @@ def test_parse_size(text, expected):
 def test_parse_size_rejects(bad):
     with pytest.raises(ConfigError, match="cpu.capacity: expected"):
         parse_size(bad, "cpu.capacity")
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("1048576TiB", 2**60), ("9007199254740993", 2**53 + 1), ("0.5B", 0), ("0.1KB", 100),
+    ("1.000000000001TiB", 2**40 + 1), (1.5 * 2**30, 3 * 2**29), (2.0**60, 2**60),
+])
+def test_parse_size_is_exact_up_to_one_eib(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", [
+    float("inf"), float("-inf"), float("nan"), 1e300, 2**60 + 1, 10**5000, "1048577TiB", "9" * 400 + "GiB",
+], ids=["inf", "-inf", "nan", "1e300", "2**60+1", "10**5000", "1048577TiB", "400 digits GiB"])
+def test_parse_size_rejects_non_finite_and_huge(bad):
+    with pytest.raises(ConfigError, match=r"^cpu\.capacity: expected a finite size between 0 and 1 EiB, got ") as e:
+        parse_size(bad, "cpu.capacity")
+    assert len(str(e.value)) < 150
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("cpu.capacity", 1e300, "expected a finite size between 0 and 1 EiB, got 1e+300"),
+    ("ssd.capacity", float("inf"), "expected a finite size between 0 and 1 EiB, got inf"),
+    ("ssd.queue_capacity", float("nan"), "expected a finite size between 0 and 1 EiB, got nan"),
+    ("gpu.capacity", -1e300, "expected a non-negative size, got -1e+300"),
+    ("model.block_nbytes", 10**30, "expected a finite size between 0 and 1 EiB, got 1000000000000000000000000000000"),
+    ("block_size", 10**30, "must be <= 2147483647, got 1000000000000000000000000000000"),
+    ("gpu.num_blocks", 2**31, "must be <= 2147483647, got 2147483648"),
+    ("model.layers", 1e300, "expected an integer, got 1e+300"),
+    ("ssd.level", 10**30, "must be <= 22, got 1000000000000000000000000000000"),
+    ("metrics.port", 70000, "must be <= 65535, got 70000"),
+    ("spill.watermark", float("nan"), "expected a fraction between 0 and 1, got nan"),
+    ("spill.watermark", float("inf"), "expected a fraction between 0 and 1, got inf"),
+])
+def test_numeric_fields_reject_huge_and_non_finite_values(key, value, expected):
+    overrides = {key: value, **({"spill.admission": "on_evict"} if key == "spill.watermark" else {})}
+    with pytest.raises(ConfigError, match=f"^{re.escape(key)}: {re.escape(expected)}$"):
+        TierKVConfig.from_dict({}, overrides)
+
+
+def _bomb(levels: int) -> list:
+    """A "billion laughs" list: ``9 ** (levels + 1)`` strings through shared references."""
+    value: list = ["lol"] * 9
+    for _ in range(levels):
+        value = [value] * 9
+    return value
+
+
+def test_short_repr_is_short_and_cheap_for_any_value():
+    loop: list = [1]
+    loop.append(loop)
+    for value in ("x" * 100_000, 10**5000, -(10**5000), _bomb(12), {str(i): i for i in range(10_000)}, loop,
+                  b"y" * 100_000):
+        text = short_repr(value)
+        assert len(text) <= 80 and ("..." in text or "integer of" in text), text
+    assert short_repr("lots") == "'lots'" and short_repr(1.5) == "1.5" and short_repr([1, None]) == "[1, None]"
+
+
+@pytest.mark.parametrize("key,value", [
+    ("cpu.capacity", "x" * 100_000), ("cpu.capacity", _bomb(12)), ("cpu.capacity", 10**5000),
+    ("gpu.capacity", list(range(100_000))), ("gpu.device", "cuda" * 10_000), ("gpu.num_blocks", "9" * 10_000),
+    ("ssd.path", ["p"] * 100_000), ("ssd.compression", "z" * 100_000), ("ssd.level", -(10**5000)),
+    ("model.name", {"k": "v" * 100_000}), ("model.id", 7 * ["i" * 10_000]), ("model.kv_dtype", "f" * 10_000),
+    ("spill.watermark", "w" * 100_000), ("spill.write_through", "t" * 100_000),
+    ("spill.admission", "a" * 100_000), ("spill.promotion", _bomb(12)), ("hash", "h" * 100_000),
+    ("metrics.port", 10**5000), ("cpu.pin_memory", "p" * 100_000), ("block_size", "b" * 100_000),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 40 else type(v).__name__)
+def test_error_messages_never_print_a_whole_value(key, value):
+    with pytest.raises(ConfigError, match=f"^{re.escape(key)}: ") as e:
+        TierKVConfig.from_dict({}, {key: value})
+    assert len(str(e.value)) < 200, str(e.value)[:300]
+
+
+def test_error_messages_shorten_long_keys_and_overrides():
+    for data, overrides in [({"cpu": {"k" * 100_000: 1}}, ()), ({"k" * 100_000: 1}, ()),
+                            ({}, ["cpu.capacity=" + "x" * 100_000]), ({}, ["x" * 100_000]),
+                            ({}, ["cpu." + "." * 100_000 + "=1"]), ({}, {"cpu.capacity." + "c" * 100_000: 1})]:
+        with pytest.raises(ConfigError) as e:
+            TierKVConfig.from_dict(data, overrides)
+        assert len(str(e.value)) < 200, str(e.value)[:300]
 
 
 def test_every_shipped_config_loads():

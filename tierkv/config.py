@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
 import os
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -39,7 +42,15 @@ _UNITS = {
     "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_RE = re.compile(r"([0-9]+)(?:\.([0-9]+))?\s*([a-zA-Z]*)")
+_MAX_SIZE = 2**60  # 1 EiB
+_SIZE_RANGE = "expected a finite size between 0 and 1 EiB"
+_MAX_INT = 2**31 - 1
+_MAX_SHOWN = 80
+_MAX_FILE_BYTES = 2**20
+_MAX_YAML_DEPTH = 32
+_MAX_YAML_VALUES = 10_000
+_MAX_YAML_INT_CHARS = 1000
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxh3_128")
 KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2,
@@ -47,20 +58,32 @@ KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2,
 
 
 def parse_size(value: Any, what: str = "size") -> int:
-    """Parse ``512MiB``, ``64GiB``, ``1.5GB`` or a plain non-negative integer into bytes."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what}: expected a size like '8GiB', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{what}: expected a non-negative size, got {value}")
-        return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
+    """Parse ``512MiB``, ``64GiB``, ``1.5GB`` or a plain non-negative integer into bytes
+    (at most 1 EiB; a fraction of a byte is dropped)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{what}: {_SIZE_RANGE}, got {short_repr(value)}")
     if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ConfigError(f"{what}: expected a size like '8GiB', got {value!r}")
+        nbytes = _size_string(value, what)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool) and value == int(value):
+        nbytes = int(value)
+    else:
+        raise ConfigError(f"{what}: expected a size like '8GiB', got {short_repr(value)}")
+    if nbytes < 0:
+        raise ConfigError(f"{what}: expected a non-negative size, got {short_repr(value)}")
+    if nbytes > _MAX_SIZE:
+        raise ConfigError(f"{what}: {_SIZE_RANGE}, got {short_repr(value)}")
+    return nbytes
+
+
+def _size_string(text: str, what: str) -> int:
+    """The bytes in a size string such as ``1.5GiB``, exactly (no float rounding)."""
+    m = _SIZE_RE.fullmatch(text.strip())
+    if m is None or m.group(3).lower() not in _UNITS:
+        raise ConfigError(f"{what}: expected a size like '8GiB', got {short_repr(text)}")
+    whole, frac = m.group(1).lstrip("0"), (m.group(2) or "")[:64]
+    if len(whole) > 30:
+        raise ConfigError(f"{what}: {_SIZE_RANGE}, got {short_repr(text)}")
+    return int(whole + frac or "0") * _UNITS[m.group(3).lower()] // 10 ** len(frac)
 
 
 def format_size(nbytes: float) -> str:
@@ -72,15 +95,56 @@ def format_size(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+class _ShortRepr(reprlib.Repr):
+    """``repr`` that stops early: a few items of a few levels, long strings and numbers
+    cut in the middle, so its cost and length do not grow with the value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxtuple = self.maxlist = self.maxarray = self.maxdict = 6
+        self.maxset = self.maxfrozenset = self.maxdeque = 6
+        self.maxstring = self.maxother = _MAX_SHOWN
+        self.maxlong = 40
+
+    def repr_int(self, x: int, level: int) -> str:
+        try:
+            return super().repr_int(x, level)
+        except ValueError:  # more digits than Python converts to text
+            return f"<{'negative ' if x < 0 else ''}integer of {x.bit_length():,} bits>"
+
+
+_SHORT_REPR = _ShortRepr()
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` for an error message: at most about 80 characters, ``...`` where cut,
+    cheap for any value (an alias bomb, a huge string or integer, a recursive list)."""
+    return _clip(_SHORT_REPR.repr(value))
+
+
+def _short_key(key: Any) -> str:
+    """A mapping key as it reads in a dotted path, shortened like :func:`short_repr`."""
+    return _clip(key if isinstance(key, str) else short_repr(key))
+
+
+def _clip(text: str) -> str:
+    """``text`` cut to at most 80 characters, ending in ``...`` where cut."""
+    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
+
+
 # --------------------------------------------------------------------------- fields
 
-def _int(v: Any, path: str, *, minimum: int | None = None, optional: bool = False) -> int | None:
+def _int(v: Any, path: str, *, minimum: int | None = None, maximum: int = _MAX_INT,
+         optional: bool = False) -> int | None:
     if v is None and optional:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(f"{path}: expected an integer, got {v!r}")
+        raise ConfigError(f"{path}: expected an integer, got {short_repr(v)}")
     if minimum is not None and v < minimum:
-        raise ConfigError(f"{path}: must be >= {minimum}, got {v}")
+        raise ConfigError(f"{path}: must be >= {minimum}, got {short_repr(v)}")
+    if v > maximum:
+        raise ConfigError(f"{path}: must be <= {maximum}, got {short_repr(v)}")
     return v
 
 
@@ -89,7 +153,7 @@ def _choice(v: Any, path: str, choices: Iterable[str]) -> str:
     if isinstance(v, bool):  # YAML turns yes/no/true/false into bools
         v = "true" if v else "false"
     if not isinstance(v, str) or v not in choices:
-        raise ConfigError(f"{path}: expected one of {', '.join(choices)}; got {v!r}")
+        raise ConfigError(f"{path}: expected one of {', '.join(choices)}; got {short_repr(v)}")
     return v
 
 
@@ -99,8 +163,9 @@ def _check_keys(d: Mapping[str, Any], allowed: Iterable[str], prefix: str) -> No
     allowed = list(allowed)
     for key in d:
         if key not in allowed:
-            path = f"{prefix}.{key}" if prefix else str(key)
-            close = difflib.get_close_matches(str(key), allowed, n=1)
+            name = _short_key(key)
+            path = f"{prefix}.{name}" if prefix else name
+            close = difflib.get_close_matches(name, allowed, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(allowed)}"
             raise ConfigError(f"{path}: unknown key{hint}")
 
@@ -124,7 +189,7 @@ class GPUConfig:
             num_blocks = cls.num_blocks
         device = d.get("device", "auto")
         if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-            raise ConfigError(f"{p}.device: expected auto, cpu, cuda or cuda:N; got {device!r}")
+            raise ConfigError(f"{p}.device: expected auto, cpu, cuda or cuda:N; got {short_repr(device)}")
         return cls(num_blocks=num_blocks, capacity=capacity, device=device)
 
     def resolve_num_blocks(self, block_nbytes: int) -> int:
@@ -178,12 +243,10 @@ class SSDConfig:
         _check_keys(d, ("path", "capacity", "compression", "level", "queue_capacity"), p)
         path = d.get("path", cls.path)
         if path is not None and (not isinstance(path, str) or not path.strip()):
-            raise ConfigError(f"{p}.path: expected a directory path or null, got {path!r}")
+            raise ConfigError(f"{p}.path: expected a directory path or null, got {short_repr(path)}")
         cap = parse_size(d.get("capacity", cls.capacity), f"{p}.capacity")
         comp = _choice(d.get("compression", "auto"), f"{p}.compression", ("auto", "zstd", "none"))
-        level = _int(d.get("level", 1), f"{p}.level", minimum=-7)
-        if level > 22:
-            raise ConfigError(f"{p}.level: zstd levels go up to 22, got {level}")
+        level = _int(d.get("level", 1), f"{p}.level", minimum=-7, maximum=22)
         qcap = parse_size(d.get("queue_capacity", cls.queue_capacity), f"{p}.queue_capacity")
         return cls(path=path, capacity=cap, compression=comp, level=level, queue_capacity=qcap)
 
@@ -221,10 +284,10 @@ class ModelConfig:
         _check_keys(d, ("name", "id", "layers", "kv_heads", "head_size", "kv_dtype", "block_nbytes"), p)
         name = d.get("name", cls.name)
         if not isinstance(name, str):
-            raise ConfigError(f"{p}.name: expected a string, got {name!r}")
+            raise ConfigError(f"{p}.name: expected a string, got {short_repr(name)}")
         ident = d.get("id")
         if ident is not None and (not isinstance(ident, str) or not ident.strip()):
-            raise ConfigError(f"{p}.id: expected a non-empty string, got {ident!r}")
+            raise ConfigError(f"{p}.id: expected a non-empty string, got {short_repr(ident)}")
         bn = d.get("block_nbytes")
         return cls(
             name=name,
@@ -264,13 +327,14 @@ class SpillConfig:
         _check_keys(d, ("admission", "watermark", "promotion", "write_through"), p)
         wm = d.get("watermark", cls.watermark)
         if isinstance(wm, bool) or not isinstance(wm, (int, float)) or not 0 <= wm <= 1:
-            raise ConfigError(f"{p}.watermark: expected a fraction between 0 and 1, got {wm!r}")
+            raise ConfigError(f"{p}.watermark: expected a fraction between 0 and 1, got {short_repr(wm)}")
         wt = d.get("write_through", cls.write_through)
         if not isinstance(wt, bool):
-            raise ConfigError(f"{p}.write_through: expected true or false, got {wt!r}")
-        from tierkv.policy.spec import check_spill_rules
+            raise ConfigError(f"{p}.write_through: expected true or false, got {short_repr(wt)}")
+        from tierkv.policy.spec import ADMISSIONS, PROMOTIONS, check_spill_rules
 
-        promo, adm = d.get("promotion", cls.promotion), d.get("admission", cls.admission)
+        adm = _choice(d.get("admission", cls.admission), f"{p}.admission", ADMISSIONS)
+        promo = _choice(d.get("promotion", cls.promotion), f"{p}.promotion", PROMOTIONS)
         check_spill_rules(adm, promo, p)
         if adm == "on_compute" and "watermark" in d:
             raise ConfigError(f"{p}.watermark: only used with {p}.admission: on_evict (on_compute stores "
@@ -285,9 +349,7 @@ class MetricsConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "metrics") -> "MetricsConfig":
         _check_keys(d, ("port",), p)
-        port = _int(d.get("port"), f"{p}.port", minimum=0, optional=True)
-        if port is not None and port > 65535:
-            raise ConfigError(f"{p}.port: expected a TCP port (0-65535), got {port}")
+        port = _int(d.get("port"), f"{p}.port", minimum=0, maximum=65535, optional=True)
         return cls(port=port)
 
 
@@ -363,25 +425,113 @@ class TierKVConfig:
 
 
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The mapping in a YAML config file (empty for an empty file); errors name the file and line."""
+    """The mapping in a YAML config file (empty for an empty file); errors name the file and line.
+
+    The file must be UTF-8 text of at most 1 MiB; the YAML is refused while it is read,
+    before any value is used, when it nests too deeply or its aliases expand too far
+    (see :func:`_load_yaml`).
+    """
     import yaml
 
     p = Path(path)
+    text = _read_text(p)
     try:
-        text = p.read_text(encoding="utf-8")
+        data = _load_yaml(text)
+    except _YAMLLimitError as e:
+        raise ConfigError(f"{p}:{e.line}: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}{where}: invalid YAML: {_clip(str(getattr(e, 'problem', e)))}") from None
+    if data is not None and not isinstance(data, Mapping):
+        raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
+    return dict(data or {})
+
+
+def _read_text(p: Path) -> str:
+    """The text of config file ``p``: at most 1 MiB of UTF-8."""
+    try:
+        with p.open("rb") as fh:
+            data = fh.read(_MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"{p}: config file not found") from None
     except OSError as e:
         raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from None
+    if len(data) > _MAX_FILE_BYTES:
+        raise ConfigError(f"{p}: larger than {format_size(_MAX_FILE_BYTES)}; not a config file")
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{p}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
-    if data is not None and not isinstance(data, Mapping):
-        raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
-    return dict(data or {})
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{p}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
+def _load_yaml(text: str) -> Any:
+    """``yaml.safe_load(text)``, bounded: refuses (:class:`_YAMLLimitError`, with the line)
+    nesting deeper than 32 levels, more than 10,000 values once every alias is expanded
+    and an alias inside its own anchor while the document is composed, before any value
+    is built, and integers longer than 1,000 characters before they are converted."""
+    import yaml
+
+    return yaml.load(text, Loader=_bounded_loader())
+
+
+class _YAMLLimitError(Exception):
+    """YAML refused by the bounded loader; ``line`` is 1-based."""
+
+    def __init__(self, problem: str, mark: Any) -> None:
+        super().__init__(problem)
+        self.line = mark.line + 1
+
+
+@functools.lru_cache(maxsize=None)
+def _bounded_loader() -> type:
+    """The loader class of :func:`_load_yaml` (built on first use: PyYAML is imported lazily)."""
+    import yaml
+
+    class BoundedLoader(yaml.SafeLoader):
+        """``SafeLoader`` that counts the values of the document as it composes it, each
+        alias as many times as its anchor holds values, and tracks the nesting depth."""
+
+        def __init__(self, stream: str) -> None:
+            super().__init__(stream)
+            self.depth = 0
+            self.total = 0
+            self.weights: dict[int, int] = {}  # id of an anchored node -> values under it
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent):
+                target = self.anchors.get(event.anchor)
+                if target is not None:
+                    if id(target) not in self.weights:
+                        raise _YAMLLimitError(f"YAML alias *{_clip(event.anchor)} inside its own anchor",
+                                              event.start_mark)
+                    self.count(self.weights[id(target)], event.start_mark)
+                return super().compose_node(parent, index)
+            if self.depth >= _MAX_YAML_DEPTH:
+                raise _YAMLLimitError(f"YAML nested more than {_MAX_YAML_DEPTH} levels deep", event.start_mark)
+            self.depth += 1
+            before = self.total
+            self.count(1, event.start_mark)
+            node = super().compose_node(parent, index)
+            self.depth -= 1
+            if event.anchor is not None:
+                self.weights[id(node)] = self.total - before
+            return node
+
+        def count(self, values: int, mark: Any) -> None:
+            self.total += values
+            if self.total > _MAX_YAML_VALUES:
+                raise _YAMLLimitError(f"YAML holds more than {_MAX_YAML_VALUES:,} values with aliases expanded", mark)
+
+        def construct_yaml_int(self, node: Any) -> int:
+            if len(node.value) > _MAX_YAML_INT_CHARS:
+                raise _YAMLLimitError(f"integer out of range ({len(node.value):,} characters)", node.start_mark)
+            return super().construct_yaml_int(node)
+
+    BoundedLoader.add_constructor("tag:yaml.org,2002:int", BoundedLoader.construct_yaml_int)
+    return BoundedLoader
 
 
 def first_under(paths: Iterable[str], key: str) -> str | None:
@@ -400,11 +550,15 @@ def key_paths(d: Mapping[str, Any], overrides: Mapping[str, Any] | Iterable[str]
     return flat(d) | items
 
 
-def _parse_override_value(raw: str) -> Any:
+def _parse_override_value(raw: str, key: str = "override") -> Any:
+    """The value of ``KEY=VALUE`` as YAML, or ``raw`` itself where it is not valid YAML;
+    YAML refused by :func:`_load_yaml` is a :class:`ConfigError` naming ``key``."""
     import yaml
 
     try:
-        return yaml.safe_load(raw)
+        return _load_yaml(raw)
+    except _YAMLLimitError as e:
+        raise ConfigError(f"{_clip(key)}: {e}") from None
     except yaml.YAMLError:
         return raw
 
@@ -422,14 +576,14 @@ def apply_overrides(d: dict[str, Any], overrides: Mapping[str, Any] | Iterable[s
         items = []
         for s in overrides:
             if not isinstance(s, str) or "=" not in s:
-                raise ConfigError(f"override {s!r}: expected KEY=VALUE, e.g. cpu.capacity=16GiB")
+                raise ConfigError(f"override {short_repr(s)}: expected KEY=VALUE, e.g. cpu.capacity=16GiB")
             k, v = s.split("=", 1)
-            items.append((k.strip(), _parse_override_value(v.strip())))
+            items.append((k.strip(), _parse_override_value(v.strip(), k.strip())))
     out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in d.items()}
     for key, value in items:
         parts = key.split(".")
         if not all(parts):
-            raise ConfigError(f"{key}: malformed dotted key")
+            raise ConfigError(f"{_short_key(key)}: malformed dotted key")
         node = out
         for i, part in enumerate(parts[:-1]):
             if i == 0:
@@ -438,7 +592,7 @@ def apply_overrides(d: dict[str, Any], overrides: Mapping[str, Any] | Iterable[s
             if child is None:
                 child = {}
             elif not isinstance(child, Mapping):
-                raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a section")
+                raise ConfigError(f"{_clip('.'.join(parts[: i + 1]))}: is not a section")
             node[part] = dict(child)
             node = node[part]
         node[parts[-1]] = value
