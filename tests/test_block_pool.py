@@ -249,7 +249,7 @@ def test_lora_isolation():
 
 def test_block_hashes_instead_of_tokens():
     m = BlockManager(8, 4)
-    hs = [b"h0", b"h1", b"h2"]
+    hs = [bytes([i]) * 32 for i in range(3)]  # the hasher's length (sha256)
     run(m, "a", block_hashes=hs)
     m.free("a")
     b = run(m, "b", block_hashes=hs)  # no token count: every named block may hit
@@ -261,7 +261,17 @@ def test_block_hashes_instead_of_tokens():
     c = run(m, "c", block_hashes=hs[:2], num_tokens=10)
     assert c.num_cached_tokens == 8 and len(c.block_ids) == 3
     with pytest.raises(ValueError, match="block_hashes"):
-        run(m, "d", block_hashes=[b"x", b"x"])
+        run(m, "d", block_hashes=[hs[0], hs[0]])
+
+
+@pytest.mark.parametrize("bad", [b"x" * 31, b"x" * 33, b"x" * 600, "x" * 32])
+def test_block_hashes_of_another_length_are_refused(bad):
+    """A hash of another length cannot come from this hasher, and one past the SSD tier's
+    key limit used to reach its writer and switch it off."""
+    m = BlockManager(8, 4)
+    with pytest.raises(ValueError, match=r"block_hashes\[1\]: expected 32 bytes"):
+        run(m, "a", block_hashes=[b"y" * 32, bad])
+    assert m.num_free_blocks == 8 and "a" not in m.requests
 
 
 def test_bad_arguments():
@@ -277,3 +287,19 @@ def test_bad_arguments():
         m.fork("a", "a")
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(0, 2)
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, "7", 1.5])
+def test_a_bad_token_changes_nothing(bad):
+    """``append`` used to take blocks and extend the tokens before the hasher refused the
+    token; a bad token in a prompt's partial last block was accepted."""
+    m = BlockManager(8, 4)
+    run(m, "a", list(range(6)))
+    before = (m.num_free_blocks, list(m.requests["a"].tokens), m.block_ids("a"))
+    with pytest.raises(ValueError, match="token_ids"):
+        m.append("a", [1, 2, 3, bad])
+    assert (m.num_free_blocks, list(m.requests["a"].tokens), m.block_ids("a")) == before
+    assert m.append("a", [6, 7, 8]) == [] and m.requests["a"].num_tokens == 9
+    with pytest.raises(ValueError, match="token_ids"):
+        run(m, "b", [1, 2, 3, 4, 5, bad])
+    assert "b" not in m.requests

@@ -63,6 +63,17 @@ def test_round_trip_and_read_only_view():
     assert bytes(tier.get(k(3))) == bytes(range(B))
 
 
+@pytest.mark.parametrize("bad", [-1, -4, 4, 100, True, 1.0])
+def test_view_refuses_a_slot_outside_the_slab(bad):
+    """``view(-1)`` used to return the last slot (another block's bytes)."""
+    tier, _ = make(4)
+    for i in range(4):
+        tier.put(k(i), block(i))
+    with pytest.raises(IndexError, match="slot: expected 0..3"):
+        tier.view(bad)
+    assert [int(tier.view(s)[0]) for s in range(4)] == sorted(int(block(i)[0]) for i in range(4))
+
+
 def test_non_uint8_tensors_are_stored_by_bytes():
     tier = CPUTier(4 * 128, 128)
     x = torch.randn(64, dtype=torch.bfloat16)

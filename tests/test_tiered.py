@@ -265,6 +265,24 @@ def test_metrics_endpoint_is_scrapable(tmp_path):
     assert float(queries[0].split()[-1]) > 0
 
 
+def test_a_metrics_port_in_use_is_a_config_error_and_leaves_nothing_open(tmp_path):
+    """The SSD tier opens before the metrics server starts: a port in use must close it
+    again, or a retry in this process finds its directory taken."""
+    import socket
+
+    from tierkv.errors import ConfigError
+
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"metrics.port: cannot serve metrics on 0.0.0.0:{port}"):
+            TieredKVCache(config(tmp_path, metrics={"port": port}))
+    with TieredKVCache(config(tmp_path)) as cache:
+        Driver(cache).run("a", list(range(12)))
+        assert cache.ssd is not None and cache.ssd.stats()["available"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the transfer engine's copy stream)")
 def test_cuda_pool_every_hit_is_byte_exact(tmp_path):

@@ -165,14 +165,22 @@ def make_prompt(hasher: BlockHasher, token_ids: Sequence[int] | None = None, *,
         if not tokens:
             raise ValueError("token_ids: a request needs at least one token")
         hashes = hasher.hash_blocks(tokens, cache_salt=cache_salt, lora_id=lora_id)
+        hasher.check_tokens(tokens[len(hashes) * bs:])
         return Prompt(hashes, len(tokens), min((len(tokens) - 1) // bs, len(hashes)), tokens, cache_salt, lora_id)
     hashes = list(block_hashes)  # type: ignore[arg-type]
+    size = hasher.digest_size
+    bad = next((i for i, h in enumerate(hashes) if not isinstance(h, bytes) or len(h) != size), None)
+    if bad is not None:
+        h = hashes[bad]
+        got = f"{len(h)} bytes" if isinstance(h, bytes) else type(h).__name__
+        raise ValueError(f"block_hashes[{bad}]: expected {size} bytes (a {hasher.algo} block "
+                         f"hash), got {got}")
     if len(set(hashes)) != len(hashes):
         raise ValueError("block_hashes: the same hash appears twice in one request")
     n = len(hashes) * bs if num_tokens is None else num_tokens
-    if n < 1 or n < len(hashes) * bs - (bs - 1) or not all(isinstance(h, bytes) for h in hashes):
+    if n < 1 or n < len(hashes) * bs - (bs - 1):
         raise ValueError(f"block_hashes/num_tokens: {len(hashes)} full block hashes do not fit "
-                         f"{n} tokens of block size {bs} (or a hash is not bytes)")
+                         f"{n} tokens of block size {bs}")
     hashes = hashes[: n // bs]
     cap = len(hashes) if num_tokens is None else min((n - 1) // bs, len(hashes))
     return Prompt(hashes, n, cap, None, cache_salt, lora_id)
@@ -367,8 +375,9 @@ class BlockManager:
 
         A partial, shared last block is copied on write before new tokens land in
         it. Blocks that become full are hashed (continuing the chain); they are
-        registered by :meth:`commit`. Raises :class:`OutOfBlocksError` with nothing
-        changed.
+        registered by :meth:`commit`. Raises :class:`OutOfBlocksError`, or
+        ``ValueError`` for a token that is not an integer in ``[0, 2**32)``, with
+        nothing changed.
         """
         req = self._request(request_id)
         if req.tokens is None:
@@ -376,6 +385,7 @@ class BlockManager:
         new = list(token_ids)
         if not new:
             return []
+        self.hasher.check_tokens(new)  # before anything changes
         bs = self.block_size
         old_n = req.num_tokens
         cow = old_n % bs != 0 and req.blocks[-1].ref_cnt > 1

@@ -108,6 +108,11 @@ class BlockHasher:
         """One digest per full block of ``token_ids`` (a trailing partial block is not hashed)."""
         return self.extend([], token_ids, cache_salt=cache_salt, lora_id=lora_id, mm_hashes=mm_hashes)
 
+    def check_tokens(self, token_ids: Sequence[int]) -> None:
+        """Raise ``ValueError`` naming the first token that is not an integer in
+        ``[0, 2**32)`` (what a block hash can take), also in a block not yet full."""
+        self._pack(token_ids, 0, len(token_ids))
+
     def extend(
         self,
         hashes: list[bytes],

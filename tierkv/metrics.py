@@ -13,6 +13,8 @@ import bisect
 import threading
 from typing import Any, Callable, Iterator
 
+from tierkv.errors import ConfigError
+
 __all__ = ["TIERS", "Histogram", "Lifecycle", "LifecycleRecorder", "TierKVCollector", "policy_stats",
            "start_metrics_server"]
 
@@ -230,6 +232,10 @@ def start_metrics_server(port: int, collector: TierKVCollector, addr: str = "0.0
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    with _servers_lock:
-        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        with _servers_lock:
+            server, _thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:  # in use, not permitted, no such address
+        raise ConfigError(f"metrics.port: cannot serve metrics on {addr}:{port}: "
+                          f"{exc.strerror or exc}") from None
     return server

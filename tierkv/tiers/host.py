@@ -104,6 +104,9 @@ class HostSlab:
 
     def view(self, slot: int) -> np.ndarray:
         """Read-only numpy view of one slot's bytes (valid until the slot is rewritten)."""
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or \
+                not 0 <= slot < len(self.keys):
+            raise IndexError(f"slot: expected 0..{len(self.keys) - 1}, got {slot!r}")
         row = self.array[slot]
         row.flags.writeable = False
         return row
