@@ -102,3 +102,125 @@ def test_skip_bad_lines_counts_them(tmp_path: Path) -> None:
     assert tr.first_skipped is not None and tr.first_skipped.startswith(f"{p}:2:")
     with pytest.raises(TraceError, match="empty trace.*2 bad lines"):
         load_trace(write(tmp_path, ["x", "y"], "bad.jsonl"), skip_bad_lines=True)
+
+
+def write_bytes(tmp_path: Path, lines: list[bytes], name: str = "t.jsonl") -> Path:
+    p = tmp_path / name
+    p.write_bytes(b"\n".join(lines) + b"\n")
+    return p
+
+
+GOOD = b'{"timestamp": 0, "hash_ids": [1]}'
+TOKENS = b'{"timestamp": 0, "token_ids": [1, 2, 3, 4, 5]}'
+DEEP = 5000
+BAD_LINES = [   # (first line, bad line, words): the bad line is line 2
+    (GOOD, b'{"timestamp": 1, "hash_ids": [1%s]}' % (b"0" * 5000), "more than 4300 digits"),
+    (GOOD, b'{"timestamp": 1, "chat_id": 1%s}' % (b"0" * 5000), "more than 4300 digits"),
+    (GOOD, b'{"timestamp": 1%s, "hash_ids": [1]}' % (b"0" * 400), "'timestamp' must be a finite number"),
+    (GOOD, b'{"timestamp": 1e400, "hash_ids": [1]}', "'timestamp' must be a finite number"),
+    (GOOD, b'{"timestamp": 1, "hash_ids": [1], "x": %s}' % (b"[" * DEEP + b"]" * DEEP), "nested too deeply"),
+    (GOOD, b'{"timestamp": 1, "hash_ids": [1], "x": %s1%s}' % (b'{"a": ' * DEEP, b"}" * DEEP), "nested too deeply"),
+    (GOOD, b'[' * DEEP + b']' * DEEP, "nested too deeply"),
+    (GOOD, b'{"timestamp": 1, "hash_ids": [1], "output_length": 1%s}' % (b"0" * 30), "'output_length' must be"),
+    (GOOD, b'{"timestamp": 1, "hash_ids": [%s]}' % (b"[" * 500 + b"]" * 500),
+     "'hash_ids' must hold integers or hex strings, got [[[[...]]]]"),
+    (GOOD, b'{"timestamp": 1, "hash_ids": [2], "x": "\xff"}', "not UTF-8 text"),
+    (TOKENS, b'{"timestamp": 1, "token_ids": [1, 2], "cache_salt": [1]}', "'cache_salt' must be a string"),
+    (TOKENS, b'{"timestamp": 1, "token_ids": [1, 2], "lora": {"a": 1}}', "'lora' must be a string or an integer"),
+    (TOKENS, b'{"timestamp": 1, "block_hashes": [1, 2, 3], "input_length": 8}', "'input_length' 8 is too small"),
+]
+
+
+BAD_IDS = ["huge-id", "huge-chat-id", "huge-timestamp", "inf-timestamp", "deep-arrays", "deep-objects",
+           "deep-top-level", "huge-output-length", "nested-id", "not-utf8", "list-salt", "object-lora",
+           "short-input-length"]
+
+
+@pytest.mark.parametrize("first, bad, words", BAD_LINES, ids=BAD_IDS)
+def test_oversized_deep_and_mistyped_values_are_bad_lines(tmp_path: Path, first: bytes, bad: bytes,
+                                                          words: str) -> None:
+    p = write_bytes(tmp_path, [first, bad])
+    with pytest.raises(TraceError) as e:
+        load_trace(p, block_size=4)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}:2: ") and words in msg and "\n" not in msg and len(msg) < len(str(p)) + 200
+
+
+def test_skip_bad_lines_counts_every_kind_of_bad_line(tmp_path: Path) -> None:
+    lines = [TOKENS]
+    for i, (_, bad, _) in enumerate(BAD_LINES[-3:] * 2 + BAD_LINES[:-3]):
+        lines += [bad, b'{"timestamp": %d, "token_ids": [1, 2, 3, 4, %d]}' % (i + 1, i)]
+    p = write_bytes(tmp_path, lines)
+    tr = load_trace(p, block_size=4, skip_bad_lines=True)
+    bad = len(BAD_LINES) + 3
+    assert tr.skipped_lines == bad and len(tr.requests) == 1 + bad
+    assert [r.line for r in tr.requests] == list(range(1, len(lines) + 1, 2))
+    assert tr.first_skipped is not None and tr.first_skipped.startswith(f"{p}:2: 'cache_salt'")
+
+
+def test_block_hashes_may_end_in_a_partial_block(tmp_path: Path) -> None:
+    p = write_bytes(tmp_path, [TOKENS, b'{"timestamp": 1, "block_hashes": [1, 2, 3], "input_length": 9}'])
+    assert [r.input_length for r in load_trace(p, block_size=4).requests] == [5, 9]
+
+
+def test_line_longer_than_the_limit_is_a_bad_line_and_the_rest_is_read(tmp_path: Path) -> None:
+    long_line = b'{"timestamp": 1, "hash_ids": [%s]}' % b", ".join(b"%d" % i for i in range(2000))
+    exact = b'{"timestamp": 2, "hash_ids": [1]%s}' % (b" " * (1000 - len(GOOD)))   # 1000 bytes and a newline
+    assert len(exact) == 1000
+    p = write_bytes(tmp_path, [GOOD, long_line, exact, exact + b" "])
+    with pytest.raises(TraceError, match=rf"^{p}:2: line longer than 1000 bytes$"):
+        load_trace(p, max_line_bytes=1000)
+    tr = load_trace(p, max_line_bytes=1000, skip_bad_lines=True)
+    assert [r.line for r in tr.requests] == [1, 3] and tr.skipped_lines == 2
+    assert tr.first_skipped == f"{p}:2: line longer than 1000 bytes"
+    assert len(load_trace(p, max_line_bytes=len(long_line)).requests) == 4
+
+
+def test_byte_order_mark_is_accepted_at_the_start_only(tmp_path: Path) -> None:
+    p = write_bytes(tmp_path, [b"\xef\xbb\xbf" + GOOD, b'{"timestamp": 1, "hash_ids": [1, 2]}'])
+    tr = load_trace(p)
+    assert tr.format == "mooncake" and [r.line for r in tr.requests] == [1, 2]
+    p = write_bytes(tmp_path, [GOOD, b"\xef\xbb\xbf" + GOOD], "bom2.jsonl")
+    with pytest.raises(TraceError, match=rf"^{p}:2: not valid JSON"):
+        load_trace(p)
+
+
+def test_not_utf8_names_the_line_it_is_on(tmp_path: Path) -> None:
+    p = write_bytes(tmp_path, [GOOD] * 3000 + [b'{"timestamp": 1, "hash_ids": ["\xc3\x28"]}'])
+    with pytest.raises(TraceError, match=rf"^{p}:3001: not UTF-8 text \(byte 0xc3 at column 32\)$"):
+        load_trace(p)
+
+
+def test_progress_reports_lines_and_bytes_read(tmp_path: Path) -> None:
+    p = write_bytes(tmp_path, [GOOD] * 10_000)
+    calls: list[tuple[int, int]] = []
+    load_trace(p, progress=lambda lines, nbytes: calls.append((lines, nbytes)))
+    assert calls[0] == (4096, 4096 * (len(GOOD) + 1)) and calls[-1] == (10_000, p.stat().st_size)
+    assert calls == sorted(calls)
+
+
+def test_reads_a_pipe_once(tmp_path: Path) -> None:
+    import os
+    import threading
+
+    r, w = os.pipe()
+    data = b"\n".join([GOOD] * 20_000) + b"\n"   # more than a pipe holds
+
+    def feed() -> None:
+        with os.fdopen(w, "wb") as fh:
+            fh.write(data)
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    try:
+        tr = load_trace(f"/dev/fd/{r}")
+    finally:
+        writer.join()
+        os.close(r)
+    assert len(tr.requests) == 20_000
+
+
+def test_bad_block_size_is_an_error() -> None:
+    for bad in (0, -1):
+        with pytest.raises(TraceError, match="--block-size: expected a positive integer"):
+            load_trace(DATA / "small_mooncake.jsonl", block_size=bad)

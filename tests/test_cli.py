@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from tierkv.cli import main
+from tierkv import cli
+from tierkv.cli import Progress, main
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
@@ -18,9 +22,9 @@ SMALL = ["--block-size", "4", "--set", "block_size=4", "--set", "model.block_nby
          "--set", "gpu.num_blocks=8", "--set", "cpu.capacity=4KiB", "--set", "ssd.capacity=0"]
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tierkv.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                          input=stdin, timeout=timeout, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -67,7 +71,16 @@ def test_bench_default_workload_quiet_json_to_stdout(capsys: pytest.CaptureFixtu
     (['{"timestamp": 0, "hash_ids": [1]}', '{"timestamp": 1}'], ":2: missing 'hash_ids'"),
     (['{"timestamp": 9, "hash_ids": [1]}', '{"timestamp": 1, "hash_ids": [2]}'], ":2: timestamp"),
     ([''], ":1: empty trace"),
-])
+    (['{"timestamp": 0, "hash_ids": [1]}', '{"timestamp": 1, "hash_ids": [1%s]}' % ("0" * 5000)],
+     ":2: a number has more than 4300 digits"),
+    (['{"timestamp": 1%s, "hash_ids": [1]}' % ("0" * 400)], ":1: 'timestamp' must be a finite number"),
+    (['{"timestamp": 0, "hash_ids": [1], "x": %s}' % ("[" * 5000 + "]" * 5000)], ":1: JSON nested too deeply"),
+    (['{"timestamp": 0, "token_ids": [1, 2, 3], "cache_salt": [1]}'], ":1: 'cache_salt' must be a string"),
+    (['{"timestamp": 0, "token_ids": [1, 2, 3, 4, 5]}', '{"timestamp": 1, "block_hashes": [1, 2, 3], '
+      '"input_length": 1}'], ":2: 'input_length' 1 is too small"),
+    (['{"timestamp": 0, "hash_ids": [1], "output_length": 1%s}' % ("0" * 30)], ":1: 'output_length' must be"),
+], ids=["truncated", "missing-ids", "unsorted", "empty", "huge-id", "huge-timestamp", "deep", "list-salt",
+        "short-input-length", "huge-output-length"])
 def test_bad_trace_is_one_line_error_exit_2(tmp_path: Path, lines: list[str], where: str) -> None:
     p = tmp_path / "bad.jsonl"
     p.write_text("\n".join(lines) + "\n")
@@ -89,6 +102,89 @@ def test_missing_file_bad_override_and_skip_bad_lines(tmp_path: Path, capsys: py
     err = capsys.readouterr().err
     assert "skipped 1 bad lines" in err and "dirty.jsonl:2" in err
     assert json.loads((tmp_path / "o.json").read_text())["trace"]["skipped_lines"] == 1
+
+
+def test_skip_bad_lines_skips_and_counts_every_kind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = [b'{"timestamp": 1, "token_ids": [1%s]}' % (b"0" * 5000),
+           b'{"timestamp": 1%s, "token_ids": [1]}' % (b"0" * 400),
+           b'{"timestamp": 1, "token_ids": [1], "x": %s}' % (b"[" * 5000 + b"]" * 5000),
+           b'{"timestamp": 1, "token_ids": [1, 2, 3, 4, 5], "cache_salt": [1]}',
+           b'{"timestamp": 1, "block_hashes": [1, 2, 3], "input_length": 1}',
+           b'{"timestamp": 1, "token_ids": [1], "note": "\xff"}',
+           b"not json"]
+    good = b'{"timestamp": %d, "token_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9]}'
+    p = tmp_path / "dirty.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + b"\n".join(good % 0 + b"\n" + line for line in bad) + b"\n" + good % 9 + b"\n")
+    out = tmp_path / "o.json"
+    assert main(["bench", "--trace", str(p), *SMALL, "--skip-bad-lines", "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"skipped {len(bad)} bad lines (first: {p}:2: a number has more than 4300 digits)" in err
+    report = json.loads(out.read_text())
+    assert report["trace"]["skipped_lines"] == len(bad) and report["requests"] == len(bad) + 1
+    assert main(["inspect", "--trace", str(p), "--block-size", "4", "--skip-bad-lines", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["skipped_lines"] == len(bad)
+
+
+def test_endless_line_is_an_error_not_a_hang() -> None:
+    res = run_cli("bench", "--trace", "/dev/zero", "--quiet", timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr == "tierkv: error: /dev/zero:1: line longer than 67108864 bytes\n"
+
+
+def test_trace_on_stdin_is_read_once() -> None:
+    trace = (DATA / "small_mooncake.jsonl").read_text()
+    res = run_cli("bench", "--trace", "/dev/stdin", *SMALL, "--json", "-", "--quiet", stdin=trace)
+    assert res.returncode == 0, res.stderr
+    assert (json.loads(res.stdout)["requests"], res.stderr) == (4, "")
+
+
+def test_trace_in_a_fifo_is_read_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    trace = (DATA / "small_mooncake.jsonl").read_bytes()
+
+    def feed() -> None:
+        with open(fifo, "wb") as fh:
+            fh.write(trace)
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    res = run_cli("bench", "--trace", str(fifo), *SMALL, "--json", "-", "--quiet", timeout=60)
+    writer.join(5)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["requests"] == 4
+
+
+def test_pipe_progress_counts_lines_read(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(cli, "Progress", lambda enabled: Progress(enabled, sys.stderr, delay=0.0))
+    r, w = os.pipe()
+    lines = b"".join(b'{"timestamp": %d, "hash_ids": [%d]}\n' % (i, i % 50) for i in range(5000))
+
+    def feed() -> None:
+        with os.fdopen(w, "wb") as fh:
+            fh.write(lines)
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    try:
+        rc = main(["bench", "--trace", f"/dev/fd/{r}", *SMALL, "--progress", "--json", os.devnull])
+    finally:
+        writer.join()
+        os.close(r)
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "reading  4,096 lines, 0.1 MiB" in err and "%" not in err.split("replay")[0]
+
+
+def test_reading_progress_shows_a_fraction_only_of_a_known_size() -> None:
+    out = io.StringIO()
+    progress = Progress(True, out, delay=0.0)
+    progress.reading("reading", None)(12_345, 3 << 20)
+    assert out.getvalue().startswith("\rreading  12,345 lines, 3.0 MiB ")
+    progress.done()
+    out.truncate(0)
+    progress.reading("reading", 4 << 20)(12_345, 3 << 20)
+    assert "75.0% 12,345 lines, 3.0 MiB" in out.getvalue()
 
 
 def test_requests_larger_than_the_pool_are_reported_not_fatal(tmp_path: Path,
@@ -141,6 +237,27 @@ def test_bad_flags_are_usage_errors_without_traceback(flag: list[str], capsys: p
         rc = exc.code
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err and flag[0] in err
+
+
+PLAN = ["plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128"]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["inspect", "--trace", str(DATA / "small_qwen.jsonl"), "--block-size", "-1"], "--block-size"),
+    (["inspect", "--trace", str(DATA / "small_qwen.jsonl"), "--block-size", "0"], "--block-size"),
+    (["plan", "--layers", "-1", "--kv-heads", "8", "--head-dim", "128", "--kv-pool-gib", "48"], "--layers"),
+    ([*PLAN, "--kv-pool-gib", "nan"], "--kv-pool-gib"),
+    ([*PLAN, "--kv-pool-gib", "inf"], "--kv-pool-gib"),
+    ([*PLAN, "--gpu-mem-gib", "80", "--weights-gib", "16", "--util", "nan"], "--util"),
+    ([*PLAN, "--gpu-mem-gib", "nan", "--weights-gib", "16"], "--gpu-mem-gib"),
+], ids=["inspect-block-size-negative", "inspect-block-size-zero", "plan-layers", "plan-pool-nan", "plan-pool-inf",
+        "plan-util-nan", "plan-gpu-mem-nan"])
+def test_bad_inspect_and_plan_flags_are_usage_errors(argv: list[str], flag: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--json", os.devnull])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"error: argument {flag}: expected" in err and "Traceback" not in err
 
 
 def test_plan_cli_reproduces_the_seed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

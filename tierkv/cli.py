@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -21,6 +24,10 @@ __all__ = ["main", "build_parser"]
 
 # ---------------------------------------------------------------- progress
 
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
 class Progress:
     """A one-line progress bar on stderr, shown only once a phase has run for ``delay`` seconds."""
 
@@ -29,21 +36,39 @@ class Progress:
         self._label, self._total, self._t0, self._last, self._shown = "", 0, 0.0, 0.0, False
 
     def phase(self, label: str, total: int) -> Callable[[int], None]:
-        self.done()
-        self._label, self._total, self._t0, self._last = label, total, time.monotonic(), 0.0
+        """Start a phase of ``total`` steps; returns ``update(steps done)``."""
+        self._start(label, total)
         return self.update
 
+    def reading(self, label: str, size: int | None) -> Callable[[int, int], None]:
+        """Start a phase that reads a stream; returns ``update(lines, bytes)``. ``size``: the
+        stream's bytes when known (a regular file), else only what was read is shown."""
+        self._start(label, size or 0)
+        return self.update_read
+
     def update(self, n: int) -> None:
+        frac = min(1.0, n / self._total) if self._total else 0.0
+        self._show(f"[{'#' * int(30 * frac):<30}] {100 * frac:5.1f}% {n:,}/{self._total:,}")
+
+    def update_read(self, lines: int, nbytes: int) -> None:
+        if not self._total:
+            self._show(f"{lines:,} lines, {_mib(nbytes)}")
+            return
+        frac = min(1.0, nbytes / self._total)
+        self._show(f"[{'#' * int(20 * frac):<20}] {100 * frac:5.1f}% {lines:,} lines, {_mib(nbytes)}")
+
+    def _start(self, label: str, total: int) -> None:
+        self.done()
+        self._label, self._total, self._t0, self._last = label, total, time.monotonic(), 0.0
+
+    def _show(self, text: str) -> None:
         if not self.enabled:
             return
         now = time.monotonic()
         if now - self._t0 < self.delay or now - self._last < 0.1:
             return
         self._last, self._shown = now, True
-        frac = min(1.0, n / self._total) if self._total else 0.0
-        bar = "#" * int(30 * frac)
-        self.stream.write(f"\r{self._label:<8} [{bar:<30}] {100 * frac:5.1f}% {n:,}/{self._total:,} "
-                          f"{now - self._t0:5.1f} s")
+        self.stream.write(f"\r{self._label:<8} {text} {now - self._t0:5.1f} s")
         self.stream.flush()
 
     def done(self) -> None:
@@ -74,17 +99,17 @@ def _load_trace(args: argparse.Namespace, config: Any, progress: Progress) -> An
         return generate(args.workload, args.seed, block_size=args.block_size or config.block_size, scale=args.scale)
     from tierkv.bench.traces import load_trace
 
-    total = _count_lines(args.trace)
     return load_trace(args.trace, args.format, block_size=args.block_size, default_block_size=config.block_size,
-                      skip_bad_lines=args.skip_bad_lines, progress=progress.phase("reading", total))
+                      skip_bad_lines=args.skip_bad_lines, progress=progress.reading("reading", _file_size(args.trace)))
 
 
-def _count_lines(path: str) -> int:
+def _file_size(path: str) -> int | None:
+    """Bytes of a regular file; None for a pipe, a device or what cannot be read (the loader reports it)."""
     try:
-        with open(path, "rb") as fh:
-            return sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b""))
-    except OSError:
-        return 0  # the loader reports the error with the file name
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:
@@ -99,18 +124,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from tierkv.bench.analysis import run_bench
     from tierkv.bench.replay import ReplayOptions
     from tierkv.bench.report import build_report, render_text
-    from tierkv.config import parse_size
-    from tierkv.errors import ConfigError
 
     t0 = time.perf_counter()
     progress = Progress(enabled=not args.quiet and (args.progress or sys.stderr.isatty()))
     config = _load_config(args)
-    block_bytes = parse_size(args.payload_block_bytes, "--payload-block-bytes")
-    if block_bytes < 1:
-        raise ConfigError(f"--payload-block-bytes: must be at least 1 byte, got {args.payload_block_bytes!r}")
     admission = None if args.admission in (None, "both") else args.admission
     options = ReplayOptions(decode_s_per_token=args.decode_ms_per_token / 1000.0, payload=args.payload,
-                            payload_block_bytes=block_bytes, admission=admission)
+                            payload_block_bytes=args.payload_block_bytes, admission=admission)
     trace = _load_trace(args, config, progress)
     t_load = time.perf_counter() - t0
     if trace.skipped_lines and not args.quiet:
@@ -199,20 +219,34 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _finite(minimum: float, inclusive: bool) -> Callable[[str], float]:
+def _finite(minimum: float, inclusive: bool, maximum: float = math.inf) -> Callable[[str], float]:
+    """An argparse type: a finite number above ``minimum`` (or equal, if ``inclusive``), at most ``maximum``."""
     def parse(text: str) -> float:
-        import math
-
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
         low_ok = value >= minimum if inclusive else value > minimum
-        if not math.isfinite(value) or not low_ok:
+        if not math.isfinite(value) or not low_ok or value > maximum:
             bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+            bound += f" and <= {maximum:g}" if math.isfinite(maximum) else ""
             raise argparse.ArgumentTypeError(f"expected a finite number {bound}, got {text!r}")
         return value
     return parse
+
+
+def _block_bytes(text: str) -> int:
+    """An argparse type: a size of at least one byte, such as ``16KiB``."""
+    from tierkv.config import parse_size
+    from tierkv.errors import ConfigError
+
+    try:
+        value = parse_size(text, "size")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("size: ")) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 byte, got {text!r}")
+    return value
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
@@ -243,7 +277,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     cfg.add_argument("--decode-ms-per-token", type=_finite(0, True), default=20.0,
                      help="a request holds its GPU blocks for output_length x this (default: 20)")
     cfg.add_argument("--payload", action="store_true", help="move real bytes through the CPU slab and the SSD tier")
-    cfg.add_argument("--payload-block-bytes", default="16KiB", help="bytes per block with --payload")
+    cfg.add_argument("--payload-block-bytes", type=_block_bytes, default="16KiB", metavar="SIZE",
+                     help="bytes per block with --payload (default: 16KiB)")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the report as JSON ('-' for stdout)")
     out.add_argument("--plot", metavar="PATH.png", help="write the miss-ratio curve and lifecycle plot")
@@ -253,16 +288,16 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-config", metavar="config.json", help="Hugging Face model config")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--kv-heads", type=int)
-    p.add_argument("--head-dim", type=int)
+    p.add_argument("--layers", type=_positive_int)
+    p.add_argument("--kv-heads", type=_positive_int)
+    p.add_argument("--head-dim", type=_positive_int)
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp8", "fp32"), help="KV cache dtype (default: the model's)")
-    p.add_argument("--kv-pool-gib", type=float, help="KV pool size")
-    p.add_argument("--gpu-mem-gib", type=float, help="GPU memory (with --weights-gib)")
-    p.add_argument("--weights-gib", type=float, help="memory taken by the weights")
-    p.add_argument("--util", type=float, default=0.9, help="gpu_memory_utilization (default: 0.9)")
-    p.add_argument("--max-model-len", type=int, default=8192, help="tokens per request (default: 8192)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default: 16)")
+    p.add_argument("--kv-pool-gib", type=_finite(0, False), help="KV pool size")
+    p.add_argument("--gpu-mem-gib", type=_finite(0, False), help="GPU memory (with --weights-gib)")
+    p.add_argument("--weights-gib", type=_finite(0, True), help="memory taken by the weights")
+    p.add_argument("--util", type=_finite(0, False, 1), default=0.9, help="gpu_memory_utilization (default: 0.9)")
+    p.add_argument("--max-model-len", type=_positive_int, default=8192, help="tokens per request (default: 8192)")
+    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default: 16)")
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON ('-' for stdout)")
     p.add_argument("--quiet", action="store_true", help="print only errors")
 
@@ -279,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp = sub.add_parser("inspect", help="summarise a trace (no replay)")
     insp.add_argument("--trace", required=True, metavar="PATH")
     insp.add_argument("--format", default="auto")
-    insp.add_argument("--block-size", type=int, default=None)
+    insp.add_argument("--block-size", type=_positive_int, default=None, metavar="TOKENS")
     insp.add_argument("--skip-bad-lines", action="store_true")
     insp.add_argument("--json", metavar="PATH")
     insp.set_defaults(func=cmd_inspect)

@@ -17,8 +17,11 @@ order). Formats (one JSON object per line):
     configured block size and chained like the engine does, with
     ``cache_salt`` and ``lora`` in the chain's root.
 
-Bad input raises :class:`TraceError` whose message starts with ``file:line``.
-With ``skip_bad_lines`` a bad record is skipped and counted instead.
+The file is read once, line by line, so a pipe or FIFO works as well as a
+file. Lines are UTF-8 (a byte order mark at the start is allowed) and at most
+:data:`MAX_LINE_BYTES` long. Bad input raises :class:`TraceError` whose
+message starts with ``file:line``. With ``skip_bad_lines`` a bad record is
+skipped and counted instead.
 """
 
 from __future__ import annotations
@@ -26,15 +29,24 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable, Iterator
+
+from tierkv.config import short_repr
 
 __all__ = ["FORMATS", "Request", "Trace", "TraceError", "detect_format", "load_trace", "TraceBuilder"]
 
 FORMATS = ("mooncake", "qwen", "tierkv")
 _ALIASES = {"qwen-bailian": "qwen", "bailian": "qwen"}
 DEFAULT_BLOCK_SIZE = {"mooncake": 512, "qwen": 16}
+MAX_LINE_BYTES = 64 << 20
+"""Longest trace line read (bytes); a longer one is a bad line."""
+MAX_COUNT = 2**63 - 1
+"""Largest ``input_length`` / ``output_length`` accepted."""
+_BOM = b"\xef\xbb\xbf"
+_PROGRESS_LINES, _PROGRESS_BYTES = 4096, 4 << 20
 
 
 class TraceError(ValueError):
@@ -112,19 +124,25 @@ def _number(rec: dict[str, Any], key: str, *, required: bool = True, default: fl
         if required:
             raise _Bad(f"missing '{key}'")
         return default
-    if type(v) is bool or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _Bad(f"'{key}' must be a number, got {v!r}")
-    if v < 0:
-        raise _Bad(f"'{key}' must not be negative, got {v!r}")
-    return v
+    if type(v) is bool or not isinstance(v, (int, float)):
+        raise _Bad(f"'{key}' must be a number, got {short_repr(v)}")
+    try:
+        value = float(v)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise _Bad(f"'{key}' must be a finite number, got {short_repr(v)}")
+    if value < 0:
+        raise _Bad(f"'{key}' must not be negative, got {short_repr(v)}")
+    return value
 
 
 def _count(rec: dict[str, Any], key: str, default: int) -> int:
     v = rec.get(key)
     if v is None:
         return default
-    if type(v) is not int or v < 0:
-        raise _Bad(f"'{key}' must be a non-negative integer, got {v!r}")
+    if type(v) is not int or not 0 <= v <= MAX_COUNT:
+        raise _Bad(f"'{key}' must be an integer from 0 to 2**63 - 1, got {short_repr(v)}")
     return v
 
 
@@ -134,8 +152,28 @@ def _id_list(rec: dict[str, Any], key: str) -> list[Any]:
         raise _Bad(f"missing '{key}'" if ids is None else f"'{key}' must be a list, got {type(ids).__name__}")
     if not set(map(type, ids)) <= _ID_TYPES:
         bad = next(h for h in ids if type(h) not in _ID_TYPES)
-        raise _Bad(f"'{key}' must hold integers or hex strings, got {bad!r}")
+        raise _Bad(f"'{key}' must hold integers or hex strings, got {short_repr(bad)}")
     return ids
+
+
+def _namespace(rec: dict[str, Any]) -> tuple[str | None, str | int | None] | None:
+    """``(cache_salt, lora)`` of a tierkv record, None when it has neither."""
+    salt, lora = rec.get("cache_salt"), rec.get("lora")
+    if salt is not None and not isinstance(salt, str):
+        raise _Bad(f"'cache_salt' must be a string, got {short_repr(salt)}")
+    if lora is not None and (type(lora) is bool or not isinstance(lora, (str, int))):
+        raise _Bad(f"'lora' must be a string or an integer, got {short_repr(lora)}")
+    return (salt, lora) if salt is not None or lora is not None else None
+
+
+def _hashed_length(rec: dict[str, Any], ids: list[Any], block_size: int) -> int:
+    """``input_length`` of a record given by block hashes: the last block may be partial, no more."""
+    n = _count(rec, "input_length", len(ids) * block_size)
+    least = (len(ids) - 1) * block_size + 1
+    if ids and n < least:
+        raise _Bad(f"'input_length' {n} is too small for {len(ids)} block hashes of {block_size} tokens "
+                   f"(at least {least})")
+    return n
 
 
 class TraceBuilder:
@@ -213,15 +251,14 @@ def _add_mooncake(b: TraceBuilder, rec: dict[str, Any], line: int) -> None:
 
 def _add_qwen(b: TraceBuilder, rec: dict[str, Any], line: int) -> None:
     ids = _id_list(rec, "hash_ids")
-    ts = float(_number(rec, "timestamp"))
+    ts = _number(rec, "timestamp")
     b.add_ids(ts, ids, _count(rec, "input_length", len(ids) * b.block_size),
               _count(rec, "output_length", 0), line)
 
 
 def _add_tierkv(b: TraceBuilder, rec: dict[str, Any], line: int) -> None:
-    ts = float(_number(rec, "timestamp"))
-    salt, lora = rec.get("cache_salt"), rec.get("lora")
-    ns = (salt, lora) if salt is not None or lora is not None else None
+    ts = _number(rec, "timestamp")
+    ns = _namespace(rec)
     out = _count(rec, "output_length", 0)
     if "token_ids" in rec:
         tokens = rec["token_ids"]
@@ -232,13 +269,32 @@ def _add_tierkv(b: TraceBuilder, rec: dict[str, Any], line: int) -> None:
         b.add_tokens(ts, tokens, out, line, ns)
     elif "block_hashes" in rec:
         ids = _id_list(rec, "block_hashes")
-        b.add_ids(ts, ids, _count(rec, "input_length", len(ids) * b.block_size), out, line, ns)
+        b.add_ids(ts, ids, _hashed_length(rec, ids, b.block_size), out, line, ns)
     else:
         raise _Bad("missing 'token_ids' or 'block_hashes'")
 
 
 _ADDERS: dict[str, Callable[[TraceBuilder, dict[str, Any], int], None]] = {
     "mooncake": _add_mooncake, "qwen": _add_qwen, "tierkv": _add_tierkv}
+
+
+def _parse(raw: bytes) -> Any:
+    """The JSON value of one line's bytes, None for a blank line; raises :class:`_Bad`."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Bad(f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
+    if not text or text.isspace():
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        truncated = e.pos >= len(text.rstrip())
+        raise _Bad("truncated JSON record" if truncated else f"not valid JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise _Bad("JSON nested too deeply") from None
+    except ValueError:  # int() refuses a number longer than the interpreter's digit limit
+        raise _Bad(f"a number has more than {sys.get_int_max_str_digits()} digits") from None
 
 
 def normalize_format(fmt: str) -> str:
@@ -255,11 +311,14 @@ class _Loader:
     block_size: int | None
     default_block_size: int
     skip_bad_lines: bool
+    max_line_bytes: int = MAX_LINE_BYTES
     builder: TraceBuilder | None = None
     skipped: int = 0
     first_skipped: str | None = None
     lines: int = 0
-    progress: Callable[[int], None] | None = field(default=None)
+    bytes_read: int = 0
+    progress: Callable[[int, int], None] | None = field(default=None)
+    _reported: tuple[int, int] = (0, 0)
 
     def fail(self, line: int, msg: str) -> None:
         where = f"{self.path}:{line}: {msg}"
@@ -279,40 +338,66 @@ class _Loader:
         self.builder = TraceBuilder(self.path.name, fmt, bs)
         return self.builder
 
-    def feed(self, text: str, line: int) -> None:
+    def feed(self, raw: bytes, line: int) -> None:
+        if line == 1 and raw.startswith(_BOM):
+            raw = raw[len(_BOM):]
         try:
-            rec = json.loads(text)
-        except json.JSONDecodeError as e:
-            truncated = e.pos >= len(text.rstrip())
-            self.fail(line, "truncated JSON record" if truncated else f"not valid JSON: {e.msg} (column {e.colno})")
-            return
-        if not isinstance(rec, dict):
-            self.fail(line, f"expected a JSON object, got {type(rec).__name__}")
-            return
-        b = self.builder or self.start(rec, line)
-        if b is None:
-            return
-        try:
-            _ADDERS[b.format](b, rec, line)
+            rec = _parse(raw)
+            if rec is None:
+                return
+            if not isinstance(rec, dict):
+                raise _Bad(f"expected a JSON object, got {type(rec).__name__}")
+            b = self.builder or self.start(rec, line)
+            if b is not None:
+                _ADDERS[b.format](b, rec, line)
         except _Bad as e:
             self.fail(line, str(e))
 
+    def read_lines(self, fh: BinaryIO) -> Iterator[bytes | None]:
+        """Each line's bytes; None for a line longer than ``max_line_bytes``, whose rest is
+        then read and dropped in bounded pieces."""
+        limit = self.max_line_bytes
+        while raw := fh.readline(limit + 1):
+            self.bytes_read += len(raw)
+            if len(raw) <= limit or raw.endswith(b"\n"):
+                yield raw
+                continue
+            yield None
+            while (rest := fh.readline(1 << 20)) and not rest.endswith(b"\n"):
+                self.bytes_read += len(rest)
+            self.bytes_read += len(rest)
+
+    def report(self) -> None:
+        """Calls ``progress(lines, bytes)`` every few thousand lines or megabytes."""
+        lines, nbytes = self._reported
+        if self.progress is not None and (self.lines - lines >= _PROGRESS_LINES
+                                          or self.bytes_read - nbytes >= _PROGRESS_BYTES):
+            self._reported = (self.lines, self.bytes_read)
+            self.progress(*self._reported)
+
+    def read(self, fh: BinaryIO) -> None:
+        try:
+            for self.lines, raw in enumerate(self.read_lines(fh), 1):
+                if raw is None:
+                    self.fail(self.lines, f"line longer than {self.max_line_bytes} bytes")
+                else:
+                    self.feed(raw, self.lines)
+                if self.progress is not None:
+                    self.report()
+        except OSError as e:
+            raise TraceError(f"{self.path}:{self.lines + 1}: cannot read trace: {e.strerror or e}") from None
+
     def run(self) -> Trace:
         try:
-            fh = open(self.path, encoding="utf-8")
+            fh = open(self.path, "rb", buffering=1 << 20)
         except FileNotFoundError:
             raise TraceError(f"{self.path}: trace file not found") from None
         except OSError as e:
             raise TraceError(f"{self.path}: cannot read trace: {e.strerror}") from None
         with fh:
-            try:
-                for self.lines, text in enumerate(fh, 1):
-                    if text.strip():
-                        self.feed(text, self.lines)
-                    if self.progress is not None and self.lines % 4096 == 0:
-                        self.progress(self.lines)
-            except UnicodeDecodeError:
-                raise TraceError(f"{self.path}:{self.lines + 1}: not UTF-8 text") from None
+            self.read(fh)
+        if self.progress is not None:
+            self.progress(self.lines, self.bytes_read)
         if self.builder is None or not self.builder.requests:
             why = f" ({self.skipped} bad lines skipped)" if self.skipped else ""
             raise TraceError(f"{self.path}:{self.lines}: empty trace: no requests{why}")
@@ -321,14 +406,19 @@ class _Loader:
 
 def load_trace(path: str | Path, fmt: str = "auto", *, block_size: int | None = None,
                default_block_size: int = 16, skip_bad_lines: bool = False,
-               progress: Callable[[int], None] | None = None) -> Trace:
-    """Read a JSONL trace.
+               progress: Callable[[int, int], None] | None = None,
+               max_line_bytes: int = MAX_LINE_BYTES) -> Trace:
+    """Read a JSONL trace in one pass (a pipe or FIFO works).
 
     ``fmt``: ``auto`` (decided by the first record), ``mooncake``, ``qwen`` or
     ``tierkv``. ``block_size``: tokens per block id; defaults to 512 for
     Mooncake, 16 for Qwen-Bailian and ``default_block_size`` (the config's)
-    for tierkv traces. Raises :class:`TraceError` naming file and line.
+    for tierkv traces. ``progress(lines, bytes)`` is called now and then with
+    what has been read so far. A line longer than ``max_line_bytes`` is a bad
+    line. Raises :class:`TraceError` naming file and line.
     """
+    if block_size is not None and (type(block_size) is not int or block_size < 1):
+        raise TraceError(f"--block-size: expected a positive integer, got {block_size!r}")
     loader = _Loader(Path(path), normalize_format(fmt), block_size, default_block_size, skip_bad_lines,
-                     progress=progress)
+                     max_line_bytes, progress=progress)
     return loader.run()
