@@ -14,8 +14,10 @@ missing or corrupt (so the policy forgets them).
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -32,7 +34,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["load_config", "vllm_fingerprint", "policy_spec", "block_nbytes_of", "num_workers", "ResidentDelta",
+__all__ = ["load_config", "vllm_fingerprint", "policy_spec", "block_nbytes_of", "num_workers", "Rank",
+           "engine_ranks", "ssd_root", "ResidentDelta",
            "ResidentMap", "TierKVMetadata", "TierKVWorkerMetadata"]
 
 CONFIG_FILE_KEY = "config"
@@ -114,6 +117,55 @@ def policy_spec(cfg: TierKVConfig, kv_cache_config: "KVCacheConfig") -> PolicySp
     one of which vLLM keeps as its null block)."""
     return PolicySpec.from_config(cfg, block_nbytes=block_nbytes_of(kv_cache_config),
                                   gpu_blocks=max(1, int(kv_cache_config.num_blocks) - 1))
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One worker of an engine: its place in the parallel layout. Each has an SSD tier of
+    its own, in ``rank-<index>`` under ``ssd.path`` (a tier directory has one owner)."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_size: int
+    pp_size: int
+
+    @property
+    def index(self) -> int:
+        """The worker's global rank: data-parallel engine, then pipeline stage, then shard."""
+        return (self.dp * self.pp_size + self.pp) * self.tp_size + self.tp
+
+    def ssd_dir(self, root: Path) -> Path:
+        return root / f"rank-{self.index}"
+
+    def tier_id(self, fingerprint: Fingerprint) -> str:
+        return fingerprint.tier_id(self.tp, self.pp)
+
+
+def engine_ranks(vllm_config: "VllmConfig") -> list[Rank]:
+    """Every worker of this (data-parallel) engine, rank 0 first."""
+    pc = vllm_config.parallel_config
+    tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+    dp = int(getattr(pc, "data_parallel_rank", 0) or 0)
+    return [Rank(t, p, dp, tp, pp) for p in range(pp) for t in range(tp)]
+
+
+def ssd_root(cfg: TierKVConfig) -> Path:
+    """``ssd.path``, created owner-only if missing; its parent must exist (an unmounted
+    disk must not fill the root file system)."""
+    path = cfg.ssd.resolved_path()
+    assert path is not None
+    path = Path(os.path.realpath(path))
+    if not path.parent.is_dir():
+        raise ConfigError(f"ssd.path: the parent directory {path.parent} does not exist "
+                          "(create it first; tierkv does not create mount points)")
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"ssd.path: cannot create {path}: {exc.strerror}") from None
+    if not path.is_dir():
+        raise ConfigError(f"ssd.path: {path} exists and is not a directory")
+    return path
 
 
 def num_workers(vllm_config: "VllmConfig") -> int:

@@ -47,6 +47,7 @@ from tierkv.connectors.vllm_common import (
     TierKVMetadata,
     TierKVWorkerMetadata,
     block_nbytes_of,
+    engine_ranks,
     num_workers,
     policy_spec,
     vllm_fingerprint,
@@ -159,16 +160,19 @@ class TierKVScheduler:
         self._manager: KVCacheManager | None = None
         self._queries = {"blocks": 0, "tokens": 0}
         self._hits = {"gpu": 0, "cpu": 0, "ssd": 0}
-        self._ssd_evictions = self._seed_ssd() if self.policy.ssd is not None else []
+        self._ssd_evictions = self._seed_ssd(vllm_config) if self.policy.ssd is not None else []
         self._metrics_server = self._start_metrics(cfg.metrics.port)
         log.info("tierkv scheduler: %s; block %d bytes; %s admission; %d CPU slots, %d SSD blocks (%d held)",
                  self.fingerprint.describe(), self.block_nbytes, self.policy.spec.admission,
                  self.policy.spec.cpu_slots, self.policy.spec.ssd_slots, self.policy.occupancy()["ssd"])
 
-    def _seed_ssd(self) -> list[bytes]:
+    def _seed_ssd(self, vllm_config: "VllmConfig") -> list[bytes]:
+        """Hold what every worker's SSD tier holds; return the keys the workers must delete
+        (held by only some ranks, or past the capacity)."""
         from tierkv.connectors.vllm_worker import read_ssd_keys
 
-        return self.policy.seed_ssd(read_ssd_keys(self.cfg, self.fingerprint.tier_id(0), self.block_nbytes))
+        whole, partial = read_ssd_keys(self.cfg, self.fingerprint, engine_ranks(vllm_config))
+        return partial + self.policy.seed_ssd(whole)
 
     def _start_metrics(self, port: int | None) -> Any:
         if port is None:

@@ -4,8 +4,11 @@
   (:class:`LayoutRows`, through :class:`~tierkv.connectors.kv_layout.KVLayout`),
   the CPU slab (:class:`~tierkv.tiers.host.HostSlab`, whose slots the
   scheduler half's policy chose; each slot is tagged with its key, so a stale
-  slot is refused rather than loaded) and the SSD tier, opened here (in the
-  worker process, never across ``fork()``);
+  slot is refused rather than loaded) and the worker's own SSD tier, opened
+  here (in the worker process, never across ``fork()``), in ``rank-<r>`` under
+  ``ssd.path`` (:class:`~tierkv.connectors.vllm_common.Rank`: a tier directory
+  has one owner, and each tensor-parallel shard and pipeline stage holds
+  other bytes of the same blocks);
 * a mirror of the hashed GPU blocks (from each step's
   :class:`~tierkv.connectors.vllm_common.ResidentDelta`), so that
   :meth:`TierKVWorker.shutdown` can store the hot set the SSD tier lacks.
@@ -43,15 +46,21 @@ from tierkv.executor import Executor, LoadResult, host_rows
 from tierkv.policy import SHUTDOWN, LoadPlan, StorePlan
 from tierkv.policy.manager import select_for_shutdown
 from tierkv.tiers.host import HostSlab
+from tierkv.errors import ConfigError
+from tierkv.identity import Fingerprint
 from tierkv.tiers.ssd import SSDTier
+from tierkv.tiers.ssd.tier import read_keys
 
 from tierkv.connectors.kv_layout import KVLayout
 from tierkv.connectors.vllm_common import (
+    Rank,
     ResidentDelta,
     TierKVMetadata,
     TierKVWorkerMetadata,
     block_nbytes_of,
+    engine_ranks,
     policy_spec,
+    ssd_root,
     vllm_fingerprint,
 )
 
@@ -72,49 +81,58 @@ _SHARED: dict[str, SSDTier] = {}
 _POLL_S = 0.002
 
 
-def _ssd_path(cfg: TierKVConfig) -> str:
-    path = cfg.ssd.resolved_path()
-    assert path is not None
-    return os.path.realpath(path)
-
-
-def open_ssd_tier(cfg: TierKVConfig, fingerprint: str, block_nbytes: int, *, shared: bool = True) -> SSDTier:
-    path = _ssd_path(cfg)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tier = SSDTier(path, capacity_bytes=cfg.ssd.capacity, fingerprint=fingerprint,
+def open_ssd_tier(cfg: TierKVConfig, fingerprint: Fingerprint, rank: Rank, block_nbytes: int) -> SSDTier:
+    """The SSD tier of one worker, in its own directory under ``ssd.path``."""
+    root = ssd_root(cfg)
+    if rank.index == 0 and (root / "data.mdb").exists():
+        log.warning("tierkv: %s holds an SSD tier of the layout before per-rank directories; "
+                    "it is no longer read (each worker uses %s/rank-<r>): delete its files to "
+                    "free the space", root, root)
+    path = rank.ssd_dir(root)
+    tier = SSDTier(path, capacity_bytes=cfg.ssd.capacity, fingerprint=rank.tier_id(fingerprint),
                    compression=cfg.ssd.compression, level=cfg.ssd.level,
                    queue_capacity_bytes=cfg.ssd.queue_capacity, block_nbytes=block_nbytes)
-    if shared:
-        _SHARED[path] = tier
+    _SHARED[str(path)] = tier
     return tier
 
 
-def read_ssd_keys(cfg: TierKVConfig, fingerprint: str, block_nbytes: int) -> list[bytes]:
-    """The keys on SSD at start-up, least recently used first, read once. In this process
-    the worker's tier is shared (LMDB forbids a second handle); otherwise the tier is
-    opened briefly. A tier that cannot be read yields none (misses only)."""
-    tier = _SHARED.get(_ssd_path(cfg))
-    if tier is not None:
-        return list(tier.keys())
-    try:
-        tier = open_ssd_tier(cfg, fingerprint, block_nbytes, shared=False)
-    except Exception as exc:  # a broken tier costs hits, never the engine
-        log.warning("tierkv: cannot read the SSD tier at %s (%s); starting with none of its blocks",
-                    cfg.ssd.path, exc)
-        return []
-    try:
-        return list(tier.keys())
-    finally:
-        tier.close()
+def read_ssd_keys(cfg: TierKVConfig, fingerprint: Fingerprint, ranks: Sequence[Rank]
+                  ) -> tuple[list[bytes], list[bytes]]:
+    """The blocks on SSD at start-up: ``(whole, partial)``. ``whole``: keys every rank's
+    tier holds, least recently used first (by rank 0); ``partial``: keys only some hold
+    (a crash between the ranks' writes), to delete. Read once, from the tiers the
+    workers own: in this process through the worker's tier, otherwise beside it
+    (read-only, in a child process). A tier that cannot be read yields none (misses
+    only) and deletes nothing."""
+    root = ssd_root(cfg)
+    per_rank: list[list[bytes]] = []
+    for rank in ranks:
+        path = rank.ssd_dir(root)
+        tier = _SHARED.get(str(path))
+        try:
+            per_rank.append(list(tier.keys()) if tier is not None
+                            else read_keys(path, rank.tier_id(fingerprint)))
+        except (OSError, ConfigError) as exc:  # a broken tier costs hits, never the engine
+            log.warning("tierkv: cannot read the SSD tier at %s (%s); starting with none of its "
+                        "blocks", path, exc)
+            return [], []
+    common = set(per_rank[0]).intersection(*per_rank[1:])
+    whole = [k for k in per_rank[0] if k in common]
+    partial = list(dict.fromkeys(k for keys in per_rank for k in keys if k not in common))
+    return whole, partial
 
 
-def _tp_rank() -> int:
+def _this_rank(vllm_config: "VllmConfig") -> Rank:
+    """This worker's place (tensor-parallel rank and pipeline stage from vLLM's groups;
+    rank 0 of each when they are not initialised, as in a single process)."""
+    first = engine_ranks(vllm_config)[0]
     try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-        return int(get_tensor_model_parallel_rank())
-    except Exception:  # not initialised (single process without a TP group)
-        return 0
+        tp, pp = int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+    except Exception:  # not initialised (a single process without parallel groups)
+        tp, pp = 0, 0
+    return Rank(tp, pp, first.dp, first.tp_size, first.pp_size)
 
 
 class LayoutRows:
@@ -172,7 +190,7 @@ class TierKVWorker:
         ssd = None
         if self.spec.ssd_slots:
             fp = vllm_fingerprint(self.cfg, self.vllm_config, self.kv_cache_config)
-            ssd = open_ssd_tier(self.cfg, fp.tier_id(_tp_rank()), self.block_nbytes)
+            ssd = open_ssd_tier(self.cfg, fp, _this_rank(self.vllm_config), self.block_nbytes)
         self.executor = Executor(LayoutRows(layout), slab, ssd)
         atexit.register(self.shutdown)
         log.info("tierkv worker: %d layer segments (%s copies), %d B/block, %d CPU slots, SSD %s",
@@ -290,7 +308,7 @@ class TierKVWorker:
             log.exception("tierkv worker: storing the hot set at shutdown failed")
         ssd = self.ssd
         if ssd is not None:
-            _SHARED.pop(_ssd_path(self.cfg), None)
+            _SHARED.pop(str(ssd.path), None)
             ssd.close()
 
     def stats(self) -> dict[str, Any]:

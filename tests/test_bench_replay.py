@@ -133,3 +133,21 @@ def test_payload_tiers_hold_as_many_blocks_as_the_replayed_ones(tmp_path: Path, 
 
     c = cfg(tmp_path, gpu=8, cpu=5, ssd=3000)
     assert tier_capacities(_payload_config(c, block_bytes, str(tmp_path))) == tier_capacities(c)
+
+
+def test_metadata_replay_memory_follows_blocks_used_not_capacity(tmp_path: Path) -> None:
+    """10 TB of SSD and 1 TB of DRAM in 1 KiB blocks are ~10^10 slots: the metadata replay
+    must cost what the trace's blocks cost (it used to allocate per configured slot)."""
+    import tracemalloc
+
+    def peak(cpu: int, ssd: int) -> int:
+        tracemalloc.start()
+        try:
+            r = replay(tiers_trace(), cfg(tmp_path, gpu=2, cpu=cpu, ssd=ssd))
+            assert r.hit_blocks["cpu"] + r.hit_blocks["ssd"] == 2
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    small, huge = peak(10, 100), peak(2**30, 10 * 2**30)
+    assert huge < small + 1024**2, (small, huge)

@@ -113,6 +113,23 @@ def test_new_engine_serves_from_ssd(model: str, baseline: dict[str, Any], tmp_pa
     assert same(again, baseline["prompt"])
 
 
+def test_tensor_parallel_ranks_each_own_a_tier(model: str, tmp_path: Path) -> None:
+    """TP=2 on the real engine (two worker processes, one core each): each rank opens its
+    own SSD tier under ssd.path (they used to share one directory, each with its own
+    free-space map); a new engine's scheduler reads both ranks' keys beside the workers
+    that own them and serves the whole prompt from SSD, with the same outputs."""
+    spec = {"model": model, "tierkv": tierkv(tmp_path), "tp": 2, "steps": [{"prompts": [PROMPT]}]}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}
+    first = run_in_subprocess(spec, multiprocessing=True, env=env)["steps"][0]
+    ranks = {p.name: p for p in (tmp_path / "ssd").iterdir()}
+    assert sorted(ranks) == ["rank-0", "rank-1"]
+    sizes = [(ranks[r] / "blocks.dat").stat().st_size for r in sorted(ranks)]
+    assert all(size > 21 * BLOCK_BYTES // 2 // 2 for size in sizes), sizes  # half the heads each
+    again = run_in_subprocess(spec, multiprocessing=True, env=env)["steps"][0]
+    assert again["external_hits"] == 21 * BLOCK
+    assert same(again, first)
+
+
 def _corrupt(data_file: Path, n: int, seed: int = 0) -> None:
     raw = bytearray(data_file.read_bytes())
     rng = random.Random(seed)
@@ -125,7 +142,7 @@ def _corrupt(data_file: Path, n: int, seed: int = 0) -> None:
 def test_corrupted_ssd_tier_costs_only_recomputation(model: str, baseline: dict[str, Any],
                                                      tmp_path: Path) -> None:
     _, cfg = _store_then_reload(model, tmp_path)
-    data = tmp_path / "ssd" / "blocks.dat"  # the payloads (compressed); the index stays intact
+    data = tmp_path / "ssd" / "rank-0" / "blocks.dat"  # the payloads (compressed); the index stays intact
     assert data.stat().st_size > 21 * BLOCK_BYTES // 2
     _corrupt(data, 400)
     spec = {"model": model, "tierkv": cfg,

@@ -93,6 +93,8 @@ def _make_llm(spec: dict[str, Any]) -> Any:
                                   kv_cache_memory_bytes=spec.get("kv_bytes", 8 * 1024**2),
                                   max_model_len=spec.get("max_model_len", 2048),
                                   disable_log_stats=False)
+    if spec.get("tp", 1) > 1:  # one worker process per rank (run with multiprocessing=True)
+        kwargs.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     if spec.get("tierkv") is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config(spec["tierkv"],
                                                           module_path=spec.get("module_path", True))

@@ -74,11 +74,15 @@ class Fingerprint:
         """The hash-chain namespace: a canonical serialisation of every field."""
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
-    def tier_id(self, tp_rank: int = 0) -> str:
-        """The SSD tier's fingerprint for one tensor-parallel rank's shard."""
+    def tier_id(self, tp_rank: int = 0, pp_rank: int = 0) -> str:
+        """The SSD tier's fingerprint for one worker's shard: its tensor-parallel rank and,
+        with several pipeline stages, its stage (each holds other layers)."""
         if not 0 <= tp_rank < self.tp_size:
             raise ValueError(f"tp_rank: expected 0..{self.tp_size - 1}, got {tp_rank}")
-        return hashlib.sha256(self.namespace() + b"|tp_rank=%d" % tp_rank).hexdigest()
+        if not 0 <= pp_rank < self.pp_size:
+            raise ValueError(f"pp_rank: expected 0..{self.pp_size - 1}, got {pp_rank}")
+        stage = b"|pp_rank=%d" % pp_rank if self.pp_size > 1 else b""
+        return hashlib.sha256(self.namespace() + b"|tp_rank=%d" % tp_rank + stage).hexdigest()
 
     def describe(self) -> str:
         return (f"{self.model} {self.dtype}/{self.kv_dtype} block {self.block_size} tokens "
