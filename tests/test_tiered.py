@@ -265,6 +265,30 @@ def test_metrics_endpoint_is_scrapable(tmp_path):
     assert float(queries[0].split()[-1]) > 0
 
 
+@pytest.mark.parametrize("admission", ADMISSIONS)
+def test_an_aborted_prefill_caches_nothing_in_any_tier(tmp_path, admission):
+    """A request freed before its rows were written (an abort, a disconnect) used to leave
+    hashed blocks holding whatever the rows held; they paged out to SSD and were served,
+    even after a restart. Only committed blocks are ever cached."""
+    prompt = list(range(500, 532))  # 8 full blocks
+    with TieredKVCache(config(tmp_path, gpu=16, cpu=4, admission=admission)) as cache:
+        a = cache.allocate("aborted", prompt)
+        a.wait()
+        for row in a.block_ids:
+            cache.kv_pool[row] = 0xEE  # garbage, never the prompt's KV
+        cache.free("aborted")
+        d = Driver(cache)
+        for u in range(6):  # pressure: everything on the GPU is evicted and paged out
+            d.run(f"u{u}", [9000 + 100 * u + i for i in range(33)])
+            cache.free(f"u{u}")
+        again = d.run("again", prompt)
+        assert again.num_cached_tokens == 0
+        cache.free("again")
+    with TieredKVCache(config(tmp_path, gpu=16, cpu=4, admission=admission)) as fresh:
+        d = Driver(fresh)  # checks every served block against the bytes computed for its hash
+        assert d.run("after-restart", prompt).num_cached_tokens == 28  # computed by "again"
+
+
 def test_a_metrics_port_in_use_is_a_config_error_and_leaves_nothing_open(tmp_path):
     """The SSD tier opens before the metrics server starts: a port in use must close it
     again, or a retry in this process finds its directory taken."""

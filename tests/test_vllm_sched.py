@@ -208,3 +208,23 @@ def test_construction_leaves_environment_alone(make: MakeHarness) -> None:
     before = dict(os.environ)
     make()
     assert dict(os.environ) == before
+
+
+def test_missing_parent_of_ssd_path_stops_start_up_and_creates_nothing(make: MakeHarness,
+                                                                        tmp_path: Path) -> None:
+    """An unmounted disk must not fill the root file system: the plugin used to create
+    every missing parent of ssd.path."""
+    from tierkv.errors import ConfigError
+
+    missing = tmp_path / "not-mounted" / "tierkv"
+    with pytest.raises(ConfigError, match="the parent directory .*not-mounted does not exist"):
+        make(extra=tierkv(tmp_path, **{"ssd.path": str(missing)}))
+    assert not (tmp_path / "not-mounted").exists()
+
+
+def test_ssd_path_is_created_owner_only_when_its_parent_exists(make: MakeHarness,
+                                                                tmp_path: Path) -> None:
+    import stat
+
+    make(extra=tierkv(tmp_path, **{"ssd.path": str(tmp_path / "new")}))
+    assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700
