@@ -289,6 +289,30 @@ def test_an_aborted_prefill_caches_nothing_in_any_tier(tmp_path, admission):
         assert d.run("after-restart", prompt).num_cached_tokens == 28  # computed by "again"
 
 
+def test_spills_never_push_the_ssd_tier_past_the_policys_plan(tmp_path):
+    """Without write-through, blocks reach the SSD tier as spills of the CPU tier, each plan
+    with the SSD evictions that make room for them. Spills used to be queued before those
+    deletions: a writer batch taken in between found the tier over capacity, and its LRU
+    backstop evicted blocks the policy still held (lost SSD hits)."""
+    nbytes = 8192
+    cfg = TierKVConfig.from_dict({
+        "block_size": 16, "model": {"block_nbytes": nbytes}, "gpu": {"num_blocks": 64, "device": "cpu"},
+        "cpu": {"capacity": 32 * nbytes, "pin_memory": "false"},
+        "ssd": {"path": str(tmp_path / "ssd"), "capacity": "2MiB", "compression": "none"},
+        "spill": {"write_through": False}})
+    gen = torch.Generator().manual_seed(0)
+    with TieredKVCache(cfg) as cache:
+        for i in range(300):
+            a = cache.allocate(f"r{i}", list(range(i * 1000, i * 1000 + 16 * 48 + 1)))
+            cache.kv_pool[a.block_ids] = torch.randint(0, 256, (len(a.block_ids), nbytes),
+                                                       dtype=torch.uint8, generator=gen)
+            cache.commit(f"r{i}")
+            cache.free(f"r{i}")
+        assert cache.flush()
+        ssd = cache.stats()["ssd"]
+        assert ssd["blocks_written"] > 2 * 256 and ssd["evictions"] == 0, ssd
+
+
 def test_a_metrics_port_in_use_is_a_config_error_and_leaves_nothing_open(tmp_path):
     """The SSD tier opens before the metrics server starts: a port in use must close it
     again, or a retry in this process finds its directory taken."""

@@ -150,16 +150,19 @@ class Executor:
         return lost
 
     def evict(self, spills: Sequence[tuple[int, bytes]], ssd_evictions: Sequence[bytes]) -> Lost:
-        """Spill evicted CPU slots to the SSD tier, then delete what the policy evicted there."""
+        """Delete what the policy evicted from the SSD tier, then spill evicted CPU slots to
+        it. In this order the tier never holds more than the policy planned for: a writer
+        batch taken between the two would otherwise find it over capacity and evict records
+        the policy still holds."""
         lost: Lost = []
+        if ssd_evictions and self.ssd is not None:
+            self._safely("discard", self.ssd.discard_many, list(ssd_evictions))
         for slot, key in spills:
             if self.slab is not None and self.slab.holds(slot, key) and self._put(key, self.slab.view(slot)):
                 self._count("blocks_spilled")
             else:
                 self._count("spill_failures")
                 lost.append(("ssd", key))
-        if ssd_evictions and self.ssd is not None:
-            self._safely("discard", self.ssd.discard_many, list(ssd_evictions))
         return lost
 
     def _put(self, key: bytes, row: Any, count_failure: bool = True) -> bool:

@@ -325,11 +325,13 @@ class TieredKVCache:
 
         self._metrics_server = start_metrics_server(port, TierKVCollector(self.stats, self.lifecycle), addr)
 
-    def flush(self) -> None:
-        """Wait until every pending copy and SSD write has finished (SSD writes synced)."""
+    def flush(self) -> bool:
+        """Wait until every pending copy and SSD write has finished (SSD writes synced).
+        False when the SSD tier dropped a block it had accepted since the last flush (a
+        full disk, an I/O error: its ``stats()["ssd"]["last_error"]`` says which)."""
         self.transfer.synchronize()
         self._pending.clear()
-        self.executor.flush()
+        return self.executor.flush()
 
     def close(self) -> None:
         """Store the device-resident blocks the SSD tier lacks (most recently used first,
