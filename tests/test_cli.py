@@ -227,7 +227,7 @@ def test_admission_flag_decides_before_the_config_is_checked(tmp_path: Path) -> 
     assert (policy["admission"], policy["promotion"]) == ("on_evict", "exclusive")
 
 
-@pytest.mark.parametrize("flag", [["--block-size", "-1"], ["--scale", "nan"], ["--scale", "-1"],
+@pytest.mark.parametrize("flag", [["--block-size", "-1"], ["--scale", "nan"], ["--scale", "-1"], ["--scale", "1e300"],
                                   ["--decode-ms-per-token", "nan"], ["--payload-block-bytes", "0"],
                                   ["--admission", "sometimes"]])
 def test_bad_flags_are_usage_errors_without_traceback(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -219,6 +219,9 @@ def _positive_int(text: str) -> int:
     return value
 
 
+MAX_SCALE = 10_000.0  # about 10^7 requests of the built-in workloads: hours to generate already
+
+
 def _finite(minimum: float, inclusive: bool, maximum: float = math.inf) -> Callable[[str], float]:
     """An argparse type: a finite number above ``minimum`` (or equal, if ``inclusive``), at most ``maximum``."""
     def parse(text: str) -> float:
@@ -258,7 +261,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--workload", choices=WORKLOADS, default=DEFAULT_WORKLOAD,
                      help=f"built-in workload when no --trace is given (default: {DEFAULT_WORKLOAD})")
     src.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    src.add_argument("--scale", type=_finite(0, False), default=1.0, help="workload size multiplier (default: 1)")
+    src.add_argument("--scale", type=_finite(0, False, MAX_SCALE), default=1.0,
+                     help=f"workload size multiplier (default: 1, at most {MAX_SCALE:g})")
     src.add_argument("--block-size", type=_positive_int, default=None, metavar="TOKENS",
                      help="tokens per trace block (default: 512 mooncake, 16 qwen, the config's otherwise)")
     bad = src.add_mutually_exclusive_group()
