@@ -142,3 +142,6 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool:
+        return self.scheduler.reset_cache()

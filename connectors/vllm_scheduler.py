@@ -258,6 +258,20 @@ class TierKVScheduler:
 
     # ------------------------------------------------------------------ stores
 
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after an in-place weight
+        update: every block below the GPU is stale (its fingerprint did not change). The
+        policy forgets them all; the workers delete the SSD records before the next step's
+        forward. Refused (False, nothing changed) while a load is planned or in flight."""
+        if self._loads or self._inflight:
+            log.warning("tierkv: cannot reset the lower tiers while %d loads are in flight",
+                        len(self._loads) + len(self._inflight))
+            return False
+        dropped = self.policy.occupancy()
+        self._ssd_evictions += self.policy.clear()
+        log.info("tierkv: reset: forgot %d CPU and %d SSD blocks", dropped["cpu"], dropped["ssd"])
+        return True
+
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TierKVMetadata:
         meta = TierKVMetadata(loads=self._loads, ssd_evictions=self._ssd_evictions)
         self._loads, self._ssd_evictions = [], []

@@ -432,6 +432,25 @@ def test_forget_of_a_pinned_key_is_immediate_and_its_slot_stays_taken_until_its_
     assert policy.counts.snapshot()["lost"] == {"cpu": 1, "ssd": 0}
 
 
+def test_clear_forgets_every_block_below_and_returns_the_ssd_keys_to_delete() -> None:
+    """After an in-place weight update every stored block is stale: nothing below is a hit
+    any more, the SSD records are to be deleted (those an open plan pins too, once their
+    writes are done), and the slots are reused as the pins are released."""
+    policy = make(cpu_slots=3, ssd_slots=4)  # write-through: computed blocks go to both
+    stored(policy, [A, B])
+    pending = policy.prepare_store([5], [C], "computed")  # C pinned in both tiers
+    policy.take_events()
+    assert sorted(policy.clear()) == sorted([A, B, C])
+    assert sorted(events(policy)) == sorted([("evicted", "cpu", (A, B, C)), ("evicted", "ssd", (A, B, C))])
+    assert policy.lookup([A]) == [] and policy.lookup([C]) == [] and policy.occupancy() == {"cpu": 1, "ssd": 1}
+    assert policy.clear() == [] and events(policy) == []  # the tombstone of C is not a block
+    policy.complete_store(pending)
+    assert policy.occupancy() == {"cpu": 0, "ssd": 0} and policy.counts.snapshot()["lost"] == {"cpu": 0, "ssd": 0}
+    policy.check()
+    again = stored(policy, [A])  # stored afresh: a hit again
+    assert policy.lookup([A]) == ["cpu"] and again.cpu_slots
+
+
 def test_forget_renames_the_pins_of_every_open_plan() -> None:
     policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict", promotion="exclusive", write_through=False)
     stored(policy, [A, B], "evicted")

@@ -130,6 +130,25 @@ def test_tensor_parallel_ranks_each_own_a_tier(model: str, tmp_path: Path) -> No
     assert same(again, first)
 
 
+def test_reset_with_the_connector_forgets_every_tier(model: str, baseline: dict[str, Any],
+                                                    tmp_path: Path) -> None:
+    """reset_prefix_cache(reset_connector=True), as after an in-place weight update: the
+    tiers' blocks are stale. vLLM used to report the reset done while tierkv kept serving
+    them, from DRAM at once and from SSD after a restart."""
+    other = random_token_prompt(700, seed=2)
+    steps = [{"prompts": [other]}, {"prompts": [PROMPT]}, {"reset": True, "connector": True},
+             {"prompts": [PROMPT]}]
+    _, _, reset, again = run_in_subprocess({"model": model, "tierkv": tierkv(tmp_path), "steps": steps})["steps"]
+    assert reset["reset"] is True
+    assert again["external_hits"] == 0 and again["cached"][0] == 0
+    assert same(again, baseline["prompt"])
+    after, fresh = run_in_subprocess({"model": model, "tierkv": tierkv(tmp_path),
+                                      "steps": [{"prompts": [other]}, {"prompts": [PROMPT]}]})["steps"]
+    assert after["external_hits"] == 0               # its SSD records were deleted by the reset
+    assert fresh["external_hits"] == 21 * BLOCK      # computed after the reset: served from SSD
+    assert same(fresh, baseline["prompt"])
+
+
 def _corrupt(data_file: Path, n: int, seed: int = 0) -> None:
     raw = bytearray(data_file.read_bytes())
     rng = random.Random(seed)

@@ -121,7 +121,8 @@ def _hits_by_source(llm: Any) -> dict[str, int]:
 
 def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
     """Run ``spec["steps"]`` on one engine. Each step is ``{"prompts": [[ids...]], "salt": str|None}``
-    or ``{"reset": true}`` (reset vLLM's prefix cache)."""
+    or ``{"reset": true}`` (reset vLLM's prefix cache; with ``"connector": true`` tierkv's
+    tiers too)."""
     import time
 
     from vllm import SamplingParams
@@ -131,7 +132,7 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
     results: list[Any] = []
     for step in spec["steps"]:
         if step.get("reset"):
-            ok = llm.reset_prefix_cache()
+            ok = llm.reset_prefix_cache(reset_connector=bool(step.get("connector")))
             results.append({"reset": bool(ok)})
             continue
         prompts = [{"prompt_token_ids": p} for p in step["prompts"]]

@@ -17,6 +17,7 @@ Verbs (in the manner of vLLM's ``OffloadingManager``):
   cascade and evictions for blocks offered for a reason (see
   :mod:`tierkv.policy.plans`); release once written.
 * :meth:`forget`: an executor found blocks missing or corrupt.
+* :meth:`clear`: every block below is stale (the model's weights changed).
 * :meth:`take_events`: the recorded :class:`~tierkv.policy.events.PolicyEvent`
   batches, when ``record_events`` is on.
 
@@ -38,7 +39,7 @@ from typing import Callable, Iterable, Sequence
 
 from tierkv.policy.events import EventCounts, Observer, PolicyEvent
 from tierkv.policy.plans import COMPUTED, SHUTDOWN, LoadPlan, StorePlan
-from tierkv.policy.holdings import Holdings
+from tierkv.policy.holdings import TOMBSTONE_PREFIX, Holdings
 from tierkv.policy.spec import PolicySpec
 
 __all__ = ["TierPolicy", "select_for_shutdown"]
@@ -317,6 +318,24 @@ class TierPolicy:
         if tier not in ("cpu", "ssd"):
             raise ValueError(f"tier: expected 'cpu' or 'ssd', got {tier!r}")
         self._emit("lost", tier, self.holdings.forget(tier, keys), self.clock())
+
+    def clear(self) -> list[bytes]:
+        """Every block the lower tiers hold is stale (the weights changed in place, so the
+        fingerprint did not): forget them all, reported as ``evicted``; returns the SSD
+        keys the executor must delete. Entries pinned by open plans are buried like
+        forgotten ones and their keys returned too (deleted after the plans' writes)."""
+        now = self.clock()
+        ssd_keys: list[bytes] = []
+        for tier in ("cpu", "ssd"):
+            index = self.holdings.index(tier)
+            if index is None:
+                continue
+            keys = [k for k in index if not k.startswith(TOMBSTONE_PREFIX)]
+            gone = self.holdings.forget(tier, keys)
+            self._emit("evicted", tier, gone, now)
+            if tier == "ssd":
+                ssd_keys = gone
+        return ssd_keys
 
     def forget_pairs(self, lost: Iterable[tuple[str, bytes]]) -> None:
         """:meth:`forget` for ``(tier, key)`` pairs."""
