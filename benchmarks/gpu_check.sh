@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One GPU, under 8 minutes: install what the kernels need, run the `gpu` tests,
-# then the kernel microbenchmarks. Results (logs, JUnit XML, bench JSON) go to
-# $OUT when set. Fails loudly on any step.
+# One GPU: install what the kernels need, run the `gpu` tests, then the kernel
+# microbenchmarks (under 8 minutes), then the tests under compute-sanitizer.
+# Results (logs, JUnit XML, bench JSON) go to $OUT when set. Fails loudly on
+# any step.
 #
 #   bash benchmarks/gpu_check.sh            # GPU_VENV=.venv-gpu by default
 set -euo pipefail
@@ -65,4 +66,25 @@ rc=0
 OUT="$RESULTS" "$PY" benchmarks/bench_kernels_gpu.py > "$RESULTS/bench.log" 2>&1 || rc=$?
 cat "$RESULTS/bench.log"
 [ "$rc" -eq 0 ] || die "benchmarks (exit $rc)"
+
+# 4. The kernel tests under compute-sanitizer (memcheck, racecheck), when the machine has it
+#    (last: slow; SANITIZE=0 skips it).
+SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1 || true)
+if [ "${SANITIZE:-1}" = 0 ]; then
+  log "SANITIZE=0: compute-sanitizer not run"
+elif [ -n "$SANITIZER" ]; then
+  for tool in memcheck racecheck; do
+    log "compute-sanitizer --tool $tool"
+    rc=0
+    timeout 600 "$SANITIZER" --tool "$tool" --error-exitcode 99 \
+      "$PY" -m pytest -q -p no:cacheprovider -m gpu -x tests/test_kernels_gpu.py \
+      > "$RESULTS/sanitizer_$tool.log" 2>&1 || rc=$?
+    tail -n 15 "$RESULTS/sanitizer_$tool.log"
+    [ "$rc" -eq 124 ] && { log "compute-sanitizer $tool: did not finish in 600 s (incomplete, not a failure)"; continue; }
+    [ "$rc" -eq 0 ] || die "compute-sanitizer $tool (exit $rc, see $RESULTS/sanitizer_$tool.log)"
+  done
+else
+  log "compute-sanitizer not found: memcheck and racecheck not run"
+fi
+
 log "done: results in $RESULTS"

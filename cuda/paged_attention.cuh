@@ -15,11 +15,12 @@
 // kernel combines them.
 // Tokens past seq_len are masked: their logits are never used and their V
 // values are replaced by zero, so garbage (even NaN) in unused slots of the
-// last block cannot leak into the output. All cache offsets are 64-bit.
+// last block cannot leak into the output. A sequence of length 0 (padding)
+// gets a zero output row. All cache offsets are 64-bit.
 #pragma once
 
+#include "layout.cuh"
 #include "reduce.cuh"
-#include "tierkv_types.cuh"
 
 namespace tkv {
 
@@ -60,6 +61,11 @@ __device__ __forceinline__ void paged_attention_body(
   const int num_heads = gridDim.x;
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int seq_len = seq_lens[seq];
+  if (!PARTITIONED && seq_len <= 0) {  // a padding row of a decode batch: zeros, not garbage
+    for (int d = tid; d < HEAD_SIZE; d += NUM_THREADS)
+      out[((long long)seq * num_heads + head) * HEAD_SIZE + d] = from_float<scalar_t>(0.0f);
+    return;
+  }
   const int num_seq_blocks = (seq_len + BLOCK_SIZE - 1) / BLOCK_SIZE;
   const int start_block = PARTITIONED ? part * (PARTITION_SIZE / BLOCK_SIZE) : 0;
   if (start_block >= num_seq_blocks) return;  // partition past the end (v2 only)
@@ -69,7 +75,6 @@ __device__ __forceinline__ void paged_attention_body(
   const int end_token = min(end_block * BLOCK_SIZE, seq_len);
   const int padded_tokens = (end_block - start_block) * BLOCK_SIZE;
   const int kv_head = head / (num_heads / num_kv_heads);
-  const long long head_elems = (long long)HEAD_SIZE * BLOCK_SIZE;  // one (block, kv head) slab
   const int* table = block_tables + (long long)seq * max_blocks_per_seq;
 
   extern __shared__ float smem[];
@@ -88,7 +93,8 @@ __device__ __forceinline__ void paged_attention_body(
   float qk_max = kNegInf;
   for (int b = start_block + warp; b < end_block; b += NUM_WARPS) {
     const long long phys = table[b];
-    const cache_t* k_ptr = k_cache + (phys * num_kv_heads + kv_head) * head_elems + token_in_block * X;
+    const cache_t* k_ptr =
+        k_cache + slab_offset(phys, num_kv_heads, kv_head, HEAD_SIZE, BLOCK_SIZE) + token_in_block * X;
     float dot = 0.0f;
 #pragma unroll
     for (int c = 0; c < CHUNKS_PER_THREAD; ++c) {
@@ -136,7 +142,8 @@ __device__ __forceinline__ void paged_attention_body(
     float p[V_ELEMS];
 #pragma unroll
     for (int j = 0; j < V_ELEMS; ++j) p[j] = logits[token0 - start_token + j];
-    const cache_t* v_ptr = v_cache + (phys * num_kv_heads + kv_head) * head_elems + vec_idx * V_ELEMS;
+    const cache_t* v_ptr =
+        v_cache + slab_offset(phys, num_kv_heads, kv_head, HEAD_SIZE, BLOCK_SIZE) + vec_idx * V_ELEMS;
     const bool tail = token0 + V_ELEMS > seq_len;
 #pragma unroll
     for (int r = 0; r < ROWS_PER_THREAD; ++r) {

@@ -29,9 +29,14 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
     const int* __restrict__ seq_lens, int max_parts) {
   constexpr int NUM_WARPS = NUM_THREADS / kWarpSize;
   const int head = blockIdx.x, seq = blockIdx.y, num_heads = gridDim.x, tid = threadIdx.x;
-  const int num_parts = (seq_lens[seq] + PARTITION_SIZE - 1) / PARTITION_SIZE;
+  // Never more partitions than were launched (and sized in shared memory), whatever seq_lens says.
+  const int num_parts = min((seq_lens[seq] + PARTITION_SIZE - 1) / PARTITION_SIZE, max_parts);
   const long long row = (long long)seq * num_heads + head;
   const long long base = row * max_parts;
+  if (num_parts <= 0) {  // a padding row: zeros (no partition wrote anything)
+    for (int d = tid; d < HEAD_SIZE; d += NUM_THREADS) out[row * HEAD_SIZE + d] = from_float<scalar_t>(0.0f);
+    return;
+  }
 
   extern __shared__ float smem[];
   float* red = smem;                // [2 * NUM_WARPS]

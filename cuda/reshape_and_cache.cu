@@ -6,7 +6,7 @@
 // When the cache is FP8 each element is stored as fp8(saturate(x * inv_scale)),
 // rounded to nearest even; otherwise it is copied bit for bit.
 // Grid: one thread block per token. All offsets are 64-bit.
-#include "tierkv_types.cuh"
+#include "layout.cuh"
 
 namespace tkv {
 
@@ -25,9 +25,8 @@ __global__ void reshape_and_cache_kernel(
   const int n = num_kv_heads * head_size;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const int h = i / head_size, d = i % head_size;
-    const long long slab = block * num_kv_heads + h;
-    const long long k_idx = ((slab * (head_size / X) + d / X) * block_size + offset) * X + d % X;
-    const long long v_idx = (slab * head_size + d) * block_size + offset;
+    const long long k_idx = k_offset(block, num_kv_heads, h, head_size, block_size, X, offset, d);
+    const long long v_idx = v_offset(block, num_kv_heads, h, head_size, block_size, offset, d);
     k_cache[k_idx] = CacheStore<scalar_t, cache_t>::apply(key[token * key_stride + i], inv_k_scale);
     v_cache[v_idx] = CacheStore<scalar_t, cache_t>::apply(value[token * value_stride + i], inv_v_scale);
   }

@@ -58,3 +58,19 @@ def test_single_token_returns_its_value() -> None:
     case = make_paged_case([1], 2, 2, 64, 8, torch.float32, torch.float32)
     out = paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, case.scale)
     torch.testing.assert_close(out[0], case.values[0][0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("lens", [[0, 20], [20, 0, 7], [0, 0]])
+def test_sequences_of_length_zero_get_zeros(lens: list[int]) -> None:
+    """Padding rows of a decode batch: a zero row (the kernels used to leave v1's row
+    uninitialised and make v2's reduce produce NaN), the other rows as without them."""
+    case = make_paged_case([max(n, 1) for n in lens], 4, 2, 64, 8, torch.float32, torch.float32, seed=5)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = torch.full_like(case.query, float("nan"))
+    paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, seq_lens, case.scale, out=out)
+    dense = dense_attention(case)
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(out[i], torch.zeros_like(out[i]))
+        else:
+            torch.testing.assert_close(out[i], dense[i], atol=2e-5, rtol=2e-5)

@@ -134,3 +134,116 @@ def test_bad_block_id_raises_before_launch() -> None:
         gather_blocks([pool], torch.tensor([1, 8], device="cuda"), torch.empty(2, 64, dtype=torch.uint8, device="cuda"))
     with pytest.raises(ValueError, match="^out"):
         gather_blocks([pool], [1, 2], torch.empty(2, 64, dtype=torch.uint8))  # host staging not pinned
+
+
+# ---------------------------------------------------------------------- what a careful read found
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_every_fp8_code_decodes_bit_exact_through_attention(fp8, version) -> None:
+    """One token, v_scale 1: out[d] is V row d's code, decoded. Subnormal codes used to
+    decode to 0 (cupy's -ftz=true), NaN codes to finite values."""
+    k_shape, v_shape = kv_cache_shapes(1, 1, 256, 8, fp8)
+    key = torch.zeros(k_shape, dtype=torch.uint8).view(fp8)
+    value = torch.zeros(v_shape, dtype=torch.uint8)
+    value[0, 0, :, 0] = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    value = value.view(fp8)
+    query = torch.ones(1, 1, 256)
+    out = paged_attention(query.cuda(), key.cuda(), value.cuda(), torch.zeros(1, 1, dtype=torch.int32).cuda(),
+                          torch.ones(1, dtype=torch.int32).cuda(), 1.0, k_scale=1.0, v_scale=1.0,
+                          version=version).cpu()[0, 0]
+    want = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+    torch.testing.assert_close(out, want, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2", "auto"])
+def test_max_seq_len_below_the_longest_sequence_raises(version) -> None:
+    gpu = make_paged_case([5, 700], 4, 2, 64, 16, torch.float16, torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="^max_seq_len"):
+        _attention(gpu, version=version, max_seq_len=600)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_sequences_of_length_zero_give_zeros(version) -> None:
+    lens = [700, 0, 9, 0]
+    gpu = make_paged_case([max(n, 1) for n in lens], 4, 2, 128, 16, torch.bfloat16, torch.bfloat16, device="cuda")
+    cpu = make_paged_case([max(n, 1) for n in lens], 4, 2, 128, 16, torch.bfloat16, torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = torch.full_like(gpu.query, float("nan"))
+    paged_attention(gpu.query, gpu.key_cache, gpu.value_cache, gpu.block_tables, seq_lens.cuda(), gpu.scale,
+                    out=out, version=version)
+    want = paged_attention(cpu.query, cpu.key_cache, cpu.value_cache, cpu.block_tables, seq_lens, cpu.scale)
+    torch.testing.assert_close(out.float().cpu(), want.float(), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu())) and not out.isnan().any()
+
+
+def test_forced_v1_above_48_kib_of_shared_memory_and_its_limit() -> None:
+    """20K tokens: 80 KiB of logits (the opt-in path, set on the right device); past the
+    device's opt-in limit a ValueError instead of a CUDA error."""
+    cpu = make_paged_case([20_000, 3], 8, 8, 128, 16, torch.float16, torch.float16, seed=4)
+    gpu = make_paged_case([20_000, 3], 8, 8, 128, 16, torch.float16, torch.float16, seed=4, device="cuda")
+    torch.testing.assert_close(_attention(gpu, version="v1").float().cpu(), _attention(cpu).float(),
+                               atol=TOL[torch.float16], rtol=TOL[torch.float16])
+    with torch.cuda.device(0):
+        with pytest.raises(ValueError, match="^max_seq_len: v1 over"):
+            _attention(gpu, version="v1", max_seq_len=200_000)
+
+
+@pytest.mark.parametrize("page_bytes", [32 * 1024, 2 * 1024**2])
+def test_copy_gather_scatter_of_large_pages(page_bytes) -> None:
+    """Pages above one chunk (16 KiB): every chunk of the grid's y dimension."""
+    g = torch.Generator().manual_seed(page_bytes % 1000)
+    cpu = [torch.randint(0, 256, (6, page_bytes), dtype=torch.uint8, generator=g)]
+    gpu = [cpu[0].cuda()]
+    ids = torch.tensor([5, 0, 3])
+    out = torch.empty(3, page_bytes, dtype=torch.uint8, device="cuda")
+    gather_blocks(gpu, ids.cuda(), out)
+    assert torch.equal(out.cpu(), cpu[0][ids])
+    staging = torch.randint(0, 256, (2, page_bytes), dtype=torch.uint8, generator=g)
+    scatter_blocks(staging.cuda(), gpu, torch.tensor([1, 4]).cuda())
+    copy_blocks(gpu, torch.tensor([[1, 2]]).cuda())
+    torch.cuda.synchronize()
+    want = cpu[0].clone()
+    want[[1, 4]] = staging
+    want[2] = want[1]
+    assert torch.equal(gpu[0].cpu(), want)
+
+
+def test_a_pool_past_2_gib_gives_the_same_results_at_high_block_ids() -> None:
+    """FP8 K and V caches of 2.2 GiB each: offsets past 2^31 elements. The same
+    sequences copied to the lowest and the highest block ids attend identically."""
+    case = make_paged_case([40, 300], 8, 2, 128, 16, torch.float16, torch.float8_e4m3fn, extra_blocks=0)
+    used = case.key_cache.shape[0]
+    slab = 2 * 128 * 16  # elements of one block (both KV heads)
+    num_blocks = 2**31 // slab + used + 64
+    caches = []
+    for small in (case.key_cache, case.value_cache):
+        big = torch.empty((num_blocks, *small.shape[1:]), dtype=small.dtype, device="cuda")
+        big.view(torch.uint8)[:used] = small.view(torch.uint8).cuda()
+        big.view(torch.uint8)[-used:] = small.view(torch.uint8).cuda()
+        caches.append(big)
+    table = case.block_tables.clone()
+    valid = table < used
+    high = torch.where(valid, table + (num_blocks - used), table)
+    low_out = paged_attention(case.query.cuda(), *caches, table.cuda(), case.seq_lens.cuda(), case.scale,
+                              k_scale=case.k_scale, v_scale=case.v_scale)
+    high_out = paged_attention(case.query.cuda(), *caches, high.cuda(), case.seq_lens.cuda(), case.scale,
+                               k_scale=case.k_scale, v_scale=case.v_scale)
+    assert torch.equal(low_out, high_out)
+    torch.testing.assert_close(low_out.float().cpu(), _attention(case).float(), atol=2e-3, rtol=2e-3)
+
+
+def test_reshape_and_cache_with_strided_keys() -> None:
+    """Keys and values as slices of a fused QKV projection (rows strided, rows contiguous)."""
+    g = torch.Generator().manual_seed(2)
+    qkv = (torch.randn(30, 3, 4, 64, generator=g) * 10).to(torch.float16)
+    key, value = qkv[:, 1], qkv[:, 2]
+    assert not key.is_contiguous()
+    k_shape, v_shape = kv_cache_shapes(8, 4, 64, 16, torch.float8_e5m2)
+    caches = [torch.zeros(k_shape, dtype=torch.float8_e5m2), torch.zeros(v_shape, dtype=torch.float8_e5m2)]
+    gpu_caches = [c.cuda() for c in caches]
+    slots = torch.randperm(8 * 16, generator=g)[:30]
+    reshape_and_cache(key, value, *caches, slots, k_scale=0.5, v_scale=0.25)
+    reshape_and_cache(key.cuda(), value.cuda(), *gpu_caches, slots.cuda(), k_scale=0.5, v_scale=0.25)
+    for c, gc in zip(caches, gpu_caches):
+        assert torch.equal(c.view(torch.uint8), gc.cpu().view(torch.uint8))

@@ -40,7 +40,11 @@ def launches(monkeypatch):
         monkeypatch.setattr(mod, "arg", Pointer)
         monkeypatch.setattr(mod, "launch", lambda spec, device, grid, block, args, smem=0: calls.append((spec, grid, block, args, smem)))
     monkeypatch.setattr(cuda_block_ops, "_table", lambda device, rows: torch.tensor(rows, dtype=torch.int64))
+    monkeypatch.setattr(cuda_attention, "max_shared_memory", lambda device: OPT_IN_SMEM)
     return calls
+
+
+OPT_IN_SMEM = 227 * 1024  # sm_90's opt-in limit (what the device query answers on an H100/H200)
 
 
 def _check(calls) -> None:
@@ -54,7 +58,7 @@ def _check(calls) -> None:
             else:
                 assert type(a) is SCALARS[ctype], f"{spec.name}: {ctype} got {type(a).__name__}"
         assert len(grid) == 3 and all(g >= 1 for g in grid) and 1 <= block <= 1024
-        assert smem <= cuda_attention.MAX_SMEM
+        assert smem <= OPT_IN_SMEM
 
 
 @pytest.mark.parametrize("use_v1", [True, False])
@@ -89,3 +93,40 @@ def test_choose_v1_policy() -> None:
     assert cuda_attention.choose_v1(1, 8, 512)  # one partition
     assert not cuda_attention.choose_v1(1, 8, 4096)  # few blocks, long context: split-K
     assert not cuda_attention.choose_v1(64, 32, 9000)
+
+
+def _attention(c, max_seq_len: int, use_v1: bool) -> None:
+    out = torch.empty_like(c.query)
+    cuda_attention.paged_attention_cuda(out, c.query, c.key_cache, c.value_cache, c.block_tables, c.seq_lens,
+                                        c.scale, c.k_scale, c.v_scale, max_seq_len, use_v1)
+
+
+def test_v1_past_the_shared_memory_limit_is_refused_before_launch(launches) -> None:
+    """Forced v1 sizes its logits from max_seq_len: past the opt-in limit (~56K tokens at
+    head size 128 on sm_90) the launch used to fail inside CUDA."""
+    c = make_paged_case([20], 4, 2, 128, 16, torch.float16, torch.float16)
+    fits = (OPT_IN_SMEM - cuda_attention.smem_bytes(128, 0)) // 4 // 16 * 16
+    _attention(c, fits, True)
+    assert launches[-1][4] == cuda_attention.smem_bytes(128, fits) <= OPT_IN_SMEM
+    with pytest.raises(ValueError, match=r"^max_seq_len: v1 over \d+ tokens needs \d+ bytes"):
+        _attention(c, fits + 16, True)
+    assert len(launches) == 1
+
+
+def test_v2_past_the_grid_limit_is_refused_before_launch(launches) -> None:
+    c = make_paged_case([20], 4, 2, 64, 16, torch.float16, torch.float16)
+    _attention(c, 65535 * 512, False)
+    with pytest.raises(ValueError, match="^max_seq_len: .* 65536 partitions"):
+        _attention(c, 65535 * 512 + 1, False)
+    assert len(launches) == 2  # the kernel and its reduce, once
+
+
+def test_bf16_kernels_need_sm80(monkeypatch) -> None:
+    """Checked before the kernel is compiled or launched (cvt.rn.bf16.f32 needs sm_80)."""
+    from tierkv.kernels import runtime, specs
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(runtime, "kernel", lambda spec, index: pytest.fail("compiled on sm_75"))
+    with pytest.raises(ValueError, match="^dtype: bfloat16 kernels need compute capability 8.0 or newer"):
+        runtime.launch(specs.attention_v1("bfloat16", "bfloat16", 128, 16), torch.device("cuda", 0),
+                       (1, 1, 1), 128, ())

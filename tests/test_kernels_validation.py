@@ -35,7 +35,10 @@ def _attn(c, **over):
         ("block_tables", lambda c: dict(block_tables=c.block_tables.long())),
         ("block_tables", lambda c: dict(block_tables=torch.full_like(c.block_tables, 10_000))),
         ("block_tables", lambda c: dict(block_tables=torch.full_like(c.block_tables, -1))),
-        ("seq_lens", lambda c: dict(seq_lens=torch.tensor([5, 0], dtype=torch.int32))),
+        ("seq_lens", lambda c: dict(seq_lens=torch.tensor([5, -1], dtype=torch.int32))),
+        ("max_seq_len", lambda c: dict(max_seq_len=19)),  # below seq_lens' 20: v1 would index past its logits
+        ("max_seq_len", lambda c: dict(max_seq_len=-1)),
+        ("max_seq_len", lambda c: dict(max_seq_len=20.0)),
         ("seq_lens", lambda c: dict(seq_lens=torch.tensor([5, 10_000], dtype=torch.int32))),
         ("seq_lens", lambda c: dict(seq_lens=c.seq_lens[:1])),
         ("query", lambda c: dict(query=c.query[:, :3].contiguous())),  # 3 heads over 2 KV heads
@@ -47,6 +50,11 @@ def _attn(c, **over):
 def test_paged_attention_rejects(case, name: str, make) -> None:
     with pytest.raises(ValueError, match=f"^{name}"):
         _attn(case, **make(case))
+
+
+def test_an_explicit_max_seq_len_at_or_above_every_length_is_taken(case) -> None:
+    torch.testing.assert_close(_attn(case, max_seq_len=20), _attn(case), atol=0, rtol=0)
+    torch.testing.assert_close(_attn(case, max_seq_len=64), _attn(case), atol=0, rtol=0)
 
 
 def test_unused_table_entries_are_not_checked(case) -> None:

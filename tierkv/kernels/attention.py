@@ -41,7 +41,8 @@ def paged_attention(
                    ``value * k_scale`` / ``value * v_scale``), contiguous
       block_tables [num_seqs, max_blocks_per_seq] int32: physical block of each
                    logical block; entries past a sequence's last block are ignored
-      seq_lens     [num_seqs] int32, each in [1, max_blocks_per_seq * block_size]
+      seq_lens     [num_seqs] int32, each in [0, max_blocks_per_seq * block_size]
+                   (a sequence of length 0, the padding of a decode batch, gets zeros)
     ``out[s, h] = softmax(scale * q[s, h] . K_s^T) V_s`` over the first
     ``seq_lens[s]`` tokens, with query head h reading KV head
     ``h // (num_heads // num_kv_heads)`` (GQA/MQA). head_size in {64, 128, 256},
@@ -50,11 +51,13 @@ def paged_attention(
     CPU tensors run the float32 torch reference; CUDA tensors (torch, or any
     DLPack producer such as cupy) run the v1 kernel, or the split-K v2 kernel
     (512-token partitions + reduce) for long contexts, chosen by ``version="auto"``,
-    on torch's current stream. ``max_seq_len`` (an upper bound of seq_lens)
-    saves a device sync. ``check_indices`` verifies seq_lens and the used
-    block-table entries (one device sync); with False, out-of-range values are
-    undefined behaviour. Every other check always runs; a failure is a
-    ValueError naming the argument, raised before anything is launched.
+    on torch's current stream. ``max_seq_len`` (an upper bound of seq_lens: it
+    sizes shared memory and the v2 partitions) saves a device sync.
+    ``check_indices`` verifies seq_lens, the used block-table entries and
+    ``max_seq_len >= max(seq_lens)`` (a few device syncs); with False,
+    out-of-range values are undefined behaviour. Every other check always runs;
+    a failure is a ValueError naming the argument, raised before anything is
+    launched.
     """
     q = checks.as_tensor("query", query)
     kc = checks.as_tensor("key_cache", key_cache)
@@ -67,10 +70,12 @@ def paged_attention(
         raise ValueError(f"version: {version!r} is not one of 'auto', 'v1', 'v2'")
     o = _output(out, q)
     checks.same_device(["query", "key_cache", "value_cache", "block_tables", "seq_lens", "out"], [q, kc, vc, bt, sl, o])
+    if max_seq_len is not None:
+        checks.count("max_seq_len", max_seq_len)
     if q.shape[0] == 0:
         return o
     if check_indices:
-        _check_indices(bt, sl, kc.shape[0], kc.shape[3])
+        _check_indices(bt, sl, kc.shape[0], kc.shape[3], max_seq_len)
     if q.device.type == "cpu":
         return paged_attention_ref(o, q, kc, vc, bt, sl, scale, k_scale, v_scale)
     _launch(o, q, kc, vc, bt, sl, (scale, k_scale, v_scale), max_seq_len, version)
@@ -84,8 +89,6 @@ def _launch(o: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
 
     if max_seq_len is None:
         max_seq_len = int(sl.max())
-    if max_seq_len < 1:
-        raise ValueError(f"max_seq_len: {max_seq_len} must be >= 1")
     use_v1 = choose_v1(q.shape[0], q.shape[1], max_seq_len) if version == "auto" else version == "v1"
     paged_attention_cuda(o, q, kc, vc, bt, sl, *scales, max_seq_len, use_v1)
 
@@ -138,7 +141,11 @@ def _output(out: Any | None, q: torch.Tensor) -> torch.Tensor:
     return o
 
 
-def _check_indices(bt: torch.Tensor, sl: torch.Tensor, num_blocks: int, block_size: int) -> None:
-    checks.in_range("seq_lens", sl, 1, bt.shape[1] * block_size + 1)
+def _check_indices(bt: torch.Tensor, sl: torch.Tensor, num_blocks: int, block_size: int,
+                   max_seq_len: int | None) -> None:
+    longest = checks.in_range("seq_lens", sl, 0, bt.shape[1] * block_size + 1)
+    if max_seq_len is not None and longest is not None and max_seq_len < longest:
+        raise ValueError(f"max_seq_len: {max_seq_len} is below the longest sequence, "
+                         f"seq_lens has {longest}")
     used = torch.arange(bt.shape[1], device=bt.device)[None, :] * block_size < sl[:, None]
     checks.in_range("block_tables", bt[used], 0, num_blocks)

@@ -74,15 +74,24 @@ def same_device(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> torch.
     return device
 
 
-def in_range(name: str, t: torch.Tensor, low: int, high: int) -> None:
-    """All values in [low, high). Synchronises when ``t`` is on a GPU."""
+def in_range(name: str, t: torch.Tensor, low: int, high: int) -> int | None:
+    """All values in [low, high); returns the largest (None when empty). Synchronises
+    when ``t`` is on a GPU."""
     if t.numel() == 0:
-        return
+        return None
     lo, hi = torch.aminmax(t)
     lo_v, hi_v = int(lo), int(hi)
     if lo_v < low or hi_v >= high:
         bad = lo_v if lo_v < low else hi_v
         raise ValueError(f"{name}: value {bad} out of range [{low}, {high})")
+    return hi_v
+
+
+def count(name: str, value: Any) -> int:
+    """A non-negative Python integer (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: expected a non-negative integer, got {value!r}")
+    return value
 
 
 def distinct(name: str, t: torch.Tensor) -> None:

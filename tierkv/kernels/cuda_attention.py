@@ -7,11 +7,11 @@ import torch
 
 from tierkv.kernels import specs
 from tierkv.kernels.layout import dtype_name, is_fp8
-from tierkv.kernels.runtime import arg, launch
+from tierkv.kernels.runtime import arg, launch, max_shared_memory
 
 NUM_WARPS = specs.NUM_THREADS // 32
 MAX_V1_TOKENS = 8192  # longer contexts always use v2
-MAX_SMEM = 160 * 1024  # below the opt-in limit of sm_80 (163 KiB) and sm_90 (227 KiB)
+MAX_GRID_Z = 65535    # v2 partitions per launch
 
 
 def smem_bytes(head_size: int, tokens: int) -> int:
@@ -50,12 +50,20 @@ def paged_attention_cuda(
         np.float32(scale), np.float32(k_scale), np.float32(v_scale),
     )
     device = query.device
-    if use_v1:
+    if use_v1 or max_seq_len == 0:
         tokens = -(-max_seq_len // block_size) * block_size
+        smem = smem_bytes(head_size, tokens)
+        limit = max_shared_memory(device)
+        if smem > limit:
+            raise ValueError(f"max_seq_len: v1 over {max_seq_len} tokens needs {smem} bytes of shared "
+                             f"memory, {device} allows {limit}; use version='v2' (or 'auto')")
         spec = specs.attention_v1(act, cache, head_size, block_size)
-        launch(spec, device, (num_heads, num_seqs, 1), specs.NUM_THREADS, (arg(out), *common), smem_bytes(head_size, tokens))
+        launch(spec, device, (num_heads, num_seqs, 1), specs.NUM_THREADS, (arg(out), *common), smem)
         return
     parts = -(-max_seq_len // specs.PARTITION_SIZE)
+    if parts > MAX_GRID_Z:
+        raise ValueError(f"max_seq_len: {max_seq_len} tokens need {parts} partitions of "
+                         f"{specs.PARTITION_SIZE}, more than one launch takes ({MAX_GRID_Z})")
     exp_sums = torch.empty((num_seqs, num_heads, parts), dtype=torch.float32, device=device)
     max_logits = torch.empty_like(exp_sums)
     tmp_out = torch.empty((num_seqs, num_heads, parts, head_size), dtype=torch.float32, device=device)

@@ -23,7 +23,8 @@ def paged_attention_ref(
 
     Arguments are already validated (see ``paged_attention``). Table entries
     past a sequence's last block are never dereferenced; tokens past seq_len
-    get probability 0 and their (possibly garbage) K/V are zeroed.
+    get probability 0 and their (possibly garbage) K/V are zeroed; a sequence of
+    length 0 gets a zero row.
     """
     num_seqs, num_heads, head_size = query.shape
     _, num_kv_heads, _, block_size, _ = key_cache.shape
@@ -46,5 +47,5 @@ def paged_attention_ref(
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     o = torch.einsum("skgt,stkd->skgd", probs, v).reshape(num_seqs, num_heads, head_size)
-    out.copy_(o)
+    out.copy_(torch.where(lens[:, None, None] > 0, o, 0.0))  # length 0 (padding): zeros
     return out

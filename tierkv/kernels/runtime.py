@@ -44,12 +44,25 @@ def kernel(spec: KernelSpec, device_index: int) -> Any:
 
 def launch(spec: KernelSpec, device: torch.device, grid: tuple[int, ...], block: int, args: tuple[Any, ...], smem: int = 0) -> None:
     """Launch ``spec`` on torch's current stream of ``device``; ``args`` are
-    already cupy arrays or numpy scalars (see ``arg``)."""
+    already cupy arrays or numpy scalars (see ``arg``). A bfloat16 kernel on a
+    device older than sm_80 is a ValueError, before anything is launched."""
+    if "tkv::bf16" in spec.name and torch.cuda.get_device_capability(device) < (8, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"dtype: bfloat16 kernels need compute capability 8.0 or newer; {device} "
+                         f"has {major}.{minor}")
     k = kernel(spec, device.index)
-    if smem > DEFAULT_SMEM_LIMIT and k.max_dynamic_shared_size_bytes < smem:
-        k.max_dynamic_shared_size_bytes = smem
-    with stream_of(device):
+    with stream_of(device):  # the attribute belongs to the function on this device
+        if smem > DEFAULT_SMEM_LIMIT and k.max_dynamic_shared_size_bytes < smem:
+            k.max_dynamic_shared_size_bytes = smem
         k(grid, (block,), args, shared_mem=smem)
+
+
+@lru_cache(maxsize=None)
+def max_shared_memory(device: torch.device) -> int:
+    """Dynamic shared memory one thread block of ``device`` may opt in to (bytes)."""
+    cp = cupy()
+    with cp.cuda.Device(device.index) as dev:
+        return int(dev.attributes["MaxSharedMemoryPerBlockOptin"])
 
 
 @contextmanager
