@@ -47,17 +47,15 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
   m = block_max<NUM_WARPS>(m, red);
   float total = 0.0f;
   for (int p = tid; p < num_parts; p += NUM_THREADS) {
-    const float w = exp_sums[base + p] * expf(max_logits[base + p] - m);
+    const float w = partition_weight(exp_sums[base + p], max_logits[base + p], m);
     weights[p] = w;
     total += w;
   }
   total = block_sum<NUM_WARPS>(total, red + NUM_WARPS);
   const float inv_total = 1.0f / total;
-  for (int d = tid; d < HEAD_SIZE; d += NUM_THREADS) {
-    float acc = 0.0f;
-    for (int p = 0; p < num_parts; ++p) acc += weights[p] * tmp_out[(base + p) * HEAD_SIZE + d];
-    out[row * HEAD_SIZE + d] = from_float<scalar_t>(acc * inv_total);
-  }
+  for (int d = tid; d < HEAD_SIZE; d += NUM_THREADS)
+    out[row * HEAD_SIZE + d] = from_float<scalar_t>(
+        combine_outputs(weights, tmp_out + base * HEAD_SIZE + d, HEAD_SIZE, num_parts, inv_total));
 }
 
 }  // namespace tkv

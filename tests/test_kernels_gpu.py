@@ -247,3 +247,21 @@ def test_reshape_and_cache_with_strided_keys() -> None:
     reshape_and_cache(key.cuda(), value.cuda(), *gpu_caches, slots.cuda(), k_scale=0.5, v_scale=0.25)
     for c, gc in zip(caches, gpu_caches):
         assert torch.equal(c.view(torch.uint8), gc.cpu().view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_every_fp16_value_quantises_on_the_gpu_like_the_reference(fp8) -> None:
+    """reshape_and_cache of all 65,536 fp16 values (subnormals, ties, inf, NaN) into an FP8
+    cache with scale 1: the GPU's bits equal the CPU reference's (a NaN stays a NaN)."""
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).reshape(256, 1, 256)
+    k_shape, v_shape = kv_cache_shapes(16, 1, 256, 16, fp8)
+    cpu = [torch.zeros(k_shape, dtype=fp8), torch.zeros(v_shape, dtype=fp8)]
+    gpu = [c.cuda() for c in cpu]
+    slots = torch.arange(256)
+    reshape_and_cache(x, x, *cpu, slots, k_scale=1.0, v_scale=1.0)
+    reshape_and_cache(x.cuda(), x.cuda(), *gpu, slots.cuda(), k_scale=1.0, v_scale=1.0)
+    for c, g in zip(cpu, gpu):
+        got, want = g.cpu(), c
+        nan = want.float().isnan()
+        assert torch.equal(got.float().isnan(), nan)
+        assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])

@@ -1,7 +1,7 @@
 """The kernels' pure device helpers, built for the host by nvcc and checked exhaustively
 on this CPU machine: every FP8 code through the decoder, every fp16 and bf16 value (and
-float32 edge cases) through the encoder, element offsets past 2^31, against torch and
-tierkv's CPU references (the kernels' contract). And the device build of the FP8
+float32 edge cases) through the encoder, element offsets past 2^31, the split-K combine,
+against torch, numpy and tierkv's CPU references (the kernels' contract). And the device build of the FP8
 helpers, with cupy's -ftz=true, holds no float arithmetic that flush-to-zero could
 change: the GPU computes the bits the host test checked."""
 
@@ -101,6 +101,29 @@ def test_offsets_hold_past_2_31_elements(helpers: Path) -> None:
             for b, n, h, hs, bs, x, off, d in cases]
     assert got == want
     assert max(k for k, _ in got) > 2**39
+
+
+@pytest.mark.parametrize("sizes,shift", [([7], 0.0), ([512, 512, 100], 0.0), ([512, 3, 512], 80.0),
+                                         ([512] * 40, -30.0)])
+def test_split_k_combine_equals_one_softmax(helpers: Path, sizes: list[int], shift: float) -> None:
+    """v2's reduce over partitions of a context (their max logit, sum of exponentials and
+    normalised output) equals the softmax over the whole context; ``shift`` moves the
+    middle partition's logits far from the others (exp of the raw logits would overflow
+    or vanish in float32: only the rescaling by the global max keeps it exact)."""
+    rng = np.random.default_rng(len(sizes))
+    dim = 16
+    logits = [rng.normal(size=n) * 3 + (shift if i == len(sizes) // 2 else 0.0) for i, n in enumerate(sizes)]
+    values = [rng.normal(size=(n, dim)) for n in sizes]
+    lines = [f"{len(sizes)} {dim}"]
+    for lg, v in zip(logits, values):
+        m = np.float32(lg.max())
+        e = np.exp(lg - m)
+        lines.append(" ".join(f"{float(x):.9g}" for x in [m, e.sum(), *(e @ v / e.sum())]))
+    got = np.array(run(helpers, "combine", "\n".join(lines).encode()).split(), dtype=np.float64)
+    all_logits, all_values = np.concatenate(logits), np.concatenate(values)
+    p = np.exp(all_logits - all_logits.max())
+    want = p @ all_values / p.sum()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
 _PTX_PROBE = r"""

@@ -6,11 +6,17 @@
 //   helpers_host encode    float32 values on stdin -> their E4M3 codes, then their E5M2 codes
 //   helpers_host offsets   lines "block heads head head_size block_size x offset d" on stdin
 //                          -> lines "k_offset v_offset"
+//   helpers_host combine   "parts dim" then per partition its max logit, its sum of
+//                          exponentials and its dim outputs, on stdin -> the dim
+//                          combined outputs (v2's reduce, serially)
 #include <cstdio>
 #include <cstring>
 #include <vector>
 
+#include <cmath>
+
 #include "layout.cuh"
+#include "reduce.cuh"
 #include "tierkv_types.cuh"
 
 static int decode() {
@@ -46,10 +52,28 @@ static int offsets() {
   return 0;
 }
 
+static int combine() {
+  int parts, dim;
+  if (scanf("%d %d", &parts, &dim) != 2 || parts < 1 || dim < 1) return 2;
+  std::vector<float> max_logits(parts), exp_sums(parts), outs((size_t)parts * dim), weights(parts);
+  for (int p = 0; p < parts; ++p) {
+    if (scanf("%f %f", &max_logits[p], &exp_sums[p]) != 2) return 2;
+    for (int d = 0; d < dim; ++d)
+      if (scanf("%f", &outs[(size_t)p * dim + d]) != 1) return 2;
+  }
+  float m = max_logits[0], total = 0.0f;
+  for (int p = 1; p < parts; ++p) m = std::fmax(m, max_logits[p]);
+  for (int p = 0; p < parts; ++p) total += weights[p] = tkv::partition_weight(exp_sums[p], max_logits[p], m);
+  for (int d = 0; d < dim; ++d)
+    printf("%.9g\n", tkv::combine_outputs(weights.data(), outs.data() + d, dim, parts, 1.0f / total));
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc == 2 && !strcmp(argv[1], "decode")) return decode();
   if (argc == 2 && !strcmp(argv[1], "encode")) return encode();
   if (argc == 2 && !strcmp(argv[1], "offsets")) return offsets();
-  fprintf(stderr, "usage: %s decode|encode|offsets\n", argv[0]);
+  if (argc == 2 && !strcmp(argv[1], "combine")) return combine();
+  fprintf(stderr, "usage: %s decode|encode|offsets|combine\n", argv[0]);
   return 2;
 }
