@@ -72,14 +72,15 @@ def test_sources_are_found() -> None:
 
 @pytest.mark.slow
 def test_nvrtc_compiles_quick_grid() -> None:
-    # The runtime path (cupy.RawModule -> NVRTC, same options as runtime.kernel)
-    # without a GPU: compile only, through cupy's NVRTC program wrapper.
+    # The runtime path (cupy.RawModule -> NVRTC, with runtime.kernel's options and the
+    # ones cupy appends) without a GPU: compile only, through cupy's NVRTC program wrapper.
     pytest.importorskip("cupy")  # the skip reason carries the import error
     from cupy.cuda import compiler
 
-    from tierkv.kernels.runtime import NVRTC_OPTIONS
+    from tierkv.kernels.runtime import CUPY_APPENDED_OPTIONS, NVRTC_OPTIONS
 
     for spec, arch in itertools.product(quick_grid(), ("sm_80", "sm_90")):
         program = compiler._NVRTCProgram(read_source(spec.source), spec.source, name_expressions=[spec.name], method="cubin")
-        cubin, names = program.compile((*NVRTC_OPTIONS, f"--include-path={cuda_dir()}", f"-arch={arch}"))
+        options = (*NVRTC_OPTIONS, f"--include-path={cuda_dir()}", f"-arch={arch}", *CUPY_APPENDED_OPTIONS)
+        cubin, names = program.compile(options)
         assert cubin and names[spec.name].startswith("_Z")

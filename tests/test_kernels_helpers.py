@@ -145,7 +145,9 @@ def test_fp8_helpers_do_no_float_arithmetic_on_the_device(tmp_path: Path) -> Non
     src = tmp_path / "probe.cu"
     src.write_text(_PTX_PROBE, encoding="utf-8")
     ptx = tmp_path / "probe.ptx"
-    subprocess.run([NVCC, "-std=c++17", "-O3", "-ftz=true", "-arch=sm_80", "-ptx", "-I", str(cuda_dir()),
+    from tierkv.kernels.runtime import CUPY_APPENDED_OPTIONS
+
+    subprocess.run([NVCC, "-std=c++17", "-O3", *CUPY_APPENDED_OPTIONS, "-arch=sm_80", "-ptx", "-I", str(cuda_dir()),
                     "-o", str(ptx), str(src)], check=True, capture_output=True, text=True)
     body = ptx.read_text(encoding="utf-8")
     assert ".entry probe" in body and body.count("st.global") == 4

@@ -17,6 +17,9 @@ from tierkv.kernels.sources import cuda_dir, read_source
 from tierkv.kernels.specs import KernelSpec
 
 NVRTC_OPTIONS: tuple[str, ...] = ("-std=c++17",)
+# What cupy.RawModule adds after the caller's options, whatever they say: device code is
+# compiled flushing denormals to zero (the FP8 conversions are integer-only for this).
+CUPY_APPENDED_OPTIONS: tuple[str, ...] = ("-ftz=true",)
 DEFAULT_SMEM_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without opting in
 
 
