@@ -165,7 +165,22 @@ def ssd_root(cfg: TierKVConfig) -> Path:
         raise ConfigError(f"ssd.path: cannot create {path}: {exc.strerror}") from None
     if not path.is_dir():
         raise ConfigError(f"ssd.path: {path} exists and is not a directory")
+    _tighten(path, 0o700)
+    for name in ("data.mdb", "lock.mdb", "blocks.dat"):  # a tier of the layout before rank-<r>
+        if os.path.isfile(path / name) and not os.path.islink(path / name):
+            _tighten(path / name, 0o600)
     return path
+
+
+def _tighten(path: Path, mode: int) -> None:
+    """Owner-only, when this user owns ``path`` (each rank's own directory is checked
+    strictly by the SSD tier; the directory above it may be shared on purpose)."""
+    try:
+        st = path.stat()
+        if st.st_uid == os.geteuid() and st.st_mode & 0o777 & ~mode:
+            os.chmod(path, mode)
+    except OSError:
+        pass
 
 
 def num_workers(vllm_config: "VllmConfig") -> int:
@@ -253,12 +268,16 @@ class TierKVMetadata(KVConnectorMetadata):
     forward; ``loads`` in ``start_load_kv``; ``stores`` (computed blocks, the
     page-out window) in ``wait_for_save``.
     ``ssd_evictions``: keys to delete from the SSD tier (start-up overflow).
+    ``reset``: delete every record of the worker's SSD tier first (the weights changed:
+    records the policy no longer knew of are stale too, and a put of a key still on
+    disk only refreshes it).
     """
 
     loads: list[LoadPlan] = field(default_factory=list)
     early_stores: list[StorePlan] = field(default_factory=list)
     stores: list[StorePlan] = field(default_factory=list)
     ssd_evictions: list[bytes] = field(default_factory=list)
+    reset: bool = False
     resident: ResidentDelta = field(default_factory=ResidentDelta)
     prepared: bool = False  # set by the worker once the pre-forward part ran
 

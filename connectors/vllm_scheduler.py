@@ -161,6 +161,7 @@ class TierKVScheduler:
         self._queries = {"blocks": 0, "tokens": 0}
         self._hits = {"gpu": 0, "cpu": 0, "ssd": 0}
         self._ssd_evictions = self._seed_ssd(vllm_config) if self.policy.ssd is not None else []
+        self._reset_ssd = False
         self._metrics_server = self._start_metrics(cfg.metrics.port)
         log.info("tierkv scheduler: %s; block %d bytes; %s admission; %d CPU slots, %d SSD blocks (%d held)",
                  self.fingerprint.describe(), self.block_nbytes, self.policy.spec.admission,
@@ -261,20 +262,21 @@ class TierKVScheduler:
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after an in-place weight
         update: every block below the GPU is stale (its fingerprint did not change). The
-        policy forgets them all; the workers delete the SSD records before the next step's
-        forward. Refused (False, nothing changed) while a load is planned or in flight."""
+        policy forgets them all; the workers delete every record of their SSD tiers
+        before the next step's forward (also those the policy no longer knew of). Refused (False, nothing changed) while a load is planned or in flight."""
         if self._loads or self._inflight:
             log.warning("tierkv: cannot reset the lower tiers while %d loads are in flight",
                         len(self._loads) + len(self._inflight))
             return False
         dropped = self.policy.occupancy()
-        self._ssd_evictions += self.policy.clear()
+        self.policy.clear()
+        self._reset_ssd = self.policy.ssd is not None  # the workers delete every record they hold
         log.info("tierkv: reset: forgot %d CPU and %d SSD blocks", dropped["cpu"], dropped["ssd"])
         return True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TierKVMetadata:
-        meta = TierKVMetadata(loads=self._loads, ssd_evictions=self._ssd_evictions)
-        self._loads, self._ssd_evictions = [], []
+        meta = TierKVMetadata(loads=self._loads, ssd_evictions=self._ssd_evictions, reset=self._reset_ssd)
+        self._loads, self._ssd_evictions, self._reset_ssd = [], [], False
         for plan in meta.loads:
             self._inflight[plan.req_id] = plan
         evicted = self._take_pool_changes()

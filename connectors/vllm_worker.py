@@ -209,6 +209,8 @@ class TierKVWorker:
         ex = self.executor
         assert ex is not None, "register_kv_caches was not called"
         self._mirror_apply(meta.resident)
+        if meta.reset and ex.ssd is not None:
+            ex.evict([], list(ex.ssd.keys()))
         if meta.ssd_evictions:
             ex.evict([], meta.ssd_evictions)
         for plan in meta.loads:  # plans prepared before the stores: their evictions go first

@@ -393,3 +393,147 @@ def test_read_keys_beside_the_owner_writes_nothing(tmp):
         assert after == before
         assert tier.put(k(7), block(7)) and tier.flush()  # the owner is not disturbed
     assert read_keys(tmp.parent / "nothing-here", FP) == []
+
+
+# ====================================================================== found by review
+
+def test_a_directory_or_file_of_another_user_is_refused(tmp):
+    """Another user who could plant the directory (a shared scratch disk) would read the KV
+    and forge records that verify (the checksum is not a MAC)."""
+    if os.geteuid() != 0:
+        pytest.skip("changing a file's owner needs root (CI runs as root)")
+    with open_tier(tmp) as tier:
+        assert tier.put(k(0), block(0)) and tier.flush()
+    os.chown(tmp / "blocks.dat", 1001, 1001)
+    with pytest.raises(ConfigError, match=r"blocks\.dat belongs to uid 1001"):
+        open_tier(tmp)
+    os.chown(tmp / "blocks.dat", 0, 0)
+    os.chown(tmp, 1001, 1001)
+    with pytest.raises(ConfigError, match=r"belongs to uid 1001, not to this user"):
+        open_tier(tmp)
+
+
+def test_a_symlink_among_the_files_is_refused_and_its_target_untouched(tmp, tmp_path):
+    """blocks.dat -> a file of someone's choosing: opening used to chmod it to 0600 and
+    truncate it to nothing."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"x" * 640)
+    victim.chmod(0o644)
+    with open_tier(tmp) as tier:
+        assert tier.put(k(0), block(0)) and tier.flush()
+    (tmp / "blocks.dat").unlink()
+    (tmp / "blocks.dat").symlink_to(victim)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        open_tier(tmp)
+    assert victim.read_bytes() == b"x" * 640 and _mode(victim) == 0o644
+
+
+def test_a_full_disk_with_pending_deletions_never_hangs_flush_or_close(tmp_path):
+    """Deletions that a full disk keeps failing used to hold every flush (and close, and
+    the engine's shutdown) until space returned, the writer spinning meanwhile."""
+    with small_fs(tmp_path / "fs", "4m") as fs:
+        tier = open_tier(fs / "tier")
+        for i in range(20):
+            assert tier.put(k(i), block(i, 16384))
+        assert tier.flush()
+        fill(fs / "filler")
+        cpu0 = time.process_time()
+        tier.discard_many([k(0), k(1)])
+        for i in range(20, 40):
+            tier.put(k(i), block(i, 16384))
+        started = time.monotonic()
+        assert tier.flush() is False
+        time.sleep(1.0)
+        assert time.monotonic() - started < 10 and time.process_time() - cpu0 < 1.0
+        closed = threading.Thread(target=tier.close)
+        closed.start()
+        closed.join(20)
+        assert not closed.is_alive()
+
+
+def test_a_new_tier_on_a_nearly_full_disk_is_disabled_and_recovers(tmp_path):
+    """Room for the lock files but not for LMDB's first pages: a ConfigError used to stop
+    start-up, and the empty data.mdb left behind disabled the tier at every later open."""
+    with small_fs(tmp_path / "fs", "1m") as fs:
+        gap = fs / "gap"
+        gap.write_bytes(bytes(16384))
+        fill(fs / "filler")
+        gap.unlink()  # 16 KiB free: the two lock files take it
+        tier = open_tier(fs / "tier")
+        assert tier.stats()["available"] is False and "LMDB environment" in tier.stats()["disabled_reason"]
+        tier.close()
+        assert not (fs / "tier" / "data.mdb").exists()
+        (fs / "filler").unlink()
+        with open_tier(fs / "tier") as again:
+            assert again.stats()["available"] and again.put(k(0), block(0)) and again.flush()
+
+
+def test_a_forked_child_never_blocks_on_locks_its_parent_held(tmp):
+    """A thread of the parent (the writer) held the tier's counter lock at the fork: the
+    child's calls used to wait for it forever; they miss at once."""
+    tier = open_tier(tmp)
+    try:
+        assert tier.put(k(0), block(0)) and tier.flush()
+        with tier._health.lock:  # as the writer thread would, at the moment of the fork
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    ok = tier.get(k(0)) is None and not tier.put(k(1), block(1)) and \
+                        tier.stats()["gets"] >= 0
+                finally:
+                    os._exit(0 if ok else 1)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the child blocked on its parent's lock")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        tier.close()
+
+
+_READER = """
+import sys, time, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, max_dbs=8, create=False)
+txn = env.begin()
+print("reading", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_reader_does_not_pin_the_index(tmp):
+    """A read_keys child killed inside its transaction left its reader slot behind: the
+    pages of its snapshot were never reused and data.mdb grew until the tier disabled
+    itself. Stale slots of dead processes are cleared at the next sync."""
+    with open_tier(tmp) as tier:
+        assert tier.put(k(0), block(0)) and tier.flush()
+        proc = subprocess.Popen([sys.executable, "-c", _READER, str(tmp)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "reading"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        env = tier._files.index._env
+        assert f"{proc.pid}" in env.readers()
+        assert tier.put(k(1), block(1)) and tier.flush()
+        assert f"{proc.pid}" not in env.readers()
+
+
+def test_two_heads_on_one_extent_keep_one(tmp):
+    """Two owners with equal free-space maps leave two heads on the same pages; recovery
+    used to keep both, and deleting the one that does not verify freed pages the other
+    still used."""
+    from tierkv.tiers.ssd.recovery import _survey
+    from tierkv.tiers.ssd.record import Codec, Encoded, NS_LEN
+
+    codec = Codec("none", 1)
+    heads = []
+    for i, key in enumerate((b"a" * (NS_LEN + 32), b"b" * (NS_LEN + 32))):
+        e = Encoded(key, block(i, 16384), codec)
+        e.header = e.header.at_page(10)
+        heads.append((key, e.header.pack() if hasattr(e.header, "pack") else e.head()))
+    good, bad = _survey(heads, 1 << 30)
+    assert len(good) == 1 and len(bad) == 1

@@ -56,11 +56,15 @@ class Health:
         self.last_error: str | None = None
 
     def count(self, name: str, n: int = 1) -> None:
+        if os.getpid() != self.pid:  # after fork the lock may be held by a thread the child lacks
+            return
         with self.lock:
             self._counts[name] += n
 
     def add(self, counts: dict[str, int]) -> None:
         """Add to several counters at once."""
+        if os.getpid() != self.pid:
+            return
         with self.lock:
             for name, n in counts.items():
                 self._counts[name] += n
@@ -75,7 +79,9 @@ class Health:
         self.log_once(kind, "%s", message)
 
     def snapshot(self) -> dict[str, int]:
-        """A copy of every counter."""
+        """A copy of every counter (unlocked in a forked child: its lock may never be freed)."""
+        if os.getpid() != self.pid:
+            return dict(self._counts)
         with self.lock:
             return dict(self._counts)
 

@@ -83,7 +83,7 @@ class Index:
         with _lmdb_errors():
             if readonly:  # one more reader beside the owner (a slot in lock.mdb), never a write
                 self._env: Any = lmdb.open(str(path), subdir=True, max_dbs=8, readonly=True,
-                                           create=False, readahead=False)
+                                           create=False, readahead=False, mode=0o600)
             else:
                 self._env = lmdb.open(str(path), map_size=map_size, subdir=True, max_dbs=8,
                                       sync=False, metasync=False, readahead=True,
@@ -122,9 +122,19 @@ class Index:
             tx.save_state()
 
     def sync(self) -> None:
-        """Make every commit so far durable."""
+        """Make every commit so far durable; clear the reader slots of dead processes (a
+        killed reader, such as a :func:`tierkv.tiers.ssd.tier.read_keys` child, would pin
+        the pages of its snapshot and make the file grow)."""
         with _lmdb_errors():
             self._env.sync(True)
+        self.clear_stale_readers()
+
+    def clear_stale_readers(self) -> None:
+        try:
+            with _lmdb_errors():
+                self._env.reader_check()
+        except IndexFailure:
+            pass  # only pages stay pinned longer
 
     def close(self) -> None:
         self._env.close()

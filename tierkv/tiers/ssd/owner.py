@@ -43,24 +43,26 @@ class Owner:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._id = _dir_id(path)
-        self._fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            with _LOCK:
+        with _LOCK:  # a fork from another thread sees the descriptor in _HELD or not at all
+            self._fd = _open_lock_file(path)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if self._id in _INHERITED:
                     raise ConfigError(f"path: {path} was open in the parent when this process "
                                       "was forked, and cannot be opened again in this process; "
                                       "open it in a process started with spawn or exec")
-        except BlockingIOError:
-            holder = _holder(self._fd)
-            os.close(self._fd)
-            raise ConfigError(_in_use(path, holder)) from None
-        except BaseException:
-            os.close(self._fd)
-            raise
-        _write_pid(self._fd)
-        with _LOCK:
+            except BlockingIOError:
+                holder = _holder(self._fd)
+                os.close(self._fd)
+                raise ConfigError(_in_use(path, holder)) from None
+            except OSError as exc:  # a file system without flock (some FUSE mounts)
+                os.close(self._fd)
+                raise ConfigError(f"path: cannot lock {path / LOCK_FILE}: {exc.strerror}") from None
+            except BaseException:
+                os.close(self._fd)
+                raise
             _HELD.add(self)
+        _write_pid(self._fd)
 
     def release(self) -> None:
         """Give the directory up. Idempotent."""
@@ -69,6 +71,13 @@ class Owner:
             fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)  # closing the last descriptor of the lock releases it
+
+
+def _open_lock_file(path: Path) -> int:
+    try:
+        return os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"path: cannot open {path / LOCK_FILE}: {exc.strerror}") from None
 
 
 def _dir_id(path: Path) -> tuple[int, int]:
@@ -103,10 +112,11 @@ def _in_use(path: Path, holder: int | None) -> str:
 def _forget_in_child() -> None:
     """After fork: close the inherited lock descriptors (the parent keeps its locks)."""
     global _LOCK
-    _LOCK = threading.Lock()  # another thread may have held it at the fork
+    _LOCK = threading.Lock()  # the parent's is held by the forking thread: never released here
     for owner in list(_HELD):
         _INHERITED.add(owner._id)
         owner.release()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+os.register_at_fork(before=lambda: _LOCK.acquire(), after_in_parent=lambda: _LOCK.release(),
+                    after_in_child=_forget_in_child)

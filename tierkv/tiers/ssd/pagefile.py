@@ -31,7 +31,7 @@ class PageFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path / BLOCKS
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
 
     def size(self) -> int:
         """Bytes in the file."""

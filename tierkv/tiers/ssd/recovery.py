@@ -36,6 +36,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -53,7 +54,8 @@ if TYPE_CHECKING:
     from tierkv.tiers.ssd.health import Health
     from tierkv.tiers.ssd.lost import LostKeys
 
-__all__ = ["Files", "open_files", "prepare_directory", "mark_clean", "CLEAN", "FILE_MODE"]
+__all__ = ["Files", "open_files", "prepare_directory", "owner_only", "mark_clean", "CLEAN", "FILE_MODE",
+           "DIR_MODE"]
 
 log = logging.getLogger("tierkv.tiers.ssd")
 
@@ -111,7 +113,7 @@ def open_files(path: Path, *, map_size: int, namespace: bytes, about: dict[str, 
     """Open (or create) the tier in ``path``, the index map and the page file bounded by
     ``map_size`` bytes, and register ``namespace`` (described by ``about``). None when
     the tier had to be disabled (``health`` says why)."""
-    existed = (path / "data.mdb").exists()
+    existed = _environment_exists(path)
     if not _reserve_lock_file(path, health):
         return None
     if existed and not _verified(path, health):
@@ -133,7 +135,10 @@ def open_files(path: Path, *, map_size: int, namespace: bytes, about: dict[str, 
 
 def prepare_directory(path: Path) -> None:
     """Refuse a directory that is not a tier's; create ``path`` if missing; make it and
-    the files tierkv keeps there owner-only (logged when they were not)."""
+    the files tierkv keeps there owner-only (logged when they were not). The directory
+    and every file in it must belong to this user and no file may be a symbolic link:
+    another user who could plant them (a shared scratch disk) would read the KV, forge
+    records, or have an open truncate a file of their choosing."""
     from tierkv.tiers.ssd.owner import LOCK_FILE
     ours = {LMDB_LOCK, CLEAN, BLOCKS, LOCK_FILE}
     if path.exists() and not (path / "data.mdb").exists() and not {
@@ -141,29 +146,39 @@ def prepare_directory(path: Path) -> None:
         raise ConfigError(f"path: {path} is a non-empty directory without an LMDB "
                           "environment; refusing to write into it")
     path.mkdir(mode=DIR_MODE, exist_ok=True)
-    _owner_only(path, DIR_MODE)
+    owner_only(path, DIR_MODE)
     for name in ours | {"data.mdb"}:
-        if (path / name).exists():
-            _owner_only(path / name, FILE_MODE)
+        if os.path.lexists(path / name):
+            owner_only(path / name, FILE_MODE)
 
 
-def _owner_only(path: Path, mode: int) -> None:
-    """Set ``mode`` on ``path`` if it grants more; say so (an older tier, a loose umask)."""
+def owner_only(path: Path, mode: int) -> None:
+    """``path`` (not a symbolic link, unless a directory) belongs to this user; set ``mode``
+    when it grants more, and say so (an older tier, a loose umask). A ConfigError
+    otherwise."""
     try:
-        was = path.stat().st_mode & 0o777
-        if was & ~mode:
-            os.chmod(path, mode)
-            log.warning("SSD tier: %s was readable by others (mode %o); now %o",
-                        path, was, mode)
+        st = os.stat(path) if path.is_dir() else os.lstat(path)
     except OSError as exc:
-        log.warning("SSD tier: cannot make %s owner-only: %s", path, exc)
+        raise ConfigError(f"path: cannot inspect {path}: {exc.strerror}") from None
+    if stat.S_ISLNK(st.st_mode) or not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise ConfigError(f"path: {path} is not a regular file (a symbolic link?); refusing it")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"path: {path} belongs to uid {st.st_uid}, not to this user "
+                          f"({os.geteuid()}); refusing to keep KV there")
+    was = st.st_mode & 0o777
+    if was & ~mode:
+        try:
+            os.chmod(path, mode)
+        except OSError as exc:
+            raise ConfigError(f"path: cannot make {path} owner-only: {exc.strerror}") from None
+        log.warning("SSD tier: %s was readable by others (mode %o); now %o", path, was, mode)
 
 
 def _reserve_lock_file(path: Path, health: "Health") -> bool:
     """Give LMDB's lock file its disk blocks now (it is written through a memory map: on
     a full disk, a SIGBUS). Only allocates; bytes already there are left as they are."""
     try:
-        fd = os.open(path / LMDB_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        fd = os.open(path / LMDB_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
     except OSError as exc:
         health.fail(f"cannot create {LMDB_LOCK}: {exc}")
         return False
@@ -181,7 +196,7 @@ def _reserve_lock_file(path: Path, health: "Health") -> bool:
 def mark_clean(path: Path, health: "Health") -> None:
     """Record a clean close (the next open logs damage as such, not as a crash)."""
     try:
-        (path / CLEAN).touch(mode=FILE_MODE)
+        os.close(os.open(path / CLEAN, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE))
     except OSError as exc:  # the directory went away or is read-only: next open re-verifies
         health.log_once("close", "cannot write the clean marker: %s", exc)
 
@@ -218,14 +233,31 @@ def walk_in_subprocess(path: Path, timeout: float = 600.0) -> str | None:
     return (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1]
 
 
+def _environment_exists(path: Path) -> bool:
+    """An environment is there: ``data.mdb`` holds at least LMDB's two meta pages. A
+    shorter one is what a creation that failed (a full disk, a crash) left: removed."""
+    data = path / "data.mdb"
+    try:
+        if data.stat().st_size >= 2 * PAGE:
+            return True
+        data.unlink()
+    except FileNotFoundError:
+        pass
+    return False
+
+
 def _open_index(path: Path, map_size: int, existed: bool, health: "Health") -> Index | None:
+    from tierkv.tiers.ssd.index import DiskFull
     try:
         return Index(path, map_size)
     except IndexFailure as exc:
-        if not existed:
+        if not existed and not isinstance(exc, DiskFull):
             raise ConfigError(f"path: cannot create an LMDB environment in {path}: "
                               f"{exc}") from exc
-        health.fail(f"cannot open the LMDB environment: {exc}")
+        if not existed:  # no room for the first pages: nothing half-made stays behind
+            _environment_exists(path)
+        full = " (no room on the disk)" if isinstance(exc, DiskFull) else ""
+        health.fail(f"cannot {'open' if existed else 'create'} the LMDB environment{full}: {exc}")
         return None
 
 
@@ -360,7 +392,11 @@ def _survey(heads: Iterable[tuple[bytes, bytes]], size: int
             bad.append(nskey)  # its body was never written in full (a torn file)
             continue
         good[nskey] = (hdr.page, hdr.pages, record_footprint(len(nskey), hdr.payload_len))
-    extents = {(p, n): k for k, (p, n, _) in good.items() if n}
+    extents: dict[tuple[int, int], bytes] = {}
+    for k, (p, n, _) in sorted(good.items()):  # two heads on one extent: one of them is wrong
+        if n and extents.setdefault((p, n), k) != k:
+            bad.append(k)
+            del good[k]
     for extent in ExtentMap.overlapping(extents):
         bad.append(extents[extent])
         del good[extents[extent]]

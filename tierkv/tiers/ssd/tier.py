@@ -102,11 +102,13 @@ class SSDTier:
                 about={"fingerprint": self.fingerprint, "block_nbytes": self.block_nbytes,
                        "compression": compression},
                 health=self._health, lost=self._lost)
+            if self._files is not None:
+                self._start(self._files)
         except BaseException:
+            if self._files is not None:
+                self._files.close()
             self._owner.release()
             raise
-        if self._files is not None:
-            self._start(self._files)
 
     def _start(self, files: Files) -> None:
         self._reader = Reader(files=files, reclaim=self._reclaim, queue=self._queue,
@@ -313,10 +315,10 @@ class SSDTier:
             return
         if health.broken is None:
             self.flush()
-        self._queue.stop()
+        health.quiesce()  # from here every call misses or drops; none is still using the files
+        self._queue.stop()  # the writer drains what was accepted before, then stops
         if self._writer is not None:
             self._writer.join()
-        health.quiesce()  # from here every call misses or drops; none is still reading
         self._coders.close()
         if self._files is not None:
             self._files.close()
@@ -419,4 +421,8 @@ def read_keys(path: str | os.PathLike[str], fingerprint: str | bytes, *,
         why = proc.stderr.decode(errors="replace").strip().splitlines()
         raise OSError(f"cannot read the keys of {where}: "
                       f"{why[-1] if why else f'exit {proc.returncode}'}")
-    return [k[NS_LEN:] for k in msgpack.unpackb(proc.stdout)]
+    try:
+        keys = msgpack.unpackb(proc.stdout)
+        return [bytes(k[NS_LEN:]) for k in keys]
+    except Exception as exc:  # anything else on the child's stdout
+        raise OSError(f"cannot read the keys of {where}: unexpected output ({exc})") from None

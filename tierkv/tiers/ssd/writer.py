@@ -56,6 +56,7 @@ LINGER_S = 0.005               # a writer that woke on one put waits this long f
 SYNC_BYTES = 64 * 1024**2      # unsynced commits are synced at a flush, past this many bytes,
 SYNC_INTERVAL_S = 1.0          # or after this long
 MAX_ATTEMPTS = 4
+RETRY_S = 0.25                 # after a failed turn (a full disk): pause before the next
 
 
 @dataclass
@@ -107,13 +108,15 @@ class Writer:
             sync = bool(work.ticket) or work.stop or self._unsynced >= SYNC_BYTES or (
                 self._unsynced > 0 and time.monotonic() - self._last_sync >= SYNC_INTERVAL_S)
             busy = work.batch or work.touched or work.bad or work.discards
-            if self.health.broken is None and (busy or sync):
-                self._write_safely(work, sync)
+            ok = self.health.broken is not None or not (busy or sync) or self._write_safely(work, sync)
             self.queue.finish(work)
             if work.stop:
                 return
+            if not ok:  # do not spin on a full disk: the requeued deletions wait a little
+                time.sleep(RETRY_S)
 
-    def _write_safely(self, work: "Work", sync: bool) -> None:
+    def _write_safely(self, work: "Work", sync: bool) -> bool:
+        """One turn; False when it failed (its puts dropped, its deletions requeued)."""
         from tierkv.tiers.ssd.index import DiskFull, IndexFailure
         changes = _Changes([], work.touched, work.bad, work.discards)
         try:
@@ -124,11 +127,11 @@ class Writer:
                                          f"dropped {len(unplaced)} blocks: no room in the page "
                                          "file even after evicting (fragmented free pages)")
                 self.queue.report_dropped([p for p in work.batch if p.nskey in unplaced])
+            return True
         except (OSError, DiskFull) as exc:  # disk full, I/O error: the next turn tries again
             self._dropped(work, f"writing failed, dropping the batch: {exc}")
-            if changes.discards:  # not committed: retried next turn, and a flush waits for them
-                self.queue.requeue_discards(changes.discards)
-                work.ticket = 0
+            if changes and not self._commit_alone(changes):  # deletions need no page writes
+                self.queue.requeue_discards(changes.discards)  # a later turn retries them
         except IndexFailure as exc:
             self._dropped(work, f"writing the index failed: {exc}")
             self.health.fail(f"write failed: {exc}")
@@ -137,6 +140,18 @@ class Writer:
             self._dropped(work, f"unexpected error in the writer, batch dropped: {exc!r}")
             log.exception("SSD tier at %s: unexpected error in the writer; batch dropped",
                           self.health.path)
+        return False
+
+    def _commit_alone(self, changes: _Changes) -> bool:
+        """Commit a failed turn's deletions and accesses without its new records, and sync
+        (their pages become reusable); False when that fails too (the disk has no room
+        even for the index)."""
+        try:
+            self._commit(_Changes([], changes.touched, changes.bad, changes.discards))
+            self._sync()
+            return True
+        except Exception:
+            return False
 
     def _dropped(self, work: "Work", why: str) -> None:
         """A turn that failed: its puts are lost."""
@@ -178,9 +193,17 @@ class Writer:
 
     def _make_room(self, extra: int) -> None:
         """Evict ``extra`` bytes beyond the capacity and commit twice, so that the
-        freed index pages become reusable (LMDB reuses pages two commits after freeing)."""
-        self._commit(_Changes([]), extra=extra)
-        self._commit(_Changes([]))
+        freed index pages become reusable (LMDB reuses pages two commits after freeing).
+        Readers left behind by dead processes pin old pages: they are cleared first. A
+        map still too full for these commits leaves the batch to be dropped, not the
+        tier disabled."""
+        from tierkv.tiers.ssd.index import MapFull
+        self.files.index.clear_stale_readers()
+        try:
+            self._commit(_Changes([]), extra=extra)
+            self._commit(_Changes([]))
+        except MapFull:
+            pass
 
     def _commit(self, changes: _Changes, extra: int = 0) -> list[Encoded]:
         """One write transaction: deletions, accesses, evictions, then the new bodies and
