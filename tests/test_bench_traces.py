@@ -224,3 +224,14 @@ def test_bad_block_size_is_an_error() -> None:
     for bad in (0, -1):
         with pytest.raises(TraceError, match="--block-size: expected a positive integer"):
             load_trace(DATA / "small_mooncake.jsonl", block_size=bad)
+
+
+def test_a_skipped_line_adds_no_blocks(tmp_path) -> None:
+    """A line refused for a repeated hash used to intern its ids all the same: the trace
+    then counted a thousand distinct blocks no request accessed."""
+    path = tmp_path / "t.jsonl"
+    bad = list(range(1000)) + [5]
+    path.write_text('{"timestamp": 0, "hash_ids": [1, 2], "input_length": 1024, "output_length": 1}\n'
+                    f'{{"timestamp": 1, "hash_ids": {bad}, "input_length": 1024, "output_length": 1}}\n')
+    trace = load_trace(path, "mooncake", skip_bad_lines=True)
+    assert trace.skipped_lines == 1 and trace.num_distinct_blocks == 2

@@ -203,9 +203,9 @@ class TraceBuilder:
         sd = self.ids.setdefault
         if namespace is not None:
             raw_ids = [(namespace, h) for h in raw_ids]
-        blocks = list(map(sd, raw_ids, self._counter))
-        if len(set(blocks)) != len(blocks):
+        if len(set(raw_ids)) != len(raw_ids):  # before interning: a bad line adds no blocks
             raise _Bad("the same block hash appears twice in one request")
+        blocks = list(map(sd, raw_ids, self._counter))
         self._append(Request(ts, blocks, input_length, output_length, len(blocks), line))
 
     def add_tokens(self, ts: float, tokens: list[int], output_length: int, line: int = 0,
