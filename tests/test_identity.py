@@ -487,3 +487,33 @@ def test_fingerprint_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         BASE.model = "other"  # type: ignore[misc]
 
+
+
+_IDENTIFY = """
+import sys, time
+import tierkv.identity as identity
+real = identity._file_digest
+def counted(path):
+    with open(sys.argv[2], "a") as log:
+        log.write(path + "\\n")
+    time.sleep(0.5)  # a large checkpoint: the others arrive while this one reads it
+    return real(path)
+identity._file_digest = counted
+print(identity.content_identity(sys.argv[1]))
+"""
+
+
+def test_processes_identifying_one_checkpoint_read_it_once(tiny: Path, tmp_path: Path, home: Path) -> None:
+    """The scheduler and every worker of an engine identify the checkpoint at start-up:
+    each used to read all of its weights, and the last to save dropped the others' cache
+    entries. One reads; the others wait and take its digests."""
+    ckpt = copy_of(tiny, tmp_path / "ckpt")
+    log = tmp_path / "digests.log"
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", _IDENTIFY, str(ckpt), str(log)], stdout=subprocess.PIPE,
+                              text=True, env=env) for _ in range(3)]
+    idents = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(idents) == 1 and idents.pop().startswith("sha:")
+    assert sorted(Path(line).name for line in log.read_text().splitlines()) == ["config.json", WEIGHTS]
+    assert len(json.loads(digest_cache(home).read_text())) == 2

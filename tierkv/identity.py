@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -32,6 +33,8 @@ import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
+
 from tierkv.errors import ConfigError
 
 __all__ = ["FORMAT_VERSION", "RECORD_VERSION", "Fingerprint", "model_identity", "content_identity"]
@@ -117,9 +120,9 @@ def content_identity(directory: str | os.PathLike[str]) -> str:
     if not any(p.suffix in _WEIGHT_SUFFIXES for p in files):
         raise ConfigError(f"model.id: {root} holds no weight files ({', '.join(_WEIGHT_SUFFIXES)}); "
                           "set model.id to identify the checkpoint")
-    cache = _DigestCache()
-    parts = [f"{p.relative_to(root).as_posix()}={cache.digest(p)}" for p in files]
-    cache.save()
+    with _DigestCache.locked() as cache:  # the engine's processes hash a checkpoint once
+        parts = [f"{p.relative_to(root).as_posix()}={cache.digest(p)}" for p in files]
+        cache.save()
     return "sha:" + hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
@@ -139,7 +142,11 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path | None:
 
 
 class _DigestCache:
-    """Per-file digests, remembered by (real path, size, mtime, inode) across processes."""
+    """Per-file digests, remembered by (real path, size, mtime, inode) across processes.
+
+    Used under :meth:`locked`: the scheduler and every worker of an engine identify the
+    checkpoint at start-up, and without the lock each would read all of its weights (and
+    the last to save would drop the others' entries)."""
 
     def __init__(self) -> None:
         self.path = Path(os.path.expanduser("~/.cache/tierkv/model-ids.json"))
@@ -151,6 +158,27 @@ class _DigestCache:
                 self.entries = {str(k): str(v) for k, v in loaded.items()}
         except (OSError, ValueError):
             pass
+
+    @classmethod
+    @contextlib.contextmanager
+    def locked(cls) -> Iterator["_DigestCache"]:
+        """The cache, read and used under an exclusive lock on ``model-ids.lock`` (best
+        effort: where the lock cannot be taken, each process works on its own)."""
+        import fcntl
+
+        lock = Path(os.path.expanduser("~/.cache/tierkv/model-ids.lock"))
+        fd = -1
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            log.debug("tierkv: cannot lock %s: %s", lock, exc)
+        try:
+            yield cls()  # read after the lock: it sees what the previous holder saved
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def digest(self, path: Path) -> str:
         blob = _hf_blob_digest(path)
