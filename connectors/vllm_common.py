@@ -153,22 +153,21 @@ def engine_ranks(vllm_config: "VllmConfig") -> list[Rank]:
 def ssd_root(cfg: TierKVConfig) -> Path:
     """``ssd.path``, created owner-only if missing; its parent must exist (an unmounted
     disk must not fill the root file system)."""
-    path = cfg.ssd.resolved_path()
-    assert path is not None
-    path = Path(os.path.realpath(path))
-    if not path.parent.is_dir():
-        raise ConfigError(f"ssd.path: the parent directory {path.parent} does not exist "
-                          "(create it first; tierkv does not create mount points)")
+    from tierkv.tiers.ssd.pagefile import BLOCKS
+    from tierkv.tiers.ssd.recovery import DIR_MODE, FILE_MODE, LMDB_LOCK
+    from tierkv.tiers.ssd.tier import check_path
+
+    configured = cfg.ssd.resolved_path()
+    assert configured is not None
+    path = check_path(os.path.realpath(configured), "ssd.path")
     try:
-        path.mkdir(mode=0o700, exist_ok=True)
+        path.mkdir(mode=DIR_MODE, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"ssd.path: cannot create {path}: {exc.strerror}") from None
-    if not path.is_dir():
-        raise ConfigError(f"ssd.path: {path} exists and is not a directory")
-    _tighten(path, 0o700)
-    for name in ("data.mdb", "lock.mdb", "blocks.dat"):  # a tier of the layout before rank-<r>
+    _tighten(path, DIR_MODE)
+    for name in ("data.mdb", LMDB_LOCK, BLOCKS):  # a tier of the layout before rank-<r>
         if os.path.isfile(path / name) and not os.path.islink(path / name):
-            _tighten(path / name, 0o600)
+            _tighten(path / name, FILE_MODE)
     return path
 
 

@@ -105,17 +105,19 @@ def read_ssd_keys(cfg: TierKVConfig, fingerprint: Fingerprint, ranks: Sequence[R
     (read-only, in a child process). A tier that cannot be read yields none (misses
     only) and deletes nothing."""
     root = ssd_root(cfg)
-    per_rank: list[list[bytes]] = []
-    for rank in ranks:
+
+    def keys_of(rank: Rank) -> list[bytes]:
         path = rank.ssd_dir(root)
         tier = _SHARED.get(str(path))
-        try:
-            per_rank.append(list(tier.keys()) if tier is not None
-                            else read_keys(path, rank.tier_id(fingerprint)))
-        except (OSError, ConfigError) as exc:  # a broken tier costs hits, never the engine
-            log.warning("tierkv: cannot read the SSD tier at %s (%s); starting with none of its "
-                        "blocks", path, exc)
-            return [], []
+        return list(tier.keys()) if tier is not None else read_keys(path, rank.tier_id(fingerprint))
+
+    try:
+        with ThreadPoolExecutor(min(len(ranks), 8), thread_name_prefix="tierkv-keys") as pool:
+            per_rank = list(pool.map(keys_of, ranks))  # the ranks' reader processes at once
+    except (OSError, ConfigError) as exc:  # a broken tier costs hits, never the engine
+        log.warning("tierkv: cannot read the SSD tiers under %s (%s); starting with none of "
+                    "their blocks", root, exc)
+        return [], []
     common = set(per_rank[0]).intersection(*per_rank[1:])
     whole = [k for k in per_rank[0] if k in common]
     partial = list(dict.fromkeys(k for keys in per_rank for k in keys if k not in common))

@@ -236,14 +236,21 @@ def walk_in_subprocess(path: Path, timeout: float = 600.0) -> str | None:
 def _environment_exists(path: Path) -> bool:
     """An environment is there: ``data.mdb`` holds at least LMDB's two meta pages. A
     shorter one is what a creation that failed (a full disk, a crash) left: removed."""
-    data = path / "data.mdb"
     try:
-        if data.stat().st_size >= 2 * PAGE:
+        if (path / "data.mdb").stat().st_size >= 2 * PAGE:
             return True
-        data.unlink()
+    except FileNotFoundError:
+        return False
+    _remove_half_made(path)
+    return False
+
+
+def _remove_half_made(path: Path) -> None:
+    """Remove the ``data.mdb`` of an environment whose creation failed."""
+    try:
+        (path / "data.mdb").unlink()
     except FileNotFoundError:
         pass
-    return False
 
 
 def _open_index(path: Path, map_size: int, existed: bool, health: "Health") -> Index | None:
@@ -255,7 +262,7 @@ def _open_index(path: Path, map_size: int, existed: bool, health: "Health") -> I
             raise ConfigError(f"path: cannot create an LMDB environment in {path}: "
                               f"{exc}") from exc
         if not existed:  # no room for the first pages: nothing half-made stays behind
-            _environment_exists(path)
+            _remove_half_made(path)
         full = " (no room on the disk)" if isinstance(exc, DiskFull) else ""
         health.fail(f"cannot {'open' if existed else 'create'} the LMDB environment{full}: {exc}")
         return None

@@ -44,7 +44,7 @@ from tierkv.tiers.ssd.recovery import Files, mark_clean, open_files, prepare_dir
 from tierkv.tiers.ssd.writequeue import WriteQueue
 from tierkv.tiers.ssd.writer import Writer
 
-__all__ = ["SSDTier", "read_keys", "MAX_KEY_LEN"]
+__all__ = ["SSDTier", "read_keys", "check_path", "MAX_KEY_LEN"]
 
 MAX_KEY_LEN = MAX_KEY - NS_LEN   # longest key a caller may use
 
@@ -75,7 +75,7 @@ class SSDTier:
                  fingerprint: str | bytes, compression: str = "auto", level: int = 1,
                  queue_capacity_bytes: int = 256 * 1024**2,
                  block_nbytes: int | None = None) -> None:
-        self.path = _check_path(path)
+        self.path = check_path(path)
         self.block_nbytes = _check_block_nbytes(block_nbytes)
         self.capacity_bytes = _check_capacity(capacity_bytes, self.block_nbytes)
         self.fingerprint = _check_fingerprint(fingerprint)
@@ -374,21 +374,24 @@ def _check_fingerprint(value: object) -> bytes:
     return value
 
 
-def _check_path(value: object) -> Path:
+def check_path(value: object, what: str = "path") -> Path:
+    """``value`` as an absolute directory path a tier may use (it or its parent exists and
+    is writable: a missing parent is an error, an unmounted disk must not fill the root
+    file system); errors name ``what``."""
     if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
-        raise ConfigError(f"path: expected a directory path, got {value!r}")
+        raise ConfigError(f"{what}: expected a directory path, got {value!r}")
     path = Path(os.path.expanduser(os.fspath(value))).absolute()
     if path.exists() and not path.is_dir():
-        raise ConfigError(f"path: {path} exists and is not a directory")
+        raise ConfigError(f"{what}: {path} exists and is not a directory")
     if not path.exists() and not path.parent.is_dir():
-        raise ConfigError(f"path: the parent directory {path.parent} does not exist "
+        raise ConfigError(f"{what}: the parent directory {path.parent} does not exist "
                           "(create it first; tierkv does not create mount points)")
     target = path if path.exists() else path.parent
     if not os.access(target, os.W_OK | os.X_OK):
-        raise ConfigError(f"path: {target} is not writable")
+        raise ConfigError(f"{what}: {target} is not writable")
     for name in ("data.mdb", BLOCKS):
         if (path / name).exists() and not os.access(path / name, os.R_OK | os.W_OK):
-            raise ConfigError(f"path: {path / name} is not readable and writable")
+            raise ConfigError(f"{what}: {path / name} is not readable and writable")
     return path
 
 

@@ -108,7 +108,9 @@ class Writer:
             sync = bool(work.ticket) or work.stop or self._unsynced >= SYNC_BYTES or (
                 self._unsynced > 0 and time.monotonic() - self._last_sync >= SYNC_INTERVAL_S)
             busy = work.batch or work.touched or work.bad or work.discards
-            ok = self.health.broken is not None or not (busy or sync) or self._write_safely(work, sync)
+            ok = True
+            if self.health.broken is None and (busy or sync):
+                ok = self._write_safely(work, sync)
             self.queue.finish(work)
             if work.stop:
                 return
