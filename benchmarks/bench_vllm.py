@@ -11,10 +11,14 @@ prefill costs real compute; a ~3K-token prompt; greedy, one output token.
   it first loads another stored long prompt (warming the long-sequence path
   and the load code), then the timed prompt, whose records are still cold.
 
+Then the time each decode step spends inside tierkv's worker-side hooks (the
+sum over the hooks vLLM calls in a step, median and P99 in microseconds), with
+every computed block stored, and with no stores (four requests decoding).
+
 Every phase runs in its own process; the printed figures are ratios against
 the recompute time measured in the same run.
 
-    .venv/bin/python benchmarks/bench_vllm.py [--tokens 3072] [--layers 8] [--hidden 1024]
+    .venv/bin/python benchmarks/bench_vllm.py [--tokens 3072] [--layers 8] [--hidden 1024] [--decode-tokens 128]
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
 
@@ -69,6 +74,7 @@ def main() -> int:
                                            {"prompts": [prompt]}]})["steps"]
     ssd_step = ssd_run[2]
 
+    with_stores, without = hook_times(args, common, tier, warm)
     same = all(s["tokens"][0] == reference for s in [*cpu_steps, ssd_step])
     print(f"model: {args.layers} layers, hidden {args.hidden}, {heads} heads, "
           f"{max(1, heads // 4)} KV heads, fp32; prompt {args.tokens} tokens; block 32")
@@ -77,8 +83,31 @@ def main() -> int:
           f"(loaded {cpu_steps[0]['external_hits']} tokens; target <= 0.2x)")
     print(f"SSD-tier TTFT    {ssd_step['seconds'] * 1e3:8.1f} ms   {ssd_step['seconds'] / recompute:.3f}x   "
           f"(loaded {ssd_step['external_hits']} tokens, cold page cache; target <= 0.3x)")
+    for label, times in (("with stores", with_stores), ("without stores", without)):
+        print(f"decode step inside the connector's hooks, {label:14s}: median {_pct(times, 50):7.1f} us, "
+              f"P99 {_pct(times, 99):7.1f} us ({len(times)} steps)")
     print(f"outputs identical to recompute: {same}")
     return 0 if same else 1
+
+
+def hook_times(args: argparse.Namespace, common: dict, tier: dict, warm: list[int]) -> tuple[list[float], list[float]]:
+    """Seconds per decode step inside tierkv's worker-side hooks: four 512-token prompts
+    decoding ``--decode-tokens`` tokens, with every computed block stored (``on_compute``)
+    and with no stores at all (``on_evict`` in a KV cache nothing is evicted from)."""
+    prompts = [random_token_prompt(512, seed=10 + i, vocab=2000) for i in range(4)]
+
+    def run(extra: dict) -> list[float]:
+        spec = {**common, "max_tokens": args.decode_tokens, "tierkv": extra, "hook_timing": True,
+                "steps": [{"prompts": [warm]}, {"prompts": prompts}]}
+        return run_in_subprocess(spec)["steps"][1]["hook_seconds"][1:]  # the prefill step left out
+
+    return run(tier), run({**tier, "spill.admission": "on_evict"})
+
+
+def _pct(seconds: list[float], q: float) -> float:
+    """The ``q``-th percentile in microseconds (nearest rank)."""
+    ordered = sorted(seconds)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))] * 1e6 if ordered else 0.0
 
 
 if __name__ == "__main__":

@@ -124,6 +124,12 @@ class KVLayout:
                                 (s0.block_stride, step, 1), s0.offset)
 
     @property
+    def pages(self) -> list["torch.Tensor"]:
+        """Per segment, a ``[num_blocks, page bytes]`` uint8 view (rows strided): the
+        caches tierkv's gather/scatter kernels take, in tierkv block order."""
+        return list(self._views)
+
+    @property
     def fused(self) -> bool:
         return self._fused is not None
 

@@ -270,6 +270,9 @@ class TierKVMetadata(KVConnectorMetadata):
     ``reset``: delete every record of the worker's SSD tier first (the weights changed:
     records the policy no longer knew of are stale too, and a put of a key still on
     disk only refreshes it).
+    ``reused``: device blocks vLLM handed out again in this step (the workers' forward
+    must not rewrite them before pending copies out of them ran); None: not known, so
+    every block with a pending copy is treated as reused.
     """
 
     loads: list[LoadPlan] = field(default_factory=list)
@@ -277,6 +280,7 @@ class TierKVMetadata(KVConnectorMetadata):
     stores: list[StorePlan] = field(default_factory=list)
     ssd_evictions: list[bytes] = field(default_factory=list)
     reset: bool = False
+    reused: list[int] | None = None
     resident: ResidentDelta = field(default_factory=ResidentDelta)
     prepared: bool = False  # set by the worker once the pre-forward part ran
 

@@ -122,8 +122,7 @@ class PoolObserver:
 
     def reset(self) -> None:
         self.cleared = True
-        self.evicted.clear()
-        self.reassigned.clear()
+        self.evicted.clear()  # a reset is not an eviction; blocks handed out stay listed (the fence)
         if self.inner is not None:
             self.inner.reset()
 
@@ -279,7 +278,7 @@ class TierKVScheduler:
         self._loads, self._ssd_evictions, self._reset_ssd = [], [], False
         for plan in meta.loads:
             self._inflight[plan.req_id] = plan
-        evicted = self._take_pool_changes()
+        evicted = self._take_pool_changes(meta)
         policy = self.policy
         if evicted and policy.admits(EVICTED):
             self._offer(evicted, EVICTED, meta.early_stores)
@@ -303,11 +302,13 @@ class TierKVScheduler:
             self._stores[plan.plan_id] = plan
             plans.append(plan)
 
-    def _take_pool_changes(self) -> list[tuple[int, bytes]]:
-        """Blocks vLLM evicted since the last step (with our keys); updates the resident map."""
+    def _take_pool_changes(self, meta: TierKVMetadata) -> list[tuple[int, bytes]]:
+        """Blocks vLLM evicted since the last step (with our keys); updates the resident map
+        and tells the workers which blocks were handed out again (``meta.reused``)."""
         obs = self._observer
         if obs is None:
             return []
+        meta.reused = list(obs.reassigned)
         if obs.cleared:
             obs.cleared = False
             self._resident.clear()

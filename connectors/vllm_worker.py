@@ -1,31 +1,37 @@
 """Worker half of the vLLM connector: it owns the bytes and runs the plans.
 
-* an :class:`~tierkv.executor.Executor` over vLLM's KV tensors
-  (:class:`LayoutRows`, through :class:`~tierkv.connectors.kv_layout.KVLayout`),
-  the CPU slab (:class:`~tierkv.tiers.host.HostSlab`, whose slots the
-  scheduler half's policy chose; each slot is tagged with its key, so a stale
-  slot is refused rather than loaded) and the worker's own SSD tier, opened
-  here (in the worker process, never across ``fork()``), in ``rank-<r>`` under
-  ``ssd.path`` (:class:`~tierkv.connectors.vllm_common.Rank`: a tier directory
-  has one owner, and each tensor-parallel shard and pipeline stage holds
-  other bytes of the same blocks);
+* a :class:`~tierkv.copier.Copier` over vLLM's KV tensors (:class:`LayoutRows`,
+  through :class:`~tierkv.connectors.kv_layout.KVLayout`; on CUDA tierkv's
+  gather/scatter kernels on streams of its own, on the CPU backend row
+  memcpys that run when submitted), the CPU slab
+  (:class:`~tierkv.tiers.host.HostSlab`, whose slots the scheduler half's
+  policy chose; each slot is tagged with its key, so a stale slot is refused
+  rather than loaded) and the worker's own SSD tier, opened here (in the
+  worker process, never across ``fork()``), in ``rank-<r>`` under
+  ``ssd.path`` (:class:`~tierkv.connectors.vllm_common.Rank`: a tier
+  directory has one owner, and each tensor-parallel shard and pipeline stage
+  holds other bytes of the same blocks);
 * a mirror of the hashed GPU blocks (from each step's
   :class:`~tierkv.connectors.vllm_common.ResidentDelta`), so that
   :meth:`TierKVWorker.shutdown` can store the hot set the SSD tier lacks.
 
-Per step, plans run in the order the policy prepared them: ``handle_preemptions``
-(which vLLM calls before the forward, unlike ``start_load_kv``, which it calls
-after the forward when no load is synchronous) applies SSD deletions, the
-loads' spills and evictions, and stores the blocks vLLM evicted in this step,
-whose bytes the forward is about to rewrite; ``start_load_kv`` queues the
-loads' copies on one loader thread (first in, first out: a load may read a
-slot an earlier load of the step promotes into); ``wait_for_save`` runs the
-stores of computed and paged-out blocks. A block that cannot be loaded is
-reported through ``get_block_ids_with_load_errors`` (with every later block
-of that request) and vLLM recomputes it when ``kv_load_failure_policy`` is
-``"recompute"``. Threads: vLLM's worker thread owns everything here except
-the executor calls the loader thread makes (see :mod:`tierkv.executor`);
-``_lock`` guards the reports collected for the scheduler half.
+Per step, plans are queued in the order the policy prepared them, and nothing
+here waits for a copy: ``handle_preemptions`` (which vLLM calls before the
+forward) queues SSD deletions, the loads' spills and evictions and the
+stores of blocks vLLM evicted in this step (gathered before the forward
+rewrites them: the compute stream waits for gathers out of every block vLLM
+handed out again, ``TierKVMetadata.reused``), and records where the compute
+stream stands; ``start_load_kv`` queues the loads after that point;
+``wait_for_save`` records the end of the forward and queues the stores of
+computed and paged-out blocks after it. ``get_finished`` and
+``build_connector_worker_meta`` poll: finished loads go to vLLM, finished
+stores and lost blocks to the scheduler half, whose policy keeps every slot a
+plan uses pinned until then (see :mod:`tierkv.copier` for the ordering rules).
+A block that cannot be loaded is reported through
+``get_block_ids_with_load_errors`` (with every later block of that request)
+and vLLM recomputes it when ``kv_load_failure_policy`` is ``"recompute"``.
+Threads: vLLM's worker thread owns everything here; the copier's I/O thread
+runs the SSD work.
 """
 
 from __future__ import annotations
@@ -33,16 +39,16 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import threading
 from collections import OrderedDict
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from tierkv.config import TierKVConfig
-from tierkv.executor import Executor, LoadResult, host_rows
+from tierkv.copier import Copier
+from tierkv.executor import Executor, host_rows
 from tierkv.policy import SHUTDOWN, LoadPlan, StorePlan
 from tierkv.policy.manager import select_for_shutdown
 from tierkv.tiers.host import HostSlab
@@ -50,6 +56,8 @@ from tierkv.errors import ConfigError
 from tierkv.identity import Fingerprint
 from tierkv.tiers.ssd import SSDTier
 from tierkv.tiers.ssd.tier import read_keys
+from tierkv.streams import Event, streams_for
+from tierkv.transfer import copy_rows
 
 from tierkv.connectors.kv_layout import KVLayout
 from tierkv.connectors.vllm_common import (
@@ -76,9 +84,14 @@ log = logging.getLogger(__name__)
 # the same process reads its key list from here (LMDB allows one handle per process).
 _SHARED: dict[str, SSDTier] = {}
 
-# get_finished waits at most this long for an in-flight load (an idle engine
-# otherwise spins through empty steps, competing with the load for the GIL).
+# get_finished waits at most this long for the SSD reads of an in-flight load (an
+# idle engine otherwise spins through empty steps, competing with them for the GIL).
 _POLL_S = 0.002
+
+# What TierKVWorker.counters() reports (all monotonic since start).
+WORKER_COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu", "blocks_stored_ssd",
+                   "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures",
+                   "stores_dropped", "corrupt_blocks", "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d")
 
 
 def open_ssd_tier(cfg: TierKVConfig, fingerprint: Fingerprint, rank: Rank, block_nbytes: int) -> SSDTier:
@@ -138,27 +151,56 @@ def _this_rank(vllm_config: "VllmConfig") -> Rank:
 
 
 class LayoutRows:
-    """:class:`~tierkv.executor.DeviceRows` over vLLM's KV tensors (row copies on CPU)."""
+    """vLLM's KV tensors as whole tierkv blocks: :class:`~tierkv.executor.DeviceRows`
+    (synchronous, for the shutdown store) and :class:`~tierkv.copier.CopyRows` (work the
+    copier submits on its streams: tierkv's kernels on CUDA, one launch per job across
+    every layer; row memcpys on the CPU backend)."""
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.block_nbytes = layout.block_nbytes
+        self.cuda = torch.device(layout.device).type == "cuda"
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.layout.device)
 
     def read(self, block_ids: Sequence[int]) -> np.ndarray:
-        rows = torch.empty((len(block_ids), self.block_nbytes), dtype=torch.uint8, device=self.layout.device)
-        self.layout.gather(self._index(block_ids), rows)
-        return rows.cpu().numpy()
+        rows = self.staging(len(block_ids))
+        self.gather(block_ids, rows, range(len(block_ids)))
+        if self.cuda:
+            torch.cuda.current_stream(self.layout.device).synchronize()  # shutdown only
+        return rows
 
     def write(self, block_ids: Sequence[int], rows: np.ndarray) -> Any:
-        src = torch.from_numpy(np.ascontiguousarray(rows)).to(self.layout.device, non_blocking=True)
-        self.layout.scatter(self._index(block_ids), src)
+        self.scatter(rows, range(len(block_ids)), block_ids)
         return None
 
+    def gather(self, block_ids: Sequence[int], dst: np.ndarray, dst_rows: Sequence[int]) -> None:
+        if self.cuda:
+            from tierkv.kernels import gather_blocks
+
+            gather_blocks(self.layout.pages, list(block_ids), torch.from_numpy(dst),
+                          out_rows=list(dst_rows), check_indices=False)
+            return
+        n = len(block_ids)
+        rows = torch.empty((n, self.block_nbytes), dtype=torch.uint8)
+        self.layout.gather(self._index(block_ids), rows)
+        copy_rows(rows.numpy(), range(n), dst, dst_rows)
+
+    def scatter(self, src: np.ndarray, src_rows: Sequence[int], block_ids: Sequence[int]) -> None:
+        if self.cuda:
+            from tierkv.kernels import scatter_blocks
+
+            scatter_blocks(torch.from_numpy(src), self.layout.pages, list(block_ids),
+                           staging_rows=list(src_rows), check_indices=False)
+            return
+        n = len(block_ids)
+        rows = np.empty((n, self.block_nbytes), dtype=np.uint8)
+        copy_rows(src, src_rows, rows, range(n))
+        self.layout.scatter(self._index(block_ids), torch.from_numpy(rows))
+
     def staging(self, n: int) -> np.ndarray:
-        return host_rows(n, self.block_nbytes, pinned=torch.device(self.layout.device).type == "cuda")
+        return host_rows(n, self.block_nbytes, pinned=self.cuda)
 
 
 class TierKVWorker:
@@ -170,12 +212,13 @@ class TierKVWorker:
         self.block_nbytes = block_nbytes_of(kv_cache_config)
         self.spec = policy_spec(cfg, kv_cache_config)
         self.executor: Executor | None = None
+        self.copier: Copier | None = None
         self._mirror: OrderedDict[int, bytes] = OrderedDict()  # hashed GPU blocks, least recently used first
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-load")
-        self._inflight: dict[str, tuple[LoadPlan, Future[LoadResult]]] = {}
+        self._inflight: dict[str, LoadPlan] = {}
+        self._finished: set[str] = set()
+        self._before_forward: Event | None = None  # the compute stream once this step's blocks were fenced
         self._errors: set[int] = set()
         self._report = TierKVWorkerMetadata()
-        self._lock = threading.Lock()
         self._closed = False
 
     # ------------------------------------------------------------------ setup
@@ -193,7 +236,10 @@ class TierKVWorker:
         if self.spec.ssd_slots:
             fp = vllm_fingerprint(self.cfg, self.vllm_config, self.kv_cache_config)
             ssd = open_ssd_tier(self.cfg, fp, _this_rank(self.vllm_config), self.block_nbytes)
-        self.executor = Executor(LayoutRows(layout), slab, ssd)
+        rows = LayoutRows(layout)
+        self.executor = Executor(rows, slab, ssd)
+        self.copier = Copier(self.executor, rows, streams_for(layout.device),
+                             staging_bytes=self.cfg.ssd.queue_capacity)
         atexit.register(self.shutdown)
         log.info("tierkv worker: %d layer segments (%s copies), %d B/block, %d CPU slots, SSD %s",
                  len(layout.segments), "fused" if layout.fused else "per-segment",
@@ -205,45 +251,40 @@ class TierKVWorker:
 
     # ------------------------------------------------------------------ loads
 
+    def _copier(self) -> Copier:
+        assert self.copier is not None, "register_kv_caches was not called"
+        return self.copier
+
     def before_forward(self, meta: TierKVMetadata) -> None:
-        """Store the blocks vLLM evicted in this step before the forward rewrites them
-        (and before any load of this step is queued)."""
-        ex = self.executor
-        assert ex is not None, "register_kv_caches was not called"
+        """Queue the SSD deletions, the loads' evictions and the stores of the blocks vLLM
+        evicted in this step, then fence the blocks it handed out again: this step's
+        forward (and its loads) rewrite them only after the gathers out of them ran."""
+        copier = self._copier()
         self._mirror_apply(meta.resident)
-        if meta.reset and ex.ssd is not None:
-            ex.evict([], list(ex.ssd.keys()))
+        if meta.reset:
+            copier.discard_all()
         if meta.ssd_evictions:
-            ex.evict([], meta.ssd_evictions)
+            copier.evict([], meta.ssd_evictions)
         for plan in meta.loads:  # plans prepared before the stores: their evictions go first
-            self._lose(ex.evict(plan.spills, plan.ssd_evictions))
-        self._run_stores(meta.early_stores)
+            copier.evict(plan.spills, plan.ssd_evictions)
+        self._queue_stores(meta.early_stores)
+        copier.fence(meta.reused if meta.reused is not None else copier.reading())
+        self._before_forward = copier.streams.current().record()
         meta.prepared = True
 
     def start_load_kv(self, meta: TierKVMetadata) -> None:
-        ex = self.executor
-        assert ex is not None, "register_kv_caches was not called"
+        copier = self._copier()
         if not meta.prepared:  # an engine that does not call handle_preemptions
             self.before_forward(meta)
-        for plan in meta.loads:  # the copies, in order on one thread (a load may read a slot an earlier one fills)
-            self._inflight[plan.req_id] = (plan, self._loader.submit(ex.load, plan, evict=False))
+        for plan in meta.loads:  # after the fence, not after this step's forward
+            copier.load(plan, self._before_forward)
+            self._inflight[plan.req_id] = plan
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._inflight:  # a short GIL-free wait instead of letting the engine spin on empty steps
-            wait([fut for _, fut in self._inflight.values()], timeout=_POLL_S, return_when=FIRST_COMPLETED)
-        done = {rid for rid, (_, fut) in self._inflight.items() if fut.done()}
-        for rid in done:
-            plan, fut = self._inflight.pop(rid)
-            try:
-                result = fut.result()
-            except Exception:
-                log.exception("tierkv: load for request %s failed; vLLM recomputes it", rid)
-                result = LoadResult(0, [(t, k) for t, k in zip(plan.tiers(), plan.keys) if t])
-            if result.loaded < len(plan):
-                self._errors.update(plan.block_ids[result.loaded:])
-            if result.lost:
-                with self._lock:
-                    self._report.load_lost.setdefault(rid, set()).update(result.lost)
+        if self._inflight and self.copier is not None:
+            self.copier.wait_io(_POLL_S)
+        self._poll()
+        done, self._finished = self._finished, set()
         return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -251,29 +292,46 @@ class TierKVWorker:
         return errors
 
     def build_connector_worker_meta(self) -> TierKVWorkerMetadata | None:
+        self._poll()
         if self.executor is not None:
             self._lose(self.executor.take_lost())
-        with self._lock:
-            report, self._report = self._report, TierKVWorkerMetadata()
+        report, self._report = self._report, TierKVWorkerMetadata()
         return report if (report.stored or report.lost or report.load_lost) else None
+
+    def _poll(self) -> None:
+        """Collect what the copier finished: loads for vLLM, stores and losses for the
+        scheduler half. Never waits for a copy."""
+        if self.copier is None:
+            return
+        done = self.copier.poll()
+        for plan_id in done.stored:
+            self._report.stored[plan_id] += 1
+        self._lose(done.lost)
+        for req_id, result in done.loads.items():
+            plan = self._inflight.pop(req_id)
+            if result.loaded < len(plan):
+                self._errors.update(plan.block_ids[result.loaded:])
+            if result.lost:
+                self._report.load_lost.setdefault(req_id, set()).update(result.lost)
+            self._finished.add(req_id)
 
     # ------------------------------------------------------------------ stores
 
     def wait_for_save(self, meta: TierKVMetadata) -> None:
-        self._run_stores(meta.stores)
+        """Queue this step's stores after its forward; returns without waiting for them."""
+        self._queue_stores(meta.stores)
 
-    def _run_stores(self, plans: list[StorePlan]) -> None:
-        ex = self.executor
-        assert ex is not None
+    def _queue_stores(self, plans: list[StorePlan]) -> None:
+        if not plans:
+            return
+        copier = self._copier()
+        after = copier.streams.current().record()  # the blocks' KV is written once the compute stream gets here
         for plan in plans:
-            self._lose(ex.store(plan))
-            with self._lock:
-                self._report.stored[plan.plan_id] += 1
+            copier.store(plan, after)
 
     def _lose(self, lost: list[tuple[str, bytes]]) -> None:
         if lost:
-            with self._lock:
-                self._report.lost.update(lost)
+            self._report.lost.update(lost)
 
     # ------------------------------------------------------------------ hot set
 
@@ -303,7 +361,9 @@ class TierKVWorker:
         if self._closed:
             return
         self._closed = True
-        self._loader.shutdown(wait=True)
+        if self.copier is not None:
+            self.copier.drain()  # shutdown may wait; stores in flight finish first
+            self.copier.close()
         try:
             stored = self.persist_hot_set()
             if stored:
@@ -314,6 +374,20 @@ class TierKVWorker:
         if ssd is not None:
             _SHARED.pop(str(ssd.path), None)
             ssd.close()
+
+    def counters(self) -> dict[str, float]:
+        """Monotonic counters since start (for vLLM's connector stats): blocks moved per
+        tier and direction, failures, dropped stores, corrupt SSD records, and bytes and
+        seconds of the device copies per direction (``d2h``: stores, ``h2d``: loads)."""
+        out: dict[str, float] = dict.fromkeys(WORKER_COUNTERS, 0)
+        if self.executor is not None:
+            for name, value in self.executor.stats().items():
+                if name in out:
+                    out[name] = value
+        ssd = self.ssd
+        if ssd is not None:
+            out["corrupt_blocks"] = ssd.stats().get("corrupt_deleted", 0)
+        return out
 
     def stats(self) -> dict[str, Any]:
         return {"cpu_slots": self.spec.cpu_slots, "executor": self.executor.stats() if self.executor else None,

@@ -50,8 +50,10 @@ def test_reset_deletes_every_record_of_the_workers_tier(model: str, tmp_path: Pa
             assert ssd.put(key, bytes(block_nbytes(BLOCK)))
         assert ssd.flush()
         worker.before_forward(TierKVMetadata())
+        worker.copier.drain()
         assert ssd.flush() and sorted(ssd.keys()) == orphans  # an ordinary step keeps them
         worker.before_forward(TierKVMetadata(reset=True))
+        worker.copier.drain()  # the deletions run on the copier's I/O thread, in plan order
         assert ssd.flush() and list(ssd.keys()) == []
     finally:
         worker.shutdown()

@@ -119,14 +119,49 @@ def _hits_by_source(llm: Any) -> dict[str, int]:
     return out
 
 
+# The worker-side hooks vLLM calls once per engine step, in this order (the last closes a step).
+_WORKER_HOOKS = ("handle_preemptions", "start_load_kv", "wait_for_save", "get_finished",
+                 "get_block_ids_with_load_errors", "get_kv_connector_stats", "build_connector_worker_meta")
+
+
+def _time_worker_hooks() -> list[float]:
+    """Time tierkv's worker-side hooks (in-process engines); returns the list each engine
+    step appends its total seconds spent inside them to."""
+    import time
+
+    from tierkv.connectors.vllm_connector import TierKVConnector
+
+    steps: list[float] = []
+    acc = [0.0]
+    for name in _WORKER_HOOKS:
+        orig = getattr(TierKVConnector, name)
+
+        def timed(self: Any, *args: Any, _orig: Any = orig, _last: bool = name == _WORKER_HOOKS[-1],
+                  **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _orig(self, *args, **kwargs)
+            finally:
+                if getattr(self, "_worker", None) is not None:
+                    acc[0] += time.perf_counter() - t0
+                    if _last:
+                        steps.append(acc[0])
+                        acc[0] = 0.0
+
+        setattr(TierKVConnector, name, timed)
+    return steps
+
+
 def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
     """Run ``spec["steps"]`` on one engine. Each step is ``{"prompts": [[ids...]], "salt": str|None}``
     or ``{"reset": true}`` (reset vLLM's prefix cache; with ``"connector": true`` tierkv's
-    tiers too)."""
+    tiers too). ``spec["hook_timing"]``: each step also reports ``hook_seconds``, the time
+    every engine step of it spent inside tierkv's worker-side hooks."""
     import time
 
     from vllm import SamplingParams
 
+    hook_steps = _time_worker_hooks() if spec.get("hook_timing") else []
     llm = _make_llm(spec)
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, logprobs=0)
     results: list[Any] = []
@@ -139,6 +174,7 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
         if step.get("salt") is not None:
             for p in prompts:
                 p["cache_salt"] = step["salt"]
+        del hook_steps[:]
         hits_before = _external_hits(llm)
         by_source_before = _hits_by_source(llm)
         t0 = time.perf_counter()
@@ -152,6 +188,7 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
             "external_hits": _external_hits(llm) - hits_before,
             "by_source": {k: v for k, v in by_source.items() if v},
             "seconds": elapsed,
+            "hook_seconds": list(hook_steps),
         })
     return {"steps": results, "pid": os.getpid(), "engine_pids": _worker_pids(llm),
             "num_gpu_blocks": _num_gpu_blocks(llm)}

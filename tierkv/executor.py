@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 Lost = list[tuple[str, bytes]]
 _CHUNK_BYTES = 64 * 1024**2   # device rows read per copy while storing
 COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu", "blocks_stored_ssd", "blocks_spilled",
-            "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures")
+            "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures", "stores_dropped",
+            "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d")
 
 
 class DeviceRows(Protocol):
@@ -137,14 +138,14 @@ class Executor:
         idx = [i for i in range(lo, hi) if plan.cpu_slots[i] >= 0]
         if idx and self.slab is not None:
             self.slab.write([plan.cpu_slots[i] for i in idx], [plan.keys[i] for i in idx], rows, [i - lo for i in idx])
-            self._count("blocks_stored_cpu", len(idx))
+            self.count("blocks_stored_cpu", len(idx))
         lost: Lost = []
         for i in range(lo, hi):
             if not plan.to_ssd[i]:
                 continue
-            ok = self._put(plan.keys[i], rows[i - lo], count_failure=not patient)
+            ok = self.put_row(plan.keys[i], rows[i - lo], count_failure=not patient)
             if not ok and patient and self.flush():
-                ok = self._put(plan.keys[i], rows[i - lo])
+                ok = self.put_row(plan.keys[i], rows[i - lo])
             if not ok:
                 lost.append(("ssd", plan.keys[i]))
         return lost
@@ -158,17 +159,18 @@ class Executor:
         if ssd_evictions and self.ssd is not None:
             self._safely("discard", self.ssd.discard_many, list(ssd_evictions))
         for slot, key in spills:
-            if self.slab is not None and self.slab.holds(slot, key) and self._put(key, self.slab.view(slot)):
-                self._count("blocks_spilled")
+            if self.slab is not None and self.slab.holds(slot, key) and self.put_row(key, self.slab.view(slot)):
+                self.count("blocks_spilled")
             else:
-                self._count("spill_failures")
+                self.count("spill_failures")
                 lost.append(("ssd", key))
         return lost
 
-    def _put(self, key: bytes, row: Any, count_failure: bool = True) -> bool:
+    def put_row(self, key: bytes, row: Any, count_failure: bool = True) -> bool:
+        """Queue one block for the SSD tier; False (counted) when it is refused."""
         ok = self.ssd is not None and bool(self._safely("put", self.ssd.put, key, row))
         if ok or count_failure:
-            self._count("blocks_stored_ssd" if ok else "store_failures_ssd")
+            self.count("blocks_stored_ssd" if ok else "store_failures_ssd")
         return ok
 
     # ------------------------------------------------------------------ loads
@@ -181,7 +183,7 @@ class Executor:
         rows = self.device.staging(n) if self.device is not None else np.empty((n, self.block_nbytes), np.uint8)
         ok = [False] * n
         lost += self._from_cpu(plan, rows, ok)
-        lost += self._from_ssd(plan, rows, ok)
+        lost += self.read_ssd(plan, rows, ok)
         loaded = ok.index(False) if False in ok else n
         event = None
         if loaded:
@@ -204,11 +206,14 @@ class Executor:
             self.slab.read([plan.cpu_slots[i] for i in idx], rows, idx)
             for i in idx:
                 ok[i] = True
-        self._count("blocks_loaded_cpu", len(idx))
-        self._count("load_failures_cpu", len(lost))
+        self.count("blocks_loaded_cpu", len(idx))
+        self.count("load_failures_cpu", len(lost))
         return lost
 
-    def _from_ssd(self, plan: LoadPlan, rows: np.ndarray, ok: list[bool]) -> Lost:
+    def read_ssd(self, plan: LoadPlan, rows: np.ndarray, ok: list[bool]) -> Lost:
+        """Read the plan's SSD blocks (those without a CPU slot) into ``rows`` (row i for
+        block i), set ``ok[i]`` for each that verified, and write promoted ones into their
+        slab slots. Returns what could not be read."""
         idx = [i for i, f in enumerate(plan.from_ssd) if f and plan.cpu_slots[i] < 0]
         if not idx:
             return []
@@ -231,8 +236,8 @@ class Executor:
                     self.slab.forget(slot)
         if promote and self.slab is not None:
             self.slab.write([plan.promote_slots[i] for i in promote], [plan.keys[i] for i in promote], rows, promote)
-        self._count("blocks_loaded_ssd", sum(map(bool, hits)))
-        self._count("load_failures_ssd", len(idx) - sum(map(bool, hits)))
+        self.count("blocks_loaded_ssd", sum(map(bool, hits)))
+        self.count("load_failures_ssd", len(idx) - sum(map(bool, hits)))
         return lost
 
     # ------------------------------------------------------------------ SSD upkeep
@@ -259,7 +264,7 @@ class Executor:
                 log.exception("SSD tier: %s failed; counted as a miss or a dropped store", what)
             return None
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: int = 1) -> None:
         if n:
             with self._lock:
                 self.counts[name] += n
