@@ -34,13 +34,20 @@ __device__ __forceinline__ void copy_range(unsigned char* __restrict__ dst,
   }
 }
 
-// The [begin, end) byte window of a page that grid row blockIdx.y copies.
-__device__ __forceinline__ bool chunk_window(long long page_bytes, long long* begin, long long* len) {
-  *begin = (long long)blockIdx.y * kCopyChunkBytes;
+// The byte window [begin, begin + len) of chunk ``chunk`` of a page; false when
+// the page ends before the chunk starts (a smaller page than the largest one).
+__device__ __forceinline__ bool chunk_window(long long chunk, long long page_bytes, long long* begin,
+                                             long long* len) {
+  *begin = chunk * kCopyChunkBytes;
   if (*begin >= page_bytes) return false;
   const long long end = min(*begin + kCopyChunkBytes, page_bytes);
   *len = end - *begin;
   return true;
+}
+
+// The byte window of a page that grid row blockIdx.y copies.
+__device__ __forceinline__ bool chunk_window(long long page_bytes, long long* begin, long long* len) {
+  return chunk_window((long long)blockIdx.y, page_bytes, begin, len);
 }
 
 }  // namespace tkv

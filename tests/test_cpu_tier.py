@@ -587,3 +587,127 @@ def test_copy_rows_out_of_range_raises(src_rows, dst_rows):
     from tierkv.transfer import copy_rows
     with pytest.raises(IndexError):
         copy_rows(np.zeros((8, 4), np.uint8), src_rows, np.zeros((8, 4), np.uint8), dst_rows)
+
+
+# ---------------------------------------------------------------------- page-locking the slab
+
+def _pin_warnings(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "tierkv.tiers.host" and r.levelno >= logging.WARNING]
+
+
+def test_pinning_asked_for_without_cuda_falls_back_with_one_warning(caplog):
+    from tierkv.tiers.host import HostSlab
+
+    assert not torch.cuda.is_available()  # CUDA cannot exist on this machine: the no-CUDA failure is real
+    with caplog.at_level(logging.WARNING):
+        slab = HostSlab(5, B, pin_memory=True)
+        tier = CPUTier(4 * B, B, pin_memory=True)
+    warnings = _pin_warnings(caplog)
+    assert len(warnings) == 2  # one per slab, not one per chunk
+    assert "CUDA is not available" in warnings[0].getMessage() and "~10x slower" in warnings[0].getMessage()
+    assert not slab.pinned and not slab.tensor.is_pinned() and not tier.pinned
+    slab.write([3], [k(3)], np.stack([block(3)]))
+    assert slab.holds(3, k(3)) and bytes(slab.view(3)) == bytes(block(3))
+
+
+@pytest.mark.parametrize("pin", [None, False])
+def test_no_pinning_wanted_means_no_warning(caplog, pin):
+    from tierkv.tiers.host import HostSlab
+
+    with caplog.at_level(logging.WARNING):
+        slab = HostSlab(3, B, pin_memory=pin)
+    assert not slab.pinned and not _pin_warnings(caplog)
+
+
+class FakePinRuntime:
+    """Stands in for cudaHostRegister/cudaHostUnregister, which cannot run without CUDA
+    (absent on this machine); records calls and fails the chunk numbered ``fail_at``."""
+
+    def __init__(self, fail_at: int | None = None, raise_at: int | None = None) -> None:
+        self.fail_at, self.raise_at = fail_at, raise_at
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+        self.threads: set[int] = set()
+
+    def register(self, ptr: int, size: int) -> int:
+        import threading
+
+        self.threads.add(threading.get_ident())
+        if len(self.registered) == self.raise_at:
+            raise RuntimeError("driver gone")
+        if len(self.registered) == self.fail_at:
+            return 2
+        self.registered.append((ptr, size))
+        return 0
+
+    def unregister(self, ptr: int) -> None:
+        self.unregistered.append(ptr)
+
+    def error_text(self, code: int) -> str:
+        return f"out of memory (error {code})"
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    from tierkv.tiers import host
+
+    def install(runtime: FakePinRuntime, chunk: int = 4 << 20) -> FakePinRuntime:
+        monkeypatch.setattr(host, "_pin_runtime", lambda: (runtime, ""))
+        monkeypatch.setattr(host, "PIN_CHUNK_BYTES", chunk)
+        return runtime
+
+    return install
+
+
+def test_slab_is_registered_in_page_aligned_chunks_off_the_callers_thread(fake_cuda, caplog):
+    import gc
+    import threading
+
+    from tierkv.tiers.host import HostSlab
+
+    rt = fake_cuda(FakePinRuntime())
+    with caplog.at_level(logging.WARNING):
+        slab = HostSlab(10, 1_000_000, pin_memory=True)
+    assert slab.pinned and not _pin_warnings(caplog)
+    base, chunk, nbytes = slab.tensor.data_ptr(), 4 << 20, 10_000_000
+    assert base % (2 << 20) == 0  # chunk boundaries never split a 2 MiB (huge) page
+    assert rt.registered == [(base + off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+    assert len(rt.registered) == 3
+    assert threading.get_ident() not in rt.threads  # a failure's CUDA error stays off this thread
+    rows = np.stack([block(i, 1_000_000) for i in range(10)])
+    slab.write(list(range(10)), [k(i) for i in range(10)], rows)
+    out = np.zeros((10, 1_000_000), dtype=np.uint8)
+    slab.read(list(range(10)), out, range(10))
+    assert np.array_equal(out, rows)
+    row = slab.tensor[9]  # a view keeps the memory, and its registration, alive
+    del slab, out
+    gc.collect()
+    assert rt.unregistered == []
+    del row
+    gc.collect()
+    assert sorted(rt.unregistered) == [ptr for ptr, _ in rt.registered]
+
+
+@pytest.mark.parametrize("failure", [dict(fail_at=2), dict(raise_at=1), dict(fail_at=0)])
+def test_a_failed_chunk_releases_the_others_and_leaves_a_pageable_slab(fake_cuda, caplog, failure):
+    from tierkv.tiers.host import HostSlab
+
+    rt = fake_cuda(FakePinRuntime(**failure), chunk=2 << 20)
+    with caplog.at_level(logging.WARNING):
+        slab = HostSlab(10, 1_000_000, pin_memory=True)
+    warnings = _pin_warnings(caplog)
+    assert len(warnings) == 1 and "~10x slower" in warnings[0].getMessage()
+    assert ("out of memory (error 2)" if "fail_at" in failure else "driver gone") in warnings[0].getMessage()
+    assert not slab.pinned
+    assert sorted(rt.unregistered) == [ptr for ptr, _ in rt.registered]  # nothing stays locked
+    slab.write([1], [k(1)], np.stack([block(1, 1_000_000)]))
+    assert bytes(slab.view(1)) == bytes(block(1, 1_000_000))
+    del slab
+    assert sorted(rt.unregistered) == [ptr for ptr, _ in rt.registered]  # and nothing is released twice
+
+
+def test_pinning_turned_off_never_touches_cuda(fake_cuda):
+    from tierkv.tiers.host import HostSlab
+
+    rt = fake_cuda(FakePinRuntime())
+    assert not HostSlab(4, B, pin_memory=False).pinned and rt.registered == []

@@ -108,6 +108,123 @@ def test_gather_scatter_bit_exact(staging_on: str, odd: bool) -> None:
         assert torch.equal(_bytes(c), _bytes(gc))
 
 
+def _kv_layers(device: str, odd: bool = False) -> list[torch.Tensor]:
+    """K and V halves of one fused [blocks, 2, ...] bf16 tensor made on ``device`` (rows
+    strided there too), an FP8 layer, and optionally a 100-byte layer (byte accesses)."""
+    g = torch.Generator().manual_seed(5)
+    fused = torch.randn(40, 2, 16, 8, 64, generator=g).to(torch.bfloat16).to(device)
+    layers = [fused[:, 0], fused[:, 1], torch.randn(40, 8, 16, 16, generator=g).to(torch.float8_e5m2).to(device)]
+    if odd:
+        layers.append(torch.randint(0, 256, (40, 100), dtype=torch.uint8, generator=g).to(device))
+    assert not layers[0].is_contiguous()
+    return layers
+
+
+def _page_rows(layers: list[torch.Tensor]) -> torch.Tensor:
+    """[blocks, total page bytes]: every block's pages of all layers, as a staging row."""
+    return torch.cat([_bytes(c).reshape(c.shape[0], -1) for c in layers], dim=1)
+
+
+def _staging(rows: int, total: int, on: str, fill: int) -> torch.Tensor:
+    t = torch.full((rows, total), fill, dtype=torch.uint8)
+    return t.cuda() if on == "cuda" else t.pin_memory()
+
+
+@pytest.mark.parametrize("staging_on", ["cuda", "pinned"])
+@pytest.mark.parametrize("cap", [None, 1, 7])
+@pytest.mark.parametrize("odd", [False, True])
+def test_gather_scatter_rows_and_thread_caps_bit_exact(staging_on: str, cap, odd: bool) -> None:
+    """Strided K/V pages (plus FP8, plus a 100-byte layer forcing byte accesses) into
+    chosen rows of a larger staging buffer and back into other blocks, with the grid
+    capped at 1 and 7 thread blocks (each block walks many items) and uncapped."""
+    pages = _page_rows(_kv_layers("cpu", odd))
+    gpu = _kv_layers("cuda", odd)
+    ids = torch.tensor([39, 0, 17, 17, 3, 22])
+    rows = torch.tensor([10, 2, 7, 0, 13, 5])
+    out = _staging(14, pages.shape[1], staging_on, fill=0xA5)
+    want = torch.full_like(out.cpu(), 0xA5)
+    want[rows] = pages[ids]
+    gather_blocks(gpu, ids, out, out_rows=rows.cuda() if staging_on == "cuda" else rows, max_thread_blocks=cap)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), want)  # rows not named keep their bytes
+
+    uniq, back = torch.tensor([1, 38, 20, 4]), torch.tensor([13, 13, 2, 10])  # row 13 read twice
+    scatter_blocks(out, gpu, uniq, staging_rows=back, max_thread_blocks=cap)
+    torch.cuda.synchronize()
+    expected = pages.clone()
+    expected[uniq] = want[back]
+    assert torch.equal(_page_rows(gpu), expected)  # other blocks untouched, strided rows included
+
+
+@pytest.mark.parametrize("cap", [1, 7, None])
+def test_large_pages_with_few_thread_blocks(cap) -> None:
+    """32 layers of 40 KiB pages (three 16 KiB chunks, the last partial), two of them the
+    strided halves of a fused tensor: a capped grid walks every (job, chunk) item, and the
+    round trip through scattered rows of pinned memory is bit-exact."""
+    g = torch.Generator().manual_seed(9)
+    page = 40 * 1024
+
+    def layers() -> list[torch.Tensor]:
+        fused = torch.randint(0, 256, (12, 2, 16, page // 16), dtype=torch.uint8, generator=g).cuda()
+        rest = [torch.randint(0, 256, (12, page), dtype=torch.uint8, generator=g).cuda() for _ in range(30)]
+        return [fused[:, 0].view(torch.bfloat16), fused[:, 1].view(torch.bfloat16), *rest]
+
+    caches, dst = layers(), layers()
+    src_pages, dst_pages = _page_rows(caches), _page_rows(dst)
+    slab = torch.zeros(20, src_pages.shape[1], dtype=torch.uint8).pin_memory()
+    ids, slots = torch.tensor([11, 0, 6, 3]), torch.tensor([19, 4, 0, 12])
+    gather_blocks(caches, ids, slab, out_rows=slots, max_thread_blocks=cap)
+    torch.cuda.synchronize()
+    assert torch.equal(slab[slots], src_pages[ids])
+    assert not slab[[s for s in range(20) if s not in slots.tolist()]].any()
+    blocks = torch.tensor([1, 2, 5, 7])
+    scatter_blocks(slab, dst, blocks, staging_rows=slots, max_thread_blocks=cap)
+    torch.cuda.synchronize()
+    dst_pages[blocks] = src_pages[ids]
+    assert torch.equal(_page_rows(dst), dst_pages)
+
+
+def test_host_slab_is_registered_in_chunks_and_kernels_address_it(monkeypatch, caplog) -> None:
+    """A HostSlab page-locked in 2 MiB chunks (rows straddle chunk boundaries): pinned
+    without a warning, seen as pinned by torch, stored into and loaded from directly by
+    the kernels, and read back by a plain non_blocking copy_."""
+    from tierkv.tiers import host
+
+    monkeypatch.setattr(host, "PIN_CHUNK_BYTES", 2 << 20)
+    caches = _kv_layers("cuda")
+    pages = _page_rows(_kv_layers("cpu"))
+    with caplog.at_level("WARNING", logger=host.__name__):
+        slab = host.HostSlab(128, pages.shape[1], pin_memory=True)
+    assert slab.pinned and slab.tensor.is_pinned() and not caplog.records
+    assert slab.tensor.numel() > 4 << 20 and slab.tensor[-1].is_pinned()  # three chunks
+    ids, slots = torch.tensor([3, 9, 27, 39]), torch.tensor([127, 30, 0, 61])
+    gather_blocks(caches, ids, slab.tensor, out_rows=slots, max_thread_blocks=7)
+    torch.cuda.synchronize()
+    assert torch.equal(slab.tensor[slots], pages[ids])
+    blocks = torch.tensor([0, 1, 2, 5])
+    scatter_blocks(slab.tensor, caches, blocks, staging_rows=slots)
+    torch.cuda.synchronize()
+    pages[blocks] = pages[ids]
+    assert torch.equal(_page_rows(caches), pages)
+    flat = torch.empty(slab.tensor.numel(), dtype=torch.uint8, device="cuda")
+    flat.copy_(slab.tensor.view(-1), non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(flat.cpu(), slab.tensor.view(-1))
+    del slab, flat  # the chunks are unregistered before the memory is unmapped
+
+
+def test_rows_on_the_device_are_validated_before_launch() -> None:
+    pool = torch.zeros(8, 64, dtype=torch.uint8, device="cuda")
+    out = torch.zeros(4, 64, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="^out_rows: value 4 out of range"):
+        gather_blocks([pool], [1, 2], out, out_rows=torch.tensor([0, 4], device="cuda"))
+    with pytest.raises(ValueError, match="^out_rows: values must be distinct"):
+        gather_blocks([pool], [1, 2], out, out_rows=torch.tensor([3, 3], device="cuda"))
+    with pytest.raises(ValueError, match="^staging_rows: value -1"):
+        scatter_blocks(out, [pool], [1, 2], staging_rows=torch.tensor([-1, 0], device="cuda"))
+    assert not pool.any() and not out.any()
+
+
 def test_copy_blocks_bit_exact_in_one_launch() -> None:
     cpu = _layers("cpu")
     gpu = [t.cuda() for t in cpu]

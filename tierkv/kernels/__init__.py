@@ -36,11 +36,15 @@ bytes. A 2-D uint8 pool [num_blocks, block_nbytes] is the one-layer case.
 copy_blocks(caches, block_mapping, *, check_indices=True) -> None
     block_mapping [n, 2] int64 (src, dst) or a list of pairs; every layer, one
     launch; dst ids distinct and disjoint from the src ids.
-gather_blocks(caches, block_ids, out, *, check_indices=True) -> Tensor
-    out[i] = concat over layers of page block_ids[i]; out [n, total_page_bytes]
-    uint8 contiguous, on the caches' device or pinned host memory.
-scatter_blocks(staging, caches, block_ids, *, check_indices=True) -> None
-    The inverse of gather_blocks; block_ids distinct.
+gather_blocks(caches, block_ids, out, *, out_rows=None, max_thread_blocks=None, check_indices=True) -> Tensor
+    out[out_rows[i]] (out[i] without out_rows) = concat over layers of page
+    block_ids[i]; out [m, total_page_bytes] uint8 contiguous, on the caches'
+    device or pinned host memory (e.g. the CPU tier's slab: no extra staging
+    copy); out_rows distinct. One launch for every block and layer of the job;
+    max_thread_blocks caps its grid (default: 32 for host staging, so a copy
+    limited by the host link leaves the SMs to the forward pass).
+scatter_blocks(staging, caches, block_ids, *, staging_rows=None, max_thread_blocks=None, check_indices=True) -> None
+    The inverse of gather_blocks, reading staging[staging_rows[i]]; block_ids distinct.
 
 ``check_indices=False`` skips the value checks of index tensors (one device
 sync each when they live on the GPU); out-of-range values are then undefined.

@@ -19,7 +19,8 @@ from tierkv.kernels import checks
 from tierkv.kernels.reference_blocks import copy_blocks_ref, gather_blocks_ref, page_nbytes, scatter_blocks_ref
 
 MAX_PAGE_BYTES = 65535 * 16384  # grid y * bytes per chunk
-MAX_JOBS = 2**31 - 1  # grid x = blocks * layers
+MAX_JOBS = 2**31 - 1  # blocks * layers of one launch
+MAX_THREAD_BLOCKS = 2**31 - 1  # grid x
 
 
 def copy_blocks(caches: Sequence[Any], block_mapping: Any, *, check_indices: bool = True) -> None:
@@ -52,46 +53,67 @@ def copy_blocks(caches: Sequence[Any], block_mapping: Any, *, check_indices: boo
     copy_blocks_cuda(cs, mapping)
 
 
-def gather_blocks(caches: Sequence[Any], block_ids: Any, out: Any, *, check_indices: bool = True) -> torch.Tensor:
-    """Copy page ``block_ids[i]`` of every cache into staging row ``out[i]``.
+def gather_blocks(caches: Sequence[Any], block_ids: Any, out: Any, *, out_rows: Any = None,
+                  max_thread_blocks: int | None = None, check_indices: bool = True) -> torch.Tensor:
+    """Copy page ``block_ids[i]`` of every cache into staging row ``out[out_rows[i]]``
+    (``out[i]`` when ``out_rows`` is None).
 
       caches     per-layer pools (see module doc), all on one device
       block_ids  [n] int64 (tensor on CPU or the caches' device, or a list)
-      out        [n, sum of page_bytes] uint8, contiguous; on the caches'
+      out        [m, sum of page_bytes] uint8, contiguous; on the caches'
                  device, or pinned host memory when the caches are on CUDA
+                 (e.g. the CPU tier's slab, filled in place). m == n when
+                 ``out_rows`` is None.
+      out_rows   None, or [n] int64 (placed like block_ids): distinct rows of
+                 ``out``, each < m
+      max_thread_blocks  cap on the thread blocks of the CUDA launch (each
+                 walks its share of the work; ignored on CPU). None: 32
+                 (``cuda_block_ops.HOST_STAGING_THREAD_BLOCKS``) when ``out``
+                 is host memory: such a copy is bound by the host link, and
+                 the cap keeps it off most SMs so that the forward pass keeps
+                 them; no cap for device staging (an HBM copy, over quickly).
     Returns ``out``. CUDA: one launch, 16-byte accesses when every address,
     row stride and page size is a multiple of 16 (else byte accesses), on
     torch's current stream (synchronise before reading pinned ``out`` on the
-    host). CPU: ``index_select(out=)`` per layer. Duplicate ids are allowed.
+    host). CPU: ``index_select`` per layer. Duplicate block ids are allowed.
     """
     cs = _caches(caches)
     ids = checks.index_tensor("block_ids", block_ids)
     staging = checks.as_tensor("out", out)
-    _check_staging("out", staging, cs, ids, check_indices)
+    rows = _rows("out_rows", out_rows)
+    _thread_cap(max_thread_blocks)
+    _check_staging("out", staging, cs, ids, "out_rows", rows, check_indices)
+    if check_indices and rows is not None:
+        checks.distinct("out_rows", rows)
     if cs[0].device.type == "cpu":
-        return gather_blocks_ref(cs, ids, staging)
+        return gather_blocks_ref(cs, ids, staging, rows)
     from tierkv.kernels.cuda_block_ops import gather_scatter_cuda
 
-    gather_scatter_cuda(cs, ids, staging, gather=True)
+    gather_scatter_cuda(cs, ids, staging, True, rows, max_thread_blocks)
     return staging
 
 
-def scatter_blocks(staging: Any, caches: Sequence[Any], block_ids: Any, *, check_indices: bool = True) -> None:
-    """Inverse of ``gather_blocks``: copy staging row ``staging[i]`` onto page
-    ``block_ids[i]`` of every cache. Same shapes and placement rules; the ids
-    must be distinct (checked with ``check_indices``)."""
+def scatter_blocks(staging: Any, caches: Sequence[Any], block_ids: Any, *, staging_rows: Any = None,
+                   max_thread_blocks: int | None = None, check_indices: bool = True) -> None:
+    """Inverse of ``gather_blocks``: copy staging row ``staging[staging_rows[i]]``
+    (``staging[i]`` when ``staging_rows`` is None) onto page ``block_ids[i]`` of
+    every cache. Same shapes, placement rules and thread-block cap; the block
+    ids must be distinct (checked with ``check_indices``), staging rows may
+    repeat (each < ``staging.shape[0]``)."""
     cs = _caches(caches)
     ids = checks.index_tensor("block_ids", block_ids)
     st = checks.as_tensor("staging", staging)
-    _check_staging("staging", st, cs, ids, check_indices)
+    rows = _rows("staging_rows", staging_rows)
+    _thread_cap(max_thread_blocks)
+    _check_staging("staging", st, cs, ids, "staging_rows", rows, check_indices)
     if check_indices:
         checks.distinct("block_ids", ids)
     if cs[0].device.type == "cpu":
-        scatter_blocks_ref(st, cs, ids)
+        scatter_blocks_ref(st, cs, ids, rows)
         return
     from tierkv.kernels.cuda_block_ops import gather_scatter_cuda
 
-    gather_scatter_cuda(cs, ids, st, gather=False)
+    gather_scatter_cuda(cs, ids, st, False, rows, max_thread_blocks)
 
 
 def _caches(caches: Sequence[Any]) -> list[torch.Tensor]:
@@ -124,21 +146,45 @@ def _device_ids(name: str, ids: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name}: on {ids.device}, expected the CPU or {device}")
 
 
-def _check_staging(name: str, st: torch.Tensor, cs: list[torch.Tensor], ids: torch.Tensor, check_indices: bool) -> None:
+def _rows(name: str, rows: Any) -> torch.Tensor | None:
+    return None if rows is None else checks.index_tensor(name, rows)
+
+
+def _thread_cap(value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREAD_BLOCKS:
+        raise ValueError(f"max_thread_blocks: expected None or an integer in [1, {MAX_THREAD_BLOCKS}], got {value!r}")
+
+
+def _check_staging(name: str, st: torch.Tensor, cs: list[torch.Tensor], ids: torch.Tensor, rows_name: str,
+                   rows: torch.Tensor | None, check_indices: bool) -> None:
     checks.ndim("block_ids", ids, 1)
     checks.dtype_is(name, st, torch.uint8)
-    checks.shape(name, st, (ids.shape[0], sum(page_nbytes(c) for c in cs)))
+    total = sum(page_nbytes(c) for c in cs)
+    if rows is None:
+        checks.shape(name, st, (ids.shape[0], total))
+    else:
+        checks.ndim(name, st, 2)
+        if st.shape[1] != total:
+            raise ValueError(f"{name}: expected shape [rows, {total}], got {tuple(st.shape)}")
+        checks.shape(rows_name, rows, (ids.shape[0],))
     checks.contiguous(name, st)
     _check_jobs(cs, ids.shape[0])
     device = cs[0].device
+    index_names = ("block_ids",) if rows is None else ("block_ids", rows_name)
     if device.type == "cpu":
-        if st.device.type != "cpu" or ids.device.type != "cpu":
-            raise ValueError(f"{name}: CPU caches need CPU staging and block_ids")
+        if st.device.type != "cpu" or ids.device.type != "cpu" or (rows is not None and rows.device.type != "cpu"):
+            raise ValueError(f"{name}: CPU caches need CPU staging, {' and '.join(index_names)}")
     else:
         _device_ids("block_ids", ids, device)
+        if rows is not None:
+            _device_ids(rows_name, rows, device)
         if st.device.type == "cpu" and not st.is_pinned():
             raise ValueError(f"{name}: host staging for CUDA caches must be pinned memory")
         if st.device.type == "cuda" and st.device != device:
             raise ValueError(f"{name}: on {st.device}, expected {device} or pinned host memory")
     if check_indices:
         _check_ids("block_ids", ids, cs)
+        if rows is not None:
+            checks.in_range(rows_name, rows, 0, st.shape[0])

@@ -28,19 +28,39 @@ def stage_offsets(caches: Sequence[torch.Tensor]) -> list[int]:
     return offsets
 
 
-def gather_blocks_ref(caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def gather_blocks_ref(caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor,
+                      out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[out_rows[i]]`` (``out[i]`` when None) = the pages ``block_ids[i]`` of all layers."""
+    rows = out if out_rows is None else torch.empty((block_ids.shape[0], out.shape[1]), dtype=out.dtype)
     for cache, off in zip(caches, stage_offsets(caches)):
-        torch.index_select(page_view(cache), 0, block_ids, out=out[:, off : off + page_nbytes(cache)])
+        torch.index_select(page_view(cache), 0, block_ids, out=rows[:, off : off + page_nbytes(cache)])
+    if out_rows is not None:
+        index_copy_rows(out, out_rows, rows)
     return out
 
 
-def scatter_blocks_ref(staging: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: torch.Tensor) -> None:
+def scatter_blocks_ref(staging: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: torch.Tensor,
+                       staging_rows: torch.Tensor | None = None) -> None:
+    """Page ``block_ids[i]`` of every layer = its part of ``staging[staging_rows[i]]``."""
+    rows = staging if staging_rows is None else staging.index_select(0, staging_rows)
     for cache, off in zip(caches, stage_offsets(caches)):
-        page_view(cache).index_copy_(0, block_ids, staging[:, off : off + page_nbytes(cache)])
+        index_copy_rows(page_view(cache), block_ids, rows[:, off : off + page_nbytes(cache)])
+
+
+def index_copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[index[i]] = src[i]`` for uint8 rows, moved as int64 words when both
+    sides allow it (index_copy_ is several times faster per 8-byte element)."""
+    if _widens(dst) and _widens(src):
+        dst, src = dst.view(torch.int64), src.view(torch.int64)
+    dst.index_copy_(0, index, src)
+
+
+def _widens(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and t.shape[-1] % 8 == 0 and t.storage_offset() % 8 == 0 and t.stride(0) % 8 == 0
 
 
 def copy_blocks_ref(caches: Sequence[torch.Tensor], block_mapping: torch.Tensor) -> None:
     src, dst = block_mapping[:, 0], block_mapping[:, 1]
     for cache in caches:
         pages = page_view(cache)
-        pages.index_copy_(0, dst, pages.index_select(0, src))
+        index_copy_rows(pages, dst, pages.index_select(0, src))

@@ -4,7 +4,7 @@
   is available), each slot tagged with the key whose bytes it holds. The
   executor writes and reads it at the slots the tier policy chose; the tag
   lets it refuse a slot that does not hold the expected block instead of
-  copying wrong bytes.
+  copying wrong bytes. Page-locking: see :class:`HostSlab`.
 * :class:`CPUTier`: a :class:`~tierkv.policy.slot_index.SlotIndex` plus a
   slab, for use on its own (LRU eviction, pins, batched copies).
 
@@ -16,6 +16,8 @@ policy pins every slot a plan uses until the plan completes.)
 from __future__ import annotations
 
 import logging
+import mmap
+import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -54,27 +56,167 @@ def as_rows(data: Any, n: int, block_nbytes: int, what: str, *, writable: bool =
     return arr.reshape(-1).view(np.uint8).reshape(n, block_nbytes)
 
 
-def _pin_wanted(pin_memory: bool | None) -> bool:
+#: The slab is page-locked in registrations of at most this many bytes (a multiple of
+#: _HUGE_PAGE: no registration ends inside a transparent huge page).
+PIN_CHUNK_BYTES = 1 << 30
+_HUGE_PAGE = 2 << 20
+_REGISTER_FLAGS = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+class _PinRuntime:
+    """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's runtime bindings,
+    on the device that was current when the slab was made."""
+
+    def __init__(self, cudart: Any, device: int) -> None:
+        self.cudart, self.device = cudart, device
+
+    def register(self, ptr: int, size: int) -> int:
+        """0, or the CUDA error code."""
+        import torch
+
+        with torch.cuda.device(self.device):
+            return int(self.cudart.cudaHostRegister(ptr, size, _REGISTER_FLAGS))
+
+    def unregister(self, ptr: int) -> None:
+        import torch
+
+        with torch.cuda.device(self.device):
+            self.cudart.cudaHostUnregister(ptr)
+
+    def error_text(self, code: int) -> str:
+        try:
+            return f"{self.cudart.cudaGetErrorString(self.cudart.cudaError(code))} (error {code})"
+        except Exception:
+            return f"CUDA error {code}"
+
+
+def _pin_runtime() -> tuple[_PinRuntime | None, str]:
+    """The runtime to page-lock with and "", or None and the reason there is none."""
     import torch
 
-    cuda = torch.cuda.is_available()
-    if pin_memory and not cuda:
-        log.info("pin_memory=True but CUDA is not available; the CPU slab is not pinned")
-    return cuda and pin_memory is not False
+    if not torch.cuda.is_available():
+        return None, "CUDA is not available"
+    try:
+        return _PinRuntime(torch.cuda.cudart(), torch.cuda.current_device()), ""
+    except Exception as exc:
+        return None, f"torch.cuda.cudart(): {type(exc).__name__}: {exc}"
+
+
+class _HostMapping(mmap.mmap):
+    """Anonymous page-aligned memory whose page-locked chunks are unregistered
+    before it is unmapped (arrays and tensors made from it keep it alive)."""
+
+    runtime: Any = None
+    chunks: tuple[int, ...] = ()
+
+    def __del__(self) -> None:
+        if self.chunks:
+            _unregister(self.runtime, self.chunks)
+            self.chunks = ()
+
+
+def _unregister(runtime: Any, chunks: Sequence[int]) -> None:
+    for ptr in chunks:
+        try:
+            runtime.unregister(ptr)
+        except Exception:  # CUDA already shut down: the process is going away
+            pass
+
+
+def _register(runtime: Any, base: int, nbytes: int) -> tuple[tuple[int, ...], str | None]:
+    """Page-lock ``[base, base + nbytes)`` in chunks of PIN_CHUNK_BYTES, all or nothing:
+    the registered chunk addresses and None, or () and why it failed. Runs on a
+    thread of its own, so that a failure leaves no CUDA error pending on the
+    caller's thread (the runtime keeps the last error per thread, and torch
+    raises it at its next kernel launch)."""
+    result: list[Any] = [(), "the registering thread did not finish"]
+
+    def run() -> None:
+        done: list[int] = []
+        try:
+            for offset in range(0, nbytes, PIN_CHUNK_BYTES):
+                size = min(PIN_CHUNK_BYTES, nbytes - offset)
+                code = runtime.register(base + offset, size)
+                if code != 0:
+                    _unregister(runtime, done)
+                    result[:] = [(), f"cudaHostRegister of {size} bytes at offset {offset}: "
+                                     f"{runtime.error_text(code)}"]
+                    return
+                done.append(base + offset)
+            result[:] = [tuple(done), None]
+        except Exception as exc:
+            _unregister(runtime, done)
+            result[:] = [(), f"{type(exc).__name__}: {exc}"]
+
+    worker = threading.Thread(target=run, name="tierkv-pin-slab", daemon=True)
+    worker.start()
+    worker.join()
+    return result[0], result[1]
+
+
+def _pageable(num_slots: int, block_nbytes: int) -> "torch.Tensor":
+    import torch
+
+    return torch.empty((num_slots, block_nbytes), dtype=torch.uint8)
+
+
+def _slab_memory(num_slots: int, block_nbytes: int, pin_memory: bool | None) -> tuple["torch.Tensor", bool]:
+    """The slab tensor and whether it is page-locked (see :class:`HostSlab`)."""
+    import torch
+
+    if pin_memory is False or (pin_memory is None and not torch.cuda.is_available()):
+        return _pageable(num_slots, block_nbytes), False
+    nbytes = num_slots * block_nbytes
+    runtime, reason = _pin_runtime()
+    if runtime is None:
+        _warn_pageable(nbytes, reason)
+        return _pageable(num_slots, block_nbytes), False
+    mapping = _HostMapping(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)  # fewer pages to lock and to map for the GPU
+        except OSError:
+            pass
+    address = np.frombuffer(mapping, dtype=np.uint8, count=1).ctypes.data
+    array = np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=(-address) % _HUGE_PAGE)
+    chunks, error = _register(runtime, array.ctypes.data, nbytes)
+    if error is not None:
+        _warn_pageable(nbytes, error)
+    else:
+        mapping.runtime, mapping.chunks = runtime, chunks
+    return torch.from_numpy(array).view(num_slots, block_nbytes), error is None
+
+
+def _warn_pageable(nbytes: int, reason: str) -> None:
+    log.warning("CPU tier: could not page-lock the %.1f GiB slab (%s). It stays in pageable memory: "
+                "copies between it and the GPU will be ~10x slower", nbytes / 2**30, reason)
 
 
 class HostSlab:
-    """``num_slots`` blocks of ``block_nbytes`` in one preallocated uint8 tensor."""
+    """``num_slots`` blocks of ``block_nbytes`` in one preallocated uint8 tensor.
+
+    Page-locking (``pin_memory``: None = when CUDA is available, True = asked
+    for, False = never): the slab is anonymous page-aligned memory registered
+    with ``cudaHostRegister`` (portable, mapped) in chunks of
+    :data:`PIN_CHUNK_BYTES` (from a 2 MiB boundary, transparent huge pages
+    advised), unregistered when the memory is freed. Chunks
+    rather than ``torch.empty(pin_memory=True)``: torch's pinned allocator
+    rounds a request up to a power of two (a 40 GiB slab would lock 64 GiB)
+    and locks it in one call. The GPU addresses registered memory through
+    the host pointer, so kernels and ``copy_(non_blocking=True)`` use the
+    slab directly, and ``tensor.is_pinned()`` is true. If any chunk fails
+    (CUDA missing while asked for, the locked-memory limit, out of memory)
+    every chunk is released and the slab stays pageable; one warning says
+    so, and :attr:`pinned` is False. Kernels cannot address a pageable slab
+    (``gather_blocks`` refuses it as staging): its copies go through pinned
+    staging rows instead.
+    """
 
     def __init__(self, num_slots: int, block_nbytes: int, *, pin_memory: bool | None = None) -> None:
-        import torch
-
         _check_positive(num_slots, "num_slots")
         _check_positive(block_nbytes, "block_nbytes")
         self.block_nbytes = block_nbytes
-        self.pinned = _pin_wanted(pin_memory)
-        self.tensor: torch.Tensor = torch.empty((num_slots, block_nbytes), dtype=torch.uint8,
-                                                pin_memory=self.pinned)
+        self.tensor, self.pinned = _slab_memory(num_slots, block_nbytes, pin_memory)
         self.array: np.ndarray = self.tensor.numpy()
         self.keys: list[bytes | None] = [None] * num_slots
 
