@@ -5,7 +5,8 @@
 #                  NVRTC located, a cupy RawKernel smoke test
 #   2. warm        every kernel specialisation compiled in parallel into cupy's disk cache
 #                  (the tests then load them instead of compiling one at a time)
-#   3. gpu tests   pytest -m gpu: every kernel against its reference, the transfer engine
+#   3. gpu tests   pytest -m gpu: every kernel against its reference, the copier (streams,
+#                  kernels, pinned slab, fence), the transfer engine
 #   4. copies      benchmarks/bench_copies_gpu.py: memcpy baseline, store/load through the
 #                  pinned slab, thread-block caps, interference with a matmul loop, bit-exact
 #   5. kernels     benchmarks/bench_kernels_gpu.py: paged attention and gather/scatter figures
@@ -162,7 +163,7 @@ export -f warm
 
 # ---------------------------------------------------------------------- 3. gpu tests
 gpu_tests() {
-  local rc=0 files=(tests/test_kernels_gpu.py tests/test_tiered.py)
+  local rc=0 files=(tests/test_kernels_gpu.py tests/test_copier_gpu.py tests/test_tiered.py)
   if [ "$DRY" = 1 ]; then
     "$PY" -m pytest -q -p no:cacheprovider --collect-only -m gpu "${files[@]}" > "$RESULTS/gpu_tests.log" 2>&1 || rc=$?
     tail -n 3 "$RESULTS/gpu_tests.log"

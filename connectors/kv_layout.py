@@ -13,18 +13,28 @@ When all segments are equally sized, equally spaced views of one buffer (the
 usual case: one allocation, per-layer views), the whole block is moved with a
 single strided ``index_select`` / ``index_copy_``; otherwise one such copy per
 segment. Never a Python loop over blocks.
+
+:class:`LayoutRows` adapts a layout to the executor and the copier: whole
+blocks as host rows, through tierkv's gather/scatter kernels on CUDA (one
+launch per job over every segment, straight into pinned slab slots or
+staging) and through the copies above on the CPU.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from tierkv.executor import host_rows
+from tierkv.transfer import copy_rows
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVLayout", "Segment"]
+__all__ = ["KVLayout", "LayoutRows", "Segment"]
 
 
 @dataclass(frozen=True)
@@ -150,3 +160,67 @@ class KVLayout:
             return
         for view, off in zip(self._views, self._offsets):
             view.index_copy_(0, block_ids, rows[:, off:off + view.shape[1]])
+
+
+class LayoutRows:
+    """vLLM's KV tensors as whole tierkv blocks: :class:`~tierkv.executor.DeviceRows`
+    (synchronous, for the shutdown store) and :class:`~tierkv.copier.CopyRows` (work the
+    copier submits on its streams: tierkv's kernels on CUDA, one launch per job across
+    every layer; row memcpys on the CPU backend)."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        import torch
+
+        self.layout = layout
+        self.block_nbytes = layout.block_nbytes
+        self.cuda = torch.device(layout.device).type == "cuda"
+
+    def _index(self, block_ids: Sequence[int]) -> "torch.Tensor":
+        import torch
+
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.layout.device)
+
+    def read(self, block_ids: Sequence[int]) -> np.ndarray:
+        rows = self.staging(len(block_ids))
+        self.gather(block_ids, rows, range(len(block_ids)))
+        if self.cuda:
+            import torch
+
+            torch.cuda.current_stream(self.layout.device).synchronize()  # a synchronous store (shutdown)
+        return rows
+
+    def write(self, block_ids: Sequence[int], rows: np.ndarray) -> Any:
+        self.scatter(rows, range(len(block_ids)), block_ids)
+        return None
+
+    def gather(self, block_ids: Sequence[int], dst: np.ndarray, dst_rows: Sequence[int]) -> None:
+        import torch
+
+        host = torch.from_numpy(dst)
+        if self.cuda and host.is_pinned():
+            from tierkv.kernels import gather_blocks
+
+            gather_blocks(self.layout.pages, list(block_ids), host, out_rows=list(dst_rows), check_indices=False)
+            return
+        n = len(block_ids)  # the CPU backend, or pageable host memory (HostSlab warned: ~10x slower)
+        rows = torch.empty((n, self.block_nbytes), dtype=torch.uint8, device=self.layout.device)
+        self.layout.gather(self._index(block_ids), rows)
+        copy_rows(rows.cpu().numpy(), range(n), dst, dst_rows)
+
+    def scatter(self, src: np.ndarray, src_rows: Sequence[int], block_ids: Sequence[int]) -> None:
+        import torch
+
+        host = torch.from_numpy(src)
+        if self.cuda and host.is_pinned():
+            from tierkv.kernels import scatter_blocks
+
+            scatter_blocks(host, self.layout.pages, list(block_ids), staging_rows=list(src_rows),
+                           check_indices=False)
+            return
+        n = len(block_ids)
+        rows = np.empty((n, self.block_nbytes), dtype=np.uint8)
+        copy_rows(src, src_rows, rows, range(n))
+        self.layout.scatter(self._index(block_ids), torch.from_numpy(rows).to(self.layout.device))
+
+    def staging(self, n: int) -> np.ndarray:
+        return host_rows(n, self.block_nbytes, pinned=self.cuda)

@@ -43,12 +43,11 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from tierkv.config import TierKVConfig
 from tierkv.copier import Copier
-from tierkv.executor import Executor, host_rows
+from tierkv.executor import Executor
 from tierkv.policy import SHUTDOWN, LoadPlan, StorePlan
 from tierkv.policy.manager import select_for_shutdown
 from tierkv.tiers.host import HostSlab
@@ -57,9 +56,8 @@ from tierkv.identity import Fingerprint
 from tierkv.tiers.ssd import SSDTier
 from tierkv.tiers.ssd.tier import read_keys
 from tierkv.streams import Event, streams_for
-from tierkv.transfer import copy_rows
 
-from tierkv.connectors.kv_layout import KVLayout
+from tierkv.connectors.kv_layout import KVLayout, LayoutRows
 from tierkv.connectors.vllm_common import (
     Rank,
     ResidentDelta,
@@ -76,7 +74,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["TierKVWorker", "LayoutRows", "open_ssd_tier", "read_ssd_keys"]
+__all__ = ["TierKVWorker", "open_ssd_tier", "read_ssd_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -148,59 +146,6 @@ def _this_rank(vllm_config: "VllmConfig") -> Rank:
     except Exception:  # not initialised (a single process without parallel groups)
         tp, pp = 0, 0
     return Rank(tp, pp, first.dp, first.tp_size, first.pp_size)
-
-
-class LayoutRows:
-    """vLLM's KV tensors as whole tierkv blocks: :class:`~tierkv.executor.DeviceRows`
-    (synchronous, for the shutdown store) and :class:`~tierkv.copier.CopyRows` (work the
-    copier submits on its streams: tierkv's kernels on CUDA, one launch per job across
-    every layer; row memcpys on the CPU backend)."""
-
-    def __init__(self, layout: KVLayout) -> None:
-        self.layout = layout
-        self.block_nbytes = layout.block_nbytes
-        self.cuda = torch.device(layout.device).type == "cuda"
-
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(block_ids), dtype=torch.long, device=self.layout.device)
-
-    def read(self, block_ids: Sequence[int]) -> np.ndarray:
-        rows = self.staging(len(block_ids))
-        self.gather(block_ids, rows, range(len(block_ids)))
-        if self.cuda:
-            torch.cuda.current_stream(self.layout.device).synchronize()  # shutdown only
-        return rows
-
-    def write(self, block_ids: Sequence[int], rows: np.ndarray) -> Any:
-        self.scatter(rows, range(len(block_ids)), block_ids)
-        return None
-
-    def gather(self, block_ids: Sequence[int], dst: np.ndarray, dst_rows: Sequence[int]) -> None:
-        if self.cuda:
-            from tierkv.kernels import gather_blocks
-
-            gather_blocks(self.layout.pages, list(block_ids), torch.from_numpy(dst),
-                          out_rows=list(dst_rows), check_indices=False)
-            return
-        n = len(block_ids)
-        rows = torch.empty((n, self.block_nbytes), dtype=torch.uint8)
-        self.layout.gather(self._index(block_ids), rows)
-        copy_rows(rows.numpy(), range(n), dst, dst_rows)
-
-    def scatter(self, src: np.ndarray, src_rows: Sequence[int], block_ids: Sequence[int]) -> None:
-        if self.cuda:
-            from tierkv.kernels import scatter_blocks
-
-            scatter_blocks(torch.from_numpy(src), self.layout.pages, list(block_ids),
-                           staging_rows=list(src_rows), check_indices=False)
-            return
-        n = len(block_ids)
-        rows = np.empty((n, self.block_nbytes), dtype=np.uint8)
-        copy_rows(src, src_rows, rows, range(n))
-        self.layout.scatter(self._index(block_ids), torch.from_numpy(rows))
-
-    def staging(self, n: int) -> np.ndarray:
-        return host_rows(n, self.block_nbytes, pinned=self.cuda)
 
 
 class TierKVWorker:

@@ -1,0 +1,101 @@
+"""The copier on a real GPU: CUDA streams and events, tierkv's gather/scatter kernels,
+the page-locked slab, a real SSD tier (needs a GPU and cupy; run by
+benchmarks/gpu_check.sh). The same ordering rules are checked without a GPU by
+tests/test_copier_state.py on a fake device."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: GPU copier tests skipped", allow_module_level=True)
+pytest.importorskip("cupy")
+
+from tierkv.connectors.kv_layout import KVLayout, LayoutRows  # noqa: E402
+from tierkv.copier import Copier  # noqa: E402
+from tierkv.executor import Executor  # noqa: E402
+from tierkv.policy import COMPUTED, LoadPlan, StorePlan  # noqa: E402
+from tierkv.streams import CudaStreams  # noqa: E402
+from tierkv.tiers.host import HostSlab  # noqa: E402
+from tierkv.tiers.ssd import SSDTier  # noqa: E402
+
+NUM_BLOCKS = 16
+LAYERS = 4
+
+
+def _engine(tmp_path):
+    # vLLM's flash-attention layout per layer: [2, num_blocks, block_size, kv_heads, head_size]
+    kv = {f"layer.{i}": torch.randn(2, NUM_BLOCKS, 16, 4, 64, device="cuda", dtype=torch.float16)
+          for i in range(LAYERS)}
+    layout = KVLayout(kv, NUM_BLOCKS)
+    rows = LayoutRows(layout)
+    slab = HostSlab(6, layout.block_nbytes, pin_memory=True)
+    assert slab.pinned
+    ssd = SSDTier(tmp_path / "ssd", capacity_bytes=64 * 1024**2, block_nbytes=layout.block_nbytes)
+    copier = Copier(Executor(rows, slab, ssd), rows, CudaStreams(torch.device("cuda")))
+    return kv, layout, slab, ssd, copier
+
+
+def _bytes_of(layout: KVLayout, block_ids: list[int]) -> np.ndarray:
+    out = torch.empty((len(block_ids), layout.block_nbytes), dtype=torch.uint8, device="cuda")
+    layout.gather(torch.tensor(block_ids, device="cuda"), out)
+    return out.cpu().numpy()
+
+
+def _until(pred, what: str, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.001)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_store_then_load_round_trips_bit_exact(tmp_path) -> None:
+    kv, layout, slab, ssd, copier = _engine(tmp_path)
+    keys = [bytes([9, i]) * 16 for i in range(6)]
+    src = [1, 3, 4, 7, 9, 12]
+    expected = _bytes_of(layout, src)
+    # four into the slab (two of them also to SSD), two only to SSD (through staging)
+    plan = StorePlan(1, COMPUTED, src, keys, [0, 1, 2, 3, -1, -1], [False, True, False, True, True, True])
+    copier.store(plan, copier.streams.current().record())
+    done = _until(lambda: copier.poll().stored, "the store")
+    assert done == [1]
+    for slot in range(4):
+        assert np.array_equal(slab.array[slot], expected[slot])
+    assert ssd.flush()
+    for k in list(kv.values()):
+        k.zero_()
+    dst = [0, 2, 5, 6, 8, 10]
+    load = LoadPlan(2, "r", dst, keys, [0, 1, 2, 3, -1, -1], [False, False, False, False, True, True],
+                    [-1, -1, -1, -1, 4, 5])
+    copier.load(load)
+    result = _until(lambda: copier.poll().loads.get("r"), "the load")
+    assert result.loaded == 6 and result.lost == []
+    assert np.array_equal(_bytes_of(layout, dst), expected)
+    assert np.array_equal(slab.array[4], expected[4]) and np.array_equal(slab.array[5], expected[5])
+    copier.close()
+    ssd.close()
+
+
+def test_the_fence_keeps_a_reused_block_until_its_gather_ran(tmp_path) -> None:
+    """A block handed out again and rewritten by the compute stream right after its store
+    was queued: the slab gets the bytes it had when the store was queued."""
+    kv, layout, slab, ssd, copier = _engine(tmp_path)
+    expected = _bytes_of(layout, [5])
+    plan = StorePlan(1, COMPUTED, [5], [b"k" * 32], [0], [False])
+    copier.store_stream.submit(lambda: torch.cuda._sleep(200_000_000))  # ~0.1 s: the gather waits behind it
+    copier.store(plan, copier.streams.current().record())
+    copier.fence([5])
+    for k in kv.values():
+        k[:, 5].fill_(7.0)  # the next forward rewrites block 5 on the compute stream
+    _until(lambda: 1 in copier.poll().stored, "the store")
+    assert np.array_equal(slab.array[0], expected[0])
+    copier.close()
+    ssd.close()
