@@ -14,9 +14,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tierkv.connectors.vllm_common import TierKVMetadata, load_config
+from tierkv.connectors.vllm_metrics import (
+    CounterDeltas,
+    TierKVPromMetrics,
+    TierKVStats,
+    scheduler_sample,
+    worker_sample,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.block_pool import BlockPool
@@ -48,6 +56,7 @@ class TierKVConnector(KVConnectorBase_V1):
         cfg = load_config(self._kv_transfer_config.kv_connector_extra_config)
         self._scheduler: TierKVScheduler | None = None
         self._worker: TierKVWorker | None = None
+        self._deltas = CounterDeltas()  # this half's counters at its last stats report
         if role == KVConnectorRole.SCHEDULER:
             from tierkv.connectors.vllm_scheduler import TierKVScheduler
 
@@ -145,3 +154,22 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool:
         return self.scheduler.reset_cache()
+
+    # ------------------------------------------------------------------ stats (both sides, see vllm_metrics)
+
+    def get_kv_connector_stats(self) -> TierKVStats | None:
+        """What this half counted since its last report; None when nothing changed."""
+        if self._worker is not None:
+            return self._deltas.take(worker_sample(self._worker.counters()))
+        return self._deltas.take(*scheduler_sample(self.scheduler.stats()))
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierKVStats:
+        return TierKVStats.from_payload(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig",
+                           metric_types: dict[type["PromMetric"], type["PromMetricT"]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> TierKVPromMetrics:
+        return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
