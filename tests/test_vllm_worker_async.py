@@ -93,9 +93,11 @@ def test_wait_for_save_returns_before_the_device_copies(model: str, tmp_path: Pa
 
 
 def test_a_slow_disk_never_slows_the_step(model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU backend (copies run when submitted) over a disk whose every put takes 0.3 s:
-    ``wait_for_save`` returns at once; the store completes later, in the background."""
+    """A device build (the fake device, with the copier's real I/O thread) over a disk whose
+    every put takes 0.3 s: ``wait_for_save`` returns at once; the store completes later,
+    in the background, with the bytes the forward wrote."""
     from tierkv.connectors.vllm_common import TierKVMetadata
+    from tierkv.copier import Copier
     from tierkv.tiers.ssd import SSDTier
 
     put = SSDTier.put
@@ -107,7 +109,12 @@ def test_a_slow_disk_never_slows_the_step(model: str, tmp_path: Path, monkeypatc
     monkeypatch.setattr(SSDTier, "put", slow_put)
     worker = _worker(model, tmp_path)
     try:
+        dev = FakeDevice(7, NUM_BLOCKS, worker.block_nbytes, max_advance=1)
+        worker.copier.close()
+        worker.copier = Copier(worker.executor, FakeRows(dev), dev)  # its own I/O thread
         keys = _keys(3)
+        for b, k in zip((1, 2, 3), keys):
+            dev.write(b, pattern(k, worker.block_nbytes))
         meta = TierKVMetadata(stores=[_plan(1, [1, 2, 3], keys, [0, 1, 2])], reused=[])
         worker.before_forward(meta)
         t0 = time.perf_counter()
@@ -117,13 +124,16 @@ def test_a_slow_disk_never_slows_the_step(model: str, tmp_path: Path, monkeypatc
         assert step < 0.3, f"wait_for_save took {step:.3f} s behind a 0.9 s disk"
         assert first is None or not first.stored  # the puts are still running
         deadline = time.monotonic() + 10
-        stored = {}
+        stored: dict = {}
         while time.monotonic() < deadline and not stored:
             report = worker.build_connector_worker_meta()
             stored = dict(report.stored) if report is not None else {}
             time.sleep(0.05)
         assert stored == {1: 1}
         assert worker.ssd.flush() and sorted(worker.ssd.keys()) == sorted(keys)
+        out = [np.empty(worker.block_nbytes, np.uint8) for _ in keys]
+        assert worker.ssd.get_into(keys, out) == [True] * 3
+        assert all(np.array_equal(o, pattern(k, worker.block_nbytes)) for o, k in zip(out, keys))
     finally:
         worker.shutdown()
 

@@ -33,7 +33,10 @@ removes it and watches bytes go wrong):
    is submitted only once that finished).
 4. Every SSD operation (deletions, spills, puts, reads) runs on one I/O
    thread in the order the policy planned them. A spill copies its slot when
-   it is planned (the slot may be rewritten by the next gather).
+   it is planned (the slot may be rewritten by the next gather). With inline
+   streams (the CPU backend, where the forward and the copies share the
+   cores) changes run at once when nothing is queued before them: the SSD
+   tier's ``put`` only queues the block for its writer.
 5. Admission: blocks bound only for the SSD tier and spills hold host
    staging until their puts are queued; past ``staging_bytes`` in flight
    they are dropped (counted as ``stores_dropped``, reported lost), never
@@ -57,7 +60,7 @@ import numpy as np
 
 from tierkv.executor import Executor, LoadResult, Lost
 from tierkv.policy.plans import LoadPlan, StorePlan
-from tierkv.streams import Event, Stream, Streams
+from tierkv.streams import Event, InlineStreams, Stream, Streams
 
 __all__ = ["CopyRows", "Copier", "Finished"]
 
@@ -130,7 +133,9 @@ class Copier:
         self._staged = 0
         # one thread: SSD work runs in plan order (tests pass a fake that runs it in a seeded order)
         self._io = io if io is not None else ThreadPoolExecutor(1, thread_name_prefix="tierkv-io")
-        self._last_io: Future[Any] | None = None
+        self._last_io: Future[Any] | None = None  # the I/O thread's latest job
+        self._last_change: Future[Any] | None = None  # ... and its latest change of the SSD tier
+        self._inline = isinstance(streams, InlineStreams)
         self._stores: list[_Store] = []
         self._loads: list[_Load] = []
         self._reading: dict[int, Event] = {}        # device block -> gather still reading it
@@ -141,9 +146,23 @@ class Copier:
 
     # ------------------------------------------------------------------ SSD work, in plan order
 
-    def _io_submit(self, fn: Callable[..., Any], *args: Any) -> "Future[Any]":
+    def _io_submit(self, fn: Callable[..., Any], *args: Any, changes: bool = True) -> "Future[Any]":
+        """Run SSD work after the work queued before it. ``changes`` (puts, deletions,
+        touches) runs at once when the device copies it depends on run when submitted
+        (the CPU backend: the tier's ``put`` only queues; plans then take effect in the
+        step that made them, as they did before copies could be asynchronous). Reads of
+        the SSD tier always go to the I/O thread: they wait on the disk."""
+        if changes and self._inline and (self._last_change is None or self._last_change.done()):
+            fut: Future[Any] = Future()
+            try:
+                fut.set_result(fn(*args))
+            except Exception as exc:  # reported where the result is read, as from the thread
+                fut.set_exception(exc)
+            return fut
         fut = self._io.submit(fn, *args)
         self._last_io = fut
+        if changes:
+            self._last_change = fut
         return fut
 
     def evict(self, spills: Sequence[tuple[int, bytes]], ssd_evictions: Sequence[bytes]) -> None:
@@ -266,7 +285,7 @@ class Copier:
         self.ex.count("load_failures_cpu", len(lost))
         io = None
         if any(f and s < 0 for f, s in zip(plan.from_ssd, plan.cpu_slots)):
-            io = self._io_submit(self.ex.read_ssd, plan, staging, ok)
+            io = self._io_submit(self.ex.read_ssd, plan, staging, ok, changes=False)
             for slot, key in zip(plan.promote_slots, plan.keys):
                 if slot >= 0 and slab is not None:
                     slab.keys[slot] = key  # later loads of it wait for ``io`` and check again (rule 3)
