@@ -331,7 +331,7 @@ class TierKVWorker:
                     out[name] = value
         ssd = self.ssd
         if ssd is not None:
-            out["corrupt_blocks"] = ssd.stats().get("corrupt_deleted", 0)
+            out["corrupt_blocks"] = ssd.counts().get("corrupt_deleted", 0)
         return out
 
     def stats(self) -> dict[str, Any]:

@@ -287,6 +287,10 @@ class SSDTier:
 
     # ================================================================== lifecycle
 
+    def counts(self) -> dict[str, int]:
+        """The counters since open (no file or index access: cheap enough for every step)."""
+        return self._health.snapshot()
+
     def stats(self) -> dict[str, Any]:
         """Counters since open, plus the environment's current size."""
         out: dict[str, Any] = self._health.snapshot()
