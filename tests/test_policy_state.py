@@ -50,6 +50,8 @@ import pytest
 from tierkv.policy import (
     COMPUTED, EVENT_KINDS, LOWER_TIERS, SHUTDOWN, STORE_REASONS, LoadPlan, PolicySpec, StorePlan, TierPolicy,
 )
+from tierkv.policy import holdings
+from tierkv.policy.compact_index import CompactIndex
 
 from policy_sim import TOMBSTONE_PREFIX, SimExecutor
 
@@ -387,6 +389,7 @@ class PolicyMachine(RuleBasedStateMachine):
     ADMISSION = "on_compute"
     PROMOTION = "inclusive"
     WRITE_THROUGH = True
+    COMPACT_SSD = False  # the SSD tier indexed by a CompactIndex (as on large disks)
 
     def __init__(self) -> None:
         super().__init__()
@@ -399,7 +402,14 @@ class PolicyMachine(RuleBasedStateMachine):
     def setup(self, cpu: int, ssd: int, seed: list[bytes], reseed: list[bytes]) -> None:
         spec = PolicySpec(cpu_slots=cpu, ssd_slots=ssd, admission=self.ADMISSION, promotion=self.PROMOTION,
                           write_through=self.WRITE_THROUGH, pageout_blocks=1 if self.ADMISSION == "on_evict" else 0)
-        self.policy = TierPolicy(spec, clock=lambda: self.now, record_events=True)
+        compact_above = holdings.COMPACT_ABOVE
+        holdings.COMPACT_ABOVE = 0 if self.COMPACT_SSD else compact_above  # which SSD index the policy builds
+        try:
+            self.policy = TierPolicy(spec, clock=lambda: self.now, record_events=True)
+        finally:
+            holdings.COMPACT_ABOVE = compact_above
+        if ssd:
+            assert isinstance(self.policy.ssd, CompactIndex) == self.COMPACT_SSD
         self.ref = RefPolicy(spec)
         assert [self.policy.admits(r) for r in STORE_REASONS] == [r in ADMITTED[self.ADMISSION]
                                                                    for r in STORE_REASONS]
@@ -603,10 +613,11 @@ SETTINGS = settings(max_examples=300, stateful_step_count=50, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
-def _case(admission: str, promotion: str, write_through: bool) -> type:
+def _case(admission: str, promotion: str, write_through: bool, compact: bool = False) -> type:
     """The machine's TestCase for one mode (one pytest test per mode)."""
     machine = type(f"PolicyMachine_{admission}_{promotion}_{'wt' if write_through else 'nowt'}", (PolicyMachine,),
-                   {"ADMISSION": admission, "PROMOTION": promotion, "WRITE_THROUGH": write_through})
+                   {"ADMISSION": admission, "PROMOTION": promotion, "WRITE_THROUGH": write_through,
+                    "COMPACT_SSD": compact})
     case = machine.TestCase
     case.settings = SETTINGS
     return case
@@ -615,6 +626,9 @@ def _case(admission: str, promotion: str, write_through: bool) -> type:
 for _mode in MODES:
     globals()[f"Test_{_mode[0]}_{_mode[1]}_{'wt' if _mode[2] else 'nowt'}"] = _case(*_mode)
 del _mode
+# The SSD tier's flat-array index (what large disks get), in the two modes that use the SSD most.
+Test_compact_ssd_on_compute = _case("on_compute", "inclusive", False, compact=True)
+Test_compact_ssd_on_evict = _case("on_evict", "exclusive", False, compact=True)
 
 
 def test_every_valid_mode_has_a_machine() -> None:
