@@ -298,6 +298,8 @@ class CompactIndex:
     def allocate_many(self, keys: Sequence[bytes], *, pin: bool = False
                       ) -> tuple[list[int | None], list[tuple[bytes, int]]]:
         check_keys(keys)
+        if self._can_fill(keys, pin):
+            return self._fill(keys), []
         slots: list[int | None] = []
         evicted: list[tuple[bytes, int]] = []
         placed = 0  # keys of this call at the LRU list's end, never evicted for a later one
@@ -328,6 +330,34 @@ class CompactIndex:
         if pin:
             self.pin_many([k for k, s in zip(keys, slots) if s is not None])
         return slots, evicted
+
+    def _can_fill(self, keys: Sequence[bytes], pin: bool) -> bool:
+        """Is this the first placement of distinct same-length keys that fit (a start-up seed)?"""
+        return (not pin and not len(self) and self._unused == 0 and 0 < len(keys) <= self.num_slots
+                and len({len(k) for k in keys}) == 1 and len(set(keys)) == len(keys))
+
+    def _fill(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Place ``keys`` in an empty index in slots 0..n-1, least recently used first, in
+        bulk (the per-slot arrays built whole, one probe loop for the table)."""
+        n, w = len(keys), len(keys[0])
+        self.width = w
+        self._keys = bytearray(b"".join(keys))
+        self._prev = array("i", range(-1, n - 1))
+        self._next = array("i", range(1, n + 1))
+        self._next[n - 1] = _NIL
+        self._head, self._tail, self._lru_len, self._unused = 0, n - 1, n, n
+        size = 16
+        while size < 2 * n:
+            size *= 2
+        table = array("i", bytes(4 * size))
+        mask = size - 1
+        for cell, key in enumerate(keys, 1):
+            i = hash(key) & mask
+            while table[i]:
+                i = (i + 1) & mask
+            table[i] = cell
+        self._table, self._count = table, n
+        return list(range(n))
 
     def allocate_absent(self, keys: Sequence[bytes], *, pin: bool = False
                         ) -> tuple[list[int | None], list[tuple[bytes, int]]]:

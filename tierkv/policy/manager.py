@@ -144,7 +144,9 @@ class TierPolicy:
         """
         if self.ssd is None:
             return list(keys_lru_first)
-        keys = [k for k in dict.fromkeys(keys_lru_first) if k not in self._ssd]
+        keys = list(dict.fromkeys(keys_lru_first))
+        if len(self.ssd):  # (at start-up it is empty: a million keys need not be looked up)
+            keys = [k for k in keys if k not in self._ssd]
         keep = keys[max(0, len(keys) - self.ssd.num_slots):]
         _, evicted = self.ssd.allocate_many(keep)
         return keys[:len(keys) - len(keep)] + [k for k, _ in evicted]

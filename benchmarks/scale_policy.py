@@ -1,0 +1,80 @@
+"""The tier policy's memory per SSD block, and its start-up with a full SSD tier.
+
+* bytes per block: a policy whose SSD tier holds ``n`` blocks (the plugin's
+  scheduler half holds one such policy), measured with ``tracemalloc`` after
+  seeding, for the flat-array index large disks get (``CompactIndex``) and the
+  dict-based one (``SlotIndex``) side by side; the keys themselves (32-byte
+  ``bytes`` the caller owns) are not counted;
+* seeding: ``TierPolicy.seed_ssd`` of ``n`` keys (what the scheduler half does
+  at start-up with the keys every rank's tier holds), seconds.
+
+    .venv/bin/python benchmarks/scale_policy.py [--blocks 100000 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import time
+import tracemalloc
+
+from tierkv.policy import PolicySpec, TierPolicy
+from tierkv.policy import holdings
+
+
+def _keys(n: int) -> list[bytes]:
+    return [hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(n)]
+
+
+def _policy(n: int, compact: bool) -> TierPolicy:
+    saved = holdings.COMPACT_ABOVE
+    holdings.COMPACT_ABOVE = 0 if compact else 1 << 62
+    try:
+        return TierPolicy(PolicySpec(cpu_slots=1024, ssd_slots=n))
+    finally:
+        holdings.COMPACT_ABOVE = saved
+
+
+def policy_memory(blocks: tuple[int, ...] = (100_000, 1_000_000)) -> list[dict]:
+    """Bytes per held SSD block and seeding seconds, per index kind and size."""
+    out = []
+    for n in blocks:
+        keys = _keys(n)
+        for compact in (True, False):
+            gc.collect()
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            policy = _policy(n, compact)
+            t0 = time.perf_counter()
+            dropped = policy.seed_ssd(keys)
+            seconds = time.perf_counter() - t0
+            held = tracemalloc.get_traced_memory()[0] - base
+            tracemalloc.stop()
+            assert not dropped and policy.occupancy()["ssd"] == n
+            t0 = time.perf_counter()
+            policy = _policy(n, compact)
+            policy.seed_ssd(keys)  # untraced: tracemalloc slows every allocation
+            plain = time.perf_counter() - t0
+            out.append({"blocks": n, "index": "CompactIndex" if compact else "SlotIndex",
+                        "bytes_per_block": held / n, "seed_seconds": plain, "seed_seconds_traced": seconds})
+            del policy
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| SSD blocks held | index | bytes per block | seed_ssd seconds |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['blocks']:,} | {r['index']} | {r['bytes_per_block']:.1f} | {r['seed_seconds']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[100_000, 1_000_000])
+    args = ap.parse_args()
+    print(table(policy_memory(tuple(args.blocks))))
+
+
+if __name__ == "__main__":
+    main()
