@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["load_config", "vllm_fingerprint", "policy_spec", "block_nbytes_of", "num_workers", "Rank",
+__all__ = ["load_config", "vllm_fingerprint", "policy_spec", "check_index_memory", "block_nbytes_of", "num_workers", "Rank",
            "engine_ranks", "ssd_root", "ResidentDelta",
            "ResidentMap", "TierKVMetadata", "TierKVWorkerMetadata"]
 
@@ -110,6 +110,32 @@ def _variant(mc: Any) -> str:
                 else f"{getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', repr(overrides))}")
         parts.append(f"hf_overrides={text}")
     return ";".join(parts)
+
+
+def check_index_memory(spec: PolicySpec, block_nbytes: int, total_bytes: int | None = None) -> None:
+    """Refuse an SSD tier whose index would not fit the scheduler's machine once full
+    (more than half its memory): a clear error at start-up, not an out-of-memory kill
+    days later. ``total_bytes``: the machine's memory (read from /proc/meminfo)."""
+    from tierkv.policy.holdings import index_bytes
+
+    need = index_bytes(spec.ssd_slots)
+    total = total_bytes if total_bytes is not None else _memory_total()
+    if total and need > total // 2:
+        raise ConfigError(
+            f"ssd.capacity: {spec.ssd_slots:,} blocks of {block_nbytes:,} bytes; indexing them takes "
+            f"~{need / 2**30:.1f} GiB of the scheduler's memory, more than half of this machine's "
+            f"{total / 2**30:.1f} GiB: use a smaller ssd.capacity or larger blocks (--block-size)")
+
+
+def _memory_total() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def policy_spec(cfg: TierKVConfig, kv_cache_config: "KVCacheConfig") -> PolicySpec:

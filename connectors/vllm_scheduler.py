@@ -47,6 +47,7 @@ from tierkv.connectors.vllm_common import (
     TierKVMetadata,
     TierKVWorkerMetadata,
     block_nbytes_of,
+    check_index_memory,
     engine_ranks,
     num_workers,
     policy_spec,
@@ -143,7 +144,9 @@ class TierKVScheduler:
         self.hasher = BlockHasher(self.block_size, cfg.hash, self.fingerprint.namespace())
         self.block_nbytes = block_nbytes_of(kv_cache_config)
         self.lifecycle = {t: Lifecycle() for t in ("cpu", "ssd")}
-        self.policy = TierPolicy(policy_spec(cfg, kv_cache_config), observers=[LifecycleRecorder(self.lifecycle)])
+        spec = policy_spec(cfg, kv_cache_config)
+        check_index_memory(spec, self.block_nbytes)
+        self.policy = TierPolicy(spec, observers=[LifecycleRecorder(self.lifecycle)])
         self.num_workers = num_workers(vllm_config)
         self._reqs: dict[str, _Req] = {}
         self._matched: dict[str, tuple[int, int]] = {}     # req -> (first block, blocks below) of the last answer

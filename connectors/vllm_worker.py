@@ -129,6 +129,8 @@ def read_ssd_keys(cfg: TierKVConfig, fingerprint: Fingerprint, ranks: Sequence[R
         log.warning("tierkv: cannot read the SSD tiers under %s (%s); starting with none of "
                     "their blocks", root, exc)
         return [], []
+    if len(per_rank) == 1:
+        return per_rank[0], []
     common = set(per_rank[0]).intersection(*per_rank[1:])
     whole = [k for k in per_rank[0] if k in common]
     partial = list(dict.fromkeys(k for keys in per_rank for k in keys if k not in common))

@@ -121,3 +121,18 @@ def test_no_evicted_block_is_offered_and_memory_stays_flat(model: str, tmp_path:
     finally:
         worker.worker.shutdown()
         h.close()
+
+
+def test_an_ssd_tier_too_large_to_index_stops_start_up_naming_it(model: str, tmp_path: Path) -> None:
+    """A capacity whose index would take more than half the machine's memory once full is a
+    clear error when the scheduler starts, not an out-of-memory kill once the disk fills."""
+    from tierkv.connectors.vllm_common import check_index_memory
+    from tierkv.errors import ConfigError
+    from tierkv.policy import PolicySpec
+
+    check_index_memory(PolicySpec(ssd_slots=10_000_000), 65536, total_bytes=16 * 2**30)  # ~0.5 GiB: fine
+    with pytest.raises(ConfigError, match=r"ssd.capacity: 200,000,000 blocks of 65,536 bytes.*GiB"):
+        check_index_memory(PolicySpec(ssd_slots=200_000_000), 65536, total_bytes=16 * 2**30)
+    extra = {"cpu.capacity": 0, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": "64PiB"}
+    with pytest.raises(ConfigError, match="ssd.capacity"):
+        SchedulerHarness(model, block_size=BLOCK, num_gpu_blocks=GPU_BLOCKS, kv_connector_extra_config=extra)

@@ -20,7 +20,7 @@ from typing import Container, Iterable
 from tierkv.policy.compact_index import CompactIndex
 from tierkv.policy.slot_index import SlotIndex
 
-__all__ = ["Holdings", "TOMBSTONE_PREFIX", "COMPACT_ABOVE", "ssd_index"]
+__all__ = ["Holdings", "TOMBSTONE_PREFIX", "COMPACT_ABOVE", "ssd_index", "index_bytes"]
 
 TOMBSTONE_PREFIX = b"\x00tierkv-tombstone:"  # + a counter: the key a forgotten pinned entry takes
 
@@ -35,6 +35,15 @@ def ssd_index(num_slots: int) -> SlotIndex | CompactIndex:
     below :data:`COMPACT_ABOVE` slots (at most ~170 MB either way) the dict-based index is
     kept for its speed (lookups are ~2x faster: ``tierkv bench`` replays millions)."""
     return CompactIndex(num_slots) if num_slots > COMPACT_ABOVE else SlotIndex(num_slots)
+
+
+def index_bytes(ssd_slots: int, key_len: int = 32) -> int:
+    """What the SSD tier's index costs in memory once the tier is full (an upper estimate:
+    the key, the LRU links, the hash table at its fullest; measured ~49 bytes for 32-byte
+    keys), for the driver to check against the machine before it starts."""
+    if ssd_slots <= COMPACT_ABOVE:
+        return ssd_slots * (key_len + 140)
+    return ssd_slots * (key_len + 20)
 
 
 class Holdings:
