@@ -530,14 +530,14 @@ def test_two_heads_on_one_extent_keep_one(tmp):
     """Two owners with equal free-space maps leave two heads on the same pages; recovery
     used to keep both, and deleting the one that does not verify freed pages the other
     still used."""
-    from tierkv.tiers.ssd.recovery import _survey
     from tierkv.tiers.ssd.record import Codec, Encoded, NS_LEN
+    from tierkv.tiers.ssd.survey import survey
 
     codec = Codec("none", 1)
     heads = []
     for i, key in enumerate((b"a" * (NS_LEN + 32), b"b" * (NS_LEN + 32))):
         e = Encoded(key, block(i, 16384), codec)
         e.header = e.header.at_page(10)
-        heads.append((key, e.header.pack() if hasattr(e.header, "pack") else e.head()))
-    good, bad = _survey(heads, 1 << 30)
-    assert len(good) == 1 and len(bad) == 1
+        heads.append((key, e.head(0)))
+    found = survey([key for key, _ in heads], [head for _, head in heads], 1 << 30)
+    assert found.records == 1 and found.bad == [b"b" * (NS_LEN + 32)]

@@ -48,13 +48,17 @@ def test_queue_refuses_past_its_capacity_and_ignores_a_second_put():
     assert q.queued_bytes == 0 and not q.has_put(k(0))
 
 
-def test_queue_recycles_buffers_for_copies():
-    q = WriteQueue(capacity_bytes=10_000, batch_bytes=10_000, lost=LostKeys(NS))
-    first = q.copy_in(np.arange(1000, dtype=np.uint8))
-    assert q.put(k(0), first)
-    q.finish(q.next_work(0, 0))
-    again = q.copy_in(np.full(1000, 7, dtype=np.uint8))
-    assert again is first and bytes(again) == bytes([7]) * 1000
+@pytest.mark.parametrize("size", [1000, 300_000])  # copied holding the GIL, and not
+def test_queue_recycles_buffers_for_copies(size):
+    q = WriteQueue(capacity_bytes=1_000_000, batch_bytes=1_000_000, lost=LostKeys(NS))
+    assert q.put(k(0), np.arange(size, dtype=np.uint16).view(np.uint8)[:size])
+    work = q.next_work(0, 0)
+    first = work.batch[0].raw
+    assert bytes(first) == np.arange(size, dtype=np.uint16).view(np.uint8)[:size].tobytes()
+    q.finish(work)
+    assert q.put(k(1), np.full(size, 7, dtype=np.uint8))
+    again = q.next_work(0, 0).batch[0].raw
+    assert again is first and bytes(again) == bytes([7]) * size
 
 
 def test_queue_batches_stop_at_batch_bytes_and_carry_the_flush_ticket():

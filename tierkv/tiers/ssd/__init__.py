@@ -12,14 +12,20 @@ Two files under the tier's directory:
 A record becomes visible when its head is committed, after its body was
 written. Pages of a deleted or evicted record are reused only once the
 deletion is synced and no read that could still hold the old head is running
-(:mod:`.reclaim`). At every open (:mod:`.recovery`) the environment is
-verified in a child process and the free-space map rebuilt from the heads.
-Fingerprints get separate namespaces (a 16-byte key prefix); blocks of
-another fingerprint are never visible and age out through the shared LRU.
+(:mod:`.reclaim`). A clean close saves a snapshot (:mod:`.snapshot`): a digest
+of the closed index and the free-space map; an open that finds ``data.mdb``
+exactly as the snapshot describes takes it as is. Otherwise (an unclean
+shutdown, damage) the tier recovers (:mod:`.recovery`): the environment is
+walked in a child process (:mod:`.walk`), which surveys every head
+(:mod:`.survey`) to rebuild the free-space map; a large index recovers in the
+background while the tier serves misses. Fingerprints get separate namespaces
+(a 16-byte key prefix); blocks of another fingerprint are never visible and
+age out through the shared LRU.
 
 Writes are asynchronous: ``put`` copies a block into a bounded queue
 (:mod:`.writequeue`) and returns; one writer thread (:mod:`.writer`) encodes,
-evicts and commits many blocks per transaction, then syncs both files. Reads
+evicts and commits many blocks per transaction (their pages in one write,
+their index entries in one call each), then syncs both files. Reads
 (:mod:`.reader`) verify the header and an ``xxh3_64`` checksum; a record that
 does not verify is deleted and reported as a miss. Failures of the
 environment degrade the tier to misses and dropped puts, logged once; they

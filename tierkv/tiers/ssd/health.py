@@ -12,9 +12,10 @@ Shared by every thread of a tier:
   is logged twice.
 * ``pid`` is the opening process: a tier used after ``fork()`` reports itself
   unusable in the child and never touches the environment there.
-* Calls that touch the open files from other threads run inside
-  :meth:`Health.using` (a count guarded by the lock): :meth:`Health.quiesce`,
-  at close, marks the tier closed and waits for them before the files close.
+* Calls that touch the open files from other threads run between
+  :meth:`Health.enter` and :meth:`Health.leave` (or inside :meth:`Health.using`;
+  a count guarded by the lock): :meth:`Health.quiesce`, at close, marks the
+  tier closed and waits for them before the files close.
 * ``failures`` (blocks accepted, then dropped by a write error or for want of
   room, and failed syncs) and ``last_error`` are guarded by the lock.
 """
@@ -105,22 +106,34 @@ class Health:
             return False
         return self.broken is None and not self.closed
 
+    def enter(self, counter: str | None = None) -> bool:
+        """Count ``counter`` (if given) and say whether the tier is usable; while True, the
+        caller uses the files until :meth:`leave`, and :meth:`quiesce` waits for that."""
+        if os.getpid() != self.pid:
+            return self.usable()  # False, logged once; the lock may be held forever here
+        with self.lock:
+            if counter is not None:
+                self._counts[counter] += 1
+            ok = self.broken is None and not self.closed
+            self._users += ok
+        return ok
+
+    def leave(self) -> None:
+        """The end of a use :meth:`enter` allowed."""
+        with self.lock:
+            self._users -= 1
+            if not self._users:
+                self._idle.notify_all()
+
     @contextlib.contextmanager
     def using(self) -> Iterator[bool]:
         """Whether the tier is usable; while True, :meth:`quiesce` waits for the block."""
-        ok = self.usable()
-        if ok:
-            with self.lock:
-                ok = not self.closed
-                self._users += ok
+        ok = self.enter()
         try:
             yield ok
         finally:
             if ok:
-                with self.lock:
-                    self._users -= 1
-                    if not self._users:
-                        self._idle.notify_all()
+                self.leave()
 
     def quiesce(self) -> None:
         """Mark the tier closed and wait until no call is using its files."""

@@ -17,28 +17,43 @@ A record becomes visible when its head is committed. Every change goes
 through one write transaction (:meth:`Index.write`, a :class:`WriteTxn`),
 which keeps the ``state`` record in step with the heads it adds and removes.
 LMDB errors leave this module as :class:`IndexFailure` (:class:`MapFull`
-when the map has no room), so no other part imports lmdb.
+when the map has no room), so no other part of the tier imports lmdb (the
+integrity check's child process does, :mod:`~tierkv.tiers.ssd.walk`).
+
+Listing keys works in bulk (:meth:`Index.keys_lru`): the heads of a
+namespace are read in large chunks, without LMDB's buffer objects (far
+slower per entry than bytes), and ordered by the clock in their headers with
+numpy; :func:`pack_keys` puts them in one buffer for a process that reads
+them beside the owner.
 
 Threads: LMDB serialises write transactions itself; the tier's writer thread
 (and recovery, before it starts) is the only one that opens them. Reads
 (:meth:`Index.heads`, :meth:`Index.has`, :meth:`Index.keys_lru`,
-:meth:`Index.used_bytes`) run in their own read transactions on any thread,
-see a committed snapshot and need no lock. Never use an index across ``fork()``.
+:meth:`Index.all_heads`, :meth:`Index.used_bytes`) run in their own read
+transactions on any thread, see a committed snapshot and need no lock. Never
+use an index across ``fork()``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+from collections import Counter
 import struct
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from tierkv.tiers.ssd.record import CLOCK, HEADER, CorruptRecord, Encoded, Header, record_footprint
+import numpy as np
 
-__all__ = ["Index", "WriteTxn", "IndexFailure", "MapFull", "DiskFull", "STATE", "MAX_KEY"]
+from tierkv.tiers.ssd.record import (CLOCK, HEAD_DTYPE, HEADER, NS_LEN, CorruptRecord, Encoded,
+                                     Header, record_footprint)
+
+__all__ = ["Index", "WriteTxn", "IndexFailure", "MapFull", "DiskFull", "STATE", "MAX_KEY",
+           "prefix_counts", "pack_keys", "unpack_keys"]
 
 STATE = struct.Struct("<QQ")   # used bytes, access clock
 MAX_KEY = 511                   # LMDB's longest key (namespace prefix included)
+CHUNK = 65536                   # entries read per call when listing a whole database
 
 
 class IndexFailure(Exception):
@@ -164,20 +179,16 @@ class Index:
 
     def keys_lru(self, prefix: bytes) -> list[bytes]:
         """Keys starting with ``prefix`` that have a head, least recently used first (heads
-        are not verified here: a read does that)."""
-        found: list[bytes] = []
-        clock_of, unpack = Header.clock_of, CLOCK.unpack
-        with _lmdb_errors(), self._env.begin(buffers=True) as txn:
-            get, head_db = txn.get, self._head
-            for clock, nskey in txn.cursor(db=self._lru).iternext():
-                nskey = bytes(nskey)
-                if not nskey.startswith(prefix):
-                    continue
-                head = get(nskey, db=head_db)
-                if head is not None and len(head) >= HEADER.size and \
-                        clock_of(head) == unpack(clock)[0]:
-                    found.append(nskey)
-        return found
+        are not verified here: a read does that). In bulk: the heads of the prefix, ordered
+        by the access clock in their headers (a record's live LRU entry is at that clock)."""
+        with _lmdb_errors(), self._env.begin() as txn:
+            nskeys, heads = _range(txn.cursor(db=self._head), prefix)
+        return [nskeys[i] for i in _by_clock(heads)]
+
+    def all_heads(self) -> tuple[list[bytes], list[bytes]]:
+        """Every ``(nskey, head)`` of the index, as two lists in key order (one snapshot)."""
+        with _lmdb_errors(), self._env.begin() as txn:
+            return _range(txn.cursor(db=self._head), b"")
 
     def used_bytes(self) -> int:
         """Bytes of stored records as last committed (0 if unreadable)."""
@@ -192,7 +203,9 @@ class WriteTxn:
     """Changes to the index inside one write transaction (see :meth:`Index.write`).
 
     ``used`` and ``clock`` start from the ``state`` record and are stored back
-    at commit; ``freed`` collects the page extents of deleted records.
+    at commit; ``freed`` collects the page extents of deleted records; ``counts``
+    the change in records per namespace; ``leaked`` is set when a deleted head
+    did not verify (its pages, unknown, stay taken until the next rebuild).
     """
 
     def __init__(self, env: Any, txn: Any, meta: Any, head: Any, lru: Any) -> None:
@@ -200,6 +213,8 @@ class WriteTxn:
         state = txn.get(b"state", db=meta)
         self.used, self.clock = (0, 0) if state is None else STATE.unpack(state)
         self.freed: list[tuple[int, int]] = []
+        self.counts: dict[bytes, int] = {}
+        self.leaked = False
 
     def save_state(self) -> None:
         self._txn.put(b"state", STATE.pack(max(self.used, 0), self.clock), db=self._meta)
@@ -233,6 +248,12 @@ class WriteTxn:
     def has(self, nskey: bytes) -> bool:
         return self._txn.get(nskey, db=self._head) is not None
 
+    def present(self, nskeys: Sequence[bytes]) -> set[bytes]:
+        """Those of ``nskeys`` that have a head (looked up in one call)."""
+        if not nskeys:
+            return set()
+        return {bytes(k) for k, _ in self._txn.cursor(db=self._head).getmulti(nskeys)}
+
     def heads(self) -> Iterator[tuple[bytes, bytes]]:
         """Every ``(nskey, head)``, in key order."""
         for nskey, head in self._txn.cursor(db=self._head).iternext():
@@ -240,10 +261,29 @@ class WriteTxn:
 
     def insert(self, e: Encoded) -> None:
         """Add a new record as the most recently used one (its body is written)."""
-        self.clock += 1
-        self._txn.put(e.nskey, e.head(self.clock), db=self._head)
-        self._txn.put(CLOCK.pack(self.clock), e.nskey, db=self._lru)
-        self.used += e.footprint
+        self.insert_many([e])
+
+    def insert_many(self, records: Sequence[Encoded]) -> None:
+        """Add new records (absent from the index, bodies written) as the most recently
+        used ones, in order: heads in key order and LRU entries appended, each set in one
+        call."""
+        clock = self.clock
+        heads: list[tuple[bytes, bytes]] = []
+        lru: list[tuple[bytes, bytes]] = []
+        pack = CLOCK.pack
+        for e in records:
+            clock += 1
+            heads.append((e.nskey, e.head(clock)))
+            lru.append((pack(clock), e.nskey))
+        heads.sort()
+        self._txn.cursor(db=self._head).putmulti(heads)
+        added = self._txn.cursor(db=self._lru).putmulti(lru, append=True)[1]
+        if added != len(lru):  # an entry at or past this clock (a damaged state record)
+            self._txn.cursor(db=self._lru).putmulti(lru)
+        self.clock = clock
+        self.used += sum(e.footprint for e in records)
+        for ns, n in prefix_counts([e.nskey for e in records]).items():
+            self.counts[ns] = self.counts.get(ns, 0) + n
 
     def delete(self, nskey: bytes) -> int:
         """Remove a record, its body extent going to ``freed``; return its footprint
@@ -299,9 +339,15 @@ class WriteTxn:
                       db=self._head)
         self._txn.put(CLOCK.pack(self.clock), nskey, db=self._lru)
 
+    def _count(self, nskey: bytes, n: int) -> None:
+        ns = nskey[:NS_LEN]
+        self.counts[ns] = self.counts.get(ns, 0) + n
+
     def _remove(self, nskey: bytes, head: bytes, hdr: Header | None, lru_gone: bool) -> int:
         self._txn.delete(nskey, db=self._head)
+        self._count(nskey, -1)
         if hdr is None:
+            self.leaked = True
             footprint = len(head)
         else:
             if not lru_gone:
@@ -316,6 +362,38 @@ class WriteTxn:
         key = CLOCK.pack(clock)
         if self._txn.get(key, db=self._lru) == nskey:
             self._txn.delete(key, db=self._lru)
+
+
+def prefix_counts(nskeys: Sequence[bytes]) -> dict[bytes, int]:
+    """Keys per namespace prefix."""
+    return dict(Counter(k[:NS_LEN] for k in nskeys))
+
+
+def _range(cursor: Any, prefix: bytes) -> tuple[list[bytes], list[bytes]]:
+    """Keys and values from the first key at or after ``prefix`` while keys start with it:
+    keys, then values, read :data:`CHUNK` per call (a transaction without buffers: bytes
+    objects come far cheaper than LMDB's buffer objects)."""
+    keys: list[bytes] = []
+    if not cursor.set_range(prefix):
+        return keys, []
+    names = cursor.iternext(values=False)
+    while True:
+        chunk = list(itertools.islice(names, CHUNK))
+        if chunk and not chunk[-1].startswith(prefix):
+            chunk = list(itertools.takewhile(lambda k: k.startswith(prefix), chunk))
+        keys.extend(chunk)
+        if len(chunk) < CHUNK:
+            break
+    cursor.set_range(prefix)
+    return keys, list(itertools.islice(cursor.iternext(keys=False), len(keys)))
+
+
+def _by_clock(heads: Sequence[bytes]) -> list[int]:
+    """Positions of the heads long enough to carry a header, by their access clock."""
+    lengths = np.fromiter(map(len, heads), np.int64, len(heads))
+    clocks = np.array(heads, dtype=f"S{HEADER.size}").view(HEAD_DTYPE)["clock"]  # cut or padded
+    ok = np.flatnonzero(lengths >= HEADER.size)
+    return ok[np.argsort(clocks[ok], kind="stable")].tolist()
 
 
 def read_keys_lru(path: Path, prefix: bytes) -> list[bytes]:
@@ -334,13 +412,49 @@ def read_keys_lru(path: Path, prefix: bytes) -> list[bytes]:
 
 def _print_keys() -> None:
     """``python -c`` entry of :func:`tierkv.tiers.ssd.tier.read_keys`'s child: argv
-    ``path prefix-hex``; the keys (msgpack) on stdout, exit 3 on an LMDB error."""
+    ``path prefix-hex``; the keys, without the prefix, on stdout (:func:`pack_keys`), exit
+    3 on an LMDB error."""
     import sys
 
-    import msgpack
+    prefix = bytes.fromhex(sys.argv[2])
     try:
-        keys = read_keys_lru(Path(sys.argv[1]), bytes.fromhex(sys.argv[2]))
+        keys = read_keys_lru(Path(sys.argv[1]), prefix)
     except IndexFailure as exc:
         print(exc, file=sys.stderr)
         sys.exit(3)
-    sys.stdout.buffer.write(msgpack.packb(keys))
+    sys.stdout.buffer.write(pack_keys(keys, len(prefix)))
+
+
+_COUNT = struct.Struct("<Q")
+
+
+def pack_keys(nskeys: Sequence[bytes], strip: int) -> bytes:
+    """Keys, each without its first ``strip`` bytes, in one buffer: the count, every
+    length (``u16``), then the keys end to end."""
+    n = len(nskeys)
+    lengths = np.fromiter(map(len, nskeys), np.int64, n)
+    width = int(lengths[0]) if n else 0
+    if n and width > strip and (lengths == width).all():  # one size: cut in one numpy step
+        rows = np.array(nskeys, dtype=f"S{width}").view(np.uint8).reshape(n, width)
+        blob = rows[:, strip:].tobytes()
+    else:
+        blob = b"".join(k[strip:] for k in nskeys)
+    return _COUNT.pack(n) + (lengths - strip).astype(np.uint16).tobytes() + blob
+
+
+def unpack_keys(data: bytes) -> list[bytes]:
+    """The keys :func:`pack_keys` packed. Raises ``ValueError`` for anything else."""
+    if len(data) < _COUNT.size:
+        raise ValueError(f"{len(data)} bytes")
+    (n,) = _COUNT.unpack_from(data)
+    start = _COUNT.size + 2 * n
+    if start > len(data):
+        raise ValueError(f"{n} keys in {len(data)} bytes")
+    lengths = np.frombuffer(data, np.uint16, n, _COUNT.size).astype(np.int64)
+    if start + int(lengths.sum()) != len(data):
+        raise ValueError("key lengths do not add up")
+    if n and (lengths == lengths[0]).all():
+        width = int(lengths[0])
+        return [data[a:a + width] for a in range(start, len(data), width)] if width else [b""] * n
+    ends = np.cumsum(lengths) + start
+    return [data[a:b] for a, b in zip((ends - lengths).tolist(), ends.tolist())]

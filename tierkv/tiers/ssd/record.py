@@ -36,7 +36,6 @@ the codec threads and every reading thread without a lock.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import struct
 import threading
@@ -51,7 +50,8 @@ from tierkv.identity import RECORD_VERSION
 __all__ = [
     "RECORD_VERSION", "RAW", "ZSTD", "PLANES", "HEADER", "PAGE", "NS_LEN", "CLOCK", "Header",
     "Codec", "Encoded", "CorruptRecord", "checksum", "split_tail", "body_pages",
-    "record_footprint", "capacity_blocks", "namespace_of", "COMPRESSIONS",
+    "record_footprint", "record_footprints", "capacity_blocks", "namespace_of", "COMPRESSIONS",
+    "pack_header", "HEAD_DTYPE",
 ]
 
 RAW, ZSTD, PLANES = 0, 1, 2
@@ -60,6 +60,9 @@ COMPRESSIONS = ("auto", "zstd", "none")
 # version, codec, reserved, raw_len, payload_len, tail_len, checksum, clock, page, header_check
 HEADER = struct.Struct("<BBHIIIQQQI")
 _CHECKED = struct.Struct("<BBHIIIQQQ")
+HEAD_DTYPE = np.dtype([("version", "u1"), ("codec", "u1"), ("reserved", "<u2"),  # HEADER in numpy
+                       ("raw_len", "<u4"), ("payload_len", "<u4"), ("tail_len", "<u4"),
+                       ("checksum", "<u8"), ("clock", "<u8"), ("page", "<u8"), ("check", "<u4")])
 _U32 = struct.Struct("<I")
 _CLOCK_AT = struct.calcsize("<BBHIIIQ")  # offset of the clock field in HEADER
 
@@ -111,6 +114,15 @@ def record_footprint(key_len: int, payload_len: int) -> int:
             + (CLOCK.size + key_len + _NODE))
 
 
+def record_footprints(key_lens: np.ndarray, payload_lens: np.ndarray) -> np.ndarray:
+    """:func:`record_footprint` of many records at once (``int64`` arrays)."""
+    tail = payload_lens % PAGE
+    tail = np.where(tail <= TAIL_MAX, tail, 0)
+    body_pages = -(-(payload_lens - tail) // PAGE)
+    return (body_pages * PAGE + (key_lens + HEADER.size + tail + _NODE)
+            + (CLOCK.size + key_lens + _NODE))
+
+
 def capacity_blocks(capacity_bytes: int, block_nbytes: int, key_len: int = 32) -> int:
     """How many uncompressed blocks of ``block_nbytes`` under keys of ``key_len`` bytes
     a tier of ``capacity_bytes`` holds before its own LRU evicts one."""
@@ -144,9 +156,8 @@ class Header:
         return body_pages(self.payload_len, self.tail_len)
 
     def pack(self) -> bytes:
-        fields = (RECORD_VERSION, self.codec, 0, self.raw_len, self.payload_len,
-                  self.tail_len, self.checksum, self.clock, self.page)
-        return HEADER.pack(*fields, xxhash.xxh32_intdigest(_CHECKED.pack(*fields)))
+        return pack_header(self.codec, self.raw_len, self.payload_len, self.tail_len,
+                           self.checksum, self.clock, self.page)
 
     @classmethod
     def unpack(cls, head: bytes) -> "Header":
@@ -170,10 +181,12 @@ class Header:
         return int.from_bytes(head[_CLOCK_AT:_CLOCK_AT + 8], "little")
 
     def with_clock(self, clock: int) -> "Header":
-        return dataclasses.replace(self, clock=clock)
+        return Header(self.codec, self.raw_len, self.payload_len, self.tail_len, self.checksum,
+                      clock, self.page)
 
     def at_page(self, page: int) -> "Header":
-        return dataclasses.replace(self, page=page)
+        return Header(self.codec, self.raw_len, self.payload_len, self.tail_len, self.checksum,
+                      self.clock, page)
 
 
 class Codec:
@@ -286,25 +299,53 @@ class Codec:
 
 
 class Encoded:
-    """A block ready to be written: header (page not yet assigned), body, tail, footprint."""
+    """A block ready to be written: its header fields (``page`` assigned by the writer),
+    body, tail and footprint."""
 
-    __slots__ = ("nskey", "header", "body", "tail", "footprint", "raw_len")
+    __slots__ = ("nskey", "codec", "raw_len", "payload_len", "tail_len", "checksum", "page",
+                 "pages", "body", "tail", "footprint")
 
     def __init__(self, nskey: bytes, raw: bytes | bytearray, codec: Codec) -> None:
         kind, payload = codec.encode(raw)
-        ntail = split_tail(len(payload))
-        view = memoryview(payload)
+        size = len(payload)
+        ntail = split_tail(size)
         self.nskey = nskey
+        self.codec = kind
         self.raw_len = len(raw)
-        self.body = view[:len(payload) - ntail]
-        self.tail = bytes(view[len(payload) - ntail:])
-        self.header = Header(kind, len(raw), len(payload), ntail, checksum(nskey, raw), 0)
-        self.footprint = record_footprint(len(nskey), len(payload))
+        self.payload_len = size
+        self.tail_len = ntail
+        self.checksum = checksum(nskey, raw)
+        self.page = 0
+        self.pages = -(-(size - ntail) // PAGE)
+        if ntail:
+            view = memoryview(payload)
+            self.body = view[:size - ntail]
+            self.tail = bytes(view[size - ntail:])
+        else:
+            self.body = payload
+            self.tail = b""
+        self.footprint = record_footprint(len(nskey), size)
 
     @property
-    def pages(self) -> int:
-        return self.header.pages
+    def header(self) -> Header:
+        """The header (clock 0); assigning one sets the fields it carries (its page)."""
+        return Header(self.codec, self.raw_len, self.payload_len, self.tail_len, self.checksum,
+                      0, self.page)
+
+    @header.setter
+    def header(self, hdr: Header) -> None:
+        self.codec, self.raw_len, self.payload_len = hdr.codec, hdr.raw_len, hdr.payload_len
+        self.tail_len, self.checksum, self.page = hdr.tail_len, hdr.checksum, hdr.page
 
     def head(self, clock: int) -> bytes:
         """The head entry stored in the index, stamped with ``clock``."""
-        return self.header.with_clock(clock).pack() + self.tail
+        return pack_header(self.codec, self.raw_len, self.payload_len, self.tail_len,
+                           self.checksum, clock, self.page) + self.tail
+
+
+def pack_header(codec: int, raw_len: int, payload_len: int, tail_len: int, csum: int,
+                clock: int, page: int) -> bytes:
+    """:data:`HEADER` of these fields, with its check."""
+    fields = _CHECKED.pack(RECORD_VERSION, codec, 0, raw_len, payload_len, tail_len, csum,
+                           clock, page)
+    return fields + _U32.pack(xxhash.xxh32_intdigest(fields))

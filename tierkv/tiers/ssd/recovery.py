@@ -4,31 +4,44 @@ First, :func:`prepare_directory`: a directory that holds neither an LMDB
 environment nor only tierkv's own files is refused, untouched
 (``ConfigError``); otherwise it is created if missing, and it and its files
 are made owner-only (0700, 0600) whatever the umask. The tier then takes the
-directory's lock (:mod:`~tierkv.tiers.ssd.owner`), and :func:`open_files`
+directory's lock (:mod:`~tierkv.tiers.ssd.owner`), and an :class:`Opening`
 goes on, before anything touches an existing environment:
 
 1. LMDB's lock file gets its disk blocks up front: LMDB writes it through a
    memory map, where a full disk is a SIGBUS instead of an error. No room
    for them disables the tier.
-2. The environment is walked in a child process: a damaged B-tree (bit rot, a
-   torn write, a crash mid-sync) can make LMDB abort() or fault with SIGBUS on
-   the first page it reaches, and the child takes that risk. This runs after a
-   clean shutdown too (damage can happen while closed); the clean marker only
-   says what to log.
-3. ``data.mdb`` must be as long as its last page, or access would fault.
-4. An LMDB environment that tierkv did not create is refused, untouched.
-5. Records of another record format are discarded (logged): they cannot be read.
-6. The page file's free-space map is rebuilt from the heads: records whose head
-   does not verify, whose body lies past the end of ``blocks.dat`` or overlaps
-   an earlier record's pages are deleted (counted, reported lost); the used
-   bytes are recounted; pages no head points to (a crash between ``pwrite``
-   and commit) are free again; the file is cut after its last used page.
+2. The clean-close snapshot (:mod:`~tierkv.tiers.ssd.snapshot`) is read and
+   removed. If it verifies and ``data.mdb`` is byte for byte what it
+   describes, the environment needs no walk and the page file's free-space map
+   is the one saved: the open takes time in proportion to the index's bytes
+   (one hash), not to its records.
+3. Otherwise (an unclean shutdown, or damage since the clean close) the tier
+   *recovers*: the environment is walked in a child process
+   (:mod:`~tierkv.tiers.ssd.walk`), which also surveys every head
+   (:mod:`~tierkv.tiers.ssd.survey`). A damaged B-tree can make LMDB abort()
+   or fault with SIGBUS on the first page it reaches, and the child takes that
+   risk; a walk that fails disables the tier.
+4. ``data.mdb`` must be as long as its last page, or access would fault.
+5. An LMDB environment that tierkv did not create is refused, untouched.
+6. Records of another record format are discarded (logged): they cannot be read.
+7. After a recovery, the survey is applied: records whose head does not
+   verify, whose body lies past the end of ``blocks.dat`` or on pages of
+   another record are deleted (counted, reported lost); the used bytes are
+   recounted; pages no head points to (a crash between the page write and the
+   commit) are free again. Either way the page file is cut after its last used
+   page.
 
-A failure in steps 1-6 disables the tier (logged once with the path); it
-never raises, except ``ConfigError`` for a directory that is not ours.
+Small environments (up to the tier's ``recover_inline_bytes``) recover before
+the tier's constructor returns. Larger ones recover on a thread of their own
+(:class:`Background`): the tier serves misses, and queues puts and discards,
+until the walked and surveyed index is in place; nothing is read from the
+environment before the walk vouched for it. A failure in any step disables the
+tier (logged once with the path); it never raises, except ``ConfigError`` for a
+directory that is not ours when that is found before the constructor returns.
 
-Threads: runs on the thread that constructs the tier, before its writer
-starts; nothing here is shared until :func:`open_files` returns.
+Threads: an :class:`Opening` runs on one thread (the constructor's, or the
+background one); nothing here is shared until the files are handed over,
+except :meth:`Background.stop`, which the owner calls from its own thread.
 """
 
 from __future__ import annotations
@@ -37,71 +50,53 @@ import errno
 import logging
 import os
 import stat
-import subprocess
-import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tierkv.errors import ConfigError
 from tierkv.tiers.ssd.extents import ExtentMap
-from tierkv.tiers.ssd.index import Index, IndexFailure, WriteTxn, parse_head
+from tierkv.tiers.ssd.index import Index, IndexFailure, WriteTxn
 from tierkv.tiers.ssd.pagefile import BLOCKS, PageFile
-from tierkv.tiers.ssd.record import PAGE, RECORD_VERSION, record_footprint
+from tierkv.tiers.ssd.record import PAGE, RECORD_VERSION
+from tierkv.tiers.ssd.snapshot import CLEAN, UNCLEAN, Snapshot, take
+from tierkv.tiers.ssd.survey import Survey, survey
+from tierkv.tiers.ssd.walk import Cancel, Cancelled, Damaged, Foreign, walk
 
 if TYPE_CHECKING:
     from tierkv.tiers.ssd.health import Health
     from tierkv.tiers.ssd.lost import LostKeys
 
-__all__ = ["Files", "open_files", "prepare_directory", "owner_only", "mark_clean", "CLEAN", "FILE_MODE",
-           "DIR_MODE"]
+__all__ = ["Files", "Opening", "Background", "open_files", "prepare_directory", "owner_only",
+           "CLEAN", "FILE_MODE", "DIR_MODE"]
 
 log = logging.getLogger("tierkv.tiers.ssd")
 
-CLEAN = "tierkv.clean"   # written at a clean close; its absence at open means an unclean shutdown
 DIR_MODE = 0o700         # KV bytes derive from users' prompts: owner-only at rest
 FILE_MODE = 0o600
 LMDB_LOCK = "lock.mdb"
 LMDB_LOCK_BYTES = 8192   # what LMDB sizes its lock file to (126 reader slots); more is fine
 
-# Run in a child: every page the B-tree reaches is read, and every value must lie
-# inside data.mdb (checked by address, without reading overflow pages).
-_WALK = r"""
-import os, sys, lmdb, numpy as np
-path = sys.argv[1]
-env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, readahead=False)
-data = os.path.realpath(os.path.join(path, "data.mdb"))
-lo = hi = None
-with open("/proc/self/maps") as maps:
-    for line in maps:
-        if line.rstrip().endswith(data):
-            lo = int(line.split("-")[0], 16)
-            break
-if lo is not None:
-    hi = lo + os.path.getsize(data)
-with env.begin(buffers=True) as txn:
-    names = [bytes(k) for k in txn.cursor().iternext(values=False)]
-    if names and b"meta" not in names:
-        sys.exit(4)  # not a tierkv environment: the caller refuses it without writing
-    for name in names:
-        db = env.open_db(name, txn=txn, create=False)
-        for k, v in txn.cursor(db=db).iternext():
-            if lo is not None and len(v):
-                at = np.frombuffer(v, dtype=np.uint8).ctypes.data
-                if not (lo <= at and at + len(v) <= hi):
-                    sys.exit(3)
-"""
-
 
 @dataclass
 class Files:
-    """An open tier's files: the index, the page file and the page file's free-space map
-    (owned by the writer thread once it starts)."""
+    """An open tier's files: the index, the page file, the page file's free-space map and
+    the records per namespace (both owned by the writer thread once it starts)."""
 
     index: Index
     pages: PageFile
     space: ExtentMap
+    counts: dict[bytes, int] = field(default_factory=dict)
+
+    def add_counts(self, delta: dict[bytes, int]) -> None:
+        for ns, n in delta.items():
+            self.counts[ns] = self.counts.get(ns, 0) + n
+
+    def snapshot(self) -> Snapshot:
+        """What a clean close saves (call once the writer stopped)."""
+        return Snapshot.of(self.space, {ns: n for ns, n in self.counts.items() if n > 0})
 
     def close(self) -> None:
         self.pages.close()
@@ -111,26 +106,188 @@ class Files:
 def open_files(path: Path, *, map_size: int, namespace: bytes, about: dict[str, Any],
                health: "Health", lost: "LostKeys") -> Files | None:
     """Open (or create) the tier in ``path``, the index map and the page file bounded by
-    ``map_size`` bytes, and register ``namespace`` (described by ``about``). None when
-    the tier had to be disabled (``health`` says why)."""
-    existed = _environment_exists(path)
-    if not _reserve_lock_file(path, health):
+    ``map_size`` bytes, and register ``namespace`` (described by ``about``), recovering
+    first if needed. None when the tier had to be disabled (``health`` says why)."""
+    opening = Opening(path, map_size=map_size, namespace=namespace, about=about,
+                      health=health, lost=lost)
+    return opening.finish() if opening.begin() else None
+
+
+class Opening:
+    """One open of the files in ``path``: :meth:`begin` (quick), then :meth:`finish`
+    (which recovers when :attr:`needs_recovery`)."""
+
+    def __init__(self, path: Path, *, map_size: int, namespace: bytes, about: dict[str, Any],
+                 health: "Health", lost: "LostKeys") -> None:
+        self.path = path
+        self.map_size = map_size
+        self.namespace = namespace
+        self.about = about
+        self.health = health
+        self.lost = lost
+        self.existed = False
+        self.snapshot: Snapshot | None = None
+        self.why = ""   # why a recovery is needed
+
+    def begin(self) -> bool:
+        """Steps 1 and 2: False when the tier had to be disabled."""
+        self.existed = _environment_exists(self.path)
+        if not _reserve_lock_file(self.path, self.health):
+            return False
+        snapshot, self.why = take(self.path)  # removed in any case: it speaks for no later state
+        if self.existed:
+            self.snapshot = snapshot
+            if self.snapshot is not None:
+                self.why = self.snapshot.check(self.path) or ""
+                if self.why:
+                    self.snapshot = None
+                    log.warning("SSD tier at %s: %s; verifying it in full", self.path, self.why)
+        return True
+
+    @property
+    def needs_recovery(self) -> bool:
+        return self.existed and self.snapshot is None
+
+    def index_bytes(self) -> int:
+        """Bytes of ``data.mdb`` (what a recovery walks)."""
+        try:
+            return (self.path / "data.mdb").stat().st_size
+        except OSError:
+            return 0
+
+    def finish(self, cancel: Cancel | None = None) -> Files | None:
+        """Steps 3 to 7: the open files, or None when the tier had to be disabled or
+        ``cancel`` was called. Raises ``ConfigError`` for an environment tierkv did not
+        create."""
+        found = self._walk(cancel) if self.needs_recovery else None
+        if self.needs_recovery and found is None:
+            return None
+        index = _open_index(self.path, self.map_size, self.existed, self.health)
+        if index is None:
+            return None
+        files = None
+        try:
+            dropped = _prepare(self.path, index, self.namespace, self.about, self.health) \
+                if _complete(self.path, index, self.health) else None
+            if dropped is not None:
+                files = self._open_pages(index, None if dropped else found,
+                                         None if dropped else self.snapshot)
+        finally:
+            if files is None:
+                index.close()
+        if files is not None and cancel is not None and cancel.event.is_set():
+            files.close()
+            return None
+        return files
+
+    def _walk(self, cancel: Cancel | None) -> Survey | None:
+        """Step 3: the survey of a walked environment, or None (disabled or cancelled)."""
+        try:
+            return walk(self.path, _size(self.path / BLOCKS), cancel)
+        except Cancelled:
+            return None
+        except Foreign:
+            raise ConfigError(f"path: {self.path} holds an LMDB environment that tierkv did "
+                              "not create; refusing to use it") from None
+        except Damaged as exc:
+            when = " after an unclean shutdown" if self.why == UNCLEAN else ""
+            self.health.fail(f"the environment does not verify{when} ({exc})")
+            return None
+
+    def _open_pages(self, index: Index, found: Survey | None,
+                    snapshot: Snapshot | None) -> Files | None:
+        """Open the page file; its free-space map from the snapshot, or from a survey (the
+        walk's, else one of the heads in this process: a new or just emptied index, or one
+        the snapshot vouched for but whose page file changed)."""
+        try:
+            pages = PageFile(self.path)
+        except OSError as exc:
+            self.health.fail(f"cannot open {BLOCKS}: {exc}")
+            return None
+        try:
+            limit = self.map_size // PAGE
+            space = snapshot.extent_map(limit, pages.size()) if snapshot is not None else None
+            counts = snapshot.counts if snapshot is not None else {}
+            if space is None:
+                if found is None:
+                    found = survey(*index.all_heads(), pages.size())
+                space, counts = self._apply(index, found, limit)
+            if pages.size() > space.high_water * PAGE:
+                pages.truncate(space.high_water)
+            self._report_foreign(counts)
+            return Files(index, pages, space, dict(counts))
+        except OSError as exc:
+            self.health.fail(f"cannot open {BLOCKS}: {exc}")
+        except Exception as exc:  # IndexFailure, or a head LMDB returns malformed
+            self.health.fail(f"cannot read the index: {exc!r}")
+        pages.close()
         return None
-    if existed and not _verified(path, health):
-        return None
-    index = _open_index(path, map_size, existed, health)
-    if index is None:
-        return None
-    try:
-        ready = _complete(path, index, health) and _prepare(path, index, namespace, about,
-                                                            health)
-    except BaseException:
-        index.close()
-        raise
-    files = _open_pages(path, index, map_size, namespace, health, lost) if ready else None
-    if files is None:
-        index.close()
-    return files
+
+    def _apply(self, index: Index, found: Survey, limit: int
+               ) -> tuple[ExtentMap, dict[bytes, int]]:
+        """Step 7: delete the bad records, store the used bytes, build the free-space map."""
+        with index.write() as tx:
+            for nskey in found.bad:
+                tx.drop(nskey)
+            tx.used = found.used
+        if found.bad:
+            self.health.count("corrupt_deleted", len(found.bad))
+            self.health.log_once("corrupt", "deleted %d records whose header or pages do not "
+                                 "verify at open", len(found.bad))
+            self.lost.add(found.bad)
+        return ExtentMap.from_used(limit, found.starts, found.npages), found.counts
+
+    def _report_foreign(self, counts: dict[bytes, int]) -> None:
+        total = sum(counts.values())
+        foreign = total - counts.get(self.namespace, 0)
+        if foreign:
+            log.info("SSD tier at %s: %d of its %d records belong to other fingerprints "
+                     "(another model, layout or tierkv format version); they are not served "
+                     "here and, unless another cache reads them, are the first the LRU evicts",
+                     self.health.path, foreign, total)
+
+
+class Background:
+    """Finishes an :class:`Opening` on a thread of its own and hands the result (the files,
+    or None) to ``done`` on that thread."""
+
+    def __init__(self, opening: Opening, done: Callable[[Files | None], None], name: str) -> None:
+        self.opening = opening
+        self.cancel = Cancel()
+        self._done = done
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the result to be handed over; False on timeout."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Cancel (the walk's child is killed; a survey being applied completes, then its
+        files close) and wait for the thread."""
+        self.cancel()
+        self._thread.join()
+
+    def _run(self) -> None:
+        opening = self.opening
+        t0 = time.monotonic()
+        files = None
+        try:
+            files = opening.finish(self.cancel)
+        except ConfigError as exc:  # found after the constructor returned: disable, not raise
+            opening.health.fail(str(exc))
+        except Exception as exc:
+            opening.health.fail(f"recovery failed: {exc!r}")
+            log.exception("SSD tier at %s: recovery failed", opening.path)
+        if files is not None:
+            log.info("SSD tier at %s: recovered in %.1f s", opening.path, time.monotonic() - t0)
+        self._done(files)
 
 
 def prepare_directory(path: Path) -> None:
@@ -174,6 +331,7 @@ def owner_only(path: Path, mode: int) -> None:
         log.warning("SSD tier: %s was readable by others (mode %o); now %o", path, was, mode)
 
 
+
 def _reserve_lock_file(path: Path, health: "Health") -> bool:
     """Give LMDB's lock file its disk blocks now (it is written through a memory map: on
     a full disk, a SIGBUS). Only allocates; bytes already there are left as they are."""
@@ -193,45 +351,8 @@ def _reserve_lock_file(path: Path, health: "Health") -> bool:
     return True
 
 
-def mark_clean(path: Path, health: "Health") -> None:
-    """Record a clean close (the next open logs damage as such, not as a crash)."""
-    try:
-        os.close(os.open(path / CLEAN, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE))
-    except OSError as exc:  # the directory went away or is read-only: next open re-verifies
-        health.log_once("close", "cannot write the clean marker: %s", exc)
-
 
 # ====================================================================== steps
-
-def _verified(path: Path, health: "Health") -> bool:
-    """Walk an existing environment in a child process before this one touches it."""
-    marker = path / CLEAN
-    clean = marker.exists()
-    if clean:
-        marker.unlink()
-    problem = walk_in_subprocess(path)
-    if problem is not None:
-        when = "" if clean else " after an unclean shutdown"
-        health.fail(f"the environment does not verify{when} ({problem})")
-        return False
-    return True
-
-
-def walk_in_subprocess(path: Path, timeout: float = 600.0) -> str | None:
-    """None if a child process can walk the whole environment; otherwise what went wrong."""
-    try:
-        proc = subprocess.run([sys.executable, "-c", _WALK, str(path)], capture_output=True,
-                              text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"verification did not finish: {exc}"
-    if proc.returncode in (0, 4):
-        return None
-    if proc.returncode < 0:
-        return f"walking it killed a process with signal {-proc.returncode}"
-    if proc.returncode == 3:
-        return "a value points past the end of data.mdb"
-    return (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1]
-
 
 def _environment_exists(path: Path) -> bool:
     """An environment is there: ``data.mdb`` holds at least LMDB's two meta pages. A
@@ -284,8 +405,9 @@ def _complete(path: Path, index: Index, health: "Health") -> bool:
 
 
 def _prepare(path: Path, index: Index, namespace: bytes, about: dict[str, Any],
-             health: "Health") -> bool:
-    """Refuse an environment tierkv did not create; set up (or convert) the meta records."""
+             health: "Health") -> bool | None:
+    """Refuse an environment tierkv did not create; set up (or convert) the meta records.
+    Whether records of another format were dropped; None when the tier was disabled."""
     try:
         names = index.names()
     except IndexFailure:
@@ -296,17 +418,19 @@ def _prepare(path: Path, index: Index, namespace: bytes, about: dict[str, Any],
     try:
         index.open_dbs()
         with index.write() as tx:
-            _set_up_meta(path, tx, namespace, about)
+            dropped = _set_up_meta(path, tx, namespace, about)
         index.sync()
     except IndexFailure as exc:
         health.fail(f"cannot read the LMDB environment: {exc}")
-        return False
-    return True
+        return None
+    return dropped
 
 
-def _set_up_meta(path: Path, tx: WriteTxn, namespace: bytes, about: dict[str, Any]) -> None:
+def _set_up_meta(path: Path, tx: WriteTxn, namespace: bytes, about: dict[str, Any]) -> bool:
+    """Whether records of another format were dropped."""
     import msgpack
     now = time.time()
+    dropped = False
     info = tx.meta(b"tierkv")
     if info is None:
         if tx.records():
@@ -319,9 +443,11 @@ def _set_up_meta(path: Path, tx: WriteTxn, namespace: bytes, about: dict[str, An
                     tx.records())
         tx.drop_all()
         _init_meta(tx, now)
+        dropped = True
     key = b"ns:" + namespace
     if tx.meta(key) is None:
         tx.put_meta(key, msgpack.packb({**about, "created_at": now}))
+    return dropped
 
 
 def _init_meta(tx: WriteTxn, now: float) -> None:
@@ -338,73 +464,10 @@ def _format_of(info: bytes) -> object:
         return None
 
 
-def _open_pages(path: Path, index: Index, map_size: int, namespace: bytes, health: "Health",
-                lost: "LostKeys") -> Files | None:
-    """Open the page file and rebuild its free-space map from the heads."""
+
+
+def _size(path: Path) -> int:
     try:
-        pages = PageFile(path)
-    except OSError as exc:
-        health.fail(f"cannot open {BLOCKS}: {exc}")
-        return None
-    try:
-        return Files(index, pages, _rebuild(index, pages, map_size, namespace, health, lost))
-    except OSError as exc:
-        health.fail(f"cannot open {BLOCKS}: {exc}")
-    except Exception as exc:  # IndexFailure, or a head LMDB returns malformed
-        health.fail(f"cannot read the index: {exc!r}")
-    pages.close()
-    return None
-
-
-def _rebuild(index: Index, pages: PageFile, map_size: int, namespace: bytes, health: "Health",
-             lost: "LostKeys") -> ExtentMap:
-    """Drop records that do not verify, recount the used bytes, free every other page;
-    say how many records belong to other namespaces (this cache never reads them)."""
-    size = pages.size()
-    with index.write() as tx:
-        good, bad = _survey(tx.heads(), size)
-        for nskey in bad:
-            tx.drop(nskey)
-        tx.used = sum(fp for _, _, fp in good.values())
-    if bad:
-        health.count("corrupt_deleted", len(bad))
-        health.log_once("corrupt", "deleted %d records whose header or pages do not verify "
-                        "at open", len(bad))
-        lost.add(bad)
-    foreign = sum(1 for nskey in good if not nskey.startswith(namespace))
-    if foreign:
-        log.info("SSD tier at %s: %d of its %d records belong to other fingerprints (another "
-                 "model, layout or tierkv format version); they are not served here and, "
-                 "unless another cache reads them, are the first the LRU evicts",
-                 health.path, foreign, len(good))
-    space = ExtentMap(map_size // PAGE, [(p, n) for p, n, _ in good.values() if n])
-    if size > space.high_water * PAGE:
-        pages.truncate(space.high_water)
-    return space
-
-
-def _survey(heads: Iterable[tuple[bytes, bytes]], size: int
-            ) -> tuple[dict[bytes, tuple[int, int, int]], list[bytes]]:
-    """Split heads into good ones (nskey -> page, pages, footprint) and the keys of bad
-    ones: unverifiable, past the end of a page file of ``size`` bytes, or overlapping."""
-    good: dict[bytes, tuple[int, int, int]] = {}
-    bad: list[bytes] = []
-    for nskey, head in heads:
-        hdr = parse_head(head)
-        if hdr is None:
-            bad.append(nskey)
-            continue
-        body_len = hdr.payload_len - hdr.tail_len
-        if body_len and hdr.page * PAGE + body_len > size:
-            bad.append(nskey)  # its body was never written in full (a torn file)
-            continue
-        good[nskey] = (hdr.page, hdr.pages, record_footprint(len(nskey), hdr.payload_len))
-    extents: dict[tuple[int, int], bytes] = {}
-    for k, (p, n, _) in sorted(good.items()):  # two heads on one extent: one of them is wrong
-        if n and extents.setdefault((p, n), k) != k:
-            bad.append(k)
-            del good[k]
-    for extent in ExtentMap.overlapping(extents):
-        bad.append(extents[extent])
-        del good[extents[extent]]
-    return good, bad
+        return path.stat().st_size
+    except OSError:
+        return 0

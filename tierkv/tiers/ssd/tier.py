@@ -3,8 +3,21 @@
 The front checks arguments, adds the namespace prefix to keys, counts, and
 routes each call to its part: puts and discards to the write queue, reads to
 the reader, ``keys()`` and membership to the index, lost keys to their log.
-It owns the parts' lifetime: recovery opens the files, then the writer thread
-starts; ``close()`` flushes, stops the writer and closes the files.
+It owns the parts' lifetime: an :class:`~tierkv.tiers.ssd.recovery.Opening`
+opens the files, then the writer thread starts; ``close()`` flushes, stops the
+writer, closes the files and saves the clean-close snapshot
+(:mod:`~tierkv.tiers.ssd.snapshot`) that lets the next open skip recovery.
+
+After an unclean shutdown, an index larger than ``recover_inline_bytes``
+recovers in the background (:class:`~tierkv.tiers.ssd.recovery.Background`):
+the constructor returns at once, and until the recovered files are handed
+over the tier is *recovering*: reads miss, ``keys()`` lists nothing,
+membership is False, accesses are ignored, while puts and discards queue (up
+to the queue's capacity) and ``flush`` waits for them to be written once it is
+done. :meth:`SSDTier.wait_ready` waits for that; ``stats()["recovering"]``
+says whether it is still going on. Nothing is served before the walk has
+vouched for the environment; a recovery that fails disables the tier (queued
+puts are reported lost).
 
 One process, one tier per directory: the tier holds the directory's lock
 (:mod:`~tierkv.tiers.ssd.owner`) from before recovery until ``close()``. The
@@ -12,22 +25,27 @@ directory is 0700 and its files 0600. :func:`read_keys` lists the keys of a
 directory another process owns, without opening it.
 
 Threads: ``get``, ``get_many``, ``get_into``, ``__contains__``, ``keys``,
-``put``, ``discard_many``, ``touch_many``, ``take_lost`` and ``stats`` may be
-called from any thread, also while ``close()`` runs (they then miss, or drop);
-``flush`` and ``close`` from the owner. The front's only mutable state is the
-failure count seen by the last flush (owner only); each part documents its own
-locks. Never use a tier across ``fork()``: a child process sees it as disabled
-and must open its own.
+``put``, ``discard_many``, ``touch_many``, ``take_lost``, ``stats`` and
+``wait_ready`` may be called from any thread, also while ``close()`` runs
+(they then miss, or drop); ``flush`` and ``close`` from the owner. The front's
+mutable state: the failure count seen by the last flush (owner only), and the
+open parts (files, reader, writer), set once, by the constructor or by the
+recovery thread, files last (a thread that sees the files sees the others);
+``close`` stops the recovery thread before it reads them. Each part documents
+its own locks. Never use a tier across ``fork()``: a child process sees it as
+disabled and must open its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
 
 from tierkv.buffers import as_numpy, nbytes, writable_view
 from tierkv.errors import ConfigError
@@ -40,13 +58,17 @@ from tierkv.tiers.ssd.pagefile import BLOCKS
 from tierkv.tiers.ssd.reader import Reader
 from tierkv.tiers.ssd.reclaim import Reclaim
 from tierkv.tiers.ssd.record import NS_LEN, Codec, namespace_of
-from tierkv.tiers.ssd.recovery import Files, mark_clean, open_files, prepare_directory
+from tierkv.tiers.ssd.recovery import Background, Files, Opening, prepare_directory
+from tierkv.tiers.ssd.walk import child_command
 from tierkv.tiers.ssd.writequeue import WriteQueue
 from tierkv.tiers.ssd.writer import Writer
 
 __all__ = ["SSDTier", "read_keys", "check_path", "MAX_KEY_LEN"]
 
 MAX_KEY_LEN = MAX_KEY - NS_LEN   # longest key a caller may use
+RECOVER_INLINE_BYTES = 16 * 1024**2   # larger indexes recover in the background
+
+log = logging.getLogger("tierkv.tiers.ssd")
 
 
 class SSDTier:
@@ -62,7 +84,9 @@ class SSDTier:
     (``"auto"``, ``"zstd"`` or ``"none"``), ``level`` (zstd level),
     ``queue_capacity_bytes`` (puts beyond this much unwritten data are
     dropped), ``block_nbytes`` (when given, every block must have exactly this
-    size).
+    size), ``recover_inline_bytes`` (after an unclean shutdown, an index
+    (``data.mdb``) up to this size is recovered before the constructor
+    returns, a larger one in the background; 0: always in the background).
 
     Each file stays below ``capacity_bytes + slack_bytes``: the page file's
     free-space map never hands out pages past that, and it is the LMDB map
@@ -74,12 +98,14 @@ class SSDTier:
     def __init__(self, path: str | os.PathLike[str], *, capacity_bytes: int,
                  fingerprint: str | bytes, compression: str = "auto", level: int = 1,
                  queue_capacity_bytes: int = 256 * 1024**2,
-                 block_nbytes: int | None = None) -> None:
+                 block_nbytes: int | None = None,
+                 recover_inline_bytes: int = RECOVER_INLINE_BYTES) -> None:
         self.path = check_path(path)
         self.block_nbytes = _check_block_nbytes(block_nbytes)
         self.capacity_bytes = _check_capacity(capacity_bytes, self.block_nbytes)
         self.fingerprint = _check_fingerprint(fingerprint)
         self.queue_capacity_bytes = _check_int(queue_capacity_bytes, "queue_capacity_bytes", 1)
+        self.recover_inline_bytes = _check_int(recover_inline_bytes, "recover_inline_bytes", 0)
         self._codec = Codec(compression, level)
         self.compression = compression
         self.batch_bytes = min(16 * 1024**2, max(self.capacity_bytes // 16, 256 * 1024))
@@ -93,22 +119,44 @@ class SSDTier:
         self._files: Files | None = None
         self._reader: Reader | None = None
         self._writer: Writer | None = None
+        self._background: Background | None = None
         self._flushed_failures = 0
         prepare_directory(self.path)
         self._owner = Owner(self.path)
         try:
-            self._files = open_files(
+            self._open(Opening(
                 self.path, map_size=self.capacity_bytes + self.slack_bytes, namespace=self._ns,
                 about={"fingerprint": self.fingerprint, "block_nbytes": self.block_nbytes,
                        "compression": compression},
-                health=self._health, lost=self._lost)
-            if self._files is not None:
-                self._start(self._files)
+                health=self._health, lost=self._lost))
         except BaseException:
             if self._files is not None:
                 self._files.close()
             self._owner.release()
             raise
+
+    def _open(self, opening: Opening) -> None:
+        """Open the files now, or have them recovered in the background."""
+        if not opening.begin():
+            return
+        if opening.needs_recovery and opening.index_bytes() > self.recover_inline_bytes:
+            log.warning("SSD tier at %s: %s; verifying its %.0f MiB index in the background "
+                        "(reads miss until then)", self.path, opening.why,
+                        opening.index_bytes() / 1024**2)
+            self._background = Background(opening, self._recovered,
+                                          name=f"tierkv-ssd-recovery:{self.path.name}")
+            self._background.start()
+            return
+        files = opening.finish()
+        if files is not None:
+            self._start(files)
+
+    def _recovered(self, files: Files | None) -> None:
+        """On the recovery thread: serve the recovered files, or drop what was queued."""
+        if files is not None:
+            self._start(files)
+        elif self._background is not None and not self._background.cancel.event.is_set():
+            self._queue.fail()
 
     def _start(self, files: Files) -> None:
         self._reader = Reader(files=files, reclaim=self._reclaim, queue=self._queue,
@@ -118,6 +166,15 @@ class SSDTier:
                               capacity_bytes=self.capacity_bytes,
                               name=f"tierkv-ssd-writer:{self.path.name}")
         self._writer.start()
+        self._files = files  # last: whoever sees the files sees the reader and the writer
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until a background recovery is over; True if the tier then serves its
+        records (False: still recovering after ``timeout``, or unavailable)."""
+        background = self._background
+        if background is not None and not background.join(timeout):
+            return False
+        return self._files is not None and self._health.usable()
 
     @contextlib.contextmanager
     def _using(self) -> Iterator[Files | None]:
@@ -133,8 +190,9 @@ class SSDTier:
 
         ``data`` (bytes-like, numpy array or CPU tensor) is copied before this
         returns, so the caller may reuse its buffer. A key already stored or
-        queued only counts as an access. Returns False, storing nothing, when
-        the queue is full or the tier is unavailable. Never blocks on disk.
+        queued only counts as an access (a stored one is found by the writer, which
+        keeps the stored block). Returns False, storing nothing, when the queue is
+        full or the tier is unavailable. Never blocks on disk.
         Raises ``ValueError`` for a key that is not bytes or longer than
         :data:`MAX_KEY_LEN`, and for data of the wrong size.
         """
@@ -145,28 +203,29 @@ class SSDTier:
         if size == 0 or size > self.capacity_bytes // 2:
             raise ValueError(f"data: a block of {size} bytes does not fit a tier of "
                              f"{self.capacity_bytes} bytes (at most half of it per block)")
-        self._health.count("puts")
-        with self._using() as files:
-            if files is None:
-                self._health.count("dropped_unavailable")
-                return False
-            nskey = self._ns + key
-            if self._present(files, nskey):
-                self._health.count("puts_present")
-                self._queue.touch(nskey)
-            elif not (self._queue.fits(size) and self._queue.put(nskey, self._private(data))):
-                self._health.count("dropped_queue_full")
-                return False
+        health, queue = self._health, self._queue
+        health.count("puts")
+        if not health.usable():  # a put racing close() is refused by the stopped queue
+            health.count("dropped_unavailable")
+            return False
+        nskey = self._ns + key
+        if queue.has_put(nskey):  # a stored key is found by the writer: an access too
+            health.count("puts_present")
+            queue.touch(nskey)
+        elif not queue.put(nskey, self._owned(data)):
+            health.count("dropped_queue_full")
+            return False
         return True
 
-    def _private(self, data: Any) -> bytes | bytearray:
-        """``data`` itself if immutable, else a copy the queue may keep."""
+    @staticmethod
+    def _owned(data: Any) -> bytes | np.ndarray:
+        """``data`` itself if immutable, else as an array for the queue to copy."""
         if isinstance(data, bytes):
             return data
         arr = as_numpy(data, "data")
         if not arr.flags.c_contiguous:
             raise ValueError("data: must be C-contiguous")
-        return self._queue.copy_in(arr)
+        return arr
 
     def _present(self, files: Files, nskey: bytes) -> bool:
         return self._queue.has_put(nskey) or (
@@ -279,6 +338,8 @@ class SSDTier:
             try:
                 with self._queue.cond:  # a deletion is committed before this read or after the check
                     nskeys = files.index.keys_lru(self._ns)
+                    if not self._queue.discards_pending():
+                        return iter([k[NS_LEN:] for k in nskeys])
                     return iter([k[NS_LEN:] for k in nskeys if not discarding(k)])
             except IndexFailure as exc:
                 self._health.count("read_errors")
@@ -305,19 +366,25 @@ class SSDTier:
         out["block_file_bytes"] = _size(self.path / BLOCKS)
         out["file_bytes"] = out["index_file_bytes"] + out["block_file_bytes"]
         out["available"] = self._health.broken is None and not self._health.closed
+        out["recovering"] = self._files is None and self._background is not None and \
+            self._background.running()
         out["disabled_reason"] = self._health.broken
         out["last_error"] = self._health.last_error
         return out
 
     def close(self) -> None:
-        """Flush, stop the writer and close the files. Idempotent."""
+        """Flush, stop the writer, close the files and save the clean-close snapshot (a
+        recovery still running is cancelled: what it had not verified stays for the next
+        open to recover). Idempotent."""
         health = self._health
         if health.closed:
             return
         if os.getpid() != health.pid:
             health.closed = True  # the parent owns the environment; leave it alone
             return
-        if health.broken is None:
+        if self._background is not None:
+            self._background.stop()
+        if health.broken is None and self._writer is not None:
             self.flush()
         health.quiesce()  # from here every call misses or drops; none is still using the files
         self._queue.stop()  # the writer drains what was accepted before, then stops
@@ -325,10 +392,21 @@ class SSDTier:
             self._writer.join()
         self._coders.close()
         if self._files is not None:
-            self._files.close()
-            if health.broken is None:
-                mark_clean(self.path, health)
+            self._close_files(self._files)
         self._owner.release()
+
+    def _close_files(self, files: Files) -> None:
+        """Close the files; save the snapshot when they are exactly as the map says."""
+        settled = self._health.broken is None and self._writer is not None and \
+            self._writer.settled()
+        snapshot = files.snapshot() if settled else None
+        files.close()
+        if snapshot is None:
+            return
+        try:
+            snapshot.save(self.path)
+        except OSError as exc:  # the directory went away or is read-only: the next open recovers
+            self._health.log_once("close", "cannot save the clean-close snapshot: %s", exc)
 
     def __enter__(self) -> "SSDTier":
         return self
@@ -411,16 +489,16 @@ def read_keys(path: str | os.PathLike[str], fingerprint: str | bytes, *,
     """The keys of ``fingerprint`` in the tier at ``path``, least recently used first,
     read without owning the directory: beside the process that has the tier open, as
     one more LMDB reader, in a child process (a damaged environment can fault the
-    process that maps it). Empty when there is no tier there. Never writes. Raises
-    ``OSError`` when the keys cannot be read."""
+    process that maps it), which sends them back in one buffer. Empty when there is no
+    tier there. Never writes. Raises ``OSError`` when the keys cannot be read."""
+    from tierkv.tiers.ssd.index import unpack_keys
     where = Path(os.path.expanduser(os.fspath(path))).absolute()
     if not (where / "data.mdb").exists():
         return []
-    import msgpack
     prefix = namespace_of(_check_fingerprint(fingerprint))
     code = "from tierkv.tiers.ssd.index import _print_keys; _print_keys()"
     try:
-        proc = subprocess.run([sys.executable, "-c", code, str(where), prefix.hex()],
+        proc = subprocess.run(child_command(code, str(where), prefix.hex()),
                               capture_output=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise OSError(f"reading the keys of {where} took over {timeout:g} s") from None
@@ -429,7 +507,6 @@ def read_keys(path: str | os.PathLike[str], fingerprint: str | bytes, *,
         raise OSError(f"cannot read the keys of {where}: "
                       f"{why[-1] if why else f'exit {proc.returncode}'}")
     try:
-        keys = msgpack.unpackb(proc.stdout)
-        return [bytes(k[NS_LEN:]) for k in keys]
-    except Exception as exc:  # anything else on the child's stdout
+        return unpack_keys(proc.stdout)
+    except ValueError as exc:  # anything else on the child's stdout
         raise OSError(f"cannot read the keys of {where}: unexpected output ({exc})") from None

@@ -1,15 +1,19 @@
 """The SSD tier's write queue: blocks accepted by ``put`` until the writer has written them.
 
-Callers put private copies of their blocks here and return at once; the
-writer thread takes them in batches. Besides the blocks, the queue carries
-what the next write transaction must also do: deletions asked for by
-``discard_many``, records readers found corrupt, accesses to persist, and
-flush tickets.
+Callers put their blocks here (the queue copies what the caller may reuse)
+and return at once; the writer thread takes them in batches. Besides the
+blocks, the queue carries what the next write transaction must also do:
+deletions asked for by ``discard_many``, records readers found corrupt,
+accesses to persist, and flush tickets.
 
-Bounded by bytes: a put that would take the queue past its capacity is
-refused (the caller counts it). Copy buffers of written blocks are kept for
-reuse, up to the same capacity (fresh allocations page-fault, which makes a
-block copy several times slower than a memcpy).
+Bounded by bytes: a put that would take the queue past its capacity, or come
+after it stopped, is refused (the caller counts it). Copy buffers of written
+blocks are kept for reuse, up to the same capacity (fresh allocations
+page-fault, which makes a block copy several times slower than a memcpy).
+Small blocks are copied holding the GIL, and every :attr:`WriteQueue.eager_bytes`
+queued the putting thread hands the GIL to the writer (one ``sleep(0)``): a
+producer that never releases it would leave the writer waiting for the
+interpreter's switch interval (5 ms) at each of its I/O calls.
 
 A discarded key is *discarding* from ``discard_many`` until the writer has
 committed its deletion. A queued put of it is cancelled at once (its buffer
@@ -39,6 +43,7 @@ second (:meth:`WriteQueue.next_work`, :meth:`WriteQueue.finish`,
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
@@ -52,6 +57,7 @@ __all__ = ["WriteQueue", "Work", "Put"]
 
 _MAX_TOUCHED = 1 << 16   # pending recency updates kept between writer batches
 _EAGER_BYTES = 1024**2   # a batch of this much is written without lingering for more
+_GIL_COPY_BYTES = 256 * 1024  # blocks up to this size are copied without releasing the GIL
 
 
 class Put:
@@ -87,6 +93,7 @@ class WriteQueue:
     def __init__(self, capacity_bytes: int, batch_bytes: int, lost: "LostKeys") -> None:
         self.capacity_bytes = capacity_bytes
         self.batch_bytes = batch_bytes
+        self.eager_bytes = min(batch_bytes, _EAGER_BYTES)  # a batch worth writing at once
         self.lost = lost
         self.cond = threading.Condition()
         self.queued_bytes = 0
@@ -114,38 +121,74 @@ class WriteQueue:
         """A deletion of ``nskey`` was asked for and is not yet committed."""
         return nskey in self._discards or nskey in self._discarding
 
-    def fits(self, nbytes: int) -> bool:
-        return self.queued_bytes + nbytes <= self.capacity_bytes
+    def discards_pending(self) -> bool:
+        """Some deletion was asked for and is not yet committed."""
+        return bool(self._discards or self._discarding)
 
-    def copy_in(self, arr: np.ndarray) -> bytearray:
-        """A private copy of a C-contiguous array, in a recycled buffer when one fits."""
-        with self.cond:
-            spare = self._spare.get(arr.nbytes)
-            buf = spare.pop() if spare else None
-            if buf is not None:
-                self._spare_bytes -= len(buf)
-        if buf is None:
-            buf = bytearray(arr.nbytes)
-        np.copyto(np.frombuffer(buf, dtype=np.uint8), arr.reshape(-1).view(np.uint8))
-        return buf
+    def put(self, nskey: bytes, data: bytes | bytearray | np.ndarray) -> bool:
+        """Queue a block for ``nskey``: ``data`` is kept as it is (bytes-likes: the queue
+        now owns them) or copied (a C-contiguous array: into a recycled buffer when one
+        fits). False, queueing nothing, when the queue is full, stopped or failed; True
+        without queueing when a put of ``nskey`` is already there.
 
-    def put(self, nskey: bytes, raw: bytes | bytearray) -> bool:
-        """Queue ``raw`` (which the queue now owns) for ``nskey``. False when the queue is
-        full; True without queueing when a put of ``nskey`` is already there."""
+        Blocks up to :data:`_GIL_COPY_BYTES` are copied under the lock, holding the GIL
+        (handing the GIL to the writer and back would cost more than the copy); larger
+        ones before it, with the GIL released. Past every :attr:`eager_bytes` queued, the
+        caller hands the GIL over, so that the writer takes the batch at once."""
+        small = isinstance(data, np.ndarray) and data.nbytes <= _GIL_COPY_BYTES
+        raw = self._copy_large(data) if isinstance(data, np.ndarray) and not small else data
+        size = data.nbytes if small else len(raw)
         with self.cond:
-            if self.queued_bytes + len(raw) > self.capacity_bytes:
+            if self.queued_bytes + size > self.capacity_bytes or self._stop or self.failed:
                 self._recycle(raw)
                 return False
             if self.has_put(nskey):
                 self._recycle(raw)
                 return True
-            item = Put(nskey, raw)
-            self._queue.append(item)
-            self._pending[nskey] = item
-            self.queued_bytes += len(raw)
-            self.lost.withdraw((nskey,))
-            self.cond.notify_all()
+            if small:
+                raw = self._copy_small(data)
+            ready = self._append(Put(nskey, raw))
+        if ready and small:
+            time.sleep(0)
         return True
+
+    def _append(self, item: Put) -> bool:
+        """Queue ``item``; whether a batch became ready with it. Hold ``cond``."""
+        eager, before = self.eager_bytes, self.queued_bytes
+        self.queued_bytes += len(item.raw)
+        ready = before // eager != self.queued_bytes // eager
+        if ready or not self._queue:  # what the writer may be waiting for
+            self.cond.notify_all()
+        self._queue.append(item)
+        self._pending[item.nskey] = item
+        self.lost.withdraw((item.nskey,))
+        return ready
+
+    def _spare_for(self, nbytes: int) -> bytearray | None:
+        """A recycled buffer of ``nbytes``, if any. Hold ``cond``."""
+        spare = self._spare.get(nbytes)
+        if not spare:
+            return None
+        self._spare_bytes -= nbytes
+        return spare.pop()
+
+    def _copy_small(self, arr: np.ndarray) -> bytearray:
+        """A copy of ``arr`` made holding the GIL. Hold ``cond``."""
+        src = memoryview(arr).cast("B")
+        buf = self._spare_for(arr.nbytes)
+        if buf is None:
+            return bytearray(src)
+        memoryview(buf)[:] = src
+        return buf
+
+    def _copy_large(self, arr: np.ndarray) -> bytearray:
+        """A copy of ``arr`` made with the GIL released (without holding ``cond``)."""
+        with self.cond:
+            buf = self._spare_for(arr.nbytes)
+        if buf is None:
+            buf = bytearray(arr.nbytes)
+        np.copyto(np.frombuffer(buf, dtype=np.uint8), arr.reshape(-1).view(np.uint8))
+        return buf
 
     def discard(self, nskeys: Sequence[bytes]) -> None:
         """Have the writer delete these records; cancel their queued puts; withdraw and
@@ -281,7 +324,7 @@ class WriteQueue:
     def _batch_ready(self) -> bool:
         """Worth a commit: enough bytes to keep the disk busy while more are being queued
         (writing overlaps the callers' copies), a flush or a stop."""
-        return (self.queued_bytes >= min(self.batch_bytes, _EAGER_BYTES) or not self._queue
+        return (self.queued_bytes >= self.eager_bytes or not self._queue
                 or self._stop or self._flush_req > self._flush_done)
 
     def _take_batch(self) -> tuple[list[Put], int]:

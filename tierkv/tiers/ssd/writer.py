@@ -4,9 +4,11 @@ Each turn takes a batch from the :class:`~tierkv.tiers.ssd.writequeue.WriteQueue
 encodes it (compression and checksums, on the codec threads) and commits it
 in one write transaction, which also applies the turn's deletions (discards
 first, then records found corrupt), persists accesses, and evicts least
-recently used records down to the capacity. Bodies are written into pages
-allocated best-fit before their heads are inserted, so a committed head
-always points at a written body.
+recently used records down to the capacity. Puts of keys already stored
+count as accesses. The batch's bodies get one extent of the page file when
+one fits (else one each, best fit) and are written, a run of adjacent pages
+per ``pwritev``, before their heads are inserted (in key order, in one call),
+so a committed head always points at a written body.
 
 Syncs (page file first, then the index) happen at a flush, past
 :data:`SYNC_BYTES` of unsynced writes, after :data:`SYNC_INTERVAL_S`, at stop,
@@ -22,10 +24,12 @@ error disables the tier. Every drop and failed sync makes the next flush
 return False. The writer never raises.
 
 Threads: one writer thread per tier owns everything here: the free-space
-map, the commit and sync counters, the unsynced byte count, and every write
-transaction. It shares the queue (its condition), the page file (positionless
-I/O), :class:`~tierkv.tiers.ssd.reclaim.Reclaim` (its lock), and the
-health counters (their lock) with other threads; it reports lost keys
+map, the records per namespace (:attr:`Files.counts`), the commit and sync
+counters, the unsynced byte count, and every write transaction; the owner
+reads them (:meth:`Writer.settled`, the map for the snapshot) only after the
+thread stopped. It shares the queue (its condition), the page file
+(positionless I/O), :class:`~tierkv.tiers.ssd.reclaim.Reclaim` (its lock),
+and the health counters (their lock) with other threads; it reports lost keys
 through the queue.
 """
 
@@ -35,7 +39,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tierkv.tiers.ssd.record import Codec, Encoded
 
@@ -91,6 +95,7 @@ class Writer:
         self.health = health
         self.capacity_bytes = capacity_bytes
         self._unsynced = 0
+        self._exact = True  # the free-space map accounts for every page
         self._last_sync = time.monotonic()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
 
@@ -113,6 +118,8 @@ class Writer:
                 ok = self._write_safely(work, sync)
             self.queue.finish(work)
             if work.stop:
+                if not self._unsynced:  # the last reads are over: their pages are free now
+                    self._release()
                 return
             if not ok:  # do not spin on a full disk: the requeued deletions wait a little
                 time.sleep(RETRY_S)
@@ -209,19 +216,25 @@ class Writer:
 
     def _commit(self, changes: _Changes, extra: int = 0) -> list[Encoded]:
         """One write transaction: deletions, accesses, evictions, then the new bodies and
-        heads, and the accesses to those. Returns the new records the page file had no
-        room for (all of them or none; everything else is committed either way)."""
+        heads, and the accesses to those. Puts of keys already stored count as accesses and
+        leave ``changes.encoded``. Returns the new records the page file had no room for
+        (all of them or none; everything else is committed either way)."""
         taken: list[tuple[int, int]] = []
         try:
             with self.files.index.write() as tx:
                 discarded, corrupt = self._delete(tx, changes)
                 for nskey in changes.touched:
                     tx.retouch(nskey)
-                new = [e for e in changes.encoded if not tx.has(e.nskey)]
+                stored = tx.present([e.nskey for e in changes.encoded])
+                new = [e for e in changes.encoded if e.nskey not in stored]
+                for e in changes.encoded if stored else ():
+                    if e.nskey in stored:  # a put of a stored key: an access
+                        tx.retouch(e.nskey)
                 evicted = tx.evict(self.capacity_bytes - sum(e.footprint for e in new) - extra)
                 placed = self._place(new, taken)
                 if placed:
-                    self._insert(tx, new)
+                    self._write_bodies(new)
+                    tx.insert_many(new)
                     inserted = {e.nskey for e in new}
                     for nskey in changes.touched:
                         if nskey in inserted:  # accessed while queued: most recent after all
@@ -230,10 +243,13 @@ class Writer:
             for extent in taken:
                 self.files.space.free(*extent)
             raise
+        changes.encoded = new
         self.reclaim.committed(tx.freed)
         self._unsynced += 1
+        self._exact = self._exact and not tx.leaked
+        self.files.add_counts(tx.counts)
         self.health.add({"discarded": discarded, "corrupt_deleted": len(corrupt),
-                         "evictions": len(evicted)})
+                         "evictions": len(evicted), "puts_present": len(stored)})
         self.queue.report_lost(corrupt + evicted)
         if placed:
             self._account(new)
@@ -248,11 +264,20 @@ class Writer:
         return discarded, [nskey for nskey in changes.bad if tx.delete(nskey)]
 
     def _place(self, new: list[Encoded], taken: list[tuple[int, int]]) -> bool:
-        """Give every new record's body pages in the page file (all or none)."""
+        """Give every new record's body pages in the page file (all or none): one extent
+        for the whole batch when one fits (its bodies then go down in one write), else an
+        extent per record, best fit."""
         space = self.files.space
-        for e in new:
-            if not e.pages:
-                continue
+        bodies = [e for e in new if e.pages]
+        total = sum(e.pages for e in bodies)
+        page = space.allocate(total) if len(bodies) > 1 else None
+        if page is not None:
+            taken.append((page, total))
+            for e in bodies:
+                e.page = page
+                page += e.pages
+            return True
+        for e in bodies:
             page = space.allocate(e.pages)
             if page is None:
                 for extent in taken:
@@ -260,21 +285,26 @@ class Writer:
                 taken.clear()
                 return False
             taken.append((page, e.pages))
-            e.header = e.header.at_page(page)
+            e.page = page
         return True
 
-    def _insert(self, tx: "WriteTxn", new: list[Encoded]) -> None:
-        """Write the bodies, then insert their heads."""
-        pages = self.files.pages
-        for e in new:
-            pages.write(e.body, e.header.page)
-            tx.insert(e)
+    def _write_bodies(self, new: list[Encoded]) -> None:
+        """Write the bodies, one call per run of adjacent pages."""
+        runs: list[tuple[int, list[Any]]] = []
+        end = -1
+        for e in sorted((e for e in new if e.pages), key=lambda e: e.page):
+            if e.page != end:
+                runs.append((e.page, []))
+            runs[-1][1].append(e.body)
+            end = e.page + e.pages
+        for page, bodies in runs:
+            self.files.pages.write_run(page, bodies)
         self._unsynced += sum(len(e.body) for e in new)
 
     def _account(self, new: list[Encoded]) -> None:
         self.health.add({"blocks_written": len(new), "batches_committed": 1,
                          "bytes_raw": sum(e.raw_len for e in new),
-                         "bytes_stored": sum(e.header.payload_len for e in new)})
+                         "bytes_stored": sum(e.payload_len for e in new)})
 
     def _sync(self) -> None:
         """Make every commit so far durable (page file first), then hand the pages they
@@ -292,5 +322,18 @@ class Writer:
         self._unsynced = 0
         self._last_sync = time.monotonic()
         self.reclaim.mark_synced()
+        self._release()
+
+    def _release(self) -> None:
+        """Return the quarantined pages no read and no crash can pair with an old head."""
         for page, pages in self.reclaim.release():
             self.files.space.free(page, pages)
+
+    # ================================================================== at close
+
+    def settled(self) -> bool:
+        """After the writer stopped: every commit synced, every freed page back in the
+        free-space map, and no page whose owner is unknown (a deleted head that did not
+        verify). Only then does the map describe the page file exactly."""
+        return (not self._thread.is_alive() and self._unsynced == 0 and self._exact
+                and self.reclaim.quarantined_pages() == 0)
