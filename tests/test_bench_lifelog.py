@@ -46,3 +46,40 @@ def test_worked_example() -> None:
     log.leave_many([b, a], 10.0)  # b: life 10, idle 10; a: life 3, idle 3
     s = {k: sorted(v) for k, v in log.samples().items()}
     assert s == {"lifetime_s": [3.0, 5.0, 10.0], "idle_before_evict_s": [3.0, 3.0, 10.0], "reuse_gap_s": [2.0]}
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["enter", "access", "leave"]), st.lists(st.integers(0, 5), min_size=1,
+                                                                              max_size=3, unique=True),
+                          st.integers(0, 3)), max_size=80), st.integers(1, 7))
+def test_folding_as_it_goes_measures_what_one_fold_at_the_end_does(events, fold_events: int) -> None:
+    """A log measured every few keys (carrying only its alive blocks from fold to fold) gives the
+    online Lifecycle's samples, batches of several keys included."""
+    online, log = Lifecycle(keep_samples=True), LifecycleLog(fold_events=fold_events)
+    now = 0.0
+    for kind, ks, dt in events:
+        now += dt
+        for k in ks:
+            getattr(online, kind)(key(k), now)
+        getattr(log, f"{kind}_many")([key(k) for k in ks], now)
+    got, want = log.samples(), online.samples()
+    assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v or []) for k, v in want.items()}
+
+
+def test_memory_between_folds_is_the_alive_blocks_not_the_events() -> None:
+    """A million events over 100 blocks: what stays is those blocks' state and the summaries."""
+    log = LifecycleLog(fold_events=4096)
+    keys = [key(i) for i in range(100)]
+    now = 0.0
+    for _ in range(3_400):
+        now += 1.0
+        log.enter_many(keys[:50], now)
+        log.access_many(keys[25:], now + 0.5)
+        log.leave_many(keys[10:40], now + 0.75)
+        log.enter_many(keys[50:], now + 0.9)
+        log.leave_many(keys[60:80], now + 0.95)
+    log.fold()
+    assert log._alive_keys.size <= 100
+    assert log.retained_bytes() < 64 * 1024
+    s = log.samples()
+    assert s["lifetime_s"].count == 3_400 * 50 and s["reuse_gap_s"].count > 3_400 * 50

@@ -277,3 +277,27 @@ def test_inspect(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", "--trace", str(DATA / "small_qwen.jsonl"), "--json", "-"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["format"] == "qwen" and info["block_accesses"] == 9 and info["ideal_hit_rate"] == pytest.approx(3 / 9)
+
+
+def test_max_distinct_blocks_stops_a_trace_too_large_with_one_line(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    trace = str(DATA / "small_mooncake.jsonl")           # 5 distinct blocks, the 5th on line 4
+    assert main(["bench", "--trace", trace, *SMALL, "--max-distinct-blocks", "4", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"tierkv: error: {trace}:4: more than 4 distinct blocks (--max-distinct-blocks): stopped before " \
+                  "the analysis outgrows the memory it was given\n"
+    assert main(["inspect", "--trace", trace, "--max-distinct-blocks", "4"]) == 2
+    assert ":4: more than 4 distinct blocks" in capsys.readouterr().err
+    for ok in ("5", "0"):                                 # enough, and no limit
+        assert main(["bench", "--trace", trace, *SMALL, "--max-distinct-blocks", ok, "--quiet"]) == 0
+    with pytest.raises(SystemExit):
+        main(["bench", "--trace", trace, "--max-distinct-blocks", "-1", "--quiet"])
+    assert "--max-distinct-blocks: expected a non-negative integer" in capsys.readouterr().err
+
+
+def test_bench_reports_its_peak_memory_and_exact_percentiles(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    assert main(["bench", "--trace", str(DATA / "small_mooncake.jsonl"), *SMALL, "--json", str(out), "--quiet"]) == 0
+    r = json.loads(out.read_text())
+    assert r["peak_rss_bytes"]["analysis"] > 1 << 20 and r["peak_rss_bytes"]["curve_process"] is None
+    assert r["reuse_gap_s"]["exact"] and all(t["exact"] for t in r["lifetime_s"]["tiers"].values())

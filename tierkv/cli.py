@@ -15,9 +15,12 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 
 from tierkv.policy.spec import ADMISSIONS
+
+if TYPE_CHECKING:
+    from tierkv.bench.traces import DistinctLimit
 
 __all__ = ["main", "build_parser"]
 
@@ -93,14 +96,27 @@ def _load_config(args: argparse.Namespace) -> Any:
 
 
 def _load_trace(args: argparse.Namespace, config: Any, progress: Progress) -> Any:
+    """The built-in workload (in memory), or a reader that streams ``--trace`` through the analysis."""
     if args.trace is None:
         from tierkv.bench.workloads import generate
 
         return generate(args.workload, args.seed, block_size=args.block_size or config.block_size, scale=args.scale)
-    from tierkv.bench.traces import load_trace
+    from tierkv.bench.traces import TraceReader
 
-    return load_trace(args.trace, args.format, block_size=args.block_size, default_block_size=config.block_size,
-                      skip_bad_lines=args.skip_bad_lines, progress=progress.reading("reading", _file_size(args.trace)))
+    return TraceReader(args.trace, args.format, block_size=args.block_size, default_block_size=config.block_size,
+                       skip_bad_lines=args.skip_bad_lines, max_distinct_blocks=_max_distinct(args),
+                       progress=progress.reading("reading", _file_size(args.trace)))
+
+
+def _max_distinct(args: argparse.Namespace) -> "DistinctLimit":
+    """``--max-distinct-blocks``: the given number, none (0), or (by default) what the memory
+    available now holds of the trace's format, decided once the format is known."""
+    from tierkv.bench.budget import default_max_distinct_blocks
+
+    n = args.max_distinct_blocks
+    if n is None:
+        return default_max_distinct_blocks
+    return n or None
 
 
 def _file_size(path: str) -> int | None:
@@ -133,14 +149,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             payload_block_bytes=args.payload_block_bytes, admission=admission)
     trace = _load_trace(args, config, progress)
     t_load = time.perf_counter() - t0
-    if trace.skipped_lines and not args.quiet:
-        print(f"tierkv: skipped {trace.skipped_lines:,} bad lines (first: {trace.first_skipped})", file=sys.stderr)
+    in_memory = args.trace is None  # a file is read (with its own progress) as the analysis goes
     try:
-        res = run_bench(trace, config, options, progress=progress.phase("replay", len(trace.requests)),
+        res = run_bench(trace, config, options,
+                        progress=progress.phase("replay", trace.num_requests) if in_memory else None,
                         compare_admissions=args.admission == "both")
     finally:
         progress.done()
-    res.timings_s = {"load": t_load, **res.timings_s}
+    if res.trace.skipped_lines and not args.quiet:
+        print(f"tierkv: skipped {res.trace.skipped_lines:,} bad lines (first: {res.trace.first_skipped})",
+              file=sys.stderr)
+    res.timings_s["load"] = res.timings_s.get("load", 0.0) + t_load
     t_report = time.perf_counter()
     report = build_report(res)
     report["timings_s"]["report"] = round(time.perf_counter() - t_report, 3)
@@ -187,18 +206,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from tierkv.bench.mrc import build_mrc
-    from tierkv.bench.stats import summarize
-    from tierkv.bench.traces import load_trace
+    from tierkv.bench.traces import TraceReader
 
-    trace = load_trace(args.trace, args.format, block_size=args.block_size, skip_bad_lines=args.skip_bad_lines)
-    sp = build_mrc(trace)
-    gaps = summarize(sp.reuse_gaps_s())
+    reader = TraceReader(args.trace, args.format, block_size=args.block_size, skip_bad_lines=args.skip_bad_lines,
+                         max_distinct_blocks=_max_distinct(args))
+    sp = build_mrc(reader)
+    trace = reader.info
     info = {"trace": trace.name, "format": trace.format, "block_tokens": trace.block_size,
-            "requests": len(trace.requests), "block_accesses": trace.num_accesses,
+            "requests": trace.num_requests, "block_accesses": trace.num_accesses,
             "distinct_blocks": trace.num_distinct_blocks, "duration_s": round(trace.duration_s, 3),
             "ideal_hit_rate": round(sp.mrc.ideal_hit_rate, 6),
             "saturation_tokens": sp.mrc.saturation_blocks * trace.block_size,
-            "reuse_gap_s": gaps, "skipped_lines": trace.skipped_lines}
+            "reuse_gap_s": sp.reuse_gaps.summary(), "skipped_lines": trace.skipped_lines}
     if args.json:
         _write_json(args.json, info)
     else:
@@ -216,6 +235,21 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+_MAX_DISTINCT_HELP = ("stop with an error once a trace has more distinct blocks than this, before the analysis "
+                      "runs out of memory; 0: no limit (default: what the memory available now holds)")
+
+
+def _count(text: str) -> int:
+    """An argparse type: a non-negative integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
     return value
 
 
@@ -265,6 +299,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                      help=f"workload size multiplier (default: 1, at most {MAX_SCALE:g})")
     src.add_argument("--block-size", type=_positive_int, default=None, metavar="TOKENS",
                      help="tokens per trace block (default: 512 mooncake, 16 qwen, the config's otherwise)")
+    src.add_argument("--max-distinct-blocks", type=_count, default=None, metavar="N", help=_MAX_DISTINCT_HELP)
     bad = src.add_mutually_exclusive_group()
     bad.add_argument("--strict", dest="skip_bad_lines", action="store_false",
                      help="stop at the first bad line (default)")
@@ -320,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--format", default="auto")
     insp.add_argument("--block-size", type=_positive_int, default=None, metavar="TOKENS")
     insp.add_argument("--skip-bad-lines", action="store_true")
+    insp.add_argument("--max-distinct-blocks", type=_count, default=None, metavar="N", help=_MAX_DISTINCT_HELP)
     insp.add_argument("--json", metavar="PATH")
     insp.set_defaults(func=cmd_inspect)
     return parser

@@ -1,25 +1,38 @@
-"""One analysis of a trace: the miss-ratio pass plus the tiered replay.
+"""One analysis of a trace in one streaming pass: the miss-ratio pass plus the tiered replay.
 
-The two are independent: when a second CPU is free (and ``fork`` exists), the
-miss-ratio pass runs in a forked child while this process replays, and its
-result comes back through a pipe. Without one, or if the child fails, the pass
-runs here. The curve is the same either way.
+Each request is read once (a :class:`~tierkv.bench.traces.TraceReader` reads
+the file as the pass goes) and handed to the replay of each admission mode
+asked for and to the miss-ratio pass; nothing is kept per request, so memory
+follows the trace's distinct blocks, and time its block accesses.
+
+The miss-ratio pass takes requests in batches. When a second CPU is free
+(and ``fork`` exists), once the trace has passed ``_PARALLEL_MIN_ACCESSES``
+accesses the pass moves to a forked child (taking its state so far with it)
+and the batches follow through a pipe, so it runs beside the replay. A
+process running other threads (a payload replay's SSD writer) is not
+forked: the pass then stays here. The
+curve is the same either way. A trace may be a pipe that cannot be read
+twice, so if that child dies the analysis fails, saying so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import os
+import resource
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from tierkv.bench.mrc import StackPass, build_mrc
-from tierkv.bench.replay import ReplayOptions, ReplayResult, replay
+from tierkv.bench.mrc import BATCH_ACCESSES, CurvePass, RequestBatch, StackPass
+from tierkv.bench.replay import ReplayError, ReplayOptions, ReplayResult, Replayer, replaying, requests_of
 from tierkv.policy.spec import ADMISSIONS
 
 if TYPE_CHECKING:
-    from tierkv.bench.traces import Trace
+    from tierkv.bench.traces import Request, Trace, TraceInfo, TraceReader
     from tierkv.config import TierKVConfig
 
 __all__ = ["BenchResult", "run_bench"]
@@ -29,7 +42,7 @@ _PARALLEL_MIN_ACCESSES = 50_000  # below this the fork costs more than it saves
 
 @dataclass
 class BenchResult:
-    trace: "Trace"
+    trace: "TraceInfo"
     stack: StackPass
     replay: ReplayResult
     options: ReplayOptions
@@ -37,64 +50,183 @@ class BenchResult:
     comparison: dict[str, ReplayResult] = field(default_factory=dict)  # admission mode -> replay
 
 
-def run_bench(trace: "Trace", config: "TierKVConfig", options: ReplayOptions = ReplayOptions(),
-              progress: Callable[[int], None] | None = None, compare_admissions: bool = False) -> BenchResult:
-    """Compute the exact LRU curve of ``trace`` and replay it through the tier policy;
-    with ``compare_admissions`` also replay it under every other admission mode."""
+def run_bench(trace: "Trace | TraceReader", config: "TierKVConfig", options: ReplayOptions = ReplayOptions(),
+              progress: Callable[[int], None] | None = None, compare_admissions: bool = False,
+              parallel: bool = True) -> BenchResult:
+    """Compute the exact LRU curve of ``trace`` and replay it through the tier policy, in one
+    pass; with ``compare_admissions`` also replay it under every other admission mode in the
+    same pass. ``progress(requests done)`` is called every 256 requests; ``parallel=False``
+    keeps the miss-ratio pass in this process."""
     t0 = time.perf_counter()
-    curve = _curve_alongside(trace)
-    result = replay(trace, config, options, progress)
-    stack, curve_s = curve()
-    t2 = time.perf_counter()
-    res = BenchResult(trace, stack, result, options, {"mrc": curve_s, "replay": result.wall_s, "analysis": t2 - t0})
+    requests = requests_of(trace)
+    first = next(requests, None)
+    block_size = trace.block_size
+    curve = _CurveFeed(block_size, parallel)
+    with contextlib.ExitStack() as opened:
+        replayers = [opened.enter_context(replaying(config, block_size, opts))
+                     for opts in _modes(config, options, compare_admissions)]
+        try:
+            _pass(itertools.chain(() if first is None else (first,), requests), replayers, curve, progress)
+            stack = curve.result()
+        finally:
+            curve.close()
+    results = [rp.result for rp in replayers if rp.result is not None]
+    res = BenchResult(trace.info, stack, results[0], options, _timings(time.perf_counter() - t0, results, curve))
     if compare_admissions:
-        res.comparison[result.spec.admission] = result
-        for mode in ADMISSIONS:
-            if mode not in res.comparison:
-                res.comparison[mode] = replay(trace, config, dataclasses.replace(options, admission=mode))
-        res.timings_s["compare"] = time.perf_counter() - t2
+        res.comparison = {r.spec.admission: r for r in results}
     return res
 
 
-def _timed_curve(trace: "Trace") -> tuple[StackPass, float]:
-    t0 = time.perf_counter()
-    stack = build_mrc(trace)
-    return stack, time.perf_counter() - t0
+def _modes(config: "TierKVConfig", options: ReplayOptions, compare: bool) -> list[ReplayOptions]:
+    """``options``, then (with ``compare``) the same with each other admission mode."""
+    first = options.admission or config.spill.admission
+    others = [m for m in ADMISSIONS if compare and m != first]
+    return [options, *(dataclasses.replace(options, admission=m) for m in others)]
 
 
-def _curve_alongside(trace: "Trace") -> Callable[[], tuple[StackPass, float]]:
-    """Start the miss-ratio pass; the returned function yields ``(result, seconds it took)``."""
-    if trace.num_accesses < _PARALLEL_MIN_ACCESSES or not _spare_cpu():
-        done = _timed_curve(trace)
-        return lambda: done
-    import multiprocessing
+def _pass(requests: Iterator["Request"], replayers: list[Replayer], curve: "_CurveFeed",
+          progress: Callable[[int], None] | None) -> None:
+    for n, r in enumerate(requests, 1):
+        for rp in replayers:
+            rp.step(r)
+        curve.add(r)
+        if progress is not None and n & 255 == 0:
+            progress(n)
 
-    ctx = multiprocessing.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_curve_child, args=(trace, send), daemon=True)
-    child.start()
-    send.close()
 
-    def result() -> tuple[StackPass, float]:
+def _timings(wall: float, results: list[ReplayResult], curve: "_CurveFeed") -> dict[str, float]:
+    replay_s = results[0].wall_s
+    compare_s = sum(r.wall_s for r in results[1:])
+    here = replay_s + compare_s + curve.here_s
+    out = {"load": max(0.0, wall - here), "mrc": curve.seconds, "replay": replay_s, "analysis": wall}
+    if len(results) > 1:
+        out["compare"] = compare_s
+    return out
+
+
+class _CurveFeed:
+    """Batches requests for the miss-ratio pass, here or in a forked child (see the module docstring)."""
+
+    def __init__(self, block_size: int, parallel: bool) -> None:
+        self.local: CurvePass | None = CurvePass(block_size)
+        self.batch = RequestBatch()
+        self.parallel = parallel and _spare_cpu()
+        self.fed = 0
+        self.conn: Any = None
+        self.child: Any = None
+        self.child_pid: int | None = None
+        self.seconds = 0.0   # measuring, wherever it ran
+        self.here_s = 0.0    # spent in this process: measuring before the fork, sending after
+
+    def add(self, r: "Request") -> None:
+        self.batch.add(r)
+        if len(self.batch) >= BATCH_ACCESSES:
+            self._flush()
+
+    def _flush(self) -> None:
+        batch, self.batch = self.batch, RequestBatch()
+        if not len(batch):
+            return
+        self.fed += len(batch)
+        if self.conn is None and self.parallel and self.fed >= _PARALLEL_MIN_ACCESSES:
+            if threading.active_count() == 1:  # never fork a process whose other threads may hold locks
+                self._fork()
+            self.parallel = False
+        t0 = time.perf_counter()
+        if self.conn is not None:
+            if self.conn.poll():  # the child only answers early to report a failure
+                raise ReplayError(self._failure())
+            self._send(batch.arrays())
+        else:
+            assert self.local is not None
+            self.local.add(batch)
+        self.here_s += time.perf_counter() - t0
+
+    def _fork(self) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")
+        here, there = ctx.Pipe(duplex=True)
+        self.child = ctx.Process(target=_curve_child, args=(self.local, there, here), daemon=True)
+        self.child.start()
+        there.close()
+        self.conn, self.child_pid, self.local = here, self.child.pid, None
+
+    def _send(self, msg: Any) -> None:
         try:
-            got: Any = recv.recv()
+            self.conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            raise ReplayError(self._failure()) from None
+
+    def result(self) -> StackPass:
+        self._flush()
+        if self.conn is None:
+            assert self.local is not None
+            out = self.local.result()
+            self.seconds = out.seconds
+            self.here_s = out.seconds
+            return out
+        self._send(None)
+        try:
+            status, got = self.conn.recv()
         except (EOFError, OSError):
-            got = None
-        finally:
-            recv.close()
-            child.join()
-        return got if got is not None else _timed_curve(trace)
+            raise ReplayError(self._failure()) from None
+        if status != "ok":
+            raise ReplayError(f"the miss-ratio pass failed in its process: {got}")
+        self.seconds = got.seconds
+        return got
 
-    return result
+    def _failure(self) -> str:
+        """Why the child stopped: the error it reported, or how it ended."""
+        try:
+            if self.conn.poll(0):
+                status, got = self.conn.recv()
+                if status == "error":
+                    return f"the miss-ratio pass failed in its process: {got}"
+        except (EOFError, OSError):
+            pass
+        self.child.join(5)
+        code = self.child.exitcode
+        why = "killed (most likely out of memory)" if code is not None and code < 0 else f"exit status {code}"
+        return (f"the miss-ratio pass (process {self.child_pid}) ended without a result: {why}; "
+                "--max-distinct-blocks stops a trace too large for this machine's memory before that")
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self.child is not None:
+            self.child.join(1)
+            if self.child.is_alive():
+                self.child.terminate()
+                self.child.join()
+            self.child = None
 
 
-def _curve_child(trace: "Trace", send: Any) -> None:
+def _curve_child(cp: CurvePass, conn: Any, parent_end: Any) -> None:
+    parent_end.close()
     try:
-        send.send(_timed_curve(trace))
-    except BaseException:  # the parent computes the curve itself
-        send.send(None)
+        while (msg := conn.recv()) is not None:
+            cp.add_arrays(*msg)
+        out = cp.result()
+        out.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        conn.send(("ok", out))
+    except EOFError:  # the parent went away
+        pass
+    except BaseException as e:  # reported to the parent, which stops at its next batch
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        _drain(conn)
     finally:
-        send.close()
+        conn.close()
+
+
+def _drain(conn: Any) -> None:
+    """Read and drop the parent's batches up to its end mark (or until it goes away)."""
+    try:
+        while conn.recv() is not None:
+            pass
+    except (EOFError, OSError):
+        pass
 
 
 def _spare_cpu() -> bool:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tierkv.bench.replay import TIERS
+from tierkv.bench.stats import Quantiles
 
 if TYPE_CHECKING:
     from tierkv.bench.analysis import BenchResult
@@ -15,14 +16,13 @@ __all__ = ["plot_report"]
 _COLORS = {"gpu": "tab:green", "cpu": "tab:blue", "ssd": "tab:purple", "cache": "tab:red", "trace": "black"}
 
 
-def _ecdf(ax: Any, samples: Sequence[float], label: str, color: str, style: str) -> None:
+def _ecdf(ax: Any, samples: Quantiles, label: str, color: str, style: str) -> None:
     import numpy as np
 
-    arr = np.asarray(samples, dtype=np.float64)
-    if arr.size == 0:
+    if not samples.count:
         return
-    q = np.linspace(0.0, 1.0, min(arr.size, 1000))
-    x = np.maximum(np.quantile(arr, q), 1e-3)
+    q = np.linspace(0.0, 1.0, min(samples.count, 1000))
+    x = np.maximum(samples.quantiles(q), 1e-3)
     ax.step(x, q, where="post", label=label, color=color, linestyle=style)
 
 
@@ -56,7 +56,7 @@ def _mrc_panel(ax: Any, report: dict[str, Any]) -> None:
 
 def _lifecycle_panel(ax: Any, res: "BenchResult") -> None:
     rp = res.replay
-    _ecdf(ax, res.stack.reuse_gaps_s(), "reuse gap (trace)", _COLORS["trace"], "-")
+    _ecdf(ax, res.stack.reuse_gaps, "reuse gap (trace)", _COLORS["trace"], "-")
     for tier in TIERS:
         _ecdf(ax, rp.lifecycle(tier, "reuse_gap_s"), f"reuse gap {tier.upper()}", _COLORS[tier], "-")
         _ecdf(ax, rp.lifecycle(tier, "idle_before_evict_s"), f"idle before evict {tier.upper()}",

@@ -32,30 +32,42 @@ is converted to the same number of tokens). Without payload no bytes move
 (a null executor); ``payload=True`` moves real bytes (``payload_block_bytes``
 per block) through a host pool, the CPU slab and an SSD tier in a temporary
 directory, with the tiers holding the same number of blocks.
+
+Memory: the replay reads each request once and keeps nothing per request
+(unless ``record_requests``) or per access. Per block it keeps a state byte
+and two times (miss reasons, whole-cache lifetimes), in arrays indexed by
+the trace's dense block ids, so its memory follows the trace's distinct
+blocks; the pool and the tiers hold what their capacities hold. Lifecycle
+samples are summarised as they come (:mod:`tierkv.bench.lifelog`,
+:class:`~tierkv.bench.stats.Quantiles`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
+import itertools
 import tempfile
 import time
+from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from tierkv.block_pool import BlockManager, Prompt
 from tierkv.config import TierKVConfig
 from tierkv.errors import ConfigError, OutOfBlocksError
 from tierkv.executor import Executor, NullExecutor
 from tierkv.bench.lifelog import LifecycleLog
+from tierkv.bench.stats import Quantiles
 from tierkv.metrics import LifecycleRecorder, policy_stats
 from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, LoadPlan, PolicySpec, StorePlan, TierPolicy
 
 if TYPE_CHECKING:
-    from tierkv.bench.traces import Trace
+    from tierkv.bench.traces import Request, Trace, TraceReader
 
-__all__ = ["TIERS", "MISS_REASONS", "ReplayError", "ReplayOptions", "ReplayResult", "config_for_trace",
-           "tier_capacities", "policy_spec", "replay"]
+__all__ = ["TIERS", "MISS_REASONS", "ReplayError", "ReplayOptions", "ReplayResult", "Replayer", "config_for_trace",
+           "tier_capacities", "policy_spec", "replay", "replaying", "requests_of"]
 
 TIERS = ("gpu", "cpu", "ssd")
 MISS_REASONS = ("new", "evicted_gpu", "evicted_cpu", "evicted_ssd", "prefix_miss", "last_token", "rejected", "other")
@@ -100,8 +112,8 @@ class ReplayResult:
     rejected_max_blocks: int = 0
     admit_hint: str | None = None
     request_hits: list[dict[str, int]] = field(default_factory=list)
-    cache_lifetime_s: list[float] = field(default_factory=list)
-    cache_idle_before_evict_s: list[float] = field(default_factory=list)
+    cache_lifetime_s: Quantiles = field(default_factory=Quantiles)
+    cache_idle_before_evict_s: Quantiles = field(default_factory=Quantiles)
     payload_block_bytes: int | None = None
 
     @property
@@ -114,12 +126,10 @@ class ReplayResult:
         rates["total"] = self.hits / n
         return rates
 
-    def lifecycle(self, tier: str, what: str) -> Any:
-        """Raw samples ``what`` (lifetime_s | idle_before_evict_s | reuse_gap_s) of ``tier`` (an array)."""
-        import numpy as np
-
+    def lifecycle(self, tier: str, what: str) -> Quantiles:
+        """Samples ``what`` (lifetime_s | idle_before_evict_s | reuse_gap_s) of ``tier``."""
         got = self.stats.get("lifecycle", {}).get(tier, {}).get(what)
-        return np.asarray(got if got is not None else [], dtype=np.float64)
+        return got if got is not None else Quantiles()
 
 
 def _gpu_tokens(cfg: TierKVConfig) -> int | None:
@@ -153,25 +163,50 @@ def tier_capacities(cfg: TierKVConfig) -> dict[str, int]:
     return {"gpu": cfg.gpu.resolve_num_blocks(cfg.block_nbytes()), "cpu": spec.cpu_slots, "ssd": spec.ssd_slots}
 
 
-class _Tracker:
-    """Per-block state for miss reasons and whole-cache lifetimes."""
+_FLUSH = 1 << 16  # whole-cache samples buffered before they go into their Quantiles
 
-    def __init__(self, id_bound: int) -> None:
-        self.state = bytearray(id_bound)
-        self.entered = [0.0] * id_bound
-        self.last = [0.0] * id_bound
-        self.lifetime: list[float] = []
-        self.idle: list[float] = []
+
+class _Tracker:
+    """Per-block state for miss reasons and whole-cache lifetimes (arrays grown with the block ids)."""
+
+    def __init__(self) -> None:
+        self.state = bytearray()
+        self.entered = array("d")
+        self.last = array("d")
+        self.lifetime, self.idle = Quantiles(), Quantiles()
+        self._life: list[float] = []
+        self._idle: list[float] = []
+
+    def cover(self, top: int) -> None:
+        """Room for block ids below ``top``."""
+        n = len(self.state)
+        if top > n:
+            grow = max(top, 2 * n, 1024) - n
+            self.state.extend(bytes(grow))
+            self.entered.extend(array("d", bytes(8 * grow)))
+            self.last.extend(array("d", bytes(8 * grow)))
 
     def left_many(self, keys: list[bytes], tier: str, now: float) -> None:
         """These blocks left the last tier that held them (``tier``)."""
-        state, code = self.state, _LEFT[tier]
+        state, code, entered, last = self.state, _LEFT[tier], self.entered, self.last
+        life, idle = self._life, self._idle
         for key in keys:
             block = _block(key)
             if state[block] == _CACHED:
                 state[block] = code
-                self.lifetime.append(now - self.entered[block])
-                self.idle.append(now - self.last[block])
+                life.append(now - entered[block])
+                idle.append(now - last[block])
+        if len(life) >= _FLUSH:
+            self.flush()
+
+    def flush(self) -> None:
+        self.lifetime.add(self._life)
+        self.idle.add(self._idle)
+        self._life, self._idle = [], []
+
+    def retained_bytes(self) -> int:
+        return len(self.state) + 8 * (len(self.entered) + len(self.last) + len(self._life) + len(self._idle)) + \
+            self.lifetime.retained_bytes() + self.idle.retained_bytes()
 
     def touch(self, blocks: list[int], now: float) -> None:
         state, entered, last = self.state, self.entered, self.last
@@ -200,28 +235,24 @@ def _classify(before: bytes, hit: int, hittable: int, reasons: dict[str, int]) -
         reasons[reason] += seg.count(code)
 
 
-def _key(block: int) -> bytes:
-    """The key of a trace's block id (ids are dense and unique; no hash needed)."""
-    return block.to_bytes(8, "little")
-
-
 def _block(key: bytes) -> int:
     return int.from_bytes(key, "little")
 
 
-class _Replayer:
-    """One pass over a trace (see the module docstring for the step protocol)."""
+class Replayer:
+    """One pass over a trace, a request at a time (see the module docstring for the step protocol).
 
-    def __init__(self, trace: "Trace", cfg: TierKVConfig, opts: ReplayOptions, executor: Executor) -> None:
-        self.trace, self.opts = trace, opts
+    Made by :func:`replaying`, which sets :attr:`result` when it exits."""
+
+    def __init__(self, block_size: int, cfg: TierKVConfig, opts: ReplayOptions, executor: Executor) -> None:
+        self.block_size, self.opts = block_size, opts
         self.now = 0.0
         self.spec = policy_spec(cfg)
-        self.tracker = _Tracker(trace.id_bound)
-        self.keys = [_key(b) for b in range(trace.id_bound)]
+        self.tracker = _Tracker()
         self.lifecycle = {t: LifecycleLog() for t in TIERS}
         self._left: list[tuple[list[bytes], str]] = []
         self.gpu_blocks = cfg.gpu.resolve_num_blocks(cfg.block_nbytes())
-        self.manager = BlockManager(self.gpu_blocks, trace.block_size, track_evictions=True)
+        self.manager = BlockManager(self.gpu_blocks, block_size, track_evictions=True)
         self.policy = TierPolicy(self.spec, clock=lambda: self.now,
                                  observers=[LifecycleRecorder({t: self.lifecycle[t] for t in ("cpu", "ssd")}),
                                             self._observe])
@@ -232,6 +263,9 @@ class _Replayer:
         self.forced = self.peak = self.rejected = self.rejected_max = 0
         self.request_hits: list[dict[str, int]] | None = [] if opts.record_requests else None
         self.gpu_evictions = self.stored_at_eviction = 0
+        self.requests = self.accesses = 0
+        self.wall_s = 0.0
+        self.result: ReplayResult | None = None
 
     def _observe(self, kind: str, tier: str, keys: Any, now: float) -> None:
         if kind in ("evicted", "lost", "dropped"):
@@ -264,13 +298,23 @@ class _Replayer:
                 self.manager.free(str(victim))
                 self.forced += 1
 
-    def step(self, rid: int) -> None:
-        r = self.trace.requests[rid]
+    def step(self, r: "Request") -> None:
+        """Replay the next request (arrival order)."""
+        t0 = time.perf_counter()
+        rid = self.requests
+        self.requests += 1
+        self.accesses += len(r.blocks)
+        if r.blocks:
+            self.tracker.cover(max(r.blocks) + 1)
+        self._step(rid, r)
+        self.wall_s += time.perf_counter() - t0
+
+    def _step(self, rid: int, r: "Request") -> None:
         self.policy.forget_pairs(self.executor.take_lost())  # what the SSD tier dropped on its own
         self.finish_until(r.timestamp)
         self.now = max(self.now, r.timestamp)
-        n_tokens = r.input_length if self.trace.token_based else len(r.blocks) * self.trace.block_size
-        prompt = Prompt(list(map(self.keys.__getitem__, r.blocks)), n_tokens, r.hittable)
+        n_tokens = r.input_length if r.token_based else len(r.blocks) * self.block_size
+        prompt = Prompt([b.to_bytes(8, "little") for b in r.blocks], n_tokens, r.hittable)
         needed = self.manager.blocks_needed(prompt)
         if needed > self.gpu_blocks:
             self.rejected += 1
@@ -373,6 +417,7 @@ class _Replayer:
 
     def close(self) -> dict[str, Any]:
         self.finish_until(float("inf"))
+        self.tracker.flush()
         stats = {**policy_stats(self.policy, gpu_evictions=self.gpu_evictions,
                                 gpu_cached=self.manager.num_cached_blocks, gpu_blocks=self.gpu_blocks),
                  "spills_at_eviction": self.stored_at_eviction,
@@ -417,34 +462,67 @@ def _payload_executor(cfg: TierKVConfig) -> Executor:
     return Executor(PoolRows(TransferEngine(pool)), slab, ssd)
 
 
-def replay(trace: "Trace", config: TierKVConfig, options: ReplayOptions = ReplayOptions(),
-           progress: Callable[[int], None] | None = None) -> ReplayResult:
-    """Drive ``trace`` through the tier policy of ``config`` (see the module docstring)."""
+def _checked(config: TierKVConfig, block_size: int, admission: str | None) -> tuple[TierKVConfig, dict[str, int]]:
     try:
-        cfg = config_for_trace(config, trace.block_size, options.admission)
-        caps = tier_capacities(cfg)
+        cfg = config_for_trace(config, block_size, admission)
+        return cfg, tier_capacities(cfg)
     except ConfigError as exc:
         raise ReplayError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def replaying(config: TierKVConfig, block_size: int,
+              options: ReplayOptions = ReplayOptions()) -> Iterator[Replayer]:
+    """A :class:`Replayer` of ``config`` for a trace of ``block_size``-token blocks: call its
+    ``step`` with each request in arrival order; on exit its ``result`` holds the
+    :class:`ReplayResult` (the payload tiers, if any, are closed and removed)."""
+    cfg, caps = _checked(config, block_size, options.admission)
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-") as tmp:
         run_cfg = _payload_config(cfg, options.payload_block_bytes, tmp) if options.payload else cfg
         executor = _payload_executor(run_cfg) if options.payload else NullExecutor()
-        t0 = time.perf_counter()
-        rp = _Replayer(trace, run_cfg, options, executor)
+        rp = Replayer(block_size, run_cfg, options, executor)
         try:
-            for rid in range(len(trace.requests)):
-                rp.step(rid)
-                if progress is not None and rid & 255 == 255:
-                    progress(rid + 1)
+            yield rp
         finally:
+            t0 = time.perf_counter()
             stats = rp.close()
             if executor.ssd is not None:
                 executor.ssd.close()
-        wall = time.perf_counter() - t0
-    return ReplayResult(cfg, rp.spec, caps, len(trace.requests), trace.num_accesses, rp.hit_blocks, rp.reasons,
-                        rp.forced, rp.peak, wall, stats, rp.rejected, rp.rejected_max,
-                        _admit_hint(config, rp.rejected_max * trace.block_size) if rp.rejected else None,
+            rp.wall_s += time.perf_counter() - t0
+            rp.result = _result(rp, config, cfg, caps, stats)
+
+
+def _result(rp: Replayer, config: TierKVConfig, cfg: TierKVConfig, caps: dict[str, int],
+            stats: dict[str, Any]) -> ReplayResult:
+    opts = rp.opts
+    return ReplayResult(cfg, rp.spec, caps, rp.requests, rp.accesses, rp.hit_blocks, rp.reasons,
+                        rp.forced, rp.peak, rp.wall_s, stats, rp.rejected, rp.rejected_max,
+                        _admit_hint(config, rp.rejected_max * rp.block_size) if rp.rejected else None,
                         rp.request_hits or [], rp.tracker.lifetime, rp.tracker.idle,
-                        options.payload_block_bytes if options.payload else None)
+                        opts.payload_block_bytes if opts.payload else None)
+
+
+def requests_of(trace: "Trace | TraceReader | Iterable[Request]") -> Iterator["Request"]:
+    """The requests of an in-memory trace, or of a reader as it reads them."""
+    from tierkv.bench.traces import Trace
+
+    return iter(trace.requests if isinstance(trace, Trace) else trace)
+
+
+def replay(trace: "Trace | TraceReader", config: TierKVConfig, options: ReplayOptions = ReplayOptions(),
+           progress: Callable[[int], None] | None = None) -> ReplayResult:
+    """Drive ``trace`` through the tier policy of ``config`` (see the module docstring).
+
+    A :class:`~tierkv.bench.traces.TraceReader` is replayed as it is read."""
+    requests = requests_of(trace)
+    first = next(requests, None)
+    with replaying(config, trace.block_size, options) as rp:
+        for n, r in enumerate(itertools.chain(() if first is None else (first,), requests), 1):
+            rp.step(r)
+            if progress is not None and n & 255 == 0:
+                progress(n)
+    assert rp.result is not None
+    return rp.result
 
 
 def _admit_hint(original: TierKVConfig, tokens: int) -> str:

@@ -8,7 +8,13 @@ JSON keys (``tierkv bench --json``): ``requests``, ``block_accesses``,
 accesses of a block, the top-level idle and lifetime are of blocks leaving
 the last tier), ``miss_reasons``, ``mrc`` ([capacity_tokens, hit_rate]
 pairs), ``recommendation``, ``diagnosis``, ``capacity``, ``replay``,
-``trace``, ``timings_s``.
+``trace``, ``timings_s``, ``peak_rss_bytes`` (this process and, when the
+miss-ratio pass ran in a child, that child).
+
+Percentile summaries are exact while their samples take at most
+:data:`~tierkv.bench.stats.EXACT_VALUES` distinct values and within
+:data:`~tierkv.bench.stats.RELATIVE_ERROR` (relative) past that; each
+summary's ``exact`` says which.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierkv.bench import diagnose
 from tierkv.bench.replay import TIERS
-from tierkv.bench.stats import summarize
+from tierkv.bench.stats import EXACT_VALUES, RELATIVE_ERROR, summarize
 from tierkv.config import format_size
 
 if TYPE_CHECKING:
@@ -42,7 +48,7 @@ _REASON_TEXT = {
 
 def _lifecycle(res: "BenchResult") -> dict[str, dict[str, Any]]:
     rp = res.replay
-    top = {"reuse_gap_s": ("trace", res.stack.reuse_gaps_s()),
+    top = {"reuse_gap_s": ("trace", res.stack.reuse_gaps),
            "idle_before_evict_s": ("cache", rp.cache_idle_before_evict_s),
            "lifetime_s": ("cache", rp.cache_lifetime_s)}
     out = {}
@@ -94,7 +100,7 @@ def build_report(res: "BenchResult") -> dict[str, Any]:
     return {
         "trace": {"name": tr.name, "format": tr.format, "duration_s": round(tr.duration_s, 3),
                   "skipped_lines": tr.skipped_lines},
-        "requests": len(tr.requests),
+        "requests": tr.num_requests,
         "block_accesses": tr.num_accesses,
         "block_tokens": bs,
         "distinct_blocks": tr.num_distinct_blocks,
@@ -119,7 +125,16 @@ def build_report(res: "BenchResult") -> dict[str, Any]:
                                                              "dropped_spills", "corrupt_blocks")},
                    "transfer": rp.stats.get("transfer", {})},
         "timings_s": {k: round(v, 3) for k, v in res.timings_s.items()},
+        "peak_rss_bytes": _peak_rss(res),
     }
+
+
+def _peak_rss(res: "BenchResult") -> dict[str, int | None]:
+    """Largest resident memory so far of this process and of the miss-ratio child (None: no child)."""
+    import resource
+
+    return {"analysis": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "curve_process": res.stack.peak_rss_bytes}
 
 
 def _rejected(rp: "ReplayResult") -> dict[str, Any]:
@@ -182,9 +197,14 @@ def _life_rows(r: dict[str, Any]) -> list[list[str]]:
         d = r[what]
         entries = [(d["scope"], d), *d["tiers"].items()]
         for i, (scope, s) in enumerate(entries):
+            mark = "" if s.get("exact", True) else "~"
             rows.append([names[what] if i == 0 else "", scope, _sec(s["p50"]), _sec(s["p90"]), _sec(s["p99"]),
-                         f"{s['count']:,}"])
+                         f"{mark}{s['count']:,}"])
     return rows
+
+
+def _summaries(r: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for what in _LIFECYCLE for s in (r[what], *r[what]["tiers"].values())]
 
 
 def _mrc_rows(r: dict[str, Any], rows: int = 12) -> list[list[str]]:
@@ -214,6 +234,9 @@ def render_text(r: dict[str, Any]) -> str:
     out += _table(["tier", "blocks", "tokens", "bytes", "hit rate", "hits"], _tier_rows(r))
     out += ["", "Block lifecycle (seconds of trace time)"]
     out += _table(["", "scope", "P50", "P90", "P99", "samples"], _life_rows(r))
+    if not all(s.get("exact", True) for s in _summaries(r)):
+        out += [f"  ~: samples of more than {EXACT_VALUES:,} distinct values: percentiles within "
+                f"{100 * RELATIVE_ERROR:g}% of exact"]
     out += ["", "Why blocks missed"]
     n = r["block_accesses"] or 1
     out += _table(["reason", "blocks", "of accesses"],

@@ -22,21 +22,31 @@ file. Lines are UTF-8 (a byte order mark at the start is allowed) and at most
 :data:`MAX_LINE_BYTES` long. Bad input raises :class:`TraceError` whose
 message starts with ``file:line``. With ``skip_bad_lines`` a bad record is
 skipped and counted instead.
+
+:class:`TraceReader` hands out each request as its line is read and keeps
+nothing per request: what it retains is the map from each distinct block
+hash to its dense id (about 100 bytes per distinct block for integer
+hashes), so a trace of any length streams through in memory that follows
+its distinct blocks; ``max_distinct_blocks`` stops it with a
+:class:`TraceError` before that map outgrows the memory it was given.
+:func:`load_trace` keeps every request (a :class:`Trace`), for small traces
+and tests.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
+from array import array
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator, Optional, Union
 
 from tierkv.config import short_repr
 
-__all__ = ["FORMATS", "Request", "Trace", "TraceError", "detect_format", "load_trace", "TraceBuilder"]
+__all__ = ["FORMATS", "DistinctLimit", "Request", "Trace", "TraceBuilder", "TraceError", "TraceInfo", "TraceReader",
+           "detect_format", "load_trace"]
 
 FORMATS = ("mooncake", "qwen", "tierkv")
 _ALIASES = {"qwen-bailian": "qwen", "bailian": "qwen"}
@@ -47,6 +57,10 @@ MAX_COUNT = 2**63 - 1
 """Largest ``input_length`` / ``output_length`` accepted."""
 _BOM = b"\xef\xbb\xbf"
 _PROGRESS_LINES, _PROGRESS_BYTES = 4096, 4 << 20
+
+
+DistinctLimit = Optional[Union[int, Callable[[str, int], Optional[int]]]]
+"""A limit on distinct blocks: a number, None (no limit), or a function of (format, block size)."""
 
 
 class TraceError(ValueError):
@@ -60,7 +74,9 @@ class Request:
     ``blocks``: dense block ids of the prompt in prefix order. ``hittable``:
     how many leading blocks may be served from cache (all of them for hash-id
     traces; for token traces the last prompt token is always computed, so at
-    most ``(input_length - 1) // block_size``).
+    most ``(input_length - 1) // block_size``). ``token_based``: the prompt's
+    length is ``input_length`` (given by tokens, or by hashes whose last block
+    may be partial) rather than ``len(blocks)`` full blocks.
     """
 
     timestamp: float
@@ -69,6 +85,29 @@ class Request:
     output_length: int
     hittable: int
     line: int = 0
+    token_based: bool = False
+
+
+@dataclass
+class TraceInfo:
+    """What a pass over a trace has counted (all of it once the pass is over)."""
+
+    name: str
+    format: str
+    block_size: int
+    num_requests: int = 0
+    num_accesses: int = 0
+    num_distinct_blocks: int = 0
+    id_bound: int = 0
+    token_based: bool = False
+    first_timestamp: float = 0.0
+    last_timestamp: float = 0.0
+    skipped_lines: int = 0
+    first_skipped: str | None = None
+
+    @property
+    def duration_s(self) -> float:
+        return self.last_timestamp - self.first_timestamp if self.num_requests else 0.0
 
 
 @dataclass
@@ -76,7 +115,7 @@ class Trace:
     """A whole trace in memory.
 
     ``num_distinct_blocks``: distinct block ids; every id is ``< id_bound``
-    (ids are dense enough to index arrays with, not necessarily contiguous).
+    (ids are 0, 1, 2, ... in order of first use, so the two are equal).
     """
 
     name: str
@@ -90,12 +129,24 @@ class Trace:
     first_skipped: str | None = None
 
     @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    @property
     def num_accesses(self) -> int:
         return sum(len(r.blocks) for r in self.requests)
 
     @property
     def duration_s(self) -> float:
         return self.requests[-1].timestamp - self.requests[0].timestamp if self.requests else 0.0
+
+    @property
+    def info(self) -> TraceInfo:
+        reqs = self.requests
+        return TraceInfo(self.name, self.format, self.block_size, len(reqs), self.num_accesses,
+                         self.num_distinct_blocks, self.id_bound, self.token_based,
+                         reqs[0].timestamp if reqs else 0.0, reqs[-1].timestamp if reqs else 0.0,
+                         self.skipped_lines, self.first_skipped)
 
 
 def detect_format(record: Any) -> str | None:
@@ -116,6 +167,10 @@ _ID_TYPES = {int, str}
 
 class _Bad(Exception):
     """A bad record; the loader adds file and line."""
+
+
+class _TooManyBlocks(Exception):
+    """More distinct blocks than ``max_distinct_blocks``: fatal even when skipping bad lines."""
 
 
 def _number(rec: dict[str, Any], key: str, *, required: bool = True, default: float = 0) -> float:
@@ -180,16 +235,21 @@ class TraceBuilder:
     """Turns per-request prompts into dense block ids and checks arrival order.
 
     Used by the file loader and by the workload generators, so both produce
-    identical :class:`Trace` objects.
+    identical :class:`Trace` objects. With ``keep=False`` no request is kept:
+    ``last`` holds the latest one until a reader takes it. More than
+    ``max_distinct_blocks`` distinct blocks is an error.
     """
 
-    def __init__(self, name: str, fmt: str, block_size: int) -> None:
+    def __init__(self, name: str, fmt: str, block_size: int, *, keep: bool = True,
+                 max_distinct_blocks: int | None = None) -> None:
         self.name, self.format, self.block_size = name, fmt, block_size
         self.ids: dict[Any, int] = {}
-        self._counter = itertools.count()
         self.requests: list[Request] = []
+        self.keep, self.max_distinct_blocks = keep, max_distinct_blocks
+        self.last: Request | None = None
         self.token_based = False
-        self._last_ts = 0.0
+        self._last_ts = self._first_ts = 0.0
+        self.num_requests = self.num_accesses = 0
 
     def check_time(self, ts: float) -> None:
         if ts < self._last_ts:
@@ -200,12 +260,16 @@ class TraceBuilder:
                 line: int = 0, namespace: Any = None) -> None:
         """A request given by block hash ids (equal id = same prefix block)."""
         self.check_time(ts)
-        sd = self.ids.setdefault
         if namespace is not None:
             raw_ids = [(namespace, h) for h in raw_ids]
         if len(set(raw_ids)) != len(raw_ids):  # before interning: a bad line adds no blocks
             raise _Bad("the same block hash appears twice in one request")
-        blocks = list(map(sd, raw_ids, self._counter))
+        ids = self.ids
+        blocks = list(map(ids.get, raw_ids))
+        if None in blocks:  # new blocks get the next ids (a request's hashes are distinct)
+            for i, b in enumerate(blocks):
+                if b is None:
+                    blocks[i] = ids[raw_ids[i]] = len(ids)
         self._append(Request(ts, blocks, input_length, output_length, len(blocks), line))
 
     def add_tokens(self, ts: float, tokens: list[int], output_length: int, line: int = 0,
@@ -214,32 +278,63 @@ class TraceBuilder:
         self.check_time(ts)
         bs, n = self.block_size, len(tokens)
         parent: Any = ("root", namespace)
-        sd, counter = self.ids.setdefault, self._counter
+        ids = self.ids
+        get = ids.get
         blocks = []
         for i in range(0, n - n % bs, bs):
-            parent = sd((parent, tuple(tokens[i:i + bs])), next(counter))
+            key = (parent, _token_key(tokens[i:i + bs]))
+            parent = get(key)
+            if parent is None:
+                parent = ids[key] = len(ids)
             blocks.append(parent)
         self.token_based = True
-        self._append(Request(ts, blocks, n, output_length, min(len(blocks), max(n - 1, 0) // bs), line))
+        self._append(Request(ts, blocks, n, output_length, min(len(blocks), max(n - 1, 0) // bs), line, True))
 
     def intern(self, key: Any) -> int:
-        """Dense id of ``key`` (new keys get new ids)."""
-        return self.ids.setdefault(key, next(self._counter))
+        """Dense id of ``key`` (new keys get the next id: ids are 0, 1, 2, ... in order of first use)."""
+        ids = self.ids
+        got = ids.get(key)
+        if got is None:
+            got = ids[key] = len(ids)
+        return got
 
     def add_blocks(self, ts: float, blocks: list[int], input_length: int, output_length: int,
                    hittable: int) -> None:
         """A request whose blocks were interned by the caller (generators); token-based rules apply."""
         self.check_time(ts)
         self.token_based = True
-        self._append(Request(ts, blocks, input_length, output_length, hittable))
+        self._append(Request(ts, blocks, input_length, output_length, hittable, 0, True))
 
     def _append(self, req: Request) -> None:
+        if self.max_distinct_blocks is not None and len(self.ids) > self.max_distinct_blocks:
+            raise _TooManyBlocks(f"more than {self.max_distinct_blocks:,} distinct blocks (--max-distinct-blocks): "
+                                 "stopped before the analysis outgrows the memory it was given")
+        if not self.num_requests:
+            self._first_ts = req.timestamp
         self._last_ts = req.timestamp
-        self.requests.append(req)
+        self.num_requests += 1
+        self.num_accesses += len(req.blocks)
+        self.last = req
+        if self.keep:
+            self.requests.append(req)
+
+    def info(self, skipped: int = 0, first_skipped: str | None = None) -> TraceInfo:
+        n = len(self.ids)
+        return TraceInfo(self.name, self.format, self.block_size, self.num_requests, self.num_accesses, n, n,
+                         self.token_based, self._first_ts, self._last_ts, skipped, first_skipped)
 
     def build(self, skipped: int = 0, first_skipped: str | None = None) -> Trace:
-        return Trace(self.name, self.format, self.block_size, self.requests, len(self.ids),
-                     next(self._counter), self.token_based, skipped, first_skipped)
+        n = len(self.ids)
+        return Trace(self.name, self.format, self.block_size, self.requests, n, n, self.token_based, skipped,
+                     first_skipped)
+
+
+def _token_key(tokens: list[int]) -> bytes | tuple[int, ...]:
+    """A block's tokens as a map key: their int64 bytes (8 bytes a token), a tuple if one does not fit."""
+    try:
+        return array("q", tokens).tobytes()
+    except OverflowError:
+        return tuple(tokens)
 
 
 def _add_mooncake(b: TraceBuilder, rec: dict[str, Any], line: int) -> None:
@@ -312,6 +407,8 @@ class _Loader:
     default_block_size: int
     skip_bad_lines: bool
     max_line_bytes: int = MAX_LINE_BYTES
+    keep: bool = True
+    max_distinct_blocks: DistinctLimit = None
     builder: TraceBuilder | None = None
     skipped: int = 0
     first_skipped: str | None = None
@@ -335,7 +432,9 @@ class _Loader:
                             "'block_hashes'); pass --format")
             return None
         bs = self.block_size or DEFAULT_BLOCK_SIZE.get(fmt, self.default_block_size)
-        self.builder = TraceBuilder(self.path.name, fmt, bs)
+        limit = self.max_distinct_blocks
+        self.builder = TraceBuilder(self.path.name, fmt, bs, keep=self.keep,
+                                    max_distinct_blocks=limit(fmt, bs) if callable(limit) else limit)
         return self.builder
 
     def feed(self, raw: bytes, line: int) -> None:
@@ -352,6 +451,8 @@ class _Loader:
                 _ADDERS[b.format](b, rec, line)
         except _Bad as e:
             self.fail(line, str(e))
+        except _TooManyBlocks as e:
+            raise TraceError(f"{self.path}:{line}: {e}") from None
 
     def read_lines(self, fh: BinaryIO) -> Iterator[bytes | None]:
         """Each line's bytes; None for a line longer than ``max_line_bytes``, whose rest is
@@ -375,19 +476,30 @@ class _Loader:
             self._reported = (self.lines, self.bytes_read)
             self.progress(*self._reported)
 
-    def read(self, fh: BinaryIO) -> None:
-        try:
-            for self.lines, raw in enumerate(self.read_lines(fh), 1):
-                if raw is None:
-                    self.fail(self.lines, f"line longer than {self.max_line_bytes} bytes")
-                else:
-                    self.feed(raw, self.lines)
-                if self.progress is not None:
-                    self.report()
-        except OSError as e:
-            raise TraceError(f"{self.path}:{self.lines + 1}: cannot read trace: {e.strerror or e}") from None
+    def read(self, fh: BinaryIO) -> Iterator[Request]:
+        """Each request as its line is read."""
+        lines = self.read_lines(fh)
+        while True:
+            try:
+                raw = next(lines, False)
+            except OSError as e:
+                raise TraceError(f"{self.path}:{self.lines + 1}: cannot read trace: {e.strerror or e}") from None
+            if raw is False:
+                return
+            self.lines += 1
+            if raw is None:
+                self.fail(self.lines, f"line longer than {self.max_line_bytes} bytes")
+            else:
+                self.feed(raw, self.lines)
+            if self.progress is not None:
+                self.report()
+            b = self.builder
+            if b is not None and b.last is not None:
+                req, b.last = b.last, None
+                yield req
 
-    def run(self) -> Trace:
+    def requests(self) -> Iterator[Request]:
+        """Open the file and yield its requests; an empty trace is a :class:`TraceError` at the end."""
         try:
             fh = open(self.path, "rb", buffering=1 << 20)
         except FileNotFoundError:
@@ -395,30 +507,82 @@ class _Loader:
         except OSError as e:
             raise TraceError(f"{self.path}: cannot read trace: {e.strerror}") from None
         with fh:
-            self.read(fh)
+            yield from self.read(fh)
         if self.progress is not None:
             self.progress(self.lines, self.bytes_read)
-        if self.builder is None or not self.builder.requests:
+        if self.builder is None or not self.builder.num_requests:
             why = f" ({self.skipped} bad lines skipped)" if self.skipped else ""
             raise TraceError(f"{self.path}:{self.lines}: empty trace: no requests{why}")
-        return self.builder.build(self.skipped, self.first_skipped)
+
+    def info(self) -> TraceInfo:
+        if self.builder is None:
+            return TraceInfo(self.path.name, self.fmt, self.block_size or 0, skipped_lines=self.skipped,
+                             first_skipped=self.first_skipped)
+        return self.builder.info(self.skipped, self.first_skipped)
+
+
+def _check_block_size(block_size: int | None) -> None:
+    if block_size is not None and (type(block_size) is not int or block_size < 1):
+        raise TraceError(f"--block-size: expected a positive integer, got {block_size!r}")
+
+
+class TraceReader:
+    """A JSONL trace read once, request by request, as it is iterated (a pipe or FIFO works).
+
+    Nothing is kept per request; :attr:`info` counts what has been read so far
+    (all of it once the iteration ends). :attr:`block_size` is known once the
+    first request has been read. Arguments as :func:`load_trace`, plus
+    ``max_distinct_blocks``: more distinct blocks than this is a
+    :class:`TraceError`; None: no limit; a function of (format, block size)
+    returning the limit, called once the format is known.
+    """
+
+    def __init__(self, path: str | Path, fmt: str = "auto", *, block_size: int | None = None,
+                 default_block_size: int = 16, skip_bad_lines: bool = False,
+                 progress: Callable[[int, int], None] | None = None, max_line_bytes: int = MAX_LINE_BYTES,
+                 max_distinct_blocks: DistinctLimit = None) -> None:
+        _check_block_size(block_size)
+        self._loader = _Loader(Path(path), normalize_format(fmt), block_size, default_block_size, skip_bad_lines,
+                               max_line_bytes, keep=False, max_distinct_blocks=max_distinct_blocks,
+                               progress=progress)
+        self._iterated = False
+
+    def __iter__(self) -> Iterator[Request]:
+        if self._iterated:
+            raise TraceError(f"{self._loader.path}: a trace is read once (it may be a pipe)")
+        self._iterated = True
+        return self._loader.requests()
+
+    @property
+    def block_size(self) -> int:
+        b = self._loader.builder
+        if b is None:
+            raise ValueError("TraceReader.block_size: known once the first request has been read")
+        return b.block_size
+
+    @property
+    def info(self) -> TraceInfo:
+        return self._loader.info()
 
 
 def load_trace(path: str | Path, fmt: str = "auto", *, block_size: int | None = None,
                default_block_size: int = 16, skip_bad_lines: bool = False,
                progress: Callable[[int, int], None] | None = None,
                max_line_bytes: int = MAX_LINE_BYTES) -> Trace:
-    """Read a JSONL trace in one pass (a pipe or FIFO works).
+    """Read a whole JSONL trace into memory in one pass (a pipe or FIFO works).
 
     ``fmt``: ``auto`` (decided by the first record), ``mooncake``, ``qwen`` or
     ``tierkv``. ``block_size``: tokens per block id; defaults to 512 for
     Mooncake, 16 for Qwen-Bailian and ``default_block_size`` (the config's)
     for tierkv traces. ``progress(lines, bytes)`` is called now and then with
     what has been read so far. A line longer than ``max_line_bytes`` is a bad
-    line. Raises :class:`TraceError` naming file and line.
+    line. Raises :class:`TraceError` naming file and line. Keeps every
+    request: use :class:`TraceReader` for traces of any size.
     """
-    if block_size is not None and (type(block_size) is not int or block_size < 1):
-        raise TraceError(f"--block-size: expected a positive integer, got {block_size!r}")
+    _check_block_size(block_size)
     loader = _Loader(Path(path), normalize_format(fmt), block_size, default_block_size, skip_bad_lines,
                      max_line_bytes, progress=progress)
-    return loader.run()
+    for _ in loader.requests():
+        pass
+    assert loader.builder is not None
+    return loader.builder.build(loader.skipped, loader.first_skipped)
