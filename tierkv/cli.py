@@ -228,29 +228,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------- parser
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}")
+        return value
+    return parse
+
+
+_positive_int = _int_at_least(1, "positive")
+_count = _int_at_least(0, "non-negative")
 
 
 _MAX_DISTINCT_HELP = ("stop with an error once a trace has more distinct blocks than this, before the analysis "
                       "runs out of memory; 0: no limit (default: what the memory available now holds)")
-
-
-def _count(text: str) -> int:
-    """An argparse type: a non-negative integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
 
 
 MAX_SCALE = 10_000.0  # about 10^7 requests of the built-in workloads: hours to generate already

@@ -26,14 +26,14 @@ from array import array
 from typing import Iterable, Iterator, Sequence
 
 from tierkv.errors import ConfigError
-from tierkv.policy.slot_index import PinnedError, check_key, check_keys
+from tierkv.policy.slot_index import PinnedError, SlotCounts, check_key, check_keys
 
 __all__ = ["CompactIndex"]
 
 _NIL = -1
 
 
-class CompactIndex:
+class CompactIndex(SlotCounts):
     """Key -> slot with LRU order and pin counts over ``num_slots`` slots, in flat arrays."""
 
     def __init__(self, num_slots: int) -> None:
@@ -210,14 +210,6 @@ class CompactIndex:
         yield from [self._key_of(s) for s in self._lru_slots()]
         yield from list(self._pins)
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free) + self.num_slots - self._unused
-
-    @property
-    def num_pinned(self) -> int:
-        return len(self._pins)
-
     def lookup(self, key: bytes) -> int | None:
         slot = self._find(check_key(key))
         return None if slot == _NIL else slot
@@ -225,12 +217,6 @@ class CompactIndex:
     def lookup_many(self, keys: Sequence[bytes]) -> list[int | None]:
         check_keys(keys)
         return [self.lookup(k) for k in keys]
-
-    def pinned_among(self, keys: Iterable[bytes]) -> set[bytes]:
-        return self._pins.keys() & keys if self._pins else set()
-
-    def pin_count(self, key: bytes) -> int:
-        return self._pins.get(key, 0)
 
     def lru_keys(self, n: int | None = None) -> list[bytes]:
         return [self._key_of(s) for s in self._lru_slots(n)]
@@ -258,14 +244,6 @@ class CompactIndex:
             if slot != _NIL and key not in pins:
                 self._unlink(slot)
                 self._link_tail(slot)
-
-    def _take_free(self) -> int | None:
-        if self._free:
-            return self._free.pop()
-        if self._unused < self.num_slots:
-            self._unused += 1
-            return self._unused - 1
-        return None
 
     def _evict_lru(self) -> tuple[bytes, int]:
         slot = self._head

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from itertools import islice
-from typing import Collection, Iterable, Iterator, Sequence
+from typing import Any, Collection, Iterable, Iterator, Sequence
 
 from tierkv.errors import ConfigError
 
-__all__ = ["SlotIndex", "PinnedError"]
+__all__ = ["SlotIndex", "SlotCounts", "PinnedError"]
 
 
 class PinnedError(RuntimeError):
@@ -45,7 +45,43 @@ def check_keys(keys: Collection[object], what: str = "keys") -> None:
             check_key(key, what)
 
 
-class SlotIndex:
+class SlotCounts:
+    """What both indexes keep alike: slots handed out lowest first from a counter, freed
+    slots reused most recently freed first, and pin counts by key."""
+
+    __slots__ = ()
+    num_slots: int
+    _free: Any      # a list or an array of freed slots
+    _unused: int    # slots >= this were never handed out
+    _pins: dict[bytes, int]
+
+    @property
+    def num_free(self) -> int:
+        """Slots holding no entry."""
+        return len(self._free) + self.num_slots - self._unused
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pins)
+
+    def pinned_among(self, keys: Iterable[bytes]) -> set[bytes]:
+        """The keys of ``keys`` that hold at least one pin."""
+        return self._pins.keys() & keys if self._pins else set()
+
+    def pin_count(self, key: bytes) -> int:
+        """How many pins ``key`` holds (0 when unpinned or absent)."""
+        return self._pins.get(key, 0)
+
+    def _take_free(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        if self._unused < self.num_slots:
+            self._unused += 1
+            return self._unused - 1
+        return None
+
+
+class SlotIndex(SlotCounts):
     """Key -> slot mapping with LRU order and pin counts over ``num_slots`` slots.
 
     Unpinned entries live in an ordered dict (front = least recently used) so
@@ -81,15 +117,6 @@ class SlotIndex:
         yield from list(self._lru)
         yield from list(self._pins)
 
-    @property
-    def num_free(self) -> int:
-        """Slots holding no entry."""
-        return len(self._free) + self.num_slots - self._unused
-
-    @property
-    def num_pinned(self) -> int:
-        return len(self._pins)
-
     def lookup(self, key: bytes) -> int | None:
         """The slot of ``key``, or None; does not change recency."""
         return self._slot.get(check_key(key))
@@ -98,14 +125,6 @@ class SlotIndex:
         """:meth:`lookup` for each key: slots (None where absent); no recency change."""
         check_keys(keys)
         return list(map(self._slot.get, keys))
-
-    def pinned_among(self, keys: Iterable[bytes]) -> set[bytes]:
-        """The keys of ``keys`` that hold at least one pin."""
-        return self._pins.keys() & keys if self._pins else set()
-
-    def pin_count(self, key: bytes) -> int:
-        """How many pins ``key`` holds (0 when unpinned or absent)."""
-        return self._pins.get(key, 0)
 
     def lru_keys(self, n: int | None = None) -> list[bytes]:
         """Up to ``n`` unpinned keys, least recently used first (all when ``n`` is None)."""
@@ -127,14 +146,6 @@ class SlotIndex:
         for key in keys:
             if key in lru:
                 move(key)
-
-    def _take_free(self) -> int | None:
-        if self._free:
-            return self._free.pop()
-        if self._unused < self.num_slots:
-            self._unused += 1
-            return self._unused - 1
-        return None
 
     def _take_free_many(self, n: int) -> list[int]:
         """Up to ``n`` free slots, in the order :meth:`_take_free` would hand them out."""
