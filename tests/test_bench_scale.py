@@ -210,7 +210,24 @@ def test_admission_modes_in_one_pass_equal_separate_replays(tmp_path: Path) -> N
             (alone.hit_blocks, alone.miss_reasons, alone.stats["spills"])
 
 
+@pytest.fixture
+def single_threaded() -> None:
+    """The analysis forks its miss-ratio child only from a process with no other thread
+    (a thread may hold a lock at the fork). Tests that ran earlier in this process may have
+    left tqdm's monitor thread (vLLM's progress bars start it): stop it, then require that
+    no other thread is left."""
+    if "tqdm" in sys.modules:
+        from tqdm import tqdm
+        from tqdm._monitor import TMonitor
+
+        tqdm.monitor_interval = 0  # none again (every tqdm subclass reads this)
+        for monitor in [t for t in threading.enumerate() if isinstance(t, TMonitor)]:
+            monitor.exit()  # stops and joins it
+    assert threading.active_count() == 1, f"other threads alive: {threading.enumerate()}"
+
+
 @pytest.mark.skipif(not analysis._spare_cpu(), reason="the miss-ratio child needs a second CPU and fork")
+@pytest.mark.usefixtures("single_threaded")
 def test_curve_in_a_child_process_equals_the_curve_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trace = load_trace(write_mooncake(tmp_path / "t.jsonl", chat_requests(4_000, 700)))
     here = run_bench(trace, cfg(tmp_path), parallel=False)
@@ -226,6 +243,7 @@ def test_curve_in_a_child_process_equals_the_curve_here(tmp_path: Path, monkeypa
 @pytest.mark.skipif(not analysis._spare_cpu(), reason="the miss-ratio child needs a second CPU and fork")
 @pytest.mark.parametrize("how, message", [("raise", "failed in its process: RuntimeError: boom"),
                                           ("kill", "killed (most likely out of memory)")])
+@pytest.mark.usefixtures("single_threaded")
 def test_a_failed_curve_child_fails_the_analysis_with_a_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                how: str, message: str) -> None:
     parent = os.getpid()

@@ -321,8 +321,11 @@ def test_each_wait_is_needed(name: str, monkeypatch: pytest.MonkeyPatch) -> None
     method = MUTATIONS[name]
     monkeypatch.setattr(Copier, method, (lambda self, *a: []) if method == "_promotions_into"
                         else (lambda self, *a: None))
+    # The search stops at the first failure (most are found within a few dozen examples);
+    # the budget is for the rarest, a second load racing a promotion into the same slot,
+    # which 400 random examples missed about one run in 30.
     with pytest.raises(Exception) as info:  # noqa: PT011 (the message is checked below)
-        run_state_machine_as_test(CopierMachine, settings=settings(SETTINGS, max_examples=400,
+        run_state_machine_as_test(CopierMachine, settings=settings(SETTINGS, max_examples=2000,
                                                                    phases=[Phase.generate]))
     assert "wrong bytes" in " ".join(_messages(info.value)), _messages(info.value)
 
