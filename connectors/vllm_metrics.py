@@ -36,12 +36,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from prometheus_client import REGISTRY, Counter, Gauge
+
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
     PromMetric,
     PromMetricT,
 )
+
+from tierkv.policy.events import LOWER_TIERS
+from tierkv.transfer import DIRECTIONS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,8 +56,6 @@ __all__ = ["SERIES", "WORKER_SERIES", "CounterDeltas", "Series", "TierKVPromMetr
 log = logging.getLogger(__name__)
 
 PREFIX = "tierkv:"
-TIERS = ("cpu", "ssd")
-DIRECTIONS = ("d2h", "h2d")
 _COUNTERS, _GAUGES = "counters", "gauges"
 NO_LABEL = ""  # the label key of a series without a tier/direction label
 
@@ -76,17 +78,17 @@ SERIES: tuple[Series, ...] = (
     # scheduler side (engine-core process)
     Series("prefix_cache_queries", "Prompt tokens of requests looked up by tierkv (vLLM's GPU hits included)"),
     Series("prefix_cache_queries_blocks", "Prompt blocks of requests looked up by tierkv"),
-    Series("prefix_cache_hits", "Prompt tokens loaded from a tier below the GPU", "tier", TIERS),
-    Series("prefix_cache_hits_blocks", "Prompt blocks loaded from a tier below the GPU", "tier", TIERS),
-    Series("occupancy_blocks", "Blocks held per tier", "tier", TIERS, gauge=True),
+    Series("prefix_cache_hits", "Prompt tokens loaded from a tier below the GPU", "tier", LOWER_TIERS),
+    Series("prefix_cache_hits_blocks", "Prompt blocks loaded from a tier below the GPU", "tier", LOWER_TIERS),
+    Series("occupancy_blocks", "Blocks held per tier", "tier", LOWER_TIERS, gauge=True),
     # worker side (summed over workers)
-    Series("blocks_stored", "Blocks written into a tier (per worker shard)", "tier", TIERS),
-    Series("blocks_loaded", "Blocks read from a tier into the GPU pool (per worker shard)", "tier", TIERS),
+    Series("blocks_stored", "Blocks written into a tier (per worker shard)", "tier", LOWER_TIERS),
+    Series("blocks_loaded", "Blocks read from a tier into the GPU pool (per worker shard)", "tier", LOWER_TIERS),
     Series("transfer_bytes", "Bytes copied between the GPU pool and host memory (d2h: stores, h2d: loads)",
            "direction", DIRECTIONS),
     Series("transfer_seconds", "Seconds spent copying between the GPU pool and host memory (d2h: stores, "
            "h2d: loads), summed over workers", "direction", DIRECTIONS),
-    Series("load_failures", "Blocks a tier could not deliver (recomputed by vLLM)", "tier", TIERS),
+    Series("load_failures", "Blocks a tier could not deliver (recomputed by vLLM)", "tier", LOWER_TIERS),
     Series("store_failures", "Blocks a tier refused to store", "tier", ("ssd",)),
     Series("spill_failures", "Blocks that could not be moved from the CPU tier down to the SSD tier"),
     Series("stores_dropped", "Stores dropped before reaching a tier (full write queue, pinned slots)"),
@@ -119,10 +121,10 @@ def scheduler_sample(stats: Mapping[str, Any]) -> tuple[Sample, Sample]:
     queries, hits, occupancy = stats["queries"], stats["hits"], stats["occupancy"]
     counters: Sample = {("prefix_cache_queries", NO_LABEL): queries["tokens"],
                         ("prefix_cache_queries_blocks", NO_LABEL): queries["blocks"]}
-    for tier in TIERS:
+    for tier in LOWER_TIERS:
         counters["prefix_cache_hits", tier] = hits[tier]["tokens"]
         counters["prefix_cache_hits_blocks", tier] = hits[tier]["blocks"]
-    gauges: Sample = {("occupancy_blocks", tier): occupancy[tier] for tier in TIERS}
+    gauges: Sample = {("occupancy_blocks", tier): occupancy[tier] for tier in LOWER_TIERS}
     return counters, gauges
 
 

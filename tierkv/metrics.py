@@ -14,11 +14,11 @@ import threading
 from typing import Any, Callable, Iterator
 
 from tierkv.errors import ConfigError
+from tierkv.policy.events import TIERS
 
 __all__ = ["TIERS", "Histogram", "Lifecycle", "LifecycleRecorder", "TierKVCollector", "policy_stats",
            "start_metrics_server"]
 
-TIERS = ("gpu", "cpu", "ssd")
 
 # seconds: from a millisecond to a day
 LIFECYCLE_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)

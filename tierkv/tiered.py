@@ -45,7 +45,7 @@ from tierkv.executor import Executor, LoadResult, PoolRows
 from tierkv.hashing import BlockHasher
 from tierkv.identity import Fingerprint
 from tierkv.metrics import TIERS, Lifecycle, LifecycleRecorder, TierKVCollector, policy_stats
-from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, SHUTDOWN, PolicySpec, StorePlan, TierPolicy
+from tierkv.policy import COMPUTED, LOWER_TIERS, EVICTED, PAGEOUT, SHUTDOWN, PolicySpec, StorePlan, TierPolicy
 
 __all__ = ["TieredKVCache", "TieredAllocation", "library_fingerprint"]
 
@@ -107,7 +107,7 @@ class TieredKVCache:
         self.lifecycle = {t: Lifecycle(record_samples) for t in TIERS}
         spec = PolicySpec.from_config(config, block_nbytes=self.block_nbytes, gpu_blocks=num_blocks)
         self.policy = TierPolicy(spec, clock=self.clock,
-                                 observers=[LifecycleRecorder({t: self.lifecycle[t] for t in ("cpu", "ssd")})])
+                                 observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS})])
         self._hits = {t: 0 for t in TIERS}
         self._queries = {"blocks": 0, "tokens": 0}
         self._gpu_evictions = 0

@@ -88,9 +88,10 @@ def _scatter(rows: np.ndarray, dst: np.ndarray, dst_rows: Sequence[int]) -> bool
     return True
 
 
-# Copies between the device pool and host memory. What a load read from each tier is
-# counted by the tier policy (``promotions{tier}``), not here.
-DIRECTIONS = ("gpu->cpu", "cpu->gpu")
+# Copies between the device pool and host memory (``d2h``: stores, ``h2d``: loads), the
+# labels of ``tierkv:transfer_bytes``/``_seconds`` in the library's metrics and in vLLM's.
+# What a load read from each tier is counted by the tier policy (``promotions{tier}``).
+DIRECTIONS = ("d2h", "h2d")
 
 
 class TransferEngine:
@@ -139,7 +140,7 @@ class TransferEngine:
                 done = torch.cuda.Event()
                 done.record(self.stream)
             done.synchronize()  # this copy only: the bytes must be on the host before the row is reused
-        self.count("gpu->cpu", out.numel(), time.perf_counter() - t0)
+        self.count("d2h", out.numel(), time.perf_counter() - t0)
         return out
 
     # ------------------------------------------------------------- host -> device
@@ -155,7 +156,7 @@ class TransferEngine:
         t0 = time.perf_counter()
         if not self.cuda:
             copy_rows(data.numpy() if isinstance(data, torch.Tensor) else data, range(len(rows)), self._np, rows)
-            self.count("cpu->gpu", len(rows) * self.block_nbytes, time.perf_counter() - t0)
+            self.count("h2d", len(rows) * self.block_nbytes, time.perf_counter() - t0)
             return None
         idx = torch.tensor(list(rows), dtype=torch.int64)
         src = data if isinstance(data, torch.Tensor) else torch.from_numpy(data)
@@ -169,7 +170,7 @@ class TransferEngine:
             done.record(self.stream)
         self._inflight.append((done, src))
         self._reap()
-        self.count("cpu->gpu", src.numel(), time.perf_counter() - t0)
+        self.count("h2d", src.numel(), time.perf_counter() - t0)
         return done
 
     @staticmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tierkv.config import format_size
+from tierkv.policy.events import TIERS
 
 if TYPE_CHECKING:
     from tierkv.bench.mrc import MissRatioCurve
@@ -88,7 +89,7 @@ def pool_checks(reuse: dict[str, dict[str, Any]], idle: dict[str, dict[str, Any]
                 evictions: dict[str, int]) -> dict[str, dict[str, Any]]:
     """:func:`pool_check` for each tier and for the whole cache (``reuse['trace']`` vs ``idle['cache']``)."""
     out = {}
-    for tier in ("gpu", "cpu", "ssd"):
+    for tier in TIERS:
         out[tier] = pool_check(tier, reuse[tier]["p90"], idle[tier]["p50"], evictions.get(tier, 0))
     out["cache"] = pool_check("cache", reuse["trace"]["p90"], idle["cache"]["p50"], idle["cache"]["count"])
     return out

@@ -60,8 +60,8 @@ from tierkv.errors import ConfigError, OutOfBlocksError
 from tierkv.executor import Executor, NullExecutor
 from tierkv.bench.lifelog import LifecycleLog
 from tierkv.bench.stats import Quantiles
-from tierkv.metrics import LifecycleRecorder, policy_stats
-from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, LoadPlan, PolicySpec, StorePlan, TierPolicy
+from tierkv.metrics import TIERS, LifecycleRecorder, policy_stats
+from tierkv.policy import COMPUTED, LOWER_TIERS, EVICTED, PAGEOUT, LoadPlan, PolicySpec, StorePlan, TierPolicy
 
 if TYPE_CHECKING:
     from tierkv.bench.traces import Request, Trace, TraceReader
@@ -69,7 +69,6 @@ if TYPE_CHECKING:
 __all__ = ["TIERS", "MISS_REASONS", "ReplayError", "ReplayOptions", "ReplayResult", "Replayer", "config_for_trace",
            "tier_capacities", "policy_spec", "replay", "replaying", "requests_of"]
 
-TIERS = ("gpu", "cpu", "ssd")
 MISS_REASONS = ("new", "evicted_gpu", "evicted_cpu", "evicted_ssd", "prefix_miss", "last_token", "rejected", "other")
 
 # per-block state while replaying
@@ -254,7 +253,7 @@ class Replayer:
         self.gpu_blocks = cfg.gpu.resolve_num_blocks(cfg.block_nbytes())
         self.manager = BlockManager(self.gpu_blocks, block_size, track_evictions=True)
         self.policy = TierPolicy(self.spec, clock=lambda: self.now,
-                                 observers=[LifecycleRecorder({t: self.lifecycle[t] for t in ("cpu", "ssd")}),
+                                 observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS}),
                                             self._observe])
         self.executor = executor
         self.running: list[tuple[float, int]] = []

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tierkv.bench import diagnose
-from tierkv.bench.replay import TIERS
+from tierkv.policy.events import LOWER_TIERS, TIERS
 from tierkv.bench.stats import EXACT_VALUES, RELATIVE_ERROR, summarize
 from tierkv.config import format_size
 
@@ -149,7 +149,7 @@ def _comparison(rp: "ReplayResult") -> dict[str, Any]:
     ssd_bytes = stored.get("ssd", 0) * nbytes
     return {"hit_rate": {k: round(v, 6) for k, v in rp.hit_rate().items()},
             "hit_blocks": dict(rp.hit_blocks),
-            "blocks_written": {t: stored.get(t, 0) for t in ("cpu", "ssd")},
+            "blocks_written": {t: stored.get(t, 0) for t in LOWER_TIERS},
             "ssd_bytes_written": ssd_bytes,
             "ssd_bytes_written_per_hit": round(ssd_bytes / rp.hits, 1) if rp.hits else None,
             "ssd_bytes_written_per_ssd_hit": round(ssd_bytes / rp.hit_blocks["ssd"], 1) if rp.hit_blocks["ssd"] else None}

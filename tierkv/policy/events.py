@@ -19,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["EVENT_KINDS", "LOWER_TIERS", "PolicyEvent", "Observer", "EventCounts"]
+__all__ = ["EVENT_KINDS", "LOWER_TIERS", "TIERS", "PolicyEvent", "Observer", "EventCounts"]
 
 EVENT_KINDS = ("stored", "hit", "evicted", "dropped", "lost")
-LOWER_TIERS = ("cpu", "ssd")
+LOWER_TIERS = ("cpu", "ssd")  # the tiers a policy places blocks in
+TIERS = ("gpu", *LOWER_TIERS)  # every tier, as statistics and metrics name them
 
 Observer = Callable[[str, str, Sequence[bytes], float], None]
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Sequence
 
-from tierkv.policy.events import EventCounts, Observer, PolicyEvent
+from tierkv.policy.events import LOWER_TIERS, EventCounts, Observer, PolicyEvent
 from tierkv.policy.plans import COMPUTED, SHUTDOWN, LoadPlan, StorePlan
 from tierkv.policy.holdings import TOMBSTONE_PREFIX, Holdings
 from tierkv.policy.spec import PolicySpec
@@ -317,8 +317,8 @@ class TierPolicy:
     def forget(self, tier: str, keys: Iterable[bytes]) -> None:
         """The tier does not hold ``keys`` after all (a failed copy, a corrupt or vanished
         record): they leave it now (a pinned entry keeps its slot until its plans complete)."""
-        if tier not in ("cpu", "ssd"):
-            raise ValueError(f"tier: expected 'cpu' or 'ssd', got {tier!r}")
+        if tier not in LOWER_TIERS:
+            raise ValueError(f"tier: expected one of {LOWER_TIERS}, got {tier!r}")
         self._emit("lost", tier, self.holdings.forget(tier, keys), self.clock())
 
     def clear(self) -> list[bytes]:
@@ -328,7 +328,7 @@ class TierPolicy:
         forgotten ones and their keys returned too (deleted after the plans' writes)."""
         now = self.clock()
         ssd_keys: list[bytes] = []
-        for tier in ("cpu", "ssd"):
+        for tier in LOWER_TIERS:
             index = self.holdings.index(tier)
             if index is None:
                 continue
@@ -342,10 +342,10 @@ class TierPolicy:
     def forget_pairs(self, lost: Iterable[tuple[str, bytes]]) -> None:
         """:meth:`forget` for ``(tier, key)`` pairs."""
         lost = list(lost)
-        unknown = {t for t, _ in lost} - {"cpu", "ssd"}
+        unknown = {t for t, _ in lost} - set(LOWER_TIERS)
         if unknown:
-            raise ValueError(f"lost: tiers are 'cpu' or 'ssd', got {sorted(unknown)}")
-        for tier in ("cpu", "ssd"):
+            raise ValueError(f"lost: tiers are {LOWER_TIERS}, got {sorted(unknown)}")
+        for tier in LOWER_TIERS:
             keys = [k for t, k in lost if t == tier]
             if keys:
                 self.forget(tier, keys)
