@@ -40,7 +40,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tierkv.config import TierKVConfig
 from tierkv.hashing import BlockHasher
 from tierkv.metrics import Lifecycle, LifecycleRecorder, policy_stats
-from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, LoadPlan, StorePlan, TierPolicy
+from tierkv.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, LoadPlan, StorePlan, TierPolicy
 
 from tierkv.connectors.vllm_common import (
     ResidentMap,
@@ -143,7 +143,7 @@ class TierKVScheduler:
         self.fingerprint = vllm_fingerprint(cfg, vllm_config, kv_cache_config)
         self.hasher = BlockHasher(self.block_size, cfg.hash, self.fingerprint.namespace())
         self.block_nbytes = block_nbytes_of(kv_cache_config)
-        self.lifecycle = {t: Lifecycle() for t in ("cpu", "ssd")}
+        self.lifecycle = {t: Lifecycle() for t in LOWER_TIERS}
         spec = policy_spec(cfg, kv_cache_config)
         check_index_memory(spec, self.block_nbytes)
         self.policy = TierPolicy(spec, observers=[LifecycleRecorder(self.lifecycle)])
@@ -162,20 +162,41 @@ class TierKVScheduler:
         self._manager: KVCacheManager | None = None
         self._queries = {"blocks": 0, "tokens": 0}
         self._hits = {"gpu": 0, "cpu": 0, "ssd": 0}
-        self._ssd_evictions = self._seed_ssd(vllm_config) if self.policy.ssd is not None else []
+        self._ranks = engine_ranks(vllm_config)
+        self._recovering = self._recovering_tiers()  # seeded from once they are verified
+        self._ssd_evictions = self._seed_ssd() if self.policy.ssd is not None else []
         self._reset_ssd = False
         self._metrics_server = self._start_metrics(cfg.metrics.port)
         log.info("tierkv scheduler: %s; block %d bytes; %s admission; %d CPU slots, %d SSD blocks (%d held)",
                  self.fingerprint.describe(), self.block_nbytes, self.policy.spec.admission,
                  self.policy.spec.cpu_slots, self.policy.spec.ssd_slots, self.policy.occupancy()["ssd"])
 
-    def _seed_ssd(self, vllm_config: "VllmConfig") -> list[bytes]:
+    def _seed_ssd(self) -> list[bytes]:
         """Hold what every worker's SSD tier holds; return the keys the workers must delete
         (held by only some ranks, or past the capacity)."""
         from tierkv.connectors.vllm_worker import read_ssd_keys
 
-        whole, partial = read_ssd_keys(self.cfg, self.fingerprint, engine_ranks(vllm_config))
+        whole, partial = read_ssd_keys(self.cfg, self.fingerprint, self._ranks)
         return partial + self.policy.seed_ssd(whole)
+
+    def _recovering_tiers(self) -> list[Any]:
+        if self.policy.ssd is None:
+            return []
+        from tierkv.connectors.vllm_worker import recovering_ssd_tiers
+
+        return recovering_ssd_tiers(self.cfg, self._ranks)
+
+    def _seed_recovered(self) -> None:
+        """Once the SSD tiers open in this process (one worker beside the scheduler) finished
+        their background recovery, hold what they verified (the records an unclean
+        shutdown left): kept while free slots last, newest first."""
+        if any(tier.recovering() for tier in self._recovering):
+            return
+        self._recovering = []
+        held = self.policy.occupancy()["ssd"]
+        self._ssd_evictions += self._seed_ssd()
+        log.info("tierkv scheduler: the SSD tier's recovery is over: %d of its blocks held",
+                 self.policy.occupancy()["ssd"] - held)
 
     def _start_metrics(self, port: int | None) -> Any:
         if port is None:
@@ -272,11 +293,14 @@ class TierKVScheduler:
             return False
         dropped = self.policy.occupancy()
         self.policy.clear()
+        self._recovering = []  # what they are verifying is stale too: the workers delete it all
         self._reset_ssd = self.policy.ssd is not None  # the workers delete every record they hold
         log.info("tierkv: reset: forgot %d CPU and %d SSD blocks", dropped["cpu"], dropped["ssd"])
         return True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TierKVMetadata:
+        if self._recovering:
+            self._seed_recovered()
         meta = TierKVMetadata(loads=self._loads, ssd_evictions=self._ssd_evictions, reset=self._reset_ssd)
         self._loads, self._ssd_evictions, self._reset_ssd = [], [], False
         for plan in meta.loads:

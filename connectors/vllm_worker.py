@@ -107,6 +107,14 @@ def open_ssd_tier(cfg: TierKVConfig, fingerprint: Fingerprint, rank: Rank, block
     return tier
 
 
+def recovering_ssd_tiers(cfg: TierKVConfig, ranks: Sequence[Rank]) -> list[SSDTier]:
+    """The SSD tiers of ``ranks`` open in this process whose background recovery is not
+    over: :func:`read_ssd_keys` gets none of their keys yet."""
+    root = ssd_root(cfg)
+    tiers = [_SHARED.get(str(rank.ssd_dir(root))) for rank in ranks]
+    return [tier for tier in tiers if tier is not None and tier.recovering()]
+
+
 def read_ssd_keys(cfg: TierKVConfig, fingerprint: Fingerprint, ranks: Sequence[Rank]
                   ) -> tuple[list[bytes], list[bytes]]:
     """The blocks on SSD at start-up: ``(whole, partial)``. ``whole``: keys every rank's

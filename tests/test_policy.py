@@ -370,10 +370,31 @@ def test_select_for_shutdown_returns_the_hot_blocks_to_store_and_the_hot_keys_he
 # ---------------------------------------------------------------------------- seed_ssd
 
 
-def test_seed_ssd_places_keys_least_recent_first_and_returns_what_it_evicts() -> None:
+def test_seed_ssd_places_keys_least_recent_first_in_free_slots_only() -> None:
     policy = make(ssd_slots=2)
     assert policy.seed_ssd([A]) == []
-    assert policy.seed_ssd([B, C, B]) == [A]
+    assert policy.seed_ssd([B, C, B]) == [B]  # one free slot: C, the more recent, takes it
+    assert tiers(policy) == ([], [A, C])
+    assert policy.seed_ssd([C]) == []  # already held: nothing moves
+    assert tiers(policy) == ([], [A, C])
+    assert events(policy) == []
+
+
+def test_seed_ssd_later_keeps_what_is_held_and_returns_what_does_not_fit() -> None:
+    """A tier that finished recovering after the engine started: what the policy placed
+    since (newer) stays; the recovered keys fill the free slots, newest first."""
+    policy = make(ssd_slots=3)
+    stored(policy, [A])
+    policy.take_events()
+    assert policy.seed_ssd([B, A, C, D]) == [B]  # A is held already; 2 free slots: C and D
+    assert tiers(policy)[1] == [A, C, D]
+    assert policy.lookup([C, D]) == ["ssd", "ssd"]
+    assert events(policy) == []
+
+
+def test_seed_ssd_places_keys_least_recent_first() -> None:
+    policy = make(ssd_slots=2)
+    assert policy.seed_ssd([B, C, B]) == []
     assert tiers(policy) == ([], [B, C])
     assert policy.seed_ssd([B]) == []  # already held: nothing moves
     assert tiers(policy) == ([], [B, C])
@@ -394,12 +415,11 @@ def test_seed_ssd_overflow_returns_the_oldest_keys() -> None:
     assert events(policy) == []
 
 
-def test_seed_ssd_returns_the_keys_it_does_not_keep_then_those_it_evicts() -> None:
+def test_seed_ssd_into_a_full_tier_keeps_nothing_new() -> None:
     policy = make(ssd_slots=2)
-    assert policy.seed_ssd([A]) == []
-    assert policy.seed_ssd([B, C, D, C]) == [B, A]  # keeps C and D; D's slot was A's
-    assert tiers(policy) == ([], [C, D])
-    assert (policy.ssd.lookup(C), policy.ssd.lookup(D)) == (1, 0)
+    assert policy.seed_ssd([A, B]) == []
+    assert policy.seed_ssd([C, D]) == [C, D]
+    assert tiers(policy) == ([], [A, B])
 
 
 # ---------------------------------------------------------------------------- forget

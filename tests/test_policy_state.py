@@ -19,8 +19,9 @@ above it were never handed out). From the documented semantics:
 * shutdown: the hot set is the ``SSD slots - pinned`` most recent distinct
   offered keys; the hot keys the SSD tier holds are touched (least recent
   first), then the hot keys it lacks are placed (least recent first);
-* ``seed_ssd`` keeps the most recent ``ssd_slots`` keys it is given and returns
-  the older ones, then whatever it evicted;
+* ``seed_ssd`` keeps the most recent of the keys it is given that the SSD tier
+  lacks, as many as it has free slots, and returns the older ones (it evicts
+  nothing);
 * loads pin their sources; inclusive promotion gives SSD hits pinned CPU
   slots; exclusive promotion drops the loaded CPU keys still present at
   complete_load (those before the first block that failed or was held nowhere);
@@ -211,15 +212,15 @@ class RefPolicy:
                     tier.touch(key)
 
     def seed_ssd(self, keys: list[bytes]) -> list[bytes]:
-        """Keep the most recent ``ssd_slots`` of ``keys`` (least recent first); return the
-        older ones, then what placing the kept ones evicted."""
+        """Keep the most recent of ``keys`` (least recent first) the free slots hold;
+        return the older ones."""
         if self.ssd is None:
             return list(keys)
         new = [k for k in dict.fromkeys(keys) if k not in self.ssd]
-        cut = max(0, len(new) - self.ssd.num_slots)
+        cut = max(0, len(new) - self.ssd.num_free())
         slots, evicted = self.ssd.place(new[cut:])
-        assert None not in slots
-        return new[:cut] + [k for k, _ in evicted]
+        assert None not in slots and not evicted
+        return new[:cut]
 
     # -- placement
 

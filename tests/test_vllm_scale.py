@@ -12,6 +12,7 @@ import gc
 import importlib.util
 import os
 import random
+import threading
 from collections import deque
 import tracemalloc
 from pathlib import Path
@@ -162,3 +163,74 @@ def test_an_ssd_tier_too_large_to_index_stops_start_up_naming_it(model: str, tmp
     extra = {"cpu.capacity": 0, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": "64PiB"}
     with pytest.raises(ConfigError, match="ssd.capacity"):
         SchedulerHarness(model, block_size=BLOCK, num_gpu_blocks=GPU_BLOCKS, kv_connector_extra_config=extra)
+
+
+def test_an_ssd_tier_recovering_in_the_background_is_held_once_verified(
+        model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One worker beside the scheduler (vLLM's single-process executor) opens an SSD tier
+    that was not closed cleanly: a large one recovers in the background, and the
+    scheduler, which found none of its keys at start-up, holds the verified ones as soon
+    as the recovery is over. A prompt stored before the restart then loads from disk.
+
+    Stand-ins: removing the clean-close snapshot is what a crash leaves (the tier deletes
+    it when it opens); ``recover_inline_bytes=0`` and a gate in front of the real walk
+    make this small tier recover in the background, as one with a larger index would."""
+    import functools
+
+    from tierkv.connectors import vllm_worker
+    from tierkv.tiers.ssd import recovery
+    from tierkv.tiers.ssd.snapshot import CLEAN
+
+    extra = {"cpu.capacity": 4 * block_nbytes(BLOCK), "ssd.path": str(tmp_path / "ssd"),
+             "ssd.capacity": 64 * block_nbytes(BLOCK), "ssd.compression": "none"}
+    before = [random_token_prompt(3 * BLOCK + 1, seed=500 + i) for i in range(4)]
+
+    def engine() -> tuple[SchedulerHarness, dict[str, RealWorker]]:
+        holder: dict[str, RealWorker] = {}
+
+        def workers_first(vllm_config: Any, kv_cache_config: Any) -> None:
+            holder["w"] = RealWorker(vllm_config, extra, kv_cache_config)
+        h = SchedulerHarness(model, block_size=BLOCK, num_gpu_blocks=GPU_BLOCKS, kv_connector_extra_config=extra,
+                             worker=lambda meta: holder["w"](meta), before_scheduler=workers_first)
+        return h, holder
+
+    h, holder = engine()
+    try:
+        for i, prompt in enumerate(before):
+            h.run_group([(f"a{i}", prompt)])
+        assert holder["w"].worker.ssd.flush()
+        assert h.connector._scheduler.policy.occupancy()["ssd"] == 4 * 3
+    finally:
+        holder["w"].worker.shutdown()
+        h.close()
+    (tmp_path / "ssd" / "rank-0" / CLEAN).unlink()
+
+    opened = threading.Event()
+    walk = recovery.walk
+
+    def gated_walk(*args: Any, **kw: Any) -> Any:
+        opened.wait(60)
+        return walk(*args, **kw)
+    monkeypatch.setattr(recovery, "walk", gated_walk)
+    monkeypatch.setattr(vllm_worker, "SSDTier", functools.partial(vllm_worker.SSDTier, recover_inline_bytes=0))
+    h, holder = engine()
+    try:
+        worker = holder["w"]
+        policy = h.connector._scheduler.policy
+        assert worker.worker.ssd.recovering() and policy.occupancy()["ssd"] == 0
+        (res,) = h.run_group([("b0", random_token_prompt(3 * BLOCK + 1, seed=900))])  # served meanwhile
+        assert policy.occupancy()["ssd"] == 3 and not res.external_hit_tokens
+        opened.set()
+        assert worker.worker.ssd.wait_ready(60)
+        h.run_group([("b1", random_token_prompt(3 * BLOCK + 1, seed=901))])  # this step's metadata seeds
+        assert policy.occupancy()["ssd"] == 3 + 4 * 3 + 3
+        h.reset_prefix_cache()
+        for i, prompt in enumerate(before):
+            (res,) = h.run_group([(f"c{i}", prompt)])
+            assert res.external_hit_tokens == {"disk": 3 * BLOCK}, res.external_hit_tokens
+        assert worker.load_errors == 0
+        assert worker.worker.counters()["load_failures_ssd"] == 0
+    finally:
+        opened.set()
+        holder["w"].worker.shutdown()
+        h.close()

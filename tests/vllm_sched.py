@@ -93,13 +93,16 @@ class SchedulerHarness:
     ``stall_timeout_s``: :meth:`run_group` raises when no step schedules a
     token and no load finishes for this long (e.g. a prompt that can never fit
     in the GPU pool, or a worker hook that never reports its loads).
+    ``before_scheduler(vllm_config, kv_cache_config)`` runs once the configs are
+    built and before the scheduler is: where ``EngineCore`` builds its workers.
     """
 
     def __init__(self, model_dir: str, *, block_size: int, num_gpu_blocks: int,
                  kv_connector_extra_config: dict[str, Any] | None,
                  max_num_batched_tokens: int = 1 << 16, max_num_seqs: int = 256,
                  max_model_len: int = 1 << 15, worker: Worker | None = None,
-                 stall_timeout_s: float = 30.0) -> None:
+                 stall_timeout_s: float = 30.0,
+                 before_scheduler: Callable[[Any, Any], None] | None = None) -> None:
         if num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}")
         from vllm_util import build_tiny_llama
@@ -118,6 +121,8 @@ class SchedulerHarness:
             # vLLM's BlockPool reserves block 0 as its null block.
             self.kv_cache_config = _kv_cache_config(block_size, num_gpu_blocks + 1)
             self.vllm_config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
+            if before_scheduler is not None:
+                before_scheduler(self.vllm_config, self.kv_cache_config)
             self.scheduler: Scheduler = Scheduler(
                 vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                 structured_output_manager=StructuredOutputManager(self.vllm_config),

@@ -137,9 +137,11 @@ class TierPolicy:
                 index.touch_many(keys)
 
     def seed_ssd(self, keys_lru_first: Iterable[bytes]) -> list[bytes]:
-        """Start from what the persistent tier already holds (least recently used first).
+        """Hold what the persistent tier already holds (least recently used first): at
+        start-up, or later (a tier that finished recovering) beside what is held by then.
 
-        Returns the keys that do not fit the configured capacity (the oldest):
+        Keys already held are skipped; the newest of the others fill the free slots and
+        nothing held is evicted for them. Returns the keys that do not fit (the oldest):
         the caller deletes them from the tier. Emits no events.
         """
         if self.ssd is None:
@@ -147,9 +149,9 @@ class TierPolicy:
         keys = list(dict.fromkeys(keys_lru_first))
         if len(self.ssd):  # (at start-up it is empty: a million keys need not be looked up)
             keys = [k for k in keys if k not in self._ssd]
-        keep = keys[max(0, len(keys) - self.ssd.num_slots):]
-        _, evicted = self.ssd.allocate_many(keep)
-        return keys[:len(keys) - len(keep)] + [k for k, _ in evicted]
+        keep = keys[max(0, len(keys) - self.ssd.num_free):]
+        self.ssd.allocate_many(keep)
+        return keys[:len(keys) - len(keep)]
 
     # ------------------------------------------------------------------ loads
 

@@ -168,6 +168,11 @@ class SSDTier:
         self._writer.start()
         self._files = files  # last: whoever sees the files sees the reader and the writer
 
+    def recovering(self) -> bool:
+        """Whether a background recovery is still verifying the records (until it is over,
+        reads miss and :meth:`keys` lists nothing)."""
+        return self._files is None and self._background is not None and self._background.running()
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until a background recovery is over; True if the tier then serves its
         records (False: still recovering after ``timeout``, or unavailable)."""
@@ -366,8 +371,7 @@ class SSDTier:
         out["block_file_bytes"] = _size(self.path / BLOCKS)
         out["file_bytes"] = out["index_file_bytes"] + out["block_file_bytes"]
         out["available"] = self._health.broken is None and not self._health.closed
-        out["recovering"] = self._files is None and self._background is not None and \
-            self._background.running()
+        out["recovering"] = self.recovering()
         out["disabled_reason"] = self._health.broken
         out["last_error"] = self._health.last_error
         return out
