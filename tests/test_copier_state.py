@@ -64,6 +64,9 @@ class FakeSSD:
             self.data[key] = value
         return True
 
+    def recovering(self) -> bool:
+        return False
+
     def get_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
         hits = []
         for key, out in zip(keys, outs):

@@ -305,6 +305,36 @@ def test_after_a_sigkill_the_tier_opens_at_once_and_serves_once_recovered(tmp, g
         assert again.get(k(10**7)) == block(7) and again.get(k(3)) is None
 
 
+def test_a_load_that_misses_during_the_recovery_does_not_report_the_record_lost(tmp, gate):
+    """A load planned before the background recovery is over misses (the block is
+    recomputed), but the key is not reported lost, so the policy keeps it and the next
+    load, once the record is verified, succeeds. A record the recovery drops is reported
+    by the tier itself; a miss after the recovery is a loss."""
+    from tierkv.executor import Executor
+    from tierkv.policy import LoadPlan
+
+    kill_holding(tmp, 10)
+    tier = open_tier(tmp, recover_inline_bytes=0)
+    try:
+        ex = Executor(None, None, tier)
+        rows = np.zeros((2, 4096), dtype=np.uint8)
+
+        def load(*ids: int) -> tuple[list[bool], list[tuple[str, bytes]]]:
+            plan = LoadPlan(1, "r", [0, 1], [k(i) for i in ids], [-1, -1], [True, True], [-1, -1])
+            ok = [False, False]
+            return ok, ex.read_ssd(plan, rows, ok)
+
+        assert tier.recovering()
+        assert load(1, 2) == ([False, False], [])
+        assert ex.counts["load_failures_ssd"] == 2
+        gate.set()
+        assert tier.wait_ready(60)
+        assert load(1, 2) == ([True, True], []) and rows[1].tobytes() == block(2)
+        assert load(3, 10**6) == ([True, False], [("ssd", k(10**6))])
+    finally:
+        tier.close()
+
+
 def test_a_damaged_environment_found_in_the_background_disables_the_tier(tmp, gate, caplog):
     kill_holding(tmp, 100)
     data = tmp / "data.mdb"

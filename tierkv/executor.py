@@ -213,10 +213,13 @@ class Executor:
     def read_ssd(self, plan: LoadPlan, rows: np.ndarray, ok: list[bool]) -> Lost:
         """Read the plan's SSD blocks (those without a CPU slot) into ``rows`` (row i for
         block i), set ``ok[i]`` for each that verified, and write promoted ones into their
-        slab slots. Returns what could not be read."""
+        slab slots. Returns what could not be read, except the SSD blocks missed while the
+        tier was still verifying its records in the background: that miss says nothing of
+        the record (the recovery reports the ones it drops)."""
         idx = [i for i, f in enumerate(plan.from_ssd) if f and plan.cpu_slots[i] < 0]
         if not idx:
             return []
+        unverified = self.ssd is not None and bool(self._safely("recovering", self.ssd.recovering))
         hits = self._safely("get_into", self.ssd.get_into, [plan.keys[i] for i in idx],
                             [rows[i] for i in idx]) if self.ssd is not None else None
         hits = hits or [False] * len(idx)
@@ -229,7 +232,8 @@ class Executor:
                 if slot >= 0:
                     promote.append(i)
                 continue
-            lost.append(("ssd", plan.keys[i]))
+            if not unverified:
+                lost.append(("ssd", plan.keys[i]))
             if slot >= 0:  # the promotion slot receives nothing
                 lost.append(("cpu", plan.keys[i]))
                 if self.slab is not None:
