@@ -171,12 +171,15 @@ class TierKVScheduler:
                  self.fingerprint.describe(), self.block_nbytes, self.policy.spec.admission,
                  self.policy.spec.cpu_slots, self.policy.spec.ssd_slots, self.policy.occupancy()["ssd"])
 
-    def _seed_ssd(self) -> list[bytes]:
-        """Hold what every worker's SSD tier holds; return the keys the workers must delete
-        (held by only some ranks, or past the capacity)."""
+    def _seed_ssd(self, leaving: frozenset[bytes] = frozenset()) -> list[bytes]:
+        """Hold what every worker's SSD tier holds, apart from ``leaving`` (deletions
+        planned but not sent yet); return the keys the workers must delete (held by only
+        some ranks, or past the capacity)."""
         from tierkv.connectors.vllm_worker import read_ssd_keys
 
         whole, partial = read_ssd_keys(self.cfg, self.fingerprint, self._ranks)
+        if leaving:
+            whole = [k for k in whole if k not in leaving]
         return partial + self.policy.seed_ssd(whole)
 
     def _recovering_tiers(self) -> list[Any]:
@@ -194,7 +197,8 @@ class TierKVScheduler:
             return
         self._recovering = []
         held = self.policy.occupancy()["ssd"]
-        self._ssd_evictions += self._seed_ssd()
+        leaving = frozenset(self._ssd_evictions).union(*(plan.ssd_evictions for plan in self._loads))
+        self._ssd_evictions += self._seed_ssd(leaving)
         log.info("tierkv scheduler: the SSD tier's recovery is over: %d of its blocks held",
                  self.policy.occupancy()["ssd"] - held)
 
