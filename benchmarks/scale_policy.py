@@ -3,12 +3,14 @@
 * bytes per block: a policy whose SSD tier holds ``n`` blocks (the plugin's
   scheduler half holds one such policy), measured with ``tracemalloc`` after
   seeding, for the flat-array index large disks get (``CompactIndex``) and the
-  dict-based one (``SlotIndex``) side by side; the keys themselves (32-byte
-  ``bytes`` the caller owns) are not counted;
+  dict-based one (``SlotIndex``) side by side; the keys themselves (``bytes``
+  the caller owns) are not counted, the index's own copies are. Keys are 32
+  bytes (``hash: sha256`` / ``sha256_cbor``) or, with ``--key-bytes 16``, the
+  16 of ``hash: xxh3_128``;
 * seeding: ``TierPolicy.seed_ssd`` of ``n`` keys (what the scheduler half does
   at start-up with the keys every rank's tier holds), seconds.
 
-    .venv/bin/python benchmarks/scale_policy.py [--blocks 100000 1000000]
+    .venv/bin/python benchmarks/scale_policy.py [--blocks 100000 1000000] [--key-bytes 32]
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from tierkv.policy import PolicySpec, TierPolicy
 from tierkv.policy import holdings
 
 
-def _keys(n: int) -> list[bytes]:
-    return [hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(n)]
+def _keys(n: int, width: int = 32) -> list[bytes]:
+    return [hashlib.blake2b(i.to_bytes(8, "little"), digest_size=width).digest() for i in range(n)]
 
 
 def _policy(n: int, compact: bool) -> TierPolicy:
@@ -36,11 +38,11 @@ def _policy(n: int, compact: bool) -> TierPolicy:
         holdings.COMPACT_ABOVE = saved
 
 
-def policy_memory(blocks: tuple[int, ...] = (100_000, 1_000_000)) -> list[dict]:
+def policy_memory(blocks: tuple[int, ...] = (100_000, 1_000_000), key_bytes: int = 32) -> list[dict]:
     """Bytes per held SSD block and seeding seconds, per index kind and size."""
     out = []
     for n in blocks:
-        keys = _keys(n)
+        keys = _keys(n, key_bytes)
         for compact in (True, False):
             gc.collect()
             tracemalloc.start()
@@ -56,24 +58,27 @@ def policy_memory(blocks: tuple[int, ...] = (100_000, 1_000_000)) -> list[dict]:
             policy = _policy(n, compact)
             policy.seed_ssd(keys)  # untraced: tracemalloc slows every allocation
             plain = time.perf_counter() - t0
-            out.append({"blocks": n, "index": "CompactIndex" if compact else "SlotIndex",
+            out.append({"blocks": n, "key_bytes": key_bytes, "index": "CompactIndex" if compact else "SlotIndex",
                         "bytes_per_block": held / n, "seed_seconds": plain, "seed_seconds_traced": seconds})
             del policy
     return out
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| SSD blocks held | index | bytes per block | seed_ssd seconds |", "|---|---|---|---|"]
+    lines = ["| SSD blocks held | key bytes | index | bytes per block | seed_ssd seconds |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['blocks']:,} | {r['index']} | {r['bytes_per_block']:.1f} | {r['seed_seconds']:.2f} |")
+        lines.append(f"| {r['blocks']:,} | {r['key_bytes']} | {r['index']} | {r['bytes_per_block']:.1f} "
+                     f"| {r['seed_seconds']:.2f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, nargs="+", default=[100_000, 1_000_000])
+    ap.add_argument("--key-bytes", type=int, choices=(16, 32), default=32,
+                    help="32: hash sha256 / sha256_cbor; 16: hash xxh3_128")
     args = ap.parse_args()
-    print(table(policy_memory(tuple(args.blocks))))
+    print(table(policy_memory(tuple(args.blocks), args.key_bytes)))
 
 
 if __name__ == "__main__":
