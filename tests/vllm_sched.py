@@ -86,6 +86,35 @@ def finish_every_load(meta: "KVConnectorMetadata | None") -> tuple[set[str] | No
     return (done or None), None
 
 
+class RealWorker:
+    """The connector's worker-side calls of one engine step, on a real ``TierKVWorker``
+    (its KV caches: CPU tensors laid out as vLLM's for the tiny model). Build it in
+    ``before_scheduler``, as ``EngineCore`` builds its workers before its scheduler;
+    pass it as the harness's ``worker``."""
+
+    def __init__(self, vllm_config: Any, extra: dict[str, Any], kv_cache_config: Any) -> None:
+        from tierkv.connectors.vllm_common import load_config
+        from tierkv.connectors.vllm_worker import TierKVWorker
+
+        self.worker = TierKVWorker(load_config(extra), vllm_config, kv_cache_config)
+        block_size = int(vllm_config.cache_config.block_size)
+        per_layer = block_nbytes(block_size) // LAYERS // DTYPE.itemsize
+        n = int(kv_cache_config.num_blocks)
+        self.worker.register_kv_caches({name: torch.zeros(n, per_layer, dtype=DTYPE) for name in layer_names()})
+        self.load_errors = 0
+
+    def __call__(self, meta: "KVConnectorMetadata | None") -> tuple[set[str] | None, Any]:
+        w = self.worker
+        if meta is None:
+            return None, None
+        w.before_forward(meta)
+        w.start_load_kv(meta)
+        w.wait_for_save(meta)
+        _, recving = w.get_finished(set())
+        self.load_errors += len(w.get_block_ids_with_load_errors())
+        return recving, w.build_connector_worker_meta()
+
+
 class SchedulerHarness:
     """A real vLLM ``Scheduler`` over ``num_gpu_blocks`` usable blocks, with
     ``TierKVConnector`` attached when ``kv_connector_extra_config`` is not None.
