@@ -7,9 +7,11 @@
 * SSD write GB/s by block size against raw write + fsync of the same sizes
   (``scale_ssd.write_speeds``);
 * ``tierkv bench`` time and peak memory at 1x / 10x / 100x trace sizes
-  (``benchmarks/scale_bench.py``: ``bench_sizes``).
+  (``benchmarks/scale_bench.py``: ``bench_sizes``);
+* tierkv's start-up under vLLM's scheduler over a 1M-record SSD tier against an
+  empty one, to the first request served (``benchmarks/scale_startup.py``: ``run``).
 
-    .venv/bin/python benchmarks/bench_scale.py [--quick] [--only reopen,policy,write,bench]
+    .venv/bin/python benchmarks/bench_scale.py [--quick] [--only reopen,policy,write,bench,startup]
 
 ``--quick`` runs the small sizes only (10k / 100k records, 1x / 10x traces).
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PARTS = ("reopen", "policy", "write", "bench")
+PARTS = ("reopen", "policy", "write", "bench", "startup")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +58,17 @@ def _run(part: str, quick: bool) -> str:
             return scale_ssd.markdown(rows, scale_ssd.REOPEN_COLUMNS)
         rows = scale_ssd.write_speeds((4096, 16384, 65536) if quick else (4096, 16384, 65536, 262144, 2097152))
         return scale_ssd.markdown(rows, scale_ssd.WRITE_COLUMNS)
+    if part == "startup":
+        import shutil
+        import tempfile
+
+        import scale_startup
+
+        where = Path(tempfile.mkdtemp(prefix="tierkv-startup-"))
+        try:
+            return scale_startup.markdown(scale_startup.run(100_000 if quick else 1_000_000, 2, 3, where))
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
     import scale_bench
 
     return scale_bench.table(scale_bench.bench_sizes((1, 10) if quick else (1, 10, 100)))
