@@ -64,16 +64,28 @@ def hit_rate_band(rate: float, ideal: float) -> dict[str, str]:
             "help; do not spend time tuning it."}
 
 
-def pool_check(scope: str, reuse_p90: float | None, idle_p50: float | None, evictions: int) -> dict[str, Any]:
-    """Verdict for one tier (or the whole cache): reuse-gap P90 vs idle-before-evict P50."""
+# Where a tier's evicted blocks are served from when the tiers below hold them all.
+_FASTER = {"gpu": "without a load", "cpu": "from DRAM instead of the SSD"}
+
+
+def pool_check(scope: str, reuse_p90: float | None, idle_p50: float | None, evictions: int, *,
+               held_below: bool = False) -> dict[str, Any]:
+    """Verdict for one tier (or the whole cache): reuse-gap P90 vs idle-before-evict P50.
+    ``held_below``: the tiers below hold every block this one evicts (the whole cache
+    evicted nothing), so a tier too small costs loads from below, not hits."""
     out: dict[str, Any] = {"reuse_gap_p90_s": reuse_p90, "idle_before_evict_p50_s": idle_p50,
-                           "evictions": evictions}
+                           "evictions": evictions, "held_below": held_below}
     name = scope.upper() if scope != "cache" else "Whole cache"
     if evictions == 0:
         out.update(verdict="no_evictions", message=f"{name}: nothing was evicted; it holds all it was given.")
     elif reuse_p90 is None or idle_p50 is None:
         out.update(verdict="not_enough_samples",
                    message=f"{name}: too few reuses or evictions to compare reuse gap and idle time.")
+    elif reuse_p90 > idle_p50 and held_below and scope in _FASTER:
+        out.update(verdict="too_small_held_below", message=(
+            f"{name}: too small for its reuse gaps (P90 {reuse_p90:.1f} s > idle-before-evict P50 "
+            f"{idle_p50:.1f} s), but the tiers below hold every block it evicts: this costs loads, not "
+            f"hits. To serve those reuses {_FASTER[scope]}: {_GROW[scope]}."))
     elif reuse_p90 > idle_p50:
         out.update(verdict="too_small", message=(
             f"{name}: too small. Reuse gap P90 {reuse_p90:.1f} s > idle-before-evict P50 {idle_p50:.1f} s: "
@@ -89,8 +101,10 @@ def pool_checks(reuse: dict[str, dict[str, Any]], idle: dict[str, dict[str, Any]
                 evictions: dict[str, int]) -> dict[str, dict[str, Any]]:
     """:func:`pool_check` for each tier and for the whole cache (``reuse['trace']`` vs ``idle['cache']``)."""
     out = {}
+    held_below = idle["cache"]["count"] == 0  # nothing left the whole cache
     for tier in TIERS:
-        out[tier] = pool_check(tier, reuse[tier]["p90"], idle[tier]["p50"], evictions.get(tier, 0))
+        out[tier] = pool_check(tier, reuse[tier]["p90"], idle[tier]["p50"], evictions.get(tier, 0),
+                               held_below=held_below)
     out["cache"] = pool_check("cache", reuse["trace"]["p90"], idle["cache"]["p50"], idle["cache"]["count"])
     return out
 
