@@ -2,8 +2,9 @@
 
 * SSD tier reopen at 10k / 100k / 1M records, clean and unclean
   (``benchmarks/scale_ssd.py``: ``reopen_times``);
-* the scheduler's memory per SSD block and its start-up seeding
-  (``benchmarks/scale_policy.py``: ``policy_memory``);
+* the scheduler's memory per SSD block and its start-up seeding, and per block
+  stored in the run, its lifecycle included (``benchmarks/scale_policy.py``:
+  ``policy_memory``, ``steady_memory``);
 * SSD write GB/s by block size against raw write + fsync of the same sizes
   (``scale_ssd.write_speeds``);
 * ``tierkv bench`` time and peak memory at 1x / 10x / 100x trace sizes
@@ -49,7 +50,9 @@ def _run(part: str, quick: bool) -> str:
     if part == "policy":
         import scale_policy
 
-        return scale_policy.table(scale_policy.policy_memory((100_000,) if quick else (100_000, 1_000_000)))
+        seeded = scale_policy.table(scale_policy.policy_memory((100_000,) if quick else (100_000, 1_000_000)))
+        steady = scale_policy.steady_table(scale_policy.steady_memory((300_000,) if quick else (2_000_000,)))
+        return f"{seeded}\n\nAfter storing them (policy and lifecycle):\n\n{steady}"
     if part in ("reopen", "write"):
         import scale_ssd
 

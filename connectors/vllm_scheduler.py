@@ -39,7 +39,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tierkv.config import TierKVConfig
 from tierkv.hashing import BlockHasher
-from tierkv.metrics import Lifecycle, LifecycleRecorder, policy_stats
+from tierkv.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampling, policy_stats
 from tierkv.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, LoadPlan, StorePlan, TierPolicy
 
 from tierkv.connectors.vllm_common import (
@@ -143,8 +143,8 @@ class TierKVScheduler:
         self.fingerprint = vllm_fingerprint(cfg, vllm_config, kv_cache_config)
         self.hasher = BlockHasher(self.block_size, cfg.hash, self.fingerprint.namespace())
         self.block_nbytes = block_nbytes_of(kv_cache_config)
-        self.lifecycle = {t: Lifecycle() for t in LOWER_TIERS}
         spec = policy_spec(cfg, kv_cache_config)
+        self.lifecycle = {t: Lifecycle(sample_every=lifecycle_sampling(spec.slots(t))) for t in LOWER_TIERS}
         check_index_memory(spec, self.block_nbytes)
         self.policy = TierPolicy(spec, observers=[LifecycleRecorder(self.lifecycle)])
         self.num_workers = num_workers(vllm_config)

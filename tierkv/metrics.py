@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterator
 from tierkv.errors import ConfigError
 from tierkv.policy.events import TIERS
 
-__all__ = ["TIERS", "Histogram", "Lifecycle", "LifecycleRecorder", "TierKVCollector", "policy_stats",
-           "start_metrics_server"]
+__all__ = ["TIERS", "Histogram", "Lifecycle", "LifecycleRecorder", "TierKVCollector", "lifecycle_sampling",
+           "policy_stats", "start_metrics_server"]
 
 
 # seconds: from a millisecond to a day
@@ -30,31 +30,35 @@ class Histogram:
     With ``keep_samples`` the hot path only appends the raw value and the bucket
     counts are derived from the samples when rendered (replays want exact
     percentiles and should not pay twice); otherwise it bumps one bucket.
+    ``weight``: what one observation counts for (a sample of one in ``weight``).
     """
 
-    __slots__ = ("bounds", "counts", "sum", "count", "samples")
+    __slots__ = ("bounds", "counts", "sum", "count", "samples", "weight")
 
-    def __init__(self, bounds: tuple[float, ...] = LIFECYCLE_BUCKETS, keep_samples: bool = False) -> None:
+    def __init__(self, bounds: tuple[float, ...] = LIFECYCLE_BUCKETS, keep_samples: bool = False,
+                 weight: int = 1) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)
         self.sum = 0.0
         self.count = 0
         self.samples: list[float] | None = [] if keep_samples else None
+        self.weight = weight
 
     def observe(self, value: float) -> None:
         if self.samples is not None:
             self.samples.append(value)
             return
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
+        w = self.weight
+        self.counts[bisect.bisect_left(self.bounds, value)] += w
+        self.sum += value * w
+        self.count += w
 
     def buckets(self) -> list[tuple[str, int]]:
         counts = self.counts
         if self.samples is not None:
             counts = [0] * (len(self.bounds) + 1)
             for v in self.samples:
-                counts[bisect.bisect_left(self.bounds, v)] += 1
+                counts[bisect.bisect_left(self.bounds, v)] += self.weight
         out, acc = [], 0
         for bound, c in zip((*self.bounds, float("inf")), counts):
             acc += c
@@ -62,7 +66,20 @@ class Histogram:
         return out
 
     def total(self) -> float:
-        return sum(self.samples) if self.samples is not None else self.sum
+        return sum(self.samples) * self.weight if self.samples is not None else self.sum
+
+
+# Blocks a Lifecycle follows at most, about: past it, a uniform sample (~170 bytes each).
+LIFECYCLE_TRACKED = 1 << 18
+
+
+def lifecycle_sampling(capacity_blocks: int, tracked: int = LIFECYCLE_TRACKED) -> int:
+    """The ``sample_every`` of a tier holding ``capacity_blocks``: the smallest power of two
+    that keeps the blocks followed at or below ``tracked``."""
+    every = 1
+    while capacity_blocks > tracked * every:
+        every *= 2
+    return every
 
 
 class Lifecycle:
@@ -71,24 +88,39 @@ class Lifecycle:
     lifetime = eviction time - time the block entered the tier;
     idle_before_evict = eviction time - last access;
     reuse_gap = time between consecutive accesses (entering counts as one).
+
+    ``sample_every`` (a power of two): follow one block in that many, chosen by the
+    key's hash, each of its observations counting that many times; memory is then
+    about the tier's capacity / ``sample_every`` entries (see :func:`lifecycle_sampling`).
     """
 
-    __slots__ = ("lifetime", "idle_before_evict", "reuse_gap", "_born", "_last")
+    __slots__ = ("lifetime", "idle_before_evict", "reuse_gap", "_born", "_last", "sample_every", "_mask")
 
-    def __init__(self, keep_samples: bool = False) -> None:
-        self.lifetime = Histogram(keep_samples=keep_samples)
-        self.idle_before_evict = Histogram(keep_samples=keep_samples)
-        self.reuse_gap = Histogram(keep_samples=keep_samples)
+    def __init__(self, keep_samples: bool = False, sample_every: int = 1) -> None:
+        if isinstance(sample_every, bool) or not isinstance(sample_every, int) or sample_every < 1 or \
+                sample_every & (sample_every - 1):
+            raise ValueError(f"sample_every: expected a power of two, got {sample_every!r}")
+        self.sample_every = sample_every
+        self._mask = sample_every - 1
+        self.lifetime = Histogram(keep_samples=keep_samples, weight=sample_every)
+        self.idle_before_evict = Histogram(keep_samples=keep_samples, weight=sample_every)
+        self.reuse_gap = Histogram(keep_samples=keep_samples, weight=sample_every)
         self._born: dict[bytes, float] = {}
         self._last: dict[bytes, float] = {}
 
+    def follows(self, key: bytes) -> bool:
+        """Whether ``key`` is one of the blocks this lifecycle follows (every one when not
+        sampling). Accesses and leaves of the others find nothing and cost nothing."""
+        return not self._mask or not hash(key) & self._mask
+
     def enter(self, key: bytes, now: float) -> None:
-        self._born[key] = now
-        self._last[key] = now
+        if self.follows(key):
+            self._born[key] = now
+            self._last[key] = now
 
     def enter_new(self, key: bytes, now: float) -> None:
         """:meth:`enter` unless ``key`` is already in the tier."""
-        if key not in self._born:
+        if key not in self._born and self.follows(key):
             self._born[key] = now
             self._last[key] = now
 
@@ -109,10 +141,11 @@ class Lifecycle:
             self.access(key, now)
 
     def enter_many(self, keys: Any, now: float) -> None:
-        born, last = self._born, self._last
+        born, last, mask = self._born, self._last, self._mask
         for key in keys:
-            born[key] = now
-            last[key] = now
+            if not mask or not hash(key) & mask:
+                born[key] = now
+                last[key] = now
 
     def leave_many(self, keys: Any, now: float) -> None:
         """:meth:`leave` for each key (the hot path of replays: inlined)."""

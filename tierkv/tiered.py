@@ -44,7 +44,7 @@ from tierkv.config import TierKVConfig
 from tierkv.executor import Executor, LoadResult, PoolRows
 from tierkv.hashing import BlockHasher
 from tierkv.identity import Fingerprint
-from tierkv.metrics import TIERS, Lifecycle, LifecycleRecorder, TierKVCollector, policy_stats
+from tierkv.metrics import TIERS, Lifecycle, LifecycleRecorder, TierKVCollector, lifecycle_sampling, policy_stats
 from tierkv.policy import COMPUTED, LOWER_TIERS, EVICTED, PAGEOUT, SHUTDOWN, PolicySpec, StorePlan, TierPolicy
 
 __all__ = ["TieredKVCache", "TieredAllocation", "library_fingerprint"]
@@ -104,8 +104,11 @@ class TieredKVCache:
         self.fingerprint = fingerprint or library_fingerprint(config, self.block_nbytes)
         self.hasher = BlockHasher(self.block_size, config.hash, namespace=self.fingerprint.namespace())
         self.manager = BlockManager(num_blocks, self.block_size, hasher=self.hasher, track_evictions=True)
-        self.lifecycle = {t: Lifecycle(record_samples) for t in TIERS}
         spec = PolicySpec.from_config(config, block_nbytes=self.block_nbytes, gpu_blocks=num_blocks)
+        capacity = {"gpu": num_blocks, **{t: spec.slots(t) for t in LOWER_TIERS}}
+        # Exact samples when asked for; otherwise large tiers are followed through a sample.
+        self.lifecycle = {t: Lifecycle(record_samples, sample_every=1 if record_samples else
+                                       lifecycle_sampling(capacity[t])) for t in TIERS}
         self.policy = TierPolicy(spec, clock=self.clock,
                                  observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS})])
         self._hits = {t: 0 for t in TIERS}
