@@ -40,7 +40,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tierkv.config import TierKVConfig
 from tierkv.hashing import BlockHasher
 from tierkv.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampling, policy_stats
-from tierkv.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, LoadPlan, StorePlan, TierPolicy
+from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, LoadPlan, StorePlan, TierPolicy
 
 from tierkv.connectors.vllm_common import (
     ResidentMap,
@@ -144,7 +144,7 @@ class TierKVScheduler:
         self.hasher = BlockHasher(self.block_size, cfg.hash, self.fingerprint.namespace())
         self.block_nbytes = block_nbytes_of(kv_cache_config)
         spec = policy_spec(cfg, kv_cache_config)
-        self.lifecycle = {t: Lifecycle(sample_every=lifecycle_sampling(spec.slots(t))) for t in LOWER_TIERS}
+        self.lifecycle = {t: Lifecycle(sample_every=lifecycle_sampling(n)) for t, n in spec.capacity().items()}
         check_index_memory(spec, self.block_nbytes)
         self.policy = TierPolicy(spec, observers=[LifecycleRecorder(self.lifecycle)])
         self.num_workers = num_workers(vllm_config)
@@ -163,8 +163,13 @@ class TierKVScheduler:
         self._queries = {"blocks": 0, "tokens": 0}
         self._hits = {"gpu": 0, "cpu": 0, "ssd": 0}
         self._ranks = engine_ranks(vllm_config)
-        self._recovering = self._recovering_tiers()  # seeded from once they are verified
-        self._ssd_evictions = self._seed_ssd() if self.policy.ssd is not None else []
+        self._recovering: list[Any] = []  # SSD tiers beside this process, seeded from once verified
+        self._ssd_evictions: list[bytes] = []
+        if self.policy.ssd is not None:
+            from tierkv.connectors.vllm_worker import recovering_ssd_tiers
+
+            self._recovering = recovering_ssd_tiers(cfg, self._ranks)
+            self._ssd_evictions = self._seed_ssd()
         self._reset_ssd = False
         self._metrics_server = self._start_metrics(cfg.metrics.port)
         log.info("tierkv scheduler: %s; block %d bytes; %s admission; %d CPU slots, %d SSD blocks (%d held)",
@@ -181,13 +186,6 @@ class TierKVScheduler:
         if leaving:
             whole = [k for k in whole if k not in leaving]
         return partial + self.policy.seed_ssd(whole)
-
-    def _recovering_tiers(self) -> list[Any]:
-        if self.policy.ssd is None:
-            return []
-        from tierkv.connectors.vllm_worker import recovering_ssd_tiers
-
-        return recovering_ssd_tiers(self.cfg, self._ranks)
 
     def _seed_recovered(self) -> None:
         """Once the SSD tiers open in this process (one worker beside the scheduler) finished

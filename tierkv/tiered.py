@@ -45,7 +45,7 @@ from tierkv.executor import Executor, LoadResult, PoolRows
 from tierkv.hashing import BlockHasher
 from tierkv.identity import Fingerprint
 from tierkv.metrics import TIERS, Lifecycle, LifecycleRecorder, TierKVCollector, lifecycle_sampling, policy_stats
-from tierkv.policy import COMPUTED, LOWER_TIERS, EVICTED, PAGEOUT, SHUTDOWN, PolicySpec, StorePlan, TierPolicy
+from tierkv.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, SHUTDOWN, PolicySpec, StorePlan, TierPolicy
 
 __all__ = ["TieredKVCache", "TieredAllocation", "library_fingerprint"]
 
@@ -105,7 +105,7 @@ class TieredKVCache:
         self.hasher = BlockHasher(self.block_size, config.hash, namespace=self.fingerprint.namespace())
         self.manager = BlockManager(num_blocks, self.block_size, hasher=self.hasher, track_evictions=True)
         spec = PolicySpec.from_config(config, block_nbytes=self.block_nbytes, gpu_blocks=num_blocks)
-        capacity = {"gpu": num_blocks, **{t: spec.slots(t) for t in LOWER_TIERS}}
+        capacity = {"gpu": num_blocks, **spec.capacity()}
         # Exact samples when asked for; otherwise large tiers are followed through a sample.
         self.lifecycle = {t: Lifecycle(record_samples, sample_every=1 if record_samples else
                                        lifecycle_sampling(capacity[t])) for t in TIERS}

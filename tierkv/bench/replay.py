@@ -61,7 +61,7 @@ from tierkv.executor import Executor, NullExecutor
 from tierkv.bench.lifelog import LifecycleLog
 from tierkv.bench.stats import Quantiles
 from tierkv.metrics import TIERS, LifecycleRecorder, policy_stats
-from tierkv.policy import COMPUTED, LOWER_TIERS, EVICTED, PAGEOUT, LoadPlan, PolicySpec, StorePlan, TierPolicy
+from tierkv.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, LoadPlan, PolicySpec, StorePlan, TierPolicy
 
 if TYPE_CHECKING:
     from tierkv.bench.traces import Request, Trace, TraceReader

@@ -121,7 +121,7 @@ class TierPolicy:
                 "ssd": len(self.ssd) if self.ssd is not None else 0}
 
     def capacity(self) -> dict[str, int]:
-        return {"cpu": self.spec.cpu_slots, "ssd": self.spec.ssd_slots}
+        return self.spec.capacity()
 
     def pinned(self) -> dict[str, int]:
         return {"cpu": self.cpu.num_pinned if self.cpu is not None else 0,

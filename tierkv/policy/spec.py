@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierkv.errors import ConfigError
-from tierkv.policy.events import LOWER_TIERS
 from tierkv.policy.plans import COMPUTED, EVICTED, PAGEOUT, SHUTDOWN
 
 if TYPE_CHECKING:
@@ -87,11 +86,9 @@ class PolicySpec:
         """Does admission take blocks offered for ``reason``?"""
         return reason in _ADMITTED[self.admission]
 
-    def slots(self, tier: str) -> int:
-        """Blocks the lower tier ``tier`` (``cpu`` or ``ssd``) holds at most."""
-        if tier not in LOWER_TIERS:
-            raise ValueError(f"tier: expected one of {LOWER_TIERS}, got {tier!r}")
-        return self.cpu_slots if tier == "cpu" else self.ssd_slots
+    def capacity(self) -> dict[str, int]:
+        """Blocks each lower tier holds at most."""
+        return {"cpu": self.cpu_slots, "ssd": self.ssd_slots}
 
     @property
     def has_lower_tier(self) -> bool:
