@@ -1,28 +1,40 @@
 """Opaque-page view of an engine's paged KV tensors.
 
-A tierkv block is the concatenation of every (layer, segment) page of one
-engine block, as raw bytes. The layout is derived from the tensors the engine
-hands over, not from one engine version's shape:
+A tierkv block is every byte that one engine block id addresses in the KV
+tensors (all layers), as raw bytes in a fixed order. What the bytes are is
+taken from what the engine states, never from a size that happens to match:
 
-* the block dimension is the dimension whose size is ``num_blocks``;
-* dimensions before it (e.g. the ``2`` of a ``[2, num_blocks, ...]`` K/V split)
-  give separate segments; dimensions after it must be contiguous per block;
-* layers that are views of the same bytes are counted once.
+* the block axis is dimension 0. vLLM (0.32 and 0.33) hands a connector one
+  logical ``[B, H, N, C]`` view per layer (``create_kv_cache_views``), with
+  ``B = num_blocks x ratio`` when the attention backend's kernel block is
+  smaller than ``--block-size`` (engine block ``b`` is kernel blocks
+  ``b*ratio .. b*ratio+ratio-1``);
+* the physical arrangement (the resolved ``KVCacheLayout``: LBHNC, LBNHC,
+  LHBNC, BLHNC, BLNHC, BHLNC) is read from the views' strides: one engine
+  block's bytes in each view are decomposed into maximal contiguous runs
+  (one per layer for LBHNC or LBNHC, one per layer and head for LHBNC, a few
+  per block, or one, for the block-outermost layouts);
+* the runs of all layers are united per storage (layers that alias the same
+  bytes, such as KV cache groups overlaid by the hybrid allocator or layers
+  sharing a KV cache, count once), merged where adjacent and ordered by their
+  offset in the storage (never by address: the order is the same in every
+  process), and checked not to overlap another engine block's bytes.
 
-When all segments are equally sized, equally spaced views of one buffer (the
-usual case: one allocation, per-layer views), the whole block is moved with a
-single strided ``index_select`` / ``index_copy_``; otherwise one such copy per
-segment. Never a Python loop over blocks.
+A block's bytes are therefore layout-specific: the fingerprint carries the
+layout (see ``vllm_fingerprint``). When all runs are equally sized, equally
+spaced views of one buffer (layer-compact layouts), the whole block is moved
+with a single strided ``index_select`` / ``index_copy_`` on the CPU; otherwise
+one such copy per run. tierkv's CUDA gather/scatter kernels take every run in
+one launch (a row table per run).
 
 :class:`LayoutRows` adapts a layout to the executor and the copier: whole
 blocks as host rows, through tierkv's gather/scatter kernels on CUDA (one
-launch per job over every segment, straight into pinned slab slots or
-staging) and through the copies above on the CPU.
+launch per job over every run, straight into pinned slab slots or staging)
+and through the copies above on the CPU.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
@@ -34,7 +46,11 @@ from tierkv.transfer import copy_rows
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVLayout", "LayoutRows", "Segment"]
+__all__ = ["KVLayout", "LayoutRows", "Segment", "block_runs", "union_runs"]
+
+# More separate runs per block than this is not a layout any engine uses (LHBNC with
+# 128 layers of 16 KV heads is 2,048); refusing it keeps the kernels' row tables small.
+MAX_RUNS = 16384
 
 
 @dataclass(frozen=True)
@@ -53,42 +69,79 @@ def _u8_base(t: "torch.Tensor") -> "torch.Tensor":
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
-def _contiguous_tail(t: "torch.Tensor") -> bool:
-    """True if every dim of ``t`` after the first is laid out contiguously."""
-    expected = 1
-    for size, stride in reversed(list(zip(t.shape[1:], t.stride()[1:]))):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
+def union_runs(runs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` byte ranges united: sorted, overlapping or adjacent ones merged."""
+    out: list[list[int]] = []
+    for off, n in sorted(runs):
+        if out and off <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], off + n - out[-1][0])
+        else:
+            out.append([off, n])
+    return [(o, n) for o, n in out]
 
 
-def _segments_of(name: str, t: "torch.Tensor", num_blocks: int) -> list[tuple[Segment, "torch.Tensor"]]:
-    dims = [d for d, size in enumerate(t.shape) if size == num_blocks]
-    if not dims:
-        raise ValueError(f"kv_caches[{name!r}]: no dimension of size num_blocks={num_blocks} "
-                         f"in shape {tuple(t.shape)}")
-    bdim = dims[0]
-    itemsize = t.element_size()
-    out = []
-    for outer in _outer_indices(t.shape[:bdim]):
-        sub = t[outer] if outer else t
-        if not _contiguous_tail(sub):
-            raise ValueError(f"kv_caches[{name!r}]: pages are not contiguous per block "
-                             f"(shape {tuple(t.shape)}, strides {t.stride()})")
-        seg = Segment(storage_ptr=t.untyped_storage().data_ptr(),
-                      offset=sub.storage_offset() * itemsize,
-                      block_stride=sub.stride(0) * itemsize,
-                      nbytes=math.prod(sub.shape[1:]) * itemsize)
-        out.append((seg, sub))
-    return out
+def block_runs(shape: Sequence[int], strides: Sequence[int], itemsize: int, base: int,
+               num_blocks: int, what: str = "tensor") -> tuple[int, list[tuple[int, int]]]:
+    """``(block stride, [(offset, nbytes)])``: the bytes of engine block 0 of a tensor of
+    ``shape`` (block axis 0: ``num_blocks``, or a multiple of it in kernel blocks) and
+    byte ``strides`` whose element 0 is ``base`` bytes into its storage, as contiguous
+    runs. The one rule for "which bytes are a block", for tensors (:class:`KVLayout`)
+    and for vLLM's stated placement (``block_nbytes_of``) alike."""
+    if not shape or shape[0] == 0 or shape[0] % num_blocks:
+        got = "no dimensions" if not shape else f"{shape[0]} entries"
+        raise ValueError(f"{what}: dimension 0 (the blocks) has {got}, not num_blocks="
+                         f"{num_blocks} or a multiple of it (kernel blocks); shape {tuple(shape)}")
+    ratio = shape[0] // num_blocks
+    dims = sorted(((size, stride) for size, stride in zip((ratio, *shape[1:]), strides) if size > 1),
+                  key=lambda d: d[1])
+    run, outer = itemsize, []
+    for size, stride in dims:  # innermost first: merge while each dim continues the run
+        if not outer and stride == run:
+            run *= size
+        else:
+            outer.append((size, stride))
+    starts = np.zeros(1, dtype=np.int64)
+    for size, stride in outer:
+        starts = (starts[:, None] + np.arange(size, dtype=np.int64) * stride).ravel()
+        if starts.size > MAX_RUNS:
+            raise ValueError(f"{what}: one block's bytes are more than {MAX_RUNS} separate runs "
+                             f"(shape {tuple(shape)}, byte strides {tuple(strides)}): not a layout tierkv moves")
+    return strides[0] * ratio, union_runs((base + int(s), run) for s in starts)
 
 
-def _outer_indices(shape: Iterable[int]) -> list[tuple[int, ...]]:
-    idx: list[tuple[int, ...]] = [()]
-    for size in shape:
-        idx = [i + (j,) for i in idx for j in range(size)]
-    return idx
+def _block_runs(name: str, t: "torch.Tensor", num_blocks: int) -> tuple[int, list[tuple[int, int]]]:
+    item = t.element_size()
+    return block_runs(tuple(t.shape), [s * item for s in t.stride()], item, t.storage_offset() * item,
+                      num_blocks, f"kv_caches[{name!r}]")
+
+
+def _check_disjoint(name: str, segs: Sequence[Segment], num_blocks: int) -> None:
+    """No run of one block overlaps a run of another block (in the same storage): a load
+    of one block must never write bytes of another."""
+    by_ptr: dict[int, list[Segment]] = {}
+    for s in segs:
+        by_ptr.setdefault(s.storage_ptr, []).append(s)
+    last = num_blocks - 1
+    for group in by_ptr.values():
+        off = np.array([s.offset for s in group], dtype=np.int64)
+        size = np.array([s.nbytes for s in group], dtype=np.int64)
+        stride = np.array([s.block_stride for s in group], dtype=np.int64)
+        for i, s in enumerate(group):
+            if num_blocks > 1 and s.nbytes > s.block_stride:
+                raise ValueError(f"{name}: a block's run of {s.nbytes} bytes is longer than the block "
+                                 f"stride ({s.block_stride}): blocks overlap")
+            same = stride == s.block_stride
+            d = off - s.offset  # run j of block b+k starts at d + k*stride from run i of block b
+            # the smallest k with d + k*stride > -size_j, then whether it still starts before run i ends
+            k = np.clip(-((d + size - 1) // s.block_stride), -last, last) if s.block_stride else 0
+            x = d + k * s.block_stride
+            hit = same & (x < s.nbytes) & (x + size > 0) & ((k != 0) | (np.arange(len(group)) != i))
+            span_i = (s.offset, s.offset + last * s.block_stride + s.nbytes)
+            other = ~same & (off < span_i[1]) & (off + last * stride + size > span_i[0])
+            if hit.any() or other.any():
+                raise ValueError(f"{name}: the bytes of different blocks overlap (strides "
+                                 f"{s.block_stride} and {int(stride[np.argmax(hit | other)])}): "
+                                 "dimension 0 is not the block axis")
 
 
 class KVLayout:
@@ -100,17 +153,24 @@ class KVLayout:
 
         if not kv_caches:
             raise ValueError("kv_caches: empty")
-        segs: dict[Segment, torch.Tensor] = {}
+        storages: dict[int, torch.Tensor] = {}  # storage -> a tensor on it, in layer order
+        runs: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (storage, block stride) -> runs
         for name, t in kv_caches.items():
-            for seg, sub in _segments_of(name, t, num_blocks):
-                segs.setdefault(seg, sub)  # layers sharing storage count once
+            ptr = t.untyped_storage().data_ptr()
+            storages.setdefault(ptr, t)
+            stride, block = _block_runs(name, t, num_blocks)
+            runs.setdefault((ptr, stride), []).extend(block)
+        order = {ptr: i for i, ptr in enumerate(storages)}
+        segs = [Segment(ptr, off, stride, n) for (ptr, stride), rs in runs.items() for off, n in union_runs(rs)]
+        # Page order inside a tierkv block: storages in the order of their first layer,
+        # then the offset in the storage; never addresses, which differ between processes.
+        segs.sort(key=lambda s: (order[s.storage_ptr], s.offset, s.block_stride))
+        _check_disjoint("kv_caches", segs, num_blocks)
         self.num_blocks = num_blocks
-        # Page order inside a tierkv block: layers in the order given, then the
-        # outer index; never memory addresses, which differ between processes.
-        self.segments = list(segs)
-        self.block_nbytes = sum(s.nbytes for s in self.segments)
+        self.segments = segs
+        self.block_nbytes = sum(s.nbytes for s in segs)
         self.device = next(iter(kv_caches.values())).device
-        base = {s.storage_ptr: _u8_base(segs[s]) for s in self.segments}
+        base = {ptr: _u8_base(t) for ptr, t in storages.items()}
         self._fused = self._fused_view(base)
         self._views = [torch.as_strided(base[s.storage_ptr], (num_blocks, s.nbytes),
                                         (s.block_stride, 1), s.offset) for s in self.segments]
@@ -176,9 +236,9 @@ class LayoutRows:
         self.cuda = torch.device(layout.device).type == "cuda"
 
     def _index(self, block_ids: Sequence[int]) -> "torch.Tensor":
-        import torch
+        from tierkv.streams import to_device
 
-        return torch.tensor(list(block_ids), dtype=torch.long, device=self.layout.device)
+        return to_device(list(block_ids), self.layout.device)
 
     def read(self, block_ids: Sequence[int]) -> np.ndarray:
         rows = self.staging(len(block_ids))

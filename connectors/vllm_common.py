@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["load_config", "vllm_fingerprint", "policy_spec", "check_index_memory", "block_nbytes_of", "num_workers", "Rank",
+__all__ = ["load_config", "vllm_fingerprint", "policy_spec", "check_index_memory", "block_nbytes_of", "kv_layout_name", "layer_spec", "num_workers", "Rank",
            "engine_ranks", "ssd_root", "ResidentDelta",
            "ResidentMap", "TierKVMetadata", "TierKVWorkerMetadata"]
 
@@ -79,12 +79,61 @@ def _reject_vllm_keys(paths: set[str], where: str) -> None:
 
 
 def block_nbytes_of(kv_cache_config: "KVCacheConfig") -> int:
-    """Bytes of one tierkv block (every layer's page, shared storage counted once)."""
-    total = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors)
-    if total % kv_cache_config.num_blocks:
-        raise ValueError(f"kv_cache_config: {total} bytes of KV tensors do not split into "
-                         f"{kv_cache_config.num_blocks} blocks")
-    return total // kv_cache_config.num_blocks
+    """Bytes of one tierkv block: every byte one block id addresses, from where vLLM
+    places each layer (``KVCacheTensor``: ``offset + l * layer_stride + b * block_stride``,
+    the rest of a page's strides from the resolved layout, as ``create_kv_cache_views``
+    computes them). Pages that alias each other (KV cache groups overlaid by the hybrid
+    allocator, layers sharing a KV cache) count once, padding between pages not at all.
+    :class:`~tierkv.connectors.kv_layout.KVLayout` finds the same bytes in the tensors
+    themselves (the worker checks)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, compute_layer_kv_cache_shape_bytes, compute_layout_strides
+
+    from tierkv.connectors.kv_layout import block_runs, union_runs
+
+    layout = _resolved_layout(kv_cache_config)
+    nb = int(kv_cache_config.num_blocks)
+    runs: dict[int, list[tuple[int, int]]] = {}  # block stride -> block 0's bytes
+    for tensor in kv_cache_config.kv_cache_tensors:
+        spec = layer_spec(kv_cache_config, tensor.layers[0])  # a tensor's layers share one spec
+        if not (spec.has_layer_views and isinstance(spec, AttentionSpec)):
+            raise ConfigError(f"layer {tensor.layers[0]}: its {type(spec).__name__} is a state cache "
+                              "without per-block pages; tierkv stores the KV of attention layers only")
+        shape = compute_layer_kv_cache_shape_bytes(spec, nb)
+        strides = compute_layout_strides(spec, nb, len(tensor.layers), layout,
+                                         fixed_strides=(tensor.layer_stride, tensor.block_stride, None, None, None))
+        for i in range(len(tensor.layers)):
+            stride, block = block_runs(shape, strides[1:], 1, int(tensor.offset) + i * strides[0], nb,
+                                       f"layer {tensor.layers[i]}")
+            runs.setdefault(stride, []).extend(block)
+    return sum(n for rs in runs.values() for _, n in union_runs(rs))
+
+
+def _resolved_layout(kv_cache_config: "KVCacheConfig") -> Any:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    name = getattr(kv_cache_config, "kv_cache_layout", None)
+    if name is None:
+        raise ValueError("kv_cache_config: no KV cache layout resolved (vLLM's engine core sets "
+                         "kv_cache_layout before the connector is built)")
+    return KVCacheLayout[name]
+
+
+def layer_spec(kv_cache_config: "KVCacheConfig", layer: str) -> Any:
+    """The ``KVCacheSpec`` of one layer (its group's, or its own in a group of mixed specs)."""
+    for group in kv_cache_config.kv_cache_groups:
+        if layer in group.layer_names:
+            spec = group.kv_cache_spec
+            specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+            return specs[layer] if specs is not None else spec
+    raise ValueError(f"kv_cache_config: layer {layer} is in no KV cache group")
+
+
+def kv_layout_name(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
+    """The KV cache layout vLLM resolved (``LBNHC``, ``LBHNC``, ...): a block's bytes differ
+    between layouts, so it is part of the fingerprint."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or \
+        getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    return str(name or "")
 
 
 def vllm_fingerprint(cfg: TierKVConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Fingerprint:
@@ -96,7 +145,7 @@ def vllm_fingerprint(cfg: TierKVConfig, vllm_config: "VllmConfig", kv_cache_conf
         block_nbytes=block_nbytes_of(kv_cache_config), layers=int(mc.get_num_layers(pc)),
         kv_heads=int(mc.get_num_kv_heads(pc)), head_size=int(mc.get_head_size()), hash=cfg.hash,
         tp_size=int(pc.tensor_parallel_size), pp_size=int(pc.pipeline_parallel_size),
-        variant=_variant(mc))
+        variant=_variant(mc), kv_layout=kv_layout_name(vllm_config, kv_cache_config))
 
 
 def _variant(mc: Any) -> str:

@@ -86,6 +86,22 @@ class TierKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    # vLLM 0.33's sleep mode (0.32 has no such hooks and never calls them): before the KV
+    # memory is released every copy ends and every view of it is dropped; after wake-up
+    # the views are rebuilt over the same tensors. The CPU and SSD tiers keep their blocks.
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Called before the forward: blocks evicted in this step are stored now."""
         assert isinstance(kv_connector_metadata, TierKVMetadata), type(kv_connector_metadata)

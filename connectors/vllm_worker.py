@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import torch
 
 from tierkv.config import TierKVConfig
-from tierkv.copier import Copier
+from tierkv.copier import Copier, Finished
 from tierkv.executor import Executor
 from tierkv.policy import SHUTDOWN, LoadPlan, StorePlan
 from tierkv.policy.manager import select_for_shutdown
@@ -158,6 +158,33 @@ def _this_rank(vllm_config: "VllmConfig") -> Rank:
     return Rank(tp, pp, first.dp, first.tp_size, first.pp_size)
 
 
+# KVCacheLayout names (vllm/v1/kv_cache_layout.py): KVLayout reads every one from the strides.
+SUPPORTED_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+
+
+def _backends(vllm_config: "VllmConfig", kv_caches: dict[str, torch.Tensor]) -> str:
+    """The attention backends of these layers, by name, as vLLM's forward context has them."""
+    names: set[str] = set()
+    try:
+        context = vllm_config.compilation_config.static_forward_context
+        for layer in kv_caches:
+            backend = getattr(context.get(layer), "attn_backend", None)
+            if backend is not None:
+                names.add(backend.get_name())
+    except Exception:  # a config without layers (tests that build one by hand)
+        pass
+    return "/".join(sorted(names)) if names else "this engine"
+
+
+def _drop_kernel_tables() -> None:
+    """Forget the CUDA copy kernels' cached device tables (pointers into the KV tensors)."""
+    import sys
+
+    module = sys.modules.get("tierkv.kernels.cuda_block_ops")
+    if module is not None:
+        module.drop_tables()
+
+
 class TierKVWorker:
     def __init__(self, cfg: TierKVConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
         self.cfg = cfg
@@ -175,30 +202,95 @@ class TierKVWorker:
         self._errors: set[int] = set()
         self._report = TierKVWorkerMetadata()
         self._closed = False
+        self._kv_caches: dict[str, torch.Tensor] | None = None
+        self.fingerprint: Fingerprint | None = None
+        self._reset_tiers = False  # set when re-registered tensors are of another kind
 
     # ------------------------------------------------------------------ setup
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = KVLayout(kv_caches, self.num_blocks)
-        if layout.block_nbytes != self.block_nbytes:
-            raise ValueError(f"kv_caches: tensors hold {layout.block_nbytes} bytes per block, "
-                             f"kv_cache_config says {self.block_nbytes}")
-        slab = None
-        if self.spec.cpu_slots:
-            pin = self.cfg.cpu.pin if self.cfg.cpu.pin is not None else torch.cuda.is_available()
-            slab = HostSlab(self.spec.cpu_slots, self.block_nbytes, pin_memory=pin)
-        ssd = None
-        if self.spec.ssd_slots:
-            fp = vllm_fingerprint(self.cfg, self.vllm_config, self.kv_cache_config)
-            ssd = open_ssd_tier(self.cfg, fp, _this_rank(self.vllm_config), self.block_nbytes)
+        """Take vLLM's KV tensors. Called once at start-up; called again (new tensors after
+        vLLM discarded its KV cache), the tiers keep their blocks when the fingerprint still
+        matches, and are reset (logged) when it does not."""
+        fingerprint = vllm_fingerprint(self.cfg, self.vllm_config, self.kv_cache_config)
+        if self.executor is not None:
+            self.unregister_kv_caches()
+            if fingerprint != self.fingerprint:
+                log.warning("tierkv worker: the new KV tensors are of another kind (%s, before: %s): the CPU "
+                            "and SSD tiers are reset", fingerprint.describe(), self.fingerprint.describe())
+                self._reset_tiers = True
+        self.fingerprint = fingerprint
+        self._kv_caches = dict(kv_caches)
+        self._attach()
+        atexit.register(self.shutdown)
+
+    def _attach(self) -> None:
+        """Views, row tables and streams over the registered tensors (again after a wake-up)."""
+        layout = self._layout_of(self._kv_caches)
         rows = LayoutRows(layout)
-        self.executor = Executor(rows, slab, ssd)
+        if self.executor is None:
+            slab = None
+            if self.spec.cpu_slots:
+                pin = self.cfg.cpu.pin if self.cfg.cpu.pin is not None else torch.cuda.is_available()
+                slab = HostSlab(self.spec.cpu_slots, self.block_nbytes, pin_memory=pin)
+            ssd = None
+            if self.spec.ssd_slots:
+                ssd = open_ssd_tier(self.cfg, self.fingerprint, _this_rank(self.vllm_config), self.block_nbytes)
+            self.executor = Executor(rows, slab, ssd)
+        self.executor.device = rows
         self.copier = Copier(self.executor, rows, streams_for(layout.device),
                              staging_bytes=self.cfg.ssd.queue_capacity)
-        atexit.register(self.shutdown)
-        log.info("tierkv worker: %d layer segments (%s copies), %d B/block, %d CPU slots, SSD %s",
-                 len(layout.segments), "fused" if layout.fused else "per-segment",
+        if self._reset_tiers:
+            self._reset_tiers = False
+            self.copier.discard_all()
+            if self.executor.slab is not None:
+                self.executor.slab.forget_all()
+        ssd = self.executor.ssd
+        log.info("tierkv worker: %d runs per block (%s copies), layout %s, %d B/block, %d CPU slots, SSD %s",
+                 len(layout.segments), "fused" if layout.fused else "per-run", self.fingerprint.kv_layout or "?",
                  self.block_nbytes, self.spec.cpu_slots, ssd.path if ssd else "off")
+
+    def _layout_of(self, kv_caches: dict[str, torch.Tensor]) -> KVLayout:
+        """The tensors as whole blocks; one line naming the layer, the layout and the
+        backend when tierkv cannot move their bytes exactly."""
+        layout_name = self.fingerprint.kv_layout or "unresolved"
+        try:
+            layout = KVLayout(kv_caches, self.num_blocks)
+        except ValueError as exc:
+            raise ConfigError(f"tierkv: cannot move the KV cache of {_backends(self.vllm_config, kv_caches)} "
+                              f"in layout {layout_name}: {exc} (tierkv moves per-layer attention caches in "
+                              f"every layout vLLM resolves: {', '.join(SUPPORTED_LAYOUTS)})") from None
+        if layout.block_nbytes != self.block_nbytes:
+            raise ConfigError(f"tierkv: kv_caches ({_backends(self.vllm_config, kv_caches)}, layout {layout_name}) "
+                              f"hold {layout.block_nbytes} bytes per block, kv_cache_config says "
+                              f"{self.block_nbytes}")
+        return layout
+
+    # ------------------------------------------------------------------ sleep mode (vLLM >= 0.33)
+
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM releases the KV memory (sleep, discard): every copy in flight runs
+        to its end and is collected, then every view, row table, stream and cached kernel
+        table over the tensors is dropped. The tiers below keep their blocks. The GPU
+        blocks' contents are gone after a sleep, so the hot-set mirror is cleared: a
+        shutdown must not store them. Idempotent."""
+        if self.copier is None:
+            return
+        self._collect(self.copier.drain())
+        if self.executor is not None:
+            self._lose(self.executor.take_lost())
+            self.executor.device = None
+        self.copier.close()
+        self.copier = None
+        self._before_forward = None
+        self._mirror.clear()
+        _drop_kernel_tables()
+
+    def restore_kv_caches(self) -> None:
+        """After a wake-up: the same tensors again (vLLM maps their memory back at the same
+        addresses); views, row tables and streams are rebuilt. Idempotent."""
+        if self.copier is None and self._kv_caches is not None and not self._closed:
+            self._attach()
 
     @property
     def ssd(self) -> SSDTier | None:
@@ -207,7 +299,7 @@ class TierKVWorker:
     # ------------------------------------------------------------------ loads
 
     def _copier(self) -> Copier:
-        assert self.copier is not None, "register_kv_caches was not called"
+        assert self.copier is not None, "no KV tensors registered (register_kv_caches, or asleep)"
         return self.copier
 
     def before_forward(self, meta: TierKVMetadata) -> None:
@@ -258,7 +350,9 @@ class TierKVWorker:
         scheduler half. Never waits for a copy."""
         if self.copier is None:
             return
-        done = self.copier.poll()
+        self._collect(self.copier.poll())
+
+    def _collect(self, done: Finished) -> None:
         for plan_id in done.stored:
             self._report.stored[plan_id] += 1
         self._lose(done.lost)
@@ -329,6 +423,8 @@ class TierKVWorker:
         if ssd is not None:
             _SHARED.pop(str(ssd.path), None)
             ssd.close()
+        if self.executor is not None and self.executor.slab is not None:
+            self.executor.slab.close()  # every copy out of it ran (drained above)
 
     def counters(self) -> dict[str, float]:
         """Monotonic counters since start (for vLLM's connector stats): blocks moved per

@@ -317,8 +317,8 @@ def _vllm_config(model_dir: str, block_size: int, extra: dict[str, Any] | None,
 
 
 def _kv_cache_config(block_size: int, num_blocks: int) -> "KVCacheConfig":
-    """One full-attention group over the tiny model's layers; one layer-outermost
-    tensor per layer, so the tensor sizes add up to ``block_nbytes`` per block."""
+    """One full-attention group over the tiny model's layers, placed as vLLM places them
+    in a layer-outermost layout: one backing allocation, each layer a region of its own."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -330,8 +330,9 @@ def _kv_cache_config(block_size: int, num_blocks: int) -> "KVCacheConfig":
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE)
     page = spec.page_size_bytes
     assert page * len(names) == block_nbytes(block_size), (page, block_nbytes(block_size))
-    tensors = [KVCacheTensor(size=page * num_blocks, layers=[name], layer_stride=page * num_blocks,
-                             block_stride=page) for name in names]
+    tensors = [KVCacheTensor(size=page * num_blocks * len(names), layers=list(names),
+                             layer_stride=page * num_blocks, block_stride=page)]
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
                          kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-                         hash_block_size=block_size, cache_hit_alignment_tokens=block_size)
+                         hash_block_size=block_size, cache_hit_alignment_tokens=block_size,
+                         kv_cache_layout="LBHNC")  # the CPU backend's only layout

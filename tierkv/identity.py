@@ -71,6 +71,7 @@ class Fingerprint:
     tp_size: int = 1
     pp_size: int = 1
     variant: str = ""  # what the engine changes beyond the files (quantization, config overrides)
+    kv_layout: str = ""  # the engine's physical KV layout (vLLM's KVCacheLayout name): a block's bytes depend on it
     format: int = FORMAT_VERSION
 
     def namespace(self) -> bytes:
@@ -89,7 +90,8 @@ class Fingerprint:
 
     def describe(self) -> str:
         return (f"{self.model} {self.dtype}/{self.kv_dtype} block {self.block_size} tokens "
-                f"({self.block_nbytes} B) {self.layers}x{self.kv_heads}x{self.head_size} tp {self.tp_size}")
+                f"({self.block_nbytes} B) {self.layers}x{self.kv_heads}x{self.head_size} tp {self.tp_size}"
+                + (f" layout {self.kv_layout}" if self.kv_layout else ""))
 
 
 def model_identity(model: str, revision: str | None = None, override: str | None = None) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-__all__ = ["Event", "Stream", "Streams", "InlineStreams", "CudaStreams", "streams_for"]
+__all__ = ["Event", "Stream", "Streams", "InlineStreams", "CudaStreams", "streams_for", "to_device", "copy_priority"]
 
 
 class Event(Protocol):
@@ -103,7 +103,9 @@ class _CudaStream:
     def record(self) -> Event:
         import torch
 
-        event = torch.cuda.Event()
+        # blocking: the I/O thread's synchronize() sleeps until the copy ran instead of
+        # spinning a core (query(), all the step thread calls, is the same either way)
+        event = torch.cuda.Event(blocking=True)
         event.record(self.torch_stream)
         return event
 
@@ -126,9 +128,25 @@ class CudaStreams:
     def new_stream(self, *, low_priority: bool) -> Stream:
         import torch
 
-        # torch: lower numbers are higher priorities; 0 is the default (and lowest) priority.
-        low, high = torch.cuda.Stream.priority_range()
-        return _CudaStream(torch.cuda.Stream(device=self.device, priority=low if low_priority else high))
+        least, _greatest = torch.cuda.Stream.priority_range()
+        compute = torch.cuda.current_stream(self.device).priority
+        priority = copy_priority(least, compute, low_priority=low_priority)
+        return _CudaStream(torch.cuda.Stream(device=self.device, priority=priority))
+
+
+def copy_priority(least: int, compute: int, *, low_priority: bool) -> int:
+    """The CUDA priority of a copy stream: never above the compute stream's.
+
+    CUDA: lower numbers are higher priorities, ``least`` (0, the default, which
+    vLLM's compute stream runs at) is the lowest there is. Stores run at ``least``:
+    below the forward when the engine raised its compute stream, else equal (nothing
+    is lower than the default; the thread-block cap of the copy kernels is what leaves
+    the SMs to the forward then). Loads run at the compute stream's priority: a load
+    that preempted the forward would slow every running request to let one waiting
+    request in a step earlier."""
+    if low_priority:
+        return least
+    return min(compute, least)
 
 
 def streams_for(device: Any) -> "Streams":
@@ -136,3 +154,22 @@ def streams_for(device: Any) -> "Streams":
     import torch
 
     return CudaStreams(device) if torch.device(device).type == "cuda" else InlineStreams()
+
+
+def to_device(values: Any, device: Any) -> Any:
+    """An int64 index (a list or a CPU tensor) on ``device``, copied without a host wait.
+
+    A CUDA copy from pageable host memory first synchronises its stream (CUDA's
+    documented behaviour for pageable H2D ``cudaMemcpyAsync``), and tierkv's copy
+    streams are parked behind the compute stream's events: the step thread would wait
+    for the forward. The index goes through a page-locked buffer instead (torch's
+    caching host allocator keeps it alive until the copy ran)."""
+    import torch
+
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+    dev = torch.device(device)
+    if dev.type != "cuda" or t.device == dev:
+        return t.to(dev)
+    if t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(dev, non_blocking=True)

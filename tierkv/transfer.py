@@ -20,6 +20,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tierkv.streams import to_device
+
 __all__ = ["TransferEngine", "copy_rows"]
 
 def copy_rows(src: Any, src_rows: Sequence[int], dst: Any, dst_rows: Sequence[int]) -> None:
@@ -130,12 +132,11 @@ class TransferEngine:
             copy_rows(self._np, rows, out_np, range(len(rows)))
             out = torch.from_numpy(out_np)
         else:
-            idx = torch.tensor(list(rows), dtype=torch.int64)
             out = torch.empty((len(rows), self.block_nbytes), dtype=torch.uint8, pin_memory=True)
             assert self.stream is not None
             self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))
             with torch.cuda.stream(self.stream):
-                staged = _gather_device(self.pool, idx.to(self.pool.device, non_blocking=True))
+                staged = _gather_device(self.pool, to_device(list(rows), self.pool.device))
                 out.copy_(staged, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.stream)
@@ -158,14 +159,16 @@ class TransferEngine:
             copy_rows(data.numpy() if isinstance(data, torch.Tensor) else data, range(len(rows)), self._np, rows)
             self.count("h2d", len(rows) * self.block_nbytes, time.perf_counter() - t0)
             return None
-        idx = torch.tensor(list(rows), dtype=torch.int64)
         src = data if isinstance(data, torch.Tensor) else torch.from_numpy(data)
         if not src.is_pinned():
             src = src.pin_memory()
         assert self.stream is not None
+        # The rows' previous owner may still be read or written by work queued on the
+        # compute stream (as in read_rows): the scatter runs after it.
+        self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))
         with torch.cuda.stream(self.stream):
             dev = src.to(self.pool.device, non_blocking=True)
-            _scatter_device(self.pool, idx.to(self.pool.device, non_blocking=True), dev)
+            _scatter_device(self.pool, to_device(list(rows), self.pool.device), dev)
             done = torch.cuda.Event()
             done.record(self.stream)
         self._inflight.append((done, src))

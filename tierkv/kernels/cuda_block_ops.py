@@ -18,6 +18,7 @@ import torch
 from tierkv.kernels import specs
 from tierkv.kernels.reference_blocks import page_nbytes, stage_offsets
 from tierkv.kernels.runtime import arg, launch
+from tierkv.streams import to_device
 
 THREADS = 256  # kCopyThreads in block_copy.cuh
 CHUNK_BYTES = THREADS * 16 * 4  # kCopyChunkBytes
@@ -37,15 +38,28 @@ def _table(device: torch.device, rows: tuple[tuple[int, ...], ...]) -> torch.Ten
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
+def drop_tables() -> None:
+    """Forget every cached table (their pointers are about to be freed: vLLM's sleep).
+    A table still read by a queued kernel stays allocated until that kernel ran
+    (``record_stream``)."""
+    _table.cache_clear()
+
+
 def layer_table(caches: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Device table [4, L]: data_ptr, stride(0) in bytes, page bytes, staging offset."""
+    """Device table [4, L]: data_ptr, stride(0) in bytes, page bytes, staging offset.
+
+    Cached, so it is used on whichever stream launches the copy: each use is recorded
+    on that stream (``record_stream``), or a table dropped from the cache could have its
+    memory handed out again while a queued kernel still reads it."""
     rows = (
         tuple(c.data_ptr() for c in caches),
         tuple(c.stride(0) * c.element_size() for c in caches),
         tuple(page_nbytes(c) for c in caches),
         tuple(stage_offsets(caches)),
     )
-    return _table(caches[0].device, rows)
+    table = _table(caches[0].device, rows)
+    table.record_stream(torch.cuda.current_stream(table.device))
+    return table
 
 
 def vectorisable(caches: Sequence[torch.Tensor], *extra: int) -> bool:
@@ -64,7 +78,7 @@ def copy_blocks_cuda(caches: Sequence[torch.Tensor], block_mapping: torch.Tensor
         return
     device = caches[0].device
     table = layer_table(caches)
-    pairs = block_mapping.to(device, non_blocking=True).contiguous()
+    pairs = to_device(block_mapping, device).contiguous()
     spec = specs.copy_blocks(vectorisable(caches))
     args = (arg(table[0]), arg(table[1]), arg(table[2]), np.int32(len(caches)), arg(pairs))
     launch(spec, device, (pairs.shape[0] * len(caches), grid_y(caches), 1), THREADS, args)
@@ -90,8 +104,8 @@ def gather_scatter_cuda(caches: Sequence[torch.Tensor], block_ids: torch.Tensor,
         return
     device = caches[0].device
     table = layer_table(caches)
-    ids = block_ids.to(device, non_blocking=True).contiguous()
-    rows = None if staging_rows is None else staging_rows.to(device, non_blocking=True).contiguous()
+    ids = to_device(block_ids, device).contiguous()
+    rows = None if staging_rows is None else to_device(staging_rows, device).contiguous()
     row_bytes = staging.stride(0)
     spec = specs.gather_scatter(vectorisable(caches, staging.data_ptr(), row_bytes), gather)
     jobs, chunks = ids.shape[0] * len(caches), grid_y(caches)

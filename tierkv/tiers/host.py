@@ -160,17 +160,18 @@ def _pageable(num_slots: int, block_nbytes: int) -> "torch.Tensor":
     return torch.empty((num_slots, block_nbytes), dtype=torch.uint8)
 
 
-def _slab_memory(num_slots: int, block_nbytes: int, pin_memory: bool | None) -> tuple["torch.Tensor", bool]:
-    """The slab tensor and whether it is page-locked (see :class:`HostSlab`)."""
+def _slab_memory(num_slots: int, block_nbytes: int, pin_memory: bool | None
+                 ) -> tuple["torch.Tensor", "_HostMapping | None"]:
+    """The slab tensor and, when it is page-locked, its mapping (see :class:`HostSlab`)."""
     import torch
 
     if pin_memory is False or (pin_memory is None and not torch.cuda.is_available()):
-        return _pageable(num_slots, block_nbytes), False
+        return _pageable(num_slots, block_nbytes), None
     nbytes = num_slots * block_nbytes
     runtime, reason = _pin_runtime()
     if runtime is None:
         _warn_pageable(nbytes, reason)
-        return _pageable(num_slots, block_nbytes), False
+        return _pageable(num_slots, block_nbytes), None
     mapping = _HostMapping(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
@@ -184,7 +185,7 @@ def _slab_memory(num_slots: int, block_nbytes: int, pin_memory: bool | None) -> 
         _warn_pageable(nbytes, error)
     else:
         mapping.runtime, mapping.chunks = runtime, chunks
-    return torch.from_numpy(array).view(num_slots, block_nbytes), error is None
+    return torch.from_numpy(array).view(num_slots, block_nbytes), (mapping if error is None else None)
 
 
 def _warn_pageable(nbytes: int, reason: str) -> None:
@@ -216,9 +217,24 @@ class HostSlab:
         _check_positive(num_slots, "num_slots")
         _check_positive(block_nbytes, "block_nbytes")
         self.block_nbytes = block_nbytes
-        self.tensor, self.pinned = _slab_memory(num_slots, block_nbytes, pin_memory)
+        self.tensor, self._mapping = _slab_memory(num_slots, block_nbytes, pin_memory)
+        self.pinned = self._mapping is not None
         self.array: np.ndarray = self.tensor.numpy()
         self.keys: list[bytes | None] = [None] * num_slots
+
+    def close(self) -> None:
+        """Unregister the page-locked memory now rather than when the last view of it is
+        garbage-collected (the caller has let every copy into or out of it finish). The
+        bytes stay readable as pageable memory. Idempotent."""
+        mapping, self._mapping = self._mapping, None
+        if mapping is not None and mapping.chunks:
+            _unregister(mapping.runtime, mapping.chunks)
+            mapping.chunks = ()
+        self.pinned = False
+
+    def forget_all(self) -> None:
+        """Untag every slot: none holds a block any more."""
+        self.keys = [None] * len(self.keys)
 
     @property
     def num_slots(self) -> int:
