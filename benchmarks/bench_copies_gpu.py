@@ -464,8 +464,18 @@ def main(argv: list[str] | None = None) -> int:
     rep.results.update({"device": name, "torch": torch.__version__, "dry_run": not cuda})
     rep.lines += [f"## Copies: {name}, torch {torch.__version__}; HostSlab {slab_bytes / GiB:.2f} GiB "
                   f"{'page-locked' if slab.pinned else 'pageable'} in {rep.results['slab']['seconds_to_allocate']:.2f} s", ""]
+    def save(state: str) -> None:  # after every section: a run cut short keeps what it measured
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "bench_copies.json").write_text(json.dumps({**rep.results, "state": state}, indent=2))
+            (out / "bench_copies.md").write_text("\n".join(rep.lines) + "\n")
+
+    save("started")
     ref = baseline(clock, sizes, device, slab, rep)
+    save("baseline")
     store_load(clock, sizes, device, slab, ref, rep, gen)
+    save("store_load")
     interference(clock, sizes, device, slab, rep, gen)
     failed = [n for n, ok in rep.checks if not ok]
     rep.results["bit_exact"] = {"checks": len(rep.checks), "failed": failed}
@@ -475,11 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                   "", f"({rep.results['seconds']:.0f} s)"]
     text = "\n".join(rep.lines) + "\n"
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_copies.json").write_text(json.dumps(rep.results, indent=2))
-        (out / "bench_copies.md").write_text(text)
+    save("done")
     return 1 if failed else 0
 
 

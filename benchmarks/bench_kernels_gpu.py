@@ -89,12 +89,22 @@ def transfer_cases() -> dict[str, dict[str, float]]:
 def main() -> None:
     torch.manual_seed(0)
     results: dict[str, object] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    out = os.environ.get("OUT")
+
+    def save(state: str) -> None:  # after every case: a run cut short keeps what it measured
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "bench_kernels.json").write_text(json.dumps({**results, "state": state}, indent=2))
+
     d2d = d2d_bandwidth()
     results["d2d_copy_bandwidth"] = d2d
+    save("d2d")
     for label, dtype in (("attention_bf16", torch.bfloat16), ("attention_fp8_e4m3", torch.float8_e4m3fn)):
         r = attention_case(dtype)
         results[label] = {**r, "ratio": r["bandwidth"] / d2d, "target": ATTN_TARGET}
+        save(label)
     results.update(transfer_cases())
+    save("done")
     lines = [f"device: {results['device']}  d2d copy: {d2d / 1e9:.0f} GB/s (read+write)"]
     for key, r in results.items():
         if isinstance(r, dict):
@@ -102,11 +112,8 @@ def main() -> None:
             lines.append(f"{key:22s} {r['bandwidth'] / 1e9:8.1f} GB/s  {r['seconds'] * 1e3:8.3f} ms  "
                          f"ratio {r['ratio']:.2f} (target {r['target']:.2f}) {ok}")
     print("\n".join(lines))
-    out = os.environ.get("OUT")
     if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "bench_kernels.json").write_text(json.dumps(results, indent=2))
-        (Path(out) / "bench_kernels.txt").write_text("\n".join(lines) + "\n")
+        (Path(out) / "bench_kernels.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

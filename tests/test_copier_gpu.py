@@ -29,9 +29,10 @@ LAYERS = 4
 
 
 def _engine(tmp_path):
-    # vLLM's flash-attention layout per layer: [2, num_blocks, block_size, kv_heads, head_size]
-    kv = {f"layer.{i}": torch.randn(2, NUM_BLOCKS, 16, 4, 64, device="cuda", dtype=torch.float16)
-          for i in range(LAYERS)}
+    # vLLM's default CUDA layout (LBNHC): one buffer [L, B, N, H, C], per layer a logical
+    # [B, H, N, C] view (C: K and V of one head, 2 x 64)
+    buf = torch.randn(LAYERS, NUM_BLOCKS, 16, 4, 128, device="cuda", dtype=torch.float16)
+    kv = {f"layer.{i}": buf[i].permute(0, 2, 1, 3) for i in range(LAYERS)}
     layout = KVLayout(kv, NUM_BLOCKS)
     rows = LayoutRows(layout)
     slab = HostSlab(6, layout.block_nbytes, pin_memory=True)
@@ -94,8 +95,79 @@ def test_the_fence_keeps_a_reused_block_until_its_gather_ran(tmp_path) -> None:
     copier.store(plan, copier.streams.current().record())
     copier.fence([5])
     for k in kv.values():
-        k[:, 5].fill_(7.0)  # the next forward rewrites block 5 on the compute stream
+        k[5].fill_(7.0)  # the next forward rewrites block 5 on the compute stream
     _until(lambda: 1 in copier.poll().stored, "the store")
     assert np.array_equal(slab.array[0], expected[0])
+    copier.close()
+    ssd.close()
+
+
+def test_queueing_a_copy_behind_a_busy_forward_does_not_block_the_host(tmp_path) -> None:
+    """The store's block ids reach the device through pinned memory: a copy from pageable
+    memory would first synchronise the store stream, which waits for the compute stream,
+    so the step thread would wait for the forward (here ~0.5 s of GPU sleep)."""
+    kv, layout, slab, ssd, copier = _engine(tmp_path)
+    torch.cuda._sleep(1_000_000_000)  # the "forward", on the compute stream
+    after = copier.streams.current().record()
+    t0 = time.perf_counter()
+    copier.store(StorePlan(1, COMPUTED, [2, 3], [b"a" * 32, b"b" * 32], [0, 1], [False, False]), after)
+    queued_s = time.perf_counter() - t0
+    assert not after.query(), "the forward was over before the store was queued: nothing measured"
+    assert queued_s < 0.1, f"queueing the store took {queued_s:.3f} s: the host waited for the forward"
+    _until(lambda: copier.poll().stored, "the store")
+    copier.close()
+    ssd.close()
+
+
+def test_copy_streams_never_outrank_the_compute_stream() -> None:
+    least, greatest = torch.cuda.Stream.priority_range()
+    compute = torch.cuda.current_stream().priority
+    streams = CudaStreams(torch.device("cuda"))
+    store = streams.new_stream(low_priority=True).torch_stream.priority
+    load = streams.new_stream(low_priority=False).torch_stream.priority
+    assert store == least and load == compute, (least, greatest, compute, store, load)
+    assert store >= compute and load >= compute  # CUDA: a larger number is a lower priority
+
+
+def test_slab_close_unregisters_the_page_locked_memory() -> None:
+    slab = HostSlab(4, 1 << 16, pin_memory=True)
+    assert slab.pinned and slab.tensor.is_pinned()
+    slab.array[1] = 5
+    slab.close()
+    assert not slab.pinned and not slab.tensor.is_pinned() and int(slab.array[1, 0]) == 5
+    slab.close()  # idempotent
+
+
+def test_transfer_write_rows_runs_after_the_compute_stream() -> None:
+    """A promotion into a pool row that queued compute work still writes lands after it."""
+    from tierkv.transfer import TransferEngine
+
+    pool = torch.zeros((4, 1 << 20), dtype=torch.uint8, device="cuda")
+    engine = TransferEngine(pool)
+    torch.cuda._sleep(200_000_000)
+    pool[1].fill_(7)  # the row's previous owner, still queued on the compute stream
+    event = engine.write_rows([1], np.full((1, 1 << 20), 3, dtype=np.uint8))
+    engine.wait_event(event)
+    torch.cuda.synchronize()
+    assert bool((pool[1] == 3).all())
+
+
+def test_unregister_and_restore_on_cuda(tmp_path) -> None:
+    """The sleep-mode hooks' device side: the kernel tables are dropped with the views, and
+    after restore a store still gathers the right bytes."""
+    from tierkv.kernels import cuda_block_ops
+
+    kv, layout, slab, ssd, copier = _engine(tmp_path)
+    rows = LayoutRows(layout)
+    staging = rows.staging(1)
+    rows.gather([3], staging, [0])
+    torch.cuda.synchronize()
+    assert cuda_block_ops._table.cache_info().currsize > 0
+    cuda_block_ops.drop_tables()
+    assert cuda_block_ops._table.cache_info().currsize == 0
+    again = rows.staging(1)
+    rows.gather([3], again, [0])
+    torch.cuda.synchronize()
+    assert np.array_equal(staging, again)
     copier.close()
     ssd.close()

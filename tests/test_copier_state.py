@@ -340,3 +340,15 @@ def _messages(exc: BaseException) -> list[str]:
     for inner in getattr(exc, "exceptions", ()):
         out += _messages(inner)
     return out
+
+
+def test_copy_stream_priorities_never_outrank_the_compute_stream() -> None:
+    """CUDA: lower numbers are higher priorities; 0 (the default, vLLM's compute stream) is
+    the least. Stores run at the least priority, loads at the compute stream's."""
+    from tierkv.streams import copy_priority
+
+    for least, compute in ((0, 0), (0, -2), (0, -5)):
+        store = copy_priority(least, compute, low_priority=True)
+        load = copy_priority(least, compute, low_priority=False)
+        assert store == least and load == compute
+        assert store >= compute and load >= compute

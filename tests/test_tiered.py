@@ -20,9 +20,11 @@ ADMISSIONS = ("on_compute", "on_evict")
 
 def config(tmp_path, *, gpu=16, cpu=24, ssd="8MiB", admission="on_compute", **extra):
     spill = {"admission": admission, **({"watermark": 0.125} if admission == "on_evict" else {})}
-    d = {"block_size": BS, "model": {"block_nbytes": NBYTES}, "gpu": {"num_blocks": gpu},
+    d = {"block_size": BS, "model": {"block_nbytes": NBYTES},
          "cpu": {"capacity": cpu * NBYTES}, "ssd": {"path": str(tmp_path / "ssd"), "capacity": ssd},
          "spill": spill}
+    if gpu is not None:  # None: the caller passes its own kv_pool
+        d["gpu"] = {"num_blocks": gpu}
     for k, v in extra.items():
         d.setdefault(k, {}).update(v)
     return TierKVConfig.from_dict(d)
@@ -50,13 +52,14 @@ class Driver:
         hashes = c.manager.requests[rid].hashes
         cached = a.num_cached_tokens // BS
         for pos in range(cached):
-            got = bytes(c.kv_pool[a.block_ids[pos]].numpy())
+            got = bytes(c.kv_pool[a.block_ids[pos]].cpu().numpy())
             assert got == payload(hashes[pos]), f"{rid}: block {pos} has another block's bytes"
         assert sum(a.hit_blocks.values()) == cached
         for t, n in a.hit_blocks.items():
             self.checked[t] += n
         for pos in range(cached, len(hashes)):  # "prefill" the rest
-            c.kv_pool[a.block_ids[pos]] = torch.frombuffer(bytearray(payload(hashes[pos])), dtype=torch.uint8)
+            c.kv_pool[a.block_ids[pos]] = torch.frombuffer(bytearray(payload(hashes[pos])),
+                                                           dtype=torch.uint8).to(c.kv_pool.device)
         c.commit(rid)
         return a
 
@@ -331,25 +334,22 @@ def test_a_metrics_port_in_use_is_a_config_error_and_leaves_nothing_open(tmp_pat
         assert cache.ssd is not None and cache.ssd.stats()["available"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the transfer engine's copy stream)")
-def test_cuda_pool_every_hit_is_byte_exact(tmp_path):
-    """The CUDA path of the transfer engine: pinned staging, copy stream, events, Allocation.wait()."""
-    pool = torch.zeros((16, NBYTES), dtype=torch.uint8, device="cuda")
-    with TieredKVCache(config(tmp_path), kv_pool=pool) as cache:
-        hits = {"gpu": 0, "cpu": 0, "ssd": 0}
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device (the transfer engine's copy stream)")]),
+])
+def test_caller_pool_every_hit_is_byte_exact(tmp_path, device):
+    """A pool the caller passes (on CUDA: the transfer engine's pinned staging, copy
+    stream, events, Allocation.wait()); the CPU case runs the same code everywhere."""
+    pool = torch.zeros((16, NBYTES), dtype=torch.uint8, device=device)
+    with TieredKVCache(config(tmp_path, gpu=None), kv_pool=pool) as cache:
+        assert cache.kv_pool is pool
+        driver = Driver(cache)
         for rid, toks in chat(users=10, turns=5):
-            a = cache.allocate(rid, toks)
-            a.wait()
-            hashes = cache.manager.requests[rid].hashes
-            for pos in range(a.num_cached_tokens // BS):
-                assert bytes(pool[a.block_ids[pos]].cpu().numpy()) == payload(hashes[pos]), (rid, pos)
-            for pos in range(a.num_cached_tokens // BS, len(hashes)):
-                pool[a.block_ids[pos]] = torch.frombuffer(bytearray(payload(hashes[pos])), dtype=torch.uint8).cuda()
-            for t, n in a.hit_blocks.items():
-                hits[t] += n
+            driver.run(rid, toks)
             cache.free(rid)
-    assert all(hits.values()), hits
+    assert all(driver.checked.values()), driver.checked
 
 
 def test_close_persists_the_whole_hot_set_through_a_small_ssd_queue(tmp_path):
