@@ -213,7 +213,8 @@ class TierKVWorker:
         vLLM discarded its KV cache), the tiers keep their blocks when the fingerprint still
         matches, and are reset (logged) when it does not."""
         fingerprint = vllm_fingerprint(self.cfg, self.vllm_config, self.kv_cache_config)
-        if self.executor is not None:
+        first = self.executor is None
+        if not first:
             self.unregister_kv_caches()
             if fingerprint != self.fingerprint:
                 log.warning("tierkv worker: the new KV tensors are of another kind (%s, before: %s): the CPU "
@@ -222,7 +223,8 @@ class TierKVWorker:
         self.fingerprint = fingerprint
         self._kv_caches = dict(kv_caches)
         self._attach()
-        atexit.register(self.shutdown)
+        if first:
+            atexit.register(self.shutdown)
 
     def _attach(self) -> None:
         """Views, row tables and streams over the registered tensors (again after a wake-up)."""

@@ -58,7 +58,8 @@ def layer_table(caches: Sequence[torch.Tensor]) -> torch.Tensor:
         tuple(stage_offsets(caches)),
     )
     table = _table(caches[0].device, rows)
-    table.record_stream(torch.cuda.current_stream(table.device))
+    if table.is_cuda:
+        table.record_stream(torch.cuda.current_stream(table.device))
     return table
 
 
