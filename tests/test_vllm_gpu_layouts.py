@@ -403,3 +403,30 @@ def test_new_tensors_of_another_layout_reset_the_tiers(vllm_config: Any, tmp_pat
         assert worker.fingerprint.kv_layout == second.name
     finally:
         worker.shutdown()
+
+
+def test_tensors_tierkv_cannot_move_stop_start_up_in_one_line(vllm_config: Any, tmp_path: Path) -> None:
+    """Tensors whose dimension 0 is not the block axis (not what vLLM hands over): start-up
+    stops naming the layout and the ones tierkv moves, and nothing is copied."""
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    from tierkv.connectors.vllm_common import block_nbytes_of, load_config
+    from tierkv.connectors.vllm_worker import SUPPORTED_LAYOUTS, TierKVWorker
+    from tierkv.errors import ConfigError
+
+    backend = _backend("FLASH_ATTN")
+    vllm_config.cache_config.block_size = 16
+    layout = get_supported_kv_cache_layouts([backend])[0]
+    kv_cache_config, kv_caches, _ = _engine_tensors(
+        vllm_config, layout, [KVCacheGroupSpec(list(LAYERS), _spec(backend, 16, False))], [backend], NUM_BLOCKS)
+    transposed = {name: t.transpose(0, 1) for name, t in kv_caches.items()}  # [H, B, N, C]
+    extra = {"cpu.capacity": 4 * block_nbytes_of(kv_cache_config), "ssd.path": str(tmp_path / "ssd"),
+             "ssd.capacity": "64MiB"}
+    worker = TierKVWorker(load_config(extra), vllm_config, kv_cache_config)
+    with pytest.raises(ConfigError) as info:
+        worker.register_kv_caches(transposed)
+    message = str(info.value)
+    assert "\n" not in message and f"layout {layout.name}" in message and ", ".join(SUPPORTED_LAYOUTS) in message
+    assert "dimension 0" in message
+    assert worker.copier is None and worker.executor is None
