@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -426,6 +427,49 @@ def test_a_symlink_among_the_files_is_refused_and_its_target_untouched(tmp, tmp_
     with pytest.raises(ConfigError, match="not a regular file"):
         open_tier(tmp)
     assert victim.read_bytes() == b"x" * 640 and _mode(victim) == 0o644
+
+
+@pytest.mark.parametrize("name", ["blocks.dat", "tierkv.lock", "lock.mdb", "data.mdb"])
+@pytest.mark.parametrize("existing", [True, False])
+def test_a_hard_link_among_the_files_is_refused_and_its_target_untouched(tmp, tmp_path, name, existing):
+    """blocks.dat (or the lock files) hard-linked to a file elsewhere: a regular file with
+    its victim's owner, so the owner and symlink checks passed it, and opening a new tier
+    chmodded it to 0600 and truncated it (the lock file got the PID written over it)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"x" * 640)
+    victim.chmod(0o644)
+    if existing:
+        with open_tier(tmp) as tier:
+            assert tier.put(k(0), block(0)) and tier.flush()
+        (tmp / name).unlink()
+    elif name == "data.mdb":
+        return  # a directory with a data.mdb is an existing tier: the other case
+    else:
+        tmp.mkdir(mode=0o700)
+    os.link(victim, tmp / name)
+    with pytest.raises(ConfigError, match=rf"{re.escape(name)} has 2 names"):
+        open_tier(tmp)
+    assert victim.read_bytes() == b"x" * 640 and _mode(victim) == 0o644
+
+
+def test_a_link_planted_after_the_checks_is_refused_on_the_open_descriptor(tmp_path):
+    """The path checks run before the files are opened; a link planted in between is
+    caught on the descriptor (fstat) before anything is written or truncated."""
+    from tierkv.tiers.ssd.private import open_private
+
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"y" * 100)
+    os.link(victim, tmp_path / "linked")
+    with pytest.raises(ConfigError, match="2 names"):
+        open_private(tmp_path / "linked", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    assert victim.read_bytes() == b"y" * 100
+    os.symlink(victim, tmp_path / "sym")
+    with pytest.raises(ConfigError, match="cannot open"):
+        open_private(tmp_path / "sym", os.O_RDWR | os.O_TRUNC)
+    assert victim.read_bytes() == b"y" * 100
+    fd = open_private(tmp_path / "own", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    os.close(fd)
+    assert _mode(tmp_path / "own") == 0o600
 
 
 def test_a_full_disk_with_pending_deletions_never_hangs_flush_or_close(tmp_path):

@@ -74,10 +74,9 @@ class Owner:
 
 
 def _open_lock_file(path: Path) -> int:
-    try:
-        return os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    except OSError as exc:
-        raise ConfigError(f"path: cannot open {path / LOCK_FILE}: {exc.strerror}") from None
+    from tierkv.tiers.ssd.private import open_private
+
+    return open_private(path / LOCK_FILE, os.O_RDWR | os.O_CREAT)
 
 
 def _dir_id(path: Path) -> tuple[int, int]:

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from tierkv.tiers.ssd.private import open_private
 from tierkv.tiers.ssd.record import PAGE
 
 __all__ = ["PageFile", "BLOCKS"]
@@ -55,11 +56,12 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 class PageFile:
-    """The page file in directory ``path``, created if missing (owner-only, mode 0o600)."""
+    """The page file in directory ``path``, created if missing (owner-only, mode 0o600);
+    a ConfigError when it is not provably the tier's own (:mod:`~tierkv.tiers.ssd.private`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path / BLOCKS
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        self.fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
 
     def size(self) -> int:
         """Bytes in the file."""

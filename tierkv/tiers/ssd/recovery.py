@@ -60,6 +60,7 @@ from tierkv.errors import ConfigError
 from tierkv.tiers.ssd.extents import ExtentMap
 from tierkv.tiers.ssd.index import Index, IndexFailure, WriteTxn
 from tierkv.tiers.ssd.pagefile import BLOCKS, PageFile
+from tierkv.tiers.ssd.private import check_private, open_private
 from tierkv.tiers.ssd.record import PAGE, RECORD_VERSION
 from tierkv.tiers.ssd.snapshot import CLEAN, UNCLEAN, Snapshot, take
 from tierkv.tiers.ssd.survey import Survey, survey
@@ -201,7 +202,7 @@ class Opening:
         the snapshot vouched for but whose page file changed)."""
         try:
             pages = PageFile(self.path)
-        except OSError as exc:
+        except (OSError, ConfigError) as exc:
             self.health.fail(f"cannot open {BLOCKS}: {exc}")
             return None
         try:
@@ -317,11 +318,12 @@ def owner_only(path: Path, mode: int) -> None:
         st = os.stat(path) if path.is_dir() else os.lstat(path)
     except OSError as exc:
         raise ConfigError(f"path: cannot inspect {path}: {exc.strerror}") from None
-    if stat.S_ISLNK(st.st_mode) or not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-        raise ConfigError(f"path: {path} is not a regular file (a symbolic link?); refusing it")
-    if st.st_uid != os.geteuid():
-        raise ConfigError(f"path: {path} belongs to uid {st.st_uid}, not to this user "
-                          f"({os.geteuid()}); refusing to keep KV there")
+    if stat.S_ISDIR(st.st_mode):
+        if st.st_uid != os.geteuid():
+            raise ConfigError(f"path: {path} belongs to uid {st.st_uid}, not to this user "
+                              f"({os.geteuid()}); refusing to keep KV there")
+    else:
+        check_private(st, path)  # a regular file of this user with one name
     was = st.st_mode & 0o777
     if was & ~mode:
         try:
@@ -336,8 +338,8 @@ def _reserve_lock_file(path: Path, health: "Health") -> bool:
     """Give LMDB's lock file its disk blocks now (it is written through a memory map: on
     a full disk, a SIGBUS). Only allocates; bytes already there are left as they are."""
     try:
-        fd = os.open(path / LMDB_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
-    except OSError as exc:
+        fd = open_private(path / LMDB_LOCK, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    except ConfigError as exc:
         health.fail(f"cannot create {LMDB_LOCK}: {exc}")
         return False
     try:

@@ -31,6 +31,7 @@ shared.
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from dataclasses import dataclass
@@ -39,8 +40,10 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from tierkv.errors import ConfigError
 from tierkv.tiers.ssd.extents import ExtentMap
 from tierkv.tiers.ssd.pagefile import BLOCKS
+from tierkv.tiers.ssd.private import open_private
 from tierkv.tiers.ssd.record import NS_LEN
 
 __all__ = ["Snapshot", "take", "hash_file", "CLEAN", "UNCLEAN"]
@@ -82,8 +85,10 @@ class Snapshot:
         self.data_size, self.data_digest = hash_file(path / "data.mdb")
         self.blocks_size = (path / BLOCKS).stat().st_size
         body = self._pack()
-        fd = os.open(path / CLEAN, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-                     | os.O_NOFOLLOW, 0o600)
+        try:
+            fd = open_private(path / CLEAN, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        except ConfigError as exc:
+            raise OSError(errno.EPERM, str(exc)) from None
         try:
             os.write(fd, body + _SUM.pack(xxhash.xxh3_64_intdigest(body)))
             os.fsync(fd)
