@@ -205,7 +205,7 @@ class TierKVScheduler:
             return None
         from tierkv.metrics import TierKVCollector, start_metrics_server
 
-        return start_metrics_server(port, TierKVCollector(self.stats, self.lifecycle))
+        return start_metrics_server(port, TierKVCollector(self.stats, self.lifecycle), self.cfg.metrics.host)
 
     # ------------------------------------------------------------------ binding
 

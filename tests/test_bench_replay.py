@@ -151,3 +151,20 @@ def test_metadata_replay_memory_follows_blocks_used_not_capacity(tmp_path: Path)
 
     small, huge = peak(10, 100), peak(2**30, 10 * 2**30)
     assert huge < small + 1024**2, (small, huge)
+
+
+def test_a_cpu_hit_keeps_the_ssd_copy(tmp_path: Path) -> None:
+    """A, B, C, B, D, B, E, F, B (one block each, one second apart; GPU 1, CPU 2, SSD 3
+    blocks, write-through): B stays hot through CPU hits alone. Those refresh its SSD copy,
+    so when the CPU tier finally evicts B the SSD tier still holds it and the last B is an
+    SSD hit (it used to age out of the SSD tier while hot in DRAM: a miss, evicted_cpu)."""
+    b = TraceBuilder("t", "mooncake", 4)
+    for ts, block in enumerate([1, 2, 3, 2, 4, 2, 5, 6, 2]):
+        b.add_ids(float(ts), [block], 4, 0)
+    config = TierKVConfig.from_dict({  # 4 KiB: three 1 KiB records with their index entries
+        "block_size": 4, "model": {"block_nbytes": 1024}, "gpu": {"num_blocks": 1},
+        "cpu": {"capacity": 2048}, "ssd": {"path": str(tmp_path / "ssd"), "capacity": 4096}})
+    r = replay(b.build(), config)
+    assert r.capacity_blocks["cpu"] == 2 and r.capacity_blocks["ssd"] == 3, r.capacity_blocks
+    assert r.hit_blocks == {"gpu": 0, "cpu": 2, "ssd": 1}, r.hit_blocks  # B, B from DRAM; the last B from SSD
+    assert r.miss_reasons.get("evicted_cpu", 0) == 0, r.miss_reasons

@@ -211,3 +211,10 @@ def test_config_is_frozen():
     cfg = TierKVConfig.from_dict({})
     with pytest.raises(AttributeError):
         cfg.block_size = 32  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("host", ["", " ", 7, None, "127.0.0.1 ::1"])
+def test_metrics_host_must_be_an_address(host: object) -> None:
+    with pytest.raises(ConfigError, match="metrics.host: expected an address to listen on"):
+        TierKVConfig.from_dict({"metrics": {"host": host}})
+    assert TierKVConfig.from_dict({"metrics": {"host": "127.0.0.1"}}).metrics.host == "127.0.0.1"

@@ -262,7 +262,7 @@ def test_exclusive_promotion_moves_loaded_cpu_blocks_out_of_the_cpu_tier() -> No
     assert policy.lookup([A]) == ["cpu"]  # until the load completes
     policy.complete_load(plan)
     assert policy.lookup([A]) == ["ssd"]
-    assert tiers(policy) == ([B], [A, B])
+    assert tiers(policy) == ([B], [B, A])  # the CPU hit refreshed A's SSD copy
     assert events(policy) == [("hit", "cpu", (A,)), ("lost", "cpu", (A,))]
 
     plan = policy.prepare_load("r", [A], [3])  # an SSD hit is not promoted
@@ -274,7 +274,7 @@ def test_exclusive_promotion_moves_loaded_cpu_blocks_out_of_the_cpu_tier() -> No
     policy.take_events()
     policy.complete_load(plan, [("cpu", B)])
     assert events(policy) == [("lost", "cpu", (B,))]
-    assert tiers(policy) == ([], [B, A])
+    assert tiers(policy) == ([], [A, B])  # the CPU hit refreshed B's SSD copy (still good)
 
 
 def test_a_load_that_names_a_key_twice_releases_every_pin() -> None:
@@ -812,3 +812,21 @@ def test_plans_survive_a_pickle_round_trip() -> None:
         for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
             copy = pickle.loads(pickle.dumps(plan, protocol))
             assert type(copy) is type(plan) and copy == plan and vars(copy) == vars(plan)
+
+
+def test_a_cpu_hit_refreshes_the_ssd_copy_before_promotions() -> None:
+    """A block kept hot by CPU hits alone is also the most recent on SSD: when the CPU tier
+    evicts it later, the SSD tier still holds it (the persistent tier stays a superset of
+    what is hot above it). The refresh comes before the plan's promotions, whose cascade
+    evicts the SSD tier's least recently used block: C, not A."""
+    policy = make(cpu_slots=2, ssd_slots=3)
+    stored(policy, [A], "computed")
+    stored(policy, [B], "computed")
+    stored(policy, [C], "computed")  # CPU: B, C (A evicted); SSD: A, B, C
+    assert tiers(policy) == ([B, C], [A, B, C])
+    plan = policy.prepare_load("r", [B], [1])
+    policy.complete_load(plan)
+    assert tiers(policy) == ([C, B], [A, C, B])
+    plan = policy.prepare_load("r2", [A, B], [2, 3])  # A from SSD (promoted), B from CPU
+    policy.complete_load(plan)
+    assert tiers(policy) == ([B, A], [C, B, A])  # C, only in the SSD tier now, is the oldest there

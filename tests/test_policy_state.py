@@ -22,7 +22,8 @@ above it were never handed out). From the documented semantics:
 * ``seed_ssd`` keeps the most recent of the keys it is given that the SSD tier
   lacks, as many as it has free slots, and returns the older ones (it evicts
   nothing);
-* loads pin their sources; inclusive promotion gives SSD hits pinned CPU
+* loads pin their sources and touch the SSD copies of their CPU hits (before
+  any promotion); inclusive promotion gives SSD hits pinned CPU
   slots; exclusive promotion drops the loaded CPU keys still present at
   complete_load (those before the first block that failed or was held nowhere);
 * forget (and the ``lost`` reports of complete_*) removes present keys at
@@ -327,6 +328,10 @@ class RefPolicy:
             else:
                 plan.cpu_slots.append(-1)
                 plan.from_ssd.append(False)
+        if self.ssd is not None:  # a CPU hit is a use of the SSD copy, before any promotion
+            for key in from_cpu:
+                if key in self.ssd:
+                    self.ssd.touch(key)
         self.emit("hit", "cpu", from_cpu)
         self.emit("hit", "ssd", from_ssd)
         if from_ssd and self.cpu is not None and self.spec.promotion == "inclusive":

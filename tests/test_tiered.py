@@ -316,6 +316,15 @@ def test_spills_never_push_the_ssd_tier_past_the_policys_plan(tmp_path):
         assert ssd["blocks_written"] > 2 * 256 and ssd["evictions"] == 0, ssd
 
 
+def test_metrics_host_keeps_the_endpoint_on_loopback(tmp_path):
+    """metrics.host: 127.0.0.1 listens on this machine only (the default, 0.0.0.0, on
+    every interface)."""
+    with TieredKVCache(config(tmp_path, metrics={"port": 0, "host": "127.0.0.1"})) as cache:
+        assert cache._metrics_server.server_address[0] == "127.0.0.1"
+    with TieredKVCache(config(tmp_path, metrics={"port": 0})) as cache:
+        assert cache._metrics_server.server_address[0] == "0.0.0.0"
+
+
 def test_a_metrics_port_in_use_is_a_config_error_and_leaves_nothing_open(tmp_path):
     """The SSD tier opens before the metrics server starts: a port in use must close it
     again, or a retry in this process finds its directory taken."""

@@ -345,12 +345,16 @@ class SpillConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     port: int | None = None
+    host: str = "0.0.0.0"  # every interface, as Prometheus scrapes from elsewhere; 127.0.0.1: this machine only
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "metrics") -> "MetricsConfig":
-        _check_keys(d, ("port",), p)
+        _check_keys(d, ("port", "host"), p)
         port = _int(d.get("port"), f"{p}.port", minimum=0, maximum=65535, optional=True)
-        return cls(port=port)
+        host = d.get("host", cls.host)
+        if not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host):
+            raise ConfigError(f"{p}.host: expected an address to listen on (0.0.0.0, 127.0.0.1, ::), got {host!r}")
+        return cls(port=port, host=host)
 
 
 _SECTIONS = {

@@ -120,7 +120,7 @@ class TieredKVCache:
         self.executor = self._open_executor(kv_pool, num_blocks)
         try:
             if config.metrics.port is not None:
-                self.start_metrics_server(config.metrics.port)
+                self.start_metrics_server(config.metrics.port, config.metrics.host)
         except BaseException:
             self._close_tiers()
             raise

@@ -21,6 +21,16 @@ Verbs (in the manner of vLLM's ``OffloadingManager``):
 * :meth:`take_events`: the recorded :class:`~tierkv.policy.events.PolicyEvent`
   batches, when ``record_events`` is on.
 
+Recency rules: a hit is a use of every copy below the tier it came from. A
+device-pool hit (:meth:`touch`) refreshes the block in every lower tier; a CPU
+hit (:meth:`prepare_load`) refreshes its SSD copy, so the persistent tier stays
+a superset of what is hot above it; an SSD hit refreshes the SSD copy (pinned
+during the load, most recent after); a recomputed block refreshes the copies
+below (``prepare_store(..., COMPUTED)``). All refreshes of a request happen
+before its promotions: drivers call :meth:`touch` for the device-pool hits
+before :meth:`prepare_load`, which refreshes before it places promotions
+(whose cascades may evict).
+
 Lifetime rules: every slot a plan reads or writes (load sources, promotion
 slots, store targets, cascade targets) is pinned from ``prepare_*`` until
 ``complete_*``; a pinned entry is never evicted or reused. Executors run
@@ -172,6 +182,11 @@ class TierPolicy:
             self.holdings.pin("ssd", plan.plan_id, from_ssd)
         plan.cpu_slots = [cpu_slot.get(k, -1) for k in plan.keys]
         plan.from_ssd = [k not in cpu_slot and k in in_ssd for k in plan.keys]
+        if from_cpu and self.ssd is not None:
+            # A CPU hit is a use of the block's SSD copy too (as a GPU hit is of both, see
+            # touch): the persistent tier stays a superset of what is hot above it. Before
+            # the promotions below, whose cascades may evict from the SSD tier.
+            self.ssd.touch_many([k for k in from_cpu if k in in_ssd])
         now = self.clock()
         self._emit("hit", "cpu", from_cpu, now)
         self._emit("hit", "ssd", from_ssd, now)
