@@ -128,12 +128,10 @@ def layer_spec(kv_cache_config: "KVCacheConfig", layer: str) -> Any:
     raise ValueError(f"kv_cache_config: layer {layer} is in no KV cache group")
 
 
-def kv_layout_name(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
+def kv_layout_name(kv_cache_config: "KVCacheConfig") -> str:
     """The KV cache layout vLLM resolved (``LBNHC``, ``LBHNC``, ...): a block's bytes differ
     between layouts, so it is part of the fingerprint."""
-    name = getattr(kv_cache_config, "kv_cache_layout", None) or \
-        getattr(vllm_config.cache_config, "kv_cache_layout", None)
-    return str(name or "")
+    return _resolved_layout(kv_cache_config).name
 
 
 def vllm_fingerprint(cfg: TierKVConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Fingerprint:
@@ -145,7 +143,7 @@ def vllm_fingerprint(cfg: TierKVConfig, vllm_config: "VllmConfig", kv_cache_conf
         block_nbytes=block_nbytes_of(kv_cache_config), layers=int(mc.get_num_layers(pc)),
         kv_heads=int(mc.get_num_kv_heads(pc)), head_size=int(mc.get_head_size()), hash=cfg.hash,
         tp_size=int(pc.tensor_parallel_size), pp_size=int(pc.pipeline_parallel_size),
-        variant=_variant(mc), kv_layout=kv_layout_name(vllm_config, kv_cache_config))
+        variant=_variant(mc), kv_layout=kv_layout_name(kv_cache_config))
 
 
 def _variant(mc: Any) -> str:
