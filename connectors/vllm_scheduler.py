@@ -41,6 +41,7 @@ from tierkv.config import TierKVConfig
 from tierkv.hashing import BlockHasher
 from tierkv.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampling, policy_stats
 from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, LoadPlan, StorePlan, TierPolicy
+from tierkv.policy.seeding import SSDSeeding
 
 from tierkv.connectors.vllm_common import (
     ResidentMap,
@@ -163,42 +164,19 @@ class TierKVScheduler:
         self._queries = {"blocks": 0, "tokens": 0}
         self._hits = {"gpu": 0, "cpu": 0, "ssd": 0}
         self._ranks = engine_ranks(vllm_config)
-        self._recovering: list[Any] = []  # SSD tiers beside this process, seeded from once verified
+        self._seeding: SSDSeeding | None = None
         self._ssd_evictions: list[bytes] = []
         if self.policy.ssd is not None:
-            from tierkv.connectors.vllm_worker import recovering_ssd_tiers
+            from tierkv.connectors.vllm_worker import read_ssd_keys, recovering_ssd_tiers
 
-            self._recovering = recovering_ssd_tiers(cfg, self._ranks)
-            self._ssd_evictions = self._seed_ssd()
+            self._seeding = SSDSeeding(self.policy, lambda: read_ssd_keys(cfg, self.fingerprint, self._ranks),
+                                       recovering_ssd_tiers(cfg, self._ranks))
+            self._ssd_evictions = self._seeding.start()
         self._reset_ssd = False
         self._metrics_server = self._start_metrics(cfg.metrics.port)
         log.info("tierkv scheduler: %s; block %d bytes; %s admission; %d CPU slots, %d SSD blocks (%d held)",
                  self.fingerprint.describe(), self.block_nbytes, self.policy.spec.admission,
                  self.policy.spec.cpu_slots, self.policy.spec.ssd_slots, self.policy.occupancy()["ssd"])
-
-    def _seed_ssd(self, leaving: frozenset[bytes] = frozenset()) -> list[bytes]:
-        """Hold what every worker's SSD tier holds, apart from ``leaving`` (deletions
-        planned but not sent yet); return the keys the workers must delete (held by only
-        some ranks, or past the capacity)."""
-        from tierkv.connectors.vllm_worker import read_ssd_keys
-
-        whole, partial = read_ssd_keys(self.cfg, self.fingerprint, self._ranks)
-        if leaving:
-            whole = [k for k in whole if k not in leaving]
-        return partial + self.policy.seed_ssd(whole)
-
-    def _seed_recovered(self) -> None:
-        """Once the SSD tiers open in this process (one worker beside the scheduler) finished
-        their background recovery, hold what they verified (the records an unclean
-        shutdown left): kept while free slots last, newest first."""
-        if any(tier.recovering() for tier in self._recovering):
-            return
-        self._recovering = []
-        held = self.policy.occupancy()["ssd"]
-        leaving = frozenset(self._ssd_evictions).union(*(plan.ssd_evictions for plan in self._loads))
-        self._ssd_evictions += self._seed_ssd(leaving)
-        log.info("tierkv scheduler: the SSD tier's recovery is over: %d of its blocks held",
-                 self.policy.occupancy()["ssd"] - held)
 
     def _start_metrics(self, port: int | None) -> Any:
         if port is None:
@@ -295,14 +273,16 @@ class TierKVScheduler:
             return False
         dropped = self.policy.occupancy()
         self.policy.clear()
-        self._recovering = []  # what they are verifying is stale too: the workers delete it all
+        if self._seeding is not None:
+            self._seeding.cancel()  # what they are verifying is stale too: the workers delete it all
         self._reset_ssd = self.policy.ssd is not None  # the workers delete every record they hold
         log.info("tierkv: reset: forgot %d CPU and %d SSD blocks", dropped["cpu"], dropped["ssd"])
         return True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TierKVMetadata:
-        if self._recovering:
-            self._seed_recovered()
+        if self._seeding is not None and self._seeding.pending:
+            leaving = frozenset(self._ssd_evictions).union(*(plan.ssd_evictions for plan in self._loads))
+            self._ssd_evictions += self._seeding.poll(leaving)
         meta = TierKVMetadata(loads=self._loads, ssd_evictions=self._ssd_evictions, reset=self._reset_ssd)
         self._loads, self._ssd_evictions, self._reset_ssd = [], [], False
         for plan in meta.loads:

@@ -41,15 +41,20 @@ from typing import Any, Callable, Sequence
 
 from tierkv.block_pool import BlockManager
 from tierkv.config import TierKVConfig
+from tierkv.errors import config_keys
 from tierkv.executor import Executor, LoadResult, PoolRows
 from tierkv.hashing import BlockHasher
 from tierkv.identity import Fingerprint
 from tierkv.metrics import TIERS, Lifecycle, LifecycleRecorder, TierKVCollector, lifecycle_sampling, policy_stats
 from tierkv.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, SHUTDOWN, PolicySpec, StorePlan, TierPolicy
+from tierkv.policy.seeding import SSDSeeding
 
 __all__ = ["TieredKVCache", "TieredAllocation", "library_fingerprint"]
 
 log = logging.getLogger(__name__)
+
+#: the config key each SSDTier argument comes from, named in its errors
+SSD_KEYS = {"path": "ssd.path", "capacity_bytes": "ssd.capacity", "queue_capacity_bytes": "ssd.queue_capacity"}
 
 
 def library_fingerprint(config: TierKVConfig, block_nbytes: int | None = None) -> Fingerprint:
@@ -95,7 +100,7 @@ class TieredKVCache:
     def __init__(self, config: TierKVConfig, *, kv_pool: Any = None, clock: Callable[[], float] | None = None,
                  record_samples: bool = False, fingerprint: Fingerprint | None = None) -> None:
         if kv_pool is not None:
-            config.reject(("gpu",), "the kv_pool passed to TieredKVCache sets the GPU pool")
+            config.check_kv_pool(int(kv_pool.shape[0]), int(kv_pool.shape[1]), str(kv_pool.device))
         self.config = config
         self.clock = clock or time.monotonic
         self.block_size = config.block_size
@@ -117,6 +122,7 @@ class TieredKVCache:
         self._stored_at_eviction = 0
         self._pending: dict[int, Any] = {}  # device row -> event of an unfinished load copy
         self._metrics_server: Any = None
+        self._seeding: SSDSeeding | None = None
         self.executor = self._open_executor(kv_pool, num_blocks)
         try:
             if config.metrics.port is not None:
@@ -143,8 +149,25 @@ class TieredKVCache:
         ssd = self._open_ssd() if spec.ssd_slots else None
         executor = Executor(PoolRows(self.transfer), slab, ssd)
         if ssd is not None:
-            executor.evict([], self.policy.seed_ssd(ssd.keys()))
+            self._seeding = SSDSeeding(self.policy, lambda: (list(ssd.keys()), []), [ssd])
+            executor.evict([], self._seeding.start())
         return executor
+
+    def _poll_seeding(self) -> None:
+        """Hold what a background recovery of the SSD tier verified, once it is over."""
+        if self._seeding is not None and self._seeding.pending:
+            self.executor.evict([], self._seeding.poll())
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the SSD tier's background recovery (after an unclean shutdown) is
+        over and hold what it verified; True if the tier then serves its records (also
+        without an SSD tier). Requests need not wait: they miss on SSD until then."""
+        ssd = self.executor.ssd
+        if ssd is None:
+            return True
+        ready = ssd.wait_ready(timeout)
+        self._poll_seeding()
+        return ready
 
     def _open_ssd(self) -> Any:
         from tierkv.tiers.ssd import SSDTier
@@ -154,9 +177,10 @@ class TieredKVCache:
         assert path is not None
         if path.parent == Path.home() / ".cache":  # the default location: create ~/.cache
             path.parent.mkdir(parents=True, exist_ok=True)
-        return SSDTier(path, capacity_bytes=cfg.ssd.capacity, fingerprint=self.fingerprint.tier_id(),
-                       compression=cfg.ssd.compression, level=cfg.ssd.level,
-                       queue_capacity_bytes=cfg.ssd.queue_capacity, block_nbytes=self.block_nbytes)
+        with config_keys(SSD_KEYS):
+            return SSDTier(path, capacity_bytes=cfg.ssd.capacity, fingerprint=self.fingerprint.tier_id(),
+                           compression=cfg.ssd.compression, level=cfg.ssd.level,
+                           queue_capacity_bytes=cfg.ssd.queue_capacity, block_nbytes=self.block_nbytes)
 
     @property
     def cpu(self) -> Any:
@@ -185,6 +209,7 @@ class TieredKVCache:
         is too small. Write the KV of the uncached tokens, then :meth:`commit`.
         """
         now = self.clock()
+        self._poll_seeding()
         self.policy.forget_pairs(self.executor.take_lost())
         prompt = self.manager.prompt(token_ids, block_hashes=block_hashes, num_tokens=num_tokens,
                                      cache_salt=cache_salt, lora_id=lora_id)
