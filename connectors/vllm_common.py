@@ -226,13 +226,15 @@ def engine_ranks(vllm_config: "VllmConfig") -> list[Rank]:
 def ssd_root(cfg: TierKVConfig) -> Path:
     """``ssd.path``, created owner-only if missing; its parent must exist (an unmounted
     disk must not fill the root file system)."""
+    from tierkv.tiers.ssd.directory import DIR_MODE, FILE_MODE, LMDB_LOCK, check_environment
     from tierkv.tiers.ssd.pagefile import BLOCKS
-    from tierkv.tiers.ssd.recovery import DIR_MODE, FILE_MODE, LMDB_LOCK
     from tierkv.tiers.ssd.tier import check_path
 
     configured = cfg.ssd.resolved_path()
     assert configured is not None
     path = check_path(os.path.realpath(configured), "ssd.path")
+    if (path / "data.mdb").exists():  # a tier of the layout before rank-<r>, or not tierkv's
+        check_environment(path, "ssd.path")
     try:
         path.mkdir(mode=DIR_MODE, exist_ok=True)
     except OSError as exc:

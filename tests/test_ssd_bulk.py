@@ -20,7 +20,8 @@ from tierkv.tiers.ssd.index import pack_keys, parse_head, unpack_keys
 from tierkv.tiers.ssd.lost import LostKeys
 from tierkv.tiers.ssd.reclaim import Reclaim
 from tierkv.tiers.ssd.record import PAGE, Codec, Encoded, record_footprint
-from tierkv.tiers.ssd.recovery import open_files, prepare_directory
+from tierkv.tiers.ssd.directory import prepare_directory
+from tierkv.tiers.ssd.recovery import open_files
 from tierkv.tiers.ssd.survey import Survey, survey
 from tierkv.tiers.ssd.tier import SSDTier, read_keys
 from tierkv.tiers.ssd.writequeue import WriteQueue

@@ -585,3 +585,131 @@ def test_two_heads_on_one_extent_keep_one(tmp):
         heads.append((key, e.head(0)))
     found = survey([key for key, _ in heads], [head for _, head in heads], 1 << 30)
     assert found.records == 1 and found.bad == [b"b" * (NS_LEN + 32)]
+
+
+# ====================================================================== round 3
+
+def _gate_walks(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Recovery's (real) walk waits until the returned event is set or it is cancelled."""
+    from tierkv.tiers.ssd import recovery
+    opened, real = threading.Event(), recovery.walk
+
+    def gated(path, blocks_size, cancel=None, **kw):
+        while not opened.wait(0.01):
+            if cancel is not None and cancel.event.is_set():
+                break
+        return real(path, blocks_size, cancel, **kw)
+    monkeypatch.setattr(recovery, "walk", gated)
+    return opened
+
+
+def _unclean(path: Path, n: int = 20) -> None:
+    """A tier with ``n`` blocks whose clean-close snapshot is gone (as after a SIGKILL)."""
+    with open_tier(path) as tier:
+        for i in range(n):
+            assert tier.put(k(i), block(i, 8192))
+    (path / "tierkv.clean").unlink()
+
+
+def test_close_during_a_background_recovery_reports_the_queued_puts_lost(tmp, monkeypatch):
+    gate = _gate_walks(monkeypatch)
+    _unclean(tmp)
+    tier = open_tier(tmp, recover_inline_bytes=0)
+    assert tier.recovering()
+    assert all(tier.put(k(100 + i), block(100 + i, 8192)) for i in range(3))
+    tier.close()  # cancels the recovery: the three puts were accepted, never written
+    assert sorted(tier.take_lost()) == sorted(k(100 + i) for i in range(3))
+    gate.set()
+    with open_tier(tmp) as again:  # and the records on disk are intact
+        assert again.get_many([k(i) for i in range(20)]) == [block(i, 8192) for i in range(20)]
+
+
+_SLOW_WALK = """
+import sys, time
+from tierkv.tiers.ssd import SSDTier, walk
+real = walk.child_command
+walk.child_command = lambda code, *a: real("import time; time.sleep(120); " + code, *a)
+tier = SSDTier(sys.argv[1], capacity_bytes=32 << 20, fingerprint="model-a/fp16/bs16",
+               compression="none", recover_inline_bytes=0)
+print("recovering", flush=True)
+time.sleep(600)
+"""
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                status = Path(f"/proc/{entry}/status").read_text()
+            except OSError:
+                continue
+            if re.search(rf"^PPid:\s+{pid}$", status, re.M):
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+    except OSError:
+        return False
+
+
+def test_a_sigkilled_owner_leaves_no_walk_running(tmp):
+    _unclean(tmp)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_WALK, str(tmp)], stdout=subprocess.PIPE,
+                            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        assert proc.stdout.readline().strip() == "recovering"
+        deadline = time.monotonic() + 30
+        while not (walkers := _children(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert walkers, "the walk child did not start"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    deadline = time.monotonic() + 10
+    while any(map(_alive, walkers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_alive, walkers)), "the walk outlived its owner"
+
+
+def test_an_oversized_clean_snapshot_is_refused_unread(tmp, caplog):
+    with open_tier(tmp) as tier:
+        for i in range(5):
+            assert tier.put(k(i), block(i, 8192))
+    with open(tmp / "tierkv.clean", "r+b") as f:  # a valid start, then a 256 MiB tail
+        f.seek(256 * MiB)
+        f.write(b"x")
+    with caplog.at_level(logging.WARNING):
+        t0 = time.monotonic()
+        with open_tier(tmp) as tier:
+            assert tier.get_many([k(i) for i in range(5)]) == [block(i, 8192) for i in range(5)]
+        took = time.monotonic() - t0
+    assert any("larger than a snapshot of this tier can be" in r.getMessage() for r in caplog.records)
+    assert took < 20, took
+
+
+def test_read_keys_of_a_tier_nobody_opened_creates_no_lock_file(tmp):
+    with open_tier(tmp) as tier:
+        assert tier.put(k(1), block(1, 8192))
+    (tmp / "lock.mdb").unlink()  # as a copy of the directory, or after a rebuild, leaves it
+    before = sorted(p.name for p in tmp.iterdir())
+    assert read_keys(tmp, FP) == [k(1)]
+    assert sorted(p.name for p in tmp.iterdir()) == before
+
+
+def test_a_smaller_capacity_is_honoured_at_the_first_write_transaction(tmp):
+    """What the README says: reads serve every record at once; the first transaction the
+    writer commits (here: the recency of those reads) evicts down to the new capacity."""
+    with open_tier(tmp, 32 * MiB) as tier:
+        for i in range(200):
+            assert tier.put(k(i), block(i, 65536))
+    with open_tier(tmp, 4 * MiB) as tier:
+        assert tier.stats()["current_bytes"] > 4 * MiB
+        assert tier.get(k(199)) == block(199, 65536)
+        assert tier.flush()
+        assert tier.stats()["current_bytes"] <= 4 * MiB
+        assert tier.get(k(199)) == block(199, 65536)  # the one just read is the most recent
+        assert k(0) in tier.take_lost()

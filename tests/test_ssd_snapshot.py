@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tierkv.errors import ConfigError
 from tierkv.tiers.ssd import SSDTier, record_footprint
 from tierkv.tiers.ssd import recovery
 from tierkv.tiers.ssd.snapshot import CLEAN, take
@@ -193,7 +194,8 @@ def test_a_new_capacity_reopens_from_the_snapshot(tmp, walks, capacity):
 
 
 def test_no_snapshot_from_a_disabled_tier(tmp):
-    tmp.mkdir()
+    with open_tier(tmp) as tier:
+        fill(tier, range(3))
     (tmp / "data.mdb").write_bytes(os.urandom(64 * 1024))
     tier = open_tier(tmp)
     assert not tier.stats()["available"]
@@ -371,20 +373,19 @@ def test_close_during_a_background_recovery_cancels_it(tmp, gate, walks):
         assert again.stats()["corrupt_deleted"] == 0
 
 
-def test_an_environment_tierkv_did_not_create_is_refused_in_the_background_too(tmp_path, gate):
+def test_an_environment_tierkv_did_not_create_stops_start_up_whatever_its_size(tmp_path, gate):
+    """Identified before anything is touched, also where the index would recover in the
+    background (the walk is held back: it is never reached)."""
     import lmdb
     foreign = tmp_path / "foreign"
     env = lmdb.open(str(foreign), map_size=MiB)
     with env.begin(write=True) as txn:
         txn.put(b"hello", b"world")
     env.close()
-    before = (foreign / "data.mdb").read_bytes()
-    gate.set()
-    tier = open_tier(foreign, recover_inline_bytes=0)
-    assert tier.wait_ready(timeout=60) is False
-    assert "did not create" in tier.stats()["disabled_reason"]
-    tier.close()
-    assert (foreign / "data.mdb").read_bytes() == before
+    before = {p.name: p.read_bytes() for p in foreign.iterdir()}
+    with pytest.raises(ConfigError, match="^path: .*did not create"):
+        open_tier(foreign, recover_inline_bytes=0)
+    assert {p.name: p.read_bytes() for p in foreign.iterdir()} == before
 
 
 def test_a_small_index_recovers_before_the_constructor_returns(tmp, walks):

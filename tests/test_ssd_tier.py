@@ -369,7 +369,9 @@ def test_random_byte_flips_never_return_wrong_data(tmp, seed, name):
 
 
 def test_garbage_environment_degrades_to_misses(tmp, caplog):
-    tmp.mkdir()
+    """A tier's index overwritten with garbage (the tier's lock file says it is one)."""
+    with SSDTier(tmp, capacity_bytes=4 * MiB, fingerprint=FP) as tier:
+        fill(tier, range(3))
     (tmp / "data.mdb").write_bytes(os.urandom(64 * 1024))
     with caplog.at_level(logging.ERROR):
         tier = SSDTier(tmp, capacity_bytes=4 * MiB, fingerprint=FP)
@@ -377,6 +379,19 @@ def test_garbage_environment_degrades_to_misses(tmp, caplog):
         assert k(0) not in tier and list(tier.keys()) == [] and tier.flush() is False
         tier.close()
     assert sum(str(tmp) in r.getMessage() for r in caplog.records) == 1
+
+
+def test_garbage_alone_is_refused_untouched(tmp):
+    """Nothing says a directory holding only an unreadable data.mdb is a tier's."""
+    tmp.mkdir(mode=0o750)
+    junk = os.urandom(64 * 1024)
+    (tmp / "data.mdb").write_bytes(junk)
+    (tmp / "data.mdb").chmod(0o640)
+    with pytest.raises(ConfigError, match=r"^path: .*data.mdb cannot be read .*MDB_INVALID"):
+        SSDTier(tmp, capacity_bytes=4 * MiB, fingerprint=FP)
+    assert sorted(p.name for p in tmp.iterdir()) == ["data.mdb"]
+    assert (tmp / "data.mdb").read_bytes() == junk
+    assert (tmp.stat().st_mode & 0o777, (tmp / "data.mdb").stat().st_mode & 0o777) == (0o750, 0o640)
 
 
 def test_truncated_environment_degrades_to_misses(tmp):
@@ -581,15 +596,18 @@ def test_foreign_directories_are_refused_and_untouched(tmp_path):
     with pytest.raises(ConfigError, match="^path"):
         SSDTier(other, capacity_bytes=4 * MiB, fingerprint=FP)
     assert [p.name for p in other.iterdir()] == ["readme.txt"]
-    foreign = tmp_path / "foreign"
-    env = lmdb.open(str(foreign), map_size=MiB)
-    with env.begin(write=True) as txn:
-        txn.put(b"hello", b"world")
-    env.close()
-    before = (foreign / "data.mdb").read_bytes()
-    with pytest.raises(ConfigError, match="^path"):
-        SSDTier(foreign, capacity_bytes=4 * MiB, fingerprint=FP)
-    assert (foreign / "data.mdb").read_bytes() == before
+    for named in (True, False):  # another service's databases, or records in the main one
+        foreign = tmp_path / f"foreign-{named}"
+        foreign.mkdir(mode=0o750)
+        env = lmdb.open(str(foreign), map_size=MiB, max_dbs=2, mode=0o640)
+        with env.begin(write=True) as txn:
+            txn.put(b"hello", b"world", db=env.open_db(b"sessions", txn=txn) if named else None)
+        env.close()
+        before = {p.name: (p.read_bytes(), p.stat().st_mode & 0o777) for p in foreign.iterdir()}
+        with pytest.raises(ConfigError, match="^path: .*did not create"):
+            SSDTier(foreign, capacity_bytes=4 * MiB, fingerprint=FP)
+        after = {p.name: (p.read_bytes(), p.stat().st_mode & 0o777) for p in foreign.iterdir()}
+        assert after == before and foreign.stat().st_mode & 0o777 == 0o750
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")

@@ -15,7 +15,8 @@ from tierkv.tiers.ssd.health import Health
 from tierkv.tiers.ssd.lost import LostKeys
 from tierkv.tiers.ssd.reclaim import Reclaim
 from tierkv.tiers.ssd.record import Codec
-from tierkv.tiers.ssd.recovery import Files, open_files, prepare_directory
+from tierkv.tiers.ssd.directory import prepare_directory
+from tierkv.tiers.ssd.recovery import Files, open_files
 from tierkv.tiers.ssd.writequeue import WriteQueue
 from tierkv.tiers.ssd.writer import Writer
 
@@ -109,6 +110,23 @@ def test_queue_accesses_come_out_in_the_order_of_their_last_touch():
     for key in (b"a", b"b", b"c", b"a"):
         q.touch(NS + key)
     assert q.next_work(idle_s=0, linger_s=0).touched == [NS + b"b", NS + b"c", NS + b"a"]
+
+
+def test_queue_defers_the_accesses_after_one_to_a_block_still_queued():
+    """An access to a block not in this batch waits for the batch that writes it; the
+    accesses after it wait too, so that the writer applies them all in their order."""
+    q = WriteQueue(capacity_bytes=10_000, batch_bytes=1000, lost=LostKeys(NS))
+    q.put(k(0), bytearray(1000))
+    q.put(k(1), bytearray(1000))                    # not in the first batch
+    for i in (7, 1, 8):                             # k(7), k(8): stored records
+        q.touch(k(i))
+    first = q.next_work(0, 0)
+    assert [p.nskey for p in first.batch] == [k(0)] and first.touched == [k(7)]
+    q.touch(k(9))                                   # while the writer writes k(0)
+    q.finish(first)
+    second = q.next_work(0, 0)
+    assert [p.nskey for p in second.batch] == [k(1)] and second.touched == [k(1), k(8), k(9)]
+    q.finish(second)
 
 
 def test_queue_failure_drops_everything_and_wakes_flushes():
@@ -238,6 +256,20 @@ def test_no_room_drops_counts_and_reports_then_recovers(rig):
     rig.fill(range(1000, 1010))
     assert all(rig.present(i) for i in range(1000, 1010))
     assert rig.reclaim.quarantined_pages() == 0
+
+
+def test_accesses_keep_their_order_when_some_touched_blocks_are_still_queued(rig):
+    """Accesses to blocks still queued take effect when the writer inserts them; a stored
+    block accessed after them stays the more recent (a shutdown touches the hot blocks
+    the tier holds after the others: whether the writer took the others' puts before the
+    touches must not change the order on disk)."""
+    rig.fill(range(2))                            # k(0), k(1) stored
+    with rig.queue.cond:                          # the writer takes nothing meanwhile
+        assert rig.queue.put(k(2), rand(65536, 2)) and rig.queue.put(k(3), rand(65536, 3))
+        for i in (3, 1, 2, 0):
+            rig.queue.touch(k(i))
+    assert rig.queue.flush(30)                    # one turn: the puts and the accesses
+    assert rig.files.index.keys_lru(NS) == [k(3), k(1), k(2), k(0)]
 
 
 def test_discards_are_committed_before_the_batch_they_arrive_with(rig):

@@ -96,9 +96,11 @@ class Index:
     def __init__(self, path: Path, map_size: int, *, readonly: bool = False) -> None:
         import lmdb
         with _lmdb_errors():
-            if readonly:  # one more reader beside the owner (a slot in lock.mdb), never a write
+            if readonly:  # one more reader beside the owner (a slot in its lock.mdb), never a
+                # write; without lock.mdb no tier has the environment open: none is created
                 self._env: Any = lmdb.open(str(path), subdir=True, max_dbs=8, readonly=True,
-                                           create=False, readahead=False, mode=0o600)
+                                           create=False, readahead=False, mode=0o600,
+                                           lock=(path / "lock.mdb").exists())
             else:
                 self._env = lmdb.open(str(path), map_size=map_size, subdir=True, max_dbs=8,
                                       sync=False, metasync=False, readahead=True,

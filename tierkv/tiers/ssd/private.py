@@ -20,15 +20,16 @@ from tierkv.errors import ConfigError
 __all__ = ["open_private", "check_private"]
 
 
-def check_private(st: os.stat_result, path: Path) -> None:
-    """A ConfigError naming ``path`` unless ``st`` is a regular file of this user with one name."""
+def check_private(st: os.stat_result, path: Path, what: str = "path") -> None:
+    """A ConfigError naming ``what`` and ``path`` unless ``st`` is a regular file of this user
+    with one name."""
     if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"path: {path} is not a regular file (a symbolic link?); refusing it")
+        raise ConfigError(f"{what}: {path} is not a regular file (a symbolic link?); refusing it")
     if st.st_uid != os.geteuid():
-        raise ConfigError(f"path: {path} belongs to uid {st.st_uid}, not to this user "
+        raise ConfigError(f"{what}: {path} belongs to uid {st.st_uid}, not to this user "
                           f"({os.geteuid()}); refusing to keep KV there")
     if st.st_nlink != 1:
-        raise ConfigError(f"path: {path} has {st.st_nlink} names (a hard link to a file elsewhere?); "
+        raise ConfigError(f"{what}: {path} has {st.st_nlink} names (a hard link to a file elsewhere?); "
                           "refusing to write to it")
 
 

@@ -1,11 +1,10 @@
 """Opening the SSD tier's files, and repairing what a crash or damage left behind.
 
-First, :func:`prepare_directory`: a directory that holds neither an LMDB
-environment nor only tierkv's own files is refused, untouched
-(``ConfigError``); otherwise it is created if missing, and it and its files
-are made owner-only (0700, 0600) whatever the umask. The tier then takes the
-directory's lock (:mod:`~tierkv.tiers.ssd.owner`), and an :class:`Opening`
-goes on, before anything touches an existing environment:
+The directory was identified and made owner-only first
+(:func:`~tierkv.tiers.ssd.directory.prepare_directory`: what is not a tier's
+is refused untouched), and the tier took the directory's lock
+(:mod:`~tierkv.tiers.ssd.owner`). An :class:`Opening` goes on, before
+anything touches an existing environment:
 
 1. LMDB's lock file gets its disk blocks up front: LMDB writes it through a
    memory map, where a full disk is a SIGBUS instead of an error. No room
@@ -18,9 +17,13 @@ goes on, before anything touches an existing environment:
 3. Otherwise (an unclean shutdown, or damage since the clean close) the tier
    *recovers*: the environment is walked in a child process
    (:mod:`~tierkv.tiers.ssd.walk`), which also surveys every head
-   (:mod:`~tierkv.tiers.ssd.survey`). A damaged B-tree can make LMDB abort()
-   or fault with SIGBUS on the first page it reaches, and the child takes that
-   risk; a walk that fails disables the tier.
+   (:mod:`~tierkv.tiers.ssd.survey`) and writes what it walked as a fresh
+   environment. A damaged B-tree can make LMDB abort() or fault with SIGBUS
+   on the first page it reaches, and the child takes that risk; a walk that
+   fails disables the tier. The rebuilt environment replaces ``data.mdb``
+   (atomically, with a new lock file): this process maps only an environment
+   the snapshot vouched for byte for byte, or one written afresh from what
+   the walk read, never pages (LMDB's free list) no check has read.
 4. ``data.mdb`` must be as long as its last page, or access would fault.
 5. An LMDB environment that tierkv did not create is refused, untouched.
 6. Records of another record format are discarded (logged): they cannot be read.
@@ -49,7 +52,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,24 +62,21 @@ from tierkv.errors import ConfigError
 from tierkv.tiers.ssd.extents import ExtentMap
 from tierkv.tiers.ssd.index import Index, IndexFailure, WriteTxn
 from tierkv.tiers.ssd.pagefile import BLOCKS, PageFile
-from tierkv.tiers.ssd.private import check_private, open_private
+from tierkv.tiers.ssd.directory import FILE_MODE, LMDB_LOCK
+from tierkv.tiers.ssd.private import open_private
 from tierkv.tiers.ssd.record import PAGE, RECORD_VERSION
 from tierkv.tiers.ssd.snapshot import CLEAN, UNCLEAN, Snapshot, take
 from tierkv.tiers.ssd.survey import Survey, survey
-from tierkv.tiers.ssd.walk import Cancel, Cancelled, Damaged, Foreign, walk
+from tierkv.tiers.ssd.walk import REBUILT, Cancel, Cancelled, Damaged, Foreign, walk
 
 if TYPE_CHECKING:
     from tierkv.tiers.ssd.health import Health
     from tierkv.tiers.ssd.lost import LostKeys
 
-__all__ = ["Files", "Opening", "Background", "open_files", "prepare_directory", "owner_only",
-           "CLEAN", "FILE_MODE", "DIR_MODE"]
+__all__ = ["Files", "Opening", "Background", "open_files", "CLEAN"]
 
 log = logging.getLogger("tierkv.tiers.ssd")
 
-DIR_MODE = 0o700         # KV bytes derive from users' prompts: owner-only at rest
-FILE_MODE = 0o600
-LMDB_LOCK = "lock.mdb"
 LMDB_LOCK_BYTES = 8192   # what LMDB sizes its lock file to (126 reader slots); more is fine
 
 
@@ -133,6 +132,7 @@ class Opening:
     def begin(self) -> bool:
         """Steps 1 and 2: False when the tier had to be disabled."""
         self.existed = _environment_exists(self.path)
+        _remove(self.path / REBUILT)  # what a walk killed midway left
         if not _reserve_lock_file(self.path, self.health):
             return False
         snapshot, self.why = take(self.path)  # removed in any case: it speaks for no later state
@@ -142,7 +142,8 @@ class Opening:
                 self.why = self.snapshot.check(self.path) or ""
                 if self.why:
                     self.snapshot = None
-                    log.warning("SSD tier at %s: %s; verifying it in full", self.path, self.why)
+            if self.why and self.why != UNCLEAN:
+                log.warning("SSD tier at %s: %s; verifying it in full", self.path, self.why)
         return True
 
     @property
@@ -184,8 +185,12 @@ class Opening:
     def _walk(self, cancel: Cancel | None) -> Survey | None:
         """Step 3: the survey of a walked environment, or None (disabled or cancelled)."""
         try:
-            return walk(self.path, _size(self.path / BLOCKS), cancel)
+            found = walk(self.path, _size(self.path / BLOCKS), cancel)
+            _install_rebuilt(self.path)
         except Cancelled:
+            return None
+        except OSError as exc:
+            self.health.fail(f"cannot swap in the rebuilt index: {exc}")
             return None
         except Foreign:
             raise ConfigError(f"path: {self.path} holds an LMDB environment that tierkv did "
@@ -194,6 +199,7 @@ class Opening:
             when = " after an unclean shutdown" if self.why == UNCLEAN else ""
             self.health.fail(f"the environment does not verify{when} ({exc})")
             return None
+        return found if _reserve_lock_file(self.path, self.health) else None
 
     def _open_pages(self, index: Index, found: Survey | None,
                     snapshot: Snapshot | None) -> Files | None:
@@ -291,49 +297,6 @@ class Background:
         self._done(files)
 
 
-def prepare_directory(path: Path) -> None:
-    """Refuse a directory that is not a tier's; create ``path`` if missing; make it and
-    the files tierkv keeps there owner-only (logged when they were not). The directory
-    and every file in it must belong to this user and no file may be a symbolic link:
-    another user who could plant them (a shared scratch disk) would read the KV, forge
-    records, or have an open truncate a file of their choosing."""
-    from tierkv.tiers.ssd.owner import LOCK_FILE
-    ours = {LMDB_LOCK, CLEAN, BLOCKS, LOCK_FILE}
-    if path.exists() and not (path / "data.mdb").exists() and not {
-            p.name for p in path.iterdir()} <= ours:
-        raise ConfigError(f"path: {path} is a non-empty directory without an LMDB "
-                          "environment; refusing to write into it")
-    path.mkdir(mode=DIR_MODE, exist_ok=True)
-    owner_only(path, DIR_MODE)
-    for name in ours | {"data.mdb"}:
-        if os.path.lexists(path / name):
-            owner_only(path / name, FILE_MODE)
-
-
-def owner_only(path: Path, mode: int) -> None:
-    """``path`` (not a symbolic link, unless a directory) belongs to this user; set ``mode``
-    when it grants more, and say so (an older tier, a loose umask). A ConfigError
-    otherwise."""
-    try:
-        st = os.stat(path) if path.is_dir() else os.lstat(path)
-    except OSError as exc:
-        raise ConfigError(f"path: cannot inspect {path}: {exc.strerror}") from None
-    if stat.S_ISDIR(st.st_mode):
-        if st.st_uid != os.geteuid():
-            raise ConfigError(f"path: {path} belongs to uid {st.st_uid}, not to this user "
-                              f"({os.geteuid()}); refusing to keep KV there")
-    else:
-        check_private(st, path)  # a regular file of this user with one name
-    was = st.st_mode & 0o777
-    if was & ~mode:
-        try:
-            os.chmod(path, mode)
-        except OSError as exc:
-            raise ConfigError(f"path: cannot make {path} owner-only: {exc.strerror}") from None
-        log.warning("SSD tier: %s was readable by others (mode %o); now %o", path, was, mode)
-
-
-
 def _reserve_lock_file(path: Path, health: "Health") -> bool:
     """Give LMDB's lock file its disk blocks now (it is written through a memory map: on
     a full disk, a SIGBUS). Only allocates; bytes already there are left as they are."""
@@ -355,6 +318,26 @@ def _reserve_lock_file(path: Path, health: "Health") -> bool:
 
 
 # ====================================================================== steps
+
+def _install_rebuilt(path: Path) -> None:
+    """Swap the walk's rebuilt environment in for ``data.mdb``, atomically, with a new lock
+    file: the old one's reader table and transaction id speak of the old file (a
+    :func:`~tierkv.tiers.ssd.tier.read_keys` child still reading it keeps its copy)."""
+    os.replace(path / REBUILT, path / "data.mdb")
+    _remove(path / LMDB_LOCK)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
 
 def _environment_exists(path: Path) -> bool:
     """An environment is there: ``data.mdb`` holds at least LMDB's two meta pages. A

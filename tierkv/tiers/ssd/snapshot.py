@@ -14,7 +14,8 @@ the environment is closed:
 * the records per namespace (what the open reports about other fingerprints);
 * an ``xxh3_64`` of all of the above.
 
-At the next open the file is read and removed (:func:`take`) before
+At the next open the file is read (up to the largest size a snapshot of that page file
+can have: a larger one is refused unread) and removed (:func:`take`) before
 anything else touches the directory, so that a crash from then on leaves an
 unclean tier. The snapshot stands in for recovery only if it verifies and
 ``data.mdb`` still has exactly that size and digest (:meth:`Snapshot.check`):
@@ -44,7 +45,7 @@ from tierkv.errors import ConfigError
 from tierkv.tiers.ssd.extents import ExtentMap
 from tierkv.tiers.ssd.pagefile import BLOCKS
 from tierkv.tiers.ssd.private import open_private
-from tierkv.tiers.ssd.record import NS_LEN
+from tierkv.tiers.ssd.record import NS_LEN, PAGE
 
 __all__ = ["Snapshot", "take", "hash_file", "CLEAN", "UNCLEAN"]
 
@@ -141,18 +142,40 @@ class Snapshot:
 def take(path: Path) -> tuple[Snapshot | None, str]:
     """Read and remove the snapshot in directory ``path``: it, or None and why not."""
     marker = path / CLEAN
+    bound = _largest(path)
     try:
-        data = marker.read_bytes()
+        fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None, UNCLEAN
     except OSError as exc:
         return None, f"cannot read {CLEAN}: {exc.strerror}"
     try:
+        data = os.read(fd, bound + 1)  # a larger file is refused unread
+    except OSError as exc:
+        data = exc
+    finally:
+        os.close(fd)
+    try:
         marker.unlink()
     except OSError as exc:  # it would be found again: cannot be trusted later
         return None, f"cannot remove {CLEAN}: {exc.strerror}"
+    if isinstance(data, OSError):
+        return None, f"cannot read {CLEAN}: {data.strerror}"
+    if len(data) > bound:
+        return None, f"{CLEAN} is larger than a snapshot of this tier can be"
     snap = _unpack(data)
     return (snap, "") if snap is not None else (None, f"{CLEAN} does not verify")
+
+
+def _largest(path: Path) -> int:
+    """Bytes of the largest snapshot a tier with this page file can save: its free extents
+    lie between used pages (at most one per two pages, plus the tail), one entry per
+    namespace (at most 2**16)."""
+    try:
+        pages = os.lstat(path / BLOCKS).st_size // PAGE
+    except OSError:
+        pages = 0
+    return _HEAD.size + 16 * (pages // 2 + 2) + _NS.size * 2**16 + _SUM.size
 
 
 def _unpack(data: bytes) -> Snapshot | None:

@@ -31,7 +31,8 @@ Threads: ``get``, ``get_many``, ``get_into``, ``__contains__``, ``keys``,
 mutable state: the failure count seen by the last flush (owner only), and the
 open parts (files, reader, writer), set once, by the constructor or by the
 recovery thread, files last (a thread that sees the files sees the others);
-``close`` stops the recovery thread before it reads them. Each part documents
+``close`` stops the recovery thread before it reads them (puts it queued meanwhile
+are then reported lost). Each part documents
 its own locks. Never use a tier across ``fork()``: a child process sees it as
 disabled and must open its own.
 """
@@ -58,7 +59,8 @@ from tierkv.tiers.ssd.pagefile import BLOCKS
 from tierkv.tiers.ssd.reader import Reader
 from tierkv.tiers.ssd.reclaim import Reclaim
 from tierkv.tiers.ssd.record import NS_LEN, Codec, namespace_of
-from tierkv.tiers.ssd.recovery import Background, Files, Opening, prepare_directory
+from tierkv.tiers.ssd.directory import prepare_directory
+from tierkv.tiers.ssd.recovery import Background, Files, Opening
 from tierkv.tiers.ssd.walk import child_command
 from tierkv.tiers.ssd.writequeue import WriteQueue
 from tierkv.tiers.ssd.writer import Writer
@@ -266,8 +268,10 @@ class SSDTier:
         a write error, the tier disabled). Keys removed by :meth:`discard_many`, puts
         that returned False and keys put again since they were lost are not reported.
         At most a million unread keys are kept; older ones are dropped and counted in
-        ``stats()["lost_overflow"]``. Reports live in memory: take them before
-        ``close()``; a new instance starts with none (seed from :meth:`keys`).
+        ``stats()["lost_overflow"]``. Reports live in memory: take them until the
+        instance is gone (``close()`` adds what it could not write, such as the puts
+        queued while a recovery it cancelled was running); a new instance starts with
+        none (seed from :meth:`keys`).
         Safe from any thread.
         """
         return self._lost.take()
@@ -388,6 +392,8 @@ class SSDTier:
             return
         if self._background is not None:
             self._background.stop()
+            if self._writer is None:  # cancelled before it served: what was queued is lost
+                self._queue.fail()
         if health.broken is None and self._writer is not None:
             self.flush()
         health.quiesce()  # from here every call misses or drops; none is still using the files
@@ -494,7 +500,9 @@ def read_keys(path: str | os.PathLike[str], fingerprint: str | bytes, *,
     read without owning the directory: beside the process that has the tier open, as
     one more LMDB reader, in a child process (a damaged environment can fault the
     process that maps it), which sends them back in one buffer. Empty when there is no
-    tier there. Never writes. Raises ``OSError`` when the keys cannot be read."""
+    tier there. Never writes a file: beside an owner it takes a reader slot in the
+    owner's ``lock.mdb`` (shared memory); where there is none it opens without one.
+    Raises ``OSError`` when the keys cannot be read."""
     from tierkv.tiers.ssd.index import unpack_keys
     where = Path(os.path.expanduser(os.fspath(path))).absolute()
     if not (where / "data.mdb").exists():

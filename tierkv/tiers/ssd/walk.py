@@ -1,13 +1,22 @@
-"""The integrity check of an environment that was not closed cleanly, in a child process.
+"""The integrity check of an environment that was not closed cleanly, and its rebuild,
+in a child process.
 
 A damaged B-tree (bit rot, a torn write, a crash mid-sync) can make LMDB
 abort() or fault with SIGBUS on the first page it reaches, so a child process
 (:func:`walk`) takes that risk before the tier maps the environment: it
 reads every page the B-tree reaches in every database, and checks that every
-value lies inside ``data.mdb`` (by address, without reading overflow pages).
-Then, from the heads it read, it computes the :class:`~tierkv.tiers.ssd.survey.Survey`
+value lies inside ``data.mdb`` (by address) before it reads it. Then, from
+the heads it read, it computes the :class:`~tierkv.tiers.ssd.survey.Survey`
 recovery needs and sends it back, packed, on stdout: the tier applies it
 without reading every head itself.
+
+What the walk read is also written out, entry by entry, as a fresh
+environment (:data:`REBUILT`, beside ``data.mdb``), synced before the child
+exits. The tier swaps it in for ``data.mdb`` and only ever maps that: pages
+the walk never reaches (LMDB's free-page list above all, which the owner
+would read at its first write and LMDB trusts blindly) are not carried over,
+so damage there cannot reach the owner as an assertion or a fault. A
+compacting copy also drops the space the old file wasted.
 
 Exit status of the child: 0 (the survey follows), 3 (a value lies outside
 the file), 4 (not a tierkv environment: :class:`Foreign`, refused untouched);
@@ -20,6 +29,7 @@ cancelled from another (:class:`Cancel`, which kills the child).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import subprocess
 import sys
@@ -30,10 +40,12 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from tierkv.tiers.ssd.survey import Survey
 
-__all__ = ["walk", "Cancel", "child_command", "Damaged", "Foreign", "Cancelled"]
+__all__ = ["walk", "Cancel", "child_command", "Damaged", "Foreign", "Cancelled", "REBUILT"]
 
 NOT_TIERKV = 4
 OUTSIDE = 3
+REBUILT = "rebuilt.mdb"   # the walked environment, written afresh (no lock file: one writer)
+_BATCH = 20_000           # entries per write transaction of the rebuild (bounds its dirty pages)
 _ROOT = str(Path(__file__).resolve().parents[3])   # the directory holding the tierkv package
 
 
@@ -50,8 +62,22 @@ class Cancelled(Exception):
 
 
 def child_command(code: str, *args: str) -> list[str]:
-    """``python -c code args`` that imports this tierkv whatever the child's path."""
-    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {_ROOT!r}); {code}", *args]
+    """``python -c code args`` that imports this tierkv whatever the child's path, and dies
+    with this process (a parent-death signal): a SIGKILLed owner leaves no walk behind."""
+    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {_ROOT!r}); "
+            f"from tierkv.tiers.ssd.walk import _die_with; _die_with({os.getpid()}); {code}", *args]
+
+
+def _die_with(parent: int) -> None:
+    """In a child: have the kernel SIGKILL it when ``parent`` exits (Linux), and exit now if
+    that already happened."""
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl: the child ends with its walk
+        return
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 class Cancel:
@@ -78,8 +104,9 @@ class Cancel:
 def walk(path: Path, blocks_size: int, cancel: Cancel | None = None,
          timeout: float = 600.0) -> "Survey":
     """The survey of the environment at ``path`` (its page file ``blocks_size`` bytes
-    long), if a child process can walk all of it. Raises :class:`Damaged`,
-    :class:`Foreign` or :class:`Cancelled`."""
+    long), if a child process can walk all of it; the walked entries are then in
+    ``path / REBUILT``, synced, for the caller to swap in. Raises :class:`Damaged`,
+    :class:`Foreign` or :class:`Cancelled` (a partial :data:`REBUILT` may be left)."""
     from tierkv.tiers.ssd.survey import Survey
     cancel = cancel or Cancel()
     cmd = child_command("from tierkv.tiers.ssd.walk import _main; _main()", str(path),
@@ -126,35 +153,90 @@ def _main() -> None:
 
     from tierkv.tiers.ssd.survey import survey
     path, blocks_size = sys.argv[1], int(sys.argv[2])
+    data = os.path.join(path, "data.mdb")
     env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, readahead=False)
-    inside = _inside(os.path.realpath(os.path.join(path, "data.mdb")))
+    inside = _inside(os.path.realpath(data))
+    target = Path(path) / REBUILT
     keys: list[bytes] = []
     heads: list[bytes] = []
     with env.begin(buffers=True) as txn:
         names = [bytes(k) for k in txn.cursor().iternext(values=False)]
         if names and b"meta" not in names:
             sys.exit(NOT_TIERKV)  # the caller refuses it without writing
+        out = _fresh(target, os.path.getsize(data))
         for name in names:
             db = env.open_db(name, txn=txn, create=False)
-            if name == b"head":
-                keys, heads = _walk(txn.cursor(db=db), inside, copy=True)
-            else:
-                _walk(txn.cursor(db=db), inside, copy=False)
+            keep = (keys, heads) if name == b"head" else None
+            _copy(txn.cursor(db=db), inside, out, out.open_db(name), keep)
+    out.sync(True)
+    out.close()
+    _fsync(target)
     sys.stdout.buffer.write(survey(keys, heads, blocks_size).pack())
 
 
-def _walk(cursor: Any, inside: Callable[[Any], bool], copy: bool
-          ) -> tuple[list[bytes], list[bytes]]:
-    """Every entry of a database, each value checked; copies of the entries if ``copy``."""
-    keys: list[bytes] = []
-    values: list[bytes] = []
-    for k, v in cursor.iternext():
-        if len(v) and not inside(v):
-            sys.exit(OUTSIDE)
-        if copy:
-            keys.append(bytes(k))
-            values.append(bytes(v))
-    return keys, values
+def _identify() -> None:
+    """Child entry of :func:`~tierkv.tiers.ssd.directory.check_environment`: argv ``path``;
+    exit 0 for a tierkv environment (its meta records, or one with no records yet), 4 for
+    anything else; read-only, no lock file."""
+    import lmdb
+
+    env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=8, readahead=False)
+    with env.begin() as txn:
+        names = set(txn.cursor().iternext(values=False))
+        if b"meta" not in names:
+            sys.exit(NOT_TIERKV)
+        if txn.get(b"tierkv", db=env.open_db(b"meta", txn=txn, create=False)) is not None:
+            return
+        if b"head" in names and txn.stat(env.open_db(b"head", txn=txn, create=False))["entries"]:
+            sys.exit(NOT_TIERKV)  # records, but no tierkv format record
+
+
+def _fresh(target: Path, size: int) -> Any:
+    """An empty environment in the file ``target`` (the tier's own: created or emptied)."""
+    import lmdb
+
+    from tierkv.tiers.ssd.private import open_private
+    os.close(open_private(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC))
+    return lmdb.open(str(target), subdir=False, lock=False, max_dbs=8, sync=False,
+                     metasync=False, meminit=False, map_size=max(2 * size, 2**24))
+
+
+def _copy(cursor: Any, inside: Callable[[Any], bool], out: Any, db: Any,
+          keep: tuple[list[bytes], list[bytes]] | None) -> None:
+    """Write every entry of ``cursor``'s database into ``db`` of ``out``, each value checked
+    before it is read, appended while they come sorted (a damaged tree may hand them out
+    of order: then inserted), in batches that bound a transaction's dirty pages; copies of
+    the entries into ``keep`` too when given."""
+    import lmdb
+
+    entries = cursor.iternext()
+    while True:
+        batch = [(bytes(k), _checked(v, inside)) for k, v in itertools.islice(entries, _BATCH)]
+        if not batch:
+            return
+        with out.begin(write=True, db=db) as txn:
+            for k, v in batch:
+                try:
+                    txn.put(k, v, append=True)
+                except lmdb.KeyExistsError:
+                    txn.put(k, v)
+        if keep is not None:
+            keep[0].extend(k for k, _ in batch)
+            keep[1].extend(v for _, v in batch)
+
+
+def _checked(value: Any, inside: Callable[[Any], bool]) -> bytes:
+    if len(value) and not inside(value):
+        sys.exit(OUTSIDE)
+    return bytes(value)
+
+
+def _fsync(target: Path) -> None:
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _inside(data: str) -> Callable[[Any], bool]:
