@@ -45,13 +45,13 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
-from tierkv.config import TierKVConfig
+from tierkv.config import SSD_TIER_KEYS, TierKVConfig
 from tierkv.copier import Copier, Finished
 from tierkv.executor import Executor
 from tierkv.policy import SHUTDOWN, LoadPlan, StorePlan
 from tierkv.policy.manager import select_for_shutdown
 from tierkv.tiers.host import HostSlab
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, config_keys
 from tierkv.identity import Fingerprint
 from tierkv.tiers.ssd import SSDTier
 from tierkv.tiers.ssd.tier import read_keys
@@ -100,9 +100,10 @@ def open_ssd_tier(cfg: TierKVConfig, fingerprint: Fingerprint, rank: Rank, block
                     "it is no longer read (each worker uses %s/rank-<r>): delete its files to "
                     "free the space", root, root)
     path = rank.ssd_dir(root)
-    tier = SSDTier(path, capacity_bytes=cfg.ssd.capacity, fingerprint=rank.tier_id(fingerprint),
-                   compression=cfg.ssd.compression, level=cfg.ssd.level,
-                   queue_capacity_bytes=cfg.ssd.queue_capacity, block_nbytes=block_nbytes)
+    with config_keys(SSD_TIER_KEYS):
+        tier = SSDTier(path, capacity_bytes=cfg.ssd.capacity, fingerprint=rank.tier_id(fingerprint),
+                       compression=cfg.ssd.compression, level=cfg.ssd.level,
+                       queue_capacity_bytes=cfg.ssd.queue_capacity, block_nbytes=block_nbytes)
     _SHARED[str(path)] = tier
     return tier
 

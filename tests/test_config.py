@@ -218,3 +218,80 @@ def test_metrics_host_must_be_an_address(host: object) -> None:
     with pytest.raises(ConfigError, match="metrics.host: expected an address to listen on"):
         TierKVConfig.from_dict({"metrics": {"host": host}})
     assert TierKVConfig.from_dict({"metrics": {"host": "127.0.0.1"}}).metrics.host == "127.0.0.1"
+
+
+# ---------------------------------------------------------------- config values through TieredKVCache
+
+def _library_config(tmp_path: Path, *overrides: str) -> TierKVConfig:
+    base = {"block_size": 4, "model": {"block_nbytes": 256}, "cpu": {"capacity": "4KiB"},
+            "ssd": {"path": str(tmp_path / "ssd"), "capacity": "2MiB"}}
+    return TierKVConfig.from_dict(base, list(overrides))
+
+
+@pytest.mark.parametrize("overrides", [
+    ("gpu.num_blocks=8",), ("gpu.num_blocks=8", "gpu.device=auto"), ("gpu.device=cpu",),
+    ("gpu.num_blocks=null", "gpu.capacity=2KiB"), ("gpu.num_blocks=null", "gpu.capacity=2100"),
+])
+def test_gpu_values_that_describe_the_kv_pool_are_accepted(tmp_path: Path, overrides: tuple[str, ...]) -> None:
+    import torch
+
+    from tierkv import TieredKVCache
+
+    pool = torch.zeros((8, 256), dtype=torch.uint8)
+    with TieredKVCache(_library_config(tmp_path, *overrides), kv_pool=pool) as cache:
+        assert cache.kv_pool is pool and cache.manager.num_blocks == 8
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("gpu.num_blocks=1024",), "gpu.num_blocks: 1024 in the config, but the kv_pool passed to TieredKVCache "
+                               "has 8 blocks"),
+    (("gpu.num_blocks=null", "gpu.capacity=1MiB"), "gpu.capacity: 1.0 MiB in the config is 4096 blocks of 256 "
+                                                   "bytes, but the kv_pool passed to TieredKVCache has 8 blocks"),
+    (("gpu.device=cuda:1",), "gpu.device: cuda:1 in the config, but the kv_pool passed to TieredKVCache is on cpu"),
+    (("gpu.device=cuda",), "gpu.device: cuda in the config, but the kv_pool passed to TieredKVCache is on cpu"),
+])
+def test_gpu_values_that_contradict_the_kv_pool_name_the_key_and_both_values(
+        tmp_path: Path, overrides: tuple[str, ...], message: str) -> None:
+    import torch
+
+    from tierkv import TieredKVCache
+
+    pool = torch.zeros((8, 256), dtype=torch.uint8)
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        TieredKVCache(_library_config(tmp_path, *overrides), kv_pool=pool)
+    assert not (tmp_path / "ssd").exists()  # refused before any tier opened
+
+
+def test_default_yaml_describes_a_pool_of_its_size(tmp_path: Path) -> None:
+    """What the README's library snippet does: default.yaml sets gpu.num_blocks and gpu.device."""
+    cfg = TierKVConfig.from_yaml(ROOT / "configs" / "default.yaml", [f"ssd.path={tmp_path / 'ssd'}"])
+    assert {"gpu.num_blocks", "gpu.device"} <= cfg.explicit
+    cfg.check_kv_pool(1024, cfg.block_nbytes(), "cpu")
+    cfg.check_kv_pool(1024, cfg.block_nbytes(), "cuda:3")
+    with pytest.raises(ConfigError, match="^gpu.num_blocks: 1024 in the config, but the kv_pool passed to "
+                                          "TieredKVCache has 512 blocks$"):
+        cfg.check_kv_pool(512, cfg.block_nbytes(), "cpu")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("ssd.path=/nonexistent-parent/tierkv", "ssd.path: the parent directory /nonexistent-parent does not exist"),
+    ("ssd.path=/etc/hostname", "ssd.path: /etc/hostname exists and is not a directory"),
+    ("ssd.capacity=512KiB", "ssd.capacity: 524288 is too small"),
+    ("ssd.queue_capacity=0", "ssd.queue_capacity: expected an integer >= 1, got 0"),
+    ("model.block_nbytes=0", "model.block_nbytes: expected a positive size, got 0"),
+])
+def test_errors_from_config_values_name_the_config_key(tmp_path: Path, override: str, message: str) -> None:
+    from tierkv import TieredKVCache
+
+    if override.startswith("ssd.path=/etc/") and not Path(override.split("=", 1)[1]).is_file():
+        pytest.skip("no /etc/hostname here")
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        TieredKVCache(_library_config(tmp_path, "gpu.num_blocks=8", override))
+
+
+def test_a_second_owner_of_ssd_path_is_named_by_its_key(tmp_path: Path) -> None:
+    from tierkv import TieredKVCache
+
+    with TieredKVCache(_library_config(tmp_path, "gpu.num_blocks=8")):
+        with pytest.raises(ConfigError, match=r"^ssd.path: .* is in use by this process"):
+            TieredKVCache(_library_config(tmp_path, "gpu.num_blocks=8"))

@@ -25,6 +25,7 @@ __all__ = [
     "GPUConfig",
     "CPUConfig",
     "SSDConfig",
+    "SSD_TIER_KEYS",
     "ModelConfig",
     "SpillConfig",
     "MetricsConfig",
@@ -208,6 +209,24 @@ class GPUConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def pool_mismatch(self, key: str, num_blocks: int, block_nbytes: int, device: str) -> str | None:
+        """Why the value of ``key`` (``num_blocks``, ``capacity`` or ``device``) does not
+        describe a pool of ``num_blocks`` rows of ``block_nbytes`` bytes on ``device``;
+        None when it does (``auto`` describes every device, ``cuda`` every CUDA device)."""
+        pool = "the kv_pool passed to TieredKVCache"
+        if key == "num_blocks" and self.num_blocks not in (None, num_blocks):
+            return f"{self.num_blocks} in the config, but {pool} has {num_blocks} blocks"
+        if key == "capacity" and self.capacity is not None and self.capacity // block_nbytes != num_blocks:
+            return (f"{format_size(self.capacity)} in the config is {self.capacity // block_nbytes} blocks of "
+                    f"{block_nbytes} bytes, but {pool} has {num_blocks} blocks")
+        if key == "device" and not _device_matches(self.device, device):
+            return f"{self.device} in the config, but {pool} is on {device}"
+        return None
+
+
+def _device_matches(configured: str, device: str) -> bool:
+    return configured in ("auto", device) or (configured == "cuda" and device.startswith("cuda"))
+
 
 @dataclass(frozen=True)
 class CPUConfig:
@@ -258,6 +277,10 @@ class SSDConfig:
         return Path(os.path.expanduser(os.path.expandvars(self.path))) if self.path else None
 
 
+#: the ``ssd.*`` key each :class:`~tierkv.tiers.ssd.SSDTier` argument comes from (for its errors)
+SSD_TIER_KEYS = {"path": "ssd.path", "capacity_bytes": "ssd.capacity", "queue_capacity_bytes": "ssd.queue_capacity"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The model: its identity and KV layout (the layout sizes one block when no engine
@@ -296,11 +319,18 @@ class ModelConfig:
             kv_heads=_int(d.get("kv_heads", cls.kv_heads), f"{p}.kv_heads", minimum=1),
             head_size=_int(d.get("head_size", cls.head_size), f"{p}.head_size", minimum=1),
             kv_dtype=_choice(d.get("kv_dtype", cls.kv_dtype), f"{p}.kv_dtype", KV_DTYPE_BYTES),
-            block_nbytes=parse_size(bn, f"{p}.block_nbytes") if bn is not None else None,
+            block_nbytes=_block_nbytes(bn, f"{p}.block_nbytes") if bn is not None else None,
         )
 
     def bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_size * KV_DTYPE_BYTES[self.kv_dtype]
+
+
+def _block_nbytes(value: Any, path: str) -> int:
+    nbytes = parse_size(value, path)
+    if nbytes < 1:
+        raise ConfigError(f"{path}: expected a positive size, got {short_repr(value)}")
+    return nbytes
 
 
 @dataclass(frozen=True)
@@ -407,6 +437,15 @@ class TierKVConfig:
             hit = first_under(self.explicit, key)
             if hit is not None:
                 raise ConfigError(f"{hit}: {why}")
+
+    def check_kv_pool(self, num_blocks: int, block_nbytes: int, device: str) -> None:
+        """Raise :class:`ConfigError` naming the first explicitly set ``gpu.*`` key whose
+        value does not describe the pool passed to ``TieredKVCache`` (``num_blocks`` rows
+        of ``block_nbytes`` bytes on ``device``): values that describe it are accepted."""
+        for key in sorted(k for k in self.explicit if k.startswith("gpu.")):
+            why = self.gpu.pool_mismatch(key[len("gpu."):], num_blocks, block_nbytes, device)
+            if why is not None:
+                raise ConfigError(f"{key}: {why}")
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], overrides: Mapping[str, Any] | Iterable[str] = ()) -> "TierKVConfig":

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tierkv.block_pool import BlockManager
-from tierkv.config import TierKVConfig
+from tierkv.config import SSD_TIER_KEYS, TierKVConfig
 from tierkv.errors import config_keys
 from tierkv.executor import Executor, LoadResult, PoolRows
 from tierkv.hashing import BlockHasher
@@ -52,9 +52,6 @@ from tierkv.policy.seeding import SSDSeeding
 __all__ = ["TieredKVCache", "TieredAllocation", "library_fingerprint"]
 
 log = logging.getLogger(__name__)
-
-#: the config key each SSDTier argument comes from, named in its errors
-SSD_KEYS = {"path": "ssd.path", "capacity_bytes": "ssd.capacity", "queue_capacity_bytes": "ssd.queue_capacity"}
 
 
 def library_fingerprint(config: TierKVConfig, block_nbytes: int | None = None) -> Fingerprint:
@@ -177,7 +174,7 @@ class TieredKVCache:
         assert path is not None
         if path.parent == Path.home() / ".cache":  # the default location: create ~/.cache
             path.parent.mkdir(parents=True, exist_ok=True)
-        with config_keys(SSD_KEYS):
+        with config_keys(SSD_TIER_KEYS):
             return SSDTier(path, capacity_bytes=cfg.ssd.capacity, fingerprint=self.fingerprint.tier_id(),
                            compression=cfg.ssd.compression, level=cfg.ssd.level,
                            queue_capacity_bytes=cfg.ssd.queue_capacity, block_nbytes=self.block_nbytes)

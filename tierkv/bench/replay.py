@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from tierkv.block_pool import BlockManager, Prompt
-from tierkv.config import TierKVConfig
-from tierkv.errors import ConfigError, OutOfBlocksError
+from tierkv.config import SSD_TIER_KEYS, TierKVConfig
+from tierkv.errors import ConfigError, OutOfBlocksError, config_keys
 from tierkv.executor import Executor, NullExecutor
 from tierkv.bench.lifelog import LifecycleLog
 from tierkv.bench.stats import Quantiles
@@ -456,8 +456,9 @@ def _payload_executor(cfg: TierKVConfig) -> Executor:
     spec, nbytes = policy_spec(cfg), cfg.block_nbytes()
     pool = torch.zeros((cfg.gpu.resolve_num_blocks(nbytes), nbytes), dtype=torch.uint8)
     slab = HostSlab(spec.cpu_slots, nbytes, pin_memory=False) if spec.cpu_slots else None
-    ssd = SSDTier(cfg.ssd.path, capacity_bytes=cfg.ssd.capacity, fingerprint="tierkv-bench", compression="none",
-                  block_nbytes=nbytes) if spec.ssd_slots else None
+    with config_keys(SSD_TIER_KEYS):
+        ssd = SSDTier(cfg.ssd.path, capacity_bytes=cfg.ssd.capacity, fingerprint="tierkv-bench",
+                      compression="none", block_nbytes=nbytes) if spec.ssd_slots else None
     return Executor(PoolRows(TransferEngine(pool)), slab, ssd)
 
 
