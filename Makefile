@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.tierkv-installed
 # connector is checked against its base class (tests/test_vllm_033_api.py).
 VLLM_API := $(VENV)/vllm-0.33.0
 
-.PHONY: setup demo test test-quick clean
+.PHONY: setup demo test test-default test-long test-quick clean
 
 setup: $(STAMP)
 
@@ -32,11 +32,19 @@ demo: $(STAMP)
 $(VLLM_API): | $(STAMP)
 	$(PY) tests/vllm_api.py $(VLLM_API) 0.33.0
 
-test: $(STAMP) $(VLLM_API)
-	$(PY) -m pytest -q -rs
+# Every test: the default run (under 10 minutes on an idle 2-core machine), then the
+# slowest cases, marked `long` (the full nvcc grid, TP=2 and multiprocess engines, the
+# API server, the README's vLLM snippets, the soak).
+test: test-default test-long
+
+test-default: $(STAMP) $(VLLM_API)
+	$(PY) -m pytest -q -rs -m "not long" --durations=10
+
+test-long: $(STAMP) $(VLLM_API)
+	$(PY) -m pytest -q -rs -m long --durations=10
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -rs -m "not vllm and not slow"
+	$(PY) -m pytest -q -rs -m "not vllm and not slow and not long"
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

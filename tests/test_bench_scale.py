@@ -129,6 +129,7 @@ def replay_retained(tmp_path: Path, requests: list[Request]) -> int:
     return rp.tracker.retained_bytes() + sum(lc.retained_bytes() for lc in rp.lifecycle.values())
 
 
+@pytest.mark.long
 def test_replay_memory_follows_distinct_blocks_not_accesses(tmp_path: Path) -> None:
     base = replay_retained(tmp_path, chat_requests(5_000, 2_000))
     longer = replay_retained(tmp_path, chat_requests(100_000, 2_000))
@@ -162,6 +163,7 @@ def peak_rss_kib(trace: Path) -> int:
     return usage.ru_maxrss
 
 
+@pytest.mark.long
 def test_bench_peak_memory_does_not_grow_with_accesses(tmp_path: Path) -> None:
     """10x the requests over the same blocks: the previous analysis kept ~400 bytes per access
     (100 MB more here); a streaming one keeps what the blocks need."""

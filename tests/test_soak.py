@@ -74,6 +74,7 @@ def test_confirmed_after_kill_subtracts_what_was_journalled(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["journal-2", "snapshot-2.keys"]
 
 
+@pytest.mark.long
 def test_short_soak_with_a_sigkill_restart(tmp_path: Path) -> None:
     """About 20 s of replay: one child SIGKILLed mid-work, its successor and a final verify-only
     child read every SSD record back; no wrong block, no confirmed block lost."""

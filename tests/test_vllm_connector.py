@@ -127,6 +127,7 @@ def test_new_engine_serves_from_ssd(model: str, baseline: dict[str, Any], tmp_pa
     assert same(again, baseline["prompt"])
 
 
+@pytest.mark.long
 def test_tensor_parallel_ranks_each_own_a_tier(model: str, tmp_path: Path) -> None:
     """TP=2 on the real engine (two worker processes, one core each): each rank opens its
     own SSD tier under ssd.path (they used to share one directory, each with its own
@@ -200,6 +201,7 @@ def test_overflow_cascades_from_cpu_to_ssd(model: str, baseline: dict[str, Any],
     assert again["external_hits"] == 3 * 21 * BLOCK
 
 
+@pytest.mark.long
 def test_multiprocess_engine(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
     spec = {"model": model, "tierkv": tierkv(tmp_path),
             "steps": [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}]}
@@ -268,6 +270,7 @@ def test_engine_loads_come_from_the_tiers_the_replay_predicts(model: str, tmp_pa
         assert same(step, base)
 
 
+@pytest.mark.long
 def test_on_evict_engine_persists_its_gpu_resident_prefix_at_shutdown(model: str, baseline: dict[str, Any],
                                                                        tmp_path: Path) -> None:
     """With on_evict admission a prompt that never left vLLM's GPU cache was never stored;

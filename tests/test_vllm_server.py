@@ -385,6 +385,7 @@ def _v(samples: dict[Any, float], name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), float("nan"))
 
 
+@pytest.mark.long
 def test_api_server_serves_from_the_tiers_and_exports_tierkvs_series(server: Server) -> None:
     from openai import OpenAI
 
