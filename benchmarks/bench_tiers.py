@@ -345,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="scratch directory on the disk to measure (default: system temp)")
     ap.add_argument("--only", choices=("cpu", "ssd"), default=None, help="run one tier's part")
     args = ap.parse_args(argv)
+    if args.dir is not None and not args.dir.is_dir():
+        ap.error(f"--dir: {args.dir} is not a directory")
     print(f"bench_tiers: {'quick' if args.quick else 'full'} run, pid {os.getpid()}")
     if args.only != "ssd":
         bench_cpu(args.quick)
