@@ -27,6 +27,8 @@ from tierkv.errors import ConfigError
 from tierkv.tiers.ssd import SSDTier
 from tierkv.tiers.ssd.tier import MAX_KEY_LEN, read_keys
 
+from recovery_gate import hold_walks
+
 ROOT = str(Path(__file__).resolve().parents[1])
 MiB = 1024**2
 FP = "model-a/fp16/bs16"
@@ -589,20 +591,6 @@ def test_two_heads_on_one_extent_keep_one(tmp):
 
 # ====================================================================== round 3
 
-def _gate_walks(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Recovery's (real) walk waits until the returned event is set or it is cancelled."""
-    from tierkv.tiers.ssd import recovery
-    opened, real = threading.Event(), recovery.walk
-
-    def gated(path, blocks_size, cancel=None, **kw):
-        while not opened.wait(0.01):
-            if cancel is not None and cancel.event.is_set():
-                break
-        return real(path, blocks_size, cancel, **kw)
-    monkeypatch.setattr(recovery, "walk", gated)
-    return opened
-
-
 def _unclean(path: Path, n: int = 20) -> None:
     """A tier with ``n`` blocks whose clean-close snapshot is gone (as after a SIGKILL)."""
     with open_tier(path) as tier:
@@ -612,7 +600,7 @@ def _unclean(path: Path, n: int = 20) -> None:
 
 
 def test_close_during_a_background_recovery_reports_the_queued_puts_lost(tmp, monkeypatch):
-    gate = _gate_walks(monkeypatch)
+    gate = hold_walks(monkeypatch)
     _unclean(tmp)
     tier = open_tier(tmp, recover_inline_bytes=0)
     assert tier.recovering()

@@ -24,6 +24,8 @@ from tierkv.tiers.ssd import SSDTier, record_footprint
 from tierkv.tiers.ssd import recovery
 from tierkv.tiers.ssd.snapshot import CLEAN, take
 
+from recovery_gate import hold_walks
+
 ROOT = str(Path(__file__).resolve().parents[1])
 MiB = 1024**2
 FP = "model-a/fp16/bs16"
@@ -62,16 +64,7 @@ def walks(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Recovery's walk waits until the test sets this event (or the walk is cancelled)."""
-    opened = threading.Event()
-    real = recovery.walk
-
-    def gated(path: Path, blocks_size: int, cancel: Any = None, **kw: Any) -> Any:
-        while not opened.wait(0.01):
-            if cancel is not None and cancel.event.is_set():
-                break
-        return real(path, blocks_size, cancel, **kw)
-    monkeypatch.setattr(recovery, "walk", gated)
-    return opened
+    return hold_walks(monkeypatch)
 
 
 def fill(tier: SSDTier, ids: range, n: int = 4096) -> None:

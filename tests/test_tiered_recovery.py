@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 
 from tierkv import TierKVConfig, TieredKVCache
-from tierkv.tiers.ssd import SSDTier, recovery
+from tierkv.tiers.ssd import SSDTier
+
+from recovery_gate import hold_walks
 
 ROOT = str(Path(__file__).resolve().parents[1])
 BS, NBYTES, PROMPTS, BLOCKS = 4, 256, 40, 6
@@ -41,7 +43,7 @@ def payload(i: int, pos: int) -> bytes:
 
 _WRITER = """
 import sys, time, torch
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]
 from tests.test_tiered_recovery import config, prompt, payload, PROMPTS, BLOCKS
 from tierkv import TieredKVCache
 from pathlib import Path
@@ -72,15 +74,7 @@ def kill_after_filling(path: Path) -> None:
 def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """The recovery's walk waits until the test sets this event; every tier recovers in the
     background (as a production index over ``recover_inline_bytes`` does)."""
-    opened = threading.Event()
-    real = recovery.walk
-
-    def gated(path: Path, blocks_size: int, cancel: Any = None, **kw: Any) -> Any:
-        while not opened.wait(0.01):
-            if cancel is not None and cancel.event.is_set():
-                break
-        return real(path, blocks_size, cancel, **kw)
-    monkeypatch.setattr(recovery, "walk", gated)
+    opened = hold_walks(monkeypatch)
     monkeypatch.setitem(SSDTier.__init__.__kwdefaults__, "recover_inline_bytes", 0)
     return opened
 
