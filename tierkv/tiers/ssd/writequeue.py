@@ -346,15 +346,17 @@ class WriteQueue:
 
     def _take_touched(self) -> list[bytes]:
         """Accesses to apply now. An access to a block still queued waits for the batch
-        that writes it (applied earlier, it would find no record). Hold ``cond``."""
+        that writes it (applied earlier, it would find no record), and so do the accesses
+        after it, which keeps their order. Hold ``cond``."""
         touched, self._touched = list(self._touched), {}  # one C call: readers may add meanwhile
         pending = self._pending
-        later = [k for k in touched if k in pending and not pending[k].taken]
-        if not later:
+        first = next((i for i, k in enumerate(touched) if k in pending and not pending[k].taken), None)
+        if first is None:
             return touched
-        self._touched.update(dict.fromkeys(later))
-        wait = set(later)
-        return [k for k in touched if k not in wait]
+        arrived, self._touched = self._touched, dict.fromkeys(touched[first:])
+        for k in list(arrived):  # touched meanwhile (one C call): after the deferred ones
+            self.touch(k)
+        return touched[:first]
 
     def _recycle(self, raw: bytes | bytearray) -> None:
         """Keep a copy buffer for reuse, up to the queue's capacity in all. Hold ``cond``."""

@@ -235,10 +235,7 @@ class Writer:
                 if placed:
                     self._write_bodies(new)
                     tx.insert_many(new)
-                    inserted = {e.nskey for e in new}
-                    for nskey in changes.touched:
-                        if nskey in inserted:  # accessed while queued: most recent after all
-                            tx.retouch(nskey)
+                    self._retouch_after_insert(tx, changes.touched, {e.nskey for e in new})
         except BaseException:
             for extent in taken:
                 self.files.space.free(*extent)
@@ -254,6 +251,16 @@ class Writer:
         if placed:
             self._account(new)
         return [] if placed else new
+
+    @staticmethod
+    def _retouch_after_insert(tx: "WriteTxn", touched: list[bytes], inserted: set[bytes]) -> None:
+        """Accesses to records inserted by this transaction (accessed while queued) take
+        effect only now: apply again, in order, the first of them and every access after
+        it, so that the accesses keep their order (a stored key accessed after a queued
+        one stays the more recent, however the writer's turns fell)."""
+        first = next((i for i, nskey in enumerate(touched) if nskey in inserted), None)
+        for nskey in touched[first:] if first is not None else ():
+            tx.retouch(nskey)
 
     @staticmethod
     def _delete(tx: "WriteTxn", changes: _Changes) -> tuple[int, list[bytes]]:
