@@ -18,16 +18,35 @@ every computed block stored, and with no stores (four requests decoding).
 Every phase runs in its own process; the printed figures are ratios against
 the recompute time measured in the same run.
 
+Every engine, with tierkv and without, gets the same environment
+(:func:`engine_env`), so that both compute on the same threads: vLLM's CPU
+backend reserves one core when it starts its workers through its
+multiprocessing executor, and one more when a KV connector is configured (on
+2 cores it then reserves none, so an engine with tierkv would compute on 2
+threads and one without on 1). ``VLLM_CPU_NUM_OF_RESERVED_CPU`` fixes the
+count for both (``--reserved-cpus``, default 1), ``OMP_NUM_THREADS`` the
+threads of an in-process engine (``--omp-threads``; vLLM's binding overrides it
+in a multiprocessing engine). Each engine reports the compute threads its
+worker runs with (torch's thread count, the affinity, the OpenMP settings) and
+the OpenMP binding vLLM logged; the script prints them, writes them to
+``--json``, and exits 1 when two engines differ. ``--multiprocessing`` starts
+the engines as a server does (the MP executor, where the reservation
+applies); by default they run in-process (vLLM binds nothing there), and the
+hook timing needs that.
+
     .venv/bin/python benchmarks/bench_vllm.py [--tokens 3072] [--layers 8] [--hidden 1024] [--decode-tokens 128]
+        [--multiprocessing] [--reserved-cpus 1] [--omp-threads 2] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -35,7 +54,60 @@ from benchutil import drop_page_cache  # noqa: E402
 from vllm_util import build_tiny_llama, random_token_prompt, run_in_subprocess  # noqa: E402
 
 
-def main() -> int:
+# What decides a worker's compute threads (compared between engines).
+_BINDING_KEYS = ("torch_threads", "affinity", "OMP_NUM_THREADS", "OMP_PLACES", "GOMP_CPU_AFFINITY")
+
+
+def engine_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment every engine process gets, with tierkv and without alike. INFO
+    logging: vLLM logs its OpenMP binding at that level."""
+    env = {"OMP_NUM_THREADS": str(args.omp_threads), "VLLM_LOGGING_LEVEL": "INFO"}
+    if args.reserved_cpus != "vllm":  # "vllm": vLLM's own default (unequal on small machines)
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(int(args.reserved_cpus))
+    return env
+
+
+class Engines:
+    """Runs every engine of the benchmark with the same environment and keeps what each
+    reported about its compute threads."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.env = engine_env(args)
+        self.multiprocessing = bool(args.multiprocessing)
+        self.reports: list[dict[str, Any]] = []
+
+    def run(self, label: str, spec: dict[str, Any]) -> dict[str, Any]:
+        result = run_in_subprocess(spec, multiprocessing=self.multiprocessing, env=self.env)
+        self.reports.append({"engine": label, "tierkv": spec.get("tierkv") is not None,
+                             "executor": result.get("executor"), "threads": result.get("threads", []),
+                             "omp_binding_log": result.get("omp_binding_log", [])})
+        return result
+
+    @staticmethod
+    def binding(report: dict[str, Any]) -> list[dict[str, Any]]:
+        """Per worker, what decides its compute threads."""
+        return [{k: w.get(k) for k in _BINDING_KEYS} for w in report["threads"]]
+
+    def same_threads(self) -> bool:
+        """Every engine (with tierkv and without) computes on the same threads."""
+        seen = [json.dumps(self.binding(r), sort_keys=True) for r in self.reports]
+        return bool(seen) and all(r["threads"] for r in self.reports) and len(set(seen)) == 1
+
+    def describe(self) -> list[str]:
+        lines = []
+        for r in self.reports:
+            workers = "; ".join(f"{w.get('torch_threads')} threads, affinity {w.get('affinity')}, "
+                                f"OMP_NUM_THREADS={w.get('OMP_NUM_THREADS')}, "
+                                f"GOMP_CPU_AFFINITY={w.get('GOMP_CPU_AFFINITY')!r}" for w in r["threads"])
+            log = next((x for x in r["omp_binding_log"] if "reserve_cpu_num" in x), None)
+            cores = [x for x in r["omp_binding_log"] if "core ids" in x or "reserved_cpus" in x]
+            vllm = f"; vLLM: {log}, {', '.join(cores)}" if log else "; vLLM logged no OpenMP binding"
+            lines.append(f"  {r['engine']:28s} ({'tierkv' if r['tierkv'] else 'no connector'}, "
+                         f"{r['executor']} executor): {workers}{vllm}")
+        return lines
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=3072)
     ap.add_argument("--layers", type=int, default=8)
@@ -43,7 +115,14 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--workdir", type=Path, default=None)
-    args = ap.parse_args()
+    ap.add_argument("--multiprocessing", action="store_true",
+                    help="start engines with vLLM's MP executor (as a server does); default in-process")
+    ap.add_argument("--reserved-cpus", default="1",
+                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every engine; 'vllm' leaves it unset")
+    ap.add_argument("--omp-threads", type=int, default=2, help="OMP_NUM_THREADS for every engine")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures and each engine's threads here")
+    args = ap.parse_args(argv)
+    engines = Engines(args)
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="tierkv-bench-vllm-"))
     heads = args.hidden // 64
@@ -57,51 +136,73 @@ def main() -> int:
     ssd = work / "ssd"
     tier = {"cpu.capacity": "2GiB", "ssd.path": str(ssd), "ssd.capacity": "4GiB"}
 
-    base = run_in_subprocess({**common, "steps": [{"prompts": [warm]}] + [{"prompts": [prompt]}, {"reset": True}]
-                              * args.repeats})["steps"]
+    base = engines.run("recompute", {**common, "steps": [{"prompts": [warm]}]
+                                     + [{"prompts": [prompt]}, {"reset": True}] * args.repeats})["steps"]
     recompute = statistics.median(s["seconds"] for s in base[1::2])
     reference = base[1]["tokens"][0]
 
     steps = ([{"prompts": [warm]}, {"prompts": [warm_long]}, {"prompts": [prompt]}]
              + [{"reset": True}, {"prompts": [prompt]}] * args.repeats)
-    cpu_run = run_in_subprocess({**common, "tierkv": tier, "steps": steps})["steps"]
+    cpu_run = engines.run("CPU tier", {**common, "tierkv": tier, "steps": steps})["steps"]
     cpu_steps = cpu_run[4::2]
     cpu = statistics.median(s["seconds"] for s in cpu_steps)
 
     drop_page_cache(ssd)
-    ssd_run = run_in_subprocess({**common, "tierkv": tier,
-                                 "steps": [{"prompts": [warm]}, {"prompts": [warm_long]},
-                                           {"prompts": [prompt]}]})["steps"]
+    ssd_run = engines.run("SSD tier", {**common, "tierkv": tier,
+                                       "steps": [{"prompts": [warm]}, {"prompts": [warm_long]},
+                                                 {"prompts": [prompt]}]})["steps"]
     ssd_step = ssd_run[2]
 
-    with_stores, without = hook_times(args, common, tier, warm)
+    # The hooks are timed inside the engine's process: in-process engines only.
+    hooks = None if args.multiprocessing else hook_times(engines, args, common, tier, warm)
     same = all(s["tokens"][0] == reference for s in [*cpu_steps, ssd_step])
+    same_threads = engines.same_threads()
     print(f"model: {args.layers} layers, hidden {args.hidden}, {heads} heads, "
           f"{max(1, heads // 4)} KV heads, fp32; prompt {args.tokens} tokens; block 32")
+    print(f"engines: {'multiprocessing (MP executor)' if args.multiprocessing else 'in-process'}, "
+          f"environment of every engine: {engines.env}")
+    print(f"compute threads, the same for every engine: {same_threads}")
+    print("\n".join(engines.describe()))
     print(f"recompute TTFT   {recompute * 1e3:8.1f} ms   1.00x")
     print(f"CPU-tier TTFT    {cpu * 1e3:8.1f} ms   {cpu / recompute:.3f}x   "
           f"(loaded {cpu_steps[0]['external_hits']} tokens; target <= 0.2x)")
     print(f"SSD-tier TTFT    {ssd_step['seconds'] * 1e3:8.1f} ms   {ssd_step['seconds'] / recompute:.3f}x   "
           f"(loaded {ssd_step['external_hits']} tokens, cold page cache; target <= 0.3x)")
-    for label, times in (("with stores", with_stores), ("without stores", without)):
+    if hooks is None:
+        print("decode step inside the connector's hooks: not measured (in-process engines only)")
+    for label, times in (("with stores", hooks[0]), ("without stores", hooks[1])) if hooks else ():
         print(f"decode step inside the connector's hooks, {label:14s}: median {_pct(times, 50):7.1f} us, "
               f"P99 {_pct(times, 99):7.1f} us ({len(times)} steps)")
     print(f"outputs identical to recompute: {same}")
-    return 0 if same else 1
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "argv": sys.argv[1:] if argv is None else list(argv),
+            "multiprocessing": bool(args.multiprocessing), "env": engines.env,
+            "same_threads": same_threads, "engines": engines.reports,
+            "ttft_seconds": {"recompute": recompute, "cpu": cpu, "ssd": ssd_step["seconds"]},
+            "ratio_to_recompute": {"cpu": cpu / recompute, "ssd": ssd_step["seconds"] / recompute},
+            "loaded_tokens": {"cpu": cpu_steps[0]["external_hits"], "ssd": ssd_step["external_hits"]},
+            "hook_us": None if hooks is None else {
+                label: {"median": _pct(t, 50), "p99": _pct(t, 99), "steps": len(t)}
+                for label, t in (("with_stores", hooks[0]), ("without_stores", hooks[1]))},
+            "outputs_identical": same}, indent=2) + "\n")
+    return 0 if same and same_threads else 1
 
 
-def hook_times(args: argparse.Namespace, common: dict, tier: dict, warm: list[int]) -> tuple[list[float], list[float]]:
+def hook_times(engines: Engines, args: argparse.Namespace, common: dict, tier: dict,
+               warm: list[int]) -> tuple[list[float], list[float]]:
     """Seconds per decode step inside tierkv's worker-side hooks: four 512-token prompts
     decoding ``--decode-tokens`` tokens, with every computed block stored (``on_compute``)
     and with no stores at all (``on_evict`` in a KV cache nothing is evicted from)."""
     prompts = [random_token_prompt(512, seed=10 + i, vocab=2000) for i in range(4)]
 
-    def run(extra: dict) -> list[float]:
+    def run(label: str, extra: dict) -> list[float]:
         spec = {**common, "max_tokens": args.decode_tokens, "tierkv": extra, "hook_timing": True,
                 "steps": [{"prompts": [warm]}, {"prompts": prompts}]}
-        return run_in_subprocess(spec)["steps"][1]["hook_seconds"][1:]  # the prefill step left out
+        return engines.run(label, spec)["steps"][1]["hook_seconds"][1:]  # the prefill step left out
 
-    return run(tier), run({**tier, "spill.admission": "on_evict"})
+    return (run("hooks, with stores", tier),
+            run("hooks, without stores", {**tier, "spill.admission": "on_evict"}))
 
 
 def _pct(seconds: list[float], q: float) -> float:

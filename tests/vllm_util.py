@@ -194,7 +194,9 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
             "hook_seconds": list(hook_steps),
         })
     return {"steps": results, "pid": os.getpid(), "engine_pids": _worker_pids(llm),
-            "num_gpu_blocks": _num_gpu_blocks(llm)}
+            "num_gpu_blocks": _num_gpu_blocks(llm),
+            "executor": llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
+            "threads": [dict(t) for t in llm.collective_rpc(_thread_binding)]}
 
 
 def _sleep_cycle(llm: Any) -> dict[str, Any]:
@@ -236,6 +238,22 @@ def _getpid(*_: Any) -> int:
     return os.getpid()
 
 
+def _thread_binding(*_: Any) -> dict[str, Any]:
+    """The compute threads of the calling worker: torch's intra-op thread count, the CPUs
+    the process may run on, and the OpenMP settings it started with."""
+    import torch
+
+    return {"pid": os.getpid(), "torch_threads": torch.get_num_threads(),
+            "affinity": sorted(os.sched_getaffinity(0)),
+            **{k: os.environ.get(k) for k in _BINDING_ENV}}
+
+
+# What decides a CPU worker's compute threads: vLLM's OpenMP binding (MP executor only:
+# it reserves one core, one more with a KV connector, unless told how many) and OpenMP.
+_BINDING_ENV = ("OMP_NUM_THREADS", "OMP_PLACES", "GOMP_CPU_AFFINITY", "VLLM_CPU_NUM_OF_RESERVED_CPU",
+                "VLLM_CPU_OMP_THREADS_BIND")
+
+
 def _worker_pids(llm: Any) -> list[int]:
     """Process ids of the engine's workers (where the connector's worker half runs)."""
     return [int(p) for p in llm.collective_rpc(_getpid)]
@@ -255,8 +273,28 @@ def run_in_subprocess(spec: dict[str, Any], *, multiprocessing: bool = False, ti
                           timeout=timeout, env=full_env, cwd=str(REPO))
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            result = json.loads(line[len("RESULT "):])
+            result["omp_binding_log"] = omp_binding_log(proc.stdout + proc.stderr)
+            return result
     raise RuntimeError(f"engine process failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+
+
+def omp_binding_log(log: str) -> list[str]:
+    """The "OpenMP thread binding info" block vLLM's MP executor logs at INFO level when it
+    starts CPU workers (the reserved core count, each rank's core ids), as its lines;
+    empty when the engine logged none (an in-process executor binds nothing)."""
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        at = line.find("OpenMP thread binding info")
+        if at >= 0:  # vLLM repeats the record's prefix on each line of a multi-line message
+            prefix = line[:at]
+            block = [line[at:].strip()]
+            for nxt in lines[i + 1:]:
+                if not nxt.startswith(prefix + "\t"):
+                    break
+                block.append(nxt[len(prefix):].strip())
+            return block
+    return []
 
 
 def main(argv: list[str]) -> int:
