@@ -26,6 +26,8 @@ __all__ = [
     "CPUConfig",
     "SSDConfig",
     "SSD_TIER_KEYS",
+    "RemoteConfig",
+    "REMOTE_SCHEMES",
     "ModelConfig",
     "SpillConfig",
     "MetricsConfig",
@@ -281,6 +283,93 @@ class SSDConfig:
 SSD_TIER_KEYS = {"path": "ssd.path", "capacity_bytes": "ssd.capacity", "queue_capacity_bytes": "ssd.queue_capacity"}
 
 
+REMOTE_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
+
+
+def _seconds(v: Any, path: str, *, minimum: float, maximum: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(f"{path}: expected a number of seconds, got {short_repr(v)}")
+    if not minimum <= v <= maximum:
+        raise ConfigError(f"{path}: expected seconds in [{minimum:g}, {maximum:g}], got {short_repr(v)}")
+    return float(v)
+
+
+def _remote_url(v: Any, path: str) -> str | None:
+    """``redis://[user:password@]host:port[/db]``, ``rediss://`` (TLS), ``unix:///socket``
+    (``valkey://`` and ``valkeys://`` are read as ``redis://`` and ``rediss://``), or None."""
+    if v is None:
+        return None
+    if not isinstance(v, str) or any(c.isspace() for c in v):
+        raise ConfigError(f"{path}: expected a URL like redis://host:6379/0, got {short_repr(v)}")
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(v)
+        port = u.port
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}: {short_repr(v)}") from None
+    if u.scheme not in REMOTE_SCHEMES:
+        raise ConfigError(f"{path}: expected a scheme among {', '.join(REMOTE_SCHEMES)}; got {short_repr(v)}")
+    if u.scheme == "unix":
+        if not u.path:
+            raise ConfigError(f"{path}: a unix:// URL names a socket file (unix:///run/valkey.sock), got {short_repr(v)}")
+        return v
+    if not u.hostname:
+        raise ConfigError(f"{path}: no host in {short_repr(v)} (expected redis://host:6379/0)")
+    db = u.path.strip("/")
+    if db and not db.isdigit():
+        raise ConfigError(f"{path}: the path names a database number (redis://host:6379/0), got {short_repr(v)}")
+    del port
+    return v
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """A shared tier on a Redis or Valkey server (``url`` null: none).
+
+    ``capacity``: what tierkv may use of the server (None: the server's ``maxmemory``;
+    the server bounds the store itself with ``maxmemory`` and ``allkeys-lru``, tierkv
+    reports both and warns when the capacity exceeds it; ``tierkv bench`` sizes its model
+    of the shared tier with it). ``timeout``: the deadline of one round trip (a lookup that cannot answer
+    in time is a miss). ``queue_capacity``: bytes waiting to be written (beyond it puts
+    are dropped and counted). ``batch_bytes``: values per pipelined round trip.
+    """
+
+    url: str | None = None
+    cluster: bool = False
+    capacity: int | None = None
+    compression: str = "auto"
+    level: int = 1
+    timeout: float = 0.5
+    connect_timeout: float = 1.0
+    queue_capacity: int = 256 * 1024**2
+    batch_bytes: int = 8 * 1024**2
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], p: str = "remote") -> "RemoteConfig":
+        _check_keys(d, ("url", "cluster", "capacity", "compression", "level", "timeout", "connect_timeout",
+                        "queue_capacity", "batch_bytes"), p)
+        cluster = d.get("cluster", False)
+        if not isinstance(cluster, bool):
+            raise ConfigError(f"{p}.cluster: expected true or false, got {short_repr(cluster)}")
+        batch = parse_size(d.get("batch_bytes", cls.batch_bytes), f"{p}.batch_bytes")
+        if batch < 64 * 1024:
+            raise ConfigError(f"{p}.batch_bytes: expected at least 64KiB, got {short_repr(d.get('batch_bytes'))}")
+        return cls(url=_remote_url(d.get("url"), f"{p}.url"), cluster=cluster,
+                   capacity=None if d.get("capacity") is None else parse_size(d["capacity"], f"{p}.capacity"),
+                   compression=_choice(d.get("compression", "auto"), f"{p}.compression", ("auto", "zstd", "none")),
+                   level=_int(d.get("level", 1), f"{p}.level", minimum=-7, maximum=22),
+                   timeout=_seconds(d.get("timeout", cls.timeout), f"{p}.timeout", minimum=0.001, maximum=60),
+                   connect_timeout=_seconds(d.get("connect_timeout", cls.connect_timeout), f"{p}.connect_timeout",
+                                            minimum=0.001, maximum=60),
+                   queue_capacity=parse_size(d.get("queue_capacity", cls.queue_capacity), f"{p}.queue_capacity"),
+                   batch_bytes=batch)
+
+    @property
+    def enabled(self) -> bool:
+        return self.url is not None and self.capacity != 0
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The model: its identity and KV layout (the layout sizes one block when no engine
@@ -394,6 +483,7 @@ _SECTIONS = {
     "model": ModelConfig,
     "spill": SpillConfig,
     "metrics": MetricsConfig,
+    "remote": RemoteConfig,
 }
 
 
@@ -409,6 +499,7 @@ class TierKVConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     spill: SpillConfig = field(default_factory=SpillConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
     #: dotted paths of the keys the input set (defaults excluded): a mode that cannot
     #: honour a key rejects it only when it was set
     explicit: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
@@ -428,6 +519,9 @@ class TierKVConfig:
             kwargs[name] = section.from_dict(sub, name)
         explicit = {k for k in d if k not in _SECTIONS}
         explicit |= {f"{name}.{k}" for name in _SECTIONS for k in (d.get(name) or {})}
+        if kwargs["remote"].enabled and kwargs["cpu"].capacity == 0:
+            raise ConfigError("remote.url: the remote tier fetches blocks into CPU slots before they are "
+                              "served; set cpu.capacity above 0")
         return cls(**kwargs, explicit=frozenset(explicit))
 
     def reject(self, keys: Iterable[str], why: str) -> None:

@@ -1,7 +1,8 @@
 """The executor: applies the tier policy's plans to bytes.
 
 Device blocks <-> the CPU slab (:class:`~tierkv.tiers.host.HostSlab`) <-> the
-SSD tier. The device side is a :class:`DeviceRows` adapter: tierkv's own pool
+SSD tier, and the shared remote tier (:class:`~tierkv.tiers.remote.RemoteTier`:
+written behind, read into slab slots by fetch plans). The device side is a :class:`DeviceRows` adapter: tierkv's own pool
 (:class:`PoolRows`, over :class:`~tierkv.transfer.TransferEngine`) for the
 library, vLLM's paged KV tensors for the connector's worker half. Nothing
 else in tierkv moves block bytes between tiers.
@@ -27,10 +28,11 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
-from tierkv.policy.plans import SHUTDOWN, LoadPlan, StorePlan
+from tierkv.policy.plans import SHUTDOWN, FetchPlan, LoadPlan, StorePlan
 
 if TYPE_CHECKING:
     from tierkv.tiers.host import HostSlab
+    from tierkv.tiers.remote.tier import RemoteTier
     from tierkv.tiers.ssd import SSDTier
     from tierkv.transfer import TransferEngine
 
@@ -42,7 +44,8 @@ Lost = list[tuple[str, bytes]]
 _CHUNK_BYTES = 64 * 1024**2   # device rows read per copy while storing
 COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu", "blocks_stored_ssd", "blocks_spilled",
             "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures", "stores_dropped",
-            "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d")
+            "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d", "blocks_stored_remote", "store_failures_remote",
+            "blocks_fetched_remote", "fetch_misses_remote")
 
 
 class DeviceRows(Protocol):
@@ -102,10 +105,12 @@ class Executor:
     """Runs plans against ``device`` (None: stores and loads of device blocks are not
     possible, e.g. a replay), a slab (None: no CPU tier) and an SSD tier (None: none)."""
 
-    def __init__(self, device: DeviceRows | None, slab: "HostSlab | None", ssd: "SSDTier | None") -> None:
+    def __init__(self, device: DeviceRows | None, slab: "HostSlab | None", ssd: "SSDTier | None",
+                 remote: "RemoteTier | None" = None) -> None:
         self.device = device
         self.slab = slab
         self.ssd = ssd
+        self.remote = remote
         self.block_nbytes = device.block_nbytes if device is not None else (slab.block_nbytes if slab else 0)
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(COUNTERS, 0)
@@ -139,6 +144,9 @@ class Executor:
         if idx and self.slab is not None:
             self.slab.write([plan.cpu_slots[i] for i in idx], [plan.keys[i] for i in idx], rows, [i - lo for i in idx])
             self.count("blocks_stored_cpu", len(idx))
+        if plan.to_remote:
+            self._put_remote([plan.keys[i] for i in range(lo, hi) if plan.to_remote[i]],
+                             [rows[i - lo] for i in range(lo, hi) if plan.to_remote[i]])
         lost: Lost = []
         for i in range(lo, hi):
             if not plan.to_ssd[i]:
@@ -172,6 +180,50 @@ class Executor:
         if ok or count_failure:
             self.count("blocks_stored_ssd" if ok else "store_failures_ssd")
         return ok
+
+    def _put_remote(self, keys: Sequence[bytes], rows: Sequence[Any]) -> None:
+        """Queue blocks for the remote tier (write-behind; a refused put is counted, and the
+        policy keeps no account of the remote tier to correct)."""
+        if self.remote is None or not keys:
+            return
+        ok = sum(bool(self._safely("remote put", self.remote.put, k, r)) for k, r in zip(keys, rows))
+        self.count("blocks_stored_remote", ok)
+        self.count("store_failures_remote", len(keys) - ok)
+
+    # ------------------------------------------------------------------ remote fetches
+
+    def probe_remote(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the remote tier holds (0 without one, or when it fails)."""
+        if self.remote is None or not keys:
+            return 0
+        return int(self._safely("remote probe", self.remote.probe, keys) or 0)
+
+    def fetch(self, plan: FetchPlan) -> int:
+        """Run a fetch plan: read its blocks from the remote tier into their slab slots, in
+        chunks of at most 64 MiB, up to the first that does not arrive, and queue the
+        fetched ones the plan sends to the SSD tier. Returns how many arrived; slots of the
+        others are cleared (they never hold another block's bytes)."""
+        self.evict(plan.spills, plan.ssd_evictions)
+        got = 0
+        if self.remote is not None and self.slab is not None:
+            step = max(1, _CHUNK_BYTES // max(1, self.block_nbytes))
+            while got < len(plan):
+                n = min(step, len(plan) - got)
+                rows = np.empty((n, self.block_nbytes), dtype=np.uint8)
+                ok = int(self._safely("remote get", self.remote.get_into, plan.keys[got:got + n], rows) or 0)
+                self.slab.write(plan.cpu_slots[got:got + ok], plan.keys[got:got + ok], rows, list(range(ok)))
+                for i in range(ok):
+                    if plan.to_ssd[got + i]:
+                        self.put_row(plan.keys[got + i], rows[i])
+                got += ok
+                if ok < n:
+                    break
+        if self.slab is not None:
+            for slot in plan.cpu_slots[got:]:
+                self.slab.forget(slot)
+        self.count("blocks_fetched_remote", got)
+        self.count("fetch_misses_remote", len(plan) - got)
+        return got
 
     # ------------------------------------------------------------------ loads
 
@@ -259,13 +311,15 @@ class Executor:
         return self.ssd is None or bool(self._safely("flush", self.ssd.flush))
 
     def _safely(self, what: str, fn: Any, *args: Any) -> Any:
-        """Call into the SSD tier; it promises not to raise, and it never takes the engine down."""
+        """Call into the SSD or remote tier; they promise not to raise, and they never take the
+        engine down."""
         try:
             return fn(*args)
         except Exception:
             if what not in self._logged:
                 self._logged.add(what)
-                log.exception("SSD tier: %s failed; counted as a miss or a dropped store", what)
+                log.exception("%s failed; counted as a miss or a dropped store",
+                              what if what.startswith("remote") else f"SSD tier: {what}")
             return None
 
     def count(self, name: str, n: int = 1) -> None:
@@ -289,3 +343,6 @@ class NullExecutor(Executor):
 
     def load(self, plan: LoadPlan, *, evict: bool = True) -> LoadResult:
         return LoadResult(plan.loaded(), [])
+
+    def fetch(self, plan: FetchPlan) -> int:
+        return len(plan)

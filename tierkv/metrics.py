@@ -177,7 +177,9 @@ class LifecycleRecorder:
         self.lifecycles = lifecycles  # tier -> Lifecycle, or anything with its *_many methods
 
     def __call__(self, kind: str, tier: str, keys: Any, now: float) -> None:
-        lc = self.lifecycles[tier]
+        lc = self.lifecycles.get(tier)
+        if lc is None:  # a tier followed by no lifecycle (the shared remote tier)
+            return
         if kind == "stored":
             lc.enter_many(keys, now)
         elif kind == "hit":

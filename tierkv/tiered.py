@@ -113,7 +113,7 @@ class TieredKVCache:
                                        lifecycle_sampling(capacity[t])) for t in TIERS}
         self.policy = TierPolicy(spec, clock=self.clock,
                                  observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS})])
-        self._hits = {t: 0 for t in TIERS}
+        self._hits = {t: 0 for t in (*TIERS, "remote")} if spec.remote else {t: 0 for t in TIERS}
         self._queries = {"blocks": 0, "tokens": 0}
         self._gpu_evictions = 0
         self._stored_at_eviction = 0
@@ -144,7 +144,8 @@ class TieredKVCache:
         spec = self.policy.spec
         slab = HostSlab(spec.cpu_slots, self.block_nbytes, pin_memory=cfg.cpu.pin) if spec.cpu_slots else None
         ssd = self._open_ssd() if spec.ssd_slots else None
-        executor = Executor(PoolRows(self.transfer), slab, ssd)
+        remote = self._open_remote() if spec.remote else None
+        executor = Executor(PoolRows(self.transfer), slab, ssd, remote)
         if ssd is not None:
             self._seeding = SSDSeeding(self.policy, lambda: (list(ssd.keys()), []), [ssd])
             executor.evict([], self._seeding.start())
@@ -179,6 +180,21 @@ class TieredKVCache:
                            compression=cfg.ssd.compression, level=cfg.ssd.level,
                            queue_capacity_bytes=cfg.ssd.queue_capacity, block_nbytes=self.block_nbytes)
 
+    def _open_remote(self) -> Any:
+        from tierkv.tiers.remote import RemoteTier, key_prefix
+
+        r = self.config.remote
+        assert r.url is not None
+        return RemoteTier(r.url, key_prefix(self.fingerprint.tier_id()), self.block_nbytes, cluster=r.cluster,
+                          capacity_bytes=r.capacity or 0, compression=r.compression, level=r.level, timeout=r.timeout,
+                          connect_timeout=r.connect_timeout, queue_capacity_bytes=r.queue_capacity,
+                          batch_bytes=r.batch_bytes)
+
+    @property
+    def remote(self) -> Any:
+        """The remote tier (None without one)."""
+        return self.executor.remote
+
     @property
     def cpu(self) -> Any:
         """The CPU slab (None without a CPU tier)."""
@@ -212,6 +228,10 @@ class TieredKVCache:
                                      cache_salt=cache_salt, lora_id=lora_id)
         gpu_hits = self.manager.lookup(prompt)
         below = self.policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
+        local = len(below)
+        fetched = self._fetch_remote(prompt.hashes[gpu_hits:prompt.cap], local) if self.remote else 0
+        if fetched:
+            below = self.policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
         assert not self.manager.take_evicted(), "evictions are stored by the call that made them"
         alloc = self.manager.allocate(request_id, prompt=prompt, num_external=len(below))
         hashes = prompt.hashes
@@ -225,11 +245,30 @@ class TieredKVCache:
         hit_blocks = {"gpu": gpu_hits, "cpu": 0, "ssd": 0}
         for tier in (load.tiers()[:result.loaded] if load is not None else ()):
             hit_blocks[tier] += 1
+        if self.remote is not None:  # fetched into CPU slots just now: CPU loads of remote blocks
+            hit_blocks["remote"] = max(0, min(fetched, result.loaded - local))
+            hit_blocks["cpu"] -= hit_blocks["remote"]
         self._count_query(len(alloc.block_ids), prompt.num_tokens, hit_blocks)
         self._pageout()
         events = [ev for ev in (self._pending_event(r) for r in alloc.block_ids[:cached]) if ev is not None]
         return TieredAllocation(alloc.block_ids, cached * self.block_size,
                                 {t: b * self.block_size for t, b in hit_blocks.items()}, hit_blocks, events)
+
+    def _fetch_remote(self, keys: list[bytes], local: int) -> int:
+        """Fetch what the remote tier holds of ``keys`` after the ``local`` leading ones held
+        below into CPU slots (the local ones are touched first: the fetch's placements must
+        not evict them). Returns how many arrived, in order, right after the local ones."""
+        rest = keys[local:]
+        if not rest:
+            return 0
+        n = self.executor.probe_remote(rest)
+        if not n:
+            return 0
+        self.policy.touch(keys[:local])
+        plan = self.policy.prepare_fetch(rest[:n])
+        got = self.executor.fetch(plan) if len(plan) else 0
+        self.policy.complete_fetch(plan, got)
+        return got
 
     def _run_load(self, request_id: str, load: Any, gpu_hits: int) -> LoadResult:
         result = self.executor.load(load)
@@ -340,6 +379,8 @@ class TieredKVCache:
         }
         if self.ssd is not None:
             out["ssd"] = self.ssd.stats()
+        if self.remote is not None:
+            out["remote"] = self.remote.stats()
         return out
 
     # -------------------------------------------------------------- lifecycle
@@ -356,6 +397,8 @@ class TieredKVCache:
         full disk, an I/O error: its ``stats()["ssd"]["last_error"]`` says which)."""
         self.transfer.synchronize()
         self._pending.clear()
+        if self.remote is not None:
+            self.remote.flush()
         return self.executor.flush()
 
     def close(self) -> None:
@@ -371,6 +414,9 @@ class TieredKVCache:
         ssd, self.executor.ssd = self.executor.ssd, None
         if ssd is not None:
             ssd.close()
+        remote, self.executor.remote = self.executor.remote, None
+        if remote is not None:
+            remote.close()
         server, self._metrics_server = self._metrics_server, None
         if server is not None and hasattr(server, "shutdown"):
             server.shutdown()

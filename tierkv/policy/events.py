@@ -1,6 +1,8 @@
 """What the tier policy reports: one event per decision, per tier, with a timestamp.
 
-Kinds (``tier`` is ``cpu`` or ``ssd``):
+Kinds (``tier`` is ``cpu``, ``ssd`` or ``remote``; the remote tier is shared and
+not held by the policy, so it has only ``stored`` (queued for it) and ``hit``
+(fetched from it into CPU slots)):
 
 * ``stored``: blocks placed in the tier (a store, a promotion, a cascade);
 * ``hit``: blocks a load reads from the tier;
@@ -19,11 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["EVENT_KINDS", "LOWER_TIERS", "TIERS", "PolicyEvent", "Observer", "EventCounts"]
+__all__ = ["EVENT_KINDS", "LOWER_TIERS", "TIERS", "REMOTE", "EVENT_TIERS", "PolicyEvent", "Observer", "EventCounts"]
 
 EVENT_KINDS = ("stored", "hit", "evicted", "dropped", "lost")
 LOWER_TIERS = ("cpu", "ssd")  # the tiers a policy places blocks in
 TIERS = ("gpu", *LOWER_TIERS)  # every tier, as statistics and metrics name them
+REMOTE = "remote"  # the shared tier (a Redis/Valkey server)
+EVENT_TIERS = (*LOWER_TIERS, REMOTE)  # the tiers events name
 
 Observer = Callable[[str, str, Sequence[bytes], float], None]
 
@@ -43,8 +47,8 @@ class EventCounts:
 
     __slots__ = ("counts",)
 
-    def __init__(self) -> None:
-        self.counts = {kind: dict.fromkeys(LOWER_TIERS, 0) for kind in EVENT_KINDS}
+    def __init__(self, tiers: Sequence[str] = LOWER_TIERS) -> None:
+        self.counts = {kind: dict.fromkeys(tiers, 0) for kind in EVENT_KINDS}
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {kind: dict(v) for kind, v in self.counts.items()}

@@ -16,6 +16,9 @@ Verbs (in the manner of vLLM's ``OffloadingManager``):
 * :meth:`prepare_store` / :meth:`complete_store`: admission, placement,
   cascade and evictions for blocks offered for a reason (see
   :mod:`tierkv.policy.plans`); release once written.
+* :meth:`prepare_fetch` / :meth:`complete_fetch`: CPU slots (pinned) for blocks a
+  driver found on the shared remote tier; the fetched ones are CPU hits from then
+  on, the others are forgotten.
 * :meth:`forget`: an executor found blocks missing or corrupt.
 * :meth:`clear`: every block below is stale (the model's weights changed).
 * :meth:`take_events`: the recorded :class:`~tierkv.policy.events.PolicyEvent`
@@ -47,8 +50,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Sequence
 
-from tierkv.policy.events import LOWER_TIERS, EventCounts, Observer, PolicyEvent
-from tierkv.policy.plans import COMPUTED, SHUTDOWN, LoadPlan, StorePlan
+from tierkv.policy.events import EVENT_TIERS, LOWER_TIERS, REMOTE, EventCounts, Observer, PolicyEvent
+from tierkv.policy.plans import COMPUTED, SHUTDOWN, FetchPlan, LoadPlan, StorePlan
 from tierkv.policy.holdings import TOMBSTONE_PREFIX, Holdings
 from tierkv.policy.spec import PolicySpec
 
@@ -89,7 +92,7 @@ class TierPolicy:
         self.holdings = Holdings(spec.cpu_slots, spec.ssd_slots)
         self.cpu, self.ssd = self.holdings.cpu, self.holdings.ssd
         self._cpu, self._ssd = self.holdings.in_cpu, self.holdings.in_ssd  # key -> slot, for lookups
-        self.counts = EventCounts()
+        self.counts = EventCounts(EVENT_TIERS if spec.remote else LOWER_TIERS)
         self._observers: list[Observer] = list(observers)
         self._events: list[PolicyEvent] | None = [] if record_events else None
         self._next_plan = 0
@@ -252,15 +255,21 @@ class TierPolicy:
         else:  # paged out or evicted: only blocks no lower tier holds go down, nothing is touched
             offered = {k: b for k, b in offered.items() if k not in cpu_keys and k not in ssd_keys}
             present = []
+        # New to this replica's lower tiers: the remote tier gets them (it is never asked first:
+        # SET NX keeps what another replica stored)
+        fresh = {k for k in offered if k not in cpu_keys and k not in ssd_keys} if self.spec.remote else set()
         new = [k for k in offered if k not in cpu_keys] if cpu is not None else []
         slots = self._place_cpu(plan, new, now) if new else {}
         to_ssd = self._ssd_wanted(offered, slots, set(present))
         placed_ssd = self._place_ssd(plan, to_ssd, now) if to_ssd else {}
-        stored = [k for k in offered if k in slots or k in placed_ssd]
+        stored = [k for k in offered if k in slots or k in placed_ssd or k in fresh]
         plan.keys = stored
         plan.block_ids = [offered[k] for k in stored]
         plan.cpu_slots = [slots.get(k, -1) for k in stored]
         plan.to_ssd = [k in placed_ssd for k in stored]
+        if fresh:
+            plan.to_remote = [k in fresh for k in stored]
+            self._emit("stored", REMOTE, [k for k in stored if k in fresh], now)
         if len(slots) < len(new):
             nowhere = [k for k in new if k not in slots and k not in placed_ssd and k not in ssd_keys]
             self._emit("dropped", "cpu", nowhere, now)
@@ -284,15 +293,61 @@ class TierPolicy:
                                            ssd.num_slots - ssd.num_pinned)
         ssd.touch_many(held)  # hot blocks already stored are kept, here and on disk
         plan.ssd_touches.extend(held)
-        placed = self._place_ssd(plan, [k for _, k in chosen], self.clock())
+        now = self.clock()
+        placed = self._place_ssd(plan, [k for _, k in chosen], now)
+        remote = self.spec.remote
         for block, key in chosen:
             if key in placed:
-                plan.add(block, key, -1, True)
+                plan.add(block, key, -1, True, remote and key not in self._cpu)
+        if remote:
+            self._emit("stored", REMOTE, [k for k, r in zip(plan.keys, plan.to_remote) if r], now)
 
     def complete_store(self, plan: StorePlan, lost: Iterable[tuple[str, bytes]] = ()) -> None:
         """The plan's copies finished: release its pins; forget ``(tier, key)`` that failed."""
         self.holdings.release(plan.plan_id)
         self.forget_pairs(lost)
+
+    # ------------------------------------------------------------------ remote fetches
+
+    def prepare_fetch(self, keys: Sequence[bytes]) -> FetchPlan:
+        """Pinned CPU slots for ``keys`` (the continuation of a prefix, none of them held in
+        the CPU tier) that a driver found on the remote tier, placed as a store would (with
+        write-through also an SSD place). Truncated at the first key that finds no slot."""
+        plan = FetchPlan(self._plan_id())
+        if self.cpu is None or not self.spec.remote:
+            return plan
+        want = list(dict.fromkeys(keys))
+        want = want[:next((i for i, k in enumerate(want) if k in self._cpu), len(want))]
+        if not want:
+            return plan
+        now = self.clock()
+        slots = self._place_cpu(plan, want, now)
+        n = next((i for i, k in enumerate(want) if k not in slots), len(want))
+        unplaced = want[n:]
+        if unplaced:  # placed beyond a gap: of no use to the prefix
+            self.forget("cpu", [k for k in unplaced if k in slots])
+            self._emit("dropped", "cpu", [k for k in unplaced if k not in slots], now)
+        want = want[:n]
+        to_ssd: dict[bytes, int] = {}
+        if want and self.ssd is not None and self.spec.write_through:
+            to_ssd = self._place_ssd(plan, [k for k in want if k not in self._ssd], now)
+        plan.keys = want
+        plan.cpu_slots = [slots[k] for k in want]
+        plan.to_ssd = [k in to_ssd for k in want]
+        return plan
+
+    def complete_fetch(self, plan: FetchPlan, fetched: int) -> None:
+        """The fetch ran: its first ``fetched`` blocks are in their slots (CPU hits from now
+        on, a ``hit`` of the remote tier); the others are forgotten where they were placed."""
+        self.holdings.release(plan.plan_id)
+        now = self.clock()
+        self._emit("hit", REMOTE, plan.keys[:fetched], now)
+        missed = plan.keys[fetched:]
+        if missed:
+            self.forget("cpu", missed)
+            ssd = [k for k, s in zip(missed, plan.to_ssd[fetched:]) if s]
+            if ssd:
+                self.forget("ssd", ssd)
 
     # ------------------------------------------------------------------ placement
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-__all__ = ["LoadPlan", "StorePlan", "COMPUTED", "PAGEOUT", "EVICTED", "SHUTDOWN", "STORE_REASONS"]
+__all__ = ["LoadPlan", "StorePlan", "FetchPlan", "COMPUTED", "PAGEOUT", "EVICTED", "SHUTDOWN", "STORE_REASONS"]
 
 #: Why blocks are offered for storing (admission decides which reasons it takes).
 COMPUTED = "computed"   # blocks became full and their KV was written
@@ -75,8 +75,9 @@ class LoadPlan:
 @dataclass
 class StorePlan:
     """Copy device blocks down (parallel lists): into slab slot ``cpu_slots[i]`` when
-    ``>= 0``, and to the SSD tier when ``to_ssd[i]``. ``ssd_touches``: keys the SSD tier
-    holds whose recency to refresh, least recently used first (a shutdown's hot set)."""
+    ``>= 0``, to the SSD tier when ``to_ssd[i]``, and to the remote tier when
+    ``to_remote[i]`` (empty: none). ``ssd_touches``: keys the SSD tier holds whose
+    recency to refresh, least recently used first (a shutdown's hot set)."""
 
     plan_id: int
     reason: str
@@ -87,16 +88,44 @@ class StorePlan:
     spills: list[tuple[int, bytes]] = field(default_factory=list)
     ssd_evictions: list[bytes] = field(default_factory=list)
     ssd_touches: list[bytes] = field(default_factory=list)
+    to_remote: list[bool] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def add(self, block_id: int, key: bytes, slot: int, to_ssd: bool) -> None:
+    def add(self, block_id: int, key: bytes, slot: int, to_ssd: bool, to_remote: bool = False) -> None:
+        if to_remote and not self.to_remote:
+            self.to_remote = [False] * len(self.keys)
+        if self.to_remote:
+            self.to_remote.append(to_remote)
         self.block_ids.append(block_id)
         self.keys.append(key)
         self.cpu_slots.append(slot)
         self.to_ssd.append(to_ssd)
 
+    def remote(self, i: int) -> bool:
+        """Does block ``i`` go to the remote tier?"""
+        return bool(self.to_remote) and self.to_remote[i]
+
     @property
     def empty(self) -> bool:
         return not (self.keys or self.spills or self.ssd_evictions or self.ssd_touches)
+
+
+@dataclass
+class FetchPlan:
+    """Copy blocks from the remote tier into pinned slab slots (parallel lists, prefix
+    order), and to the SSD tier when ``to_ssd[i]``. A block that does not arrive (missing,
+    late, corrupt) ends the fetch: it and every later one are reported not fetched. Only
+    then are the fetched blocks CPU hits: the engine is never told of a remote block whose
+    bytes are not local."""
+
+    plan_id: int
+    keys: list[bytes] = field(default_factory=list)
+    cpu_slots: list[int] = field(default_factory=list)
+    to_ssd: list[bool] = field(default_factory=list)
+    spills: list[tuple[int, bytes]] = field(default_factory=list)
+    ssd_evictions: list[bytes] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.keys)

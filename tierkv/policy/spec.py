@@ -50,6 +50,9 @@ class PolicySpec:
     ``exclusive`` moves it out of the CPU tier (SSD copies always stay).
     ``write_through``: every block stored to the CPU tier also goes to the
     SSD tier; otherwise blocks reach the SSD tier when the CPU tier evicts them.
+    ``remote``: a shared tier (not held here: other replicas write to it and its
+    server evicts on its own) receives every block new to this replica's lower tiers,
+    and serves hits by a fetch into CPU slots (needs a CPU tier).
     """
 
     cpu_slots: int = 0
@@ -58,6 +61,7 @@ class PolicySpec:
     promotion: str = "inclusive"
     write_through: bool = True
     pageout_blocks: int = 0
+    remote: bool = False
 
     def __post_init__(self) -> None:
         check_spill_rules(self.admission, self.promotion)
@@ -65,6 +69,9 @@ class PolicySpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}: expected a non-negative integer, got {value!r}")
+        if self.remote and not self.cpu_slots:
+            raise ConfigError("remote.url: the remote tier fetches blocks into CPU slots before they are served; "
+                              "cpu.capacity holds no block")
         if not isinstance(self.write_through, bool):
             raise ConfigError(f"spill.write_through: expected true or false, got {self.write_through!r}")
 
@@ -80,7 +87,7 @@ class PolicySpec:
         lower = cpu > 0 or ssd > 0
         pageout = max(1, int(spill.watermark * gpu_blocks)) if spill.admission == ON_EVICT and lower else 0
         return cls(cpu_slots=cpu, ssd_slots=ssd, admission=spill.admission, promotion=spill.promotion,
-                   write_through=spill.write_through, pageout_blocks=pageout)
+                   write_through=spill.write_through, pageout_blocks=pageout, remote=config.remote.enabled)
 
     def admits(self, reason: str) -> bool:
         """Does admission take blocks offered for ``reason``?"""
