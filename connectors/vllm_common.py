@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from tierkv.config import TierKVConfig, first_under, key_paths, read_yaml
 from tierkv.errors import ConfigError
 from tierkv.identity import Fingerprint, model_identity
-from tierkv.policy import LoadPlan, PolicySpec, StorePlan
+from tierkv.policy import FetchPlan, LoadPlan, PolicySpec, StorePlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -337,6 +337,8 @@ class ResidentMap:
 class TierKVMetadata(KVConnectorMetadata):
     """One step's work for the workers.
 
+    ``loads``: load plans, and fetch plans (remote tier -> CPU slots), in the order the
+    policy prepared them (their evictions run in that order).
     ``early_stores`` (blocks vLLM evicted in this step: their bytes are intact
     until this step's forward) run in ``handle_preemptions``, before the
     forward; ``loads`` in ``start_load_kv``; ``stores`` (computed blocks, the
@@ -350,7 +352,7 @@ class TierKVMetadata(KVConnectorMetadata):
     every block with a pending copy is treated as reused.
     """
 
-    loads: list[LoadPlan] = field(default_factory=list)
+    loads: list[LoadPlan | FetchPlan] = field(default_factory=list)
     early_stores: list[StorePlan] = field(default_factory=list)
     stores: list[StorePlan] = field(default_factory=list)
     ssd_evictions: list[bytes] = field(default_factory=list)
@@ -363,15 +365,20 @@ class TierKVMetadata(KVConnectorMetadata):
 @dataclass
 class TierKVWorkerMetadata(KVConnectorWorkerMetadata):
     """``stored``: store plan id -> workers that finished it. ``lost``: ``(tier, key)``
-    of blocks a worker could not store or read. ``load_lost``: the same per request."""
+    of blocks a worker could not store or read. ``load_lost``: the same per request.
+    ``fetched``: fetch plan id -> how many blocks arrived, one entry per worker."""
 
     stored: Counter = field(default_factory=Counter)
     lost: set[tuple[str, bytes]] = field(default_factory=set)
     load_lost: dict[str, set[tuple[str, bytes]]] = field(default_factory=dict)
+    fetched: dict[int, list[int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TierKVWorkerMetadata), type(other)
         load_lost = {r: set(v) for r, v in self.load_lost.items()}
         for r, v in other.load_lost.items():
             load_lost.setdefault(r, set()).update(v)
-        return TierKVWorkerMetadata(self.stored + other.stored, self.lost | other.lost, load_lost)
+        fetched = {p: list(v) for p, v in self.fetched.items()}
+        for p, v in other.fetched.items():
+            fetched.setdefault(p, []).extend(v)
+        return TierKVWorkerMetadata(self.stored + other.stored, self.lost | other.lost, load_lost, fetched)

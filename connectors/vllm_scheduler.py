@@ -6,7 +6,12 @@ connector metadata. It never waits on disk or device. The step protocol is
 the one ``tierkv bench`` replays:
 
 * ``get_num_new_matched_tokens``: the policy's pure lookup after vLLM's GPU
-  prefix (whole blocks, never the last prompt token);
+  prefix (whole blocks, never the last prompt token). With a remote tier, what
+  follows the local prefix is probed there (``EXISTS``, on a thread, never
+  waited for: the answer is None, "ask again", until it is in) and what the
+  server holds is fetched into CPU slots (a fetch plan, run by the workers);
+  only then is the request answered, so a remote block counts as a hit only
+  once its bytes are local;
 * ``update_state_after_alloc``: the GPU-hit prefix is touched below; the load
   is planned (its sources pinned) and the request waits for it;
 * ``build_connector_meta``: blocks vLLM evicted in this step are offered as
@@ -40,7 +45,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tierkv.config import TierKVConfig
 from tierkv.hashing import BlockHasher
 from tierkv.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampling, policy_stats
-from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, LoadPlan, StorePlan, TierPolicy
+from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, FetchPlan, LoadPlan, StorePlan, TierPolicy
 from tierkv.policy.seeding import SSDSeeding
 
 from tierkv.connectors.vllm_common import (
@@ -68,7 +73,7 @@ __all__ = ["TierKVScheduler", "PoolObserver"]
 
 log = logging.getLogger(__name__)
 
-_SOURCES = {"cpu": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
+_SOURCES = {"cpu": CacheHitSource.HOST, "ssd": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 class _Req:
@@ -173,6 +178,7 @@ class TierKVScheduler:
                                        recovering_ssd_tiers(cfg, self._ranks))
             self._ssd_evictions = self._seeding.start()
         self._reset_ssd = False
+        self._remote = RemoteLookups(self, cfg) if self.policy.spec.remote else None
         self._metrics_server = self._start_metrics(cfg.metrics.port)
         log.info("tierkv scheduler: %s; block %d bytes; %s admission; %d CPU slots, %d SSD blocks (%d held)",
                  self.fingerprint.describe(), self.block_nbytes, self.policy.spec.admission,
@@ -224,7 +230,12 @@ class TierKVScheduler:
         st = self._state(request)
         last = (request.num_tokens - 1) // self.block_size
         first = num_computed_tokens // self.block_size
-        below = self.policy.lookup(self._hashes(st, last)[first:last])
+        hashes = self._hashes(st, last)
+        below = self.policy.lookup(hashes[first:last])
+        if self._remote is not None and first + len(below) < last:
+            if not self._remote.ready(request.request_id, hashes, first, first + len(below), last):
+                return None, False  # type: ignore[return-value]  # vLLM asks again next step
+            below = self.policy.lookup(hashes[first:last])
         self._matched[request.request_id] = (first, len(below))
         return (len(below) * self.block_size, True) if below else (0, False)
 
@@ -250,7 +261,9 @@ class TierKVScheduler:
         plan = self.policy.prepare_load(req_id, keys[first:first + hits], block_ids[first:first + hits])
         self._loads.append(plan)
         tiers = Counter(plan.tiers())
-        self._sources[req_id] = {_SOURCES[t]: n * self.block_size for t, n in tiers.items() if t in _SOURCES}
+        if self._remote is not None:
+            tiers.update(self._remote.sources(req_id, plan))
+        self._sources[req_id] = {_SOURCES[t]: n * self.block_size for t, n in tiers.items() if t in _SOURCES and n > 0}
 
     def _count_query(self, request: "Request", gpu_hits: int) -> None:
         self._queries["blocks"] += -(-request.num_tokens // self.block_size)
@@ -267,9 +280,10 @@ class TierKVScheduler:
         update: every block below the GPU is stale (its fingerprint did not change). The
         policy forgets them all; the workers delete every record of their SSD tiers
         before the next step's forward (also those the policy no longer knew of). Refused (False, nothing changed) while a load is planned or in flight."""
-        if self._loads or self._inflight:
+        fetching = len(self._remote.fetching) if self._remote is not None else 0
+        if self._loads or self._inflight or fetching:
             log.warning("tierkv: cannot reset the lower tiers while %d loads are in flight",
-                        len(self._loads) + len(self._inflight))
+                        len(self._loads) + len(self._inflight) + fetching)
             return False
         dropped = self.policy.occupancy()
         self.policy.clear()
@@ -286,7 +300,8 @@ class TierKVScheduler:
         meta = TierKVMetadata(loads=self._loads, ssd_evictions=self._ssd_evictions, reset=self._reset_ssd)
         self._loads, self._ssd_evictions, self._reset_ssd = [], [], False
         for plan in meta.loads:
-            self._inflight[plan.req_id] = plan
+            if isinstance(plan, LoadPlan):
+                self._inflight[plan.req_id] = plan
         evicted = self._take_pool_changes(meta)
         policy = self.policy
         if evicted and policy.admits(EVICTED):
@@ -383,6 +398,8 @@ class TierKVScheduler:
                 if plan is not None:
                     self.policy.complete_store(plan)
             self.policy.forget_pairs(meta.lost)
+            if self._remote is not None:
+                self._remote.reported(meta.fetched)
             for req_id, lost in meta.load_lost.items():
                 self._load_lost.setdefault(req_id, set()).update(lost)
         for req_id in output.finished_recving or ():
@@ -408,9 +425,11 @@ class TierKVScheduler:
         self._reqs.pop(req_id, None)
         self._matched.pop(req_id, None)
         self._sources.pop(req_id, None)
-        pending = [p for p in self._loads if p.req_id == req_id]
+        if self._remote is not None:
+            self._remote.finished(req_id)
+        pending = [p for p in self._loads if p.req_id == req_id and isinstance(p, LoadPlan)]
         if pending:  # not handed to the workers yet: cancel it
-            self._loads = [p for p in self._loads if p.req_id != req_id]
+            self._loads = [p for p in self._loads if p.req_id != req_id or not isinstance(p, LoadPlan)]
             for plan in pending:
                 self.policy.complete_load(plan, loaded=0)
             return False, None
@@ -419,15 +438,115 @@ class TierKVScheduler:
     # ------------------------------------------------------------------ metrics
 
     def stats(self) -> dict[str, Any]:
-        return {
+        out = {
             "queries": dict(self._queries),
             "hits": {t: {"blocks": b, "tokens": b * self.block_size} for t, b in self._hits.items()},
             **policy_stats(self.policy),
             "transfer": {},
         }
+        if self._remote is not None:
+            out["remote"] = self._remote.stats()
+        return out
 
     def shutdown(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
         server, self._metrics_server = self._metrics_server, None
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+class RemoteLookups:
+    """The scheduler's side of the remote tier: per request, a probe of what follows the
+    local prefix (on the remote tier's probe thread), then a fetch plan for what the server
+    holds, handed to the workers in the scheduler's plan list. :meth:`ready` is False until
+    both are over; the scheduler never waits. A request gets one remote lookup: resumed
+    or asked again later, it is answered from the tiers below as they are by then."""
+
+    def __init__(self, owner: TierKVScheduler, cfg: TierKVConfig) -> None:
+        from tierkv.tiers.remote import RemoteTier
+
+        self.owner = owner
+        self.tier = RemoteTier.from_config(cfg.remote, [r.tier_id(owner.fingerprint) for r in owner._ranks],
+                                           owner.block_nbytes, writer=False)
+        self._probes: dict[str, tuple[int, Any]] = {}   # req -> (first probed block, future)
+        self.fetching: dict[int, FetchPlan] = {}        # plan id -> plan, planned or with the workers
+        self._reports: dict[int, list[int]] = {}        # plan id -> blocks each worker fetched
+        self._fetched: dict[str, set[bytes]] = {}       # req -> keys fetched for it (hit sources)
+        self._done: set[str] = set()
+        self.blocks_fetched = 0
+
+    def ready(self, req_id: str, hashes: list[bytes], first: int, start: int, last: int) -> bool:
+        """May the request be answered now? ``hashes[first:start]`` are held below, the
+        rest up to ``last`` are not."""
+        if req_id in self._done:
+            return True
+        if any(p.req_id == req_id for p in self.fetching.values()):
+            return False
+        probe = self._probes.get(req_id)
+        if probe is None:
+            self._probes[req_id] = (start, self.tier.probe_async(hashes[start:last]))
+            return False
+        begin, future = probe
+        if not future.done():
+            return False
+        del self._probes[req_id]
+        self._done.add(req_id)
+        try:
+            held = int(future.result())
+        except Exception:  # the probe thread never raises for the server; a bug must not stop the engine
+            log.exception("tierkv: a remote probe failed")
+            held = 0
+        held = begin + held - start if start >= begin else 0  # the local prefix may have grown meanwhile
+        if held <= 0:
+            return True
+        policy = self.owner.policy
+        policy.touch(hashes[first:start])  # the fetch's placements must not evict the local prefix
+        plan = policy.prepare_fetch(hashes[start:start + held], req_id)
+        if not len(plan):
+            policy.complete_fetch(plan, 0)
+            return True
+        self._done.discard(req_id)
+        self.fetching[plan.plan_id] = plan
+        self.owner._loads.append(plan)  # in preparation order with the loads
+        return False
+
+    def reported(self, fetched: dict[int, list[int]]) -> None:
+        """Workers' fetch results; a plan completes once every worker ran it (the blocks
+        every rank fetched are held)."""
+        for plan_id, counts in fetched.items():
+            self._reports.setdefault(plan_id, []).extend(counts)
+        for plan_id in [p for p, c in self._reports.items() if len(c) >= self.owner.num_workers]:
+            got = min(self._reports.pop(plan_id))
+            plan = self.fetching.pop(plan_id, None)
+            if plan is None:
+                continue
+            self.owner.policy.complete_fetch(plan, got)
+            self.blocks_fetched += got
+            if plan.req_id in self.owner._reqs:
+                self._done.add(plan.req_id)
+                self._fetched[plan.req_id] = set(plan.keys[:got])
+
+    def sources(self, req_id: str, plan: LoadPlan) -> Counter:
+        """Hit sources of a load: blocks fetched for it count as remote, not CPU."""
+        fetched = self._fetched.pop(req_id, set())
+        n = sum(1 for k, t in zip(plan.keys, plan.tiers()) if t == "cpu" and k in fetched)
+        return Counter({"remote": n, "cpu": -n}) if n else Counter()
+
+    def finished(self, req_id: str) -> None:
+        self._probes.pop(req_id, None)
+        self._done.discard(req_id)
+        self._fetched.pop(req_id, None)
+        planned = [p for p in self.owner._loads if isinstance(p, FetchPlan) and p.req_id == req_id]
+        if planned:  # not handed to the workers yet: cancelled
+            self.owner._loads = [p for p in self.owner._loads if p not in planned]
+            for plan in planned:
+                self.fetching.pop(plan.plan_id, None)
+                self.owner.policy.complete_fetch(plan, 0)
+
+    def stats(self) -> dict[str, Any]:
+        return {"blocks_fetched": self.blocks_fetched, **self.tier.stats()}
+
+    def close(self) -> None:
+        self.tier.close()

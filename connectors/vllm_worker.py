@@ -48,7 +48,7 @@ import torch
 from tierkv.config import SSD_TIER_KEYS, TierKVConfig
 from tierkv.copier import Copier, Finished
 from tierkv.executor import Executor
-from tierkv.policy import SHUTDOWN, LoadPlan, StorePlan
+from tierkv.policy import SHUTDOWN, FetchPlan, LoadPlan, StorePlan
 from tierkv.policy.manager import select_for_shutdown
 from tierkv.tiers.host import HostSlab
 from tierkv.errors import ConfigError, config_keys
@@ -237,9 +237,15 @@ class TierKVWorker:
                 pin = self.cfg.cpu.pin if self.cfg.cpu.pin is not None else torch.cuda.is_available()
                 slab = HostSlab(self.spec.cpu_slots, self.block_nbytes, pin_memory=pin)
             ssd = None
+            rank = _this_rank(self.vllm_config)
             if self.spec.ssd_slots:
-                ssd = open_ssd_tier(self.cfg, self.fingerprint, _this_rank(self.vllm_config), self.block_nbytes)
-            self.executor = Executor(rows, slab, ssd)
+                ssd = open_ssd_tier(self.cfg, self.fingerprint, rank, self.block_nbytes)
+            remote = None
+            if self.spec.remote:
+                from tierkv.tiers.remote import RemoteTier
+
+                remote = RemoteTier.from_config(self.cfg.remote, [rank.tier_id(self.fingerprint)], self.block_nbytes)
+            self.executor = Executor(rows, slab, ssd, remote)
         self.executor.device = rows
         self.copier = Copier(self.executor, rows, streams_for(layout.device),
                              staging_bytes=self.cfg.ssd.queue_capacity)
@@ -316,7 +322,10 @@ class TierKVWorker:
         if meta.ssd_evictions:
             copier.evict([], meta.ssd_evictions)
         for plan in meta.loads:  # plans prepared before the stores: their evictions go first
-            copier.evict(plan.spills, plan.ssd_evictions)
+            if isinstance(plan, FetchPlan):
+                copier.fetch(plan)  # into CPU slots now; loads of them come in a later step
+            else:
+                copier.evict(plan.spills, plan.ssd_evictions)
         self._queue_stores(meta.early_stores)
         copier.fence(meta.reused if meta.reused is not None else copier.reading())
         self._before_forward = copier.streams.current().record()
@@ -327,11 +336,12 @@ class TierKVWorker:
         if not meta.prepared:  # an engine that does not call handle_preemptions
             self.before_forward(meta)
         for plan in meta.loads:  # after the fence, not after this step's forward
-            copier.load(plan, self._before_forward)
-            self._inflight[plan.req_id] = plan
+            if isinstance(plan, LoadPlan):
+                copier.load(plan, self._before_forward)
+                self._inflight[plan.req_id] = plan
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._inflight and self.copier is not None:
+        if (self._inflight or self._fetching()) and self.copier is not None:
             self.copier.wait_io(_POLL_S)
         self._poll()
         done, self._finished = self._finished, set()
@@ -346,7 +356,10 @@ class TierKVWorker:
         if self.executor is not None:
             self._lose(self.executor.take_lost())
         report, self._report = self._report, TierKVWorkerMetadata()
-        return report if (report.stored or report.lost or report.load_lost) else None
+        return report if (report.stored or report.lost or report.load_lost or report.fetched) else None
+
+    def _fetching(self) -> bool:
+        return self.copier is not None and self.copier.fetching
 
     def _poll(self) -> None:
         """Collect what the copier finished: loads for vLLM, stores and losses for the
@@ -358,6 +371,8 @@ class TierKVWorker:
     def _collect(self, done: Finished) -> None:
         for plan_id in done.stored:
             self._report.stored[plan_id] += 1
+        for plan_id, got in done.fetched.items():
+            self._report.fetched.setdefault(plan_id, []).append(got)
         self._lose(done.lost)
         for req_id, result in done.loads.items():
             plan = self._inflight.pop(req_id)
@@ -426,6 +441,9 @@ class TierKVWorker:
         if ssd is not None:
             _SHARED.pop(str(ssd.path), None)
             ssd.close()
+        remote = self.executor.remote if self.executor is not None else None
+        if remote is not None:
+            remote.close()
         if self.executor is not None and self.executor.slab is not None:
             self.executor.slab.close()  # every copy out of it ran (drained above)
 
@@ -444,6 +462,7 @@ class TierKVWorker:
         return out
 
     def stats(self) -> dict[str, Any]:
+        remote = self.executor.remote if self.executor is not None else None
         return {"cpu_slots": self.spec.cpu_slots, "executor": self.executor.stats() if self.executor else None,
-                "ssd": self.ssd.stats() if self.ssd else None}
+                "ssd": self.ssd.stats() if self.ssd else None, "remote": remote.stats() if remote else None}
 

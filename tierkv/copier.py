@@ -59,7 +59,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from tierkv.executor import Executor, LoadResult, Lost
-from tierkv.policy.plans import LoadPlan, StorePlan
+from tierkv.policy.plans import FetchPlan, LoadPlan, StorePlan
 from tierkv.streams import Event, InlineStreams, Stream, Streams
 
 __all__ = ["CopyRows", "Copier", "Finished"]
@@ -91,6 +91,7 @@ class Finished:
     stored: list[int] = field(default_factory=list)
     lost: Lost = field(default_factory=list)
     loads: dict[str, LoadResult] = field(default_factory=dict)
+    fetched: dict[int, int] = field(default_factory=dict)  # fetch plan id -> blocks that arrived
 
 
 @dataclass
@@ -142,6 +143,7 @@ class Copier:
         self._slot_event: dict[int, Event] = {}     # slab slot -> gather writing it
         self._slot_io: dict[int, Future[Any]] = {}  # slab slot -> promotion writing it
         self._spills: list[tuple[Future[Any], int]] = []  # SSD deletions and spills, staging bytes held
+        self._fetches: list[tuple[FetchPlan, Future[int]]] = []
         self._lost: Lost = []
 
     # ------------------------------------------------------------------ SSD work, in plan order
@@ -214,13 +216,14 @@ class Copier:
         slab, size = self.ex.slab, self.rows.block_nbytes
         cpu = [i for i, s in enumerate(plan.cpu_slots) if s >= 0 and slab is not None]
         in_cpu = set(cpu)
-        ssd_only = [i for i, f in enumerate(plan.to_ssd) if f and i not in in_cpu]
+        remote = plan.to_remote if self.ex.remote is not None else []
+        host_only = [i for i in range(len(plan)) if i not in in_cpu and (plan.to_ssd[i] or (remote and remote[i]))]
         lost: Lost = []
-        staged = ssd_only
-        if ssd_only and not self._admit(size * len(ssd_only)):  # rule 5: dropped, never waited for
+        staged = host_only
+        if host_only and not self._admit(size * len(host_only)):  # rule 5: dropped, never waited for
             staged = []
-            lost = [("ssd", plan.keys[i]) for i in ssd_only]
-            self.ex.count("stores_dropped", len(ssd_only))
+            lost = [("ssd", plan.keys[i]) for i in host_only if plan.to_ssd[i]]
+            self.ex.count("stores_dropped", len(host_only))
         staging = self.rows.staging(len(staged)) if staged else None
         blocks = [plan.block_ids[i] for i in cpu + staged]
         if blocks:
@@ -235,8 +238,10 @@ class Copier:
             self._slot_event[plan.cpu_slots[i]] = gathered
         self.ex.count("blocks_stored_cpu", len(cpu))
         puts = [(plan.keys[i], ("slab", plan.cpu_slots[i])) for i in cpu if plan.to_ssd[i]]
-        puts += [(plan.keys[i], ("staging", j)) for j, i in enumerate(staged)]
-        io = self._io_submit(self._put_io, gathered, puts, staging)
+        puts += [(plan.keys[i], ("staging", j)) for j, i in enumerate(staged) if plan.to_ssd[i]]
+        sends = [(plan.keys[i], ("slab", plan.cpu_slots[i])) for i in cpu if remote and remote[i]]
+        sends += [(plan.keys[i], ("staging", j)) for j, i in enumerate(staged) if remote and remote[i]]
+        io = self._io_submit(self._put_io, gathered, puts, staging, sends)
         self._stores.append(_Store(plan, gathered, io, size * len(staged), lost, time.perf_counter(),
                                    size * len(blocks)))
 
@@ -249,17 +254,38 @@ class Copier:
             self.rows.gather([plan.block_ids[i] for i in staged], staging, range(len(staged)))
 
     def _put_io(self, gathered: Event, puts: list[tuple[bytes, tuple[str, int]]],
-                staging: np.ndarray | None) -> Lost:
-        """On the I/O thread: wait for the gather, then queue the puts."""
-        if not puts:
+                staging: np.ndarray | None, sends: list[tuple[bytes, tuple[str, int]]] = ()) -> Lost:
+        """On the I/O thread: wait for the gather, then queue the SSD puts and the remote
+        tier's (``sends``: write-behind, copied by the remote tier's queue)."""
+        if not puts and not sends:
             return []
         self._wait_gathered(gathered)
+
+        def row(where: str, i: int) -> np.ndarray:
+            return self.ex.slab.array[i] if where == "slab" else staging[i]  # type: ignore[union-attr,index]
+
         lost: Lost = []
         for key, (where, i) in puts:
-            row = self.ex.slab.array[i] if where == "slab" else staging[i]  # type: ignore[union-attr,index]
-            if not self.ex.put_row(key, row):
+            if not self.ex.put_row(key, row(where, i)):
                 lost.append(("ssd", key))
+        if sends:
+            self.ex._put_remote([k for k, _ in sends], [row(w, i) for _, (w, i) in sends])
         return lost
+
+    # ------------------------------------------------------------------ remote fetches
+
+    def fetch(self, plan: FetchPlan) -> None:
+        """Queue a fetch from the remote tier into the plan's slab slots on the I/O thread,
+        after the SSD work queued before it (its spills run first, copied now). Loads of
+        those slots wait for it (rule 3); :meth:`poll` reports how many blocks arrived."""
+        self.evict(plan.spills, plan.ssd_evictions)
+        io: Future[int] = self._io_submit(lambda: self.ex.fetch(plan, evict=False), changes=False)
+        slab = self.ex.slab
+        if slab is not None:
+            for slot, key in zip(plan.cpu_slots, plan.keys):
+                slab.keys[slot] = key  # later loads of it wait for ``io`` and check again (rule 3)
+                self._slot_io[slot] = io
+        self._fetches.append((plan, io))
 
     # ------------------------------------------------------------------ loads
 
@@ -421,6 +447,16 @@ class Copier:
             else:
                 remaining.append(job)
         self._loads = remaining
+        while self._fetches and self._fetches[0][1].done():
+            plan, fut = self._fetches.pop(0)
+            try:
+                out.fetched[plan.plan_id] = int(fut.result())
+            except Exception:
+                log.exception("tierkv: a remote fetch failed; its blocks count as not fetched")
+                out.fetched[plan.plan_id] = 0
+            for slot in plan.cpu_slots:
+                if self._slot_io.get(slot) is fut:
+                    del self._slot_io[slot]
         while self._spills and self._spills[0][0].done():
             fut, staged = self._spills.pop(0)
             self._staged -= staged
@@ -446,13 +482,19 @@ class Copier:
         """Wait up to ``timeout_s`` for the SSD reads of a pending load (host work only, no
         device wait): an engine with nothing but loads to wait for would otherwise spin."""
         pending = [job.io for job in self._loads if job.io is not None and not job.io.done()]
+        pending += [fut for _, fut in self._fetches if not fut.done()]
         if pending:
             wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     @property
+    def fetching(self) -> bool:
+        """Fetches from the remote tier not yet reported by :meth:`poll`."""
+        return bool(self._fetches)
+
+    @property
     def busy(self) -> bool:
         """Stores or loads not yet reported by :meth:`poll`."""
-        return bool(self._stores or self._loads or self._spills)
+        return bool(self._stores or self._loads or self._spills or self._fetches)
 
     def drain(self, timeout_s: float = 60.0) -> Finished:
         """Wait for everything queued (shutdown only: this blocks) and collect it."""
@@ -464,12 +506,13 @@ class Copier:
             for job in self._loads:
                 if job.scattered is not None:
                     job.scattered.synchronize()
-            if self._last_io is not None:
-                self._last_io.result(timeout=max(0.0, deadline - time.monotonic()))
+            if self._last_io is not None:  # (its outcome is read by poll)
+                wait([self._last_io], timeout=max(0.0, deadline - time.monotonic()))
             step = self.poll()
             out.stored += step.stored
             out.lost += step.lost
             out.loads.update(step.loads)
+            out.fetched.update(step.fetched)
             if not self.busy or time.monotonic() > deadline:
                 return out
 

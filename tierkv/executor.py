@@ -198,29 +198,33 @@ class Executor:
             return 0
         return int(self._safely("remote probe", self.remote.probe, keys) or 0)
 
-    def fetch(self, plan: FetchPlan) -> int:
+    def fetch(self, plan: FetchPlan, *, evict: bool = True) -> int:
         """Run a fetch plan: read its blocks from the remote tier into their slab slots, in
         chunks of at most 64 MiB, up to the first that does not arrive, and queue the
         fetched ones the plan sends to the SSD tier. Returns how many arrived; slots of the
-        others are cleared (they never hold another block's bytes)."""
-        self.evict(plan.spills, plan.ssd_evictions)
+        others are cleared (they never hold another block's bytes). ``evict=False``: the
+        caller already ran the plan's spills and evictions."""
+        if evict:
+            self.evict(plan.spills, plan.ssd_evictions)
         got = 0
-        if self.remote is not None and self.slab is not None:
-            step = max(1, _CHUNK_BYTES // max(1, self.block_nbytes))
-            while got < len(plan):
-                n = min(step, len(plan) - got)
-                rows = np.empty((n, self.block_nbytes), dtype=np.uint8)
-                ok = int(self._safely("remote get", self.remote.get_into, plan.keys[got:got + n], rows) or 0)
-                self.slab.write(plan.cpu_slots[got:got + ok], plan.keys[got:got + ok], rows, list(range(ok)))
-                for i in range(ok):
-                    if plan.to_ssd[got + i]:
-                        self.put_row(plan.keys[got + i], rows[i])
-                got += ok
-                if ok < n:
-                    break
-        if self.slab is not None:
-            for slot in plan.cpu_slots[got:]:
-                self.slab.forget(slot)
+        try:
+            if self.remote is not None and self.slab is not None:
+                step = max(1, _CHUNK_BYTES // max(1, self.block_nbytes))
+                while got < len(plan):
+                    n = min(step, len(plan) - got)
+                    rows = np.empty((n, self.block_nbytes), dtype=np.uint8)
+                    ok = int(self._safely("remote get", self.remote.get_into, plan.keys[got:got + n], rows) or 0)
+                    self.slab.write(plan.cpu_slots[got:got + ok], plan.keys[got:got + ok], rows, list(range(ok)))
+                    for i in range(ok):
+                        if plan.to_ssd[got + i]:
+                            self.put_row(plan.keys[got + i], rows[i])
+                    got += ok
+                    if ok < n:
+                        break
+        finally:  # slots that received nothing hold nothing (a load of them is refused)
+            if self.slab is not None:
+                for slot in plan.cpu_slots[got:]:
+                    self.slab.forget(slot)
         self.count("blocks_fetched_remote", got)
         self.count("fetch_misses_remote", len(plan) - got)
         return got
@@ -344,5 +348,5 @@ class NullExecutor(Executor):
     def load(self, plan: LoadPlan, *, evict: bool = True) -> LoadResult:
         return LoadResult(plan.loaded(), [])
 
-    def fetch(self, plan: FetchPlan) -> int:
+    def fetch(self, plan: FetchPlan, *, evict: bool = True) -> int:
         return len(plan)

@@ -309,11 +309,11 @@ class TierPolicy:
 
     # ------------------------------------------------------------------ remote fetches
 
-    def prepare_fetch(self, keys: Sequence[bytes]) -> FetchPlan:
+    def prepare_fetch(self, keys: Sequence[bytes], req_id: str = "") -> FetchPlan:
         """Pinned CPU slots for ``keys`` (the continuation of a prefix, none of them held in
         the CPU tier) that a driver found on the remote tier, placed as a store would (with
         write-through also an SSD place). Truncated at the first key that finds no slot."""
-        plan = FetchPlan(self._plan_id())
+        plan = FetchPlan(self._plan_id(), req_id=req_id)
         if self.cpu is None or not self.spec.remote:
             return plan
         want = list(dict.fromkeys(keys))

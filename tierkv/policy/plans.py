@@ -126,6 +126,7 @@ class FetchPlan:
     to_ssd: list[bool] = field(default_factory=list)
     spills: list[tuple[int, bytes]] = field(default_factory=list)
     ssd_evictions: list[bytes] = field(default_factory=list)
+    req_id: str = ""  # the request it was fetched for (a driver's bookkeeping)
 
     def __len__(self) -> int:
         return len(self.keys)

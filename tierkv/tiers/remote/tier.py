@@ -32,13 +32,16 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from tierkv.tiers.remote.breaker import Breaker
 from tierkv.tiers.remote.value import decode_into, encode, value_bytes
 from tierkv.tiers.ssd.record import Codec, CorruptRecord
+
+if TYPE_CHECKING:
+    from tierkv.config import RemoteConfig
 
 __all__ = ["RemoteTier", "connect", "INFO_EVERY"]
 
@@ -102,6 +105,7 @@ class RemoteTier:
         self._logged: set[str] = set()
         self._reader = cf.ThreadPoolExecutor(1, thread_name_prefix="tierkv-remote-reader")
         self._busy = 0  # reads submitted and not finished (a stuck one makes the next miss at once)
+        self._prober: cf.ThreadPoolExecutor | None = None
         self._cond = threading.Condition()
         self._queue: deque[tuple[bytes, bytes]] = deque()
         self._deletes: list[bytes] = []
@@ -113,6 +117,26 @@ class RemoteTier:
             if writer else None
         if self._writer is not None:
             self._writer.start()
+
+    @classmethod
+    def from_config(cls, cfg: "RemoteConfig", tier_ids: Sequence[str], block_nbytes: int, *,
+                    writer: bool = True) -> "RemoteTier":
+        """The tier ``remote.*`` describes, for the shard ``tier_ids[0]`` (a
+        :meth:`~tierkv.identity.Fingerprint.tier_id`); :meth:`probe` checks every shard in
+        ``tier_ids`` (a vLLM scheduler answers for all tensor-parallel ranks)."""
+        from tierkv.tiers.remote.value import key_prefix
+
+        assert cfg.url is not None, "remote.url is not set"
+        from tierkv.errors import ConfigError
+
+        prefixes = [key_prefix(t) for t in tier_ids]
+        try:
+            return cls(cfg.url, prefixes[0], block_nbytes, cluster=cfg.cluster, capacity_bytes=cfg.capacity or 0,
+                       compression=cfg.compression, level=cfg.level, timeout=cfg.timeout,
+                       connect_timeout=cfg.connect_timeout, queue_capacity_bytes=cfg.queue_capacity,
+                       batch_bytes=cfg.batch_bytes, probe_prefixes=prefixes, writer=writer)
+        except ValueError as exc:  # the client's own reading of the URL (its query options)
+            raise ConfigError(f"remote.url: {exc}") from None
 
     def key(self, key: bytes) -> bytes:
         return self.prefix + key
@@ -139,6 +163,19 @@ class RemoteTier:
         self.count("probes", len(keys))
         self.count("probe_hits", held)
         return held
+
+    def probe_async(self, keys: Sequence[bytes]) -> "cf.Future[int]":
+        """:meth:`probe` on a thread of its own: a caller that must never wait (a vLLM
+        scheduler) polls the future; it is done within the deadline of each batch."""
+        with self._lock:
+            if self._prober is None:
+                self._prober = cf.ThreadPoolExecutor(1, thread_name_prefix="tierkv-remote-probe")
+        try:
+            return self._prober.submit(self.probe, list(keys))
+        except RuntimeError:  # closed
+            done: cf.Future[int] = cf.Future()
+            done.set_result(0)
+            return done
 
     def get_into(self, keys: Sequence[bytes], rows: np.ndarray) -> int:
         """Read ``keys`` into ``rows[i]`` (``[len(keys), block_nbytes]`` uint8) up to the
@@ -390,6 +427,8 @@ class RemoteTier:
         if self._writer is not None:
             self._writer.join(timeout)
         self._reader.shutdown(wait=False, cancel_futures=True)
+        if self._prober is not None:
+            self._prober.shutdown(wait=False, cancel_futures=True)
         try:
             self.client.close()
         except Exception:  # pragma: no cover - closing a broken connection
