@@ -53,6 +53,7 @@ import logging
 import time
 from concurrent.futures import Executor as FuturesExecutor
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -506,8 +507,13 @@ class Copier:
             for job in self._loads:
                 if job.scattered is not None:
                     job.scattered.synchronize()
-            if self._last_io is not None:  # (its outcome is read by poll)
-                wait([self._last_io], timeout=max(0.0, deadline - time.monotonic()))
+            if self._last_io is not None:
+                try:
+                    self._last_io.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FuturesTimeout:
+                    raise
+                except Exception:  # the job failed: poll reads and reports its outcome
+                    pass
             step = self.poll()
             out.stored += step.stored
             out.lost += step.lost

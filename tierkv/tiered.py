@@ -181,14 +181,9 @@ class TieredKVCache:
                            queue_capacity_bytes=cfg.ssd.queue_capacity, block_nbytes=self.block_nbytes)
 
     def _open_remote(self) -> Any:
-        from tierkv.tiers.remote import RemoteTier, key_prefix
+        from tierkv.tiers.remote import RemoteTier
 
-        r = self.config.remote
-        assert r.url is not None
-        return RemoteTier(r.url, key_prefix(self.fingerprint.tier_id()), self.block_nbytes, cluster=r.cluster,
-                          capacity_bytes=r.capacity or 0, compression=r.compression, level=r.level, timeout=r.timeout,
-                          connect_timeout=r.connect_timeout, queue_capacity_bytes=r.queue_capacity,
-                          batch_bytes=r.batch_bytes)
+        return RemoteTier.from_config(self.config.remote, [self.fingerprint.tier_id()], self.block_nbytes)
 
     @property
     def remote(self) -> Any:

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from tierkv.tiers.remote.breaker import Breaker
-from tierkv.tiers.remote.value import decode_into, encode, value_bytes
-from tierkv.tiers.ssd.record import Codec, CorruptRecord
+from tierkv.tiers.remote.value import decode_into, seal, staged, value_bytes
+from tierkv.tiers.ssd.record import HEADER, Codec, CorruptRecord
 
 if TYPE_CHECKING:
     from tierkv.config import RemoteConfig
@@ -107,8 +107,9 @@ class RemoteTier:
         self._busy = 0  # reads submitted and not finished (a stuck one makes the next miss at once)
         self._prober: cf.ThreadPoolExecutor | None = None
         self._cond = threading.Condition()
-        self._queue: deque[tuple[bytes, bytes]] = deque()
+        self._queue: deque[tuple[bytes, bytearray]] = deque()
         self._deletes: list[bytes] = []
+        self._spare: list[bytearray] = []  # sent buffers, reused by put (at most a queue's worth)
         self._queued_bytes = 0
         self._writing = False
         self._closed = False
@@ -274,9 +275,12 @@ class RemoteTier:
             if self._queued_bytes + nbytes > self.queue_capacity:
                 self.counts["dropped_full"] += 1
                 return False
-            data = row.tobytes() if isinstance(row, np.ndarray) else bytes(row)
-            self._queue.append((self.key(key), data))
-            self._queued_bytes += nbytes
+            self._queued_bytes += nbytes  # reserved; copied without holding the lock
+        with self._cond:
+            spare = self._spare.pop() if self._spare else None
+        value = staged(row, spare)
+        with self._cond:
+            self._queue.append((self.key(key), value))
             self._cond.notify()
         self.count("puts")
         return True
@@ -302,7 +306,7 @@ class RemoteTier:
                 if self._closed and not self._queue and not self._deletes:
                     return
                 batch = [self._queue.popleft() for _ in range(min(self.batch_values, len(self._queue)))]
-                self._queued_bytes -= sum(len(v) for _, v in batch)
+                self._queued_bytes -= sum(len(v) - HEADER.size for _, v in batch)
                 deletes, self._deletes = self._deletes, []
                 self._writing = True
             try:
@@ -314,15 +318,15 @@ class RemoteTier:
                     self._writing = False
                     self._cond.notify_all()
 
-    def _write(self, batch: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
+    def _write(self, batch: list[tuple[bytes, bytearray]], deletes: list[bytes]) -> None:
         if not self.breaker.allow():
             self.count("dropped_breaker", len(batch))
             return
         try:
             pipe = self.client.pipeline(transaction=False)
             nbytes = 0
-            for nskey, raw in batch:
-                value = encode(nskey, raw, self.codec)
+            for nskey, buf in batch:
+                value = seal(nskey, buf, self.codec)
                 nbytes += len(value)
                 pipe.set(nskey, value, nx=True)
             for nskey in deletes:
@@ -332,6 +336,10 @@ class RemoteTier:
             self.count("put_failures", len(batch))
             self._failed("put", exc)
             return
+        finally:
+            with self._cond:  # the buffers are free again (the pipeline no longer refers to them)
+                room = max(0, self.queue_capacity // value_bytes(self.block_nbytes) - len(self._spare))
+                self._spare.extend(buf for _, buf in batch[:room])
         self._succeeded()
         written = sum(1 for r in results[:len(batch)] if r is True)
         failed = [r for r in results[:len(batch)] if isinstance(r, Exception)]

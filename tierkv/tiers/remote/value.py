@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from tierkv.tiers.ssd.record import HEADER, Codec, CorruptRecord, Header, checksum, namespace_of, pack_header
+from tierkv.tiers.ssd.record import HEADER, RAW, Codec, CorruptRecord, Header, checksum, namespace_of, pack_header
 
-__all__ = ["PREFIX", "key_prefix", "encode", "decode_into", "value_bytes"]
+__all__ = ["PREFIX", "key_prefix", "encode", "staged", "seal", "decode_into", "value_bytes"]
 
 PREFIX = b"tierkv:"
 
@@ -42,6 +42,27 @@ def encode(nskey: bytes, raw: Any, codec: Codec) -> bytes:
     kind, payload = codec.encode(raw)
     head = pack_header(kind, len(raw), len(payload), 0, checksum(nskey, raw), 0, 0)
     return b"".join((head, payload))
+
+
+def staged(row: Any, buf: bytearray | None = None) -> bytearray:
+    """A copy of ``row`` with room for the header in front (into ``buf`` when it has the
+    right size: a recycled buffer costs no page faults): what :func:`seal` turns into a
+    value without copying the block again."""
+    nbytes = int(getattr(row, "nbytes", len(row)))
+    if buf is None or len(buf) != HEADER.size + nbytes:
+        buf = bytearray(HEADER.size + nbytes)
+    np.frombuffer(buf, dtype=np.uint8, offset=HEADER.size)[:] = np.frombuffer(row, dtype=np.uint8).reshape(-1)
+    return buf
+
+
+def seal(nskey: bytes, buf: bytearray, codec: Codec) -> Any:
+    """The value of a :func:`staged` block: the header written in place when it is stored
+    raw, else :func:`encode`."""
+    raw = memoryview(buf)[HEADER.size:]
+    if codec.compression != "none":
+        return encode(nskey, raw, codec)
+    buf[:HEADER.size] = pack_header(RAW, len(raw), len(raw), 0, checksum(nskey, raw), 0, 0)
+    return memoryview(buf)
 
 
 def decode_into(nskey: bytes, value: bytes, into: np.ndarray, codec: Codec) -> None:
