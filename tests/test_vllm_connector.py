@@ -145,6 +145,7 @@ def test_tensor_parallel_ranks_each_own_a_tier(model: str, tmp_path: Path) -> No
     assert same(again, first)
 
 
+@pytest.mark.long
 def test_reset_with_the_connector_forgets_every_tier(model: str, baseline: dict[str, Any],
                                                     tmp_path: Path) -> None:
     """reset_prefix_cache(reset_connector=True), as after an in-place weight update: the
@@ -236,6 +237,7 @@ def _chat_trace(users: int, turns: int, seed: int = 3) -> list[list[int]]:
     return out
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("admission", ["on_compute", "on_evict"])
 def test_engine_loads_come_from_the_tiers_the_replay_predicts(model: str, tmp_path: Path, admission: str) -> None:
     """The real engine, one prompt per step: the tier every prompt's cached tokens came from

