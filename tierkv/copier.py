@@ -270,7 +270,7 @@ class Copier:
             if not self.ex.put_row(key, row(where, i)):
                 lost.append(("ssd", key))
         if sends:
-            self.ex._put_remote([k for k, _ in sends], [row(w, i) for _, (w, i) in sends])
+            self.ex.put_remote([k for k, _ in sends], [row(w, i) for _, (w, i) in sends])
         return lost
 
     # ------------------------------------------------------------------ remote fetches

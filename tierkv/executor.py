@@ -145,7 +145,7 @@ class Executor:
             self.slab.write([plan.cpu_slots[i] for i in idx], [plan.keys[i] for i in idx], rows, [i - lo for i in idx])
             self.count("blocks_stored_cpu", len(idx))
         if plan.to_remote:
-            self._put_remote([plan.keys[i] for i in range(lo, hi) if plan.to_remote[i]],
+            self.put_remote([plan.keys[i] for i in range(lo, hi) if plan.to_remote[i]],
                              [rows[i - lo] for i in range(lo, hi) if plan.to_remote[i]])
         lost: Lost = []
         for i in range(lo, hi):
@@ -181,7 +181,7 @@ class Executor:
             self.count("blocks_stored_ssd" if ok else "store_failures_ssd")
         return ok
 
-    def _put_remote(self, keys: Sequence[bytes], rows: Sequence[Any]) -> None:
+    def put_remote(self, keys: Sequence[bytes], rows: Sequence[Any]) -> None:
         """Queue blocks for the remote tier (write-behind; a refused put is counted, and the
         policy keeps no account of the remote tier to correct)."""
         if self.remote is None or not keys:

@@ -47,6 +47,7 @@ from tierkv.hashing import BlockHasher
 from tierkv.identity import Fingerprint
 from tierkv.metrics import TIERS, Lifecycle, LifecycleRecorder, TierKVCollector, lifecycle_sampling, policy_stats
 from tierkv.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, SHUTDOWN, PolicySpec, StorePlan, TierPolicy
+from tierkv.policy.events import REMOTE
 from tierkv.policy.seeding import SSDSeeding
 
 __all__ = ["TieredKVCache", "TieredAllocation", "library_fingerprint"]
@@ -113,7 +114,7 @@ class TieredKVCache:
                                        lifecycle_sampling(capacity[t])) for t in TIERS}
         self.policy = TierPolicy(spec, clock=self.clock,
                                  observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS})])
-        self._hits = {t: 0 for t in (*TIERS, "remote")} if spec.remote else {t: 0 for t in TIERS}
+        self._hits = dict.fromkeys((*TIERS, REMOTE) if spec.remote else TIERS, 0)
         self._queries = {"blocks": 0, "tokens": 0}
         self._gpu_evictions = 0
         self._stored_at_eviction = 0
@@ -241,8 +242,8 @@ class TieredKVCache:
         for tier in (load.tiers()[:result.loaded] if load is not None else ()):
             hit_blocks[tier] += 1
         if self.remote is not None:  # fetched into CPU slots just now: CPU loads of remote blocks
-            hit_blocks["remote"] = max(0, min(fetched, result.loaded - local))
-            hit_blocks["cpu"] -= hit_blocks["remote"]
+            hit_blocks[REMOTE] = max(0, min(fetched, result.loaded - local))
+            hit_blocks["cpu"] -= hit_blocks[REMOTE]
         self._count_query(len(alloc.block_ids), prompt.num_tokens, hit_blocks)
         self._pageout()
         events = [ev for ev in (self._pending_event(r) for r in alloc.block_ids[:cached]) if ev is not None]
