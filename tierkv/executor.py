@@ -21,6 +21,7 @@ disjoint, the SSD tier is thread-safe, and the counters take a lock.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 Lost = list[tuple[str, bytes]]
 _CHUNK_BYTES = 64 * 1024**2   # device rows read per copy while storing
+MAX_TAGS = 1 << 16             # SSD record tags waiting for their puts
 COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu", "blocks_stored_ssd", "blocks_spilled",
             "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures", "stores_dropped",
             "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d", "blocks_stored_remote", "store_failures_remote",
@@ -113,6 +115,7 @@ class Executor:
         self.remote = remote
         self.block_nbytes = device.block_nbytes if device is not None else (slab.block_nbytes if slab else 0)
         self._lock = threading.Lock()
+        self._tags: dict[bytes, bytes] = {}  # key -> tag for its SSD record (guarded by _lock)
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._logged: set[str] = set()
 
@@ -174,9 +177,22 @@ class Executor:
                 lost.append(("ssd", key))
         return lost
 
+    def add_tags(self, tags: dict[bytes, bytes]) -> None:
+        """Tags for the SSD records of blocks about to be stored (see ``SSDTier.put``), each
+        used by the next put of its key; at most :data:`MAX_TAGS` wait (the oldest go)."""
+        with self._lock:
+            self._tags.update(tags)
+            for key in list(itertools.islice(self._tags, max(0, len(self._tags) - MAX_TAGS))):
+                del self._tags[key]
+
     def put_row(self, key: bytes, row: Any, count_failure: bool = True) -> bool:
         """Queue one block for the SSD tier; False (counted) when it is refused."""
-        ok = self.ssd is not None and bool(self._safely("put", self.ssd.put, key, row))
+        tag = None
+        if self._tags:
+            with self._lock:
+                tag = self._tags.pop(key, None)
+        args = (key, row) if tag is None else (key, row, tag)
+        ok = self.ssd is not None and bool(self._safely("put", self.ssd.put, *args))
         if ok or count_failure:
             self.count("blocks_stored_ssd" if ok else "store_failures_ssd")
         return ok

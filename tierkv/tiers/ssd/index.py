@@ -8,6 +8,9 @@ Named databases:
   namespace ever opened.
 * ``head``: namespaced key -> the record's head (header + payload tail, see
   :mod:`tierkv.tiers.ssd.record`).
+* ``tag``: namespaced key -> what the writer of the record keeps beside it (optional,
+  a few hundred bytes at most: the vLLM plugin keeps a block's tokens there, to announce
+  it after a restart); written and deleted with the record's head.
 * ``lru``: 8-byte big-endian access clock -> namespaced key; its first entry
   is the least recently used record. A record's live entry is the one at the
   clock in its header; an entry at another clock is stale (left by a head
@@ -49,7 +52,7 @@ from tierkv.tiers.ssd.record import (CLOCK, HEAD_DTYPE, HEADER, NS_LEN, CorruptR
                                      Header, record_footprint)
 
 __all__ = ["Index", "WriteTxn", "IndexFailure", "MapFull", "DiskFull", "STATE", "MAX_KEY",
-           "prefix_counts", "pack_keys", "unpack_keys"]
+           "prefix_counts", "pack_keys", "unpack_keys", "pack_tags", "unpack_tags"]
 
 STATE = struct.Struct("<QQ")   # used bytes, access clock
 MAX_KEY = 511                   # LMDB's longest key (namespace prefix included)
@@ -108,6 +111,7 @@ class Index:
         self._meta: Any = None
         self._head: Any = None
         self._lru: Any = None
+        self._tag: Any = None
 
     # ------------------------------------------------------------------ open
 
@@ -126,6 +130,8 @@ class Index:
             self._meta = self._env.open_db(b"meta", create=create)
             self._head = self._env.open_db(b"head", create=create)
             self._lru = self._env.open_db(b"lru", create=create)
+            if create or b"tag" in self.names():  # (an index written before tags had none)
+                self._tag = self._env.open_db(b"tag", create=create)
 
     # ------------------------------------------------------------------ writes
 
@@ -134,7 +140,7 @@ class Index:
         """A write transaction, committed (with the ``state`` record) when the block
         exits normally and aborted when it raises."""
         with _lmdb_errors(), self._env.begin(write=True, buffers=True) as txn:
-            tx = WriteTxn(self._env, txn, self._meta, self._head, self._lru)
+            tx = WriteTxn(self._env, txn, self._meta, self._head, self._lru, self._tag)
             yield tx
             tx.save_state()
 
@@ -187,6 +193,13 @@ class Index:
             nskeys, heads = _range(txn.cursor(db=self._head), prefix)
         return [nskeys[i] for i in _by_clock(heads)]
 
+    def tags(self, prefix: bytes) -> tuple[list[bytes], list[bytes]]:
+        """Every ``(nskey, tag)`` of keys starting with ``prefix``, as two lists in key order."""
+        if self._tag is None:
+            return [], []
+        with _lmdb_errors(), self._env.begin() as txn:
+            return _range(txn.cursor(db=self._tag), prefix)
+
     def all_heads(self) -> tuple[list[bytes], list[bytes]]:
         """Every ``(nskey, head)`` of the index, as two lists in key order (one snapshot)."""
         with _lmdb_errors(), self._env.begin() as txn:
@@ -210,8 +223,9 @@ class WriteTxn:
     did not verify (its pages, unknown, stay taken until the next rebuild).
     """
 
-    def __init__(self, env: Any, txn: Any, meta: Any, head: Any, lru: Any) -> None:
+    def __init__(self, env: Any, txn: Any, meta: Any, head: Any, lru: Any, tag: Any = None) -> None:
         self._env, self._txn, self._meta, self._head, self._lru = env, txn, meta, head, lru
+        self._tag = tag
         state = txn.get(b"state", db=meta)
         self.used, self.clock = (0, 0) if state is None else STATE.unpack(state)
         self.freed: list[tuple[int, int]] = []
@@ -237,7 +251,7 @@ class WriteTxn:
     def drop_all(self) -> None:
         """Delete every record (and the ``body`` database of record format 1); reset the state."""
         import lmdb
-        for name in (b"head", b"lru", b"body"):
+        for name in (b"head", b"lru", b"tag", b"body"):
             try:
                 db = self._env.open_db(name, txn=self._txn, create=False)
             except lmdb.NotFoundError:
@@ -279,6 +293,9 @@ class WriteTxn:
             lru.append((pack(clock), e.nskey))
         heads.sort()
         self._txn.cursor(db=self._head).putmulti(heads)
+        tags = sorted((e.nskey, e.tag) for e in records if e.tag)
+        if tags and self._tag is not None:
+            self._txn.cursor(db=self._tag).putmulti(tags)
         added = self._txn.cursor(db=self._lru).putmulti(lru, append=True)[1]
         if added != len(lru):  # an entry at or past this clock (a damaged state record)
             self._txn.cursor(db=self._lru).putmulti(lru)
@@ -303,6 +320,7 @@ class WriteTxn:
         if head is not None:
             hdr = parse_head(bytes(head))
             self._txn.delete(nskey, db=self._head)
+            self._drop_tag(nskey)
             if hdr is not None:
                 self._drop_lru(nskey, hdr.clock)
 
@@ -347,6 +365,7 @@ class WriteTxn:
 
     def _remove(self, nskey: bytes, head: bytes, hdr: Header | None, lru_gone: bool) -> int:
         self._txn.delete(nskey, db=self._head)
+        self._drop_tag(nskey)
         self._count(nskey, -1)
         if hdr is None:
             self.leaked = True
@@ -359,6 +378,10 @@ class WriteTxn:
             footprint = record_footprint(len(nskey), hdr.payload_len)
         self.used -= footprint
         return footprint
+
+    def _drop_tag(self, nskey: bytes) -> None:
+        if self._tag is not None:
+            self._txn.delete(nskey, db=self._tag)
 
     def _drop_lru(self, nskey: bytes, clock: int) -> None:
         key = CLOCK.pack(clock)
@@ -412,19 +435,60 @@ def read_keys_lru(path: Path, prefix: bytes) -> list[bytes]:
         index.close()
 
 
+def read_tags(path: Path, prefix: bytes) -> tuple[list[bytes], list[bytes]]:
+    """:meth:`Index.tags` of the environment at ``path``, opened as :func:`read_keys_lru`
+    opens it. Raises :class:`IndexFailure`."""
+    index = Index(path, 0, readonly=True)
+    try:
+        if b"head" not in index.names():
+            return [], []
+        index.open_dbs(create=False)
+        return index.tags(prefix)
+    finally:
+        index.close()
+
+
 def _print_keys() -> None:
     """``python -c`` entry of :func:`tierkv.tiers.ssd.tier.read_keys`'s child: argv
     ``path prefix-hex``; the keys, without the prefix, on stdout (:func:`pack_keys`), exit
     3 on an LMDB error."""
+    _print(lambda path, prefix: pack_keys(read_keys_lru(path, prefix), len(prefix)))
+
+
+def _print_tags() -> None:
+    """The same for :func:`tierkv.tiers.ssd.tier.read_tags`: :func:`pack_tags` on stdout."""
+    _print(lambda path, prefix: pack_tags(*read_tags(path, prefix), len(prefix)))
+
+
+def _print(read: Any) -> None:
     import sys
 
     prefix = bytes.fromhex(sys.argv[2])
     try:
-        keys = read_keys_lru(Path(sys.argv[1]), prefix)
+        out = read(Path(sys.argv[1]), prefix)
     except IndexFailure as exc:
         print(exc, file=sys.stderr)
         sys.exit(3)
-    sys.stdout.buffer.write(pack_keys(keys, len(prefix)))
+    sys.stdout.buffer.write(out)
+
+
+def pack_tags(nskeys: Sequence[bytes], tags: Sequence[bytes], strip: int) -> bytes:
+    """Keys (without their first ``strip`` bytes) and their tags in one buffer: the keys'
+    :func:`pack_keys` buffer's length, that buffer, then the tags' (``u16`` lengths)."""
+    keys = pack_keys(nskeys, strip)
+    return _COUNT.pack(len(keys)) + keys + pack_keys(tags, 0)
+
+
+def unpack_tags(data: bytes) -> dict[bytes, bytes]:
+    """The ``key -> tag`` map :func:`pack_tags` packed. Raises ``ValueError`` for anything else."""
+    if len(data) < _COUNT.size:
+        raise ValueError(f"{len(data)} bytes")
+    (n,) = _COUNT.unpack_from(data)
+    keys = unpack_keys(data[_COUNT.size:_COUNT.size + n])
+    tags = unpack_keys(data[_COUNT.size + n:])
+    if len(keys) != len(tags):
+        raise ValueError(f"{len(keys)} keys, {len(tags)} tags")
+    return dict(zip(keys, tags))
 
 
 _COUNT = struct.Struct("<Q")

@@ -303,9 +303,9 @@ class Encoded:
     body, tail and footprint."""
 
     __slots__ = ("nskey", "codec", "raw_len", "payload_len", "tail_len", "checksum", "page",
-                 "pages", "body", "tail", "footprint")
+                 "pages", "body", "tail", "footprint", "tag")
 
-    def __init__(self, nskey: bytes, raw: bytes | bytearray, codec: Codec) -> None:
+    def __init__(self, nskey: bytes, raw: bytes | bytearray, codec: Codec, tag: bytes | None = None) -> None:
         kind, payload = codec.encode(raw)
         size = len(payload)
         ntail = split_tail(size)
@@ -325,6 +325,7 @@ class Encoded:
             self.body = payload
             self.tail = b""
         self.footprint = record_footprint(len(nskey), size)
+        self.tag = tag
 
     @property
     def header(self) -> Header:

@@ -65,9 +65,10 @@ from tierkv.tiers.ssd.walk import child_command
 from tierkv.tiers.ssd.writequeue import WriteQueue
 from tierkv.tiers.ssd.writer import Writer
 
-__all__ = ["SSDTier", "read_keys", "check_path", "MAX_KEY_LEN"]
+__all__ = ["SSDTier", "read_keys", "read_tags", "check_path", "MAX_KEY_LEN", "MAX_TAG_LEN"]
 
 MAX_KEY_LEN = MAX_KEY - NS_LEN   # longest key a caller may use
+MAX_TAG_LEN = 4096               # longest tag kept beside a record
 RECOVER_INLINE_BYTES = 16 * 1024**2   # larger indexes recover in the background
 
 log = logging.getLogger("tierkv.tiers.ssd")
@@ -192,8 +193,12 @@ class SSDTier:
 
     # ================================================================== writes
 
-    def put(self, key: bytes, data: Any) -> bool:
+    def put(self, key: bytes, data: Any, tag: bytes | None = None) -> bool:
         """Queue one block for writing; return True if it is stored or will be.
+
+        ``tag``: at most :data:`MAX_TAG_LEN` bytes kept beside the record, written and
+        deleted with it, not verified (what the caller needs to describe the block after
+        a restart, see :meth:`tags`); not counted against the capacity.
 
         ``data`` (bytes-like, numpy array or CPU tensor) is copied before this
         returns, so the caller may reuse its buffer. A key already stored or
@@ -204,6 +209,9 @@ class SSDTier:
         :data:`MAX_KEY_LEN`, and for data of the wrong size.
         """
         _check_key(key, "key")
+        if tag is not None and (not isinstance(tag, bytes) or len(tag) > MAX_TAG_LEN):
+            raise ValueError(f"tag: expected bytes of at most {MAX_TAG_LEN}, got "
+                             f"{type(tag).__name__} of {len(tag) if isinstance(tag, bytes) else '?'}")
         size = nbytes(data)
         if self.block_nbytes is not None and size != self.block_nbytes:
             raise ValueError(f"data: expected {self.block_nbytes} bytes, got {size}")
@@ -219,7 +227,7 @@ class SSDTier:
         if queue.has_put(nskey):  # a stored key is found by the writer: an access too
             health.count("puts_present")
             queue.touch(nskey)
-        elif not queue.put(nskey, self._owned(data)):
+        elif not queue.put(nskey, self._owned(data), tag):
             health.count("dropped_queue_full")
             return False
         return True
@@ -354,6 +362,20 @@ class SSDTier:
                 self._health.count("read_errors")
                 self._health.log_once("read", "read failed, reporting misses: %s", exc)
                 return iter(())
+
+    def tags(self) -> dict[bytes, bytes]:
+        """The tags of this fingerprint's committed records (see :meth:`put`); empty when
+        the index cannot be read."""
+        with self._using() as files:
+            if files is None:
+                return {}
+            try:
+                nskeys, tags = files.index.tags(self._ns)
+            except IndexFailure as exc:
+                self._health.count("read_errors")
+                self._health.log_once("read", "read failed, reporting misses: %s", exc)
+                return {}
+        return {k[NS_LEN:]: t for k, t in zip(nskeys, tags)}
 
     # ================================================================== lifecycle
 
@@ -504,21 +526,35 @@ def read_keys(path: str | os.PathLike[str], fingerprint: str | bytes, *,
     owner's ``lock.mdb`` (shared memory); where there is none it opens without one.
     Raises ``OSError`` when the keys cannot be read."""
     from tierkv.tiers.ssd.index import unpack_keys
+    return _read_beside(path, fingerprint, "keys", unpack_keys, [], timeout)
+
+
+def read_tags(path: str | os.PathLike[str], fingerprint: str | bytes, *,
+              timeout: float = 600.0) -> dict[bytes, bytes]:
+    """:meth:`SSDTier.tags` of the tier at ``path``, read beside its owner as
+    :func:`read_keys` reads keys. Raises ``OSError`` when they cannot be read."""
+    from tierkv.tiers.ssd.index import unpack_tags
+    return _read_beside(path, fingerprint, "tags", unpack_tags, {}, timeout)
+
+
+def _read_beside(path: str | os.PathLike[str], fingerprint: str | bytes, what: str,
+                 unpack: Any, empty: Any, timeout: float) -> Any:
+    """Run the index's ``_print_<what>`` child on the tier at ``path`` and unpack its output."""
     where = Path(os.path.expanduser(os.fspath(path))).absolute()
     if not (where / "data.mdb").exists():
-        return []
+        return empty
     prefix = namespace_of(_check_fingerprint(fingerprint))
-    code = "from tierkv.tiers.ssd.index import _print_keys; _print_keys()"
+    code = f"from tierkv.tiers.ssd.index import _print_{what}; _print_{what}()"
     try:
         proc = subprocess.run(child_command(code, str(where), prefix.hex()),
                               capture_output=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise OSError(f"reading the keys of {where} took over {timeout:g} s") from None
+        raise OSError(f"reading the {what} of {where} took over {timeout:g} s") from None
     if proc.returncode != 0:
         why = proc.stderr.decode(errors="replace").strip().splitlines()
-        raise OSError(f"cannot read the keys of {where}: "
+        raise OSError(f"cannot read the {what} of {where}: "
                       f"{why[-1] if why else f'exit {proc.returncode}'}")
     try:
-        return unpack_keys(proc.stdout)
+        return unpack(proc.stdout)
     except ValueError as exc:  # anything else on the child's stdout
-        raise OSError(f"cannot read the keys of {where}: unexpected output ({exc})") from None
+        raise OSError(f"cannot read the {what} of {where}: unexpected output ({exc})") from None

@@ -62,13 +62,15 @@ _GIL_COPY_BYTES = 256 * 1024  # blocks up to this size are copied without releas
 
 class Put:
     """One queued block. ``taken`` once the writer has it; ``live`` until cancelled;
-    ``discarded`` when a discard of its key came after the writer took it."""
+    ``discarded`` when a discard of its key came after the writer took it; ``tag``: what
+    the caller keeps beside the record (see :meth:`tierkv.tiers.ssd.tier.SSDTier.put`)."""
 
-    __slots__ = ("nskey", "raw", "taken", "live", "discarded")
+    __slots__ = ("nskey", "raw", "tag", "taken", "live", "discarded")
 
-    def __init__(self, nskey: bytes, raw: bytes | bytearray) -> None:
+    def __init__(self, nskey: bytes, raw: bytes | bytearray, tag: bytes | None = None) -> None:
         self.nskey = nskey
         self.raw = raw
+        self.tag = tag
         self.taken = False
         self.live = True
         self.discarded = False
@@ -125,7 +127,7 @@ class WriteQueue:
         """Some deletion was asked for and is not yet committed."""
         return bool(self._discards or self._discarding)
 
-    def put(self, nskey: bytes, data: bytes | bytearray | np.ndarray) -> bool:
+    def put(self, nskey: bytes, data: bytes | bytearray | np.ndarray, tag: bytes | None = None) -> bool:
         """Queue a block for ``nskey``: ``data`` is kept as it is (bytes-likes: the queue
         now owns them) or copied (a C-contiguous array: into a recycled buffer when one
         fits). False, queueing nothing, when the queue is full, stopped or failed; True
@@ -147,7 +149,7 @@ class WriteQueue:
                 return True
             if small:
                 raw = self._copy_small(data)
-            ready = self._append(Put(nskey, raw))
+            ready = self._append(Put(nskey, raw, tag))
         if ready and small:
             time.sleep(0)
         return True

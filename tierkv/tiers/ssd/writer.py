@@ -170,7 +170,7 @@ class Writer:
     def _encode(self, batch: list["Put"]) -> list[Encoded]:
         """Compress and checksum a batch."""
         codec = self.codec
-        return self.coders.map(lambda item: Encoded(item.nskey, item.raw, codec), batch)
+        return self.coders.map(lambda item: Encoded(item.nskey, item.raw, codec, item.tag), batch)
 
     # ================================================================== commits
 
