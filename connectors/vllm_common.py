@@ -347,6 +347,8 @@ class TierKVMetadata(KVConnectorMetadata):
     ``reset``: delete every record of the worker's SSD tier first (the weights changed:
     records the policy no longer knew of are stale too, and a put of a key still on
     disk only refreshes it).
+    ``tags``: key -> what to keep beside the SSD record of a block these plans (or a later
+    step's spill) write there (with KV-cache events on: see :mod:`tierkv.connectors.vllm_events`).
     ``reused``: device blocks vLLM handed out again in this step (the workers' forward
     must not rewrite them before pending copies out of them ran); None: not known, so
     every block with a pending copy is treated as reused.
@@ -359,6 +361,7 @@ class TierKVMetadata(KVConnectorMetadata):
     reset: bool = False
     reused: list[int] | None = None
     resident: ResidentDelta = field(default_factory=ResidentDelta)
+    tags: dict[bytes, bytes] = field(default_factory=dict)
     prepared: bool = False  # set by the worker once the pre-forward part ran
 
 

@@ -171,6 +171,9 @@ class TierKVConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool:
         return self.scheduler.reset_cache()
 
+    def take_events(self) -> list[Any]:
+        return self.scheduler.take_events() if self._scheduler is not None else []
+
     # ------------------------------------------------------------------ stats (both sides, see vllm_metrics)
 
     def get_kv_connector_stats(self) -> TierKVStats | None:

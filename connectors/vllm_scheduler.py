@@ -48,6 +48,7 @@ from tierkv.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampling, pol
 from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, FetchPlan, LoadPlan, StorePlan, TierPolicy
 from tierkv.policy.seeding import SSDSeeding
 
+from tierkv.connectors.vllm_events import KVEvents, events_enabled
 from tierkv.connectors.vllm_common import (
     ResidentMap,
     TierKVMetadata,
@@ -178,11 +179,36 @@ class TierKVScheduler:
                                        recovering_ssd_tiers(cfg, self._ranks))
             self._ssd_evictions = self._seeding.start()
         self._reset_ssd = False
+        self._events = self._kv_events(vllm_config, spec, kv_cache_config)
         self._remote = RemoteLookups(self, cfg) if self.policy.spec.remote else None
         self._metrics_server = self._start_metrics(cfg.metrics.port)
         log.info("tierkv scheduler: %s; block %d bytes; %s admission; %d CPU slots, %d SSD blocks (%d held)",
                  self.fingerprint.describe(), self.block_nbytes, self.policy.spec.admission,
                  self.policy.spec.cpu_slots, self.policy.spec.ssd_slots, self.policy.occupancy()["ssd"])
+
+    def _kv_events(self, vllm_config: "VllmConfig", spec: Any, kv_cache_config: "KVCacheConfig") -> KVEvents | None:
+        """The KV-event consumer when vLLM publishes KV-cache events (it then also announces
+        what the SSD tier holds from before this start)."""
+        if not events_enabled(vllm_config):
+            return None
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        capacity = int(kv_cache_config.num_blocks) + spec.cpu_slots + spec.ssd_slots
+        events = KVEvents(self.policy, self.block_size, capacity,
+                          get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo))
+        if self.policy.ssd is not None:
+            from tierkv.connectors.vllm_worker import read_ssd_tags
+
+            events.announce_from(lambda: read_ssd_tags(self.cfg, self.fingerprint, self._ranks[0]))
+        log.info("tierkv: KV-cache events for the tiers below the GPU (tags of up to %d blocks, "
+                 "~%d MiB)", capacity, capacity * 400 >> 20)
+        return events
+
+    def take_events(self) -> list[Any]:
+        """KV-cache events of the tiers below (vLLM's ``take_events`` hook)."""
+        if self._events is None:
+            return []
+        return self._events.take(self._seeding is not None and self._seeding.pending)
 
     def _start_metrics(self, port: int | None) -> Any:
         if port is None:
@@ -251,6 +277,8 @@ class TierKVScheduler:
         st = self._reqs[req_id]
         keys = st.hashes
         self._resident.add(block_ids[:first], keys[:first])
+        if self._events is not None:
+            self._events.record(request, keys, 0, first + num_external_tokens // self.block_size)
         st.handled = max(st.handled, first + num_external_tokens // self.block_size)  # not computed now
         self.policy.touch(keys[:first])
         self._resident.used(block_ids[:first])
@@ -314,6 +342,8 @@ class TierKVScheduler:
             if window:
                 self._offer(window, PAGEOUT, meta.stores)
         meta.resident = self._resident.take_delta()
+        if self._events is not None and self.policy.ssd is not None:
+            meta.tags = self._events.ssd_tags([*meta.loads, *meta.early_stores, *meta.stores])
         return meta
 
     def _offer(self, blocks: list[tuple[int, bytes]], reason: str, plans: list[StorePlan]) -> None:
@@ -365,6 +395,8 @@ class TierKVScheduler:
         block_ids = self._manager.get_block_ids(req_id)[0]
         hashes = self._hashes(st, full)
         new = list(zip(block_ids[st.handled:full], hashes[st.handled:full]))
+        if self._events is not None:
+            self._events.record(st.request, hashes, st.handled, full)
         out.extend(new)
         self._resident.add([b for b, _ in new], [k for _, k in new])
         st.handled = full
@@ -397,6 +429,8 @@ class TierKVScheduler:
                 plan = self._stores.pop(plan_id, None)
                 if plan is not None:
                     self.policy.complete_store(plan)
+                    if self._events is not None:
+                        self._events.completed(plan)
             self.policy.forget_pairs(meta.lost)
             if self._remote is not None:
                 self._remote.reported(meta.fetched)
@@ -412,6 +446,8 @@ class TierKVScheduler:
         failed on, vLLM recomputes, and those blocks are offered as computed then."""
         loaded = plan.loaded(lost)
         self.policy.complete_load(plan, lost, loaded)
+        if self._events is not None:
+            self._events.completed(plan, loaded)
         for tier in plan.tiers()[:loaded]:
             self._hits[tier] += 1
         self._resident.add(plan.block_ids[:loaded], plan.keys[:loaded])
@@ -523,6 +559,8 @@ class RemoteLookups:
             if plan is None:
                 continue
             self.owner.policy.complete_fetch(plan, got)
+            if self.owner._events is not None:
+                self.owner._events.completed(plan, got)
             self.blocks_fetched += got
             if plan.req_id in self.owner._reqs:
                 self._done.add(plan.req_id)

@@ -54,7 +54,7 @@ from tierkv.tiers.host import HostSlab
 from tierkv.errors import ConfigError, config_keys
 from tierkv.identity import Fingerprint
 from tierkv.tiers.ssd import SSDTier
-from tierkv.tiers.ssd.tier import read_keys
+from tierkv.tiers.ssd.tier import read_keys, read_tags
 from tierkv.streams import Event, streams_for
 
 from tierkv.connectors.kv_layout import KVLayout, LayoutRows
@@ -144,6 +144,14 @@ def read_ssd_keys(cfg: TierKVConfig, fingerprint: Fingerprint, ranks: Sequence[R
     whole = [k for k in per_rank[0] if k in common]
     partial = list(dict.fromkeys(k for keys in per_rank for k in keys if k not in common))
     return whole, partial
+
+
+def read_ssd_tags(cfg: TierKVConfig, fingerprint: Fingerprint, rank: Rank) -> dict[bytes, bytes]:
+    """The tags kept beside the records of ``rank``'s SSD tier (key -> tag), read as
+    :func:`read_ssd_keys` reads keys. Raises ``OSError`` when they cannot be read."""
+    path = rank.ssd_dir(ssd_root(cfg))
+    tier = _SHARED.get(str(path))
+    return tier.tags() if tier is not None else read_tags(path, rank.tier_id(fingerprint))
 
 
 def _this_rank(vllm_config: "VllmConfig") -> Rank:
@@ -317,6 +325,8 @@ class TierKVWorker:
         forward (and its loads) rewrite them only after the gathers out of them ran."""
         copier = self._copier()
         self._mirror_apply(meta.resident)
+        if meta.tags and self.executor is not None:
+            self.executor.add_tags(meta.tags)
         if meta.reset:
             copier.discard_all()
         if meta.ssd_evictions:

@@ -98,7 +98,64 @@ def _make_llm(spec: dict[str, Any]) -> Any:
     if spec.get("tierkv") is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config(spec["tierkv"],
                                                           module_path=spec.get("module_path", True))
+    if spec.get("kv_events"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                    endpoint=spec["kv_events"], topic="kv")
     return LLM(**kwargs)
+
+
+class EventSubscriber:
+    """A router's view of the engine's KV-cache events: a ZMQ SUB socket on ``endpoint``,
+    batches decoded with vLLM's own decoder, kept as plain dicts (``type`` and the fields)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import threading
+
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.connect(endpoint)
+        self.events: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(50):
+                continue
+            frames = self._sock.recv_multipart()
+            for event in decoder.decode(frames[-1]).events:
+                fields = {f: getattr(event, f) for f in event.__struct_fields__}
+                self.events.append({"type": type(event).__name__, **fields})
+
+    def take(self, quiet_s: float = 0.5) -> list[dict[str, Any]]:
+        """The events received so far, once none arrived for ``quiet_s``."""
+        import time
+
+        n = -1
+        while n != len(self.events):
+            n = len(self.events)
+            time.sleep(quiet_s)
+        out, self.events = self.events[:n], self.events[n:]
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(0)
+        self._ctx.term()
 
 
 def _external_hits(llm: Any) -> int:
@@ -162,6 +219,7 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
     hook_steps = _time_worker_hooks() if spec.get("hook_timing") else []
+    events = EventSubscriber(spec["kv_events"]) if spec.get("kv_events") else None
     llm = _make_llm(spec)
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, logprobs=0)
     results: list[Any] = []
@@ -192,11 +250,25 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
             "by_source": {k: v for k, v in by_source.items() if v},
             "seconds": elapsed,
             "hook_seconds": list(hook_steps),
+            **({"events": _jsonable(events.take())} if events is not None else {}),
         })
+    if events is not None:
+        events.close()
     return {"steps": results, "pid": os.getpid(), "engine_pids": _worker_pids(llm),
             "num_gpu_blocks": _num_gpu_blocks(llm),
             "executor": llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
             "threads": [dict(t) for t in llm.collective_rpc(_thread_binding)]}
+
+
+def _jsonable(value: Any) -> Any:
+    """Events as JSON can carry them (bytes as hex)."""
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
 
 
 def _sleep_cycle(llm: Any) -> dict[str, Any]:

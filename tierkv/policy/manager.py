@@ -121,6 +121,14 @@ class TierPolicy:
             return "ssd"
         return None
 
+    def add_observer(self, observer: Observer) -> None:
+        """Send every later event batch to ``observer`` too."""
+        self._observers.append(observer)
+
+    def held_in(self, tier: str, key: bytes) -> bool:
+        """Does lower tier ``tier`` (``cpu``/``ssd``) hold ``key``?"""
+        return key in (self._cpu if tier == "cpu" else self._ssd)
+
     @property
     def pageout_blocks(self) -> int:
         """How many least recently used free device blocks a driver offers for page-out."""

