@@ -141,9 +141,15 @@ class KVEvents:
         those that have none yet."""
         tags = self.tags
         vhashes = request.block_hashes
-        hi = min(hi, len(keys), len(vhashes))
         tokens = request.all_token_ids
         bs = self.block_size
+        if len(vhashes) != len(tokens) // bs:  # vLLM hashes in blocks of another size (hybrid models)
+            if not self.counts["untagged"]:
+                log.warning("tierkv: vLLM hashes blocks of %d tokens, not %d: the tiers below are "
+                            "not announced", len(tokens) // max(1, len(vhashes)), bs)
+            self.counts["untagged"] += hi - lo
+            return
+        hi = min(hi, len(keys), len(vhashes))
         for i in range(lo, hi):
             key = keys[i]
             if key in tags:
