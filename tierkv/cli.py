@@ -147,6 +147,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     admission = None if args.admission in (None, "both") else args.admission
     options = ReplayOptions(decode_s_per_token=args.decode_ms_per_token / 1000.0, payload=args.payload,
                             payload_block_bytes=args.payload_block_bytes, admission=admission)
+    if args.replicas is not None:
+        return _bench_replicas(args, config, options, progress)
     trace = _load_trace(args, config, progress)
     t_load = time.perf_counter() - t0
     in_memory = args.trace is None  # a file is read (with its own progress) as the analysis goes
@@ -174,6 +176,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _write_json(args.json, report)
     if not args.quiet and args.json != "-":
         sys.stdout.write(render_text(report))
+    return 0
+
+
+def _bench_replicas(args: argparse.Namespace, config: Any, options: Any, progress: Progress) -> int:
+    """``tierkv bench --replicas N``: the fleets of :mod:`tierkv.bench.replicas`."""
+    from tierkv.bench.replay import ReplayError
+    from tierkv.bench.replicas import ROUTINGS, render_replicas, replay_replicas, replicas_report
+
+    for flag, given in (("--admission both", args.admission == "both"), ("--plot", args.plot),
+                        ("--payload", args.payload)):
+        if given:
+            raise ReplayError(f"{flag}: not with --replicas")
+    trace = _load_trace(args, config, progress)
+    routings = ROUTINGS if args.routing == "both" else (args.routing,)
+    try:
+        res = replay_replicas(trace, config, args.replicas, options, routings,
+                              progress=progress.phase("replay", trace.num_requests) if args.trace is None else None)
+    finally:
+        progress.done()
+    report = replicas_report(res)
+    if args.json:
+        _write_json(args.json, report)
+    if not args.quiet and args.json != "-":
+        sys.stdout.write(render_replicas(report))
     return 0
 
 
@@ -312,6 +338,11 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     cfg.add_argument("--decode-ms-per-token", type=_finite(0, True), default=20.0,
                      help="a request holds its GPU blocks for output_length x this (default: 20)")
     cfg.add_argument("--payload", action="store_true", help="move real bytes through the CPU slab and the SSD tier")
+    cfg.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
+                     help="replay on N replicas sharing a remote tier of remote.capacity, with and without it")
+    cfg.add_argument("--routing", choices=("round_robin", "prefix", "both"), default="both",
+                     help="how --replicas routes requests: round robin, to the replica holding the longest "
+                          "prefix, or both side by side (default: both)")
     cfg.add_argument("--payload-block-bytes", type=_block_bytes, default="16KiB", metavar="SIZE",
                      help="bytes per block with --payload (default: 16KiB)")
     out = p.add_argument_group("output")

@@ -62,8 +62,10 @@ from tierkv.bench.lifelog import LifecycleLog
 from tierkv.bench.stats import Quantiles
 from tierkv.metrics import TIERS, LifecycleRecorder, policy_stats
 from tierkv.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, LoadPlan, PolicySpec, StorePlan, TierPolicy
+from tierkv.policy.events import REMOTE
 
 if TYPE_CHECKING:
+    from tierkv.bench.replicas import SharedRemote
     from tierkv.bench.traces import Request, Trace, TraceReader
 
 __all__ = ["TIERS", "MISS_REASONS", "ReplayError", "ReplayOptions", "ReplayResult", "Replayer", "config_for_trace",
@@ -243,10 +245,14 @@ class Replayer:
 
     Made by :func:`replaying`, which sets :attr:`result` when it exits."""
 
-    def __init__(self, block_size: int, cfg: TierKVConfig, opts: ReplayOptions, executor: Executor) -> None:
+    def __init__(self, block_size: int, cfg: TierKVConfig, opts: ReplayOptions, executor: Executor,
+                 remote: "SharedRemote | None" = None) -> None:
         self.block_size, self.opts = block_size, opts
         self.now = 0.0
         self.spec = policy_spec(cfg)
+        self.remote = remote  # the shared tier of several replicas (tierkv.bench.replicas)
+        if remote is not None:
+            self.spec = dataclasses.replace(self.spec, remote=True)
         self.tracker = _Tracker()
         self.lifecycle = {t: LifecycleLog() for t in TIERS}
         self._left: list[tuple[list[bytes], str]] = []
@@ -257,7 +263,7 @@ class Replayer:
                                             self._observe])
         self.executor = executor
         self.running: list[tuple[float, int]] = []
-        self.hit_blocks = dict.fromkeys(TIERS, 0)
+        self.hit_blocks = dict.fromkeys((*TIERS, REMOTE) if remote is not None else TIERS, 0)
         self.reasons = dict.fromkeys(MISS_REASONS, 0)
         self.forced = self.peak = self.rejected = self.rejected_max = 0
         self.request_hits: list[dict[str, int]] | None = [] if opts.record_requests else None
@@ -312,8 +318,7 @@ class Replayer:
         self.policy.forget_pairs(self.executor.take_lost())  # what the SSD tier dropped on its own
         self.finish_until(r.timestamp)
         self.now = max(self.now, r.timestamp)
-        n_tokens = r.input_length if r.token_based else len(r.blocks) * self.block_size
-        prompt = Prompt([b.to_bytes(8, "little") for b in r.blocks], n_tokens, r.hittable)
+        prompt = self.prompt_of(r)
         needed = self.manager.blocks_needed(prompt)
         if needed > self.gpu_blocks:
             self.rejected += 1
@@ -329,11 +334,39 @@ class Replayer:
         heapq.heappush(self.running, (r.timestamp + r.output_length * self.opts.decode_s_per_token, rid))
         self.peak = max(self.peak, len(self.running))
 
+    def prompt_of(self, r: "Request") -> Prompt:
+        n_tokens = r.input_length if r.token_based else len(r.blocks) * self.block_size
+        return Prompt([b.to_bytes(8, "little") for b in r.blocks], n_tokens, r.hittable)
+
+    def held_prefix(self, prompt: Prompt) -> int:
+        """Blocks of ``prompt``'s prefix this replica holds, in its pool or below (what a
+        prefix-aware router reads from its KV-cache events). Pure."""
+        gpu = self.manager.lookup(prompt)
+        return gpu + len(self.policy.lookup(prompt.hashes[gpu:prompt.cap]))
+
+    def _fetch(self, prompt: Prompt, gpu_hits: int, below: list[str]) -> set[bytes]:
+        """What the shared tier holds after the local prefix, fetched into CPU slots as the
+        vLLM scheduler fetches it (the local prefix touched first); returns the keys fetched."""
+        assert self.remote is not None
+        start = gpu_hits + len(below)
+        held = self.remote.held_prefix(prompt.hashes[start:prompt.cap])
+        if not held:
+            return set()
+        self.policy.touch(prompt.hashes[gpu_hits:start])
+        plan = self.policy.prepare_fetch(prompt.hashes[start:start + held])
+        self.policy.complete_fetch(plan, self.executor.fetch(plan))
+        return set(plan.keys)
+
     def _schedule(self, rid: str, prompt: Prompt) -> int:
         """Steps A (prefix + loads) and B (the rest, computed); returns the blocks served from cache."""
         manager, policy = self.manager, self.policy
         gpu_hits = manager.lookup(prompt)
         below = policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
+        fetched: set[bytes] = set()
+        if self.remote is not None and gpu_hits + len(below) < prompt.cap:
+            fetched = self._fetch(prompt, gpu_hits, below)
+            if fetched:
+                below = policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
         if below:
             alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, num_external=len(below),
                                                         num_blocks=gpu_hits + len(below)))
@@ -354,6 +387,9 @@ class Replayer:
         self._note_computed(computed)
         self._end_step(computed, None)
         self.hit_blocks["gpu"] += gpu_hits
+        if fetched:  # fetched blocks are served from CPU slots, but came from the shared tier
+            below = [REMOTE if t == "cpu" and k in fetched else t
+                     for t, k in zip(below, prompt.hashes[gpu_hits:gpu_hits + len(below)])]
         for tier in below[:loaded]:
             self.hit_blocks[tier] += 1
         if self.request_hits is not None:
@@ -378,6 +414,8 @@ class Replayer:
             if window:
                 plans.append(policy.prepare_store([b for b, _ in window], [h for _, h in window], PAGEOUT))
         results = [(plan, self.executor.store(plan) if not plan.empty else []) for plan in plans]
+        if self.remote is not None:
+            self.remote.put_many([k for plan in plans for i, k in enumerate(plan.keys) if plan.remote(i)])
         loaded = 0
         if load is not None:
             result = self.executor.load(load)
@@ -471,16 +509,19 @@ def _checked(config: TierKVConfig, block_size: int, admission: str | None) -> tu
 
 
 @contextlib.contextmanager
-def replaying(config: TierKVConfig, block_size: int,
-              options: ReplayOptions = ReplayOptions()) -> Iterator[Replayer]:
+def replaying(config: TierKVConfig, block_size: int, options: ReplayOptions = ReplayOptions(),
+              remote: "SharedRemote | None" = None) -> Iterator[Replayer]:
     """A :class:`Replayer` of ``config`` for a trace of ``block_size``-token blocks: call its
     ``step`` with each request in arrival order; on exit its ``result`` holds the
-    :class:`ReplayResult` (the payload tiers, if any, are closed and removed)."""
+    :class:`ReplayResult` (the payload tiers, if any, are closed and removed). ``remote``:
+    the shared tier this replica stores to and fetches from (no bytes: not with payload)."""
     cfg, caps = _checked(config, block_size, options.admission)
+    if remote is not None and options.payload:
+        raise ReplayError("--payload: a replay with a shared remote tier moves no bytes")
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-") as tmp:
         run_cfg = _payload_config(cfg, options.payload_block_bytes, tmp) if options.payload else cfg
         executor = _payload_executor(run_cfg) if options.payload else NullExecutor()
-        rp = Replayer(block_size, run_cfg, options, executor)
+        rp = Replayer(block_size, run_cfg, options, executor, remote)
         try:
             yield rp
         finally:
