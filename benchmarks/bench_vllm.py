@@ -9,7 +9,11 @@ prefill costs real compute; a ~3K-token prompt; greedy, one output token.
 * SSD tier: a new engine process with the same SSD path (its CPU tier empty),
   the SSD files' pages dropped from the OS cache first (``POSIX_FADV_DONTNEED``);
   it first loads another stored long prompt (warming the long-sequence path
-  and the load code), then the timed prompt, whose records are still cold.
+  and the load code), then the timed prompt, whose records are still cold;
+* remote tier: a real ``valkey-server`` on loopback (``tests/valkey_server.py``);
+  engine A (its own SSD path) serves both long prompts and writes them to the
+  shared tier; a new engine B with another SSD path and an empty DRAM tier
+  fetches the warm-up prompt from it, then the timed one.
 
 Then the time each decode step spends inside tierkv's worker-side hooks (the
 sum over the hooks vLLM calls in a step, median and P99 in microseconds), with
@@ -51,6 +55,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from benchutil import drop_page_cache  # noqa: E402
+from valkey_server import ValkeyServer  # noqa: E402
 from vllm_util import build_tiny_llama, random_token_prompt, run_in_subprocess  # noqa: E402
 
 
@@ -153,9 +158,18 @@ def main(argv: list[str] | None = None) -> int:
                                                  {"prompts": [prompt]}]})["steps"]
     ssd_step = ssd_run[2]
 
+    with ValkeyServer(maxmemory="1gb") as server:
+        shared = {"cpu.capacity": "2GiB", "ssd.capacity": "4GiB", "remote.url": server.url}
+        engines.run("remote writer", {**common, "tierkv": {**shared, "ssd.path": str(work / "ssd-a")},
+                                      "steps": [{"prompts": [warm_long]}, {"prompts": [prompt]}]})
+        remote_run = engines.run("remote tier", {**common, "tierkv": {**shared, "ssd.path": str(work / "ssd-b")},
+                                                 "steps": [{"prompts": [warm]}, {"prompts": [warm_long]},
+                                                           {"prompts": [prompt]}]})["steps"]
+    remote_step = remote_run[2]
+
     # The hooks are timed inside the engine's process: in-process engines only.
     hooks = None if args.multiprocessing else hook_times(engines, args, common, tier, warm)
-    same = all(s["tokens"][0] == reference for s in [*cpu_steps, ssd_step])
+    same = all(s["tokens"][0] == reference for s in [*cpu_steps, ssd_step, remote_step])
     same_threads = engines.same_threads()
     print(f"model: {args.layers} layers, hidden {args.hidden}, {heads} heads, "
           f"{max(1, heads // 4)} KV heads, fp32; prompt {args.tokens} tokens; block 32")
@@ -168,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(loaded {cpu_steps[0]['external_hits']} tokens; target <= 0.2x)")
     print(f"SSD-tier TTFT    {ssd_step['seconds'] * 1e3:8.1f} ms   {ssd_step['seconds'] / recompute:.3f}x   "
           f"(loaded {ssd_step['external_hits']} tokens, cold page cache; target <= 0.3x)")
+    print(f"remote-tier TTFT {remote_step['seconds'] * 1e3:8.1f} ms   {remote_step['seconds'] / recompute:.3f}x   "
+          f"(loaded {remote_step['external_hits']} tokens from valkey on loopback; target <= 0.3x)")
     if hooks is None:
         print("decode step inside the connector's hooks: not measured (in-process engines only)")
     for label, times in (("with stores", hooks[0]), ("without stores", hooks[1])) if hooks else ():
@@ -179,9 +195,12 @@ def main(argv: list[str] | None = None) -> int:
             "argv": sys.argv[1:] if argv is None else list(argv),
             "multiprocessing": bool(args.multiprocessing), "env": engines.env,
             "same_threads": same_threads, "engines": engines.reports,
-            "ttft_seconds": {"recompute": recompute, "cpu": cpu, "ssd": ssd_step["seconds"]},
-            "ratio_to_recompute": {"cpu": cpu / recompute, "ssd": ssd_step["seconds"] / recompute},
-            "loaded_tokens": {"cpu": cpu_steps[0]["external_hits"], "ssd": ssd_step["external_hits"]},
+            "ttft_seconds": {"recompute": recompute, "cpu": cpu, "ssd": ssd_step["seconds"],
+                             "remote": remote_step["seconds"]},
+            "ratio_to_recompute": {"cpu": cpu / recompute, "ssd": ssd_step["seconds"] / recompute,
+                                   "remote": remote_step["seconds"] / recompute},
+            "loaded_tokens": {"cpu": cpu_steps[0]["external_hits"], "ssd": ssd_step["external_hits"],
+                              "remote": remote_step["external_hits"]},
             "hook_us": None if hooks is None else {
                 label: {"median": _pct(t, 50), "p99": _pct(t, 99), "steps": len(t)}
                 for label, t in (("with_stores", hooks[0]), ("without_stores", hooks[1]))},

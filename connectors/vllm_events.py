@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
     from tierkv.policy import TierPolicy
 
-__all__ = ["MEDIA", "BlockTag", "KVEvents", "ANNOUNCE_PER_STEP", "events_enabled"]
+__all__ = ["MEDIA", "BlockTag", "KVEvents", "ANNOUNCE_PER_STEP", "EVENT_COUNTS", "events_enabled"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 #: ``cpu``, ``storage``). The remote tier has none: any replica loads from it, so it says
 #: nothing about where to route, and its server evicts without telling anyone.
 MEDIA = {"cpu": "CPU", "ssd": "STORAGE"}
+EVENT_COUNTS = ("stored", "removed", "announced", "untagged")  # KVEvents.counts, per block
 ANNOUNCE_PER_STEP = 4096  # restart announcements per engine step (a step's batch stays small)
 _TAG_VERSION = 1
 
@@ -131,7 +132,7 @@ class KVEvents:
         self._leaving: list[tuple[str, bytes]] = []  # (tier, key) evicted or lost since the last take
         self._announce: list[bytes] | None = None     # keys read from the SSD tier, to announce
         self._announcing: Any = None                   # the future reading them
-        self.counts = {"stored": 0, "removed": 0, "announced": 0, "untagged": 0}
+        self.counts = dict.fromkeys(EVENT_COUNTS, 0)
         policy.add_observer(self._observe)
 
     # ------------------------------------------------------------------ tags

@@ -44,6 +44,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from tierkv.connectors.vllm_events import EVENT_COUNTS
+from tierkv.metrics import REMOTE_DIRECTIONS, REMOTE_OUTCOMES
 from tierkv.policy.events import LOWER_TIERS
 from tierkv.transfer import DIRECTIONS
 
@@ -81,6 +83,8 @@ SERIES: tuple[Series, ...] = (
     Series("prefix_cache_hits", "Prompt tokens loaded from a tier below the GPU", "tier", LOWER_TIERS),
     Series("prefix_cache_hits_blocks", "Prompt blocks loaded from a tier below the GPU", "tier", LOWER_TIERS),
     Series("occupancy_blocks", "Blocks held per tier", "tier", LOWER_TIERS, gauge=True),
+    Series("kv_events", "KV-cache events sent for the tiers below the GPU, per kind (announced: the SSD "
+           "tier's blocks after a restart; untagged: blocks that could not be described)", "kind", EVENT_COUNTS),
     # worker side (summed over workers)
     Series("blocks_stored", "Blocks written into a tier (per worker shard)", "tier", LOWER_TIERS),
     Series("blocks_loaded", "Blocks read from a tier into the GPU pool (per worker shard)", "tier", LOWER_TIERS),
@@ -94,6 +98,10 @@ SERIES: tuple[Series, ...] = (
     Series("stores_dropped", "Stores dropped before reaching a tier (full write queue, pinned slots)"),
     Series("corrupt_blocks", "Blocks that failed verification and were deleted (counted as misses)",
            "tier", ("ssd",)),
+    Series("remote_operations", "Remote tier reads and writes by outcome (per worker shard)", "outcome",
+           REMOTE_OUTCOMES),
+    Series("remote_bytes", "Bytes read from and written to the remote tier (per worker shard)", "direction",
+           REMOTE_DIRECTIONS),
 )
 _BY_NAME = {s.name: s for s in SERIES}
 
@@ -113,6 +121,8 @@ WORKER_SERIES: dict[str, tuple[str, str]] = {
     "spill_failures": ("spill_failures", NO_LABEL),
     "stores_dropped": ("stores_dropped", NO_LABEL),
     "corrupt_blocks": ("corrupt_blocks", "ssd"),
+    **{f"remote_{o}": ("remote_operations", o) for o in REMOTE_OUTCOMES},
+    **{f"remote_bytes_{d}": ("remote_bytes", d) for d in REMOTE_DIRECTIONS},
 }
 
 
@@ -124,6 +134,8 @@ def scheduler_sample(stats: Mapping[str, Any]) -> tuple[Sample, Sample]:
     for tier in LOWER_TIERS:
         counters["prefix_cache_hits", tier] = hits[tier]["tokens"]
         counters["prefix_cache_hits_blocks", tier] = hits[tier]["blocks"]
+    for kind, value in stats.get("kv_events", {}).items():
+        counters["kv_events", kind] = value
     gauges: Sample = {("occupancy_blocks", tier): occupancy[tier] for tier in LOWER_TIERS}
     return counters, gauges
 

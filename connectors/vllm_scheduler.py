@@ -482,6 +482,8 @@ class TierKVScheduler:
         }
         if self._remote is not None:
             out["remote"] = self._remote.stats()
+        if self._events is not None:
+            out["kv_events"] = dict(self._events.counts)
         return out
 
     def shutdown(self) -> None:

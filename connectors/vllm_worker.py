@@ -53,6 +53,7 @@ from tierkv.policy.manager import select_for_shutdown
 from tierkv.tiers.host import HostSlab
 from tierkv.errors import ConfigError, config_keys
 from tierkv.identity import Fingerprint
+from tierkv.metrics import REMOTE_DIRECTIONS, REMOTE_OUTCOMES
 from tierkv.tiers.ssd import SSDTier
 from tierkv.tiers.ssd.tier import read_keys, read_tags
 from tierkv.streams import Event, streams_for
@@ -89,7 +90,8 @@ _POLL_S = 0.002
 # What TierKVWorker.counters() reports (all monotonic since start).
 WORKER_COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu", "blocks_stored_ssd",
                    "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures",
-                   "stores_dropped", "corrupt_blocks", "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d")
+                   "stores_dropped", "corrupt_blocks", "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d",
+                   *(f"remote_{o}" for o in REMOTE_OUTCOMES), *(f"remote_bytes_{d}" for d in REMOTE_DIRECTIONS))
 
 
 def open_ssd_tier(cfg: TierKVConfig, fingerprint: Fingerprint, rank: Rank, block_nbytes: int) -> SSDTier:
@@ -469,6 +471,13 @@ class TierKVWorker:
         ssd = self.ssd
         if ssd is not None:
             out["corrupt_blocks"] = ssd.counts().get("corrupt_deleted", 0)
+        remote = self.executor.remote if self.executor is not None else None
+        if remote is not None:
+            st = remote.stats()
+            for outcome in REMOTE_OUTCOMES:
+                out[f"remote_{outcome}"] = st.get(outcome, 0)
+            for direction in REMOTE_DIRECTIONS:
+                out[f"remote_bytes_{direction}"] = st.get(f"bytes_{direction}", 0)
         return out
 
     def stats(self) -> dict[str, Any]:

@@ -77,6 +77,10 @@ def test_every_engine_gets_the_same_environment_and_threads(fake, tmp_path, extr
     report = json.loads(out.read_text())
     assert report["same_threads"] is True and report["env"] == envs[0]
     assert [r["engine"] for r in report["engines"]][:3] == ["recompute", "CPU tier", "SSD tier"]
+    remote = [c["spec"]["tierkv"] for c in with_tierkv if "remote.url" in c["spec"]["tierkv"]]
+    assert len(remote) == 2 and remote[0]["remote.url"] == remote[1]["remote.url"]  # one server
+    assert remote[0]["ssd.path"] != remote[1]["ssd.path"]  # the reader holds nothing locally
+    assert set(report["ratio_to_recompute"]) == {"cpu", "ssd", "remote"}
     assert all(r["threads"][0]["torch_threads"] == 2 and r["omp_binding_log"] for r in report["engines"])
     assert (report["hook_us"] is None) == bool(extra)  # timed in-process only
 

@@ -22,12 +22,13 @@ NB = 4096
 BS = 4
 
 
-def config(tmp: Path, name: str, url: str, **remote) -> TierKVConfig:
+def config(tmp: Path, name: str, url: str, metrics: dict | None = None, **remote) -> TierKVConfig:
     return TierKVConfig.from_dict({
         "block_size": BS, "model": {"block_nbytes": NB, "id": "test-model"},
         "gpu": {"num_blocks": 64, "device": "cpu"}, "cpu": {"capacity": NB * 32},
         "ssd": {"path": str(tmp / name), "capacity": "64MiB"},
-        "remote": {"url": url, "timeout": 0.3, "connect_timeout": 0.3, **remote}})
+        "remote": {"url": url, "timeout": 0.3, "connect_timeout": 0.3, **remote},
+        **({"metrics": metrics} if metrics else {})})
 
 
 def compute(cache: TieredKVCache, req: str, tokens: list[int], seed: int = 0) -> torch.Tensor:
@@ -105,3 +106,24 @@ def test_a_server_down_at_start_up_and_killed_mid_run_costs_misses(tmp_path) -> 
 def test_a_remote_tier_without_a_cpu_tier_is_a_config_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match="^remote.url: .*cpu.capacity"):
         TierKVConfig.from_dict({"cpu": {"capacity": 0}, "remote": {"url": "redis://127.0.0.1:1/0"}})
+
+
+def test_the_remote_tier_is_in_the_metrics(server, tmp_path) -> None:
+    import urllib.request
+
+    a = TieredKVCache(config(tmp_path, "a", server.url))
+    b = TieredKVCache(config(tmp_path, "b", server.url, metrics={"port": 0, "host": "127.0.0.1"}))
+    try:
+        compute(a, "r", list(range(40)))
+        a.flush()
+        compute(b, "r", list(range(40)))
+        port = b._metrics_server.server_port
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        a.close(), b.close()
+    lines = dict(ln.rsplit(" ", 1) for ln in body.splitlines() if ln and not ln.startswith("#"))
+    assert float(lines['tierkv:remote_operations_total{outcome="hits"}']) == 9  # a's blocks but the last token's
+    assert float(lines['tierkv:remote_bytes_total{direction="read"}']) >= 9 * NB
+    assert lines["tierkv:remote_breaker_open"] == "0.0"
+    assert float(lines['tierkv:remote_server_memory_bytes{kind="max"}']) == 256 * 1024**2
+    assert float(lines['tierkv:promotions_total{tier="remote"}']) == 9

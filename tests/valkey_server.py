@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["server_binary", "ValkeyServer", "free_port"]
+__all__ = ["server_binary", "ValkeyServer", "ValkeyCluster", "free_port"]
 
 
 def server_binary() -> str:
@@ -96,6 +96,57 @@ class ValkeyServer:
         self.proc = None
 
     def __enter__(self) -> "ValkeyServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ValkeyCluster:
+    """``n`` servers in cluster mode on loopback, the 16,384 hash slots split among them,
+    joined with ``CLUSTER MEET`` (no replicas): what ``remote.cluster: true`` talks to."""
+
+    SLOTS = 16384
+
+    def __init__(self, workdir: Path, n: int = 3, maxmemory: str = "256mb") -> None:
+        self.nodes: list[ValkeyServer] = []
+        try:
+            for i in range(n):
+                port = free_port()
+                self.nodes.append(ValkeyServer(maxmemory, port, extra=(
+                    "--cluster-enabled", "yes", "--cluster-config-file", str(workdir / f"nodes-{port}.conf"),
+                    "--dir", str(workdir))))
+            self._join()
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def _join(self) -> None:
+        n = len(self.nodes)
+        for i, node in enumerate(self.nodes):
+            lo, hi = i * self.SLOTS // n, (i + 1) * self.SLOTS // n - 1
+            node.client().execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+        first = self.nodes[0].client()
+        for node in self.nodes[1:]:
+            first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            states = [node.client().execute_command("CLUSTER", "INFO") for node in self.nodes]
+            text = [s.decode() if isinstance(s, bytes) else str(s) for s in states]
+            if all("cluster_state:ok" in t and f"cluster_known_nodes:{n}" in t for t in text):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"the cluster did not form: {text}")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> "ValkeyCluster":
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -248,6 +248,15 @@ class TierKVCollector:
             secs.add_metric([direction], v["seconds"])
         yield moved
         yield secs
+        if s.get("remote"):
+            yield from _remote_metrics(s["remote"])
+        if s.get("kv_events"):
+            ev = CounterMetricFamily("tierkv:kv_events", "KV-cache events for routers, per kind (announced: "
+                                     "stored events of the SSD tier's blocks after a restart; untagged: blocks "
+                                     "that could not be described)", labels=["kind"])
+            for kind, v in s["kv_events"].items():
+                ev.add_metric([kind], v)
+            yield ev
         for metric in ("lifetime", "idle_before_evict", "reuse_gap"):
             fam = HistogramMetricFamily(f"tierkv:kv_block_{metric}_seconds",
                                         f"Block {metric.replace('_', ' ')} per tier", labels=["tier"])
@@ -255,6 +264,40 @@ class TierKVCollector:
                 h: Histogram = getattr(lc, metric)
                 fam.add_metric([tier], h.buckets(), sum_value=h.total())
             yield fam
+
+
+#: The remote tier's counters (``RemoteTier.stats()``) exported as ``tierkv:remote_operations{outcome}``.
+REMOTE_OUTCOMES = ("hits", "misses", "corrupt", "timeouts", "errors", "refused", "written", "present",
+                   "put_failures", "dropped_full", "dropped_breaker")
+REMOTE_DIRECTIONS = ("read", "written")  # tierkv:remote_bytes{direction}: RemoteTier's bytes_<direction>
+
+
+def _remote_metrics(r: dict[str, Any]) -> Iterator[Any]:
+    """The shared remote tier's counters (``RemoteTier.stats()``) and its server's memory."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    ops = CounterMetricFamily("tierkv:remote_operations", "Remote tier reads and writes by outcome",
+                              labels=["outcome"])
+    for outcome in REMOTE_OUTCOMES:
+        if outcome in r:
+            ops.add_metric([outcome], r[outcome])
+    yield ops
+    moved = CounterMetricFamily("tierkv:remote_bytes", "Bytes read from and written to the remote tier",
+                                labels=["direction"])
+    for direction in REMOTE_DIRECTIONS:
+        moved.add_metric([direction], r.get(f"bytes_{direction}", 0))
+    yield moved
+    breaker = GaugeMetricFamily("tierkv:remote_breaker_open", "1 while the circuit breaker keeps the "
+                                "remote tier off (reads miss, writes drop)", labels=[])
+    breaker.add_metric([], 0 if r.get("breaker", "closed") == "closed" else 1)
+    yield breaker
+    server = r.get("server") or {}
+    mem = GaugeMetricFamily("tierkv:remote_server_memory_bytes", "The remote server's used memory and "
+                            "maxmemory (INFO, read every 10 s)", labels=["kind"])
+    for kind, key in (("used", "used_memory"), ("max", "maxmemory")):
+        if isinstance(server.get(key), int):
+            mem.add_metric([kind], server[key])
+    yield mem
 
 
 _servers_lock = threading.Lock()

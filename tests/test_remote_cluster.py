@@ -1,0 +1,50 @@
+"""The remote tier on a Valkey cluster (``remote.cluster: true``): three real servers in
+cluster mode on loopback, keys spread over their slots; round trips are exact, a
+prefix stops at the first missing block wherever its keys live, and a node SIGKILLed
+mid-run costs misses within the deadline, never an error."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tierkv.tiers.remote import RemoteTier, key_prefix
+
+sys.path.insert(0, str(Path(__file__).parent))
+from valkey_server import ValkeyCluster  # noqa: E402
+
+NB = 64 * 1024
+
+
+def blocks(n: int) -> tuple[list[bytes], np.ndarray]:
+    rng = np.random.default_rng(5)
+    return [rng.bytes(32) for _ in range(n)], rng.integers(0, 256, (n, NB), dtype=np.uint8)
+
+
+def test_cluster_round_trips_across_nodes_and_a_dead_node_costs_misses(tmp_path: Path) -> None:
+    with ValkeyCluster(tmp_path) as cluster:
+        tier = RemoteTier(cluster.url, key_prefix("fp-cluster"), NB, cluster=True, timeout=0.5,
+                          connect_timeout=0.5, compression="none")
+        reader = RemoteTier(cluster.url, key_prefix("fp-cluster"), NB, cluster=True, timeout=0.5,
+                            connect_timeout=0.5, writer=False)
+        keys, rows = blocks(60)
+        for k, r in zip(keys, rows):
+            assert tier.put(k, r)
+        assert tier.flush(10)
+        spread = [n.client().dbsize() for n in cluster.nodes]
+        assert sum(spread) == 60 and min(spread) > 0  # every node holds some of them
+        out = np.zeros_like(rows)
+        assert reader.probe(keys) == 60
+        assert reader.get_into(keys, out) == 60 and np.array_equal(out, rows)
+        gone = cluster.nodes[1].client()
+        gone.flushall()  # the blocks on one node vanish: the prefix stops at the first of them
+        first_gone = next(i for i, k in enumerate(keys) if not tier.client.exists(tier.prefix + k))
+        assert reader.probe(keys) == first_gone
+        cluster.nodes[2].kill()
+        t0 = time.monotonic()
+        got = reader.get_into(keys, out)
+        assert got <= first_gone and time.monotonic() - t0 < 3.0  # misses within the deadline
+        tier.close(), reader.close()
