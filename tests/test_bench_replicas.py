@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from tierkv.bench.replay import ReplayError, replay
-from tierkv.bench.replicas import SharedRemote, replay_replicas, replicas_report, render_replicas
+from tierkv.bench.remote import SharedRemote
+from tierkv.bench.replicas import replay_replicas, replicas_report, render_replicas
 from tierkv.bench.traces import TraceBuilder
 from tierkv.bench.workloads import generate
 from tierkv.cli import main
@@ -96,6 +97,21 @@ def test_one_replica_gets_back_from_the_shared_tier_what_dram_evicted(tmp_path: 
     report = replicas_report(res)
     assert report["fleets"][1]["hit_rate"]["remote"] == round(6 / 17, 4)
     assert "The shared tier adds +35.3% of hits with round robin routing" in render_replicas(report)
+
+
+def test_one_replay_with_a_configured_remote_tier_models_it(tmp_path: Path) -> None:
+    """``remote.url`` and ``remote.capacity`` set: a plain replay has the same shared tier
+    as a fleet of one, and its report has a row for it."""
+    t = trace([(0, [1, 2, 3]), (1, [11, 12, 13]), (2, [21, 22, 23]), (3, [1, 2, 3, 4]), (4, [11, 12, 13, 14])])
+    config = TierKVConfig.from_dict({**{"block_size": 4, "model": {"block_nbytes": 1024}},
+                                     "gpu": {"num_blocks": 4}, "cpu": {"capacity": 3 * 1024},
+                                     "ssd": {"capacity": 0},
+                                     "remote": {"url": "redis://cache:6379/0", "capacity": 64 * 1024}})
+    r = replay(t, config)
+    assert r.hit_blocks == {"gpu": 0, "cpu": 0, "ssd": 0, "remote": 6}
+    assert r.capacity_blocks["remote"] == 64 and r.hit_rate()["remote"] == 6 / 17
+    unsized = TierKVConfig.from_dict({**config.to_dict(), "remote": {"url": "redis://cache:6379/0"}})
+    assert "remote" not in replay(t, unsized).hit_blocks  # the server's maxmemory is not known here
 
 
 def test_replicas_need_the_shared_tiers_size(tmp_path: Path) -> None:

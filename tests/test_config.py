@@ -295,3 +295,13 @@ def test_a_second_owner_of_ssd_path_is_named_by_its_key(tmp_path: Path) -> None:
     with TieredKVCache(_library_config(tmp_path, "gpu.num_blocks=8")):
         with pytest.raises(ConfigError, match=r"^ssd.path: .* is in use by this process"):
             TieredKVCache(_library_config(tmp_path, "gpu.num_blocks=8"))
+
+
+@pytest.mark.parametrize("source", ["default", "configs/vllm-remote.yaml", "configs/chat-8b-48gb.yaml", "on_evict"])
+def test_to_dict_reads_back_as_the_same_config(source: str) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    cfg = (TierKVConfig.from_dict({}) if source == "default" else
+           TierKVConfig.from_dict({"spill": {"admission": "on_evict", "watermark": 0.1, "promotion": "exclusive",
+                                              "write_through": False}}) if source == "on_evict" else
+           TierKVConfig.from_yaml(repo / source))
+    assert TierKVConfig.from_dict(cfg.to_dict()) == cfg

@@ -556,8 +556,11 @@ class TierKVConfig:
         return self.model.bytes_per_token() * self.block_size
 
     def to_dict(self) -> dict[str, Any]:
+        """Every value, as :meth:`from_dict` reads it back (the same config)."""
         out = dataclasses.asdict(self)
         out.pop("explicit", None)
+        if self.spill.admission != "on_evict":
+            del out["spill"]["watermark"]  # refused beside on_compute (see SpillConfig)
         return out
 
 

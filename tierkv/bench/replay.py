@@ -65,7 +65,7 @@ from tierkv.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, LoadPlan, Pol
 from tierkv.policy.events import REMOTE
 
 if TYPE_CHECKING:
-    from tierkv.bench.replicas import SharedRemote
+    from tierkv.bench.remote import SharedRemote
     from tierkv.bench.traces import Request, Trace, TraceReader
 
 __all__ = ["TIERS", "MISS_REASONS", "ReplayError", "ReplayOptions", "ReplayResult", "Replayer", "config_for_trace",
@@ -122,8 +122,9 @@ class ReplayResult:
         return sum(self.hit_blocks.values())
 
     def hit_rate(self) -> dict[str, float]:
+        """Per tier (the remote tier too when it was modelled) and in total."""
         n = self.accesses or 1
-        rates = {t: self.hit_blocks[t] / n for t in TIERS}
+        rates = {t: self.hit_blocks[t] / n for t in (*TIERS, REMOTE) if t in self.hit_blocks}
         rates["total"] = self.hits / n
         return rates
 
@@ -514,8 +515,18 @@ def replaying(config: TierKVConfig, block_size: int, options: ReplayOptions = Re
     """A :class:`Replayer` of ``config`` for a trace of ``block_size``-token blocks: call its
     ``step`` with each request in arrival order; on exit its ``result`` holds the
     :class:`ReplayResult` (the payload tiers, if any, are closed and removed). ``remote``:
-    the shared tier this replica stores to and fetches from (no bytes: not with payload)."""
+    the shared tier this replica stores to and fetches from (no bytes: not with payload);
+    by default one of ``remote.capacity`` when ``remote.url`` and ``remote.capacity`` are set."""
     cfg, caps = _checked(config, block_size, options.admission)
+    if remote is None and cfg.remote.enabled and cfg.remote.capacity:
+        from tierkv.bench.remote import SharedRemote, remote_capacity_blocks
+
+        try:
+            remote = SharedRemote(remote_capacity_blocks(cfg))
+        except ConfigError as exc:
+            raise ReplayError(str(exc)) from None
+    if remote is not None:
+        caps = {**caps, REMOTE: remote.capacity}
     if remote is not None and options.payload:
         raise ReplayError("--payload: a replay with a shared remote tier moves no bytes")
     with tempfile.TemporaryDirectory(prefix="tierkv-bench-") as tmp:

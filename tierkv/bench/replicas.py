@@ -20,11 +20,7 @@ Four fleets replay the trace side by side in one pass (each routing with and
 without the shared tier), so a streamed trace is read once and the report can
 say what the shared tier adds to each replica under each routing.
 
-The shared tier models a server run with ``maxmemory`` and ``allkeys-lru``:
-an LRU of keys holding ``remote.capacity`` bytes of blocks (the server's own
-per-key overhead is not counted); a write (``SET NX``) of a key it holds, a
-probe and a fetch all count as uses. Writes are write-behind in the plugin;
-here they land at once.
+The shared tier is :class:`~tierkv.bench.remote.SharedRemote`.
 """
 
 from __future__ import annotations
@@ -33,10 +29,10 @@ import contextlib
 import itertools
 import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
+from tierkv.bench.remote import SharedRemote, remote_capacity_blocks
 from tierkv.bench.replay import ReplayError, ReplayOptions, ReplayResult, Replayer, config_for_trace, replaying, requests_of
 from tierkv.config import TierKVConfig
 from tierkv.errors import ConfigError
@@ -52,64 +48,18 @@ LOAD_SLACK = 0.25  # prefix routing: a replica takes at most 1.25x its share of 
 HIT_TIERS = ("gpu", "cpu", "ssd", REMOTE)
 
 
-class SharedRemote:
-    """The shared tier of a fleet, without bytes: an LRU of at most ``capacity`` keys."""
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity: expected at least one block, got {capacity}")
-        self.capacity = capacity
-        self._lru: OrderedDict[bytes, None] = OrderedDict()
-        self.counts = {"stored": 0, "present": 0, "evicted": 0, "fetched": 0}
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    def put_many(self, keys: Sequence[bytes]) -> None:
-        """``SET key value NX`` for each key: a held key is only used (its value stays)."""
-        lru = self._lru
-        for key in keys:
-            if key in lru:
-                lru.move_to_end(key)
-                self.counts["present"] += 1
-            else:
-                lru[key] = None
-                self.counts["stored"] += 1
-        over = len(lru) - self.capacity
-        for _ in range(max(0, over)):
-            lru.popitem(last=False)
-        self.counts["evicted"] += max(0, over)
-
-    def held_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` the tier holds (probed and fetched: each is used)."""
-        lru = self._lru
-        n = 0
-        for key in keys:
-            if key not in lru:
-                break
-            lru.move_to_end(key)
-            n += 1
-        self.counts["fetched"] += n
-        return n
-
-
 def remote_blocks(config: TierKVConfig, block_size: int) -> int:
     """Blocks of the trace's size the shared tier holds (``remote.capacity``)."""
-    capacity = config.remote.capacity
     if not config.cpu.capacity:
         raise ReplayError("--replicas: blocks from the shared tier are fetched into DRAM slots before they "
                           "are served; set cpu.capacity")
-    if not capacity:
+    if not config.remote.capacity:
         raise ReplayError("--replicas: set remote.capacity, the shared tier's size "
                           "(for example --set remote.capacity=256GiB)")
     try:
-        nbytes = config_for_trace(config, block_size).block_nbytes()
+        return remote_capacity_blocks(config_for_trace(config, block_size))
     except ConfigError as exc:
         raise ReplayError(str(exc)) from None
-    blocks = capacity // nbytes
-    if blocks < 1:
-        raise ReplayError(f"remote.capacity: {capacity:,} bytes hold no block of {nbytes:,} bytes")
-    return blocks
 
 
 @dataclass

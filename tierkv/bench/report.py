@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tierkv.bench import diagnose
-from tierkv.policy.events import LOWER_TIERS, TIERS
+from tierkv.policy.events import LOWER_TIERS, REMOTE, TIERS
 from tierkv.bench.stats import EXACT_VALUES, RELATIVE_ERROR, summarize
 from tierkv.config import format_size
 
@@ -180,7 +180,7 @@ def _sec(x: float | None) -> str:
 
 def _tier_rows(r: dict[str, Any]) -> list[list[str]]:
     rows = []
-    for t in TIERS:
+    for t in (*TIERS, REMOTE) if REMOTE in r["hit_rate"] else TIERS:
         c = r["capacity"][t]
         rows.append([t.upper(), f"{c['blocks']:,}", f"{c['tokens']:,}", format_size(c["bytes"]),
                      _pct(r["hit_rate"][t]), f"{r['hit_blocks'][t]:,}"])
