@@ -150,10 +150,15 @@ def read_ssd_keys(cfg: TierKVConfig, fingerprint: Fingerprint, ranks: Sequence[R
 
 def read_ssd_tags(cfg: TierKVConfig, fingerprint: Fingerprint, rank: Rank) -> dict[bytes, bytes]:
     """The tags kept beside the records of ``rank``'s SSD tier (key -> tag), read as
-    :func:`read_ssd_keys` reads keys. Raises ``OSError`` when they cannot be read."""
+    :func:`read_ssd_keys` reads keys; a tier of this process that recovers in the background
+    is waited for (the caller's thread blocks: not the scheduler's). Raises ``OSError`` when
+    they cannot be read."""
     path = rank.ssd_dir(ssd_root(cfg))
     tier = _SHARED.get(str(path))
-    return tier.tags() if tier is not None else read_tags(path, rank.tier_id(fingerprint))
+    if tier is None:
+        return read_tags(path, rank.tier_id(fingerprint))
+    tier.wait_ready()
+    return tier.tags()
 
 
 def _this_rank(vllm_config: "VllmConfig") -> Rank:

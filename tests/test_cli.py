@@ -100,7 +100,7 @@ def test_missing_file_bad_override_and_skip_bad_lines(tmp_path: Path, capsys: py
     assert main(["bench", "--trace", str(p), *SMALL, "--quiet"]) == 2
     assert main(["bench", "--trace", str(p), *SMALL, "--skip-bad-lines", "--json", str(tmp_path / "o.json")]) == 0
     err = capsys.readouterr().err
-    assert "skipped 1 bad lines" in err and "dirty.jsonl:2" in err
+    assert "skipped 1 bad line (first:" in err and "dirty.jsonl:2" in err
     assert json.loads((tmp_path / "o.json").read_text())["trace"]["skipped_lines"] == 1
 
 
@@ -301,3 +301,30 @@ def test_bench_reports_its_peak_memory_and_exact_percentiles(tmp_path: Path) -> 
     r = json.loads(out.read_text())
     assert r["peak_rss_bytes"]["analysis"] > 1 << 20 and r["peak_rss_bytes"]["curve_process"] is None
     assert r["reuse_gap_s"]["exact"] and all(t["exact"] for t in r["lifetime_s"]["tiers"].values())
+
+
+def test_version() -> None:
+    from tierkv import __version__
+
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"tierkv {__version__}"
+
+
+@pytest.mark.parametrize("command", [["bench", "--scale", "0.05"], ["inspect", "--trace", "TRACE"],
+                                     ["plan", "--layers", "2", "--kv-heads", "2", "--head-dim", "64",
+                                      "--dtype", "fp16", "--kv-pool-gib", "1"]])
+def test_an_unwritable_output_is_refused_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         command: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = Path(__file__).parent / "data" / "small_mooncake.jsonl"
+    command = [str(trace) if c == "TRACE" else c for c in command]
+    ran = []
+    monkeypatch.setattr(cli, f"cmd_{command[0]}", lambda args: ran.append(args) or 0)
+    for flag, path, why in (("--json", tmp_path / "missing" / "r.json", "does not exist"),
+                            ("--json", tmp_path, "is a directory")):
+        assert main([*command, flag, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tierkv: error: {flag}: ") and why in err and "Traceback" not in err
+    if command[0] == "bench":
+        assert main([*command, "--plot", str(tmp_path / "nowhere" / "p.png")]) == 2
+        assert "--plot: " in capsys.readouterr().err
+    assert not ran  # refused before the command ran

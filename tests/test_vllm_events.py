@@ -47,11 +47,17 @@ def all_events(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for step in result["steps"] for e in step["events"]]
 
 
-def test_events_carry_vllm_hashes_and_tokens_and_survive_a_restart(model: str, tmp_path: Path) -> None:
-    cfg = {"cpu.capacity": "4MiB", "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": "256MiB"}
+def engine(model: str, tmp_path: Path, ssd_capacity: str, tick: list[int]) -> tuple[dict[str, Any], list[dict]]:
+    """An engine with events on serves PROMPT, then BATCH (85 blocks through a 64-slot DRAM
+    tier), then ``tick``; returns its spec (to start it again) and every event it sent."""
+    cfg = {"cpu.capacity": "4MiB", "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": ssd_capacity}
     spec = {"model": model, "tierkv": cfg, "kv_events": f"ipc://{tmp_path}/events",
-            "steps": [{"prompts": [PROMPT]}, {"prompts": BATCH}, {"prompts": [TICKS[0]]}]}
-    first = all_events(run_in_subprocess(spec))
+            "steps": [{"prompts": [PROMPT]}, {"prompts": BATCH}, {"prompts": [tick]}]}
+    return spec, all_events(run_in_subprocess(spec))
+
+
+def test_events_carry_vllm_hashes_and_tokens_and_survive_a_restart(model: str, tmp_path: Path) -> None:
+    spec, first = engine(model, tmp_path, "256MiB", TICKS[0])
     gpu = blocks(first, "BlockStored", "GPU")
     cpu = blocks(first, "BlockStored", "CPU")
     ssd = blocks(first, "BlockStored", "STORAGE")
@@ -95,10 +101,7 @@ def test_events_carry_vllm_hashes_and_tokens_and_survive_a_restart(model: str, t
 
 
 def test_blocks_leaving_the_ssd_tier_are_removed_from_storage(model: str, tmp_path: Path) -> None:
-    cfg = {"cpu.capacity": "4MiB", "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": "3MiB"}
-    spec = {"model": model, "tierkv": cfg, "kv_events": f"ipc://{tmp_path}/events",
-            "steps": [{"prompts": [PROMPT]}, {"prompts": BATCH}, {"prompts": [TICKS[2]]}]}
-    events = all_events(run_in_subprocess(spec))
+    _, events = engine(model, tmp_path, "3MiB", TICKS[2])
     stored = blocks(events, "BlockStored", "STORAGE")
     removed = blocks(events, "BlockRemoved", "STORAGE")
     assert removed and set(removed) <= set(stored)  # only what was announced there

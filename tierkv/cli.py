@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 
+from tierkv.config import plural
 from tierkv.policy.spec import ADMISSIONS
 
 if TYPE_CHECKING:
@@ -128,6 +129,26 @@ def _file_size(path: str) -> int | None:
     return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse an output path that cannot be written before any work (a replay of a large
+    trace must not end with its report lost): its directory must exist, and it must not
+    be a directory itself."""
+    from tierkv.errors import ConfigError
+
+    for flag in ("json", "plot"):
+        path = getattr(args, flag, None)
+        if not path or path == "-":
+            continue
+        where = Path(path)
+        parent = where.parent if str(where.parent) else Path(".")
+        if where.is_dir():
+            raise ConfigError(f"--{flag}: {path} is a directory; give a file name")
+        if not parent.is_dir():
+            raise ConfigError(f"--{flag}: {path}: the directory {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise ConfigError(f"--{flag}: {path}: the directory {parent} is not writable")
+
+
 def _write_json(path: str, data: dict[str, Any]) -> None:
     text = json.dumps(data, indent=2) + "\n"
     if path == "-":
@@ -159,7 +180,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     finally:
         progress.done()
     if res.trace.skipped_lines and not args.quiet:
-        print(f"tierkv: skipped {res.trace.skipped_lines:,} bad lines (first: {res.trace.first_skipped})",
+        print(f"tierkv: skipped {plural(res.trace.skipped_lines, 'bad line')} (first: {res.trace.first_skipped})",
               file=sys.stderr)
     res.timings_s["load"] = res.timings_s.get("load", 0.0) + t_load
     t_report = time.perf_counter()
@@ -369,7 +390,10 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tierkv import __version__
+
     parser = argparse.ArgumentParser(prog="tierkv", description="Multi-tier KV cache: size it from your traffic.")
+    parser.add_argument("--version", action="version", version=f"tierkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="replay traffic through the tiered cache; hit rates, curves, sizing")
     _bench_args(bench)
@@ -395,6 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        _check_outputs(args)
         return int(args.func(args))
     except (TraceError, ConfigError, ReplayError) as e:
         print(f"tierkv: error: {e}", file=sys.stderr)

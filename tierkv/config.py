@@ -89,6 +89,11 @@ def _size_string(text: str, what: str) -> int:
     return int(whole + frac or "0") * _UNITS[m.group(3).lower()] // 10 ** len(frac)
 
 
+def plural(n: int, noun: str) -> str:
+    """``1 bad line``, ``2 bad lines``, ``1,024 bad lines``."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 def format_size(nbytes: float) -> str:
     """Human-readable binary size (``1.5 GiB``)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

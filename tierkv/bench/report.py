@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from tierkv.bench import diagnose
 from tierkv.policy.events import LOWER_TIERS, REMOTE, TIERS
 from tierkv.bench.stats import EXACT_VALUES, RELATIVE_ERROR, summarize
-from tierkv.config import format_size
+from tierkv.config import format_size, plural
 
 if TYPE_CHECKING:
     from tierkv.bench.analysis import BenchResult
@@ -228,7 +228,7 @@ def render_text(r: dict[str, Any]) -> str:
     out = [f"tierkv bench: {tr['name']} ({tr['format']}, {r['block_tokens']}-token blocks)",
            f"  {r['requests']:,} requests over {tr['duration_s']:,.0f} s, {r['block_accesses']:,} block accesses, "
            f"{r['distinct_blocks']:,} distinct blocks"
-           + (f", {tr['skipped_lines']:,} bad lines skipped" if tr["skipped_lines"] else ""),
+           + (f", {plural(tr['skipped_lines'], 'bad line')} skipped" if tr["skipped_lines"] else ""),
            f"  hit rate = {HIT_RATE_DEFINITION}", ""]
     out += ["Hit rate by tier"]
     out += _table(["tier", "blocks", "tokens", "bytes", "hit rate", "hits"], _tier_rows(r))

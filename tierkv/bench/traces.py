@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Optional, Union
 
-from tierkv.config import short_repr
+from tierkv.config import plural, short_repr
 
 __all__ = ["FORMATS", "DistinctLimit", "Request", "Trace", "TraceBuilder", "TraceError", "TraceInfo", "TraceReader",
            "detect_format", "load_trace"]
@@ -511,7 +511,7 @@ class _Loader:
         if self.progress is not None:
             self.progress(self.lines, self.bytes_read)
         if self.builder is None or not self.builder.num_requests:
-            why = f" ({self.skipped} bad lines skipped)" if self.skipped else ""
+            why = f" ({plural(self.skipped, 'bad line')} skipped)" if self.skipped else ""
             raise TraceError(f"{self.path}:{self.lines}: empty trace: no requests{why}")
 
     def info(self) -> TraceInfo:
