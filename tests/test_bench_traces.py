@@ -64,8 +64,9 @@ def test_forced_format_and_detection() -> None:
     assert detect_format({"chat_id": 1, "hash_ids": [1]}) == "qwen"
     assert detect_format({"token_ids": [1]}) == "tierkv"
     assert detect_format({"foo": 1}) is None
-    tr = load_trace(DATA / "small_qwen.jsonl", "mooncake")   # forced: timestamps read as ms
-    assert tr.requests[1].timestamp == pytest.approx(0.001)
+    with pytest.raises(TraceError, match="--format mooncake, but this is a qwen trace"):
+        load_trace(DATA / "small_qwen.jsonl", "mooncake")  # would read seconds as ms, 16-token blocks as 512
+    assert load_trace(DATA / "small_qwen.jsonl", "qwen").format == "qwen"
 
 
 @pytest.mark.parametrize("lines, line, words", [

@@ -328,3 +328,15 @@ def test_an_unwritable_output_is_refused_before_any_work(tmp_path: Path, capsys:
         assert main([*command, "--plot", str(tmp_path / "nowhere" / "p.png")]) == 2
         assert "--plot: " in capsys.readouterr().err
     assert not ran  # refused before the command ran
+
+
+@pytest.mark.parametrize("trace, forced, detected", [("small_mooncake.jsonl", "qwen", "mooncake"),
+                                                      ("small_qwen.jsonl", "mooncake", "qwen"),
+                                                      ("small_tierkv.jsonl", "mooncake", "tierkv")])
+def test_a_format_forced_on_another_formats_trace_is_an_error(capsys: pytest.CaptureFixture[str], trace: str,
+                                                             forced: str, detected: str) -> None:
+    for command in ("bench", "inspect"):
+        assert main([command, "--trace", str(DATA / trace), "--format", forced]) == 2
+        err = capsys.readouterr().err
+        assert f"--format {forced}, but this is a {detected} trace" in err and f"{trace}:1:" in err
+    assert main(["inspect", "--trace", str(DATA / trace), "--format", detected, "--json", "-"]) == 0

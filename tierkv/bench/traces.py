@@ -426,7 +426,11 @@ class _Loader:
             self.first_skipped = where
 
     def start(self, rec: Any, line: int) -> TraceBuilder | None:
-        fmt = self.fmt if self.fmt != "auto" else detect_format(rec)
+        detected = detect_format(rec)
+        fmt = self.fmt if self.fmt != "auto" else detected
+        if detected is not None and fmt != detected:  # read as another format: wrong block size, fields
+            raise TraceError(f"{self.path}:{line}: --format {fmt}, but this is a {detected} trace; "
+                             f"drop --format (detected) or pass --format {detected}")
         if fmt is None:
             self.fail(line, "cannot tell the trace format (expected 'hash_ids', 'token_ids' or "
                             "'block_hashes'); pass --format")
