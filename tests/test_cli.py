@@ -277,6 +277,13 @@ def test_inspect(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", "--trace", str(DATA / "small_qwen.jsonl"), "--json", "-"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["format"] == "qwen" and info["block_accesses"] == 9 and info["ideal_hit_rate"] == pytest.approx(3 / 9)
+    assert main(["inspect", "--trace", str(DATA / "small_qwen.jsonl")]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("tierkv inspect: small_qwen.jsonl (qwen)\n")
+    assert "  ideal hit rate   33.3% (an unbounded cache" in text and "  block accesses   9 (16-token blocks)" in text
+    assert f"  cache for it     {info['saturation_tokens']:,} tokens" in text
+    body = text.split("\n", 1)[1]
+    assert "{" not in body and "_" not in body  # no raw dict, no field names
 
 
 def test_max_distinct_blocks_stops_a_trace_too_large_with_one_line(tmp_path: Path,

@@ -268,9 +268,32 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(args.json, info)
     else:
-        for k, v in info.items():
-            print(f"{k:>18}: {v}")
+        sys.stdout.write(_render_inspect(info))
     return 0
+
+
+def _render_inspect(info: dict[str, Any]) -> str:
+    """``tierkv inspect`` as a reader wants it: named rows, units, and what each figure means."""
+    from tierkv.bench.report import format_seconds as sec
+
+    gap = info["reuse_gap_s"]
+    gaps = (f"P50 {sec(gap['p50'])} s, P90 {sec(gap['p90'])} s, P99 {sec(gap['p99'])} s over "
+            f"{plural(gap['count'], 'reuse')}" if gap.get("count") else "none (no block is used twice)")
+    rows = [
+        ("requests", f"{info['requests']:,} over {sec(info['duration_s'])} s of trace time"),
+        ("block accesses", f"{info['block_accesses']:,} ({info['block_tokens']}-token blocks)"),
+        ("distinct blocks", f"{info['distinct_blocks']:,}"),
+        ("ideal hit rate", f"{info['ideal_hit_rate']:.1%} (an unbounded cache: accesses to blocks seen "
+                           "before / all accesses)"),
+        ("cache for it", f"{info['saturation_tokens']:,} tokens (the smallest LRU cache that reaches the "
+                         "ideal hit rate)"),
+        ("reuse gap", f"{gaps}: the trace time between two uses of a block"),
+    ]
+    if info["skipped_lines"]:
+        rows.append(("skipped", plural(info["skipped_lines"], "bad line")))
+    width = max(len(k) for k, _ in rows)
+    head = f"tierkv inspect: {info['trace']} ({info['format']})\n"
+    return head + "".join(f"  {k:<{width}}  {v}\n" for k, v in rows)
 
 
 # ----------------------------------------------------------------- parser

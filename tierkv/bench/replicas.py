@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from tierkv.bench.remote import SharedRemote, remote_capacity_blocks
-from tierkv.bench.replay import ReplayError, ReplayOptions, ReplayResult, Replayer, config_for_trace, replaying, requests_of
+from tierkv.bench.replay import (ReplayError, ReplayOptions, ReplayResult, Replayer, config_for_trace, replaying,
+                                 requests_of)
 from tierkv.config import TierKVConfig
 from tierkv.errors import ConfigError
 from tierkv.policy.events import REMOTE

@@ -172,7 +172,8 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def _sec(x: float | None) -> str:
+def format_seconds(x: float | None) -> str:
+    """``0.25``, ``42.1``, ``3,540`` (three significant digits below 100); ``-`` for none."""
     if x is None:
         return "-"
     return f"{x:.3g}" if x < 100 else f"{x:,.0f}"
@@ -198,7 +199,8 @@ def _life_rows(r: dict[str, Any]) -> list[list[str]]:
         entries = [(d["scope"], d), *d["tiers"].items()]
         for i, (scope, s) in enumerate(entries):
             mark = "" if s.get("exact", True) else "~"
-            rows.append([names[what] if i == 0 else "", scope, _sec(s["p50"]), _sec(s["p90"]), _sec(s["p99"]),
+            rows.append([names[what] if i == 0 else "", scope,
+                         *(format_seconds(s[p]) for p in ("p50", "p90", "p99")),
                          f"{mark}{s['count']:,}"])
     return rows
 
