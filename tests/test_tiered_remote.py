@@ -117,6 +117,9 @@ def test_the_remote_tier_is_in_the_metrics(server, tmp_path) -> None:
         compute(a, "r", list(range(40)))
         a.flush()
         compute(b, "r", list(range(40)))
+        deadline = time.monotonic() + 15
+        while not b.stats()["remote"]["server"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # the writer thread reads the server's INFO on its first turn
         port = b._metrics_server.server_port
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
