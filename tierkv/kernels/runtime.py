@@ -28,7 +28,8 @@ def cupy() -> ModuleType:
     try:
         import cupy as cp
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError("CUDA tensors need cupy: pip install 'tierkv[cuda]' (cupy-cuda12x)") from exc
+        raise RuntimeError("CUDA tensors need cupy: pip install 'tierkv[cuda13]' (CUDA 13 driver) or "
+                           "'tierkv[cuda12]' (CUDA 12)") from exc
     return cp
 
 
