@@ -347,3 +347,26 @@ def test_a_format_forced_on_another_formats_trace_is_an_error(capsys: pytest.Cap
         err = capsys.readouterr().err
         assert f"--format {forced}, but this is a {detected} trace" in err and f"{trace}:1:" in err
     assert main(["inspect", "--trace", str(DATA / trace), "--format", detected, "--json", "-"]) == 0
+
+
+def test_report_names_units_and_agrees_with_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    """The report says when the trace's blocks are not the config's, writes no lifecycle row
+    of dashes, and a tier 'large enough' still names the misses the table counts for it."""
+    import re
+
+    trace = str(DATA / "small_mooncake.jsonl")  # 512-token blocks; the default config counts 16
+    assert main(["bench", "--trace", trace, "--set", "gpu.num_blocks=64"]) == 0
+    text = capsys.readouterr().out
+    assert "Blocks of this trace (512 tokens); the config counts blocks of 16 tokens (its GPU pool: 64 of them, " \
+           "1,024 tokens)." in text
+    assert not re.search(r"^\s+\S*\s+\S+\s+-\s+-\s+-\s+0$", text, re.M)
+    assert "No samples (nothing reused or evicted there):" in text
+
+
+def test_a_tier_large_enough_for_most_reuses_names_what_it_lost() -> None:
+    from tierkv.bench.diagnose import pool_check
+
+    ok = pool_check("ssd", 600.0, 1182.0, 50, missed=2009, accesses=288500)
+    assert ok["verdict"] == "ok" and ok["missed"] == 2009
+    assert "large enough for most reuses" in ok["message"] and "2,009 accesses (0.7%)" in ok["message"]
+    assert pool_check("ssd", 600.0, 1182.0, 50)["message"].startswith("SSD: large enough. ")

@@ -69,12 +69,14 @@ _FASTER = {"gpu": "without a load", "cpu": "from DRAM instead of the SSD"}
 
 
 def pool_check(scope: str, reuse_p90: float | None, idle_p50: float | None, evictions: int, *,
-               held_below: bool = False) -> dict[str, Any]:
+               held_below: bool = False, missed: int = 0, accesses: int = 0) -> dict[str, Any]:
     """Verdict for one tier (or the whole cache): reuse-gap P90 vs idle-before-evict P50.
     ``held_below``: the tiers below hold every block this one evicts (the whole cache
-    evicted nothing), so a tier too small costs loads from below, not hits."""
+    evicted nothing), so a tier too small costs loads from below, not hits. ``missed``:
+    accesses that missed because this tier, the last to hold the block, evicted it (of
+    ``accesses``): a tier large enough for most reuses says what it still lost."""
     out: dict[str, Any] = {"reuse_gap_p90_s": reuse_p90, "idle_before_evict_p50_s": idle_p50,
-                           "evictions": evictions, "held_below": held_below}
+                           "evictions": evictions, "held_below": held_below, "missed": missed}
     name = scope.upper() if scope != "cache" else "Whole cache"
     if evictions == 0:
         out.update(verdict="no_evictions", message=f"{name}: nothing was evicted; it holds all it was given.")
@@ -90,6 +92,11 @@ def pool_check(scope: str, reuse_p90: float | None, idle_p50: float | None, evic
         out.update(verdict="too_small", message=(
             f"{name}: too small. Reuse gap P90 {reuse_p90:.1f} s > idle-before-evict P50 {idle_p50:.1f} s: "
             f"blocks are usually evicted before they are reused; {_GROW[scope]}."))
+    elif missed:
+        out.update(verdict="ok", message=(
+            f"{name}: large enough for most reuses (reuse gap P90 {reuse_p90:.1f} s <= idle-before-evict "
+            f"P50 {idle_p50:.1f} s), but {missed:,} accesses ({_pct(missed / max(accesses, 1))}) missed "
+            f"blocks it evicted, the longest reuses ('evicted earlier' under 'Why blocks missed')."))
     else:
         out.update(verdict="ok", message=(
             f"{name}: large enough. Reuse gap P90 {reuse_p90:.1f} s <= idle-before-evict P50 "
@@ -98,14 +105,19 @@ def pool_check(scope: str, reuse_p90: float | None, idle_p50: float | None, evic
 
 
 def pool_checks(reuse: dict[str, dict[str, Any]], idle: dict[str, dict[str, Any]],
-                evictions: dict[str, int]) -> dict[str, dict[str, Any]]:
-    """:func:`pool_check` for each tier and for the whole cache (``reuse['trace']`` vs ``idle['cache']``)."""
+                evictions: dict[str, int], missed: dict[str, int] | None = None,
+                accesses: int = 0) -> dict[str, dict[str, Any]]:
+    """:func:`pool_check` for each tier and for the whole cache (``reuse['trace']`` vs ``idle['cache']``).
+    ``missed``: the replay's miss reasons (``evicted_<tier>``: the tier was the last to hold it)."""
     out = {}
+    missed = missed or {}
     held_below = idle["cache"]["count"] == 0  # nothing left the whole cache
     for tier in TIERS:
         out[tier] = pool_check(tier, reuse[tier]["p90"], idle[tier]["p50"], evictions.get(tier, 0),
-                               held_below=held_below)
-    out["cache"] = pool_check("cache", reuse["trace"]["p90"], idle["cache"]["p50"], idle["cache"]["count"])
+                               held_below=held_below, missed=missed.get(f"evicted_{tier}", 0), accesses=accesses)
+    lost = sum(missed.get(f"evicted_{t}", 0) for t in TIERS)
+    out["cache"] = pool_check("cache", reuse["trace"]["p90"], idle["cache"]["p50"], idle["cache"]["count"],
+                              missed=lost, accesses=accesses)
     return out
 
 

@@ -116,6 +116,7 @@ class ReplayResult:
     cache_lifetime_s: Quantiles = field(default_factory=Quantiles)
     cache_idle_before_evict_s: Quantiles = field(default_factory=Quantiles)
     payload_block_bytes: int | None = None
+    config_block_size: int = 0  # the block size of the config as given (its capacities' unit)
 
     @property
     def hits(self) -> int:
@@ -551,7 +552,7 @@ def _result(rp: Replayer, config: TierKVConfig, cfg: TierKVConfig, caps: dict[st
                         rp.forced, rp.peak, rp.wall_s, stats, rp.rejected, rp.rejected_max,
                         _admit_hint(config, rp.rejected_max * rp.block_size) if rp.rejected else None,
                         rp.request_hits or [], rp.tracker.lifetime, rp.tracker.idle,
-                        opts.payload_block_bytes if opts.payload else None)
+                        opts.payload_block_bytes if opts.payload else None, config.block_size)
 
 
 def requests_of(trace: "Trace | TraceReader | Iterable[Request]") -> Iterator["Request"]:

@@ -65,17 +65,19 @@ def _capacity(res: "BenchResult") -> dict[str, Any]:
                            for t, n in rp.capacity_blocks.items()}
     cap["effective_total_tokens"] = diagnose.effective_capacity_blocks(rp.spec, rp.capacity_blocks) * bs
     cap["bytes_per_token"] = nbytes / bs
+    cap["config_block_tokens"] = rp.config_block_size or bs  # the config's own unit (--set gpu.num_blocks)
     return cap
 
 
 def _diagnosis(rates: dict[str, float], ideal: float, life: dict[str, dict[str, Any]],
-               evictions: dict[str, int], forced: int, rejected: dict[str, Any]) -> dict[str, Any]:
+               evictions: dict[str, int], forced: int, rejected: dict[str, Any],
+               rp: "ReplayResult") -> dict[str, Any]:
     reuse = {t: life["reuse_gap_s"]["tiers"][t] for t in TIERS}
     reuse["trace"] = life["reuse_gap_s"]
     idle = {t: life["idle_before_evict_s"]["tiers"][t] for t in TIERS}
     idle["cache"] = life["idle_before_evict_s"]
     band = diagnose.hit_rate_band(rates["total"], ideal)
-    pools = diagnose.pool_checks(reuse, idle, evictions)
+    pools = diagnose.pool_checks(reuse, idle, evictions, rp.miss_reasons, rp.accesses)
     messages = [band["message"], *(pools[k]["message"] for k in ("gpu", "cpu", "ssd", "cache"))]
     if forced:
         messages.append(f"{forced:,} running requests were finished early to make room: the GPU pool is smaller "
@@ -113,7 +115,7 @@ def build_report(res: "BenchResult") -> dict[str, Any]:
         "capacity": cap,
         "mrc": [[c * bs, round(h, 6)] for c, h in mrc.points(extra=marks)],
         "recommendation": diagnose.recommend(mrc, rp.config, rp.spec, rp.capacity_blocks),
-        "diagnosis": _diagnosis(rates, mrc.ideal_hit_rate, life, evictions, rp.forced_frees, _rejected(rp)),
+        "diagnosis": _diagnosis(rates, mrc.ideal_hit_rate, life, evictions, rp.forced_frees, _rejected(rp), rp),
         "policy": {"admission": rp.spec.admission, "promotion": rp.spec.promotion,
                    "write_through": rp.spec.write_through, "pageout_blocks": rp.spec.pageout_blocks},
         "admission_comparison": {mode: _comparison(r) for mode, r in res.comparison.items()},
@@ -191,18 +193,24 @@ def _tier_rows(r: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def _life_rows(r: dict[str, Any]) -> list[list[str]]:
-    rows = []
+def _life_rows(r: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
+    """The rows with samples, and ``what scope`` of those without (said in one line, not
+    as rows of dashes)."""
+    rows: list[list[str]] = []
+    empty: list[str] = []
     names = {"reuse_gap_s": "reuse gap", "idle_before_evict_s": "idle before evict", "lifetime_s": "lifetime"}
     for what in _LIFECYCLE:
         d = r[what]
-        entries = [(d["scope"], d), *d["tiers"].items()]
-        for i, (scope, s) in enumerate(entries):
+        first = True
+        for scope, s in [(d["scope"], d), *d["tiers"].items()]:
+            if not s["count"]:
+                empty.append(f"{names[what]} {scope}")
+                continue
             mark = "" if s.get("exact", True) else "~"
-            rows.append([names[what] if i == 0 else "", scope,
-                         *(format_seconds(s[p]) for p in ("p50", "p90", "p99")),
-                         f"{mark}{s['count']:,}"])
-    return rows
+            rows.append([names[what] if first else "", scope,
+                         *(format_seconds(s[p]) for p in ("p50", "p90", "p99")), f"{mark}{s['count']:,}"])
+            first = False
+    return rows, empty
 
 
 def _summaries(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -234,8 +242,16 @@ def render_text(r: dict[str, Any]) -> str:
            f"  hit rate = {HIT_RATE_DEFINITION}", ""]
     out += ["Hit rate by tier"]
     out += _table(["tier", "blocks", "tokens", "bytes", "hit rate", "hits"], _tier_rows(r))
+    own = r["capacity"].get("config_block_tokens", r["block_tokens"])
+    if own != r["block_tokens"]:
+        gpu = r["capacity"]["gpu"]["tokens"]
+        out.append(f"  Blocks of this trace ({r['block_tokens']} tokens); the config counts blocks of {own} "
+                   f"tokens (its GPU pool: {gpu // own:,} of them, {gpu:,} tokens).")
     out += ["", "Block lifecycle (seconds of trace time)"]
-    out += _table(["", "scope", "P50", "P90", "P99", "samples"], _life_rows(r))
+    life_rows, no_samples = _life_rows(r)
+    out += _table(["", "scope", "P50", "P90", "P99", "samples"], life_rows)
+    if no_samples:
+        out.append(f"  No samples (nothing reused or evicted there): {', '.join(no_samples)}.")
     if not all(s.get("exact", True) for s in _summaries(r)):
         out += [f"  ~: samples of more than {EXACT_VALUES:,} distinct values: percentiles within "
                 f"{100 * RELATIVE_ERROR:g}% of exact"]
@@ -254,7 +270,7 @@ def render_text(r: dict[str, Any]) -> str:
     out += ["", "Diagnosis"] + [f"  {m}" for m in r["diagnosis"]["messages"]]
     if r["admission_comparison"]:
         out += ["", "Admission modes (the same trace and capacities)"]
-        out += _table(["admission", "GPU", "CPU", "SSD", "total", "SSD writes", "SSD bytes/hit"],
+        out += _table(["admission", "GPU", "CPU", "SSD", "total", "SSD writes", "SSD writes per hit (any tier)"],
                       [_comparison_row(m, c) for m, c in r["admission_comparison"].items()])
     rp = r["replay"]
     pol = r["policy"]
