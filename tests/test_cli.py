@@ -370,3 +370,16 @@ def test_a_tier_large_enough_for_most_reuses_names_what_it_lost() -> None:
     assert ok["verdict"] == "ok" and ok["missed"] == 2009
     assert "large enough for most reuses" in ok["message"] and "2,009 accesses (0.7%)" in ok["message"]
     assert pool_check("ssd", 600.0, 1182.0, 50)["message"].startswith("SSD: large enough. ")
+
+
+def test_plot_draws_no_zero_gap_on_its_log_axis() -> None:
+    """Zero gaps (a block reused in the same step) are not drawn at an invented 1 ms: the
+    curve starts at the fraction they make up, which the label states."""
+    from tierkv.bench.plot import _ecdf_points
+    from tierkv.bench.stats import Quantiles
+
+    q = Quantiles()
+    q.add([0.0] * 30 + [float(i) for i in range(1, 71)])
+    x, frac, zeros = _ecdf_points(q)
+    assert (x > 0).all() and x.min() >= 1.0 and zeros == pytest.approx(0.3, abs=0.02)
+    assert frac[0] == pytest.approx(zeros)

@@ -16,14 +16,26 @@ __all__ = ["plot_report"]
 _COLORS = {"gpu": "tab:green", "cpu": "tab:blue", "ssd": "tab:purple", "cache": "tab:red", "trace": "black"}
 
 
-def _ecdf(ax: Any, samples: Quantiles, label: str, color: str, style: str) -> None:
+def _ecdf_points(samples: Quantiles) -> tuple[Any, Any, float]:
+    """``(x, fraction, zeros)``: the distribution's positive part (a log axis has no 0) and
+    the fraction of samples that are 0 s, where the curve starts."""
     import numpy as np
 
+    q = np.linspace(0.0, 1.0, min(samples.count, 1000))
+    x = samples.quantiles(q)
+    positive = x > 0
+    zeros = float(q[positive][0]) if positive.any() else 1.0
+    return x[positive], q[positive], zeros
+
+
+def _ecdf(ax: Any, samples: Quantiles, label: str, color: str, style: str, **kw: Any) -> None:
     if not samples.count:
         return
-    q = np.linspace(0.0, 1.0, min(samples.count, 1000))
-    x = np.maximum(samples.quantiles(q), 1e-3)
-    ax.step(x, q, where="post", label=label, color=color, linestyle=style)
+    x, q, zeros = _ecdf_points(samples)
+    if zeros >= 0.005:
+        label += f" ({zeros:.0%} at 0 s)"
+    if len(x):
+        ax.step(x, q, where="post", label=label, color=color, linestyle=style, **kw)
 
 
 def _mrc_panel(ax: Any, report: dict[str, Any]) -> None:
@@ -54,24 +66,38 @@ def _mrc_panel(ax: Any, report: dict[str, Any]) -> None:
     ax.legend(fontsize=7, loc="upper left")
 
 
+def _same(a: Quantiles, b: Quantiles) -> bool:
+    import numpy as np
+
+    if a.count != b.count or not a.count:
+        return False
+    q = np.linspace(0.0, 1.0, 101)
+    return bool(np.allclose(a.quantiles(q), b.quantiles(q)))
+
+
 def _lifecycle_panel(ax: Any, res: "BenchResult") -> None:
     rp = res.replay
+    cache_idle = rp.cache_idle_before_evict_s
+    if not any(_same(rp.lifecycle(t, "idle_before_evict_s"), cache_idle) for t in TIERS):
+        # first, wide and light: the last tier's own line, close to it, stays visible on top
+        _ecdf(ax, cache_idle, "idle before evict (whole cache)", _COLORS["cache"], "-", lw=4, alpha=0.35)
     _ecdf(ax, res.stack.reuse_gaps, "reuse gap (trace)", _COLORS["trace"], "-")
     for tier in TIERS:
+        idle = rp.lifecycle(tier, "idle_before_evict_s")
         _ecdf(ax, rp.lifecycle(tier, "reuse_gap_s"), f"reuse gap {tier.upper()}", _COLORS[tier], "-")
-        _ecdf(ax, rp.lifecycle(tier, "idle_before_evict_s"), f"idle before evict {tier.upper()}",
+        same = _same(idle, cache_idle)  # the last tier: its evictions are the whole cache's (one line)
+        _ecdf(ax, idle, f"idle before evict {tier.upper()}" + (" = whole cache" if same else ""),
               _COLORS[tier], "--")
-    _ecdf(ax, rp.cache_idle_before_evict_s, "idle before evict (whole cache)", _COLORS["cache"], "--")
     ax.axhline(0.5, color="grey", lw=0.6)
     ax.axhline(0.9, color="grey", lw=0.6)
     ax.set_xscale("log")
     ax.set_ylim(0, 1)
     ax.set_xlabel("seconds of trace time")
     ax.set_ylabel("fraction of samples")
-    ax.set_title("Reuse gap (solid) vs idle before evict (dashed)")
+    ax.set_title("Reuse gap (solid) vs idle before evict (dashed; whole cache: wide)")
     ax.grid(True, which="both", ls=":", alpha=0.4)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, loc="lower right")
+    if ax.get_legend_handles_labels()[0]:  # beside the panel: the curves fill it
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
 def plot_report(res: "BenchResult", report: dict[str, Any], path: str | Path) -> Path:
@@ -81,7 +107,7 @@ def plot_report(res: "BenchResult", report: dict[str, Any], path: str | Path) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 5.2))
     try:
         _mrc_panel(left, report)
         _lifecycle_panel(right, res)
