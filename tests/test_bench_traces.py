@@ -236,3 +236,40 @@ def test_a_skipped_line_adds_no_blocks(tmp_path) -> None:
                     f'{{"timestamp": 1, "hash_ids": {bad}, "input_length": 1024, "output_length": 1}}\n')
     trace = load_trace(path, "mooncake", skip_bad_lines=True)
     assert trace.skipped_lines == 1 and trace.num_distinct_blocks == 2
+
+
+def test_tierkv_header_versions_the_format_and_gives_the_block_size(tmp_path: Path) -> None:
+    """The tierkv format's optional header line: its version (a newer one stops the read),
+    and the block size its block hashes were cut with."""
+    from tierkv.bench.traces import TRACE_VERSION, TraceReader
+
+    rows = ['{"timestamp": 0, "block_hashes": [1, 2, 3]}', '{"timestamp": 1, "block_hashes": [1, 2, 4]}']
+    p = write(tmp_path, [json.dumps({"tierkv_trace": TRACE_VERSION, "block_size": 64, "note": "ignored"}), *rows])
+    tr = load_trace(p)
+    assert tr.format == "tierkv" and tr.block_size == 64 and len(tr.requests) == 2
+    assert tr.requests[0].input_length == 3 * 64
+    reader = TraceReader(p)
+    assert sum(1 for _ in reader) == 2 and reader.block_size == 64
+    with pytest.raises(TraceError, match=r":1: the header says 64-token blocks, --block-size says 16"):
+        load_trace(p, block_size=16)
+    with pytest.raises(TraceError, match=r":1: --format mooncake, but this is a tierkv trace"):
+        load_trace(p, "mooncake")
+    newer = write(tmp_path, [json.dumps({"tierkv_trace": TRACE_VERSION + 1}), *rows])
+    with pytest.raises(TraceError, match=rf":1: written in tierkv trace format {TRACE_VERSION + 1}; this tierkv "
+                                         rf"reads format {TRACE_VERSION} and older"):
+        load_trace(newer, skip_bad_lines=True)  # not a bad line: nothing after it can be read right
+    bad = write(tmp_path, [json.dumps({"tierkv_trace": "1"}), *rows])
+    with pytest.raises(TraceError, match="'tierkv_trace': expected a format version"):
+        load_trace(bad)
+
+
+def test_the_readmes_example_trace_reads_as_it_says(tmp_path: Path) -> None:
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### The tierkv trace format"):]
+    example = re.search(r"^```\n(.*?)^```", section, re.M | re.S).group(1)
+    tr = load_trace(write(tmp_path, example.strip().splitlines()))
+    assert tr.format == "tierkv" and tr.block_size == 16 and len(tr.requests) == 3
+    assert tr.requests[1].blocks[:2] == tr.requests[0].blocks[:2]  # equal hashes: shared blocks
+    assert tr.requests[0].input_length == 40 and tr.requests[1].output_length == 128

@@ -10,12 +10,15 @@ order). Formats (one JSON object per line):
 ``qwen`` (Qwen-Bailian usage traces)
     ``chat_id``, ``parent_chat_id``, ``timestamp`` (s), ``input_length``,
     ``output_length``, ``type``, ``turn``, ``hash_ids`` (16-token blocks).
-``tierkv``
-    ``timestamp`` (s), and ``token_ids`` or ``block_hashes`` (ints or hex
-    strings, prefix order); optional ``input_length``, ``output_length``,
-    ``cache_salt``, ``lora``. Token ids are cut into full blocks of the
-    configured block size and chained like the engine does, with
-    ``cache_salt`` and ``lora`` in the chain's root.
+``tierkv`` (format version :data:`TRACE_VERSION`; the README documents it)
+    an optional first line, the header: ``tierkv_trace`` (the format version)
+    and optionally ``block_size`` (tokens per block of the ``block_hashes``);
+    other header keys are ignored. Then per request: ``timestamp`` (s), and
+    ``token_ids`` or ``block_hashes`` (ints or hex strings, prefix order);
+    optional ``input_length``, ``output_length``, ``cache_salt``, ``lora``.
+    Token ids are cut into full blocks of the block size and chained like the
+    engine does, with ``cache_salt`` and ``lora`` in the chain's root. A
+    header of a newer version stops the read.
 
 The file is read once, line by line, so a pipe or FIFO works as well as a
 file. Lines are UTF-8 (a byte order mark at the start is allowed) and at most
@@ -45,10 +48,12 @@ from typing import Any, BinaryIO, Callable, Iterator, Optional, Union
 
 from tierkv.config import plural, short_repr
 
-__all__ = ["FORMATS", "DistinctLimit", "Request", "Trace", "TraceBuilder", "TraceError", "TraceInfo", "TraceReader",
-           "detect_format", "load_trace"]
+__all__ = ["TRACE_VERSION", "HEADER_KEY", "FORMATS", "DistinctLimit", "Request", "Trace", "TraceBuilder",
+           "TraceError", "TraceInfo", "TraceReader", "detect_format", "load_trace"]
 
 FORMATS = ("mooncake", "qwen", "tierkv")
+TRACE_VERSION = 1           # the tierkv format's version this reader reads (and anything older)
+HEADER_KEY = "tierkv_trace"  # the tierkv format's header line: {"tierkv_trace": 1, "block_size": 16}
 _ALIASES = {"qwen-bailian": "qwen", "bailian": "qwen"}
 DEFAULT_BLOCK_SIZE = {"mooncake": 512, "qwen": 16}
 MAX_LINE_BYTES = 64 << 20
@@ -157,7 +162,7 @@ def detect_format(record: Any) -> str | None:
         return "qwen"
     if "hash_ids" in record:
         return "mooncake"
-    if "token_ids" in record or "block_hashes" in record:
+    if "token_ids" in record or "block_hashes" in record or HEADER_KEY in record:
         return "tierkv"
     return None
 
@@ -441,6 +446,29 @@ class _Loader:
                                     max_distinct_blocks=limit(fmt, bs) if callable(limit) else limit)
         return self.builder
 
+    def header(self, rec: dict[str, Any], line: int) -> None:
+        """The tierkv format's header line: its version, and the trace's block size."""
+        version = rec[HEADER_KEY]
+        if type(version) is not int or version < 1:
+            raise TraceError(f"{self.path}:{line}: '{HEADER_KEY}': expected a format version (1, 2, ...), got "
+                             f"{short_repr(version)}")
+        if version > TRACE_VERSION:
+            raise TraceError(f"{self.path}:{line}: written in tierkv trace format {version}; this tierkv reads "
+                             f"format {TRACE_VERSION} and older: upgrade tierkv")
+        if self.fmt not in ("auto", "tierkv"):
+            raise TraceError(f"{self.path}:{line}: --format {self.fmt}, but this is a tierkv trace; "
+                             "drop --format (detected) or pass --format tierkv")
+        self.fmt = "tierkv"
+        bs = rec.get("block_size")
+        if bs is None:
+            return
+        if type(bs) is not int or bs < 1:
+            raise TraceError(f"{self.path}:{line}: 'block_size': expected a positive integer, got {short_repr(bs)}")
+        if self.block_size is not None and self.block_size != bs:
+            raise TraceError(f"{self.path}:{line}: the header says {bs}-token blocks, --block-size says "
+                             f"{self.block_size}")
+        self.block_size = bs
+
     def feed(self, raw: bytes, line: int) -> None:
         if line == 1 and raw.startswith(_BOM):
             raw = raw[len(_BOM):]
@@ -450,6 +478,9 @@ class _Loader:
                 return
             if not isinstance(rec, dict):
                 raise _Bad(f"expected a JSON object, got {type(rec).__name__}")
+            if self.builder is None and HEADER_KEY in rec:
+                self.header(rec, line)
+                return
             b = self.builder or self.start(rec, line)
             if b is not None:
                 _ADDERS[b.format](b, rec, line)
