@@ -1,8 +1,9 @@
-"""``tierkv`` command line: ``bench`` (size a tiered cache from traffic), ``plan`` (KV memory), ``inspect``.
+"""``tierkv`` command line: ``bench`` (size a tiered cache from traffic), ``plan`` (KV memory), ``inspect``
+(a trace alone), ``ssd stats | verify`` (what an SSD tier directory holds).
 
-Exit status: 0 success; 2 bad input (missing or malformed trace, bad config
-or flag), reported as one ``tierkv: error: ...`` line on stderr; 130 on
-Ctrl-C.
+Exit status: 0 success; 1 when ``ssd verify`` found records that do not verify;
+2 bad input (missing or malformed trace, bad config or flag, a directory that is
+not a tier), reported as one ``tierkv: error: ...`` line on stderr; 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -296,6 +297,69 @@ def _render_inspect(info: dict[str, Any]) -> str:
     return head + "".join(f"  {k:<{width}}  {v}\n" for k, v in rows)
 
 
+# ----------------------------------------------------------------- ssd
+
+def cmd_ssd(args: argparse.Namespace) -> int:
+    """``tierkv ssd stats|verify PATH``: read-only; exit 1 when verify found bad records."""
+    from tierkv.errors import ConfigError
+    from tierkv.tiers.ssd.inventory import held_by, inventory, tier_dirs
+
+    tiers = tier_dirs(args.path)
+    if args.verify:
+        for path in tiers:
+            pid = held_by(path)
+            if pid is not None:
+                raise ConfigError(f"{path}: in use by {'process %d' % pid if pid > 0 else 'another process'}; "
+                                  "verify reads every record: stop the server first (a read there already "
+                                  "verifies and drops what does not)")
+    reports = [inventory(path, verify=args.verify) for path in tiers]
+    if args.json:
+        _write_json(args.json, {"tiers": reports})
+    if args.json != "-":
+        sys.stdout.write("".join(_render_tier(r) for r in reports))
+    return 1 if any(r.get("verify", {}).get("bad") for r in reports) else 0
+
+
+def _render_tier(r: dict[str, Any]) -> str:
+    import datetime as dt
+
+    from tierkv.config import format_size
+
+    def when(t: float | None) -> str:
+        return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC") if t else "-"
+
+    files = r["files"]
+    disk = sum(files.values())
+    lines = [f"SSD tier {r['path']}" + (f" (in use by process {r['held_by']})" if (r["held_by"] or 0) > 0
+                                        else " (in use)" if r["held_by"] else "")]
+    if r["format"] != r["reads"]:
+        lines.append(f"  record format {r['format']}: older than this tierkv's ({r['reads']}); a tier opening "
+                     "this directory discards its records")
+    ratio = r["logical_bytes"] / r["stored_bytes"] if r["stored_bytes"] else None
+    slack = max(0, files.get("blocks.dat", 0) - r["page_bytes"])
+    rows = [("records", f"{r['records']:,}" + (f" ({plural(r['unreadable_heads'], 'unreadable header')})"
+                                                 if r["unreadable_heads"] else "")),
+            ("blocks", f"{format_size(r['logical_bytes'])} as stored blocks; {format_size(r['stored_bytes'])} "
+                       f"after compression" + (f" (ratio {ratio:.2f})" if ratio else "")),
+            ("on disk", f"{format_size(disk)}: index {format_size(files.get('data.mdb', 0))}, page file "
+                        f"{format_size(files.get('blocks.dat', 0))} ({format_size(slack)} of it free or slack)"),
+            ("created", when(r.get("created_at")))]
+    width = max(len(k) for k, _ in rows)
+    lines += [f"  {k:<{width}}  {v}" for k, v in rows]
+    if r["namespaces"]:
+        lines.append("  namespaces (what wrote the records; ages are the namespaces', records keep none):")
+        for ns in r["namespaces"]:
+            lines.append(f"    {ns['prefix'][:16]}  {ns['records']:>10,} records  "
+                         f"{format_size(ns['logical_bytes']):>10}  since {when(ns.get('created_at'))}  "
+                         f"{ns.get('fingerprint', '?')}")
+    if "verify" in r:
+        v = r["verify"]
+        why = ", ".join(f"{n:,} {k}" for k, n in sorted(v["bad_by_reason"].items()))
+        lines.append(f"  verify: {v['checked']:,} records read, {plural(v['bad'], 'bad record')}"
+                     + (f" ({why}); a server deletes each when it reads it" if v["bad"] else ""))
+    return "\n".join(lines) + "\n\n"
+
+
 # ----------------------------------------------------------------- parser
 
 def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
@@ -424,6 +488,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="KV memory planning: bytes per token, pool tokens, concurrency")
     _plan_args(plan)
     plan.set_defaults(func=cmd_plan)
+    ssd = sub.add_parser("ssd", help="what an SSD tier directory holds (read-only)")
+    ssd_sub = ssd.add_subparsers(dest="ssd_command", required=True)
+    for name, helptext in (("stats", "records, bytes, compression, namespaces, slack"),
+                           ("verify", "read every record and check it as a read does (not while a server "
+                                      "holds the tier)")):
+        cmd = ssd_sub.add_parser(name, help=helptext)
+        cmd.add_argument("path", metavar="PATH", help="an SSD tier directory, or a vLLM ssd.path holding rank-<r>")
+        cmd.add_argument("--json", metavar="PATH", help="write the figures as JSON ('-' for stdout)")
+        cmd.set_defaults(func=cmd_ssd, verify=name == "verify")
     insp = sub.add_parser("inspect", help="summarise a trace (no replay)")
     insp.add_argument("--trace", required=True, metavar="PATH")
     insp.add_argument("--format", default="auto")

@@ -96,14 +96,15 @@ def parse_head(head: bytes) -> Header | None:
 class Index:
     """The LMDB environment at ``path`` with a map of ``map_size`` bytes."""
 
-    def __init__(self, path: Path, map_size: int, *, readonly: bool = False) -> None:
+    def __init__(self, path: Path, map_size: int, *, readonly: bool = False, lock: bool | None = None) -> None:
         import lmdb
         with _lmdb_errors():
             if readonly:  # one more reader beside the owner (a slot in its lock.mdb), never a
-                # write; without lock.mdb no tier has the environment open: none is created
+                # write; without lock.mdb no tier has the environment open: none is created.
+                # ``lock=False``: no slot either (no owner runs: not even lock.mdb changes)
                 self._env: Any = lmdb.open(str(path), subdir=True, max_dbs=8, readonly=True,
                                            create=False, readahead=False, mode=0o600,
-                                           lock=(path / "lock.mdb").exists())
+                                           lock=(path / "lock.mdb").exists() if lock is None else lock)
             else:
                 self._env = lmdb.open(str(path), map_size=map_size, subdir=True, max_dbs=8,
                                       sync=False, metasync=False, readahead=True,
@@ -199,6 +200,14 @@ class Index:
             return [], []
         with _lmdb_errors(), self._env.begin() as txn:
             return _range(txn.cursor(db=self._tag), prefix)
+
+    def meta_items(self) -> dict[bytes, bytes]:
+        """Every record of the ``meta`` database (the format record, the state, one per
+        namespace); empty where there is none."""
+        if self._meta is None:
+            return {}
+        with _lmdb_errors(), self._env.begin() as txn:
+            return {bytes(k): bytes(v) for k, v in txn.cursor(db=self._meta)}
 
     def all_heads(self) -> tuple[list[bytes], list[bytes]]:
         """Every ``(nskey, head)`` of the index, as two lists in key order (one snapshot)."""

@@ -1,0 +1,129 @@
+"""``tierkv ssd stats | verify`` on real tiers: what they report, what they refuse, and that
+nothing on disk changes (not a byte, not a lock file)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import lmdb
+import msgpack
+import numpy as np
+import pytest
+
+from tierkv.cli import main
+from tierkv.identity import RECORD_VERSION
+from tierkv.tiers.ssd import SSDTier
+
+BLOCK = 64 * 1024
+
+
+def fill(path: Path, n: int = 40, fingerprint: str = "model-a|fp16|tp0") -> SSDTier:
+    tier = SSDTier(path, capacity_bytes=64 * 1024**2, fingerprint=fingerprint, block_nbytes=BLOCK)
+    rng = np.random.default_rng(1)
+    for i in range(n):
+        assert tier.put(i.to_bytes(32, "big"), rng.standard_normal(BLOCK // 2).astype(np.float16).view(np.uint8))
+    assert tier.flush()
+    return tier
+
+
+def snapshot(path: Path) -> dict[str, tuple[str, int]]:
+    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mode)
+            for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_stats_and_verify_of_a_sound_tier_change_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fill(tmp_path / "t").close()
+    fill(tmp_path / "t", 10, "model-b|bf16|tp0").close()  # a second model's namespace in the same directory
+    before = snapshot(tmp_path / "t")
+    rc, out, _ = run(capsys, "ssd", "stats", str(tmp_path / "t"), "--json", str(tmp_path / "s.json"))
+    assert rc == 0 and "records  50" in out and "model-a|fp16|tp0" in out and "model-b|bf16|tp0" in out
+    (report,) = json.loads((tmp_path / "s.json").read_text())["tiers"]
+    assert report["records"] == 50 and report["logical_bytes"] == 50 * BLOCK
+    assert report["stored_bytes"] < report["logical_bytes"]  # fp16 KV compresses a little
+    assert {ns["fingerprint"]: ns["records"] for ns in report["namespaces"]} == {"model-a|fp16|tp0": 40,
+                                                                               "model-b|bf16|tp0": 10}
+    rc, out, _ = run(capsys, "ssd", "verify", str(tmp_path / "t"))
+    assert rc == 0 and "verify: 50 records read, 0 bad records" in out
+    assert snapshot(tmp_path / "t") == before
+
+
+def test_verify_finds_flipped_bytes_and_changes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fill(tmp_path / "t").close()
+    blocks = tmp_path / "t" / "blocks.dat"
+    data = bytearray(blocks.read_bytes())
+    for at in (100, 120_000, 300_000):  # in the bodies of three records (~56 KiB each)
+        data[at] ^= 0x40
+    blocks.write_bytes(bytes(data))
+    before = snapshot(tmp_path / "t")
+    rc, out, _ = run(capsys, "ssd", "verify", str(tmp_path / "t"), "--json", "-")
+    assert rc == 1  # bad records found
+    (report,) = json.loads(out)["tiers"]
+    assert report["verify"]["checked"] == 40 and report["verify"]["bad"] == 3
+    assert set(report["verify"]["bad_by_reason"]) <= {"checksum", "payload"}
+    assert snapshot(tmp_path / "t") == before
+
+
+def test_a_tier_held_by_a_server_is_read_but_not_verified(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tier = fill(tmp_path / "t")
+    try:
+        rc, out, _ = run(capsys, "ssd", "stats", str(tmp_path / "t"))
+        assert rc == 0 and f"(in use by process {os.getpid()})" in out and "records  40" in out
+        rc, _, err = run(capsys, "ssd", "verify", str(tmp_path / "t"))
+        assert rc == 2 and err.count("\n") == 1 and f"in use by process {os.getpid()}" in err
+        assert tier.get((3).to_bytes(32, "big")) is not None  # the owner never noticed
+    finally:
+        tier.close()
+
+
+def test_a_vllm_ssd_path_reports_each_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "root").mkdir()
+    for rank, n in ((0, 12), (1, 7)):
+        fill(tmp_path / "root" / f"rank-{rank}", n, f"m|tp{rank}").close()
+    rc, out, _ = run(capsys, "ssd", "stats", str(tmp_path / "root"), "--json", "-")
+    assert rc == 0 and [t["records"] for t in json.loads(out)["tiers"]] == [12, 7]
+
+
+def _set_format(path: Path, version: int) -> None:
+    env = lmdb.open(str(path), max_dbs=8)
+    with env.begin(write=True) as txn:
+        meta = env.open_db(b"meta", txn=txn)
+        info = msgpack.unpackb(txn.get(b"tierkv", db=meta))
+        txn.put(b"tierkv", msgpack.packb({**info, "format": version}), db=meta)
+    env.close()
+    (path / "lock.mdb").unlink(missing_ok=True)
+
+
+def test_other_formats_and_other_directories(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fill(tmp_path / "old").close()
+    _set_format(tmp_path / "old", RECORD_VERSION - 1)
+    rc, out, _ = run(capsys, "ssd", "stats", str(tmp_path / "old"))
+    assert rc == 0 and f"record format {RECORD_VERSION - 1}: older than this tierkv's" in out
+    fill(tmp_path / "new").close()
+    _set_format(tmp_path / "new", RECORD_VERSION + 1)
+    before = snapshot(tmp_path / "new")
+    for command in ("stats", "verify"):
+        rc, _, err = run(capsys, "ssd", command, str(tmp_path / "new"))
+        assert rc == 2 and f"written by a newer tierkv (record format {RECORD_VERSION + 1})" in err
+        assert err.count("\n") == 1 and "Traceback" not in err
+    assert snapshot(tmp_path / "new") == before
+    (tmp_path / "plain").mkdir()
+    rc, _, err = run(capsys, "ssd", "stats", str(tmp_path / "plain"))
+    assert rc == 2 and "not an SSD tier (no data.mdb)" in err
+    foreign = tmp_path / "foreign"
+    env = lmdb.open(str(foreign), max_dbs=2)
+    with env.begin(write=True) as txn:
+        txn.put(b"key", b"someone else's value")
+    env.close()
+    rc, _, err = run(capsys, "ssd", "stats", str(foreign))
+    assert rc == 2 and err.startswith("tierkv: error: ") and err.count("\n") == 1
+    rc, _, err = run(capsys, "ssd", "stats", str(tmp_path / "missing"))
+    assert rc == 2 and "no such directory" in err

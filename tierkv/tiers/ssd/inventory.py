@@ -1,0 +1,223 @@
+"""What an SSD tier directory holds, for operators (``tierkv ssd stats | verify``).
+
+Read-only, beside a running owner or without one: the index is opened as one
+more LMDB reader (a slot in the owner's ``lock.mdb``; with no owner running, no
+slot: not a byte changes) and ``blocks.dat`` with ``O_RDONLY``, in a child process (a damaged environment can fault the
+process that maps it; the child's failure is reported as an error, never a
+crash of the caller). Nothing on disk changes.
+
+* :func:`inventory`: records, logical bytes (as the blocks are), stored bytes
+  (compressed payloads), bytes on disk, the compression ratio, each
+  namespace's fingerprint (model identity, layout, TP rank) with its record
+  count, pages in use and the page file's slack; with ``verify`` every
+  record is read, decoded and its checksum compared (what a read does), and
+  the ones that do not verify are counted by reason.
+* :func:`tier_dirs`: a tier directory, or an ``ssd.path`` under vLLM that holds
+  one ``rank-<r>`` tier per worker.
+
+Records carry no time of their own (only an access order), so ages are those
+of the namespaces (when each fingerprint first wrote there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tierkv.errors import ConfigError
+
+__all__ = ["inventory", "tier_dirs", "held_by"]
+
+
+def tier_dirs(path: str | os.PathLike[str]) -> list[Path]:
+    """The tier directories at ``path``: itself when it holds ``data.mdb``, else its
+    ``rank-<r>`` subdirectories that do (an ``ssd.path`` under vLLM), in rank order."""
+    root = Path(os.path.expanduser(os.fspath(path)))
+    if not root.is_dir():
+        raise ConfigError(f"{root}: no such directory")
+    if (root / "data.mdb").is_file():
+        return [root]
+    ranks = sorted((p for p in root.glob("rank-*") if (p / "data.mdb").is_file() and p.name[5:].isdigit()),
+                   key=lambda p: int(p.name[5:]))
+    if not ranks:
+        raise ConfigError(f"{root}: not an SSD tier (no data.mdb) nor an ssd.path holding rank-<r> tiers")
+    return ranks
+
+
+def held_by(path: Path) -> int | None:
+    """The PID of the process that owns the tier at ``path`` (holds its lock), -1 when one
+    does but it is not named, None when none does. Creates nothing."""
+    import fcntl
+
+    from tierkv.tiers.ssd.owner import LOCK_FILE
+
+    try:
+        fd = os.open(path / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            return int(text) if text.isdigit() else -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def inventory(path: Path, *, verify: bool = False, timeout: float = 3600.0) -> dict[str, Any]:
+    """What the tier at ``path`` holds (see the module docstring). Raises ``ConfigError``
+    for a directory that is not a tier or one written by a newer tierkv, ``OSError`` when
+    it cannot be read."""
+    from tierkv.tiers.ssd.directory import check_environment
+    from tierkv.tiers.ssd.walk import child_command
+
+    check_environment(path, str(path))
+    code = "from tierkv.tiers.ssd.inventory import _main; _main()"
+    try:
+        proc = subprocess.run(child_command(code, str(path), "1" if verify else "0"), capture_output=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise OSError(f"{path}: reading the tier took over {timeout:g} s") from None
+    if proc.returncode != 0:
+        why = proc.stderr.decode(errors="replace").strip().splitlines()
+        raise OSError(f"{path}: cannot read the tier: {why[-1] if why else f'exit {proc.returncode}'}")
+    out = json.loads(proc.stdout)
+    if out.get("newer"):
+        raise ConfigError(f"{path}: written by a newer tierkv (record format {out['format']}); this one reads "
+                          f"format {out['reads']}: use that tierkv, or a new directory")
+    out["held_by"] = held_by(path)
+    return out
+
+
+# ---------------------------------------------------------------- the child
+
+def _main() -> None:
+    """Child entry: argv ``path verify``; the inventory as JSON on stdout."""
+    path, verify = Path(sys.argv[1]), sys.argv[2] == "1"
+    json.dump(_survey(path, verify), sys.stdout)
+
+
+def _survey(path: Path, verify: bool) -> dict[str, Any]:
+    import msgpack
+
+    from tierkv.tiers.ssd.index import Index
+    from tierkv.tiers.ssd.pagefile import BLOCKS
+    from tierkv.tiers.ssd.record import NS_LEN, PAGE, RECORD_VERSION
+
+    index = Index(path, 0, readonly=True, lock=None if held_by(path) is not None else False)
+    try:
+        names = index.names()
+        if b"meta" in names:
+            index.open_dbs(create=False)
+        meta = index.meta_items()
+        about = msgpack.unpackb(meta.get(b"tierkv", b"\x80"), raw=False) if b"tierkv" in meta else {}
+        fmt = about.get("format") if isinstance(about, dict) else None
+        out: dict[str, Any] = {"path": str(path), "format": fmt, "reads": RECORD_VERSION,
+                               "created_at": about.get("created_at") if isinstance(about, dict) else None,
+                               "files": {n: _size(path / n) for n in ("data.mdb", BLOCKS)}}
+        if isinstance(fmt, int) and fmt > RECORD_VERSION:
+            return {**out, "newer": True}
+        nskeys, heads = index.all_heads() if b"head" in names else ([], [])
+        namespaces = {k[3:]: _about(v) for k, v in meta.items() if k.startswith(b"ns:")}
+        pages = _open_pages(path / BLOCKS) if verify else None
+        try:
+            out.update(_count(nskeys, heads, namespaces, NS_LEN, PAGE, pages, fmt == RECORD_VERSION))
+        finally:
+            if pages is not None:
+                os.close(pages)
+        return out
+    finally:
+        index.close()
+
+
+def _about(value: bytes) -> dict[str, Any]:
+    import msgpack
+
+    try:
+        about = msgpack.unpackb(value, raw=False)
+    except Exception:
+        return {}
+    if not isinstance(about, dict):
+        return {}
+    fp = about.get("fingerprint")
+    if isinstance(fp, bytes):
+        about["fingerprint"] = fp.decode("utf-8", "replace")
+    return about
+
+
+def _open_pages(path: Path) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+
+
+def _count(nskeys: list[bytes], heads: list[bytes], namespaces: dict[bytes, dict[str, Any]], ns_len: int,
+           page: int, pages_fd: int | None, current: bool) -> dict[str, Any]:
+    from tierkv.tiers.ssd.index import parse_head
+
+    per_ns: dict[bytes, dict[str, Any]] = {}
+    total = {"records": 0, "logical_bytes": 0, "stored_bytes": 0, "page_bytes": 0, "unreadable_heads": 0}
+    bad: dict[str, int] = {}
+    checked = 0
+    for nskey, head in zip(nskeys, heads):
+        ns = per_ns.setdefault(nskey[:ns_len], {"records": 0, "logical_bytes": 0, "stored_bytes": 0})
+        ns["records"] += 1
+        total["records"] += 1
+        hdr = parse_head(head) if current else None
+        if hdr is None:
+            total["unreadable_heads"] += 1
+            if pages_fd is not None or not current:
+                bad["header"] = bad.get("header", 0) + 1
+            continue
+        for d in (ns, total):
+            d["logical_bytes"] += hdr.raw_len
+            d["stored_bytes"] += hdr.payload_len
+        total["page_bytes"] += hdr.pages * page
+        if pages_fd is not None:
+            checked += 1
+            why = _check(nskey, hdr, head, pages_fd, page)
+            if why:
+                bad[why] = bad.get(why, 0) + 1
+    out: dict[str, Any] = {**total, "namespaces": [
+        {"prefix": p.hex(), **{k: v for k, v in namespaces.get(p, {}).items()}, **counts}
+        for p, counts in sorted(per_ns.items(), key=lambda kv: -kv[1]["records"])]}
+    known = set(per_ns)
+    out["namespaces"] += [{"prefix": p.hex(), **about, "records": 0, "logical_bytes": 0, "stored_bytes": 0}
+                          for p, about in namespaces.items() if p not in known]
+    if pages_fd is not None:
+        out["verify"] = {"checked": checked, "bad": sum(bad.values()), "bad_by_reason": bad}
+    return out
+
+
+def _check(nskey: bytes, hdr: Any, head: bytes, fd: int, page: int) -> str | None:
+    """Why the record does not verify, or None: what a read checks (payload, decode, checksum)."""
+    from tierkv.tiers.ssd.record import HEADER, Codec, CorruptRecord, checksum
+
+    tail = head[HEADER.size:]
+    body_len = hdr.payload_len - hdr.tail_len
+    try:
+        body = os.pread(fd, body_len, hdr.page * page) if body_len else b""
+    except OSError:
+        return "read error"
+    if len(body) != body_len:
+        return "page file too short"
+    try:
+        raw = Codec().decode(hdr.codec, body + tail, hdr.raw_len)
+    except CorruptRecord:
+        return "payload"
+    return None if checksum(nskey, raw) == hdr.checksum else "checksum"
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
