@@ -63,6 +63,9 @@ SUBSTITUTIONS = (  # (as written, as run here, why)
     ("tierkv ssd stats /data/tierkv", "python @repo@/tests/ssd_helper.py write @tmp@/ssd-tier 20 1 && "
      "tierkv ssd stats @tmp@/ssd-tier", "a tier to look at: the reader's own, here one of 20 blocks written first"),
     ("tierkv ssd verify /data/tierkv", "tierkv ssd verify @tmp@/ssd-tier", "the same tier"),
+    ("tierkv ssd purge /data/tierkv --namespace 2c8aa823",
+     "tierkv ssd purge @tmp@/ssd-tier --namespace test-model/fp16/bs16",
+     "the helper's tier has one namespace, of the fingerprint test-model/fp16/bs16"),
     ("/data/tierkv", "@tmp@/tierkv", "a directory on the reader's SSD"),
     ("meta-llama/Llama-3.1-8B-Instruct", "@model@", "no download: a tiny random Llama (tests/vllm_util.py)"),
     ("--model MODEL", "--model @model@ --port @port@", "the same tiny Llama, on a free port"),

@@ -127,3 +127,47 @@ def test_other_formats_and_other_directories(tmp_path: Path, capsys: pytest.Capt
     assert rc == 2 and err.startswith("tierkv: error: ") and err.count("\n") == 1
     rc, _, err = run(capsys, "ssd", "stats", str(tmp_path / "missing"))
     assert rc == 2 and "no such directory" in err
+
+
+def blocks_of(n: int) -> list[bytes]:
+    rng = np.random.default_rng(1)
+    return [rng.standard_normal(BLOCK // 2).astype(np.float16).view(np.uint8).tobytes() for _ in range(n)]
+
+
+def test_verify_drop_deletes_exactly_the_bad_records(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fill(tmp_path / "t").close()
+    blocks = tmp_path / "t" / "blocks.dat"
+    data = bytearray(blocks.read_bytes())
+    for at in (100, 120_000):
+        data[at] ^= 0x40
+    blocks.write_bytes(bytes(data))
+    rc, out, _ = run(capsys, "ssd", "verify", str(tmp_path / "t"), "--drop")
+    assert rc == 0 and "2 bad records (2 checksum); deleted 2" in out
+    rc, out, _ = run(capsys, "ssd", "verify", str(tmp_path / "t"))
+    assert rc == 0 and "verify: 38 records read, 0 bad records" in out
+    tier = SSDTier(tmp_path / "t", capacity_bytes=64 * 1024**2, fingerprint="model-a|fp16|tp0", block_nbytes=BLOCK)
+    try:
+        want = blocks_of(40)
+        kept = {int.from_bytes(k, "big") for k in tier.keys()}
+        assert len(kept) == 38 and all(tier.get(i.to_bytes(32, "big")) == want[i] for i in kept)
+    finally:
+        tier.close()
+
+
+def test_purge_deletes_one_namespace_and_is_refused_while_a_server_holds_the_tier(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fill(tmp_path / "t").close()
+    fill(tmp_path / "t", 10, "model-old").close()
+    held = fill(tmp_path / "t", 0)
+    before = snapshot(tmp_path / "t")
+    rc, _, err = run(capsys, "ssd", "purge", str(tmp_path / "t"), "--namespace", "model-old")
+    assert rc == 2 and err.count("\n") == 1 and "is in use by this process" in err
+    held.close()
+    assert snapshot(tmp_path / "t")["blocks.dat"] == before["blocks.dat"]
+    rc, out, _ = run(capsys, "ssd", "purge", str(tmp_path / "t"), "--namespace", "model-old")
+    assert rc == 0 and "deleted 10 records of" in out and "(model-old)" in out
+    rc, out, _ = run(capsys, "ssd", "stats", str(tmp_path / "t"), "--json", "-")
+    counts = {ns["fingerprint"]: ns["records"] for ns in json.loads(out)["tiers"][0]["namespaces"]}
+    assert counts == {"model-a|fp16|tp0": 40, "model-old": 0}
+    rc, _, err = run(capsys, "ssd", "purge", str(tmp_path / "t"), "--namespace", "nothing-like-it")
+    assert rc == 2 and "matches none of" in err and "model-a|fp16|tp0" in err

@@ -313,11 +313,40 @@ def cmd_ssd(args: argparse.Namespace) -> int:
                                   "verify reads every record: stop the server first (a read there already "
                                   "verifies and drops what does not)")
     reports = [inventory(path, verify=args.verify) for path in tiers]
+    if args.drop:
+        for r in reports:
+            r["verify"]["dropped"] = _drop_bad(Path(r["path"]), r)
     if args.json:
         _write_json(args.json, {"tiers": reports})
     if args.json != "-":
         sys.stdout.write("".join(_render_tier(r) for r in reports))
-    return 1 if any(r.get("verify", {}).get("bad") for r in reports) else 0
+    return 1 if any(r.get("verify", {}).get("bad") and not args.drop for r in reports) else 0
+
+
+def _drop_bad(path: Path, report: dict[str, Any]) -> int:
+    """Delete what ``verify`` found bad in the tier at ``path``; the records deleted."""
+    from tierkv.tiers.ssd.admin import delete_records
+
+    by_prefix = {ns["prefix"]: ns for ns in report["namespaces"]}
+    dropped = 0
+    for prefix, keys in report["verify"]["bad_keys"].items():
+        if prefix in by_prefix:
+            dropped += delete_records(path, by_prefix[prefix], [bytes.fromhex(k) for k in keys],
+                                      report["used_bytes"] or 0)
+    return dropped
+
+
+def cmd_ssd_purge(args: argparse.Namespace) -> int:
+    """``tierkv ssd purge PATH --namespace N``: every record of N goes, in each tier at PATH."""
+    from tierkv.tiers.ssd.admin import delete_records, find_namespace
+    from tierkv.tiers.ssd.inventory import inventory, tier_dirs
+
+    for path in tier_dirs(args.path):
+        report = inventory(path)
+        ns = find_namespace(report, args.namespace)
+        n = delete_records(path, ns, None, report["used_bytes"] or 0)
+        print(f"{path}: deleted {plural(n, 'record')} of {ns['prefix'][:16]} ({ns.get('fingerprint', '?')})")
+    return 0
 
 
 def _render_tier(r: dict[str, Any]) -> str:
@@ -355,8 +384,11 @@ def _render_tier(r: dict[str, Any]) -> str:
     if "verify" in r:
         v = r["verify"]
         why = ", ".join(f"{n:,} {k}" for k, n in sorted(v["bad_by_reason"].items()))
+        dropped = v.get("dropped")
         lines.append(f"  verify: {v['checked']:,} records read, {plural(v['bad'], 'bad record')}"
-                     + (f" ({why}); a server deletes each when it reads it" if v["bad"] else ""))
+                     + (f" ({why}); " if v["bad"] else "")
+                     + ("" if not v["bad"] else f"deleted {dropped:,}" if dropped is not None
+                        else "a server deletes each when it reads it (or --drop)"))
     return "\n".join(lines) + "\n\n"
 
 
@@ -496,7 +528,16 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = ssd_sub.add_parser(name, help=helptext)
         cmd.add_argument("path", metavar="PATH", help="an SSD tier directory, or a vLLM ssd.path holding rank-<r>")
         cmd.add_argument("--json", metavar="PATH", help="write the figures as JSON ('-' for stdout)")
-        cmd.set_defaults(func=cmd_ssd, verify=name == "verify")
+        if name == "verify":
+            cmd.add_argument("--drop", action="store_true", help="delete the records that do not verify")
+        cmd.set_defaults(func=cmd_ssd, verify=name == "verify", drop=False)
+    purge = ssd_sub.add_parser("purge", help="delete every record of one namespace (a retired model version); "
+                                              "not while a server holds the tier")
+    purge.add_argument("path", metavar="PATH", help="an SSD tier directory, or a vLLM ssd.path holding rank-<r>")
+    purge.add_argument("--namespace", required=True, metavar="PREFIX|FINGERPRINT",
+                       help="the namespace as `tierkv ssd stats` shows it (its prefix, 8 hex digits or more, "
+                            "or its fingerprint)")
+    purge.set_defaults(func=cmd_ssd_purge)
     insp = sub.add_parser("inspect", help="summarise a trace (no replay)")
     insp.add_argument("--trace", required=True, metavar="PATH")
     insp.add_argument("--format", default="auto")

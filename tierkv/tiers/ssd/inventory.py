@@ -30,7 +30,9 @@ from typing import Any
 
 from tierkv.errors import ConfigError
 
-__all__ = ["inventory", "tier_dirs", "held_by"]
+__all__ = ["inventory", "tier_dirs", "held_by", "MAX_LISTED"]
+
+MAX_LISTED = 1_000_000  # bad keys listed per namespace (what ``verify --drop`` deletes in one run)
 
 
 def tier_dirs(path: str | os.PathLike[str]) -> list[Path]:
@@ -107,7 +109,7 @@ def _main() -> None:
 def _survey(path: Path, verify: bool) -> dict[str, Any]:
     import msgpack
 
-    from tierkv.tiers.ssd.index import Index
+    from tierkv.tiers.ssd.index import STATE, Index
     from tierkv.tiers.ssd.pagefile import BLOCKS
     from tierkv.tiers.ssd.record import NS_LEN, PAGE, RECORD_VERSION
 
@@ -119,7 +121,9 @@ def _survey(path: Path, verify: bool) -> dict[str, Any]:
         meta = index.meta_items()
         about = msgpack.unpackb(meta.get(b"tierkv", b"\x80"), raw=False) if b"tierkv" in meta else {}
         fmt = about.get("format") if isinstance(about, dict) else None
+        state = meta.get(b"state", b"")
         out: dict[str, Any] = {"path": str(path), "format": fmt, "reads": RECORD_VERSION,
+                               "used_bytes": STATE.unpack(state)[0] if len(state) == STATE.size else None,
                                "created_at": about.get("created_at") if isinstance(about, dict) else None,
                                "files": {n: _size(path / n) for n in ("data.mdb", BLOCKS)}}
         if isinstance(fmt, int) and fmt > RECORD_VERSION:
@@ -149,6 +153,7 @@ def _about(value: bytes) -> dict[str, Any]:
     fp = about.get("fingerprint")
     if isinstance(fp, bytes):
         about["fingerprint"] = fp.decode("utf-8", "replace")
+        about["fingerprint_hex"] = fp.hex()  # exactly (the namespace is derived from these bytes)
     return about
 
 
@@ -166,6 +171,7 @@ def _count(nskeys: list[bytes], heads: list[bytes], namespaces: dict[bytes, dict
     per_ns: dict[bytes, dict[str, Any]] = {}
     total = {"records": 0, "logical_bytes": 0, "stored_bytes": 0, "page_bytes": 0, "unreadable_heads": 0}
     bad: dict[str, int] = {}
+    bad_keys: dict[str, list[str]] = {}  # namespace prefix (hex) -> keys that do not verify (hex, unprefixed)
     checked = 0
     for nskey, head in zip(nskeys, heads):
         ns = per_ns.setdefault(nskey[:ns_len], {"records": 0, "logical_bytes": 0, "stored_bytes": 0})
@@ -174,8 +180,9 @@ def _count(nskeys: list[bytes], heads: list[bytes], namespaces: dict[bytes, dict
         hdr = parse_head(head) if current else None
         if hdr is None:
             total["unreadable_heads"] += 1
-            if pages_fd is not None or not current:
+            if pages_fd is not None and current:
                 bad["header"] = bad.get("header", 0) + 1
+                _note(bad_keys, nskey, ns_len)
             continue
         for d in (ns, total):
             d["logical_bytes"] += hdr.raw_len
@@ -186,6 +193,7 @@ def _count(nskeys: list[bytes], heads: list[bytes], namespaces: dict[bytes, dict
             why = _check(nskey, hdr, head, pages_fd, page)
             if why:
                 bad[why] = bad.get(why, 0) + 1
+                _note(bad_keys, nskey, ns_len)
     out: dict[str, Any] = {**total, "namespaces": [
         {"prefix": p.hex(), **{k: v for k, v in namespaces.get(p, {}).items()}, **counts}
         for p, counts in sorted(per_ns.items(), key=lambda kv: -kv[1]["records"])]}
@@ -193,8 +201,14 @@ def _count(nskeys: list[bytes], heads: list[bytes], namespaces: dict[bytes, dict
     out["namespaces"] += [{"prefix": p.hex(), **about, "records": 0, "logical_bytes": 0, "stored_bytes": 0}
                           for p, about in namespaces.items() if p not in known]
     if pages_fd is not None:
-        out["verify"] = {"checked": checked, "bad": sum(bad.values()), "bad_by_reason": bad}
+        out["verify"] = {"checked": checked, "bad": sum(bad.values()), "bad_by_reason": bad, "bad_keys": bad_keys}
     return out
+
+
+def _note(bad_keys: dict[str, list[str]], nskey: bytes, ns_len: int) -> None:
+    keys = bad_keys.setdefault(nskey[:ns_len].hex(), [])
+    if len(keys) < MAX_LISTED:
+        keys.append(nskey[ns_len:].hex())
 
 
 def _check(nskey: bytes, hdr: Any, head: bytes, fd: int, page: int) -> str | None:

@@ -1,0 +1,62 @@
+"""Changes an operator asks of an SSD tier directory (``tierkv ssd purge``, ``verify --drop``).
+
+Each goes through the tier itself: :class:`~tierkv.tiers.ssd.tier.SSDTier` is
+opened as the directory's one owner (refused, changing nothing, while a server
+holds it) for the namespace concerned, with the fingerprint recorded in the
+index (so its keys are exactly the ones deleted) and a capacity no smaller than
+what the directory holds (so opening evicts nothing); the deletions are the
+tier's own (``discard_many``), committed, synced and followed by a clean close,
+as a server would leave it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+from tierkv.errors import ConfigError
+
+__all__ = ["delete_records", "find_namespace"]
+
+
+def find_namespace(report: dict[str, Any], name: str) -> dict[str, Any]:
+    """The namespace of an inventory whose prefix starts with ``name`` (8 hex digits at
+    least) or whose fingerprint is ``name``; a ``ConfigError`` naming the choices otherwise."""
+    spaces = report["namespaces"]
+    found = [ns for ns in spaces if ns.get("fingerprint") == name
+             or (len(name) >= 8 and ns["prefix"].startswith(name.lower()))]
+    if len(found) == 1:
+        return found[0]
+    known = ", ".join(f"{ns['prefix'][:16]} ({ns.get('fingerprint', '?')})" for ns in spaces) or "none"
+    why = "matches several" if found else "matches none"
+    raise ConfigError(f"--namespace {name}: {why} of {report['path']}'s namespaces: {known}")
+
+
+def delete_records(path: Path, namespace: dict[str, Any], keys: Iterable[bytes] | None,
+                   used_bytes: int) -> int:
+    """Delete ``keys`` (None: every record) of ``namespace`` (an inventory entry) from the
+    tier at ``path``; returns how many records it held that are gone now."""
+    from tierkv.tiers.ssd.record import namespace_of
+    from tierkv.tiers.ssd.tier import SSDTier
+
+    fp_hex = namespace.get("fingerprint_hex")
+    if fp_hex is None:
+        raise ConfigError(f"{path}: namespace {namespace['prefix'][:16]} records no fingerprint; it cannot be "
+                          "opened to delete from it")
+    fingerprint = bytes.fromhex(fp_hex)
+    if namespace_of(fingerprint).hex() != namespace["prefix"]:
+        raise ConfigError(f"{path}: namespace {namespace['prefix'][:16]}'s recorded fingerprint does not derive "
+                          "it (a damaged index); nothing deleted")
+    block = namespace.get("block_nbytes")
+    capacity = max(used_bytes + 64 * 1024**2, 2 * (block or 0), 1024**2)
+    tier = SSDTier(path, capacity_bytes=capacity, fingerprint=fingerprint, block_nbytes=block,
+                   compression=namespace.get("compression") or "auto")
+    try:
+        held = set(tier.keys())
+        gone = held if keys is None else held & set(keys)
+        tier.discard_many(sorted(gone))
+        if not tier.flush(600):
+            raise OSError(f"{path}: the deletions were not committed within 600 s")
+    finally:
+        tier.close()
+    return len(gone)
