@@ -294,7 +294,9 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "server.log"
         self.ssd = tmp / "ssd"
-        extra = {"cpu.capacity": CPU_SLOTS * BLOCK_BYTES, "ssd.path": str(self.ssd), "ssd.capacity": "64MiB"}
+        self.metrics_port = _free_port()  # tierkv's own endpoint (the lifecycle histograms), in the engine core
+        extra = {"cpu.capacity": CPU_SLOTS * BLOCK_BYTES, "ssd.path": str(self.ssd), "ssd.capacity": "64MiB",
+                 "metrics.port": self.metrics_port, "metrics.host": "127.0.0.1"}
         kv_transfer = {"kv_connector": "TierKVConnector", "kv_role": "kv_both",
                        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -427,6 +429,14 @@ def test_api_server_serves_from_the_tiers_and_exports_tierkvs_series(server: Ser
     for name in ("load_failures", "corrupt_blocks", "store_failures"):
         assert sum(v for (n, _), v in m.items() if n == f"tierkv:{name}_total") == 0, name
     assert _v(m, "vllm:prefix_cache_queries_total") > 0      # beside vLLM's own series
+    # the dashboard queries nothing this server does not export (vLLM's /metrics, tierkv's endpoint)
+    from test_dashboard import dashboard_series
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+        own = _scrape(r.read().decode())
+    scraped = {n for n, _ in m} | {n for n, _ in own}
+    missing = sorted(dashboard_series() - scraped)
+    assert not missing, f"the dashboard queries series no live scrape has: {missing}"
 
     server.proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()

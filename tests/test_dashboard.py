@@ -1,0 +1,58 @@
+"""dashboards/tierkv.json cannot drift from the code: every series it queries is one tierkv
+exports (vLLM's /metrics through the connector's stats, or tierkv's own endpoint), and it
+is well formed for Grafana. The long test in test_vllm_server.py checks the same names
+against a live scrape of the real API server."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "dashboards" / "tierkv.json"
+SERIES = re.compile(r"\b((?:tierkv|vllm):[a-z_]+)")
+
+
+def dashboard_series() -> set[str]:
+    """Every series name the dashboard's queries use (as Prometheus stores them)."""
+    d = json.loads(DASHBOARD.read_text())
+    return {m for p in d["panels"] for t in p["targets"] for m in SERIES.findall(t["expr"])}
+
+
+def test_dashboard_is_well_formed() -> None:
+    d = json.loads(DASHBOARD.read_text())
+    assert d["uid"] == "tierkv" and d["panels"]
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in d["panels"]:
+        assert p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"]), p["title"]
+        assert p["gridPos"]["w"] > 0 and p["gridPos"]["h"] > 0
+
+
+@pytest.mark.vllm
+def test_every_series_the_dashboard_queries_is_exported() -> None:
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+    from tierkv.connectors.vllm_metrics import SERIES as CONNECTOR
+    from tierkv.metrics import TierKVCollector
+
+    exported = {f"tierkv:{s.name}" + ("" if s.gauge else "_total") for s in CONNECTOR}
+    # tierkv's own endpoint (metrics.port): what its collector renders for a library cache
+    from tierkv import TierKVConfig, TieredKVCache
+
+    cache = TieredKVCache(TierKVConfig.from_dict({"block_size": 4, "model": {"block_nbytes": 1024},
+                                                  "gpu": {"num_blocks": 8, "device": "cpu"},
+                                                  "cpu": {"capacity": 8192}, "ssd": {"capacity": 0}}))
+    try:
+        collector = TierKVCollector(cache.stats, cache.lifecycle)
+        for family in collector.collect():
+            if isinstance(family, HistogramMetricFamily):
+                exported.add(family.name + "_bucket")
+            elif isinstance(family, CounterMetricFamily):
+                exported.add(family.name + "_total")
+    finally:
+        cache.close()
+    ours = {s for s in dashboard_series() if s.startswith("tierkv:")}
+    assert ours and not ours - exported, sorted(ours - exported)
