@@ -111,11 +111,14 @@ class ValkeyCluster:
     def __init__(self, workdir: Path, n: int = 3, maxmemory: str = "256mb") -> None:
         self.nodes: list[ValkeyServer] = []
         try:
+            self.bus_ports: list[int] = []
             for i in range(n):
-                port = free_port()
+                port, bus = free_port(), free_port()
+                self.bus_ports.append(bus)
                 self.nodes.append(ValkeyServer(maxmemory, port, extra=(
                     "--cluster-enabled", "yes", "--cluster-config-file", str(workdir / f"nodes-{port}.conf"),
-                    "--dir", str(workdir))))
+                    # the bus port is given: the default, port + 10000, is past 65535 for a high free port
+                    "--cluster-port", str(bus), "--dir", str(workdir))))
             self._join()
         except BaseException:
             self.stop()
@@ -131,8 +134,8 @@ class ValkeyCluster:
             lo, hi = i * self.SLOTS // n, (i + 1) * self.SLOTS // n - 1
             node.client().execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
         first = self.nodes[0].client()
-        for node in self.nodes[1:]:
-            first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+        for node, bus in zip(self.nodes[1:], self.bus_ports[1:]):
+            first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, bus)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             states = [node.client().execute_command("CLUSTER", "INFO") for node in self.nodes]
