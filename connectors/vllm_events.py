@@ -148,7 +148,7 @@ class KVEvents:
             if not self.counts["untagged"]:
                 log.warning("tierkv: vLLM hashes blocks of %d tokens, not %d: the tiers below are "
                             "not announced", len(tokens) // max(1, len(vhashes)), bs)
-            self.counts["untagged"] += hi - lo
+            self.counts["untagged"] += max(0, hi - lo)
             return
         hi = min(hi, len(keys), len(vhashes))
         for i in range(lo, hi):
