@@ -68,6 +68,35 @@ def build_tiny_llama(path: str | os.PathLike[str], *, layers: int = 2, hidden: i
     return out
 
 
+def build_tiny_gemma3(path: str | os.PathLike[str], *, layers: int = 6, sliding: int = 5, window: int = 64,
+                      hidden: int = 128, heads: int = 2, kv_heads: int = 2, head_dim: int = 64, vocab: int = 512,
+                      seed: int = 0) -> Path:
+    """A random-weight Gemma-3 text model (float32): ``sliding`` of its ``layers`` attend
+    within ``window`` tokens, the others to everything (a hybrid model for vLLM's hybrid
+    memory allocator), with the tiny Llama's tokenizer. Idempotent."""
+    out = Path(path)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    import shutil
+
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tokenizer = build_tiny_llama(out.parent / f"{out.name}-tokenizer", vocab=vocab)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tokenizer.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                           head_dim=head_dim, sliding_window=window, max_position_embeddings=4096,
+                           layer_types=["sliding_attention"] * sliding + ["full_attention"] * (layers - sliding),
+                           bos_token_id=0, eos_token_id=1, pad_token_id=1, initializer_range=0.1)
+    Gemma3ForCausalLM(cfg).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def random_token_prompt(n: int, seed: int, vocab: int = 500) -> list[int]:
     """``n`` random token ids avoiding the special ids 0 and 1."""
     rng = random.Random(seed)
