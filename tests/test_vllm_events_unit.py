@@ -126,3 +126,42 @@ def test_damaged_tags_forming_a_cycle_are_skipped() -> None:
     tags = {a: BlockTag(None, None, b"\0" * 16, None, None, None, b).pack(),
             b: BlockTag(None, None, b"\1" * 16, None, None, None, a).pack()}
     assert events._rebuild(tags) == []
+
+
+def test_fetched_and_promoted_blocks_are_announced_once_their_copies_completed() -> None:
+    """A fetch from the remote tier announces the blocks that arrived (into DRAM, and the
+    SSD tier with write-through); a load
+    from SSD announces its promotions into DRAM; nothing is announced for what did not
+    arrive."""
+    from vllm.utils.hashing import sha256
+
+    from tierkv.connectors.vllm_events import KVEvents
+    from tierkv.policy import COMPUTED, PolicySpec, TierPolicy
+
+    policy = TierPolicy(PolicySpec(cpu_slots=8, ssd_slots=8, remote=True))
+    events = KVEvents(policy, BS, 64, sha256)
+    req = request(list(range(300, 316)))  # 4 blocks
+    ks = keys(4)
+    events.record(req, ks, 0, 4)
+    fetch = policy.prepare_fetch(ks[:3])
+    assert events.take() == []
+    policy.complete_fetch(fetch, 2)  # the third did not arrive
+    events.completed(fetch, 2)
+    out = events.take()
+    # into DRAM, and (write-through) onto the SSD tier: the two that arrived, not the third
+    assert [(type(e).__name__, e.medium, len(e.block_hashes)) for e in out] == [("BlockStored", "CPU", 2),
+                                                                                ("BlockStored", "STORAGE", 2)]
+    assert out[0].token_ids == list(range(300, 308))
+    # a block only on SSD, loaded: its promotion into DRAM is announced when the load finished
+    policy2 = TierPolicy(PolicySpec(cpu_slots=8, ssd_slots=8, write_through=True))
+    ev2 = KVEvents(policy2, BS, 64, sha256)
+    ev2.record(req, ks, 0, 4)
+    policy2.seed_ssd(ks[:2])
+    load = policy2.prepare_load("r", ks[:2], [0, 1])
+    policy2.complete_load(load, loaded=2)
+    ev2.completed(load, 2)
+    assert [(type(e).__name__, e.medium, len(e.block_hashes)) for e in ev2.take()] == [("BlockStored", "CPU", 2)]
+    store = policy2.prepare_store([2, 3], ks[2:], COMPUTED)
+    policy2.complete_store(store)
+    ev2.completed(store)
+    assert [(e.medium, len(e.block_hashes)) for e in ev2.take()] == [("CPU", 2), ("STORAGE", 2)]
