@@ -66,6 +66,8 @@ SUBSTITUTIONS = (  # (as written, as run here, why)
     ("tierkv ssd purge /data/tierkv --namespace 2c8aa823",
      "tierkv ssd purge @tmp@/ssd-tier --namespace test-model/fp16/bs16",
      "the helper's tier has one namespace, of the fingerprint test-model/fp16/bs16"),
+    ("tierkv ssd purge /data/tierkv --older-than 7d", "tierkv ssd purge @tmp@/ssd-tier --older-than 7d",
+     "the same tier (its records are seconds old: none goes)"),
     ("/data/tierkv", "@tmp@/tierkv", "a directory on the reader's SSD"),
     ("meta-llama/Llama-3.1-8B-Instruct", "@model@", "no download: a tiny random Llama (tests/vllm_util.py)"),
     ("--model MODEL", "--model @model@ --port @port@", "the same tiny Llama, on a free port"),

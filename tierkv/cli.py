@@ -342,11 +342,40 @@ def cmd_ssd_purge(args: argparse.Namespace) -> int:
     from tierkv.tiers.ssd.inventory import inventory, tier_dirs
 
     for path in tier_dirs(args.path):
-        report = inventory(path)
-        ns = find_namespace(report, args.namespace)
-        n = delete_records(path, ns, None, report["used_bytes"] or 0)
-        print(f"{path}: deleted {plural(n, 'record')} of {ns['prefix'][:16]} ({ns.get('fingerprint', '?')})")
+        report = inventory(path, older_than=args.older_than)
+        if args.namespace is not None:
+            ns = find_namespace(report, args.namespace)
+            n = delete_records(path, ns, None, report["used_bytes"] or 0)
+            print(f"{path}: deleted {plural(n, 'record')} of {ns['prefix'][:16]} ({ns.get('fingerprint', '?')})")
+            continue
+        by_prefix = {ns["prefix"]: ns for ns in report["namespaces"]}
+        n = sum(delete_records(path, by_prefix[p], [bytes.fromhex(k) for k in keys], report["used_bytes"] or 0)
+                for p, keys in report["old_keys"].items() if p in by_prefix)
+        print(f"{path}: deleted {plural(n, 'record')} unused for at least {args.older_than:,.0f} s")
     return 0
+
+
+def _duration(text: str) -> float:
+    """An argparse type: ``90s``, ``30m``, ``12h``, ``7d`` (seconds when no unit)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    body, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        value = float(body) * units[unit]
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a duration such as 30m, 12h or 7d, got {text!r}")
+    return value
+
+
+def _idle_line(r: dict[str, Any]) -> str:
+    from tierkv.bench.report import format_seconds as sec
+
+    idle = r.get("idle_at_least_s") or {}
+    if idle.get("p50") is None:
+        return "not known (no time marks: written by an older tierkv, or never written since)"
+    return (f"at least P50 {sec(idle['p50'])} s, P90 {sec(idle['p90'])} s, the oldest {sec(idle['max'])} s "
+            "(since each record's last use, to the minute)")
 
 
 def _render_tier(r: dict[str, Any]) -> str:
@@ -372,11 +401,12 @@ def _render_tier(r: dict[str, Any]) -> str:
                        f"after compression" + (f" (ratio {ratio:.2f})" if ratio else "")),
             ("on disk", f"{format_size(disk)}: index {format_size(files.get('data.mdb', 0))}, page file "
                         f"{format_size(files.get('blocks.dat', 0))} ({format_size(slack)} of it free or slack)"),
-            ("created", when(r.get("created_at")))]
+            ("created", when(r.get("created_at"))),
+            ("unused for", _idle_line(r))]
     width = max(len(k) for k, _ in rows)
     lines += [f"  {k:<{width}}  {v}" for k, v in rows]
     if r["namespaces"]:
-        lines.append("  namespaces (what wrote the records; ages are the namespaces', records keep none):")
+        lines.append("  namespaces (what wrote the records, since its first write):")
         for ns in r["namespaces"]:
             lines.append(f"    {ns['prefix'][:16]}  {ns['records']:>10,} records  "
                          f"{format_size(ns['logical_bytes']):>10}  since {when(ns.get('created_at'))}  "
@@ -534,9 +564,12 @@ def build_parser() -> argparse.ArgumentParser:
     purge = ssd_sub.add_parser("purge", help="delete every record of one namespace (a retired model version); "
                                               "not while a server holds the tier")
     purge.add_argument("path", metavar="PATH", help="an SSD tier directory, or a vLLM ssd.path holding rank-<r>")
-    purge.add_argument("--namespace", required=True, metavar="PREFIX|FINGERPRINT",
+    which = purge.add_mutually_exclusive_group(required=True)
+    which.add_argument("--namespace", metavar="PREFIX|FINGERPRINT",
                        help="the namespace as `tierkv ssd stats` shows it (its prefix, 8 hex digits or more, "
                             "or its fingerprint)")
+    which.add_argument("--older-than", type=_duration, metavar="DURATION",
+                       help="records unused for at least this long (30m, 12h, 7d; known to the minute)")
     purge.set_defaults(func=cmd_ssd_purge)
     insp = sub.add_parser("inspect", help="summarise a trace (no replay)")
     insp.add_argument("--trace", required=True, metavar="PATH")

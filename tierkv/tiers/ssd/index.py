@@ -8,6 +8,10 @@ Named databases:
   namespace ever opened.
 * ``head``: namespaced key -> the record's head (header + payload tail, see
   :mod:`tierkv.tiers.ssd.record`).
+* ``meta`` also holds time marks: ``t:`` + 8-byte big-endian clock -> the wall time
+  (``<d``) by which every access up to that clock had happened; the writer adds one
+  at most a minute apart (:meth:`WriteTxn.mark_time`), so a record's last use is
+  known to the minute (``tierkv ssd stats``, ``purge --older-than``).
 * ``tag``: namespaced key -> what the writer of the record keeps beside it (optional,
   a few hundred bytes at most: the vLLM plugin keeps a block's tokens there, to announce
   it after a restart); written and deleted with the record's head.
@@ -51,10 +55,13 @@ import numpy as np
 from tierkv.tiers.ssd.record import (CLOCK, HEAD_DTYPE, HEADER, NS_LEN, CorruptRecord, Encoded,
                                      Header, record_footprint)
 
-__all__ = ["Index", "WriteTxn", "IndexFailure", "MapFull", "DiskFull", "STATE", "MAX_KEY",
+__all__ = ["Index", "WriteTxn", "IndexFailure", "MapFull", "DiskFull", "STATE", "TIME_MARK", "MARK_PREFIX",
+           "MAX_KEY",
            "prefix_counts", "pack_keys", "unpack_keys", "pack_tags", "unpack_tags"]
 
 STATE = struct.Struct("<QQ")   # used bytes, access clock
+TIME_MARK = struct.Struct("<d")  # a time mark's value: seconds since the epoch
+MARK_PREFIX = b"t:"              # + CLOCK: a time mark's key in ``meta``
 MAX_KEY = 511                   # LMDB's longest key (namespace prefix included)
 CHUNK = 65536                   # entries read per call when listing a whole database
 
@@ -258,8 +265,11 @@ class WriteTxn:
         return int(self._txn.stat(self._head)["entries"])
 
     def drop_all(self) -> None:
-        """Delete every record (and the ``body`` database of record format 1); reset the state."""
+        """Delete every record (and the ``body`` database of record format 1) and the time
+        marks; reset the state."""
         import lmdb
+        for key in self._marks():
+            self._txn.delete(key, db=self._meta)
         for name in (b"head", b"lru", b"tag", b"body"):
             try:
                 db = self._env.open_db(name, txn=self._txn, create=False)
@@ -267,6 +277,29 @@ class WriteTxn:
                 continue
             self._txn.drop(db, delete=name == b"body")
         self.used = self.clock = 0
+
+    def mark_time(self, now: float) -> None:
+        """Every access so far (clock up to :attr:`clock`) happened by ``now``. Marks no
+        record needs go: all but the newest of those below the oldest record's clock."""
+        self._txn.put(MARK_PREFIX + CLOCK.pack(self.clock), TIME_MARK.pack(now), db=self._meta)
+        cur = self._txn.cursor(db=self._lru)
+        oldest = CLOCK.unpack(bytes(cur.key()))[0] if cur.first() else self.clock
+        below = [k for k in self._marks() if CLOCK.unpack(k[len(MARK_PREFIX):])[0] < oldest]
+        for key in below[:-1]:
+            self._txn.delete(key, db=self._meta)
+
+    def _marks(self) -> list[bytes]:
+        """The time marks' keys, oldest first."""
+        cur = self._txn.cursor(db=self._meta)
+        out: list[bytes] = []
+        if cur.set_range(MARK_PREFIX):
+            for key in cur.iternext(values=False):
+                key = bytes(key)
+                if not key.startswith(MARK_PREFIX):
+                    break
+                if len(key) == len(MARK_PREFIX) + CLOCK.size:  # (a damaged key is left alone)
+                    out.append(key)
+        return out
 
     # ------------------------------------------------------------------ records
 

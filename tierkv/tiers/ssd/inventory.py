@@ -15,8 +15,11 @@ crash of the caller). Nothing on disk changes.
 * :func:`tier_dirs`: a tier directory, or an ``ssd.path`` under vLLM that holds
   one ``rank-<r>`` tier per worker.
 
-Records carry no time of their own (only an access order), so ages are those
-of the namespaces (when each fingerprint first wrote there).
+A record carries its last access as a position in the tier's access order; the
+writer's time marks (one a minute at most, see :mod:`~tierkv.tiers.ssd.index`)
+turn that into "unused for at least" this long, to the minute; records used
+after the last mark count as used now. ``older_than``: also list the keys of
+the records provably unused for that long (what ``purge --older-than`` deletes).
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ def held_by(path: Path) -> int | None:
         os.close(fd)
 
 
-def inventory(path: Path, *, verify: bool = False, timeout: float = 3600.0) -> dict[str, Any]:
+def inventory(path: Path, *, verify: bool = False, older_than: float | None = None,
+              timeout: float = 3600.0) -> dict[str, Any]:
     """What the tier at ``path`` holds (see the module docstring). Raises ``ConfigError``
     for a directory that is not a tier or one written by a newer tierkv, ``OSError`` when
     it cannot be read."""
@@ -83,8 +87,9 @@ def inventory(path: Path, *, verify: bool = False, timeout: float = 3600.0) -> d
     check_environment(path, str(path))
     code = "from tierkv.tiers.ssd.inventory import _main; _main()"
     try:
-        proc = subprocess.run(child_command(code, str(path), "1" if verify else "0"), capture_output=True,
-                              timeout=timeout)
+        proc = subprocess.run(child_command(code, str(path), "1" if verify else "0",
+                                            repr(-1.0 if older_than is None else float(older_than))),
+                              capture_output=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise OSError(f"{path}: reading the tier took over {timeout:g} s") from None
     if proc.returncode != 0:
@@ -101,15 +106,16 @@ def inventory(path: Path, *, verify: bool = False, timeout: float = 3600.0) -> d
 # ---------------------------------------------------------------- the child
 
 def _main() -> None:
-    """Child entry: argv ``path verify``; the inventory as JSON on stdout."""
-    path, verify = Path(sys.argv[1]), sys.argv[2] == "1"
-    json.dump(_survey(path, verify), sys.stdout)
+    """Child entry: argv ``path verify older_than`` (-1: none); the inventory as JSON on stdout."""
+    path, verify, older = Path(sys.argv[1]), sys.argv[2] == "1", float(sys.argv[3])
+    json.dump(_survey(path, verify, older if older >= 0 else None), sys.stdout)
 
 
-def _survey(path: Path, verify: bool) -> dict[str, Any]:
+def _survey(path: Path, verify: bool, older_than: float | None = None) -> dict[str, Any]:
     import msgpack
 
-    from tierkv.tiers.ssd.index import STATE, Index
+    from tierkv.tiers.ssd.index import MARK_PREFIX, STATE, TIME_MARK, Index
+    from tierkv.tiers.ssd.record import CLOCK
     from tierkv.tiers.ssd.pagefile import BLOCKS
     from tierkv.tiers.ssd.record import NS_LEN, PAGE, RECORD_VERSION
 
@@ -130,9 +136,12 @@ def _survey(path: Path, verify: bool) -> dict[str, Any]:
             return {**out, "newer": True}
         nskeys, heads = index.all_heads() if b"head" in names else ([], [])
         namespaces = {k[3:]: _about(v) for k, v in meta.items() if k.startswith(b"ns:")}
+        marks = sorted((CLOCK.unpack(k[len(MARK_PREFIX):])[0], TIME_MARK.unpack(v)[0])
+                       for k, v in meta.items() if k.startswith(MARK_PREFIX) and len(v) == TIME_MARK.size)
         pages = _open_pages(path / BLOCKS) if verify else None
         try:
-            out.update(_count(nskeys, heads, namespaces, NS_LEN, PAGE, pages, fmt == RECORD_VERSION))
+            out.update(_count(nskeys, heads, namespaces, NS_LEN, PAGE, pages, fmt == RECORD_VERSION,
+                              Ages(marks, older_than)))
         finally:
             if pages is not None:
                 os.close(pages)
@@ -164,8 +173,46 @@ def _open_pages(path: Path) -> int | None:
         return None
 
 
+class Ages:
+    """Records' idle time from the time marks: a record last used at clock ``c`` was used
+    by the first mark at or after ``c``; ``older_than``: the clock up to which records are
+    provably unused for that long (the newest mark at least that old)."""
+
+    def __init__(self, marks: list[tuple[int, float]], older_than: float | None) -> None:
+        import time
+
+        self.now = time.time()
+        self.clocks = [c for c, _ in marks]
+        self.times = [t for _, t in marks]
+        self.idle: list[float] = []
+        self.older_than = older_than
+        old = [c for c, t in marks if older_than is not None and t <= self.now - older_than]
+        self.threshold = max(old) if old else -1
+        self.old_keys: dict[str, list[str]] = {}
+
+    def add(self, nskey: bytes, clock: int, ns_len: int) -> None:
+        import bisect
+
+        if self.clocks:  # (a tier written before time marks: unknown)
+            i = bisect.bisect_left(self.clocks, clock)
+            self.idle.append(max(0.0, self.now - self.times[i]) if i < len(self.times) else 0.0)
+        if clock <= self.threshold:
+            _note(self.old_keys, nskey, ns_len)
+
+    def summary(self) -> dict[str, Any]:
+        idle = sorted(self.idle)
+        pick = (lambda q: round(idle[min(len(idle) - 1, int(q * len(idle)))], 1)) if idle else (lambda q: None)
+        out: dict[str, Any] = {"idle_at_least_s": {"p50": pick(0.5), "p90": pick(0.9), "max": pick(1.0)},
+                               "time_marks": len(self.clocks)}
+        if self.older_than is not None:
+            out["older_than_s"] = self.older_than
+            out["old_keys"] = self.old_keys
+            out["old"] = sum(len(v) for v in self.old_keys.values())
+        return out
+
+
 def _count(nskeys: list[bytes], heads: list[bytes], namespaces: dict[bytes, dict[str, Any]], ns_len: int,
-           page: int, pages_fd: int | None, current: bool) -> dict[str, Any]:
+           page: int, pages_fd: int | None, current: bool, ages: Ages) -> dict[str, Any]:
     from tierkv.tiers.ssd.index import parse_head
 
     per_ns: dict[bytes, dict[str, Any]] = {}
@@ -187,6 +234,7 @@ def _count(nskeys: list[bytes], heads: list[bytes], namespaces: dict[bytes, dict
         for d in (ns, total):
             d["logical_bytes"] += hdr.raw_len
             d["stored_bytes"] += hdr.payload_len
+        ages.add(nskey, hdr.clock, ns_len)
         total["page_bytes"] += hdr.pages * page
         if pages_fd is not None:
             checked += 1
@@ -200,6 +248,7 @@ def _count(nskeys: list[bytes], heads: list[bytes], namespaces: dict[bytes, dict
     known = set(per_ns)
     out["namespaces"] += [{"prefix": p.hex(), **about, "records": 0, "logical_bytes": 0, "stored_bytes": 0}
                           for p, about in namespaces.items() if p not in known]
+    out.update(ages.summary())
     if pages_fd is not None:
         out["verify"] = {"checked": checked, "bad": sum(bad.values()), "bad_by_reason": bad, "bad_keys": bad_keys}
     return out

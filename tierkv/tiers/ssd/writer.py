@@ -60,7 +60,13 @@ LINGER_S = 0.005               # a writer that woke on one put waits this long f
 SYNC_BYTES = 64 * 1024**2      # unsynced commits are synced at a flush, past this many bytes,
 SYNC_INTERVAL_S = 1.0          # or after this long
 MAX_ATTEMPTS = 4
+TIME_MARK_S = 60.0             # a time mark (WriteTxn.mark_time) at most this often
 RETRY_S = 0.25                 # after a failed turn (a full disk): pause before the next
+
+
+def wall_clock() -> float:
+    """The time marks' clock (seconds since the epoch); tests move it."""
+    return time.time()
 
 
 @dataclass
@@ -97,6 +103,7 @@ class Writer:
         self._unsynced = 0
         self._exact = True  # the free-space map accounts for every page
         self._last_sync = time.monotonic()
+        self._marked_at = 0.0  # wall time of the last time mark (WriteTxn.mark_time)
         self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
 
     def start(self) -> None:
@@ -236,6 +243,10 @@ class Writer:
                     self._write_bodies(new)
                     tx.insert_many(new)
                     self._retouch_after_insert(tx, changes.touched, {e.nskey for e in new})
+                now = wall_clock()
+                if now - self._marked_at >= TIME_MARK_S:
+                    tx.mark_time(now)
+                    self._marked_at = now
         except BaseException:
             for extent in taken:
                 self.files.space.free(*extent)
