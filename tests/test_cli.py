@@ -215,6 +215,12 @@ def test_admission_both_compares_modes_in_one_report(tmp_path: Path) -> None:
         assert mode["blocks_written"]["cpu"] > 0 and mode["hit_rate"]["total"] > 0
     # on_compute writes every computed block down, on_evict only what the GPU pool lets go
     assert cmp["on_compute"]["blocks_written"]["cpu"] > cmp["on_evict"]["blocks_written"]["cpu"]
+    from tierkv.bench.report import render_text
+
+    text = render_text(json.loads(out.read_text()))
+    assert "SSD writes per hit (any tier)" in text  # the label says what it divides by
+    c = cmp["on_compute"]
+    assert c["ssd_bytes_written_per_hit"] == round(c["ssd_bytes_written"] / sum(c["hit_blocks"].values()), 1)
 
 
 def test_admission_flag_decides_before_the_config_is_checked(tmp_path: Path) -> None:

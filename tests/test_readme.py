@@ -68,6 +68,8 @@ SUBSTITUTIONS = (  # (as written, as run here, why)
      "the helper's tier has one namespace, of the fingerprint test-model/fp16/bs16"),
     ("tierkv ssd purge /data/tierkv --older-than 7d", "tierkv ssd purge @tmp@/ssd-tier --older-than 7d",
      "the same tier (its records are seconds old: none goes)"),
+    ("tierkv ssd purge /data/tierkv --all-but 9f3c1a2b", "tierkv ssd purge @tmp@/ssd-tier --all-but "
+     "test-model/fp16/bs16", "the same tier; its one namespace is kept"),
     ("/data/tierkv", "@tmp@/tierkv", "a directory on the reader's SSD"),
     ("meta-llama/Llama-3.1-8B-Instruct", "@model@", "no download: a tiny random Llama (tests/vllm_util.py)"),
     ("--model MODEL", "--model @model@ --port @port@", "the same tiny Llama, on a free port"),

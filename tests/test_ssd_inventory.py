@@ -206,3 +206,15 @@ def test_purge_older_than_deletes_what_was_unused_that_long(tmp_path: Path, caps
     with pytest.raises(SystemExit) as exit_:
         main(["ssd", "purge", str(tmp_path / "t"), "--older-than", "soon"])
     assert exit_.value.code == 2 and "expected a duration such as 30m, 12h or 7d" in capsys.readouterr().err
+
+
+def test_purge_all_but_keeps_the_current_models_namespace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for fp, n in (("model-a|fp16|tp0", 6), ("model-old-1", 4), ("model-old-2", 3)):
+        fill(tmp_path / "t", n, fp).close()
+    rc, out, _ = run(capsys, "ssd", "purge", str(tmp_path / "t"), "--all-but", "model-a|fp16|tp0")
+    assert rc == 0 and "deleted 4 records" in out and "deleted 3 records" in out and "model-a" not in out
+    rc, out, _ = run(capsys, "ssd", "stats", str(tmp_path / "t"), "--json", "-")
+    counts = {ns["fingerprint"]: ns["records"] for ns in json.loads(out)["tiers"][0]["namespaces"]}
+    assert counts == {"model-a|fp16|tp0": 6, "model-old-1": 0, "model-old-2": 0}
+    rc, _, err = run(capsys, "ssd", "purge", str(tmp_path / "t"), "--all-but", "model-b")
+    assert rc == 2 and "--all-but model-b: matches none" in err

@@ -343,10 +343,13 @@ def cmd_ssd_purge(args: argparse.Namespace) -> int:
 
     for path in tier_dirs(args.path):
         report = inventory(path, older_than=args.older_than)
-        if args.namespace is not None:
-            ns = find_namespace(report, args.namespace)
-            n = delete_records(path, ns, None, report["used_bytes"] or 0)
-            print(f"{path}: deleted {plural(n, 'record')} of {ns['prefix'][:16]} ({ns.get('fingerprint', '?')})")
+        if args.namespace is not None or args.all_but:
+            keep = {find_namespace(report, name, "--all-but")["prefix"] for name in args.all_but or ()}
+            drop = ([find_namespace(report, args.namespace)] if args.namespace is not None else
+                    [ns for ns in report["namespaces"] if ns["prefix"] not in keep and ns["records"]])
+            for ns in drop:
+                n = delete_records(path, ns, None, report["used_bytes"] or 0)
+                print(f"{path}: deleted {plural(n, 'record')} of {ns['prefix'][:16]} ({ns.get('fingerprint', '?')})")
             continue
         by_prefix = {ns["prefix"]: ns for ns in report["namespaces"]}
         n = sum(delete_records(path, by_prefix[p], [bytes.fromhex(k) for k in keys], report["used_bytes"] or 0)
@@ -570,6 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "or its fingerprint)")
     which.add_argument("--older-than", type=_duration, metavar="DURATION",
                        help="records unused for at least this long (30m, 12h, 7d; known to the minute)")
+    which.add_argument("--all-but", action="append", metavar="PREFIX|FINGERPRINT",
+                       help="every namespace but this one (repeat to keep several): the current model's")
     purge.set_defaults(func=cmd_ssd_purge)
     insp = sub.add_parser("inspect", help="summarise a trace (no replay)")
     insp.add_argument("--trace", required=True, metavar="PATH")

@@ -19,7 +19,7 @@ from tierkv.errors import ConfigError
 __all__ = ["delete_records", "find_namespace"]
 
 
-def find_namespace(report: dict[str, Any], name: str) -> dict[str, Any]:
+def find_namespace(report: dict[str, Any], name: str, flag: str = "--namespace") -> dict[str, Any]:
     """The namespace of an inventory whose prefix starts with ``name`` (8 hex digits at
     least) or whose fingerprint is ``name``; a ``ConfigError`` naming the choices otherwise."""
     spaces = report["namespaces"]
@@ -29,7 +29,7 @@ def find_namespace(report: dict[str, Any], name: str) -> dict[str, Any]:
         return found[0]
     known = ", ".join(f"{ns['prefix'][:16]} ({ns.get('fingerprint', '?')})" for ns in spaces) or "none"
     why = "matches several" if found else "matches none"
-    raise ConfigError(f"--namespace {name}: {why} of {report['path']}'s namespaces: {known}")
+    raise ConfigError(f"{flag} {name}: {why} of {report['path']}'s namespaces: {known}")
 
 
 def delete_records(path: Path, namespace: dict[str, Any], keys: Iterable[bytes] | None,
