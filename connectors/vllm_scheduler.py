@@ -424,14 +424,16 @@ class TierKVScheduler:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, TierKVWorkerMetadata):
             self._store_done.update(meta.stored)
+            done: list[StorePlan] = []
             for plan_id in [p for p, n in self._store_done.items() if n >= self.num_workers]:
                 del self._store_done[plan_id]
                 plan = self._stores.pop(plan_id, None)
                 if plan is not None:
                     self.policy.complete_store(plan)
-                    if self._events is not None:
-                        self._events.completed(plan)
+                    done.append(plan)
             self.policy.forget_pairs(meta.lost)
+            for plan in done if self._events is not None else ():  # what a worker lost is not announced
+                self._events.completed(plan)
             if self._remote is not None:
                 self._remote.reported(meta.fetched)
             for req_id, lost in meta.load_lost.items():
