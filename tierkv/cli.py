@@ -315,7 +315,8 @@ def cmd_ssd(args: argparse.Namespace) -> int:
     reports = [inventory(path, verify=args.verify) for path in tiers]
     if args.drop:
         for r in reports:
-            r["verify"]["dropped"] = _drop_bad(Path(r["path"]), r)
+            if "verify" in r:  # (an unreadable page file verified nothing, so nothing is dropped)
+                r["verify"]["dropped"] = _drop_bad(Path(r["path"]), r)
     if args.json:
         _write_json(args.json, {"tiers": reports})
     if args.json != "-":
@@ -337,7 +338,7 @@ def _drop_bad(path: Path, report: dict[str, Any]) -> int:
 
 
 def cmd_ssd_purge(args: argparse.Namespace) -> int:
-    """``tierkv ssd purge PATH --namespace N``: every record of N goes, in each tier at PATH."""
+    """``tierkv ssd purge PATH --namespace N | --all-but N... | --older-than D``, in each tier at PATH."""
     from tierkv.tiers.ssd.admin import delete_records, find_namespace
     from tierkv.tiers.ssd.inventory import inventory, tier_dirs
 
