@@ -218,3 +218,12 @@ def test_purge_all_but_keeps_the_current_models_namespace(tmp_path: Path, capsys
     assert counts == {"model-a|fp16|tp0": 6, "model-old-1": 0, "model-old-2": 0}
     rc, _, err = run(capsys, "ssd", "purge", str(tmp_path / "t"), "--all-but", "model-b")
     assert rc == 2 and "--all-but model-b: matches none" in err
+
+
+def test_verify_without_a_readable_page_file_is_an_error_not_a_clean_bill(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    fill(tmp_path / "t", 5).close()
+    (tmp_path / "t" / "blocks.dat").rename(tmp_path / "blocks.dat")
+    rc, out, err = run(capsys, "ssd", "verify", str(tmp_path / "t"), "--drop")
+    assert rc == 2 and err == f"tierkv: error: {tmp_path / 't'}: cannot read the tier: cannot open blocks.dat " \
+                              "for reading\n" and "0 bad records" not in out

@@ -601,7 +601,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tierkv: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"tierkv: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"tierkv: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("tierkv: interrupted", file=sys.stderr)

@@ -139,6 +139,8 @@ def _survey(path: Path, verify: bool, older_than: float | None = None) -> dict[s
         marks = sorted((CLOCK.unpack(k[len(MARK_PREFIX):])[0], TIME_MARK.unpack(v)[0])
                        for k, v in meta.items() if k.startswith(MARK_PREFIX) and len(v) == TIME_MARK.size)
         pages = _open_pages(path / BLOCKS) if verify else None
+        if verify and pages is None and nskeys:
+            raise SystemExit(f"cannot open {BLOCKS} for reading")  # (the caller reports it)
         try:
             out.update(_count(nskeys, heads, namespaces, NS_LEN, PAGE, pages, fmt == RECORD_VERSION,
                               Ages(marks, older_than)))
