@@ -78,12 +78,13 @@ class Fleet:
         if self.routing == "round_robin":
             return i % len(self.replicas)
         bound = math.ceil((1 + LOAD_SLACK) * (i + 1) / len(self.replicas))
+        prompt = self.replicas[0].prompt_of(r)  # (one block size for the whole fleet)
         best, chosen = (-1, 0), 0
         for n, rp in enumerate(self.replicas):
             if self.sent[n] >= bound:
                 continue
             rp.finish_until(r.timestamp)
-            score = (rp.held_prefix(rp.prompt_of(r)), -self.sent[n])
+            score = (rp.held_prefix(prompt), -self.sent[n])
             if score > best:
                 best, chosen = score, n
         return chosen

@@ -467,25 +467,24 @@ def read_keys_lru(path: Path, prefix: bytes) -> list[bytes]:
     """:meth:`Index.keys_lru` of the environment at ``path``, opened read-only beside the
     process that owns it (empty if it has no tierkv databases yet). Raises
     :class:`IndexFailure`."""
-    index = Index(path, 0, readonly=True)
-    try:
-        if b"head" not in index.names():
-            return []
-        index.open_dbs(create=False)
-        return index.keys_lru(prefix)
-    finally:
-        index.close()
+    return _read_only(path, lambda index: index.keys_lru(prefix), [])
 
 
 def read_tags(path: Path, prefix: bytes) -> tuple[list[bytes], list[bytes]]:
     """:meth:`Index.tags` of the environment at ``path``, opened as :func:`read_keys_lru`
     opens it. Raises :class:`IndexFailure`."""
+    return _read_only(path, lambda index: index.tags(prefix), ([], []))
+
+
+def _read_only(path: Path, read: Any, empty: Any) -> Any:
+    """``read(index)`` of the environment at ``path`` opened read-only (``empty`` when it
+    has no tierkv databases yet)."""
     index = Index(path, 0, readonly=True)
     try:
         if b"head" not in index.names():
-            return [], []
+            return empty
         index.open_dbs(create=False)
-        return index.tags(prefix)
+        return read(index)
     finally:
         index.close()
 
