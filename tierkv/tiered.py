@@ -37,7 +37,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from tierkv.block_pool import BlockManager
 from tierkv.config import SSD_TIER_KEYS, TierKVConfig
@@ -49,6 +49,9 @@ from tierkv.metrics import TIERS, Lifecycle, LifecycleRecorder, TierKVCollector,
 from tierkv.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, SHUTDOWN, PolicySpec, StorePlan, TierPolicy
 from tierkv.policy.events import REMOTE
 from tierkv.policy.seeding import SSDSeeding
+
+if TYPE_CHECKING:
+    from tierkv.transfer import TransferEngine
 
 __all__ = ["TieredKVCache", "TieredAllocation", "library_fingerprint"]
 
@@ -90,20 +93,27 @@ class TieredKVCache:
     """Device pool + CPU tier + SSD tier behind one allocate/commit/append/fork/free API.
 
     ``kv_pool``: the device pool as ``[num_gpu_blocks, block_nbytes]`` uint8
-    (a view of real KV storage is fine); allocated from ``config`` when None.
+    (a view of real KV storage is fine), or an engine's per-layer caches (a
+    list of contiguous tensors whose dim 0 is the block id, such as each
+    layer's K and V cache: a block is its page in every cache, in order);
+    allocated from ``config`` when None.
     ``clock``: seconds for lifecycle metrics. ``fingerprint``: what the stored
     blocks are compatible with; derived from ``config`` when None.
     """
 
     def __init__(self, config: TierKVConfig, *, kv_pool: Any = None, clock: Callable[[], float] | None = None,
                  record_samples: bool = False, fingerprint: Fingerprint | None = None) -> None:
-        if kv_pool is not None:
-            config.check_kv_pool(int(kv_pool.shape[0]), int(kv_pool.shape[1]), str(kv_pool.device))
+        from tierkv.transfer import TransferEngine
+
+        transfer = TransferEngine(kv_pool) if kv_pool is not None else None
+        if transfer is not None:
+            config.check_kv_pool(int(transfer.pool.shape[0]), transfer.block_nbytes, str(transfer.pool.device))
         self.config = config
         self.clock = clock or time.monotonic
         self.block_size = config.block_size
-        self.block_nbytes = int(kv_pool.shape[1]) if kv_pool is not None else config.block_nbytes()
-        num_blocks = int(kv_pool.shape[0]) if kv_pool is not None else config.gpu.resolve_num_blocks(self.block_nbytes)
+        self.block_nbytes = transfer.block_nbytes if transfer is not None else config.block_nbytes()
+        num_blocks = (int(transfer.pool.shape[0]) if transfer is not None
+                      else config.gpu.resolve_num_blocks(self.block_nbytes))
         self.fingerprint = fingerprint or library_fingerprint(config, self.block_nbytes)
         self.hasher = BlockHasher(self.block_size, config.hash, namespace=self.fingerprint.namespace())
         self.manager = BlockManager(num_blocks, self.block_size, hasher=self.hasher, track_evictions=True)
@@ -121,7 +131,7 @@ class TieredKVCache:
         self._pending: dict[int, Any] = {}  # device row -> event of an unfinished load copy
         self._metrics_server: Any = None
         self._seeding: SSDSeeding | None = None
-        self.executor = self._open_executor(kv_pool, num_blocks)
+        self.executor = self._open_executor(kv_pool, transfer, num_blocks)
         try:
             if config.metrics.port is not None:
                 self.start_metrics_server(config.metrics.port, config.metrics.host)
@@ -131,7 +141,7 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------ setup
 
-    def _open_executor(self, kv_pool: Any, num_blocks: int) -> Executor:
+    def _open_executor(self, kv_pool: Any, transfer: "TransferEngine | None", num_blocks: int) -> Executor:
         import torch
 
         from tierkv.tiers.host import HostSlab
@@ -140,8 +150,10 @@ class TieredKVCache:
         cfg = self.config
         if kv_pool is None:
             kv_pool = torch.zeros((num_blocks, self.block_nbytes), dtype=torch.uint8, device=cfg.gpu.resolve_device())
+            transfer = TransferEngine(kv_pool)
+        assert transfer is not None
         self.kv_pool = kv_pool
-        self.transfer = TransferEngine(kv_pool)
+        self.transfer = transfer
         spec = self.policy.spec
         slab = HostSlab(spec.cpu_slots, self.block_nbytes, pin_memory=cfg.cpu.pin) if spec.cpu_slots else None
         ssd = self._open_ssd() if spec.ssd_slots else None

@@ -1,7 +1,10 @@
 """Batched block movement between the device KV pool and host memory.
 
-The pool is a 2-D ``uint8`` tensor ``[num_blocks, block_nbytes]``. On CPU the
-moves are single vectorised gathers/scatters. On CUDA they run on a dedicated
+The pool is a 2-D ``uint8`` tensor ``[num_blocks, block_nbytes]``, or an
+engine's per-layer caches (tensors whose dim 0 is the block id, e.g. each
+layer's K and V cache): then a block's row is the concatenation of its page
+in every cache, in order (the kernels' staging-row layout). On CPU the moves
+are single vectorised gathers/scatters per cache. On CUDA they run on a dedicated
 copy stream through pinned host buffers and return events instead of
 synchronising the device:
 
@@ -102,16 +105,14 @@ class TransferEngine:
     def __init__(self, kv_pool: Any) -> None:
         import torch
 
-        if kv_pool.dtype != torch.uint8 or kv_pool.dim() != 2 or not kv_pool.is_contiguous():
-            raise ValueError(f"kv_pool: expected a contiguous 2-D uint8 tensor [num_blocks, block_nbytes], "
-                             f"got {tuple(kv_pool.shape)} {kv_pool.dtype}")
-        self.pool = kv_pool
-        self.block_nbytes = int(kv_pool.shape[1])
-        self.cuda = kv_pool.is_cuda
+        self.caches = _caches(kv_pool)
+        self.pool = self.caches[0]  # the device the caches live on
+        self.offsets, self.block_nbytes = _page_offsets(self.caches)
+        self.cuda = self.pool.is_cuda
         # CPU copies go through numpy: single-threaded row memcpys. torch's intra-op
         # threads collapse (10-100x) when another thread or process competes for the cores.
-        self._np = None if self.cuda else kv_pool.numpy()
-        self.stream = torch.cuda.Stream(device=kv_pool.device) if self.cuda else None
+        self._np = None if self.cuda else [_page_rows(c).numpy() for c in self.caches]
+        self.stream = torch.cuda.Stream(device=self.pool.device) if self.cuda else None
         self._inflight: list[tuple[Any, Any]] = []  # (event, host buffer kept alive until the copy is done)
         self.moved = {d: {"bytes": 0, "seconds": 0.0} for d in DIRECTIONS}
 
@@ -129,14 +130,15 @@ class TransferEngine:
         t0 = time.perf_counter()
         if not self.cuda:
             out_np = np.empty((len(rows), self.block_nbytes), dtype=np.uint8)
-            copy_rows(self._np, rows, out_np, range(len(rows)))
+            for pages, (lo, hi) in zip(self._np, self.offsets):
+                copy_rows(pages, rows, out_np[:, lo:hi], range(len(rows)))
             out = torch.from_numpy(out_np)
         else:
             out = torch.empty((len(rows), self.block_nbytes), dtype=torch.uint8, pin_memory=True)
             assert self.stream is not None
             self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))
             with torch.cuda.stream(self.stream):
-                staged = _gather_device(self.pool, to_device(list(rows), self.pool.device))
+                staged = _gather_device(self.caches, to_device(list(rows), self.pool.device), self.block_nbytes)
                 out.copy_(staged, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.stream)
@@ -156,7 +158,9 @@ class TransferEngine:
 
         t0 = time.perf_counter()
         if not self.cuda:
-            copy_rows(data.numpy() if isinstance(data, torch.Tensor) else data, range(len(rows)), self._np, rows)
+            src_np = data.numpy() if isinstance(data, torch.Tensor) else data
+            for pages, (lo, hi) in zip(self._np, self.offsets):
+                copy_rows(src_np[:, lo:hi], range(len(rows)), pages, rows)
             self.count("h2d", len(rows) * self.block_nbytes, time.perf_counter() - t0)
             return None
         src = data if isinstance(data, torch.Tensor) else torch.from_numpy(data)
@@ -168,7 +172,7 @@ class TransferEngine:
         self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))
         with torch.cuda.stream(self.stream):
             dev = src.to(self.pool.device, non_blocking=True)
-            _scatter_device(self.pool, to_device(list(rows), self.pool.device), dev)
+            _scatter_device(self.caches, to_device(list(rows), self.pool.device), dev)
             done = torch.cuda.Event()
             done.record(self.stream)
         self._inflight.append((done, src))
@@ -199,23 +203,67 @@ class TransferEngine:
         self._inflight = [(e, buf) for e, buf in self._inflight if not e.query()]
 
 
-def _gather_device(pool: Any, idx: Any) -> Any:
-    """Rows ``idx`` of a CUDA pool as a contiguous device tensor (gather kernel when available)."""
+def _caches(kv_pool: Any) -> list[Any]:
+    """The caches of ``kv_pool``: ``[kv_pool]`` for a 2-D uint8 pool, else its per-layer caches."""
+    import torch
+
+    if isinstance(kv_pool, torch.Tensor):
+        if kv_pool.dtype != torch.uint8 or kv_pool.dim() != 2 or not kv_pool.is_contiguous():
+            raise ValueError(f"kv_pool: expected a contiguous 2-D uint8 tensor [num_blocks, block_nbytes] or a "
+                             f"list of per-layer caches, got {tuple(kv_pool.shape)} {kv_pool.dtype}")
+        return [kv_pool]
+    caches = list(kv_pool)
+    if not caches or not all(isinstance(c, torch.Tensor) for c in caches):
+        raise ValueError("kv_pool: expected a 2-D uint8 tensor or a non-empty list of per-layer cache tensors")
+    first = caches[0]
+    for i, c in enumerate(caches):
+        if c.dim() < 2 or not c.is_contiguous():
+            raise ValueError(f"kv_pool[{i}]: expected a contiguous tensor [num_blocks, ...], got "
+                             f"{tuple(c.shape)} (contiguous: {c.is_contiguous()})")
+        if c.shape[0] != first.shape[0] or c.device != first.device:
+            raise ValueError(f"kv_pool[{i}]: {c.shape[0]} blocks on {c.device}, but kv_pool[0] has "
+                             f"{first.shape[0]} blocks on {first.device}")
+    return caches
+
+
+def _page_rows(cache: Any) -> Any:
+    """``cache`` as uint8 rows ``[num_blocks, page_bytes]`` (a view)."""
+    import torch
+
+    return cache.reshape(cache.shape[0], -1).view(torch.uint8)
+
+
+def _page_offsets(caches: list[Any]) -> tuple[list[tuple[int, int]], int]:
+    """The byte range of each cache's page within a block's row, and the row's size."""
+    out, total = [], 0
+    for c in caches:
+        n = c[0].numel() * c.element_size()
+        out.append((total, total + n))
+        total += n
+    return out, total
+
+
+def _gather_device(caches: list[Any], idx: Any, block_nbytes: int) -> Any:
+    """Blocks ``idx`` of CUDA caches as contiguous device rows (gather kernel when available)."""
+    import torch
+
     try:
         from tierkv.kernels import gather_blocks
     except ImportError:
-        return pool.index_select(0, idx)
-    import torch
-
-    out = torch.empty((idx.numel(), pool.shape[1]), dtype=torch.uint8, device=pool.device)
-    gather_blocks([pool], idx, out)
+        return torch.cat([_page_rows(c).index_select(0, idx) for c in caches], dim=1)
+    out = torch.empty((idx.numel(), block_nbytes), dtype=torch.uint8, device=caches[0].device)
+    gather_blocks(caches, idx, out)
     return out
 
 
-def _scatter_device(pool: Any, idx: Any, data: Any) -> None:
+def _scatter_device(caches: list[Any], idx: Any, data: Any) -> None:
     try:
         from tierkv.kernels import scatter_blocks
     except ImportError:
-        pool.index_copy_(0, idx, data)
+        lo = 0
+        for c in caches:
+            rows = _page_rows(c)
+            rows.index_copy_(0, idx, data[:, lo:lo + rows.shape[1]])
+            lo += rows.shape[1]
         return
-    scatter_blocks(data, [pool], idx)
+    scatter_blocks(data, caches, idx)
