@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call of at most 8 minutes (GPU_CHECK_BUDGET_S,
-# default 450 s; the step limits add up to it):
+# default 480 s; the step limits add up to it):
 #   1. setup       tierkv installed from its wheel (built here beside the script, carried in
 #                  out/gpu_wheel; rebuilt offline when the sources changed), lmdb and
 #                  zstandard from benchmarks/wheels, all with pip --target into a scratch
@@ -9,10 +9,13 @@
 #                  every import of the GPU tests (benchmarks/gpu_imports.py)
 #   2. warm        every kernel specialisation compiled in parallel into cupy's disk cache
 #   3. gpu tests   pytest -m gpu: the kernels against their references, the copier
-#                  (streams, kernels, pinned slab, fence, no host wait), the transfer engine
+#                  (streams, kernels, pinned slab, fence, no host wait), the transfer engine,
+#                  tierkv.engine token for token against transformers (the kernels end to end)
 #   4. copies      benchmarks/bench_copies_gpu.py: memcpy baseline, store/load through the
 #                  pinned slab, thread-block caps, interference with a matmul loop
 #   5. kernels     benchmarks/bench_kernels_gpu.py: paged attention and gather/scatter
+#   5b. engine     benchmarks/bench_engine.py --device cuda: prefill and decode tokens/s, multi-turn
+#                  TTFT with and without the tiers
 #   6. sanitizer   compute-sanitizer memcheck, then racecheck, with what is left (last)
 # A failed step is reported and the others still run; exit status 1 when any failed.
 #
@@ -36,13 +39,13 @@ DRY=${GPU_CHECK_DRY:-0}
 OUT=${OUT:-$REPO/out/gpu_check}
 WORK=${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/tierkv-gpu-check}
 WHEELS=${GPU_CHECK_WHEELS:-$REPO/out/gpu_wheel}
-BUDGET=${GPU_CHECK_BUDGET_S:-450}
+BUDGET=${GPU_CHECK_BUDGET_S:-480}
 if [ -n "${GPU_PYTHON:-}" ]; then PY=$GPU_PYTHON
 elif { [ "$DRY" = 1 ] || [ "${1:-}" = --wheel ]; } && [ -x .venv/bin/python ]; then PY=$REPO/.venv/bin/python
 else PY=python3; fi
 RESULTS=$WORK/results   # everything; archived into $OUT/gpu_check.tar.gz
 SITE=$WORK/site
-GPU_TESTS=(tests/test_kernels_gpu.py tests/test_copier_gpu.py tests/test_tiered.py)
+GPU_TESTS=(tests/test_kernels_gpu.py tests/test_copier_gpu.py tests/test_tiered.py tests/test_engine.py)
 
 # The wheel of this checkout, with a digest of the sources it was built from.
 sources_digest() {
@@ -89,7 +92,7 @@ report() {
     for entry in "${STEPS[@]}"; do [ $first = 1 ] || printf ', '; first=0; printf '%s' "$entry"; done
     printf '], "failed": %d}\n' "${#FAILED[@]}"; } > "$OUT/summary.json.tmp" && mv "$OUT/summary.json.tmp" "$OUT/summary.json"
   cp "$OUT/gpu_check.log" "$OUT/summary.json" "$RESULTS/" 2>/dev/null
-  for md in bench_copies.md bench_kernels.md; do [ -f "$RESULTS/$md" ] && cp "$RESULTS/$md" "$OUT/"; done
+  for md in bench_copies.md bench_kernels.md bench_engine.md; do [ -f "$RESULTS/$md" ] && cp "$RESULTS/$md" "$OUT/"; done
   tar -czf "$OUT/gpu_check.tar.gz.tmp" -C "$RESULTS" . && mv "$OUT/gpu_check.tar.gz.tmp" "$OUT/gpu_check.tar.gz"
 }
 
@@ -268,6 +271,17 @@ kernels() {
 }
 export -f kernels
 
+# ---------------------------------------------------------------------- 5b. engine benchmark
+engine_bench() {
+  if [ "$DRY" = 1 ]; then "$PY" -m py_compile benchmarks/bench_engine.py && echo "dry run: compiled only"; return; fi
+  local rc=0
+  "$PY" benchmarks/bench_engine.py --device cuda --skip-fp8 --json "$RESULTS/bench_engine.json" \
+    > "$RESULTS/bench_engine.md" 2> "$RESULTS/bench_engine.log" || rc=$?
+  cat "$RESULTS/bench_engine.md"; [ "$rc" -eq 0 ] || tail -n 20 "$RESULTS/bench_engine.log"
+  return $rc
+}
+export -f engine_bench
+
 # ---------------------------------------------------------------------- 6. compute-sanitizer
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1 || true)
 export SANITIZER
@@ -284,7 +298,7 @@ MEMCHECK_K="gather or scatter or copy or slab or rows or reshape or fp8_code or 
 RACECHECK_K="fp8_code or length_zero"
 
 [ "$DRY" = 1 ] && log "dry run: GPU steps reduced to what runs without a GPU"
-# Limits (seconds) add up to the default budget of 450: the tests and the copy figures
+# Limits (seconds) add up to the default budget of 480: the tests and the copy figures
 # first, compute-sanitizer last with what is left.
 step "setup" 45 setup
 if [[ " ${FAILED[*]} " == *" setup "* ]]; then
@@ -294,6 +308,7 @@ step "warm kernel cache" 90 warm
 step "gpu tests" 150 gpu_tests
 step "copy benchmark" 75 copies
 step "kernel benchmark" 45 kernels
+step "engine benchmark" 30 engine_bench
 if [ "${SANITIZE:-1}" = 0 ]; then
   log "SANITIZE=0: compute-sanitizer not run"
 elif [ -z "$SANITIZER" ] && [ "$DRY" != 1 ]; then

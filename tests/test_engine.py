@@ -1,11 +1,14 @@
-"""tierkv.engine against transformers, token for token, on CPU tensors (the torch
-references of the kernels; the same tests with CUDA tensors run the kernels, see
-test_engine_gpu.py). The model is a real checkpoint written by transformers (random
-weights); the tiers are real (the CPU slab, an LMDB-backed SSD tier on disk)."""
+"""tierkv.engine against transformers, token for token. On CPU tensors the engine runs
+the kernels' torch references; the same tests with CUDA tensors (marked ``gpu``, run by
+benchmarks/gpu_check.sh) run the CUDA kernels, the copy stream and the pinned slab.
+transformers' reference runs on the CPU in float32. The model is a real checkpoint
+written by transformers (random weights); the tiers are real (the CPU slab, an
+LMDB-backed SSD tier on disk)."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,9 @@ from engine_util import build_engine_model, engine_config, hf_greedy, random_pro
 from tierkv.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (the kernels)")])]
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +48,18 @@ def test_the_model_depends_on_early_context(hf) -> None:
     assert hf_greedy(hf, prompt, 8) != hf_greedy(hf, changed, 8)
 
 
-def test_single_prompts_match_transformers(model_dir: Path, hf, tmp_path: Path) -> None:
-    with engine(model_dir, tmp_path) as eng:
+@pytest.mark.parametrize("device", DEVICES)
+def test_single_prompts_match_transformers(model_dir: Path, hf, tmp_path: Path, device: str) -> None:
+    with engine(model_dir, tmp_path, device=device) as eng:
         for seed, length in ((2, 1), (3, 15), (4, 16), (5, 33), (6, 100)):
             prompt = random_prompt(length, seed)
             assert eng.generate([prompt], 24) == [[hf_greedy(hf, prompt, 24)]], (length, seed)
 
 
-def test_a_batch_of_mixed_lengths_matches_transformers(model_dir: Path, hf, tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_batch_of_mixed_lengths_matches_transformers(model_dir: Path, hf, tmp_path: Path, device: str) -> None:
     prompts = [random_prompt(n, seed) for seed, n in enumerate((7, 64, 31, 1, 90, 16))]
-    with engine(model_dir, tmp_path) as eng:
+    with engine(model_dir, tmp_path, device=device) as eng:
         outs = eng.generate(prompts, 20)
         stats = eng.stats()
     assert outs == [[hf_greedy(hf, p, 20)] for p in prompts]
@@ -59,12 +67,13 @@ def test_a_batch_of_mixed_lengths_matches_transformers(model_dir: Path, hf, tmp_
     assert stats["decode_steps"] == 19  # one batched decode per further token
 
 
+@pytest.mark.parametrize("device", DEVICES)
 def test_multi_turn_chat_served_from_pool_cpu_and_ssd_matches_transformers(model_dir: Path, hf,
-                                                                           tmp_path: Path) -> None:
+                                                                           tmp_path: Path, device: str) -> None:
     """Turn 2 right after turn 1: the pool. Turn 3 after other conversations filled the
     pool: the CPU tier. Turn 4 after a restart: the SSD tier. Every turn's tokens are
     transformers' for the whole conversation so far."""
-    kw = {"gpu_blocks": 24, "cpu": "2MiB", "ssd": "16MiB"}
+    kw = {"gpu_blocks": 24, "cpu": "2MiB", "ssd": "16MiB", "device": device}
     chat = random_prompt(40, seed=10)
     served: list[dict[str, int]] = []
 
@@ -91,15 +100,16 @@ def test_multi_turn_chat_served_from_pool_cpu_and_ssd_matches_transformers(model
     assert ssd_stats["hits"]["ssd"]["tokens"] == served[3]["ssd"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 def test_n_samples_share_the_prompt_and_copy_on_write_as_the_seed_describes(model_dir: Path, hf,
-                                                                           tmp_path: Path) -> None:
+                                                                           tmp_path: Path, device: str) -> None:
     """The seed's example: a 40-token prompt in 3 blocks of 16 (the last 8/16 full), n=4.
     After the fork the four samples share the 3 blocks (ref_cnt 4, one copy in the pool);
     the first decode step writes slot 9 of the shared last block: seq0, seq1 and seq2
     each copy it to a fresh block (ref_cnt 4 -> 3 -> 2 -> 1), seq3 writes it in place;
     the two full blocks stay shared."""
     prompt = random_prompt(40, seed=30)
-    with engine(model_dir, tmp_path, gpu_blocks=32) as eng:
+    with engine(model_dir, tmp_path, gpu_blocks=32, device=device) as eng:
         rid = eng.add_request(prompt, 6, n=4)
         seqs = [rid] + [f"{rid}#{i}" for i in (1, 2, 3)]
         eng.step()  # prefill, fork
@@ -140,17 +150,18 @@ def test_cache_salt_separates_prefixes(model_dir: Path, tmp_path: Path) -> None:
     assert alice.hit_tokens["gpu"] == 48
 
 
-def test_fp8_cache_quantises_and_costs_little_accuracy(model_dir: Path, hf, tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_cache_quantises_and_costs_little_accuracy(model_dir: Path, hf, tmp_path: Path, device: str) -> None:
     """FP8 caches hold the K/V at a quarter of the bytes; the logits move, e5m2 (2 mantissa
     bits) more than e4m3 (3), and the blocks never meet the full-precision ones."""
     prompts = [random_prompt(n, seed) for seed, n in enumerate((50, 70, 90), start=50)]
     errors = {}
     (tmp_path / "full").mkdir()
-    with engine(model_dir, tmp_path / "full") as eng:
+    with engine(model_dir, tmp_path / "full", device=device) as eng:
         ref = eng.run(prompts, 8, return_logits=True)
         full_nbytes = eng.kv.block_nbytes()
     for kv in ("fp8_e4m3", "fp8_e5m2"):
-        with engine(model_dir, tmp_path / "full", kv_cache_dtype=kv) as eng:
+        with engine(model_dir, tmp_path / "full", kv_cache_dtype=kv, device=device) as eng:
             assert eng.kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
             assert eng.kv.block_nbytes() * 4 == full_nbytes
             outs = eng.run(prompts, 8, return_logits=True)
@@ -236,3 +247,62 @@ def test_a_prompt_longer_than_the_pool_is_refused_before_any_work(model_dir: Pat
         stats = eng.stats()
         assert stats["prompt_tokens"] == 0 and stats["generated_tokens"] == 0  # nothing ran
         assert eng.generate([ok], 4)[0][0]  # and the engine still serves
+
+
+# ------------------------------------------------------------------ tierkv generate
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    from tierkv.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_generate_prints_tokens_and_where_each_prefix_came_from(model_dir: Path, hf, tmp_path: Path) -> None:
+    prompt = random_prompt(40, seed=80)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps(prompt) + "\n\n" + json.dumps({"prompt": "the cat sat on the mat"}) + "\n")
+    (tmp_path / "tierkv.yaml").write_text(
+        f"gpu: {{num_blocks: 32, device: cpu}}\ncpu: {{capacity: 1MiB}}\n"
+        f"ssd: {{path: {tmp_path / 'ssd'}, capacity: 16MiB}}\n")
+    argv = ("generate", "--model", str(model_dir), "--prompt-file", str(prompts), "--config",
+            str(tmp_path / "tierkv.yaml"), "--n", "4", "--max-new-tokens", "6")
+    code, out, err = _cli(*argv)
+    assert code == 0, err
+    expected = " ".join(map(str, hf_greedy(hf, prompt, 6)))
+    assert "prompt 0: 40 tokens; prefix: 0 GPU pool, 0 CPU, 0 SSD, 40 computed" in out
+    assert out.count(f"sample 0: {expected}\n") == 1 and out.count(f": {expected}\n") == 4
+    assert "6 blocks copied on write" in out  # 3 per prompt: the seed's example, twice
+    code, out, err = _cli(*argv, "--json", str(tmp_path / "out.json"))  # a restart: the SSD tier serves
+    assert code == 0, err
+    assert "prompt 0: 40 tokens; prefix: 0 GPU pool, 0 CPU, 32 SSD, 8 computed" in out
+    record = json.loads((tmp_path / "out.json").read_text())["outputs"][0]
+    assert record["hit_tokens"]["ssd"] == 32 and record["samples"] == [hf_greedy(hf, prompt, 6)] * 4
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]\n{\"prompt_token_ids\": \"x\"}\n", r"prompts.jsonl:2: expected a non-empty list of token ids"),
+    ("[1, 2\n", r"prompts.jsonl:1: not JSON"),
+    ("\n", r"prompts.jsonl holds no prompt"),
+    ("[5, 9999]\n", r"prompts\[0\]: token 9999 is not an id in \[0, 512\)"),
+])
+def test_generate_names_a_bad_prompt_file_line(model_dir: Path, tmp_path: Path, content: str, message: str) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(content)
+    code, out, err = _cli("generate", "--model", str(model_dir), "--prompt-file", str(prompts),
+                          "--set", "ssd.path=null", "--set", "cpu.capacity=0", "--set", "gpu.device=cpu")
+    assert code == 2 and "Traceback" not in err
+    assert re.search(message, err), err
+
+
+def test_generate_refuses_a_model_that_is_not_llama_family(tmp_path: Path) -> None:
+    ckpt = _write_config(tmp_path / "gemma", model_type="gemma3_text")
+    (tmp_path / "p.jsonl").write_text("[1, 2, 3]\n")
+    code, out, err = _cli("generate", "--model", str(ckpt), "--prompt-file", str(tmp_path / "p.jsonl"))
+    assert code == 2 and "is not a Llama-family model" in err and "Traceback" not in err

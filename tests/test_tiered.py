@@ -52,16 +52,22 @@ class Driver:
         hashes = c.manager.requests[rid].hashes
         cached = a.num_cached_tokens // BS
         for pos in range(cached):
-            got = bytes(c.kv_pool[a.block_ids[pos]].cpu().numpy())
+            got = self.get(a.block_ids[pos])
             assert got == payload(hashes[pos]), f"{rid}: block {pos} has another block's bytes"
         assert sum(a.hit_blocks.values()) == cached
         for t, n in a.hit_blocks.items():
             self.checked[t] += n
         for pos in range(cached, len(hashes)):  # "prefill" the rest
-            c.kv_pool[a.block_ids[pos]] = torch.frombuffer(bytearray(payload(hashes[pos])),
-                                                           dtype=torch.uint8).to(c.kv_pool.device)
+            self.put(a.block_ids[pos], payload(hashes[pos]))
         c.commit(rid)
         return a
+
+    def get(self, block: int) -> bytes:
+        return bytes(self.cache.kv_pool[block].cpu().numpy())
+
+    def put(self, block: int, data: bytes) -> None:
+        pool = self.cache.kv_pool
+        pool[block] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(pool.device)
 
     def push_out(self, requests: int, tokens: int, base: int) -> None:
         """Run and free filler requests of fresh tokens, pushing older blocks down the tiers."""
@@ -359,6 +365,51 @@ def test_caller_pool_every_hit_is_byte_exact(tmp_path, device):
             driver.run(rid, toks)
             cache.free(rid)
     assert all(driver.checked.values()), driver.checked
+
+
+class LayerDriver(Driver):
+    """A block is its page in every one of the caller's per-layer caches, in order."""
+
+    def get(self, block: int) -> bytes:
+        return b"".join(bytes(c[block].reshape(-1).view(torch.uint8).cpu().numpy()) for c in self.cache.kv_pool)
+
+    def put(self, block: int, data: bytes) -> None:
+        at = 0
+        for c in self.cache.kv_pool:
+            n = c[block].numel() * c.element_size()
+            page = torch.frombuffer(bytearray(data[at:at + n]), dtype=torch.uint8).to(c.device)
+            c[block].reshape(-1).view(torch.uint8).copy_(page)
+            at += n
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device (the gather/scatter kernels)")]),
+])
+def test_per_layer_caches_every_hit_is_byte_exact(tmp_path, device):
+    """An engine's own per-layer caches as the pool (dtypes and shapes differ, FP8
+    included): every block served from any tier has every page's bytes."""
+    caches = [torch.zeros((16, 2, 8, 4), dtype=torch.float16, device=device),   # 128 bytes a page
+              torch.zeros((16, 64), dtype=torch.float8_e4m3fn, device=device),  # 64
+              torch.zeros((16, 4, 4), dtype=torch.float32, device=device)]      # 64: NBYTES in all
+    with TieredKVCache(config(tmp_path, gpu=None), kv_pool=caches) as cache:
+        assert cache.block_nbytes == NBYTES and cache.manager.num_blocks == 16
+        driver = LayerDriver(cache)
+        for rid, toks in chat(users=10, turns=5):
+            driver.run(rid, toks)
+            cache.free(rid)
+    assert all(driver.checked.values()), driver.checked
+
+
+@pytest.mark.parametrize("caches, message", [
+    ([], "a non-empty list"),
+    ([torch.zeros((4, 8)), torch.zeros((5, 8))], r"kv_pool\[1\]: 5 blocks on cpu, but kv_pool\[0\] has 4"),
+    ([torch.zeros((8, 4)).t()], r"kv_pool\[0\]: expected a contiguous tensor"),
+])
+def test_per_layer_caches_that_do_not_form_a_pool_are_refused(tmp_path, caches, message):
+    with pytest.raises(ValueError, match=message):
+        TieredKVCache(config(tmp_path, gpu=None), kv_pool=caches)
 
 
 def test_close_persists_the_whole_hot_set_through_a_small_ssd_queue(tmp_path):
