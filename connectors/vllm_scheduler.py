@@ -37,6 +37,7 @@ thread; nothing here is shared with another thread.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -47,6 +48,7 @@ from tierkv.hashing import BlockHasher
 from tierkv.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampling, policy_stats
 from tierkv.policy import COMPUTED, EVICTED, PAGEOUT, FetchPlan, LoadPlan, StorePlan, TierPolicy
 from tierkv.policy.seeding import SSDSeeding
+from tierkv.recorder import RecordedRequest
 
 from tierkv.connectors.vllm_events import KVEvents, events_enabled
 from tierkv.connectors.vllm_common import (
@@ -70,10 +72,13 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from tierkv.recorder import TraceRecorder
+
 __all__ = ["TierKVScheduler", "PoolObserver"]
 
 log = logging.getLogger(__name__)
 
+MEASURE_S = 5.0  # how often the recorder's copy of the measured counters is refreshed
 _SOURCES = {"cpu": CacheHitSource.HOST, "ssd": CacheHitSource.DISK, "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
@@ -182,6 +187,8 @@ class TierKVScheduler:
         self._events = self._kv_events(vllm_config, spec, kv_cache_config)
         self._remote = RemoteLookups(self, cfg) if self.policy.spec.remote else None
         self._metrics_server = self._start_metrics(cfg.metrics.port)
+        self._recorder = self._start_recorder(cfg, vllm_config, kv_cache_config, spec)
+        self._measured_at = 0.0
         log.info("tierkv scheduler: %s; block %d bytes; %s admission; %d CPU slots, %d SSD blocks (%d held)",
                  self.fingerprint.describe(), self.block_nbytes, self.policy.spec.admission,
                  self.policy.spec.cpu_slots, self.policy.spec.ssd_slots, self.policy.occupancy()["ssd"])
@@ -203,6 +210,51 @@ class TierKVScheduler:
         log.info("tierkv: KV-cache events for the tiers below the GPU (tags of up to %d blocks, "
                  "~%d MiB)", capacity, capacity * 400 >> 20)
         return events
+
+    def _start_recorder(self, cfg: TierKVConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
+                        spec: Any) -> "TraceRecorder | None":
+        """The request recorder when ``trace.path`` is set (see :mod:`tierkv.recorder`)."""
+        if not cfg.trace.enabled:
+            return None
+        import vllm
+
+        from tierkv.bench.deployment import recorded_deployment
+        from tierkv.recorder import TraceRecorder
+
+        gpu_blocks = max(1, int(kv_cache_config.num_blocks) - 1)  # vLLM keeps one as its null block
+        deployment = recorded_deployment(
+            cfg, block_size=self.block_size, block_nbytes=self.block_nbytes, gpu_blocks=gpu_blocks,
+            capacity_blocks={"gpu": gpu_blocks, **spec.capacity()},
+            engine={"name": "vllm", "version": vllm.__version__, "model": self.fingerprint.model,
+                    "tp_size": self.fingerprint.tp_size, "kv_layout": self.fingerprint.kv_layout})
+        return TraceRecorder(cfg.trace, block_size=self.block_size, deployment=deployment)
+
+    def _record_finished(self, st: _Req) -> None:
+        """Hand a finished request to the recorder: its prompt's full blocks and those its
+        output completed (whose KV was computed: all tokens but the last)."""
+        assert self._recorder is not None
+        req = st.request
+        if req.num_computed_tokens == 0 and req.num_output_tokens == 0:  # aborted before it ran
+            self._recorder.finished(req.request_id, None)
+            return
+        prompt = req.num_prompt_tokens
+        computed = max(prompt, req.num_tokens - 1) // self.block_size if _cacheable(req) else 0
+        hashes = self._hashes(st, computed) if computed else []
+        full = min(prompt // self.block_size, len(hashes))
+        self._recorder.finished(req.request_id, RecordedRequest(
+            arrival=float(req.arrival_time), finish=time.time(), input_length=prompt,
+            output_length=req.num_output_tokens, keys=hashes[:full], output_keys=hashes[full:computed]))
+
+    def _measure(self, final: bool = False) -> None:
+        """The recorder's view of what the plugin measured, every few seconds and at the end."""
+        now = time.monotonic()
+        if self._recorder is None or (not final and now - self._measured_at < MEASURE_S):
+            return
+        self._measured_at = now
+        stats = self.stats()
+        self._recorder.measured({k: stats[k] for k in ("queries", "hits", "spills", "promotions", "evictions",
+                                                        "dropped_spills", "corrupt_blocks", "capacity_blocks")}
+                                | {"block_size": self.block_size, "block_nbytes": self.block_nbytes})
 
     def take_events(self) -> list[Any]:
         """KV-cache events of the tiers below (vLLM's ``take_events`` hook)."""
@@ -233,6 +285,8 @@ class TierKVScheduler:
 
     def on_new_request(self, request: "Request") -> None:
         self._reqs[request.request_id] = _Req(request)
+        if self._recorder is not None:
+            self._recorder.admitted(request.request_id)
 
     def _state(self, request: "Request") -> _Req:
         st = self._reqs.get(request.request_id)
@@ -342,6 +396,7 @@ class TierKVScheduler:
             if window:
                 self._offer(window, PAGEOUT, meta.stores)
         meta.resident = self._resident.take_delta()
+        self._measure()
         if self._events is not None and self.policy.ssd is not None:
             meta.tags = self._events.ssd_tags([*meta.loads, *meta.early_stores, *meta.stores])
         return meta
@@ -460,7 +515,9 @@ class TierKVScheduler:
     def request_finished(self, request: "Request", block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         """Delay freeing only while a load into the request's blocks is in flight."""
         req_id = request.request_id
-        self._reqs.pop(req_id, None)
+        st = self._reqs.pop(req_id, None)
+        if self._recorder is not None and st is not None:
+            self._record_finished(st)
         self._matched.pop(req_id, None)
         self._sources.pop(req_id, None)
         if self._remote is not None:
@@ -489,6 +546,10 @@ class TierKVScheduler:
         return out
 
     def shutdown(self) -> None:
+        if self._recorder is not None:
+            self._measure(final=True)
+            self._recorder.close()
+            self._recorder = None
         if self._remote is not None:
             self._remote.close()
         server, self._metrics_server = self._metrics_server, None

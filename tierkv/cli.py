@@ -94,7 +94,22 @@ def _load_config(args: argparse.Namespace) -> Any:
         overrides.append(f"spill.admission={args.admission}")
     if args.config:
         return TierKVConfig.from_yaml(args.config, overrides)
+    deployment = _recorded_deployment(args)
+    if deployment is not None:  # a recording replays the deployment that served it
+        from tierkv.bench.deployment import recorded_config
+
+        return recorded_config(deployment, overrides)
     return default_config(overrides)
+
+
+def _recorded_deployment(args: argparse.Namespace) -> Any:
+    """The deployment in a recorded trace's header (None for other traces and pipes)."""
+    if not getattr(args, "trace", None) or args.trace == "-":
+        return None
+    from tierkv.bench.recording import trace_header
+
+    header = trace_header(Path(args.trace))
+    return header.get("deployment") if header is not None else None
 
 
 def _load_trace(args: argparse.Namespace, config: Any, progress: Progress) -> Any:
@@ -168,7 +183,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = _load_config(args)
     admission = None if args.admission in (None, "both") else args.admission
     options = ReplayOptions(decode_s_per_token=args.decode_ms_per_token / 1000.0, payload=args.payload,
-                            payload_block_bytes=args.payload_block_bytes, admission=admission)
+                            payload_block_bytes=args.payload_block_bytes, admission=admission,
+                            explain=args.explain)
     if args.replicas is not None:
         return _bench_replicas(args, config, options, progress)
     trace = _load_trace(args, config, progress)
@@ -522,6 +538,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the report as JSON ('-' for stdout)")
     out.add_argument("--plot", metavar="PATH.png", help="write the miss-ratio curve and lifecycle plot")
+    out.add_argument("--explain", action="store_true",
+                     help="say why each request's first missed block missed (never seen, evicted from which tier "
+                          "and how long before, rejected); all of them under 'misses' in --json")
     out.add_argument("--quiet", action="store_true", help="print only errors")
     out.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a tty")
 

@@ -481,6 +481,44 @@ class MetricsConfig:
         return cls(port=port, host=host)
 
 
+@dataclass(frozen=True)
+class TraceConfig:
+    """The plugin's request recorder (``path`` null: off). ``path`` is a directory:
+    each server start writes one recording there, in parts rotated after
+    ``rotate_bytes`` or ``rotate_seconds``, of ``sample`` of the requests; with a
+    ``secret`` every block hash is re-keyed (HMAC) so it cannot be matched against
+    the hashes of known prompts."""
+
+    path: str | None = None
+    rotate_bytes: int = 256 * 1024**2
+    rotate_seconds: float = 3600.0
+    sample: float = 1.0
+    secret: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], p: str = "trace") -> "TraceConfig":
+        _check_keys(d, ("path", "rotate_bytes", "rotate_seconds", "sample", "secret"), p)
+        path = d.get("path")
+        if path is not None and (not isinstance(path, str) or not path.strip()):
+            raise ConfigError(f"{p}.path: expected a directory, got {short_repr(path)}")
+        rotate = parse_size(d.get("rotate_bytes", cls.rotate_bytes), f"{p}.rotate_bytes")
+        if rotate < 4096:
+            raise ConfigError(f"{p}.rotate_bytes: expected at least 4KiB, got {short_repr(d.get('rotate_bytes'))}")
+        seconds = _seconds(d.get("rotate_seconds", cls.rotate_seconds), f"{p}.rotate_seconds", minimum=1,
+                           maximum=366 * 86400)
+        sample = d.get("sample", cls.sample)
+        if isinstance(sample, bool) or not isinstance(sample, (int, float)) or not 0 < sample <= 1:
+            raise ConfigError(f"{p}.sample: expected a fraction of the requests in (0, 1], got {short_repr(sample)}")
+        secret = d.get("secret")
+        if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
+            raise ConfigError(f"{p}.secret: expected a string of at least 16 characters")
+        return cls(path=path, rotate_bytes=rotate, rotate_seconds=seconds, sample=float(sample), secret=secret)
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+
 _SECTIONS = {
     "gpu": GPUConfig,
     "cpu": CPUConfig,
@@ -489,6 +527,7 @@ _SECTIONS = {
     "spill": SpillConfig,
     "metrics": MetricsConfig,
     "remote": RemoteConfig,
+    "trace": TraceConfig,
 }
 
 
@@ -505,6 +544,7 @@ class TierKVConfig:
     spill: SpillConfig = field(default_factory=SpillConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
     #: dotted paths of the keys the input set (defaults excluded): a mode that cannot
     #: honour a key rejects it only when it was set
     explicit: frozenset[str] = field(default=frozenset(), compare=False, repr=False)

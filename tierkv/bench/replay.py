@@ -92,6 +92,7 @@ class ReplayOptions:
     payload_block_bytes: int = 16 * 1024
     admission: str | None = None   # None: the config's spill.admission
     record_requests: bool = False  # keep each request's hits per tier (ReplayResult.request_hits)
+    explain: bool = False          # keep why each request's first missed block missed (ReplayResult.misses)
 
 
 @dataclass
@@ -117,6 +118,12 @@ class ReplayResult:
     cache_idle_before_evict_s: Quantiles = field(default_factory=Quantiles)
     payload_block_bytes: int | None = None
     config_block_size: int = 0  # the block size of the config as given (its capacities' unit)
+    prompt_tokens: int = 0      # of every request replayed
+    misses: list[dict[str, Any]] = field(default_factory=list)
+
+    def ssd_bytes_written(self) -> int:
+        """Bytes the replay stored to the SSD tier (blocks x the block's bytes, before compression)."""
+        return int(self.stats.get("spills", {}).get("ssd", 0)) * self.config.block_nbytes()
 
     @property
     def hits(self) -> int:
@@ -176,6 +183,7 @@ class _Tracker:
         self.state = bytearray()
         self.entered = array("d")
         self.last = array("d")
+        self.left = array("d")  # when the block left the last tier that held it
         self.lifetime, self.idle = Quantiles(), Quantiles()
         self._life: list[float] = []
         self._idle: list[float] = []
@@ -188,15 +196,17 @@ class _Tracker:
             self.state.extend(bytes(grow))
             self.entered.extend(array("d", bytes(8 * grow)))
             self.last.extend(array("d", bytes(8 * grow)))
+            self.left.extend(array("d", bytes(8 * grow)))
 
     def left_many(self, keys: list[bytes], tier: str, now: float) -> None:
         """These blocks left the last tier that held them (``tier``)."""
-        state, code, entered, last = self.state, _LEFT[tier], self.entered, self.last
+        state, code, entered, last, left = self.state, _LEFT[tier], self.entered, self.last, self.left
         life, idle = self._life, self._idle
         for key in keys:
             block = _block(key)
             if state[block] == _CACHED:
                 state[block] = code
+                left[block] = now
                 life.append(now - entered[block])
                 idle.append(now - last[block])
         if len(life) >= _FLUSH:
@@ -208,7 +218,8 @@ class _Tracker:
         self._life, self._idle = [], []
 
     def retained_bytes(self) -> int:
-        return len(self.state) + 8 * (len(self.entered) + len(self.last) + len(self._life) + len(self._idle)) + \
+        return len(self.state) + 8 * (len(self.entered) + len(self.last) + len(self.left) + len(self._life)
+                                      + len(self._idle)) + \
             self.lifetime.retained_bytes() + self.idle.retained_bytes()
 
     def touch(self, blocks: list[int], now: float) -> None:
@@ -236,6 +247,14 @@ def _classify(before: bytes, hit: int, hittable: int, reasons: dict[str, int]) -
         reasons["prefix_miss"] += cached - first
     for code, reason in _STATE_REASON.items():
         reasons[reason] += seg.count(code)
+
+
+_FIRST_REASON = {_NEVER: "new", _CACHED: "other", **_STATE_REASON}
+
+
+def _first_reason(before: bytes, hit: int) -> str:
+    """Why the first missed block (index ``hit``) missed, from its state before the request."""
+    return _FIRST_REASON.get(before[hit], "other") if hit < len(before) else "last_token"
 
 
 def _block(key: bytes) -> int:
@@ -270,7 +289,8 @@ class Replayer:
         self.forced = self.peak = self.rejected = self.rejected_max = 0
         self.request_hits: list[dict[str, int]] | None = [] if opts.record_requests else None
         self.gpu_evictions = self.stored_at_eviction = 0
-        self.requests = self.accesses = 0
+        self.requests = self.accesses = self.prompt_tokens = 0
+        self.misses: list[dict[str, Any]] | None = [] if opts.explain else None
         self.wall_s = 0.0
         self.result: ReplayResult | None = None
 
@@ -311,8 +331,9 @@ class Replayer:
         rid = self.requests
         self.requests += 1
         self.accesses += len(r.blocks)
-        if r.blocks:
-            self.tracker.cover(max(r.blocks) + 1)
+        self.prompt_tokens += r.input_length if r.token_based else len(r.blocks) * self.block_size
+        if r.blocks or r.output_blocks:
+            self.tracker.cover(max([*r.blocks, *r.output_blocks]) + 1)
         self._step(rid, r)
         self.wall_s += time.perf_counter() - t0
 
@@ -328,16 +349,37 @@ class Replayer:
             self.reasons["rejected"] += len(r.blocks)
             if self.request_hits is not None:
                 self.request_hits.append({"gpu": 0, "cpu": 0, "ssd": 0})
+            if self.misses is not None:
+                self.misses.append(self._miss(r, rid, 0, "rejected"))
             return
         before = bytes(map(self.tracker.state.__getitem__, r.blocks))
         hits = self._schedule(str(rid), prompt)
         _classify(before, hits, r.hittable, self.reasons)
-        self.tracker.touch(r.blocks, self.now)
-        heapq.heappush(self.running, (r.timestamp + r.output_length * self.opts.decode_s_per_token, rid))
+        if self.misses is not None and hits < r.hittable:
+            self.misses.append(self._miss(r, rid, hits, _first_reason(before, hits)))
+        self.tracker.touch([*r.blocks, *r.output_blocks], self.now)
+        held = r.duration if r.duration >= 0 else r.output_length * self.opts.decode_s_per_token
+        heapq.heappush(self.running, (r.timestamp + held, rid))
         self.peak = max(self.peak, len(self.running))
 
+    def _miss(self, r: "Request", rid: int, hit: int, reason: str) -> dict[str, Any]:
+        """Why request ``rid``'s block ``hit`` (its first miss) missed, and since when."""
+        out: dict[str, Any] = {"request": rid, "line": r.line, "timestamp": r.timestamp, "blocks": len(r.blocks),
+                               "hittable": r.hittable, "hit": hit, "first_miss": hit, "reason": reason}
+        if reason.startswith("evicted_"):
+            block = r.blocks[hit]
+            out["left_s_ago"] = self.now - self.tracker.left[block]
+            out["last_used_s_ago"] = self.now - self.tracker.last[block]
+        return out
+
     def prompt_of(self, r: "Request") -> Prompt:
+        """The request as the pool sees it; a recorded request with the full blocks its output
+        completed: they are allocated and computed with its prompt (never looked up)."""
         n_tokens = r.input_length if r.token_based else len(r.blocks) * self.block_size
+        if r.output_blocks:
+            keys = [b.to_bytes(8, "little") for b in (*r.blocks, *r.output_blocks)]
+            kv_tokens = max(n_tokens, r.input_length + r.output_length - 1)  # the last token's KV is never computed
+            return Prompt(keys, max(kv_tokens, len(keys) * self.block_size), r.hittable)
         return Prompt([b.to_bytes(8, "little") for b in r.blocks], n_tokens, r.hittable)
 
     def held_prefix(self, prompt: Prompt) -> int:
@@ -552,7 +594,8 @@ def _result(rp: Replayer, config: TierKVConfig, cfg: TierKVConfig, caps: dict[st
                         rp.forced, rp.peak, rp.wall_s, stats, rp.rejected, rp.rejected_max,
                         _admit_hint(config, rp.rejected_max * rp.block_size) if rp.rejected else None,
                         rp.request_hits or [], rp.tracker.lifetime, rp.tracker.idle,
-                        opts.payload_block_bytes if opts.payload else None, config.block_size)
+                        opts.payload_block_bytes if opts.payload else None, config.block_size,
+                        rp.prompt_tokens, rp.misses or [])
 
 
 def requests_of(trace: "Trace | TraceReader | Iterable[Request]") -> Iterator["Request"]:

@@ -101,7 +101,7 @@ def build_report(res: "BenchResult") -> dict[str, Any]:
     evictions = dict(rp.stats.get("evictions", {}))
     return {
         "trace": {"name": tr.name, "format": tr.format, "duration_s": round(tr.duration_s, 3),
-                  "skipped_lines": tr.skipped_lines},
+                  "skipped_lines": tr.skipped_lines, "notes": list(tr.notes)},
         "requests": tr.num_requests,
         "block_accesses": tr.num_accesses,
         "block_tokens": bs,
@@ -118,7 +118,7 @@ def build_report(res: "BenchResult") -> dict[str, Any]:
         "diagnosis": _diagnosis(rates, mrc.ideal_hit_rate, life, evictions, rp.forced_frees, _rejected(rp), rp),
         "policy": {"admission": rp.spec.admission, "promotion": rp.spec.promotion,
                    "write_through": rp.spec.write_through, "pageout_blocks": rp.spec.pageout_blocks},
-        "admission_comparison": {mode: _comparison(r) for mode, r in res.comparison.items()},
+        "admission_comparison": {mode: _comparison(r, tr.duration_s) for mode, r in res.comparison.items()},
         "replay": {"decode_s_per_token": res.options.decode_s_per_token, "payload": res.options.payload,
                    "payload_block_bytes": rp.payload_block_bytes, "forced_frees": rp.forced_frees,
                    "rejected": _rejected(rp),
@@ -126,9 +126,58 @@ def build_report(res: "BenchResult") -> dict[str, Any]:
                    **{k: dict(rp.stats.get(k, {})) for k in ("spills", "promotions", "evictions",
                                                              "dropped_spills", "corrupt_blocks")},
                    "transfer": rp.stats.get("transfer", {})},
+        "ssd_writes": ssd_writes(rp, tr.duration_s),
+        "recording": _recording(res),
+        "misses": rp.misses if res.options.explain else None,
         "timings_s": {k: round(v, 3) for k, v in res.timings_s.items()},
         "peak_rss_bytes": _peak_rss(res),
     }
+
+
+def ssd_writes(rp: "ReplayResult", duration_s: float) -> dict[str, Any]:
+    """What the SSD tier writes: bytes (blocks stored x block bytes, before compression),
+    per hour of trace time, and the drive writes per day that is for ``ssd.capacity``."""
+    written = rp.ssd_bytes_written()
+    per_hour = written * 3600 / duration_s if duration_s > 0 else None
+    cap = rp.config.ssd.capacity if rp.capacity_blocks.get("ssd") else 0
+    return {"bytes": written, "bytes_per_hour": None if per_hour is None else round(per_hour),
+            "capacity_bytes": cap,
+            "drive_writes_per_day": round(per_hour * 24 / cap, 4) if per_hour is not None and cap else None}
+
+
+def _recording(res: "BenchResult") -> dict[str, Any] | None:
+    """A recorded trace's deployment, and what the plugin measured beside what the replay
+    predicts: hit rates per tier (tokens served / prompt tokens) and SSD bytes written."""
+    tr, rp = res.trace, res.replay
+    header = tr.header or {}
+    rec = header.get("recording")
+    if not isinstance(rec, dict):
+        return None
+    out: dict[str, Any] = {"id": rec.get("id"), "sample": rec.get("sample", 1.0), "keyed": rec.get("keyed", False),
+                           "engine": (header.get("deployment") or {}).get("engine"), "notes": list(tr.notes)}
+    bs = rp.config.block_size
+    predicted = {t: rp.hit_blocks.get(t, 0) * bs / rp.prompt_tokens if rp.prompt_tokens else 0.0
+                 for t in rp.hit_blocks}
+    predicted["total"] = sum(predicted.values())
+    out["predicted"] = {"hit_rate": {k: round(v, 6) for k, v in predicted.items()},
+                        "ssd_bytes_written": rp.ssd_bytes_written()}
+    body = tr.measured
+    if body is None:
+        out["measured"] = None
+        out["why_no_measured"] = "no measured counters for the whole recording (a part is missing, or its " \
+                                 "sidecar is)"
+        return out
+    m = body["measured"]
+    tokens = m.get("queries", {}).get("tokens", 0)
+    hits = {t: m.get("hits", {}).get(t, {}).get("tokens", 0) for t in rp.hit_blocks if t in m.get("hits", {})}
+    rates = {t: v / tokens if tokens else 0.0 for t, v in hits.items()}
+    rates["total"] = sum(rates.values())
+    ssd = int(m.get("spills", {}).get("ssd", 0)) * int(m.get("block_nbytes", rp.config.block_nbytes()))
+    out["measured"] = {"hit_rate": {k: round(v, 6) for k, v in rates.items()}, "prompt_tokens": tokens,
+                       "ssd_bytes_written": ssd, "recorder": body.get("recorder", {})}
+    out["difference_pp"] = {t: round(100 * (predicted.get(t, 0.0) - rates[t]), 2) for t in rates}
+    out["ssd_bytes_ratio"] = round(rp.ssd_bytes_written() / ssd, 4) if ssd else None
+    return out
 
 
 def _peak_rss(res: "BenchResult") -> dict[str, int | None]:
@@ -144,13 +193,14 @@ def _rejected(rp: "ReplayResult") -> dict[str, Any]:
     return {"requests": rp.rejected, "largest_tokens": rp.rejected_max_blocks * bs, "admit_with": rp.admit_hint}
 
 
-def _comparison(rp: "ReplayResult") -> dict[str, Any]:
+def _comparison(rp: "ReplayResult", duration_s: float) -> dict[str, Any]:
     """One admission mode's outcome: hit rates, blocks written per tier, SSD bytes written per hit."""
     nbytes = rp.config.block_nbytes()
     stored = rp.stats.get("spills", {})
     ssd_bytes = stored.get("ssd", 0) * nbytes
     return {"hit_rate": {k: round(v, 6) for k, v in rp.hit_rate().items()},
             "hit_blocks": dict(rp.hit_blocks),
+            "ssd_writes": ssd_writes(rp, duration_s),
             "blocks_written": {t: stored.get(t, 0) for t in LOWER_TIERS},
             "ssd_bytes_written": ssd_bytes,
             "ssd_bytes_written_per_hit": round(ssd_bytes / rp.hits, 1) if rp.hits else None,
@@ -232,6 +282,65 @@ def _comparison_row(mode: str, c: dict[str, Any]) -> list[str]:
             format_size(c["ssd_bytes_written"]), "-" if per_hit is None else format_size(per_hit)]
 
 
+def _ssd_lines(w: dict[str, Any]) -> list[str]:
+    if not w["capacity_bytes"]:
+        return []
+    if w["bytes_per_hour"] is None:
+        return [f"  SSD writes: {format_size(w['bytes'])} (the trace spans no time: no rate)"]
+    return [f"  SSD writes: {format_size(w['bytes_per_hour'])} per hour of trace time (before compression), "
+            f"{w['drive_writes_per_day']:.3g} drive writes per day of the {format_size(w['capacity_bytes'])} SSD tier"]
+
+
+def _recording_lines(rec: dict[str, Any], bs: int) -> list[str]:
+    eng = rec.get("engine") or {}
+    what = f"{eng.get('name', '?')} {eng.get('version', '')}".strip()
+    out = [f"Recording {rec['id']} (served by {what}; "
+           + ("hashes keyed with a secret" if rec.get("keyed") else "hashes not keyed") + ")"]
+    if rec.get("sample", 1.0) < 1.0:
+        out.append(f"  Sampled at {rec['sample']:g} of the requests: the replay sees only those, so its hit rates "
+                   "are not comparable with what the plugin measured over all of them.")
+        return out
+    m = rec.get("measured")
+    if m is None:
+        out.append(f"  Measured by the plugin: none ({rec['why_no_measured']}).")
+        return out
+    pred = rec["predicted"]["hit_rate"]
+    rows = [[t.upper() if t != "total" else "total", _pct(m["hit_rate"][t]), _pct(pred.get(t, 0.0)),
+             f"{rec['difference_pp'][t]:+.1f}"] for t in m["hit_rate"]]
+    out += ["  Hit rates: prompt tokens served per tier / prompt tokens"]
+    out += _table(["tier", "measured by the plugin", "predicted by this replay", "difference (points)"], rows)
+    ratio = rec.get("ssd_bytes_ratio")
+    out.append(f"  SSD bytes written: {format_size(m['ssd_bytes_written'])} measured, "
+               f"{format_size(rec['predicted']['ssd_bytes_written'])} predicted"
+               + (f" ({ratio:.3f}x)" if ratio is not None else ""))
+    rc = m.get("recorder") or {}
+    if rc.get("dropped") or rc.get("unfinished"):
+        out.append(f"  The recorder left out {rc.get('dropped', 0):,} requests (its queue was full) and "
+                   f"{rc.get('unfinished', 0):,} still running at shutdown.")
+    return out
+
+
+_MISS_TEXT = {"new": "never seen before", "evicted_gpu": "evicted from the GPU pool",
+              "evicted_cpu": "evicted from the CPU tier", "evicted_ssd": "evicted from the SSD tier",
+              "rejected": "rejected: larger than the GPU pool", "other": "cached, yet not served",
+              "last_token": "last prompt block"}
+
+
+def _miss_lines(misses: list[dict[str, Any]], limit: int = 20) -> list[str]:
+    """Each request's first missed block (``--explain``; all of them in ``--json``)."""
+    out = [f"First miss per request (--explain): {plural(len(misses), 'request')} missed a block they could have "
+           "hit" + (f"; the first {limit}" if len(misses) > limit else "")]
+    rows = []
+    for m in misses[:limit]:
+        why = _MISS_TEXT.get(m["reason"], m["reason"])
+        if "left_s_ago" in m:
+            why += f" {format_seconds(m['left_s_ago'])} s before (last used {format_seconds(m['last_used_s_ago'])} s before)"
+        rows.append([f"{m['request']:,}", f"{m['line']:,}" if m["line"] else "-", format_seconds(m["timestamp"]),
+                     f"{m['hit']}/{m['hittable']}", why])
+    out += _table(["request", "line", "arrival (s)", "hit / could hit", "first miss: why"], rows)
+    return out
+
+
 def render_text(r: dict[str, Any]) -> str:
     """The terminal report."""
     tr = r["trace"]
@@ -240,8 +349,14 @@ def render_text(r: dict[str, Any]) -> str:
            f"{r['distinct_blocks']:,} distinct blocks"
            + (f", {plural(tr['skipped_lines'], 'bad line')} skipped" if tr["skipped_lines"] else ""),
            f"  hit rate = {HIT_RATE_DEFINITION}", ""]
+    notes = (r.get("recording") or {}).get("notes") or r["trace"].get("notes") or []
+    if notes:
+        out += ["Skipped while reading"] + [f"  {n}" for n in notes] + [""]
     out += ["Hit rate by tier"]
     out += _table(["tier", "blocks", "tokens", "bytes", "hit rate", "hits"], _tier_rows(r))
+    out += _ssd_lines(r["ssd_writes"])
+    if r.get("recording"):
+        out += ["", *_recording_lines(r["recording"], r["block_tokens"])]
     own = r["capacity"].get("config_block_tokens", r["block_tokens"])
     if own != r["block_tokens"]:
         gpu = r["capacity"]["gpu"]["tokens"]
@@ -272,6 +387,8 @@ def render_text(r: dict[str, Any]) -> str:
         out += ["", "Admission modes (the same trace and capacities)"]
         out += _table(["admission", "GPU", "CPU", "SSD", "total", "SSD writes", "SSD writes per hit (any tier)"],
                       [_comparison_row(m, c) for m, c in r["admission_comparison"].items()])
+    if r.get("misses") is not None:
+        out += ["", *_miss_lines(r["misses"])]
     rp = r["replay"]
     pol = r["policy"]
     out += ["", f"Policy: {pol['admission']} admission, {pol['promotion']} promotion, write-through "

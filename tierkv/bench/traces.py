@@ -91,6 +91,8 @@ class Request:
     hittable: int
     line: int = 0
     token_based: bool = False
+    output_blocks: list[int] = field(default_factory=list)  # full blocks its output completed (recordings)
+    duration: float = -1.0  # seconds from arrival to finish when recorded (< 0: unknown)
 
 
 @dataclass
@@ -109,6 +111,9 @@ class TraceInfo:
     last_timestamp: float = 0.0
     skipped_lines: int = 0
     first_skipped: str | None = None
+    header: dict[str, Any] | None = None     # the tierkv header (a recording's: its deployment)
+    notes: list[str] = field(default_factory=list)  # what was skipped and why (files, a cut-off line)
+    measured: dict[str, Any] | None = None   # a whole recording's measured counters (its sidecar)
 
     @property
     def duration_s(self) -> float:
@@ -132,6 +137,9 @@ class Trace:
     token_based: bool = False
     skipped_lines: int = 0
     first_skipped: str | None = None
+    header: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    measured: dict[str, Any] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -151,7 +159,7 @@ class Trace:
         return TraceInfo(self.name, self.format, self.block_size, len(reqs), self.num_accesses,
                          self.num_distinct_blocks, self.id_bound, self.token_based,
                          reqs[0].timestamp if reqs else 0.0, reqs[-1].timestamp if reqs else 0.0,
-                         self.skipped_lines, self.first_skipped)
+                         self.skipped_lines, self.first_skipped, self.header, list(self.notes), self.measured)
 
 
 def detect_format(record: Any) -> str | None:
@@ -262,9 +270,12 @@ class TraceBuilder:
                        "(the trace must be sorted by arrival time)")
 
     def add_ids(self, ts: float, raw_ids: list[Any], input_length: int, output_length: int,
-                line: int = 0, namespace: Any = None) -> None:
-        """A request given by block hash ids (equal id = same prefix block)."""
+                line: int = 0, namespace: Any = None, output_ids: list[Any] = (),  # type: ignore[assignment]
+                duration: float = -1.0, hittable: int | None = None) -> None:
+        """A request given by block hash ids (equal id = same prefix block); ``output_ids``:
+        the full blocks its output completed, continuing the chain."""
         self.check_time(ts)
+        raw_ids = [*raw_ids, *output_ids]
         if namespace is not None:
             raw_ids = [(namespace, h) for h in raw_ids]
         if len(set(raw_ids)) != len(raw_ids):  # before interning: a bad line adds no blocks
@@ -275,7 +286,12 @@ class TraceBuilder:
             for i, b in enumerate(blocks):
                 if b is None:
                     blocks[i] = ids[raw_ids[i]] = len(ids)
-        self._append(Request(ts, blocks, input_length, output_length, len(blocks), line))
+        n = len(blocks) - len(output_ids)
+        prompt, out = blocks[:n], blocks[n:]
+        if hittable is not None:
+            self.token_based = True
+        self._append(Request(ts, prompt, input_length, output_length, n if hittable is None else hittable, line,
+                             hittable is not None, out, duration))
 
     def add_tokens(self, ts: float, tokens: list[int], output_length: int, line: int = 0,
                    namespace: Any = None) -> None:
@@ -323,15 +339,17 @@ class TraceBuilder:
         if self.keep:
             self.requests.append(req)
 
-    def info(self, skipped: int = 0, first_skipped: str | None = None) -> TraceInfo:
+    def info(self, skipped: int = 0, first_skipped: str | None = None, source: "_Loader | None" = None) -> TraceInfo:
         n = len(self.ids)
+        extra = (source.header_rec, list(source.notes), source.measured) if source is not None else (None, [], None)
         return TraceInfo(self.name, self.format, self.block_size, self.num_requests, self.num_accesses, n, n,
-                         self.token_based, self._first_ts, self._last_ts, skipped, first_skipped)
+                         self.token_based, self._first_ts, self._last_ts, skipped, first_skipped, *extra)
 
-    def build(self, skipped: int = 0, first_skipped: str | None = None) -> Trace:
+    def build(self, skipped: int = 0, first_skipped: str | None = None, source: "_Loader | None" = None) -> Trace:
         n = len(self.ids)
+        extra = (source.header_rec, list(source.notes), source.measured) if source is not None else (None, [], None)
         return Trace(self.name, self.format, self.block_size, self.requests, n, n, self.token_based, skipped,
-                     first_skipped)
+                     first_skipped, *extra)
 
 
 def _token_key(tokens: list[int]) -> bytes | tuple[int, ...]:
@@ -367,6 +385,15 @@ def _add_tierkv(b: TraceBuilder, rec: dict[str, Any], line: int) -> None:
         if not tokens:
             raise _Bad("'token_ids' is empty")
         b.add_tokens(ts, tokens, out, line, ns)
+    elif "output_block_hashes" in rec:  # a recorded request (tierkv.recorder): the plugin's rules
+        ids = _id_list(rec, "block_hashes")
+        n = _count(rec, "input_length", len(ids) * b.block_size)
+        if n // b.block_size != len(ids):
+            raise _Bad(f"'input_length' {n} holds {n // b.block_size} full blocks of {b.block_size} tokens, "
+                       f"but 'block_hashes' names {len(ids)}")
+        duration = _number(rec, "duration", required=False, default=-1.0)
+        b.add_ids(ts, ids, n, out, line, ns, _id_list(rec, "output_block_hashes"), duration,
+                  hittable=min(len(ids), max(n - 1, 0) // b.block_size))
     elif "block_hashes" in rec:
         ids = _id_list(rec, "block_hashes")
         b.add_ids(ts, ids, _hashed_length(rec, ids, b.block_size), out, line, ns)
@@ -421,6 +448,9 @@ class _Loader:
     bytes_read: int = 0
     progress: Callable[[int, int], None] | None = field(default=None)
     _reported: tuple[int, int] = (0, 0)
+    header_rec: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    measured: dict[str, Any] | None = None
 
     def fail(self, line: int, msg: str) -> None:
         where = f"{self.path}:{line}: {msg}"
@@ -459,6 +489,7 @@ class _Loader:
             raise TraceError(f"{self.path}:{line}: --format {self.fmt}, but this is a tierkv trace; "
                              "drop --format (detected) or pass --format tierkv")
         self.fmt = "tierkv"
+        self.header_rec = rec
         bs = rec.get("block_size")
         if bs is None:
             return
@@ -478,13 +509,17 @@ class _Loader:
                 return
             if not isinstance(rec, dict):
                 raise _Bad(f"expected a JSON object, got {type(rec).__name__}")
-            if self.builder is None and HEADER_KEY in rec:
+            if HEADER_KEY in rec and (self.builder is None or line == 1):  # a later part's header too
                 self.header(rec, line)
                 return
             b = self.builder or self.start(rec, line)
             if b is not None:
                 _ADDERS[b.format](b, rec, line)
         except _Bad as e:
+            if not raw.endswith(b"\n"):  # the last line, cut off: the writer was killed mid-line
+                self.notes.append(f"{self.path}:{line}: the last line is cut off (the writer stopped while "
+                                  "writing it): skipped")
+                return
             self.fail(line, str(e))
         except _TooManyBlocks as e:
             raise TraceError(f"{self.path}:{line}: {e}") from None
@@ -534,26 +569,42 @@ class _Loader:
                 yield req
 
     def requests(self) -> Iterator[Request]:
-        """Open the file and yield its requests; an empty trace is a :class:`TraceError` at the end."""
-        try:
-            fh = open(self.path, "rb", buffering=1 << 20)
-        except FileNotFoundError:
-            raise TraceError(f"{self.path}: trace file not found") from None
-        except OSError as e:
-            raise TraceError(f"{self.path}: cannot read trace: {e.strerror}") from None
-        with fh:
-            yield from self.read(fh)
+        """Open the file (every part of a recording, for a directory) and yield its requests;
+        an empty trace is a :class:`TraceError` at the end."""
+        root = self.path
+        if root.is_dir():
+            from tierkv.bench.recording import recording_parts
+
+            files, self.notes, measured = recording_parts(root)
+        else:
+            files, measured = [root], None
+        for path in files:
+            self.path, self.lines = path, 0
+            try:
+                fh = open(path, "rb", buffering=1 << 20)
+            except FileNotFoundError:
+                raise TraceError(f"{path}: trace file not found") from None
+            except OSError as e:
+                raise TraceError(f"{path}: cannot read trace: {e.strerror}") from None
+            with fh:
+                yield from self.read(fh)
         if self.progress is not None:
             self.progress(self.lines, self.bytes_read)
         if self.builder is None or not self.builder.num_requests:
             why = f" ({plural(self.skipped, 'bad line')} skipped)" if self.skipped else ""
             raise TraceError(f"{self.path}:{self.lines}: empty trace: no requests{why}")
+        if not root.is_dir():
+            from tierkv.bench.recording import measured_of
+
+            measured = measured_of(files[0], self.header_rec)
+        self.measured = measured
+        self.path = root
 
     def info(self) -> TraceInfo:
         if self.builder is None:
             return TraceInfo(self.path.name, self.fmt, self.block_size or 0, skipped_lines=self.skipped,
-                             first_skipped=self.first_skipped)
-        return self.builder.info(self.skipped, self.first_skipped)
+                             first_skipped=self.first_skipped, header=self.header_rec, notes=list(self.notes))
+        return self.builder.info(self.skipped, self.first_skipped, self)
 
 
 def _check_block_size(block_size: int | None) -> None:
@@ -620,4 +671,4 @@ def load_trace(path: str | Path, fmt: str = "auto", *, block_size: int | None = 
     for _ in loader.requests():
         pass
     assert loader.builder is not None
-    return loader.builder.build(loader.skipped, loader.first_skipped)
+    return loader.builder.build(loader.skipped, loader.first_skipped, loader)

