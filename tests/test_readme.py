@@ -62,6 +62,8 @@ SUBSTITUTIONS = (  # (as written, as run here, why)
      "conversation_trace.jsonl", "cp @data@/small_mooncake.jsonl conversation_trace.jsonl",
      "no network: a few requests in the same format"),
     ("my_trace.jsonl", "@data@/small_tierkv.jsonl", "the reader's own trace"),
+    ("/var/lib/tierkv-recordings", "@data@/recording", "a recording the plugin made under vLLM's scheduler "
+     "(tests/test_recorder_vllm.py's workload)"),
     ("tierkv ssd stats /data/tierkv", "python @repo@/tests/ssd_helper.py write @tmp@/ssd-tier 20 1 && "
      "tierkv ssd stats @tmp@/ssd-tier", "a tier to look at: the reader's own, here one of 20 blocks written first"),
     ("tierkv ssd verify /data/tierkv", "tierkv ssd verify @tmp@/ssd-tier", "the same tier"),

@@ -48,11 +48,14 @@ def chats(users: int, turns: int, seed: int = 0) -> list[tuple[int, list[int]]]:
             for _ in range(users * turns)]
 
 
-def serve(model: str, tmp: Path, cpu_blocks: int, name: str, *, secret: str | None = None) -> Path:
-    """Run the chats through vLLM's scheduler with the recorder on; return the recording's directory."""
+def serve(model: str, tmp: Path, cpu_blocks: int, name: str, *, secret: str | None = None,
+          trace_path: Path | None = None, hits: dict[str, Any] | None = None) -> Path:
+    """Run the chats through vLLM's scheduler with the recorder on (into ``trace_path``,
+    default ``tmp/name``); return the recording's directory. ``hits``: filled with what
+    the plugin counted."""
     system = [random.Random(1).randrange(2, 500) for _ in range(3 * BS)]
     extra: dict[str, Any] = {"cpu.capacity": cpu_blocks * NBYTES, "ssd.path": str(tmp / f"ssd-{name}"),
-                             "ssd.capacity": "4MiB", "trace.path": str(tmp / name)}
+                             "ssd.capacity": "4MiB", "trace.path": str(trace_path or tmp / name)}
     if secret:
         extra["trace.secret"] = secret
     h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=48, kv_connector_extra_config=extra,
@@ -63,6 +66,8 @@ def serve(model: str, tmp: Path, cpu_blocks: int, name: str, *, secret: str | No
             prompt = convo.get(user, system) + words
             h.run_group([(f"{name}-{i}", prompt)], max_tokens=OUT)
             convo[user] = prompt + [SAMPLED_TOKEN] * OUT
+        if hits is not None:
+            hits.update(h.connector._scheduler.stats()["hits"])  # type: ignore[union-attr]
     finally:
         h.close()  # the scheduler's shutdown: the recorder writes its last measurements
     return tmp / name
@@ -108,3 +113,16 @@ def test_the_recording_holds_no_tokens_and_a_secret_changes_every_hash(model: st
     assert hashes[plain] and not hashes[plain] & hashes[keyed]
     # keyed or not, the replay sees the same reuse
     assert bench("--trace", str(plain))["hit_rate"] == bench("--trace", str(keyed))["hit_rate"]
+
+
+def test_an_unwritable_recording_directory_changes_nothing_served(model: str, tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    recorded: dict[str, Any] = {}
+    broken: dict[str, Any] = {}
+    serve(model, tmp_path, 40, "ok", hits=recorded)
+    with caplog.at_level("WARNING", logger="tierkv.recorder"):
+        serve(model, tmp_path, 40, "broken", trace_path=tmp_path / "a-file" / "rec", hits=broken)
+    assert broken == recorded and recorded["cpu"]["blocks"] > 0
+    stops = [r for r in caplog.records if "request recording stopped" in r.getMessage()]
+    assert len(stops) == 1 and "a-file" in stops[0].getMessage()

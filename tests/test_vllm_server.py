@@ -289,20 +289,24 @@ def _until(what: str, check: Callable[[], Any], deadline_s: float, tail: Callabl
 class Server:
     """One ``python -m vllm.entrypoints.openai.api_server`` process group."""
 
-    def __init__(self, model: str, tmp: Path) -> None:
+    def __init__(self, model: str, tmp: Path, *, extra: dict[str, Any] | None = None,
+                 gpu_blocks: int = GPU_BLOCKS) -> None:
+        """``extra``: tierkv's config (default: this file's small tiers and tierkv's own
+        metrics endpoint); ``gpu_blocks``: vLLM's KV pool, in blocks of BLOCK tokens."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "server.log"
         self.ssd = tmp / "ssd"
         self.metrics_port = _free_port()  # tierkv's own endpoint (the lifecycle histograms), in the engine core
-        extra = {"cpu.capacity": CPU_SLOTS * BLOCK_BYTES, "ssd.path": str(self.ssd), "ssd.capacity": "64MiB",
-                 "metrics.port": self.metrics_port, "metrics.host": "127.0.0.1"}
+        if extra is None:
+            extra = {"cpu.capacity": CPU_SLOTS * BLOCK_BYTES, "ssd.path": str(self.ssd), "ssd.capacity": "64MiB",
+                     "metrics.port": self.metrics_port, "metrics.host": "127.0.0.1"}
         kv_transfer = {"kv_connector": "TierKVConnector", "kv_role": "kv_both",
                        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                     "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
                     "--dtype", "float32", "--block-size", str(BLOCK), "--enforce-eager", "--seed", "0",
-                    "--max-model-len", "1024", "--kv-cache-memory-bytes", str(GPU_BLOCKS * BLOCK_BYTES),
+                    "--max-model-len", "1024", "--kv-cache-memory-bytes", str(gpu_blocks * BLOCK_BYTES),
                     "--enable-prompt-tokens-details", "--shutdown-timeout", "10",
                     "--kv-transfer-config", json.dumps(kv_transfer)]
         env = dict(os.environ)

@@ -137,25 +137,31 @@ class StackPass:
 
 
 class RequestBatch:
-    """Requests gathered as flat arrays: block ids, and per request its length, hittable prefix, time."""
+    """Requests gathered as flat arrays: block ids (each request's prompt blocks, then the
+    blocks its output completed, if recorded), and per request its prompt length,
+    hittable prefix, time and output blocks."""
 
-    __slots__ = ("ids", "lens", "hittable", "times")
+    __slots__ = ("ids", "lens", "hittable", "times", "outs")
 
     def __init__(self) -> None:
         self.ids, self.lens, self.hittable, self.times = array("q"), array("q"), array("q"), array("d")
+        self.outs = array("q")
 
     def add(self, r: "Request") -> None:
         self.ids.extend(r.blocks)
+        self.ids.extend(r.output_blocks)
         self.lens.append(len(r.blocks))
         self.hittable.append(r.hittable)
         self.times.append(r.timestamp)
+        self.outs.append(len(r.output_blocks))
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    def arrays(self) -> tuple[bytes, bytes, bytes, bytes]:
-        """The raw bytes of the four arrays (what a pipe carries)."""
-        return self.ids.tobytes(), self.lens.tobytes(), self.hittable.tobytes(), self.times.tobytes()
+    def arrays(self) -> tuple[bytes, bytes, bytes, bytes, bytes]:
+        """The raw bytes of the five arrays (what a pipe carries)."""
+        return (self.ids.tobytes(), self.lens.tobytes(), self.hittable.tobytes(), self.times.tobytes(),
+                self.outs.tobytes())
 
 
 class CurvePass:
@@ -175,8 +181,10 @@ class CurvePass:
     def add(self, batch: RequestBatch) -> None:
         self.add_arrays(*batch.arrays())
 
-    def add_arrays(self, ids_b: bytes, lens_b: bytes, hit_b: bytes, times_b: bytes) -> None:
-        """One batch of whole requests (raw int64/int64/int64/float64 bytes, see :class:`RequestBatch`)."""
+    def add_arrays(self, ids_b: bytes, lens_b: bytes, hit_b: bytes, times_b: bytes, outs_b: bytes) -> None:
+        """One batch of whole requests (raw int64 x3 / float64 / int64 bytes, see :class:`RequestBatch`).
+        A request's output blocks enter the cache (they are accessed) but are no lookups:
+        never hits, not counted among the accesses."""
         import time
 
         import numpy as np
@@ -185,11 +193,12 @@ class CurvePass:
         ids = np.frombuffer(ids_b, dtype=np.int64)
         if ids.size:
             lens, hittable = np.frombuffer(lens_b, dtype=np.int64), np.frombuffer(hit_b, dtype=np.int64)
-            times = np.repeat(np.frombuffer(times_b, dtype=np.float64), lens)
+            spans = lens + np.frombuffer(outs_b, dtype=np.int64)
+            times = np.repeat(np.frombuffer(times_b, dtype=np.float64), spans)
             dist = np.asarray(self.stack.feed(ids.tolist()), dtype=np.int64)
-            self._count(_effective(dist, lens, hittable))
+            self._count(_effective(dist, spans, hittable))  # output positions lie past the hittable prefix
             self._gaps(ids, times)
-            self.accesses += ids.size
+            self.accesses += int(lens.sum())
         self.seconds += time.perf_counter() - t0
 
     def _count(self, eff: "np.ndarray") -> None:
