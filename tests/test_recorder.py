@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tierkv.bench.deployment import recorded_config, recorded_deployment
-from tierkv.bench.traces import TraceError, TraceReader, load_trace
+from tierkv.bench.traces import TRACE_VERSION, TraceError, TraceReader, load_trace
 from tierkv.config import TierKVConfig, TraceConfig
 from tierkv.recorder import RecordedRequest, TraceRecorder, rekey
 
@@ -64,7 +64,7 @@ def test_records_leave_in_admission_order_and_hold_no_tokens(tmp_path: Path) -> 
     rec.measured({"hits": {"gpu": {"tokens": 16, "blocks": 1}}})
     rec.close()
     header, *reqs = _lines(tmp_path / "rec")
-    assert header["tierkv_trace"] == 1 and header["block_size"] == BS
+    assert header["tierkv_trace"] == TRACE_VERSION and header["block_size"] == BS
     assert header["recording"]["part"] == 0 and header["recording"]["id"] == rec.id
     assert header["deployment"]["capacity_blocks"] == {"gpu": 40, "cpu": 256, "ssd": 1900}
     config = header["deployment"]["config"]

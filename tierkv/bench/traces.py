@@ -10,7 +10,9 @@ order). Formats (one JSON object per line):
 ``qwen`` (Qwen-Bailian usage traces)
     ``chat_id``, ``parent_chat_id``, ``timestamp`` (s), ``input_length``,
     ``output_length``, ``type``, ``turn``, ``hash_ids`` (16-token blocks).
-``tierkv`` (format version :data:`TRACE_VERSION`; the README documents it)
+``tierkv`` (format version :data:`TRACE_VERSION`; the README documents it; recordings of the
+    plugin's recorder add ``recording`` and ``deployment`` to the header and
+    ``output_block_hashes`` and ``duration`` to each request)
     an optional first line, the header: ``tierkv_trace`` (the format version)
     and optionally ``block_size`` (tokens per block of the ``block_hashes``);
     other header keys are ignored. Then per request: ``timestamp`` (s), and
@@ -52,7 +54,8 @@ __all__ = ["TRACE_VERSION", "HEADER_KEY", "FORMATS", "DistinctLimit", "Request",
            "TraceError", "TraceInfo", "TraceReader", "detect_format", "load_trace"]
 
 FORMATS = ("mooncake", "qwen", "tierkv")
-TRACE_VERSION = 1           # the tierkv format's version this reader reads (and anything older)
+TRACE_VERSION = 2           # the tierkv format's version this reader reads (and anything older);
+                            # 2 added the recorder's keys (recording, deployment, output_block_hashes, duration)
 HEADER_KEY = "tierkv_trace"  # the tierkv format's header line: {"tierkv_trace": 1, "block_size": 16}
 _ALIASES = {"qwen-bailian": "qwen", "bailian": "qwen"}
 DEFAULT_BLOCK_SIZE = {"mooncake": 512, "qwen": 16}
