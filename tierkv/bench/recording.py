@@ -25,8 +25,8 @@ from tierkv.recorder import MEASURED_SUFFIX
 __all__ = ["recording_parts", "measured_of", "trace_header"]
 
 
-def _header(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """A file's recording header, or None and why it is not a recording part."""
+def _first_header(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The tierkv header a file starts with, or None and why it has none."""
     try:
         with open(path, "rb") as fh:
             first = fh.readline(1 << 20)
@@ -35,9 +35,17 @@ def _header(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     try:
         rec = json.loads(first.decode("utf-8-sig"))
     except (UnicodeDecodeError, ValueError, RecursionError):
-        return None, "does not start with a tierkv header"
+        rec = None
     if not isinstance(rec, dict) or HEADER_KEY not in rec:
         return None, "does not start with a tierkv header"
+    return rec, None
+
+
+def _header(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """A file's recording header, or None and why it is not a recording part."""
+    rec, why = _first_header(path)
+    if rec is None:
+        return None, why
     version = rec[HEADER_KEY]
     if type(version) is not int or version > TRACE_VERSION:
         return None, f"is written in tierkv trace format {version!r}; this tierkv reads {TRACE_VERSION} and older"
@@ -116,12 +124,4 @@ def trace_header(path: Path) -> dict[str, Any] | None:
         path = files[0]
     elif not path.is_file():  # a pipe or FIFO is read once, by the analysis
         return None
-    rec, _ = _header(path)
-    if rec is not None:
-        return rec
-    try:
-        with open(path, "rb") as fh:
-            first = json.loads(fh.readline(1 << 20).decode("utf-8-sig"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    return first if isinstance(first, dict) and HEADER_KEY in first else None
+    return _first_header(path)[0]

@@ -344,15 +344,19 @@ class TraceBuilder:
 
     def info(self, skipped: int = 0, first_skipped: str | None = None, source: "_Loader | None" = None) -> TraceInfo:
         n = len(self.ids)
-        extra = (source.header_rec, list(source.notes), source.measured) if source is not None else (None, [], None)
         return TraceInfo(self.name, self.format, self.block_size, self.num_requests, self.num_accesses, n, n,
-                         self.token_based, self._first_ts, self._last_ts, skipped, first_skipped, *extra)
+                         self.token_based, self._first_ts, self._last_ts, skipped, first_skipped, *_read_by(source))
 
     def build(self, skipped: int = 0, first_skipped: str | None = None, source: "_Loader | None" = None) -> Trace:
         n = len(self.ids)
-        extra = (source.header_rec, list(source.notes), source.measured) if source is not None else (None, [], None)
         return Trace(self.name, self.format, self.block_size, self.requests, n, n, self.token_based, skipped,
-                     first_skipped, *extra)
+                     first_skipped, *_read_by(source))
+
+
+def _read_by(source: "_Loader | None") -> tuple[dict[str, Any] | None, list[str], dict[str, Any] | None]:
+    """What a loader found beside the requests: the header, notes on what it skipped, the
+    recording's measured counters."""
+    return (source.header_rec, list(source.notes), source.measured) if source is not None else (None, [], None)
 
 
 def _token_key(tokens: list[int]) -> bytes | tuple[int, ...]:
