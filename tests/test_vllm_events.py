@@ -44,7 +44,7 @@ def blocks(events: list[dict[str, Any]], kind: str, medium: str) -> dict[Any, di
 
 
 def all_events(result: dict[str, Any]) -> list[dict[str, Any]]:
-    return [e for step in result["steps"] for e in step["events"]]
+    return [e for step in result["steps"] for e in step.get("events", [])]
 
 
 def engine(model: str, tmp_path: Path, ssd_capacity: str, tick: list[int]) -> tuple[dict[str, Any], list[dict]]:
@@ -86,8 +86,13 @@ def test_events_carry_vllm_hashes_and_tokens_and_survive_a_restart(model: str, t
 
     # A new process: nothing on the GPU or in DRAM; what the SSD tier holds is announced
     # at once, with its tokens and the hashes vLLM gives these blocks, parents first
-    spec["steps"] = [{"prompts": [TICKS[1]]}]
-    again = all_events(run_in_subprocess(spec))
+    # The router here connects only after the engine's first step, the one that announced
+    # them: it gets them from the publisher's replay buffer, as a router started late would
+    spec["steps"] = [{"prompts": [TICKS[1]]}, {"prompts": [TICKS[2]]}]
+    spec["events_from_step"] = 1
+    result = run_in_subprocess(spec)
+    assert result["events_replayed"] >= 1
+    again = all_events(result)
     announced = blocks(again, "BlockStored", "STORAGE")
     # (and the blocks whose stores completed only at shutdown, after the last step's events;
     # beside them, this run's own block is stored as in any run)

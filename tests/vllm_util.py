@@ -131,15 +131,21 @@ def _make_llm(spec: dict[str, Any]) -> Any:
         from vllm.config import KVEventsConfig
 
         kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                                    endpoint=spec["kv_events"], topic="kv")
+                                                    endpoint=spec["kv_events"], topic="kv",
+                                                    replay_endpoint=spec["kv_events"] + "-replay")
     return LLM(**kwargs)
 
 
 class EventSubscriber:
     """A router's view of the engine's KV-cache events: a ZMQ SUB socket on ``endpoint``,
-    batches decoded with vLLM's own decoder, kept as plain dicts (``type`` and the fields)."""
+    batches decoded with vLLM's own decoder, kept as plain dicts (``type`` and the fields).
 
-    def __init__(self, endpoint: str) -> None:
+    As a router must, it orders batches by their sequence number and fetches the ones it
+    missed from the publisher's replay socket (``replay_endpoint``): a SUB socket receives
+    nothing published before its subscription reached the publisher, which binds only
+    once the engine starts, so the first batches of a fast engine can go past it."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str) -> None:
         import threading
 
         import zmq
@@ -148,36 +154,83 @@ class EventSubscriber:
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.connect(endpoint)
-        self.events: list[dict[str, Any]] = []
+        self._replay_endpoint = replay_endpoint
+        self._batches: dict[int, list[dict[str, Any]]] = {}  # by sequence number
+        self._next = 0  # the first sequence number not handed out yet
+        self.replayed = 0  # batches fetched from the replay socket
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _decode(self, seq: bytes, payload: bytes) -> tuple[int, list[dict[str, Any]]]:
         import msgspec
-        import zmq
         from vllm.distributed.kv_events import KVEventBatch
 
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+        events = [{"type": type(e).__name__, **{f: getattr(e, f) for f in e.__struct_fields__}}
+                  for e in batch.events]
+        return int.from_bytes(seq, "big"), events
+
+    def _run(self) -> None:
+        import zmq
+
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
             if not poller.poll(50):
                 continue
-            frames = self._sock.recv_multipart()
-            for event in decoder.decode(frames[-1]).events:
-                fields = {f: getattr(event, f) for f in event.__struct_fields__}
-                self.events.append({"type": type(event).__name__, **fields})
+            _topic, seq, payload = self._sock.recv_multipart()
+            n, events = self._decode(seq, payload)
+            with self._lock:
+                self._batches[n] = events
+
+    def _replay(self, start: int) -> None:
+        """Every batch from ``start`` on that the publisher still buffers."""
+        import zmq
+
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.connect(self._replay_endpoint)
+        try:
+            sock.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                if not sock.poll(30_000):
+                    raise AssertionError(f"no answer from the replay socket {self._replay_endpoint}")
+                _empty, _topic, seq, payload = sock.recv_multipart()
+                if seq == ZmqEventPublisher.END_SEQ:
+                    return
+                n, events = self._decode(seq, payload)
+                with self._lock:
+                    if n not in self._batches:
+                        self._batches[n] = events
+                        self.replayed += 1
+        finally:
+            sock.close(0)
 
     def take(self, quiet_s: float = 0.5) -> list[dict[str, Any]]:
-        """The events received so far, once none arrived for ``quiet_s``."""
+        """The events of every batch received so far, in publishing order, once none arrived
+        for ``quiet_s``; batches missed before the last one received, or all of them when none
+        was received, are replayed first."""
         import time
 
         n = -1
-        while n != len(self.events):
-            n = len(self.events)
+        while n != len(self._batches):
+            n = len(self._batches)
             time.sleep(quiet_s)
-        out, self.events = self.events[:n], self.events[n:]
+        with self._lock:
+            missing = [s for s in range(self._next, max(self._batches, default=self._next))
+                       if s not in self._batches]
+            start = missing[0] if missing else (None if self._batches else self._next)
+        if start is not None:  # a gap, or nothing at all (everything may have gone past)
+            self._replay(start)
+        with self._lock:
+            top = max(self._batches, default=self._next - 1)
+            lost = [s for s in range(self._next, top + 1) if s not in self._batches]
+            assert not lost, f"event batches {lost} neither received nor replayed"
+            out = [e for s in range(self._next, top + 1) for e in self._batches.pop(s)]
+        self._next = top + 1
         return out
 
     def close(self) -> None:
@@ -242,17 +295,26 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
     """Run ``spec["steps"]`` on one engine. Each step is ``{"prompts": [[ids...]], "salt": str|None}``
     or ``{"reset": true}`` (reset vLLM's prefix cache; with ``"connector": true`` tierkv's
     tiers too). ``spec["hook_timing"]``: each step also reports ``hook_seconds``, the time
-    every engine step of it spent inside tierkv's worker-side hooks."""
+    every engine step of it spent inside tierkv's worker-side hooks. ``spec["kv_events"]``
+    (an ``ipc://`` endpoint): KV-cache events on, each step reports the ``events`` a router
+    subscribed from before the engine started received, or, with ``events_from_step: i``,
+    one that connected before step ``i`` (the batches before it come from the replay socket)."""
     import time
 
     from vllm import SamplingParams
 
     hook_steps = _time_worker_hooks() if spec.get("hook_timing") else []
-    events = EventSubscriber(spec["kv_events"]) if spec.get("kv_events") else None
+    def subscribe(at: int) -> EventSubscriber | None:  # a router connecting before step ``at``
+        if spec.get("kv_events") and at == spec.get("events_from_step", -1):
+            return EventSubscriber(spec["kv_events"], spec["kv_events"] + "-replay")
+        return None
+
+    events = subscribe(-1)
     llm = _make_llm(spec)
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, logprobs=0)
     results: list[Any] = []
-    for step in spec["steps"]:
+    for i, step in enumerate(spec["steps"]):
+        events = events or subscribe(i)
         if step.get("reset"):
             ok = llm.reset_prefix_cache(reset_connector=bool(step.get("connector")))
             results.append({"reset": bool(ok)})
@@ -281,9 +343,10 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
             "hook_seconds": list(hook_steps),
             **({"events": _jsonable(events.take())} if events is not None else {}),
         })
+    replayed = events.replayed if events is not None else 0
     if events is not None:
         events.close()
-    return {"steps": results, "pid": os.getpid(), "engine_pids": _worker_pids(llm),
+    return {"steps": results, "events_replayed": replayed, "pid": os.getpid(), "engine_pids": _worker_pids(llm),
             "num_gpu_blocks": _num_gpu_blocks(llm),
             "executor": llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
             "threads": [dict(t) for t in llm.collective_rpc(_thread_binding)]}
