@@ -301,6 +301,12 @@ def test_generate_names_a_bad_prompt_file_line(model_dir: Path, tmp_path: Path, 
     assert re.search(message, err), err
 
 
+def test_generate_names_a_missing_prompt_file(model_dir: Path, tmp_path: Path) -> None:
+    code, out, err = _cli("generate", "--model", str(model_dir), "--prompt-file", str(tmp_path / "none.jsonl"))
+    assert code == 2 and "Traceback" not in err
+    assert f"--prompt-file: {tmp_path / 'none.jsonl'}: No such file or directory" in err, err
+
+
 def test_generate_refuses_a_model_that_is_not_llama_family(tmp_path: Path) -> None:
     ckpt = _write_config(tmp_path / "gemma", model_type="gemma3_text")
     (tmp_path / "p.jsonl").write_text("[1, 2, 3]\n")

@@ -25,6 +25,8 @@ def read_prompts(path: str | Path, model_dir: str | Path) -> list[list[int]]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
         raise ConfigError(f"--prompt-file: {path}: not UTF-8 text") from None
+    except OSError as e:
+        raise ConfigError(f"--prompt-file: {path}: {e.strerror or e}") from None
     prompts: list[list[int]] = []
     tokenizer: Any = None
     for number, line in enumerate(lines, start=1):
