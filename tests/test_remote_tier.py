@@ -93,14 +93,17 @@ def test_garbage_truncated_and_misplaced_values_are_misses(server) -> None:
     raw.set(t.key(keys[1]), good[:-100])                                # truncated
     raw.set(t.key(keys[2]), good)                                       # another key's value
     raw.set(t.key(keys[3]), encode(t.key(keys[3]), rows[3][:NB // 2].tobytes(), codec))  # another block size
-    for i in range(4):
+    # the writer thread is held off (its condition is held here) until flush waits: flush must
+    # wait for the deletes the reads queued, not only for puts
+    with t._cond:
+        for i in range(4):
+            out = np.zeros((1, NB), np.uint8)
+            assert t.get_into([keys[i]], out) == 0, i
         out = np.zeros((1, NB), np.uint8)
-        assert t.get_into([keys[i]], out) == 0, i
-    out = np.zeros((1, NB), np.uint8)
-    assert t.get_into([keys[4]], out) == 1 and np.array_equal(out[0], rows[4])
-    assert t.stats()["corrupt"] == 4
-    assert t.flush(5)
-    assert all(raw.get(t.key(k)) is None for k in keys[:4])  # deleted, so a good value can be stored again
+        assert t.get_into([keys[4]], out) == 1 and np.array_equal(out[0], rows[4])
+        assert t.stats()["corrupt"] == 4
+        assert t.flush(5)
+        assert all(raw.get(t.key(k)) is None for k in keys[:4])  # deleted, so a good value can be stored again
     t.close()
 
 

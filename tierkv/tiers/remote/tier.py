@@ -205,9 +205,10 @@ class RemoteTier:
                 self.count("corrupt")
                 self._log_once("corrupt", "remote tier: a value under tierkv's prefix does not verify (%s); "
                                "counted as a miss and deleted", exc)
-                with self._cond:
-                    self._deletes.append(nskey)
-                    self._cond.notify()
+                if self._writer is not None:  # a probing-only tier sends nothing
+                    with self._cond:
+                        self._deletes.append(nskey)
+                        self._cond.notify()
                 return i
             self.count("bytes_read", len(value))
         return len(values)
@@ -286,10 +287,11 @@ class RemoteTier:
         return True
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued put was sent (or dropped); False on timeout."""
+        """Wait until every queued put, and every delete of a value that did not verify, was
+        sent (or dropped); False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._writing:
+            while self._queue or self._deletes or self._writing:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
