@@ -78,10 +78,14 @@ class Series:
 
 SERIES: tuple[Series, ...] = (
     # scheduler side (engine-core process)
-    Series("prefix_cache_queries", "Prompt tokens of requests looked up by tierkv (vLLM's GPU hits included)"),
+    Series("prefix_cache_queries", "Prompt tokens of requests looked up by tierkv (vLLM's GPU hits included; "
+           "requests resumed after a preemption are counted apart, as vLLM counts its own)"),
     Series("prefix_cache_queries_blocks", "Prompt blocks of requests looked up by tierkv"),
     Series("prefix_cache_hits", "Prompt tokens loaded from a tier below the GPU", "tier", LOWER_TIERS),
     Series("prefix_cache_hits_blocks", "Prompt blocks loaded from a tier below the GPU", "tier", LOWER_TIERS),
+    Series("prefix_cache_preempted_queries", "Tokens of requests looked up again after a preemption"),
+    Series("prefix_cache_preempted_hits", "Tokens of requests resumed after a preemption loaded from a tier below "
+           "the GPU", "tier", LOWER_TIERS),
     Series("occupancy_blocks", "Blocks held per tier", "tier", LOWER_TIERS, gauge=True),
     Series("kv_events", "KV-cache events sent for the tiers below the GPU, per kind (announced: the SSD "
            "tier's blocks after a restart; untagged: blocks that could not be described)", "kind", EVENT_COUNTS),
@@ -134,6 +138,10 @@ def scheduler_sample(stats: Mapping[str, Any]) -> tuple[Sample, Sample]:
     for tier in LOWER_TIERS:
         counters["prefix_cache_hits", tier] = hits[tier]["tokens"]
         counters["prefix_cache_hits_blocks", tier] = hits[tier]["blocks"]
+    preempted = stats["preempted"]
+    counters["prefix_cache_preempted_queries", NO_LABEL] = preempted["queries"]["tokens"]
+    for tier in LOWER_TIERS:
+        counters["prefix_cache_preempted_hits", tier] = preempted["hits"][tier]["tokens"]
     for kind, value in stats.get("kv_events", {}).items():
         counters["kv_events", kind] = value
     gauges: Sample = {("occupancy_blocks", tier): occupancy[tier] for tier in LOWER_TIERS}

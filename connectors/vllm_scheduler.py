@@ -94,6 +94,22 @@ class _Req:
         self.handled = 0
 
 
+class _Lookups:
+    """Prefix lookups and the blocks each source served. Kept twice, as vLLM keeps its own
+    prefix-cache counts: once for new requests (the hit rate) and once for requests looked
+    up again after a preemption (their prompt was counted when they first ran)."""
+
+    __slots__ = ("blocks", "tokens", "hits")
+
+    def __init__(self) -> None:
+        self.blocks = self.tokens = 0
+        self.hits = {"gpu": 0, "cpu": 0, "ssd": 0}
+
+    def stats(self, block_size: int) -> dict[str, Any]:
+        return {"queries": {"blocks": self.blocks, "tokens": self.tokens},
+                "hits": {t: {"blocks": b, "tokens": b * block_size} for t, b in self.hits.items()}}
+
+
 def _cacheable(request: "Request") -> bool:
     return request.prompt_embeds is None if hasattr(request, "prompt_embeds") else True
 
@@ -172,8 +188,7 @@ class TierKVScheduler:
         self._observer: PoolObserver | None = None
         self._pool: BlockPool | None = None
         self._manager: KVCacheManager | None = None
-        self._queries = {"blocks": 0, "tokens": 0}
-        self._hits = {"gpu": 0, "cpu": 0, "ssd": 0}
+        self._lookups, self._preempted = _Lookups(), _Lookups()
         self._ranks = engine_ranks(vllm_config)
         self._seeding: SSDSeeding | None = None
         self._ssd_evictions: list[bytes] = []
@@ -347,10 +362,14 @@ class TierKVScheduler:
             tiers.update(self._remote.sources(req_id, plan))
         self._sources[req_id] = {_SOURCES[t]: n * self.block_size for t, n in tiers.items() if t in _SOURCES and n > 0}
 
+    def _lookups_for(self, request: "Request") -> _Lookups:
+        return self._preempted if request.num_preemptions > 0 else self._lookups
+
     def _count_query(self, request: "Request", gpu_hits: int) -> None:
-        self._queries["blocks"] += -(-request.num_tokens // self.block_size)
-        self._queries["tokens"] += request.num_tokens
-        self._hits["gpu"] += gpu_hits
+        lookups = self._lookups_for(request)
+        lookups.blocks += -(-request.num_tokens // self.block_size)
+        lookups.tokens += request.num_tokens
+        lookups.hits["gpu"] += gpu_hits
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         return self._sources.pop(request.request_id, {})
@@ -505,10 +524,11 @@ class TierKVScheduler:
         self.policy.complete_load(plan, lost, loaded)
         if self._events is not None:
             self._events.completed(plan, loaded)
-        for tier in plan.tiers()[:loaded]:
-            self._hits[tier] += 1
-        self._resident.add(plan.block_ids[:loaded], plan.keys[:loaded])
         st = self._reqs.get(plan.req_id)
+        hits = (self._lookups_for(st.request) if st is not None else self._lookups).hits
+        for tier in plan.tiers()[:loaded]:
+            hits[tier] += 1
+        self._resident.add(plan.block_ids[:loaded], plan.keys[:loaded])
         if st is not None and loaded < len(plan):
             st.handled = min(st.handled, st.hashes.index(plan.keys[0]) + loaded)
 
@@ -534,8 +554,8 @@ class TierKVScheduler:
 
     def stats(self) -> dict[str, Any]:
         out = {
-            "queries": dict(self._queries),
-            "hits": {t: {"blocks": b, "tokens": b * self.block_size} for t, b in self._hits.items()},
+            **self._lookups.stats(self.block_size),
+            "preempted": self._preempted.stats(self.block_size),
             **policy_stats(self.policy),
             "transfer": {},
         }

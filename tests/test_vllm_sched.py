@@ -228,3 +228,30 @@ def test_ssd_path_is_created_owner_only_when_its_parent_exists(make: MakeHarness
 
     make(extra=tierkv(tmp_path, **{"ssd.path": str(tmp_path / "new")}))
     assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700
+
+
+def test_lookups_after_a_preemption_are_counted_apart(make: MakeHarness) -> None:
+    """As vLLM counts its own prefix cache: a request looked up again after a preemption
+    adds to the ``preempted`` counts, not to the hit rate's (its prompt was counted when it
+    first ran), also when its blocks come back from the CPU tier."""
+    from vllm_sched import complete_every_plan
+
+    h = make(num_gpu_blocks=6, worker=complete_every_plan)
+    scheduler = h.scheduler
+    preempt = scheduler._preempt_request
+    preempted: list[str] = []
+
+    def counted(request: Any, *args: Any, **kwargs: Any) -> Any:
+        preempted.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    scheduler._preempt_request = counted  # type: ignore[method-assign]
+    prompts = [(f"r{i}", random_token_prompt(2 * BLOCK + 8, seed=30 + i)) for i in range(2)]
+    h.run_group(prompts, max_tokens=40)  # each grows to 5 blocks: 6 hold one of them
+    assert preempted, "the workload must preempt a request"
+    stats = h.connector._scheduler.stats()  # type: ignore[union-attr]
+    assert stats["queries"]["tokens"] == sum(len(p) for _, p in prompts)  # each prompt once
+    assert stats["hits"]["cpu"]["blocks"] == stats["hits"]["ssd"]["blocks"] == 0  # nothing was cached before
+    again = stats["preempted"]
+    assert again["queries"]["tokens"] > 0
+    assert again["hits"]["cpu"]["blocks"] >= 2  # the resumed request's computed blocks, from DRAM
