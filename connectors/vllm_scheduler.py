@@ -83,15 +83,17 @@ _SOURCES = {"cpu": CacheHitSource.HOST, "ssd": CacheHitSource.DISK, "remote": Ca
 
 
 class _Req:
-    """Per-request state: the request, its hash chain so far, and how many of its
-    leading full blocks are accounted for (served from cache, or offered as computed)."""
+    """Per-request state: the request, its hash chain so far, how many of its leading full
+    blocks are accounted for (served from cache, or offered as computed), and, for the
+    recorder, its preemptions (``[preempted at, resumed at, tokens looked up]``)."""
 
-    __slots__ = ("request", "hashes", "handled")
+    __slots__ = ("request", "hashes", "handled", "preemptions")
 
     def __init__(self, request: "Request") -> None:
         self.request = request
         self.hashes: list[bytes] = []
         self.handled = 0
+        self.preemptions: list[list[Any]] = []
 
 
 class _Lookups:
@@ -258,7 +260,8 @@ class TierKVScheduler:
         full = min(prompt // self.block_size, len(hashes))
         self._recorder.finished(req.request_id, RecordedRequest(
             arrival=float(req.arrival_time), finish=time.time(), input_length=prompt,
-            output_length=req.num_output_tokens, keys=hashes[:full], output_keys=hashes[full:computed]))
+            output_length=req.num_output_tokens, keys=hashes[:full], output_keys=hashes[full:computed],
+            preemptions=[(p, r, n) for p, r, n in st.preemptions if r is not None]))
 
     def _measure(self, final: bool = False) -> None:
         """The recorder's view of what the plugin measured, every few seconds and at the end."""
@@ -267,7 +270,8 @@ class TierKVScheduler:
             return
         self._measured_at = now
         stats = self.stats()
-        self._recorder.measured({k: stats[k] for k in ("queries", "hits", "spills", "promotions", "evictions",
+        self._recorder.measured({k: stats[k] for k in ("queries", "hits", "preempted", "spills", "promotions",
+                                                        "evictions",
                                                         "dropped_spills", "corrupt_blocks", "capacity_blocks")}
                                 | {"block_size": self.block_size, "block_nbytes": self.block_nbytes})
 
@@ -344,6 +348,8 @@ class TierKVScheduler:
         first, hits = matched
         block_ids = blocks.get_block_ids()[0]
         st = self._reqs[req_id]
+        if st.preemptions and st.preemptions[-1][1] is None:  # resumed: looked up again
+            st.preemptions[-1][1:] = [time.time(), request.num_tokens]
         keys = st.hashes
         self._resident.add(block_ids[:first], keys[:first])
         if self._events is not None:
@@ -398,6 +404,10 @@ class TierKVScheduler:
         if self._seeding is not None and self._seeding.pending:
             leaving = frozenset(self._ssd_evictions).union(*(plan.ssd_evictions for plan in self._loads))
             self._ssd_evictions += self._seeding.poll(leaving)
+        if self._recorder is not None:
+            for req_id in scheduler_output.preempted_req_ids or ():
+                if req_id in self._reqs:
+                    self._reqs[req_id].preemptions.append([time.time(), None, 0])
         meta = TierKVMetadata(loads=self._loads, ssd_evictions=self._ssd_evictions, reset=self._reset_ssd)
         self._loads, self._ssd_evictions, self._reset_ssd = [], [], False
         for plan in meta.loads:

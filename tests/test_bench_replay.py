@@ -168,3 +168,21 @@ def test_a_cpu_hit_keeps_the_ssd_copy(tmp_path: Path) -> None:
     assert r.capacity_blocks["cpu"] == 2 and r.capacity_blocks["ssd"] == 3, r.capacity_blocks
     assert r.hit_blocks == {"gpu": 0, "cpu": 2, "ssd": 1}, r.hit_blocks  # B, B from DRAM; the last B from SSD
     assert r.miss_reasons.get("evicted_cpu", 0) == 0, r.miss_reasons
+
+
+@pytest.mark.parametrize("preempted", [False, True])
+def test_a_recorded_preemption_frees_the_blocks_and_looks_the_request_up_again(tmp_path: Path,
+                                                                                 preempted: bool) -> None:
+    """A (2 blocks, 10 s) is preempted from 1 s to 5 s; B (2 blocks) arrives at 2 s in a
+    3-block pool. Preempted, A leaves B room (no request is finished early) and, resumed,
+    finds its first block still cached: a hit counted apart from the hit rate's."""
+    b = TraceBuilder("t", "tierkv", 4)
+    b.add_ids(0, [1, 2], 8, 1, 1, output_ids=[], duration=10, hittable=1,
+              preemptions=[(1.0, 5.0, 8)] if preempted else None)
+    b.add_ids(2, [3, 4], 8, 1, 2, output_ids=[], duration=1, hittable=1)
+    r = replay(b.build(), cfg(tmp_path, gpu=3))
+    assert r.hits == 0
+    if preempted:  # B took the never-used block and A's last (freed tail first); A's first stayed
+        assert r.forced_frees == 0 and r.preempted_hit_blocks["gpu"] == 1
+    else:
+        assert r.forced_frees == 1 and sum(r.preempted_hit_blocks.values()) == 0

@@ -69,6 +69,11 @@ def test_forced_format_and_detection() -> None:
     assert load_trace(DATA / "small_qwen.jsonl", "qwen").format == "qwen"
 
 
+# a recorded request (tierkv format, version 2) with ``%s`` among its keys
+REC = ('{"timestamp": 0, "duration": 5, "input_length": 40, "output_length": 8, "block_hashes": [1, 2], '
+       '"output_block_hashes": [3, 4], %s}')
+
+
 @pytest.mark.parametrize("lines, line, words", [
     (['{"timestamp": 0, "hash_ids": [1]}', '{"timestamp": 5, "hash_ids": [1, 2'], 2, "truncated"),
     (['{"timestamp": 0, "hash_ids": [1]}', 'hello'], 2, "not valid JSON"),
@@ -79,6 +84,13 @@ def test_forced_format_and_detection() -> None:
     (['{"timestamp": 0, "hash_ids": [1.5]}'], 1, "integers"),
     (['[1, 2]'], 1, "JSON object"),
     (['{"foo": 1}'], 1, "--format"),
+    ([REC % '"preemptions": {}'], 1, "'preemptions' must be a list"),
+    ([REC % '"preemptions": [[1, 2]]'], 1, "[preempted_s, resumed_s, tokens]"),
+    ([REC % '"preemptions": [[2, 1, 40]]'], 1, "out of order"),
+    ([REC % '"preemptions": [[1, 2, 40], [1.5, 3, 40]]'], 1, "out of order"),
+    ([REC % '"preemptions": [[1, 9, 40]]'], 1, "past the request's duration"),
+    ([REC % '"preemptions": [[1, 2, -4]]'], 1, "'tokens' must be an integer"),
+    ([REC % '"preemptions": [["a", 2, 4]]'], 1, "'preempted_s' must be a number"),
 ])
 def test_bad_lines_name_file_and_line(tmp_path: Path, lines: list[str], line: int, words: str) -> None:
     p = write(tmp_path, lines)

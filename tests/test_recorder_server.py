@@ -11,8 +11,11 @@ the pool, the CPU tier and the SSD tier.
 * One request at a time: the predicted hit rate of every tier is within 2
   percentage points of what the plugin measured, and the SSD bytes the replay
   predicts within 10% of what the workers' SSD tiers wrote (vLLM's /metrics).
-* Four at a time: within 5 points (the replay runs each arrival's steps back to
-  back, where vLLM interleaves the steps of the requests it runs together).
+* Four at a time: within 5 points. The replay runs each arrival's steps back to
+  back, where vLLM interleaves the steps of the requests it runs together, and
+  when the four outgrow the pool vLLM preempts one: the recording says when,
+  the replay frees its blocks then and looks it up again when it resumed, and
+  both sides count that lookup apart from the hit rate, as vLLM does.
 * ``--set cpu.capacity=`` a larger tier predicts a higher hit rate, and a second
   server with that tier measures it within 2 points.
 """

@@ -115,6 +115,36 @@ def test_the_recording_holds_no_tokens_and_a_secret_changes_every_hash(model: st
     assert bench("--trace", str(plain))["hit_rate"] == bench("--trace", str(keyed))["hit_rate"]
 
 
+def test_preemptions_are_recorded_and_replayed_apart_from_the_hit_rate(model: str, tmp_path: Path) -> None:
+    """Two requests that outgrow a 6-block pool together: vLLM preempts one and looks it up
+    again when it resumes. The recording says when and how many tokens; the replay frees
+    and looks it up again then, and neither side counts that lookup in the hit rate."""
+    from vllm_util import random_token_prompt
+
+    extra = {"cpu.capacity": 40 * NBYTES, "ssd.path": None, "trace.path": str(tmp_path / "rec")}
+    h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=6, kv_connector_extra_config=extra,
+                         worker=complete_every_plan)
+    prompts = [(f"r{i}", random_token_prompt(2 * BS + 8, seed=30 + i)) for i in range(2)]
+    try:
+        h.run_group(prompts, max_tokens=40)  # each grows to 5 blocks
+        stats = h.connector._scheduler.stats()  # type: ignore[union-attr]
+    finally:
+        h.close()
+    lines = [json.loads(line) for f in sorted((tmp_path / "rec").glob("*.jsonl"))
+             for line in f.read_text().splitlines()][1:]
+    preempted = [r for r in lines if "preemptions" in r]
+    assert preempted, lines
+    for r in preempted:
+        for at, resumed, tokens in r["preemptions"]:
+            assert 0 <= at <= resumed <= r["duration"]
+            assert r["input_length"] < tokens < r["input_length"] + r["output_length"]  # its output so far
+    rec = bench("--trace", str(tmp_path / "rec"))["recording"]
+    again = sum(v["tokens"] for v in stats["preempted"]["hits"].values())
+    assert rec["measured"]["preempted_hit_tokens"] == again > 0
+    assert rec["predicted"]["preempted_hit_tokens"] > 0  # the replay looked it up again
+    assert rec["measured"]["hit_rate"] == rec["predicted"]["hit_rate"]
+
+
 def test_an_unwritable_recording_directory_changes_nothing_served(model: str, tmp_path: Path,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "a-file").write_text("not a directory")

@@ -73,6 +73,7 @@ class RecordedRequest:
     output_length: int
     keys: Sequence[bytes]         # full prompt blocks
     output_keys: Sequence[bytes]  # full blocks completed by the output
+    preemptions: Sequence[tuple[float, float, int]] = ()  # (preempted, resumed, tokens looked up again)
 
 
 class TraceRecorder:
@@ -211,6 +212,9 @@ class TraceRecorder:
         rec = {"timestamp": ts, "duration": round(max(0.0, r.finish - r.arrival), 6),
                "input_length": r.input_length, "output_length": r.output_length,
                "block_hashes": rekey(r.keys, self._secret), "output_block_hashes": rekey(r.output_keys, self._secret)}
+        if r.preemptions:
+            rec["preemptions"] = [[round(max(0.0, p - r.arrival), 6), round(max(0.0, q - r.arrival), 6), n]
+                                  for p, q, n in r.preemptions]
         return json.dumps(rec, separators=(",", ":")) + "\n"
 
     def _write(self, line: str) -> None:

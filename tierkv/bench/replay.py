@@ -120,6 +120,7 @@ class ReplayResult:
     config_block_size: int = 0  # the block size of the config as given (its capacities' unit)
     prompt_tokens: int = 0      # of every request replayed
     misses: list[dict[str, Any]] = field(default_factory=list)
+    preempted_hit_blocks: dict[str, int] = field(default_factory=dict)  # on resuming (recorded preemptions)
 
     def ssd_bytes_written(self) -> int:
         """Bytes the replay stored to the SSD tier (blocks x the block's bytes, before compression)."""
@@ -284,6 +285,11 @@ class Replayer:
                                             self._observe])
         self.executor = executor
         self.running: list[tuple[float, int]] = []
+        # recorded preemptions still to replay: (time, order, request, tokens; 0 = preempted)
+        self.preempting: list[tuple[float, int, int, int]] = []
+        self._order = itertools.count()
+        self.resumable: dict[int, Prompt] = {}  # running requests with preemptions to replay
+        self.preempted_hit_blocks = dict.fromkeys(TIERS, 0)  # lookups on resuming: not the hit rate's
         self.hit_blocks = dict.fromkeys((*TIERS, REMOTE) if remote is not None else TIERS, 0)
         self.reasons = dict.fromkeys(MISS_REASONS, 0)
         self.forced = self.peak = self.rejected = self.rejected_max = 0
@@ -301,17 +307,46 @@ class Replayer:
     # ------------------------------------------------------------------ requests
 
     def finish_until(self, now: float) -> None:
-        """Free the requests finished by ``now``; then a step with nothing scheduled runs
-        (as in vLLM, the step that tells the workers): the page-out window is offered."""
-        running = self.running
+        """Free the requests finished by ``now`` and replay the preemptions due by then (a
+        preemption frees the request's blocks, its resumption looks it up again); then a
+        step with nothing scheduled runs (as in vLLM, the step that tells the workers): the
+        page-out window is offered."""
+        running, preempting, manager = self.running, self.preempting, self.manager
         freed = False
-        while running and running[0][0] <= now:
+        while running or preempting:
+            fin = running[0][0] if running else float("inf")
+            due = preempting[0][0] if preempting else float("inf")
+            if min(fin, due) > now:
+                break
+            if preempting and due <= fin:
+                at, _, rid, tokens = heapq.heappop(preempting)
+                self.now = max(self.now, at)
+                freed |= self._preempted(rid, tokens)
+                continue
             fin, rid = heapq.heappop(running)
             self.now = max(self.now, fin)
-            self.manager.free(str(rid))
-            freed = True
+            if str(rid) in manager.requests:  # else preempted, and not resumed before it finished
+                manager.free(str(rid))
+                freed = True
+            self.resumable.pop(rid, None)
         if freed and self.policy.pageout_blocks:
             self._end_step([], None)
+
+    def _preempted(self, rid: int, tokens: int) -> bool:
+        """Request ``rid`` preempted (``tokens`` 0: its blocks are freed) or resumed (its
+        first ``tokens`` looked up again, the rest computed); True when blocks were freed."""
+        prompt = self.resumable.get(rid)
+        if prompt is None:
+            return False  # finished early to make room for another
+        held = str(rid) in self.manager.requests
+        if not tokens:
+            if held:
+                self.manager.free(str(rid))
+            return held
+        if not held:
+            cap = min(len(prompt.hashes), max(tokens - 1, 0) // self.block_size)
+            self._schedule(str(rid), Prompt(prompt.hashes, prompt.num_tokens, cap), resumed=True)
+        return False
 
     def _room(self, call: Callable[[], Any]) -> Any:
         """``call()``, finishing running requests early while the pool is too full for it."""
@@ -322,7 +357,9 @@ class Replayer:
                 if not self.running:
                     raise
                 _, victim = heapq.heappop(self.running)
-                self.manager.free(str(victim))
+                if str(victim) in self.manager.requests:  # else preempted: it holds nothing
+                    self.manager.free(str(victim))
+                self.resumable.pop(victim, None)
                 self.forced += 1
 
     def step(self, r: "Request") -> None:
@@ -360,6 +397,11 @@ class Replayer:
         self.tracker.touch([*r.blocks, *r.output_blocks], self.now)
         held = r.duration if r.duration >= 0 else r.output_length * self.opts.decode_s_per_token
         heapq.heappush(self.running, (r.timestamp + held, rid))
+        if r.preemptions:
+            self.resumable[rid] = prompt
+            for preempted, resumed, tokens in r.preemptions:
+                heapq.heappush(self.preempting, (r.timestamp + preempted, next(self._order), rid, 0))
+                heapq.heappush(self.preempting, (r.timestamp + resumed, next(self._order), rid, max(tokens, 1)))
         self.peak = max(self.peak, len(self.running))
 
     def _miss(self, r: "Request", rid: int, hit: int, reason: str) -> dict[str, Any]:
@@ -401,8 +443,9 @@ class Replayer:
         self.policy.complete_fetch(plan, self.executor.fetch(plan))
         return set(plan.keys)
 
-    def _schedule(self, rid: str, prompt: Prompt) -> int:
-        """Steps A (prefix + loads) and B (the rest, computed); returns the blocks served from cache."""
+    def _schedule(self, rid: str, prompt: Prompt, resumed: bool = False) -> int:
+        """Steps A (prefix + loads) and B (the rest, computed); returns the blocks served from
+        cache. ``resumed``: a preempted request looked up again, counted apart."""
         manager, policy = self.manager, self.policy
         gpu_hits = manager.lookup(prompt)
         below = policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
@@ -430,13 +473,14 @@ class Replayer:
         computed = manager.commit(rid)
         self._note_computed(computed)
         self._end_step(computed, None)
-        self.hit_blocks["gpu"] += gpu_hits
+        counts = self.preempted_hit_blocks if resumed else self.hit_blocks
+        counts["gpu"] += gpu_hits
         if fetched:  # fetched blocks are served from CPU slots, but came from the shared tier
             below = [REMOTE if t == "cpu" and k in fetched else t
                      for t, k in zip(below, prompt.hashes[gpu_hits:gpu_hits + len(below)])]
         for tier in below[:loaded]:
-            self.hit_blocks[tier] += 1
-        if self.request_hits is not None:
+            counts[tier] = counts.get(tier, 0) + 1
+        if self.request_hits is not None and not resumed:
             self.request_hits.append({"gpu": gpu_hits, "cpu": below[:loaded].count("cpu"),
                                       "ssd": below[:loaded].count("ssd")})
         return gpu_hits + loaded
@@ -595,7 +639,7 @@ def _result(rp: Replayer, config: TierKVConfig, cfg: TierKVConfig, caps: dict[st
                         _admit_hint(config, rp.rejected_max * rp.block_size) if rp.rejected else None,
                         rp.request_hits or [], rp.tracker.lifetime, rp.tracker.idle,
                         opts.payload_block_bytes if opts.payload else None, config.block_size,
-                        rp.prompt_tokens, rp.misses or [])
+                        rp.prompt_tokens, rp.misses or [], rp.preempted_hit_blocks)
 
 
 def requests_of(trace: "Trace | TraceReader | Iterable[Request]") -> Iterator["Request"]:

@@ -160,7 +160,8 @@ def _recording(res: "BenchResult") -> dict[str, Any] | None:
                  for t in rp.hit_blocks}
     predicted["total"] = sum(predicted.values())
     out["predicted"] = {"hit_rate": {k: round(v, 6) for k, v in predicted.items()},
-                        "ssd_bytes_written": rp.ssd_bytes_written()}
+                        "ssd_bytes_written": rp.ssd_bytes_written(),
+                        "preempted_hit_tokens": sum(rp.preempted_hit_blocks.values()) * bs}
     body = tr.measured
     if body is None:
         out["measured"] = None
@@ -173,8 +174,10 @@ def _recording(res: "BenchResult") -> dict[str, Any] | None:
     rates = {t: v / tokens if tokens else 0.0 for t, v in hits.items()}
     rates["total"] = sum(rates.values())
     ssd = int(m.get("spills", {}).get("ssd", 0)) * int(m.get("block_nbytes", rp.config.block_nbytes()))
+    again = m.get("preempted", {}).get("hits", {})
     out["measured"] = {"hit_rate": {k: round(v, 6) for k, v in rates.items()}, "prompt_tokens": tokens,
-                       "ssd_bytes_written": ssd, "recorder": body.get("recorder", {})}
+                       "ssd_bytes_written": ssd, "recorder": body.get("recorder", {}),
+                       "preempted_hit_tokens": sum(v.get("tokens", 0) for v in again.values())}
     out["difference_pp"] = {t: round(100 * (predicted.get(t, 0.0) - rates[t]), 2) for t in rates}
     out["ssd_bytes_ratio"] = round(rp.ssd_bytes_written() / ssd, 4) if ssd else None
     return out
@@ -313,6 +316,10 @@ def _recording_lines(rec: dict[str, Any], bs: int) -> list[str]:
     out.append(f"  SSD bytes written: {format_size(m['ssd_bytes_written'])} measured, "
                f"{format_size(rec['predicted']['ssd_bytes_written'])} predicted"
                + (f" ({ratio:.3f}x)" if ratio is not None else ""))
+    if m["preempted_hit_tokens"] or rec["predicted"]["preempted_hit_tokens"]:
+        out.append(f"  Requests resumed after a preemption (not in the hit rates): "
+                   f"{m['preempted_hit_tokens']:,} tokens served from cache measured, "
+                   f"{rec['predicted']['preempted_hit_tokens']:,} predicted")
     rc = m.get("recorder") or {}
     if rc.get("dropped") or rc.get("unfinished"):
         out.append(f"  The recorder left out {rc.get('dropped', 0):,} requests (its queue was full) and "

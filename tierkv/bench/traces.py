@@ -12,7 +12,7 @@ order). Formats (one JSON object per line):
     ``output_length``, ``type``, ``turn``, ``hash_ids`` (16-token blocks).
 ``tierkv`` (format version :data:`TRACE_VERSION`; the README documents it; recordings of the
     plugin's recorder add ``recording`` and ``deployment`` to the header and
-    ``output_block_hashes`` and ``duration`` to each request)
+    ``output_block_hashes``, ``duration`` and, when vLLM preempted it, ``preemptions`` to each request)
     an optional first line, the header: ``tierkv_trace`` (the format version)
     and optionally ``block_size`` (tokens per block of the ``block_hashes``);
     other header keys are ignored. Then per request: ``timestamp`` (s), and
@@ -55,7 +55,8 @@ __all__ = ["TRACE_VERSION", "HEADER_KEY", "FORMATS", "DistinctLimit", "Request",
 
 FORMATS = ("mooncake", "qwen", "tierkv")
 TRACE_VERSION = 2           # the tierkv format's version this reader reads (and anything older);
-                            # 2 added the recorder's keys (recording, deployment, output_block_hashes, duration)
+                            # 2 added the recorder's keys (recording, deployment, output_block_hashes, duration,
+                            # preemptions)
 HEADER_KEY = "tierkv_trace"  # the tierkv format's header line: {"tierkv_trace": 1, "block_size": 16}
 _ALIASES = {"qwen-bailian": "qwen", "bailian": "qwen"}
 DEFAULT_BLOCK_SIZE = {"mooncake": 512, "qwen": 16}
@@ -96,6 +97,8 @@ class Request:
     token_based: bool = False
     output_blocks: list[int] = field(default_factory=list)  # full blocks its output completed (recordings)
     duration: float = -1.0  # seconds from arrival to finish when recorded (< 0: unknown)
+    # recorded preemptions: (preempted, resumed) seconds after arrival, tokens looked up again
+    preemptions: list[tuple[float, float, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -227,6 +230,27 @@ def _id_list(rec: dict[str, Any], key: str) -> list[Any]:
     return ids
 
 
+def _preemptions(rec: dict[str, Any], duration: float) -> list[tuple[float, float, int]]:
+    """A recorded request's ``preemptions``: ``[preempted, resumed, tokens]`` each, seconds
+    after its arrival in order, within its ``duration``."""
+    raw = rec.get("preemptions", [])
+    if not isinstance(raw, list):
+        raise _Bad(f"'preemptions' must be a list, got {type(raw).__name__}")
+    out: list[tuple[float, float, int]] = []
+    last = 0.0
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 3):
+            raise _Bad(f"'preemptions' holds [preempted_s, resumed_s, tokens] lists, got {short_repr(item)}")
+        entry = dict(zip(("preempted_s", "resumed_s", "tokens"), item))
+        preempted, resumed = _number(entry, "preempted_s"), _number(entry, "resumed_s")
+        tokens = _count(entry, "tokens", 0)
+        if not last <= preempted <= resumed or (duration >= 0 and resumed > duration):
+            raise _Bad(f"'preemptions': {short_repr(item)} is out of order or past the request's duration")
+        out.append((preempted, resumed, tokens))
+        last = resumed
+    return out
+
+
 def _namespace(rec: dict[str, Any]) -> tuple[str | None, str | int | None] | None:
     """``(cache_salt, lora)`` of a tierkv record, None when it has neither."""
     salt, lora = rec.get("cache_salt"), rec.get("lora")
@@ -274,7 +298,8 @@ class TraceBuilder:
 
     def add_ids(self, ts: float, raw_ids: list[Any], input_length: int, output_length: int,
                 line: int = 0, namespace: Any = None, output_ids: list[Any] = (),  # type: ignore[assignment]
-                duration: float = -1.0, hittable: int | None = None) -> None:
+                duration: float = -1.0, hittable: int | None = None,
+                preemptions: list[tuple[float, float, int]] | None = None) -> None:
         """A request given by block hash ids (equal id = same prefix block); ``output_ids``:
         the full blocks its output completed, continuing the chain."""
         self.check_time(ts)
@@ -294,7 +319,7 @@ class TraceBuilder:
         if hittable is not None:
             self.token_based = True
         self._append(Request(ts, prompt, input_length, output_length, n if hittable is None else hittable, line,
-                             hittable is not None, out, duration))
+                             hittable is not None, out, duration, preemptions or []))
 
     def add_tokens(self, ts: float, tokens: list[int], output_length: int, line: int = 0,
                    namespace: Any = None) -> None:
@@ -400,7 +425,7 @@ def _add_tierkv(b: TraceBuilder, rec: dict[str, Any], line: int) -> None:
                        f"but 'block_hashes' names {len(ids)}")
         duration = _number(rec, "duration", required=False, default=-1.0)
         b.add_ids(ts, ids, n, out, line, ns, _id_list(rec, "output_block_hashes"), duration,
-                  hittable=min(len(ids), max(n - 1, 0) // b.block_size))
+                  hittable=min(len(ids), max(n - 1, 0) // b.block_size), preemptions=_preemptions(rec, duration))
     elif "block_hashes" in rec:
         ids = _id_list(rec, "block_hashes")
         b.add_ids(ts, ids, _hashed_length(rec, ids, b.block_size), out, line, ns)
