@@ -270,9 +270,9 @@ class TierKVScheduler:
             return
         self._measured_at = now
         stats = self.stats()
-        self._recorder.measured({k: stats[k] for k in ("queries", "hits", "preempted", "spills", "promotions",
-                                                        "evictions",
-                                                        "dropped_spills", "corrupt_blocks", "capacity_blocks")}
+        kept = ("queries", "hits", "preempted", "spills", "promotions", "evictions", "dropped_spills",
+                "corrupt_blocks", "capacity_blocks")
+        self._recorder.measured({k: stats[k] for k in kept}
                                 | {"block_size": self.block_size, "block_nbytes": self.block_nbytes})
 
     def take_events(self) -> list[Any]:
