@@ -186,3 +186,16 @@ def test_a_recorded_preemption_frees_the_blocks_and_looks_the_request_up_again(t
         assert r.forced_frees == 0 and r.preempted_hit_blocks["gpu"] == 1
     else:
         assert r.forced_frees == 1 and sum(r.preempted_hit_blocks.values()) == 0
+
+
+def test_making_room_for_a_resumed_request_finishes_a_request_that_holds_blocks(tmp_path: Path) -> None:
+    """A resumes at 5 s while B (arrived during A's preemption, running until 102 s) holds
+    two of the three blocks: B is finished early, not A (which finishes first but holds
+    nothing while it is being resumed)."""
+    b = TraceBuilder("t", "tierkv", 4)
+    b.add_ids(0, [1, 2], 8, 1, 1, output_ids=[], duration=10, hittable=1, preemptions=[(1.0, 5.0, 8)])
+    b.add_ids(2, [3, 4], 8, 1, 2, output_ids=[], duration=100, hittable=1)
+    b.add_ids(20, [1, 2], 8, 1, 3, output_ids=[], duration=1, hittable=1)  # A's prefix, A long finished
+    r = replay(b.build(), cfg(tmp_path, gpu=3))
+    assert r.forced_frees == 1
+    assert r.hit_blocks["gpu"] == 1  # A was resumed, ran and was freed: its first block is cached

@@ -354,13 +354,27 @@ class Replayer:
             try:
                 return call()
             except OutOfBlocksError:
-                if not self.running:
+                victim = self._first_to_finish()
+                if victim is None:
                     raise
-                _, victim = heapq.heappop(self.running)
-                if str(victim) in self.manager.requests:  # else preempted: it holds nothing
-                    self.manager.free(str(victim))
+                self.manager.free(str(victim))
                 self.resumable.pop(victim, None)
                 self.forced += 1
+
+    def _first_to_finish(self) -> int | None:
+        """Take out of ``running`` the request that finishes first among those holding blocks
+        (a preempted one, or one being resumed, holds none and stays)."""
+        skipped = []
+        victim = None
+        while self.running:
+            entry = heapq.heappop(self.running)
+            if str(entry[1]) in self.manager.requests:
+                victim = entry[1]
+                break
+            skipped.append(entry)
+        for entry in skipped:
+            heapq.heappush(self.running, entry)
+        return victim
 
     def step(self, r: "Request") -> None:
         """Replay the next request (arrival order)."""
