@@ -115,7 +115,8 @@ def test_the_recording_holds_no_tokens_and_a_secret_changes_every_hash(model: st
     assert bench("--trace", str(plain))["hit_rate"] == bench("--trace", str(keyed))["hit_rate"]
 
 
-def test_preemptions_are_recorded_and_replayed_apart_from_the_hit_rate(model: str, tmp_path: Path) -> None:
+def test_preemptions_are_recorded_and_replayed_apart_from_the_hit_rate(model: str, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """Two requests that outgrow a 6-block pool together: vLLM preempts one and looks it up
     again when it resumes. The recording says when and how many tokens; the replay frees
     and looks it up again then, and neither side counts that lookup in the hit rate."""
@@ -143,6 +144,10 @@ def test_preemptions_are_recorded_and_replayed_apart_from_the_hit_rate(model: st
     assert rec["measured"]["preempted_hit_tokens"] == again > 0
     assert rec["predicted"]["preempted_hit_tokens"] > 0  # the replay looked it up again
     assert rec["measured"]["hit_rate"] == rec["predicted"]["hit_rate"]
+    capsys.readouterr()
+    assert main(["bench", "--trace", str(tmp_path / "rec")]) == 0
+    assert (f"Requests resumed after a preemption (not in the hit rates): {again:,} tokens served from cache "
+            f"measured, {rec['predicted']['preempted_hit_tokens']:,} predicted") in capsys.readouterr().out
 
 
 def test_an_unwritable_recording_directory_changes_nothing_served(model: str, tmp_path: Path,
