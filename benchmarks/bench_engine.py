@@ -1,4 +1,4 @@
-"""tierkv.engine end to end: throughput, multi-turn TTFT with and without the tiers
+"""kvstrata.engine end to end: throughput, multi-turn TTFT with and without the tiers
 below the pool, and what an FP8 KV cache costs in accuracy.
 
 A random-weight Llama (8 layers, hidden 512, 8 query heads of 64 on 2 KV heads,
@@ -45,7 +45,7 @@ MODEL = {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 2, "intermediate": 
 
 
 def open_engine(model: Path, tmp: Path, device: str, **kw: Any) -> Any:
-    from tierkv.engine import LLMEngine
+    from kvstrata.engine import LLMEngine
 
     opts = {k: kw.pop(k) for k in ("kv_cache_dtype", "k_scale", "v_scale") if k in kw}
     return LLMEngine(model, engine_config(tmp, device=device, **kw), **opts)
@@ -168,7 +168,7 @@ def main() -> int:
     import torch
 
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory(prefix="tierkv-bench-engine-") as d:
+    with tempfile.TemporaryDirectory(prefix="kvstrata-bench-engine-") as d:
         tmp = Path(d)
         model = build_engine_model(tmp / "model", **MODEL)
         t0 = time.perf_counter()

@@ -1,9 +1,9 @@
-"""What tierkv costs a hybrid model: vLLM turns its hybrid memory allocator (HMA) off
-for a KV connector that does not declare ``SupportsHMA``, and tierkv does not (yet).
+"""What kvstrata costs a hybrid model: vLLM turns its hybrid memory allocator (HMA) off
+for a KV connector that does not declare ``SupportsHMA``, and kvstrata does not (yet).
 
 A tiny Gemma-3 text model (random weights, 5 of 6 layers with a 64-token sliding
 window) on vLLM's CPU engine with the same KV memory (``--kv-cache-memory-bytes``),
-without and with tierkv. Eight 1,500-token prompts are submitted at once and the
+without and with kvstrata. Eight 1,500-token prompts are submitted at once and the
 engine is stepped by hand: the figure is the most requests it ran at once (what the
 KV pool admits), with the KV cache groups and blocks vLLM built, and the engine's
 wall time for all eight. Greedy outputs must be identical.
@@ -36,9 +36,9 @@ def engine(spec: dict[str, Any]) -> dict[str, Any]:
     kw: dict[str, Any] = dict(model=spec["model"], dtype="float32", block_size=32, enforce_eager=True, seed=0,
                               kv_cache_memory_bytes=spec["kv_mib"] * 1024**2, max_model_len=2048,
                               enable_prefix_caching=True)
-    if spec["tierkv"]:
-        kw["kv_transfer_config"] = {"kv_connector": "TierKVConnector", "kv_role": "kv_both",
-                                    "kv_connector_module_path": "tierkv.connectors.vllm",
+    if spec["kvstrata"]:
+        kw["kv_transfer_config"] = {"kv_connector": "KVStrataConnector", "kv_role": "kv_both",
+                                    "kv_connector_module_path": "kvstrata.connectors.vllm",
                                     "kv_connector_extra_config": {"cpu.capacity": "64MiB", "ssd.capacity": 0}}
     llm = LLM(**kw)
     engine = llm.llm_engine
@@ -66,12 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1500)
     args = ap.parse_args(argv)
-    model = build_tiny_gemma3(Path(tempfile.mkdtemp(prefix="tierkv-hma-")) / "gemma3")
+    model = build_tiny_gemma3(Path(tempfile.mkdtemp(prefix="kvstrata-hma-")) / "gemma3")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
            "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     results = {}
-    for label, tierkv in (("vLLM alone (HMA on)", False), ("with tierkv (HMA off)", True)):
-        spec = {"model": str(model), "tierkv": tierkv, "kv_mib": args.kv_mib, "prompts": args.prompts,
+    for label, kvstrata in (("vLLM alone (HMA on)", False), ("with kvstrata (HMA off)", True)):
+        spec = {"model": str(model), "kvstrata": kvstrata, "kv_mib": args.kv_mib, "prompts": args.prompts,
                 "tokens": args.tokens}
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
                               text=True, env=env, cwd=ROOT)

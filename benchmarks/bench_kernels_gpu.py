@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tierkv.kernels import gather_blocks, kv_cache_shapes, paged_attention, scatter_blocks
+from kvstrata.kernels import gather_blocks, kv_cache_shapes, paged_attention, scatter_blocks
 
 ATTN_TARGET, COPY_TARGET = 0.70, 0.80
 

@@ -1,6 +1,6 @@
 """What the request recorder costs vLLM's scheduler, working and failing.
 
-vLLM's real v1 ``Scheduler`` with tierkv's scheduler half (no model runs: the
+vLLM's real v1 ``Scheduler`` with kvstrata's scheduler half (no model runs: the
 harness of the tests, ``tests/vllm_sched.py``, whose worker completes every plan
 in its step) serves multi-turn chats one request at a time; the figure is the
 scheduler's wall time per request, as a ratio to the same run without the
@@ -91,7 +91,7 @@ def main() -> int:
     from vllm_util import build_tiny_llama
 
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-    with tempfile.TemporaryDirectory(prefix="tierkv-bench-recorder-") as d:
+    with tempfile.TemporaryDirectory(prefix="kvstrata-bench-recorder-") as d:
         model = build_tiny_llama(Path(d) / "model")
         for r in range(args.repeat):
             for mode in MODES:

@@ -7,17 +7,17 @@ persistence, ``maxmemory`` above the data, ``allkeys-lru``) on a loopback port.
 
 * put: ``RemoteTier.put`` of every block, then ``flush()`` (encode, pipelined
   ``SET NX`` in batches of ``batch_bytes``), against a redis-py pipeline of ``SET`` of
-  the very values tierkv stores, in batches of the same size (target >= 0.7); and
+  the very values kvstrata stores, in batches of the same size (target >= 0.7); and
   against the same pipeline sending a copy of each block taken when it is queued,
   the least a write-behind client does (the block's slot is reused once ``put``
-  returns; tierkv's put also makes that copy).
+  returns; kvstrata's put also makes that copy).
 * get: ``RemoteTier.get_into`` (pipelined ``GET``, header and checksum verified,
   decoded into rows) against a redis-py pipeline of ``GET`` of the same keys in the
   same batches (target >= 0.7).
 
 Both use one connection from this process; the server runs on this machine, so both
 sides share its cores. Blocks are KV-like fp16 (``bench_tiers.kv_blocks``); with
-``compression: none`` the two move the same bytes, with ``auto`` tierkv moves fewer.
+``compression: none`` the two move the same bytes, with ``auto`` kvstrata moves fewer.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def best(fn: Callable[[], object], repeat: int, before: Callable[[], object] = l
 def run(url: str, layers: int, blocks: int, compression: str, repeat: int) -> None:
     import redis
 
-    from tierkv.tiers.remote import RemoteTier, key_prefix
-    from tierkv.tiers.remote.value import encode
+    from kvstrata.tiers.remote import RemoteTier, key_prefix
+    from kvstrata.tiers.remote.value import encode
 
     rows = kv_blocks(blocks, layers=layers)
     nb = rows.shape[1]

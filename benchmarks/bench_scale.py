@@ -7,9 +7,9 @@
   ``policy_memory``, ``steady_memory``);
 * SSD write GB/s by block size against raw write + fsync of the same sizes
   (``scale_ssd.write_speeds``);
-* ``tierkv bench`` time and peak memory at 1x / 10x / 100x trace sizes
+* ``kvstrata bench`` time and peak memory at 1x / 10x / 100x trace sizes
   (``benchmarks/scale_bench.py``: ``bench_sizes``);
-* tierkv's start-up under vLLM's scheduler over a 1M-record SSD tier against an
+* kvstrata's start-up under vLLM's scheduler over a 1M-record SSD tier against an
   empty one, to the first request served (``benchmarks/scale_startup.py``: ``run``).
 
     .venv/bin/python benchmarks/bench_scale.py [--quick] [--only reopen,policy,write,bench,startup]
@@ -67,7 +67,7 @@ def _run(part: str, quick: bool) -> str:
 
         import scale_startup
 
-        where = Path(tempfile.mkdtemp(prefix="tierkv-startup-"))
+        where = Path(tempfile.mkdtemp(prefix="kvstrata-startup-"))
         try:
             return scale_startup.markdown(scale_startup.run(100_000 if quick else 1_000_000, 2, 3, where))
         finally:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchutil import drop_page_cache
-from tierkv import TierKVConfig, TieredKVCache
+from kvstrata import KVStrataConfig, TieredKVCache
 
 BS = 16
 
@@ -81,8 +81,8 @@ def measure_tiers(blocks: torch.Tensor) -> tuple[dict[str, float], tuple, dict]:
     nblocks, nbytes = blocks.shape
     tokens = list(range(7, 7 + nblocks * BS + 1))  # one extra token: the whole prefix may hit
     times: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="tierkv-bench-") as d:
-        cfg = TierKVConfig.from_dict({
+    with tempfile.TemporaryDirectory(prefix="kvstrata-bench-") as d:
+        cfg = KVStrataConfig.from_dict({
             "block_size": BS, "model": {"block_nbytes": nbytes}, "gpu": {"num_blocks": nblocks + 8},
             "cpu": {"capacity": 2 * (nblocks + 8) * nbytes},
             "ssd": {"path": d, "capacity": 4 * (nblocks + 8) * nbytes}})

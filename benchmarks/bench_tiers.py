@@ -94,7 +94,7 @@ def bench_cpu_blocks(block: int, nbatch: int, quick: bool) -> None:
     reuses; copying into one buffer again and again would keep it hot in the caches.
     Reference and tier runs alternate; the best of each is kept."""
     import torch
-    from tierkv.tiers.host import CPUTier
+    from kvstrata.tiers.host import CPUTier
     torch.set_num_threads(1)  # DESIGN 6: multi-threaded copies collapse under CPU contention
     nslots = 4 * nbatch
     repeat = 5 if quick else 9
@@ -155,7 +155,7 @@ def write_raw(path: Path, blocks: np.ndarray, in_place: bool = False) -> float:
 
 
 def write_tier(path: Path, blocks: np.ndarray, keys: list[bytes], compression: str) -> tuple[float, dict]:
-    from tierkv.tiers.ssd import SSDTier
+    from kvstrata.tiers.ssd import SSDTier
     total = blocks.nbytes
     tier = SSDTier(path, capacity_bytes=2 * total + 64 * MiB, fingerprint="bench",
                    compression=compression, queue_capacity_bytes=4 * FLUSH_EVERY)
@@ -183,7 +183,7 @@ def put_all(tier: object, keys: list[bytes], blocks: np.ndarray) -> float:
 def bench_steady_write(root: Path, blocks: np.ndarray, quick: bool) -> None:
     """A full tier, where every put evicts a block and reuses its pages, against
     rewriting an existing file in place; pairs alternate as in :func:`bench_write`."""
-    from tierkv.tiers.ssd import SSDTier
+    from kvstrata.tiers.ssd import SSDTier
     total = blocks.nbytes
     raw_file = root / "steady-raw.bin"
     write_raw(raw_file, blocks)
@@ -226,7 +226,7 @@ def read_tier_cold(path: Path, keys: list[bytes], order: list[int], expect: np.n
     one reused buffer of ``batch`` rows at a time. Like the raw reference, blocks are
     dropped once read (holding all of them would add the cost of touching fresh memory
     to the tier's side)."""
-    from tierkv.tiers.ssd import SSDTier
+    from kvstrata.tiers.ssd import SSDTier
     drop_page_cache(path)
     tier = SSDTier(path, capacity_bytes=2 * expect.nbytes + 64 * MiB, fingerprint="bench")
     first = expect[order[0]].tobytes()
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_cpu(args.quick)
     if args.only == "cpu":
         return 0
-    root = Path(tempfile.mkdtemp(prefix="tierkv-bench-", dir=args.dir))
+    root = Path(tempfile.mkdtemp(prefix="kvstrata-bench-", dir=args.dir))
     try:
         bench_ssd(args.quick, root)
     finally:

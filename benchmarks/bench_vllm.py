@@ -1,10 +1,10 @@
-"""Time to first token on the real vLLM engine: recompute vs tierkv's CPU tier vs its SSD tier.
+"""Time to first token on the real vLLM engine: recompute vs kvstrata's CPU tier vs its SSD tier.
 
 A locally built Llama (random weights, default 8 layers, hidden 1024) so that
 prefill costs real compute; a ~3K-token prompt; greedy, one output token.
 
-* recompute: an engine without tierkv, after a warm-up request;
-* CPU tier: an engine with tierkv serves the prompt once, ``reset_prefix_cache()``
+* recompute: an engine without kvstrata, after a warm-up request;
+* CPU tier: an engine with kvstrata serves the prompt once, ``reset_prefix_cache()``
   empties vLLM's own cache, the prompt is timed again (median of repeats);
 * SSD tier: a new engine process with the same SSD path (its CPU tier empty),
   the SSD files' pages dropped from the OS cache first (``POSIX_FADV_DONTNEED``);
@@ -15,18 +15,18 @@ prefill costs real compute; a ~3K-token prompt; greedy, one output token.
   shared tier; a new engine B with another SSD path and an empty DRAM tier
   fetches the warm-up prompt from it, then the timed one.
 
-Then the time each decode step spends inside tierkv's worker-side hooks (the
+Then the time each decode step spends inside kvstrata's worker-side hooks (the
 sum over the hooks vLLM calls in a step, median and P99 in microseconds), with
 every computed block stored, and with no stores (four requests decoding).
 
 Every phase runs in its own process; the printed figures are ratios against
 the recompute time measured in the same run.
 
-Every engine, with tierkv and without, gets the same environment
+Every engine, with kvstrata and without, gets the same environment
 (:func:`engine_env`), so that both compute on the same threads: vLLM's CPU
 backend reserves one core when it starts its workers through its
 multiprocessing executor, and one more when a KV connector is configured (on
-2 cores it then reserves none, so an engine with tierkv would compute on 2
+2 cores it then reserves none, so an engine with kvstrata would compute on 2
 threads and one without on 1). ``VLLM_CPU_NUM_OF_RESERVED_CPU`` fixes the
 count for both (``--reserved-cpus``, default 1), ``OMP_NUM_THREADS`` the
 threads of an in-process engine (``--omp-threads``; vLLM's binding overrides it
@@ -64,7 +64,7 @@ _BINDING_KEYS = ("torch_threads", "affinity", "OMP_NUM_THREADS", "OMP_PLACES", "
 
 
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
-    """The environment every engine process gets, with tierkv and without alike. INFO
+    """The environment every engine process gets, with kvstrata and without alike. INFO
     logging: vLLM logs its OpenMP binding at that level."""
     env = {"OMP_NUM_THREADS": str(args.omp_threads), "VLLM_LOGGING_LEVEL": "INFO"}
     if args.reserved_cpus != "vllm":  # "vllm": vLLM's own default (unequal on small machines)
@@ -83,7 +83,7 @@ class Engines:
 
     def run(self, label: str, spec: dict[str, Any]) -> dict[str, Any]:
         result = run_in_subprocess(spec, multiprocessing=self.multiprocessing, env=self.env)
-        self.reports.append({"engine": label, "tierkv": spec.get("tierkv") is not None,
+        self.reports.append({"engine": label, "kvstrata": spec.get("kvstrata") is not None,
                              "executor": result.get("executor"), "threads": result.get("threads", []),
                              "omp_binding_log": result.get("omp_binding_log", [])})
         return result
@@ -94,7 +94,7 @@ class Engines:
         return [{k: w.get(k) for k in _BINDING_KEYS} for w in report["threads"]]
 
     def same_threads(self) -> bool:
-        """Every engine (with tierkv and without) computes on the same threads."""
+        """Every engine (with kvstrata and without) computes on the same threads."""
         seen = [json.dumps(self.binding(r), sort_keys=True) for r in self.reports]
         return bool(seen) and all(r["threads"] for r in self.reports) and len(set(seen)) == 1
 
@@ -107,7 +107,7 @@ class Engines:
             log = next((x for x in r["omp_binding_log"] if "reserve_cpu_num" in x), None)
             cores = [x for x in r["omp_binding_log"] if "core ids" in x or "reserved_cpus" in x]
             vllm = f"; vLLM: {log}, {', '.join(cores)}" if log else "; vLLM logged no OpenMP binding"
-            lines.append(f"  {r['engine']:28s} ({'tierkv' if r['tierkv'] else 'no connector'}, "
+            lines.append(f"  {r['engine']:28s} ({'kvstrata' if r['kvstrata'] else 'no connector'}, "
                          f"{r['executor']} executor): {workers}{vllm}")
         return lines
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     engines = Engines(args)
 
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="tierkv-bench-vllm-"))
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="kvstrata-bench-vllm-"))
     heads = args.hidden // 64
     model = str(build_tiny_llama(work / f"llama-{args.layers}x{args.hidden}", layers=args.layers,
                                  hidden=args.hidden, heads=heads, kv_heads=max(1, heads // 4),
@@ -148,21 +148,21 @@ def main(argv: list[str] | None = None) -> int:
 
     steps = ([{"prompts": [warm]}, {"prompts": [warm_long]}, {"prompts": [prompt]}]
              + [{"reset": True}, {"prompts": [prompt]}] * args.repeats)
-    cpu_run = engines.run("CPU tier", {**common, "tierkv": tier, "steps": steps})["steps"]
+    cpu_run = engines.run("CPU tier", {**common, "kvstrata": tier, "steps": steps})["steps"]
     cpu_steps = cpu_run[4::2]
     cpu = statistics.median(s["seconds"] for s in cpu_steps)
 
     drop_page_cache(ssd)
-    ssd_run = engines.run("SSD tier", {**common, "tierkv": tier,
+    ssd_run = engines.run("SSD tier", {**common, "kvstrata": tier,
                                        "steps": [{"prompts": [warm]}, {"prompts": [warm_long]},
                                                  {"prompts": [prompt]}]})["steps"]
     ssd_step = ssd_run[2]
 
     with ValkeyServer(maxmemory="1gb") as server:
         shared = {"cpu.capacity": "2GiB", "ssd.capacity": "4GiB", "remote.url": server.url}
-        engines.run("remote writer", {**common, "tierkv": {**shared, "ssd.path": str(work / "ssd-a")},
+        engines.run("remote writer", {**common, "kvstrata": {**shared, "ssd.path": str(work / "ssd-a")},
                                       "steps": [{"prompts": [warm_long]}, {"prompts": [prompt]}]})
-        remote_run = engines.run("remote tier", {**common, "tierkv": {**shared, "ssd.path": str(work / "ssd-b")},
+        remote_run = engines.run("remote tier", {**common, "kvstrata": {**shared, "ssd.path": str(work / "ssd-b")},
                                                  "steps": [{"prompts": [warm]}, {"prompts": [warm_long]},
                                                            {"prompts": [prompt]}]})["steps"]
     remote_step = remote_run[2]
@@ -210,13 +210,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def hook_times(engines: Engines, args: argparse.Namespace, common: dict, tier: dict,
                warm: list[int]) -> tuple[list[float], list[float]]:
-    """Seconds per decode step inside tierkv's worker-side hooks: four 512-token prompts
+    """Seconds per decode step inside kvstrata's worker-side hooks: four 512-token prompts
     decoding ``--decode-tokens`` tokens, with every computed block stored (``on_compute``)
     and with no stores at all (``on_evict`` in a KV cache nothing is evicted from)."""
     prompts = [random_token_prompt(512, seed=10 + i, vocab=2000) for i in range(4)]
 
     def run(label: str, extra: dict) -> list[float]:
-        spec = {**common, "max_tokens": args.decode_tokens, "tierkv": extra, "hook_timing": True,
+        spec = {**common, "max_tokens": args.decode_tokens, "kvstrata": extra, "hook_timing": True,
                 "steps": [{"prompts": [warm]}, {"prompts": prompts}]}
         return engines.run(label, spec)["steps"][1]["hook_seconds"][1:]  # the prefill step left out
 

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call of at most 8 minutes (GPU_CHECK_BUDGET_S,
 # default 480 s; the step limits add up to it):
-#   1. setup       tierkv installed from its wheel (built here beside the script, carried in
+#   1. setup       kvstrata installed from its wheel (built here beside the script, carried in
 #                  out/gpu_wheel; rebuilt offline when the sources changed), lmdb and
 #                  zstandard from benchmarks/wheels, all with pip --target into a scratch
-#                  site (never the checkout on PYTHONPATH: tierkv.connectors exists only
+#                  site (never the checkout on PYTHONPATH: kvstrata.connectors exists only
 #                  in the installed package); NVRTC located; a cupy RawKernel smoke test;
 #                  every import of the GPU tests (benchmarks/gpu_imports.py)
 #   2. warm        every kernel specialisation compiled in parallel into cupy's disk cache
 #   3. gpu tests   pytest -m gpu: the kernels against their references, the copier
 #                  (streams, kernels, pinned slab, fence, no host wait), the transfer engine,
-#                  tierkv.engine token for token against transformers (the kernels end to end)
+#                  kvstrata.engine token for token against transformers (the kernels end to end)
 #   4. copies      benchmarks/bench_copies_gpu.py: memcpy baseline, store/load through the
 #                  pinned slab, thread-block caps, interference with a matmul loop
 #   5. kernels     benchmarks/bench_kernels_gpu.py: paged attention and gather/scatter
@@ -31,13 +31,13 @@
 #
 # Environment: GPU_PYTHON (default python3; .venv/bin/python in a dry run when present),
 # GPU_CHECK_BUDGET_S, SANITIZE=0 (skip step 6), GPU_CHECK_WORK (scratch, default under
-# $TMPDIR), GPU_CHECK_WHEELS (where tierkv's wheel is, default out/gpu_wheel).
+# $TMPDIR), GPU_CHECK_WHEELS (where kvstrata's wheel is, default out/gpu_wheel).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 DRY=${GPU_CHECK_DRY:-0}
 OUT=${OUT:-$REPO/out/gpu_check}
-WORK=${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/tierkv-gpu-check}
+WORK=${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/kvstrata-gpu-check}
 WHEELS=${GPU_CHECK_WHEELS:-$REPO/out/gpu_wheel}
 BUDGET=${GPU_CHECK_BUDGET_S:-480}
 if [ -n "${GPU_PYTHON:-}" ]; then PY=$GPU_PYTHON
@@ -53,7 +53,7 @@ sources_digest() {
 import hashlib, pathlib, sys
 root = pathlib.Path(sys.argv[1])
 h = hashlib.sha256()
-files = [root / "pyproject.toml", *sorted(p for d in ("tierkv", "connectors", "cuda") for p in (root / d).rglob("*")
+files = [root / "pyproject.toml", *sorted(p for d in ("kvstrata",) for p in (root / d).rglob("*")
                                           if p.is_file() and "__pycache__" not in p.parts)]
 for p in files:
     h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
@@ -66,7 +66,7 @@ build_wheel() {  # offline: no build isolation, no index (setuptools and wheel m
   "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation --no-index \
     -w "$WHEELS" "$REPO" > "$WHEELS/build.log" 2>&1 || { tail -n 20 "$WHEELS/build.log"; return 1; }
   sources_digest > "$WHEELS/SOURCES.sha256"
-  echo "built $(ls "$WHEELS"/tierkv-*.whl) from sources $(cut -c1-12 "$WHEELS/SOURCES.sha256")"
+  echo "built $(ls "$WHEELS"/kvstrata-*.whl) from sources $(cut -c1-12 "$WHEELS/SOURCES.sha256")"
 }
 if [ "${1:-}" = --wheel ]; then build_wheel; exit; fi
 
@@ -79,7 +79,7 @@ log() { echo "[gpu_check $(date +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$OUT/gpu_
 
 export REPO RESULTS WORK SITE PY DRY WHEELS
 export -f sources_digest build_wheel
-export PYTHONPATH="$SITE"          # tierkv, lmdb and zstandard as installed; not the checkout
+export PYTHONPATH="$SITE"          # kvstrata, lmdb and zstandard as installed; not the checkout
 export PYTHONSAFEPATH=1 PYTHONDONTWRITEBYTECODE=1   # nor the working directory
 export CUPY_CACHE_DIR=$WORK/cupy-cache
 
@@ -129,10 +129,10 @@ setup() {
   set -e
   "$PY" -c 'import sys; print("python", sys.version.split()[0], sys.executable)'
   if [ ! -f "$WHEELS/SOURCES.sha256" ] || [ "$(sources_digest)" != "$(cat "$WHEELS/SOURCES.sha256")" ]; then
-    echo "tierkv's wheel is missing or older than the sources: building it (offline)"
+    echo "kvstrata's wheel is missing or older than the sources: building it (offline)"
     build_wheel
   fi
-  local deps=("$REPO"/benchmarks/wheels/*.whl) ours=("$WHEELS"/tierkv-*.whl)
+  local deps=("$REPO"/benchmarks/wheels/*.whl) ours=("$WHEELS"/kvstrata-*.whl)
   rm -rf "$SITE"; mkdir -p "$SITE"
   if [ "$DRY" = 1 ]; then  # this machine's python may differ: the binary wheels must suit CPython 3.12
     "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --only-binary=:all: \
@@ -150,11 +150,11 @@ setup() {
   "$PY" - <<'PY'
 import os, sys
 import lmdb, torch, zstandard
-import tierkv, tierkv.connectors.kv_layout
+import kvstrata, kvstrata.connectors.kv_layout
 site = os.environ["SITE"]
-assert tierkv.__file__.startswith(site), f"tierkv imported from {tierkv.__file__}, not the installed wheel in {site}"
+assert kvstrata.__file__.startswith(site), f"kvstrata imported from {kvstrata.__file__}, not the installed wheel in {site}"
 print("torch", torch.__version__, "| lmdb", lmdb.__version__, "| zstandard", zstandard.__version__,
-      "| tierkv from", tierkv.__file__)
+      "| kvstrata from", kvstrata.__file__)
 if os.environ["DRY"] != "1":
     import cupy
     assert torch.cuda.is_available(), "torch sees no CUDA device"
@@ -200,11 +200,11 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
-from tierkv.kernels.specs import full_grid
+from kvstrata.kernels.specs import full_grid
 
 
 def build(spec):
-    from tierkv.kernels.runtime import kernel
+    from kvstrata.kernels.runtime import kernel
 
     kernel(spec, 0)  # NVRTC, then cupy's disk cache ($CUPY_CACHE_DIR)
 

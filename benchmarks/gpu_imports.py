@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow", action="append", default=[], help="a package that may be missing here")
     args = parser.parse_args(argv)
     imported, missing, errors = check(args.files, set(args.allow))
-    import tierkv
+    import kvstrata
 
-    print(f"{len(imported)} imports of {len(args.files)} GPU test files resolved (tierkv from {tierkv.__file__})")
+    print(f"{len(imported)} imports of {len(args.files)} GPU test files resolved (kvstrata from {kvstrata.__file__})")
     for line in missing:
         print(f"missing here, present on the GPU machine: {line}")
     for line in errors:

@@ -1,4 +1,4 @@
-"""`tierkv bench` time and peak memory at 1x / 10x / 100x trace sizes, side by side in one run.
+"""`kvstrata bench` time and peak memory at 1x / 10x / 100x trace sizes, side by side in one run.
 
 The Nx trace is the Mooncake conversation trace written N times in a row,
 each copy's timestamps shifted past the previous copy's end. By default
@@ -8,7 +8,7 @@ should not move while accesses grow N times. With ``--fresh-ids`` each copy
 gets ids of its own (distinct blocks grow N times too), the worst case for
 memory: an analysis whose memory follows distinct blocks grows with N there.
 
-Each size runs ``python -m tierkv.cli bench --trace T --quiet --json OUT`` in
+Each size runs ``python -m kvstrata.cli bench --trace T --quiet --json OUT`` in
 a subprocess of its own (the default deployment; ``--set`` adds overrides),
 timed wall-clock. Peak memory is read two ways: the largest resident set of
 any one process (the bench process or its miss-ratio child, from the rusage
@@ -125,10 +125,10 @@ class _TreeSampler(threading.Thread):
 
 
 def measure(trace: Path, sets: Sequence[str] = ()) -> dict[str, Any]:
-    """Run ``tierkv bench`` on ``trace`` in a subprocess: wall seconds, peak memory, its report."""
+    """Run ``kvstrata bench`` on ``trace`` in a subprocess: wall seconds, peak memory, its report."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
-        cmd = [sys.executable, "-m", "tierkv.cli", "bench", "--trace", str(trace), "--quiet", "--json", str(out),
+        cmd = [sys.executable, "-m", "kvstrata.cli", "bench", "--trace", str(trace), "--quiet", "--json", str(out),
                *(a for s in sets for a in ("--set", s))]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         t0 = time.perf_counter()
@@ -149,7 +149,7 @@ def measure(trace: Path, sets: Sequence[str] = ()) -> dict[str, Any]:
 
 def bench_sizes(scales: Sequence[int] = (1, 10, 100), *, trace: Path = TRACE, fresh_ids: bool = False,
                 workdir: Path | None = None, sets: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """Measure ``tierkv bench`` on the trace repeated ``scale`` times, for each scale, in one run.
+    """Measure ``kvstrata bench`` on the trace repeated ``scale`` times, for each scale, in one run.
 
     Each row: scale, requests, accesses, distinct, wall_s, peak_rss_mib (largest process),
     tree_pss_mib (the processes together), hit_rate, timings_s, and the ratios of time,
@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fresh-ids", action="store_true", help="give each copy hash ids of its own")
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--workdir", type=Path, default=None, help="where the traces are written (default: $TMPDIR)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a tierkv bench --set")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a kvstrata bench --set")
     args = ap.parse_args(argv)
     if not args.trace.exists():
         raise SystemExit(f"{args.trace}: trace not found")

@@ -10,7 +10,7 @@ the block size.
   killed with SIGKILL (an unclean shutdown: recovery in the background). For each:
   seconds until the constructor returns and until a ``get`` of a stored block first
   succeeds, plus, after the SIGKILL, until the tier is fully usable
-  (``wait_ready``). Also the seconds :func:`~tierkv.tiers.ssd.tier.read_keys` takes to
+  (``wait_ready``). Also the seconds :func:`~kvstrata.tiers.ssd.tier.read_keys` takes to
   list every key from beside the owner, as the vLLM scheduler does at start-up.
 * :func:`write_speeds`: sustained writes (``flush()`` every 16 MiB) of random blocks of
   each size, against a raw file write + ``fsync`` every 16 MiB of the same blocks, in
@@ -60,7 +60,7 @@ def _key(i: int) -> bytes:
 
 
 def _open(path: Path, records: int, block_nbytes: int, **kw: Any) -> Any:
-    from tierkv.tiers.ssd import SSDTier, record_footprint
+    from kvstrata.tiers.ssd import SSDTier, record_footprint
     capacity = (records + 1024) * record_footprint(48, block_nbytes) + 64 * MiB
     return SSDTier(path, capacity_bytes=capacity, fingerprint=FINGERPRINT, compression="none",
                    queue_capacity_bytes=1024 * MiB, **kw)
@@ -125,7 +125,7 @@ def _kill_holding(path: Path, records: int, block_nbytes: int) -> None:
 
 
 def _read_keys_s(path: Path, records: int) -> float:
-    from tierkv.tiers.ssd.tier import read_keys
+    from kvstrata.tiers.ssd.tier import read_keys
     t0 = time.perf_counter()
     keys = read_keys(path, FINGERPRINT)
     seconds = time.perf_counter() - t0
@@ -139,7 +139,7 @@ def reopen_times(records: tuple[int, ...] = (10_000, 100_000, 1_000_000),
     then cold), unclean reopen (after a SIGKILL) and ``read_keys`` seconds."""
     rows = []
     for n in records:
-        where = Path(tempfile.mkdtemp(prefix="tierkv-scale-", dir=root))
+        where = Path(tempfile.mkdtemp(prefix="kvstrata-scale-", dir=root))
         try:
             rows.append(_reopen_row(where / "ssd", n, block_nbytes))
         finally:
@@ -169,7 +169,7 @@ def _reopen_row(path: Path, n: int, block_nbytes: int) -> dict[str, Any]:
 # ====================================================================== writing
 
 def _write_tier(path: Path, blocks: np.ndarray, keys: list[bytes]) -> float:
-    from tierkv.tiers.ssd import SSDTier
+    from kvstrata.tiers.ssd import SSDTier
     tier = SSDTier(path, capacity_bytes=2 * blocks.nbytes + 64 * MiB, fingerprint=FINGERPRINT,
                    compression="none", queue_capacity_bytes=4 * FLUSH_EVERY)
     seconds = put_all(tier, keys, blocks)
@@ -184,7 +184,7 @@ def write_speeds(sizes: tuple[int, ...] = (4096, 16384, 65536, 262144, 2097152),
                  root: Path | None = None) -> list[dict[str, Any]]:
     """One row per block size: raw and tier GB/s (medians) and the median per-pair ratio."""
     rows = []
-    where = Path(tempfile.mkdtemp(prefix="tierkv-scale-", dir=root))
+    where = Path(tempfile.mkdtemp(prefix="kvstrata-scale-", dir=root))
     try:
         for size in sizes:
             rows.append(_write_row(where, size, total_bytes, pairs))

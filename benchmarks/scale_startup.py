@@ -1,7 +1,7 @@
-"""tierkv's start-up under vLLM against the size of the SSD tier it reopens.
+"""kvstrata's start-up under vLLM against the size of the SSD tier it reopens.
 
-vLLM's real scheduler with ``TierKVConnector`` and a real ``TierKVWorker`` (the
-harness of ``tests/vllm_sched.py``: everything of tierkv's start-up, without the
+vLLM's real scheduler with ``KVStrataConnector`` and a real ``KVStrataWorker`` (the
+harness of ``tests/vllm_sched.py``: everything of kvstrata's start-up, without the
 model runner), started the way ``EngineCore`` starts them (the worker opens its
 SSD tier, then the scheduler reads every key and seeds its policy), over:
 
@@ -44,7 +44,7 @@ GPU_BLOCKS = 64
 
 
 def _extra(ssd: Path, records: int, block_size: int) -> dict[str, Any]:
-    from tierkv.tiers.ssd import record_footprint
+    from kvstrata.tiers.ssd import record_footprint
 
     capacity = int((records + 64) * record_footprint(48, block_nbytes(block_size)) * 1.05)
     return {"cpu.capacity": 8 * block_nbytes(block_size), "ssd.path": str(ssd), "ssd.capacity": capacity,
@@ -78,9 +78,9 @@ def _stop(h: SchedulerHarness, worker: RealWorker) -> None:
 def build(model: str, ssd: Path, records: int, block_size: int) -> list[int]:
     """A tier of ``records`` blocks under the model's namespace, closed cleanly: one prompt
     stored through the connector (returned), the rest written straight into the tier."""
-    from tierkv.tiers.ssd import SSDTier
-    from tierkv.connectors.vllm_common import engine_ranks, ssd_root
-    from tierkv.connectors.vllm_common import load_config
+    from kvstrata.tiers.ssd import SSDTier
+    from kvstrata.connectors.vllm_common import engine_ranks, ssd_root
+    from kvstrata.connectors.vllm_common import load_config
 
     extra = _extra(ssd, records, block_size)
     prompt = random_token_prompt(2 * block_size + 1, seed=7)
@@ -178,7 +178,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", help="where to build the model and the tiers (default: a temporary directory)")
     args = ap.parse_args()
-    where = Path(tempfile.mkdtemp(prefix="tierkv-startup-", dir=args.dir))
+    where = Path(tempfile.mkdtemp(prefix="kvstrata-startup-", dir=args.dir))
     try:
         print(markdown(run(args.records, args.block_size, args.repeats, where)))
     finally:

@@ -1,6 +1,6 @@
 """Soak: minutes of payload replay through TieredKVCache, restarted and SIGKILLed, every block verified.
 
-A child process (``soak.py --child``) drives one :class:`~tierkv.TieredKVCache` on
+A child process (``soak.py --child``) drives one :class:`~kvstrata.TieredKVCache` on
 the CPU (a torch CPU tensor as the device pool, as the library runs without
 CUDA) over a seeded chat workload: a few system prompts shared by many
 multi-turn conversations, each turn re-sending the whole history, so prefixes
@@ -73,7 +73,7 @@ BS = 16                 # tokens per block
 KEY_LEN = 32            # sha256 block hashes
 VOCAB = 128_000
 RSS_LIMIT = 0.05        # growth that fails the run
-_TAG = b"tierkv-soak/v1\x00"
+_TAG = b"kvstrata-soak/v1\x00"
 
 
 # =====================================================================  block bytes
@@ -243,19 +243,19 @@ def make_workload(p: dict[str, Any]) -> Workload:
 
 
 def make_config(p: dict[str, Any]) -> Any:
-    from tierkv import TierKVConfig
-    from tierkv.tiers.ssd.record import NS_LEN, record_footprint
+    from kvstrata import KVStrataConfig
+    from kvstrata.tiers.ssd.record import NS_LEN, record_footprint
 
     nbytes = p["block_kib"] * 1024
     cfg = {
         "block_size": BS,
-        "model": {"name": "tierkv-soak", "block_nbytes": nbytes},
+        "model": {"name": "kvstrata-soak", "block_nbytes": nbytes},
         "gpu": {"num_blocks": p["gpu_blocks"], "device": "cpu"},
         "cpu": {"capacity": p["cpu_blocks"] * nbytes, "pin_memory": "false"},
         "ssd": {"path": p["ssd_path"], "capacity": p["ssd_blocks"] * record_footprint(NS_LEN + KEY_LEN, nbytes),
                 "compression": p["compression"]},
     }
-    return TierKVConfig.from_dict(cfg, p.get("overrides", []))
+    return KVStrataConfig.from_dict(cfg, p.get("overrides", []))
 
 
 # =====================================================================  child
@@ -330,7 +330,7 @@ class Child:
         import torch
 
         torch.set_num_threads(1)
-        from tierkv import OutOfBlocksError, TieredKVCache
+        from kvstrata import OutOfBlocksError, TieredKVCache
 
         self.OOB = OutOfBlocksError
         threading.Thread(target=self._watch_stdin, daemon=True).start()
@@ -647,7 +647,7 @@ class Driver:
         base = Path(args.dir) if args.dir else None
         if base is not None:
             base.mkdir(parents=True, exist_ok=True)
-        self.work = Path(tempfile.mkdtemp(prefix="tierkv-soak-", dir=base))
+        self.work = Path(tempfile.mkdtemp(prefix="kvstrata-soak-", dir=base))
         self.params = {
             "seed": args.seed, "block_kib": args.block_kib, "gpu_blocks": args.gpu_blocks,
             "cpu_blocks": args.cpu_blocks, "ssd_blocks": args.ssd_blocks, "compression": args.compression,

@@ -159,7 +159,7 @@ class FakeDevice:
         self.violations: list[str] = []
         self.queries = 0
 
-    # the tierkv.streams.Streams interface
+    # the kvstrata.streams.Streams interface
     def current(self) -> FakeStream:
         return self.compute
 

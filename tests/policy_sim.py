@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from tierkv.policy import LoadPlan, StorePlan, TierPolicy
-from tierkv.policy.holdings import TOMBSTONE_PREFIX
+from kvstrata.policy import LoadPlan, StorePlan, TierPolicy
+from kvstrata.policy.holdings import TOMBSTONE_PREFIX
 
 __all__ = ["SimExecutor", "TOMBSTONE_PREFIX"]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tierkv.tiers.ssd import recovery
+from kvstrata.tiers.ssd import recovery
 
 
 def hold_walks(monkeypatch: pytest.MonkeyPatch) -> threading.Event:

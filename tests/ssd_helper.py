@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from tierkv.tiers.ssd import SSDTier
+from kvstrata.tiers.ssd import SSDTier
 
 CAPACITY = 64 * 1024**2
 FINGERPRINT = "test-model/fp16/bs16"

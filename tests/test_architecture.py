@@ -1,11 +1,12 @@
 """The layout rules the design depends on, checked on the source (AST), not by convention.
 
-* Placement is decided in one place: only the tier policy (``tierkv/policy``) uses the
+* Placement is decided in one place: only the tier policy (``kvstrata/policy``) uses the
   slot index's placement operations. The drivers (library cache, vLLM connector,
   bench replay) and the executor call the policy's verbs and apply its plans.
-  (``tierkv/tiers/host.py``'s ``CPUTier`` is the standalone DRAM store for library
+  (``kvstrata/tiers/host.py``'s ``CPUTier`` is the standalone DRAM store for library
   users; the tiered cache does not use it.)
-* Imports go one way: connectors -> tierkv; drivers -> policy -> nothing with bytes.
+* Imports go one way, those inside functions included: connectors -> drivers -> policy
+  -> nothing with bytes; no two modules import each other, directly or around a loop.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PLACEMENT = {"SlotIndex", "allocate_many", "try_allocate", "pin_many", "unpin_many"}
-ALLOWED = {ROOT / "tierkv" / "tiers" / "host.py"}
+ALLOWED = {ROOT / "kvstrata" / "tiers" / "host.py"}
 
 
 def sources(*dirs: str) -> list[Path]:
@@ -35,46 +36,131 @@ def names_used(path: Path) -> set[str]:
     return out
 
 
-def module_imports(path: Path) -> set[str]:
-    """Modules imported at module level (function-level imports are lazy by design)."""
-    tree = ast.parse(path.read_text())
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at module level and inside functions alike (a lazy
+    import is still a dependency): ``from a import b`` names ``a.b`` (a submodule, or a
+    name in ``a``)."""
     out: set[str] = set()
-    for node in tree.body:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (any level)."""
+    files = {module_name(p): p for p in sources("kvstrata")}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {m: {r for r in map(resolve, all_imports(p)) if r is not None and r != m} for m, p in files.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
     return out
 
 
 def test_only_the_policy_places_blocks() -> None:
-    policy = ROOT / "tierkv" / "policy"
+    policy = ROOT / "kvstrata" / "policy"
     offenders = {}
-    for path in sources("tierkv", "connectors"):
+    for path in sources("kvstrata"):
         if policy in path.parents or path in ALLOWED:
             continue
         used = names_used(path) & PLACEMENT
         if used:
             offenders[str(path.relative_to(ROOT))] = sorted(used)
-    assert not offenders, f"placement decided outside tierkv/policy: {offenders}"
+    assert not offenders, f"placement decided outside kvstrata/policy: {offenders}"
+
+
+# The SSD record format's space arithmetic (capacity in blocks): no bytes, no I/O.
+POLICY_MAY_IMPORT = ("kvstrata.tiers.ssd.footprint",)
 
 
 def test_the_policy_imports_nothing_with_bytes_or_drivers() -> None:
-    forbidden = ("numpy", "torch", "lmdb", "zstandard", "cupy", "vllm", "tierkv.tiers", "tierkv.executor",
-                 "tierkv.tiered", "tierkv.bench", "tierkv.connectors", "tierkv.transfer", "tierkv.block_pool")
-    for path in sources("tierkv/policy"):
-        bad = [m for m in module_imports(path) if m.startswith(forbidden)]
+    forbidden = ("numpy", "torch", "lmdb", "zstandard", "cupy", "vllm", "kvstrata.tiers", "kvstrata.executor",
+                 "kvstrata.tiered", "kvstrata.bench", "kvstrata.connectors", "kvstrata.transfer", "kvstrata.block_pool",
+                 "kvstrata.engine", "kvstrata.trace", "kvstrata.metrics", "kvstrata.copier")
+    for path in sources("kvstrata/policy"):
+        bad = [m for m in all_imports(path) if m.startswith(forbidden) and not m.startswith(POLICY_MAY_IMPORT)]
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
-def test_tierkv_never_imports_the_connectors() -> None:
-    for path in sources("tierkv"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            bad = [m for m in mods if m.startswith("tierkv.connectors") or m.startswith("connectors")]
+def test_only_the_connectors_import_the_connectors() -> None:
+    inside = ROOT / "kvstrata" / "connectors"
+    for path in sources("kvstrata"):
+        if inside in path.parents:
+            continue
+        bad = [m for m in all_imports(path) if m.startswith("kvstrata.connectors")]
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_lower_layers_never_import_upper_ones() -> None:
+    """Imports go one way, counting those inside functions: the tiers, the trace format
+    and the kernels know nothing of the drivers, the bench or the engine."""
+    upper = ("kvstrata.tiered", "kvstrata.bench", "kvstrata.engine", "kvstrata.connectors", "kvstrata.cli")
+    for below in ("kvstrata/tiers", "kvstrata/trace", "kvstrata/kernels", "kvstrata/policy"):
+        for path in sources(below):
+            bad = [m for m in all_imports(path) if m.startswith(upper)]
             assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_no_import_cycles_even_inside_functions() -> None:
+    found = cycles(import_graph())
+    assert not found, f"modules that import each other (directly or around a loop): {found}"
+
+
+def test_the_cycle_check_has_teeth() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_package_tree_is_the_installed_tree() -> None:
+    """Connectors and CUDA sources live inside the package directory: no mapping in
+    pyproject.toml, nothing importable from the repository root but the package."""
+    text = (ROOT / "pyproject.toml").read_text()
+    assert "package-dir" not in text
+    assert (ROOT / "kvstrata" / "connectors" / "vllm.py").is_file()
+    assert list((ROOT / "kvstrata" / "cuda").glob("*.cu"))
+    assert not (ROOT / "connectors").exists() and not (ROOT / "cuda").exists()
 
 
 def test_the_rules_have_teeth(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The pool-size verdicts of ``tierkv bench``: reuse-gap P90 against idle-before-evict P50
+"""The pool-size verdicts of ``kvstrata bench``: reuse-gap P90 against idle-before-evict P50
 per tier, and whether a tier that is too small loses hits or only costs loads from the
 tiers below it."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.bench.analysis import run_bench
-from tierkv.bench.diagnose import pool_check, pool_checks
-from tierkv.bench.report import build_report
+from kvstrata.bench.analysis import run_bench
+from kvstrata.bench.diagnose import pool_check, pool_checks
+from kvstrata.bench.report import build_report
 
 
 @pytest.mark.parametrize("reuse, idle, evictions, held_below, verdict", [
@@ -50,8 +50,8 @@ def test_a_tier_is_held_below_only_when_nothing_left_the_whole_cache(cache_evict
 def test_the_default_workload_reports_dram_misses_as_loads_from_the_ssd_tier() -> None:
     """The built-in workload on the default deployment: the SSD tier keeps every block, so
     DRAM that evicts blocks before their reuse costs SSD loads, not hits, and says so."""
-    from tierkv.bench.deployment import default_config
-    from tierkv.bench.workloads import generate
+    from kvstrata.bench.deployment import default_config
+    from kvstrata.bench.workloads import generate
 
     report = build_report(run_bench(generate("mixed", 0), default_config()))
     pools = report["diagnosis"]["pools"]

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.bench.mrc import build_mrc, stack_distances
-from tierkv.bench.traces import Trace, TraceBuilder, load_trace
+from kvstrata.bench.mrc import build_mrc, stack_distances
+from kvstrata.trace.reader import Trace, TraceBuilder, load_trace
 
 DATA = Path(__file__).parent / "data"
 MOONCAKE = Path("/work/shared/traces/mooncake_conversation.jsonl")
@@ -70,7 +70,7 @@ def test_prefix_rule_blocks_hits_after_a_miss() -> None:
 
 
 def test_last_token_rule_for_token_traces() -> None:
-    b = TraceBuilder("t", "tierkv", 4)
+    b = TraceBuilder("t", "kvstrata", 4)
     b.add_tokens(0.0, list(range(8)), 0)
     b.add_tokens(1.0, list(range(8)), 0)     # 8 tokens: 2 full blocks, only the first may hit
     m = build_mrc(b.build()).mrc

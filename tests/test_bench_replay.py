@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.bench.replay import ReplayOptions, config_for_trace, replay, tier_capacities
-from tierkv.bench.traces import TraceBuilder, load_trace
-from tierkv.bench.workloads import generate
-from tierkv.config import TierKVConfig
+from kvstrata.bench.replay import ReplayOptions, config_for_trace, replay, tier_capacities
+from kvstrata.trace.reader import TraceBuilder, load_trace
+from kvstrata.bench.workloads import generate
+from kvstrata.config import KVStrataConfig
 
 DATA = Path(__file__).parent / "data"
 
 
-def cfg(tmp_path: Path, *, gpu: int = 3, cpu: int = 0, ssd: int = 0) -> TierKVConfig:
+def cfg(tmp_path: Path, *, gpu: int = 3, cpu: int = 0, ssd: int = 0) -> KVStrataConfig:
     """Block size 4 tokens, 1 KiB per block; capacities in blocks."""
-    return TierKVConfig.from_dict({
+    return KVStrataConfig.from_dict({
         "block_size": 4, "model": {"block_nbytes": 1024}, "gpu": {"num_blocks": gpu},
         "cpu": {"capacity": cpu * 1024}, "ssd": {"path": str(tmp_path / "ssd"), "capacity": ssd * 1024}})
 
@@ -65,7 +65,7 @@ def test_payload_replay_forgets_what_the_ssd_tier_dropped_on_its_own(tmp_path: P
     backstop) is reported through take_lost; the replay, like the library and the connector,
     forgets it, so the policy never plans a load of it. The drop is injected (it cannot be
     produced on demand): the tier reports its oldest record, block 1 of [1,2], once."""
-    from tierkv.tiers.ssd import SSDTier
+    from kvstrata.tiers.ssd import SSDTier
 
     real = SSDTier.take_lost
     reported: list[bytes] = []
@@ -103,7 +103,7 @@ def test_request_larger_than_the_pool_is_rejected_and_counted(tmp_path: Path) ->
 
 
 def test_capacities_keep_tokens_when_the_block_size_changes() -> None:
-    base = TierKVConfig()                                  # 1024 blocks of 16 tokens, 8 GiB DRAM, 2 MiB blocks
+    base = KVStrataConfig()                                  # 1024 blocks of 16 tokens, 8 GiB DRAM, 2 MiB blocks
     c = config_for_trace(base, 512)
     caps = tier_capacities(c)
     assert c.block_size == 512 and caps["gpu"] == 1024 * 16 // 512
@@ -111,7 +111,7 @@ def test_capacities_keep_tokens_when_the_block_size_changes() -> None:
 
 
 def test_default_workload_hits_every_tier_of_the_default_deployment() -> None:
-    from tierkv.bench.deployment import default_config
+    from kvstrata.bench.deployment import default_config
 
     r = replay(generate("mixed", 0), default_config())
     assert all(r.hit_blocks[t] > 0 for t in ("gpu", "cpu", "ssd")), r.hit_blocks
@@ -119,7 +119,7 @@ def test_default_workload_hits_every_tier_of_the_default_deployment() -> None:
 
 
 def test_default_deployment_keeps_its_pool_unless_its_size_is_overridden() -> None:
-    from tierkv.bench.deployment import default_config
+    from kvstrata.bench.deployment import default_config
 
     assert default_config(["gpu.device=cpu"]).gpu.capacity == 22 * 1024**3
     sized = default_config(["gpu.num_blocks=64"]).gpu
@@ -129,7 +129,7 @@ def test_default_deployment_keeps_its_pool_unless_its_size_is_overridden() -> No
 
 @pytest.mark.parametrize("block_bytes", [1024, 4096, 16384, 100_000])
 def test_payload_tiers_hold_as_many_blocks_as_the_replayed_ones(tmp_path: Path, block_bytes: int) -> None:
-    from tierkv.bench.replay import _payload_config
+    from kvstrata.bench.replay import _payload_config
 
     c = cfg(tmp_path, gpu=8, cpu=5, ssd=3000)
     assert tier_capacities(_payload_config(c, block_bytes, str(tmp_path))) == tier_capacities(c)
@@ -161,7 +161,7 @@ def test_a_cpu_hit_keeps_the_ssd_copy(tmp_path: Path) -> None:
     b = TraceBuilder("t", "mooncake", 4)
     for ts, block in enumerate([1, 2, 3, 2, 4, 2, 5, 6, 2]):
         b.add_ids(float(ts), [block], 4, 0)
-    config = TierKVConfig.from_dict({  # 4 KiB: three 1 KiB records with their index entries
+    config = KVStrataConfig.from_dict({  # 4 KiB: three 1 KiB records with their index entries
         "block_size": 4, "model": {"block_nbytes": 1024}, "gpu": {"num_blocks": 1},
         "cpu": {"capacity": 2048}, "ssd": {"path": str(tmp_path / "ssd"), "capacity": 4096}})
     r = replay(b.build(), config)
@@ -176,7 +176,7 @@ def test_a_recorded_preemption_frees_the_blocks_and_looks_the_request_up_again(t
     """A (2 blocks, 10 s) is preempted from 1 s to 5 s; B (2 blocks) arrives at 2 s in a
     3-block pool. Preempted, A leaves B room (no request is finished early) and, resumed,
     finds its first block still cached: a hit counted apart from the hit rate's."""
-    b = TraceBuilder("t", "tierkv", 4)
+    b = TraceBuilder("t", "kvstrata", 4)
     b.add_ids(0, [1, 2], 8, 1, 1, output_ids=[], duration=10, hittable=1,
               preemptions=[(1.0, 5.0, 8)] if preempted else None)
     b.add_ids(2, [3, 4], 8, 1, 2, output_ids=[], duration=1, hittable=1)
@@ -192,7 +192,7 @@ def test_making_room_for_a_resumed_request_finishes_a_request_that_holds_blocks(
     """A resumes at 5 s while B (arrived during A's preemption, running until 102 s) holds
     two of the three blocks: B is finished early, not A (which finishes first but holds
     nothing while it is being resumed)."""
-    b = TraceBuilder("t", "tierkv", 4)
+    b = TraceBuilder("t", "kvstrata", 4)
     b.add_ids(0, [1, 2], 8, 1, 1, output_ids=[], duration=10, hittable=1, preemptions=[(1.0, 5.0, 8)])
     b.add_ids(2, [3, 4], 8, 1, 2, output_ids=[], duration=100, hittable=1)
     b.add_ids(20, [1, 2], 8, 1, 3, output_ids=[], duration=1, hittable=1)  # A's prefix, A long finished

@@ -1,4 +1,4 @@
-"""``tierkv bench --replicas``: replicas of the same policy sharing a remote tier, routed
+"""``kvstrata bench --replicas``: replicas of the same policy sharing a remote tier, routed
 round robin or by prefix; exact hits on hand-made traces."""
 
 from __future__ import annotations
@@ -7,18 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.bench.replay import ReplayError, replay
-from tierkv.bench.remote import SharedRemote
-from tierkv.bench.replicas import replay_replicas, replicas_report, render_replicas
-from tierkv.bench.traces import TraceBuilder
-from tierkv.bench.workloads import generate
-from tierkv.cli import main
-from tierkv.config import TierKVConfig
+from kvstrata.bench.replay import ReplayError, replay
+from kvstrata.bench.remote import SharedRemote
+from kvstrata.bench.replicas import replay_replicas, replicas_report, render_replicas
+from kvstrata.trace.reader import TraceBuilder
+from kvstrata.bench.workloads import generate
+from kvstrata.cli import main
+from kvstrata.config import KVStrataConfig
 
 
-def cfg(tmp_path: Path, *, gpu: int = 100, cpu: int = 0, ssd: int = 0, remote: int | None = 64) -> TierKVConfig:
+def cfg(tmp_path: Path, *, gpu: int = 100, cpu: int = 0, ssd: int = 0, remote: int | None = 64) -> KVStrataConfig:
     """Block size 4 tokens, 1 KiB per block; capacities in blocks."""
-    return TierKVConfig.from_dict({
+    return KVStrataConfig.from_dict({
         "block_size": 4, "model": {"block_nbytes": 1024}, "gpu": {"num_blocks": gpu},
         "cpu": {"capacity": cpu * 1024}, "ssd": {"path": str(tmp_path / "ssd"), "capacity": ssd * 1024},
         "remote": {"capacity": None if remote is None else remote * 1024}})
@@ -103,14 +103,14 @@ def test_one_replay_with_a_configured_remote_tier_models_it(tmp_path: Path) -> N
     """``remote.url`` and ``remote.capacity`` set: a plain replay has the same shared tier
     as a fleet of one, and its report has a row for it."""
     t = trace([(0, [1, 2, 3]), (1, [11, 12, 13]), (2, [21, 22, 23]), (3, [1, 2, 3, 4]), (4, [11, 12, 13, 14])])
-    config = TierKVConfig.from_dict({**{"block_size": 4, "model": {"block_nbytes": 1024}},
+    config = KVStrataConfig.from_dict({**{"block_size": 4, "model": {"block_nbytes": 1024}},
                                      "gpu": {"num_blocks": 4}, "cpu": {"capacity": 3 * 1024},
                                      "ssd": {"capacity": 0},
                                      "remote": {"url": "redis://cache:6379/0", "capacity": 64 * 1024}})
     r = replay(t, config)
     assert r.hit_blocks == {"gpu": 0, "cpu": 0, "ssd": 0, "remote": 6}
     assert r.capacity_blocks["remote"] == 64 and r.hit_rate()["remote"] == 6 / 17
-    unsized = TierKVConfig.from_dict({**config.to_dict(), "remote": {"url": "redis://cache:6379/0"}})
+    unsized = KVStrataConfig.from_dict({**config.to_dict(), "remote": {"url": "redis://cache:6379/0"}})
     assert "remote" not in replay(t, unsized).hit_blocks  # the server's maxmemory is not known here
 
 

@@ -1,4 +1,4 @@
-"""`tierkv bench` at scale: one streaming pass whose memory follows the trace's distinct blocks, not its
+"""`kvstrata bench` at scale: one streaming pass whose memory follows the trace's distinct blocks, not its
 accesses or requests; results equal to the exact in-memory computation; bounded summaries within their
 stated error; traces too large for memory refused before they run it out."""
 
@@ -17,24 +17,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.bench import analysis
-from tierkv.bench.analysis import run_bench
-from tierkv.bench.deployment import default_config
-from tierkv.bench.mrc import CurvePass, RequestBatch, build_mrc
-from tierkv.bench.replay import ReplayError, ReplayOptions, replay, replaying
-from tierkv.bench.stackdist import StackDistances
-from tierkv.bench.stats import RELATIVE_ERROR, Quantiles
-from tierkv.bench.traces import Request, TraceError, TraceReader, load_trace
-from tierkv.config import TierKVConfig
+from kvstrata.bench import analysis
+from kvstrata.bench.analysis import run_bench
+from kvstrata.bench.deployment import default_config
+from kvstrata.bench.mrc import CurvePass, RequestBatch, build_mrc
+from kvstrata.bench.replay import ReplayError, ReplayOptions, replay, replaying
+from kvstrata.bench.stackdist import StackDistances
+from kvstrata.bench.stats import RELATIVE_ERROR, Quantiles
+from kvstrata.trace.reader import Request, TraceError, TraceReader, load_trace
+from kvstrata.config import KVStrataConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
 MOONCAKE = Path("/work/shared/traces/mooncake_conversation.jsonl")
 
 
-def cfg(tmp_path: Path, *, gpu: int = 16, cpu: int = 32, ssd: int = 64) -> TierKVConfig:
+def cfg(tmp_path: Path, *, gpu: int = 16, cpu: int = 32, ssd: int = 64) -> KVStrataConfig:
     """Block size 4 tokens, 1 KiB per block; capacities in blocks."""
-    return TierKVConfig.from_dict({
+    return KVStrataConfig.from_dict({
         "block_size": 4, "model": {"block_nbytes": 1024}, "gpu": {"num_blocks": gpu},
         "cpu": {"capacity": cpu * 1024}, "ssd": {"path": str(tmp_path / "ssd"), "capacity": ssd * 1024}})
 
@@ -155,7 +155,7 @@ def test_dense_ids_do_not_grow_with_repeated_accesses(tmp_path: Path) -> None:
 
 
 def peak_rss_kib(trace: Path) -> int:
-    proc = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "bench", "--trace", str(trace), "--quiet"],
+    proc = subprocess.Popen([sys.executable, "-m", "kvstrata.cli", "bench", "--trace", str(trace), "--quiet"],
                             cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
                             stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -183,9 +183,9 @@ def strip(report: dict) -> dict:
 
 
 @pytest.mark.parametrize("name, block_size", [("small_mooncake.jsonl", 4), ("small_qwen.jsonl", None),
-                                              ("small_tierkv.jsonl", 4), ("tiers.jsonl", 4)])
+                                              ("small_kvstrata.jsonl", 4), ("tiers.jsonl", 4)])
 def test_streamed_analysis_equals_the_in_memory_one(tmp_path: Path, name: str, block_size: int | None) -> None:
-    from tierkv.bench.report import build_report
+    from kvstrata.bench.report import build_report
 
     config = cfg(tmp_path, gpu=8, cpu=2, ssd=4)
     path = DATA / name
@@ -282,7 +282,7 @@ MOONCAKE_REPORT = {
 @pytest.mark.slow
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="shared Mooncake trace not present")
 def test_mooncake_report_equals_the_previous_exact_computation() -> None:
-    from tierkv.bench.report import build_report
+    from kvstrata.bench.report import build_report
 
     r = build_report(run_bench(TraceReader(MOONCAKE), default_config()))
     want = MOONCAKE_REPORT
@@ -397,11 +397,11 @@ def test_too_many_distinct_blocks_stops_the_pass_at_the_line_that_crossed(tmp_pa
 
 
 def test_default_limit_follows_available_memory_and_the_trace_format(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tierkv.bench import budget
+    from kvstrata.bench import budget
 
     monkeypatch.setattr(budget, "available_memory_bytes", lambda: 8 << 30)
     hashes, tokens = budget.default_max_distinct_blocks("mooncake", 512), budget.default_max_distinct_blocks(
-        "tierkv", 16)
+        "kvstrata", 16)
     assert hashes * budget.BYTES_PER_DISTINCT_BLOCK <= 0.8 * (8 << 30) and hashes > 20_000_000
     assert tokens < hashes
     monkeypatch.setattr(budget, "available_memory_bytes", lambda: None)
@@ -410,7 +410,7 @@ def test_default_limit_follows_available_memory_and_the_trace_format(monkeypatch
 
 def test_one_pass_does_not_build_a_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`run_bench` on a reader never materialises the request list (load_trace is not involved)."""
-    from tierkv.bench import traces
+    from kvstrata.trace import reader as traces
 
     def refuse(*_a: object, **_k: object) -> None:
         raise AssertionError("the whole trace was built")

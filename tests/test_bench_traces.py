@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.bench.traces import TraceError, detect_format, load_trace
+from kvstrata.trace.reader import TraceError, detect_format, load_trace
 
 DATA = Path(__file__).parent / "data"
 
@@ -37,9 +37,9 @@ def test_qwen_bailian_detected_with_16_token_blocks_and_second_timestamps() -> N
     assert tr.num_distinct_blocks == 6
 
 
-def test_tierkv_tokens_are_chained_full_blocks_and_salt_separates_tenants() -> None:
-    tr = load_trace(DATA / "small_tierkv.jsonl", block_size=4)
-    assert tr.format == "tierkv" and tr.token_based
+def test_kvstrata_tokens_are_chained_full_blocks_and_salt_separates_tenants() -> None:
+    tr = load_trace(DATA / "small_kvstrata.jsonl", block_size=4)
+    assert tr.format == "kvstrata" and tr.token_based
     r0, r1, r2, r3 = tr.requests
     assert len(r0.blocks) == 2 and r0.blocks == r1.blocks      # 9 and 10 tokens: 2 full blocks each
     assert r0.hittable == 2 and r1.hittable == 2
@@ -54,7 +54,7 @@ def test_token_prompt_of_whole_blocks_leaves_last_block_unhittable(tmp_path: Pat
     assert len(r.blocks) == 2 and r.hittable == 1
 
 
-def test_default_block_size_for_tierkv_comes_from_caller(tmp_path: Path) -> None:
+def test_default_block_size_for_kvstrata_comes_from_caller(tmp_path: Path) -> None:
     p = write(tmp_path, [json.dumps({"timestamp": 0, "token_ids": list(range(40))})])
     assert len(load_trace(p, default_block_size=16).requests[0].blocks) == 2
 
@@ -62,14 +62,14 @@ def test_default_block_size_for_tierkv_comes_from_caller(tmp_path: Path) -> None
 def test_forced_format_and_detection() -> None:
     assert detect_format({"hash_ids": [1], "timestamp": 0}) == "mooncake"
     assert detect_format({"chat_id": 1, "hash_ids": [1]}) == "qwen"
-    assert detect_format({"token_ids": [1]}) == "tierkv"
+    assert detect_format({"token_ids": [1]}) == "kvstrata"
     assert detect_format({"foo": 1}) is None
     with pytest.raises(TraceError, match="--format mooncake, but this is a qwen trace"):
         load_trace(DATA / "small_qwen.jsonl", "mooncake")  # would read seconds as ms, 16-token blocks as 512
     assert load_trace(DATA / "small_qwen.jsonl", "qwen").format == "qwen"
 
 
-# a recorded request (tierkv format, version 2) with ``%s`` among its keys
+# a recorded request (kvstrata format, version 2) with ``%s`` among its keys
 REC = ('{"timestamp": 0, "duration": 5, "input_length": 40, "output_length": 8, "block_hashes": [1, 2], '
        '"output_block_hashes": [3, 4], %s}')
 
@@ -250,28 +250,28 @@ def test_a_skipped_line_adds_no_blocks(tmp_path) -> None:
     assert trace.skipped_lines == 1 and trace.num_distinct_blocks == 2
 
 
-def test_tierkv_header_versions_the_format_and_gives_the_block_size(tmp_path: Path) -> None:
-    """The tierkv format's optional header line: its version (a newer one stops the read),
+def test_kvstrata_header_versions_the_format_and_gives_the_block_size(tmp_path: Path) -> None:
+    """The kvstrata format's optional header line: its version (a newer one stops the read),
     and the block size its block hashes were cut with."""
-    from tierkv.bench.traces import TRACE_VERSION, TraceReader
+    from kvstrata.trace.reader import TRACE_VERSION, TraceReader
 
     rows = ['{"timestamp": 0, "block_hashes": [1, 2, 3]}', '{"timestamp": 1, "block_hashes": [1, 2, 4]}']
-    p = write(tmp_path, [json.dumps({"tierkv_trace": TRACE_VERSION, "block_size": 64, "note": "ignored"}), *rows])
+    p = write(tmp_path, [json.dumps({"kvstrata_trace": TRACE_VERSION, "block_size": 64, "note": "ignored"}), *rows])
     tr = load_trace(p)
-    assert tr.format == "tierkv" and tr.block_size == 64 and len(tr.requests) == 2
+    assert tr.format == "kvstrata" and tr.block_size == 64 and len(tr.requests) == 2
     assert tr.requests[0].input_length == 3 * 64
     reader = TraceReader(p)
     assert sum(1 for _ in reader) == 2 and reader.block_size == 64
     with pytest.raises(TraceError, match=r":1: the header says 64-token blocks, --block-size says 16"):
         load_trace(p, block_size=16)
-    with pytest.raises(TraceError, match=r":1: --format mooncake, but this is a tierkv trace"):
+    with pytest.raises(TraceError, match=r":1: --format mooncake, but this is a kvstrata trace"):
         load_trace(p, "mooncake")
-    newer = write(tmp_path, [json.dumps({"tierkv_trace": TRACE_VERSION + 1}), *rows])
-    with pytest.raises(TraceError, match=rf":1: written in tierkv trace format {TRACE_VERSION + 1}; this tierkv "
+    newer = write(tmp_path, [json.dumps({"kvstrata_trace": TRACE_VERSION + 1}), *rows])
+    with pytest.raises(TraceError, match=rf":1: written in kvstrata trace format {TRACE_VERSION + 1}; this kvstrata "
                                          rf"reads format {TRACE_VERSION} and older"):
         load_trace(newer, skip_bad_lines=True)  # not a bad line: nothing after it can be read right
-    bad = write(tmp_path, [json.dumps({"tierkv_trace": "1"}), *rows])
-    with pytest.raises(TraceError, match="'tierkv_trace': expected a format version"):
+    bad = write(tmp_path, [json.dumps({"kvstrata_trace": "1"}), *rows])
+    with pytest.raises(TraceError, match="'kvstrata_trace': expected a format version"):
         load_trace(bad)
 
 
@@ -279,9 +279,9 @@ def test_the_readmes_example_trace_reads_as_it_says(tmp_path: Path) -> None:
     import re
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("### The tierkv trace format"):]
+    section = readme[readme.index("### The kvstrata trace format"):]
     example = re.search(r"^```\n(.*?)^```", section, re.M | re.S).group(1)
     tr = load_trace(write(tmp_path, example.strip().splitlines()))
-    assert tr.format == "tierkv" and tr.block_size == 16 and len(tr.requests) == 3
+    assert tr.format == "kvstrata" and tr.block_size == 16 and len(tr.requests) == 3
     assert tr.requests[1].blocks[:2] == tr.requests[0].blocks[:2]  # equal hashes: shared blocks
     assert tr.requests[0].input_length == 40 and tr.requests[1].output_length == 128

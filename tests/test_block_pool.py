@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv import BlockHasher, BlockManager, OutOfBlocksError
-from tierkv.block_pool import Block, FreeBlockQueue
+from kvstrata import BlockHasher, BlockManager, OutOfBlocksError
+from kvstrata.block_pool import Block, FreeBlockQueue
 
 
 def free_ids(m: BlockManager) -> list[int]:

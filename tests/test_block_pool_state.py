@@ -6,7 +6,7 @@ import math
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierkv import BlockHasher, BlockManager, OutOfBlocksError
+from kvstrata import BlockHasher, BlockManager, OutOfBlocksError
 
 NUM_BLOCKS, BS = 10, 2
 HASHER = BlockHasher(BS)

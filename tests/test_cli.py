@@ -1,4 +1,4 @@
-"""`tierkv bench | plan | inspect` end to end: exit codes, one-line errors, JSON schema, PNG."""
+"""`kvstrata bench | plan | inspect` end to end: exit codes, one-line errors, JSON schema, PNG."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tierkv import cli
-from tierkv.cli import Progress, main
+from kvstrata import cli
+from kvstrata.cli import Progress, main
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
@@ -23,7 +23,7 @@ SMALL = ["--block-size", "4", "--set", "block_size=4", "--set", "model.block_nby
 
 
 def run_cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tierkv.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvstrata.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           input=stdin, timeout=timeout, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
 
@@ -87,14 +87,14 @@ def test_bad_trace_is_one_line_error_exit_2(tmp_path: Path, lines: list[str], wh
     res = run_cli("bench", "--trace", str(p), "--quiet")
     assert res.returncode == 2
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
-    assert res.stderr.startswith(f"tierkv: error: {p}{where}")
+    assert res.stderr.startswith(f"kvstrata: error: {p}{where}")
 
 
 def test_missing_file_bad_override_and_skip_bad_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--trace", str(tmp_path / "none.jsonl"), "--quiet"]) == 2
     assert "none.jsonl: trace file not found" in capsys.readouterr().err
     assert main(["bench", "--set", "cpu.capacity=lots", "--quiet"]) == 2
-    assert capsys.readouterr().err.startswith("tierkv: error: cpu.capacity")
+    assert capsys.readouterr().err.startswith("kvstrata: error: cpu.capacity")
     p = tmp_path / "dirty.jsonl"
     p.write_text('{"timestamp": 0, "hash_ids": [1]}\nnot json\n{"timestamp": 1, "hash_ids": [1]}\n')
     assert main(["bench", "--trace", str(p), *SMALL, "--quiet"]) == 2
@@ -128,7 +128,7 @@ def test_skip_bad_lines_skips_and_counts_every_kind(tmp_path: Path, capsys: pyte
 def test_endless_line_is_an_error_not_a_hang() -> None:
     res = run_cli("bench", "--trace", "/dev/zero", "--quiet", timeout=60)
     assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert res.stderr == "tierkv: error: /dev/zero:1: line longer than 67108864 bytes\n"
+    assert res.stderr == "kvstrata: error: /dev/zero:1: line longer than 67108864 bytes\n"
 
 
 def test_trace_on_stdin_is_read_once() -> None:
@@ -215,7 +215,7 @@ def test_admission_both_compares_modes_in_one_report(tmp_path: Path) -> None:
         assert mode["blocks_written"]["cpu"] > 0 and mode["hit_rate"]["total"] > 0
     # on_compute writes every computed block down, on_evict only what the GPU pool lets go
     assert cmp["on_compute"]["blocks_written"]["cpu"] > cmp["on_evict"]["blocks_written"]["cpu"]
-    from tierkv.bench.report import render_text
+    from kvstrata.bench.report import render_text
 
     text = render_text(json.loads(out.read_text()))
     assert "SSD writes per hit (any tier)" in text  # the label says what it divides by
@@ -285,7 +285,7 @@ def test_inspect(capsys: pytest.CaptureFixture[str]) -> None:
     assert info["format"] == "qwen" and info["block_accesses"] == 9 and info["ideal_hit_rate"] == pytest.approx(3 / 9)
     assert main(["inspect", "--trace", str(DATA / "small_qwen.jsonl")]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("tierkv inspect: small_qwen.jsonl (qwen)\n")
+    assert text.startswith("kvstrata inspect: small_qwen.jsonl (qwen)\n")
     assert "  ideal hit rate   33.3% (an unbounded cache" in text and "  block accesses   9 (16-token blocks)" in text
     assert f"  cache for it     {info['saturation_tokens']:,} tokens" in text
     body = text.split("\n", 1)[1]
@@ -297,7 +297,7 @@ def test_max_distinct_blocks_stops_a_trace_too_large_with_one_line(tmp_path: Pat
     trace = str(DATA / "small_mooncake.jsonl")           # 5 distinct blocks, the 5th on line 4
     assert main(["bench", "--trace", trace, *SMALL, "--max-distinct-blocks", "4", "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err == f"tierkv: error: {trace}:4: more than 4 distinct blocks (--max-distinct-blocks): stopped before " \
+    assert err == f"kvstrata: error: {trace}:4: more than 4 distinct blocks (--max-distinct-blocks): stopped before " \
                   "the analysis outgrows the memory it was given\n"
     assert main(["inspect", "--trace", trace, "--max-distinct-blocks", "4"]) == 2
     assert ":4: more than 4 distinct blocks" in capsys.readouterr().err
@@ -317,10 +317,10 @@ def test_bench_reports_its_peak_memory_and_exact_percentiles(tmp_path: Path) -> 
 
 
 def test_version() -> None:
-    from tierkv import __version__
+    from kvstrata import __version__
 
     r = run_cli("--version")
-    assert r.returncode == 0 and r.stdout.strip() == f"tierkv {__version__}"
+    assert r.returncode == 0 and r.stdout.strip() == f"kvstrata {__version__}"
 
 
 @pytest.mark.parametrize("command", [["bench", "--scale", "0.05"], ["inspect", "--trace", "TRACE"],
@@ -336,7 +336,7 @@ def test_an_unwritable_output_is_refused_before_any_work(tmp_path: Path, capsys:
                             ("--json", tmp_path, "is a directory")):
         assert main([*command, flag, str(path)]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"tierkv: error: {flag}: ") and why in err and "Traceback" not in err
+        assert err.startswith(f"kvstrata: error: {flag}: ") and why in err and "Traceback" not in err
     if command[0] == "bench":
         assert main([*command, "--plot", str(tmp_path / "nowhere" / "p.png")]) == 2
         assert "--plot: " in capsys.readouterr().err
@@ -345,7 +345,7 @@ def test_an_unwritable_output_is_refused_before_any_work(tmp_path: Path, capsys:
 
 @pytest.mark.parametrize("trace, forced, detected", [("small_mooncake.jsonl", "qwen", "mooncake"),
                                                       ("small_qwen.jsonl", "mooncake", "qwen"),
-                                                      ("small_tierkv.jsonl", "mooncake", "tierkv")])
+                                                      ("small_kvstrata.jsonl", "mooncake", "kvstrata")])
 def test_a_format_forced_on_another_formats_trace_is_an_error(capsys: pytest.CaptureFixture[str], trace: str,
                                                              forced: str, detected: str) -> None:
     for command in ("bench", "inspect"):
@@ -370,7 +370,7 @@ def test_report_names_units_and_agrees_with_itself(capsys: pytest.CaptureFixture
 
 
 def test_a_tier_large_enough_for_most_reuses_names_what_it_lost() -> None:
-    from tierkv.bench.diagnose import pool_check
+    from kvstrata.bench.diagnose import pool_check
 
     ok = pool_check("ssd", 600.0, 1182.0, 50, missed=2009, accesses=288500)
     assert ok["verdict"] == "ok" and ok["missed"] == 2009
@@ -381,8 +381,8 @@ def test_a_tier_large_enough_for_most_reuses_names_what_it_lost() -> None:
 def test_plot_draws_no_zero_gap_on_its_log_axis() -> None:
     """Zero gaps (a block reused in the same step) are not drawn at an invented 1 ms: the
     curve starts at the fraction they make up, which the label states."""
-    from tierkv.bench.plot import _ecdf_points
-    from tierkv.bench.stats import Quantiles
+    from kvstrata.bench.plot import _ecdf_points
+    from kvstrata.bench.stats import Quantiles
 
     q = Quantiles()
     q.add([0.0] * 30 + [float(i) for i in range(1, 71)])

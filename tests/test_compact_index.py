@@ -11,8 +11,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierkv.policy.compact_index import CompactIndex
-from tierkv.policy.slot_index import PinnedError, SlotIndex
+from kvstrata.policy.compact_index import CompactIndex
+from kvstrata.policy.slot_index import PinnedError, SlotIndex
 
 
 def key(i: int) -> bytes:

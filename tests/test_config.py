@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tierkv import ConfigError
-from tierkv.config import TierKVConfig, apply_overrides, parse_size, short_repr
+from kvstrata import ConfigError
+from kvstrata.config import KVStrataConfig, apply_overrides, parse_size, short_repr
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def test_parse_size_rejects_non_finite_and_huge(bad):
 def test_numeric_fields_reject_huge_and_non_finite_values(key, value, expected):
     overrides = {key: value, **({"spill.admission": "on_evict"} if key == "spill.watermark" else {})}
     with pytest.raises(ConfigError, match=f"^{re.escape(key)}: {re.escape(expected)}$"):
-        TierKVConfig.from_dict({}, overrides)
+        KVStrataConfig.from_dict({}, overrides)
 
 
 def _bomb(levels: int) -> list:
@@ -91,7 +91,7 @@ def test_short_repr_is_short_and_cheap_for_any_value():
 ], ids=lambda v: v if isinstance(v, str) and len(v) < 40 else type(v).__name__)
 def test_error_messages_never_print_a_whole_value(key, value):
     with pytest.raises(ConfigError, match=f"^{re.escape(key)}: ") as e:
-        TierKVConfig.from_dict({}, {key: value})
+        KVStrataConfig.from_dict({}, {key: value})
     assert len(str(e.value)) < 200, str(e.value)[:300]
 
 
@@ -100,7 +100,7 @@ def test_error_messages_shorten_long_keys_and_overrides():
                             ({}, ["cpu.capacity=" + "x" * 100_000]), ({}, ["x" * 100_000]),
                             ({}, ["cpu." + "." * 100_000 + "=1"]), ({}, {"cpu.capacity." + "c" * 100_000: 1})]:
         with pytest.raises(ConfigError) as e:
-            TierKVConfig.from_dict(data, overrides)
+            KVStrataConfig.from_dict(data, overrides)
         assert len(str(e.value)) < 200, str(e.value)[:300]
 
 
@@ -109,13 +109,13 @@ def test_every_shipped_config_loads():
     names = {f.name for f in files}
     assert {"default.yaml", "chat-8b-48gb.yaml", "rag-70b-fp8-4x80gb.yaml", "longdoc-32b-2x80gb.yaml"} <= names
     for f in files:
-        cfg = TierKVConfig.from_yaml(f)
+        cfg = KVStrataConfig.from_yaml(f)
         assert cfg.block_nbytes() > 0
         assert cfg.gpu.resolve_num_blocks(cfg.block_nbytes()) >= 1
 
 
 def test_default_yaml_matches_documented_shape():
-    cfg = TierKVConfig.from_yaml(ROOT / "configs" / "default.yaml")
+    cfg = KVStrataConfig.from_yaml(ROOT / "configs" / "default.yaml")
     assert cfg.block_size == 16 and cfg.hash == "sha256"
     assert cfg.gpu.num_blocks == 1024 and cfg.gpu.device == "auto"
     assert cfg.cpu.capacity == 8 * 2**30 and cfg.cpu.pin is None
@@ -127,27 +127,27 @@ def test_default_yaml_matches_documented_shape():
 
 
 def test_scenario_fp8_halves_bytes_per_token():
-    rag = TierKVConfig.from_yaml(ROOT / "configs" / "rag-70b-fp8-4x80gb.yaml")
+    rag = KVStrataConfig.from_yaml(ROOT / "configs" / "rag-70b-fp8-4x80gb.yaml")
     assert rag.model.kv_dtype == "fp8"
     assert rag.model.bytes_per_token() == 2 * 80 * 2 * 128 * 1
     assert rag.gpu.resolve_num_blocks(rag.block_nbytes()) == 50 * 2**30 // rag.block_nbytes()
 
 
 def test_admission_rules_reject_what_a_mode_cannot_honour():
-    cfg = TierKVConfig.from_dict({})
+    cfg = KVStrataConfig.from_dict({})
     assert cfg.spill.admission == "on_compute"
     with pytest.raises(ConfigError, match=r"^spill.promotion: exclusive needs spill.admission: on_evict"):
-        TierKVConfig.from_dict({"spill": {"promotion": "exclusive"}})
+        KVStrataConfig.from_dict({"spill": {"promotion": "exclusive"}})
     with pytest.raises(ConfigError, match=r"^spill.watermark: only used with spill.admission: on_evict"):
-        TierKVConfig.from_dict({"spill": {"watermark": 0.05}})
-    ok = TierKVConfig.from_dict({"spill": {"admission": "on_evict", "watermark": 0.05, "promotion": "exclusive"}})
+        KVStrataConfig.from_dict({"spill": {"watermark": 0.05}})
+    ok = KVStrataConfig.from_dict({"spill": {"admission": "on_evict", "watermark": 0.05, "promotion": "exclusive"}})
     assert ok.spill.watermark == 0.05 and ok.explicit >= {"spill.admission", "spill.watermark"}
     with pytest.raises(ConfigError, match=r"^spill.admission: expected one of on_compute, on_evict"):
-        TierKVConfig.from_dict({"spill": {"admission": "lazy"}})
+        KVStrataConfig.from_dict({"spill": {"admission": "lazy"}})
 
 
 def test_reject_names_only_explicit_keys():
-    cfg = TierKVConfig.from_dict({"gpu": {"device": "cpu"}})
+    cfg = KVStrataConfig.from_dict({"gpu": {"device": "cpu"}})
     cfg.reject(("block_size", "cpu"), "never")  # not set: nothing raised
     with pytest.raises(ConfigError, match=r"^gpu.device: vLLM sizes"):
         cfg.reject(("gpu",), "vLLM sizes its pool")
@@ -155,60 +155,60 @@ def test_reject_names_only_explicit_keys():
 
 def test_bad_value_names_field_path():
     with pytest.raises(ConfigError, match=r"^cpu.capacity: expected a size like '8GiB', got 'lots'"):
-        TierKVConfig.from_dict({"cpu": {"capacity": "lots"}})
+        KVStrataConfig.from_dict({"cpu": {"capacity": "lots"}})
     with pytest.raises(ConfigError, match=r"^ssd.compression: expected one of"):
-        TierKVConfig.from_dict({"ssd": {"compression": "lz4"}})
+        KVStrataConfig.from_dict({"ssd": {"compression": "lz4"}})
     with pytest.raises(ConfigError, match=r"^hash: expected one of"):
-        TierKVConfig.from_dict({"hash": "md5"})
+        KVStrataConfig.from_dict({"hash": "md5"})
     with pytest.raises(ConfigError, match=r"^block_size: must be >= 1"):
-        TierKVConfig.from_dict({"block_size": 0})
+        KVStrataConfig.from_dict({"block_size": 0})
     with pytest.raises(ConfigError, match=r"^gpu: set either num_blocks or capacity"):
-        TierKVConfig.from_dict({"gpu": {"num_blocks": 4, "capacity": "1GiB"}})
+        KVStrataConfig.from_dict({"gpu": {"num_blocks": 4, "capacity": "1GiB"}})
 
 
 def test_unknown_keys_get_did_you_mean():
     with pytest.raises(ConfigError, match=r"^cpu.capacty: unknown key; did you mean 'capacity'\?"):
-        TierKVConfig.from_dict({"cpu": {"capacty": "1GiB"}})
+        KVStrataConfig.from_dict({"cpu": {"capacty": "1GiB"}})
     with pytest.raises(ConfigError, match=r"^metric: unknown key; did you mean 'metrics'\?"):
-        TierKVConfig.from_dict({"metric": {}})
+        KVStrataConfig.from_dict({"metric": {}})
 
 
 def test_dotted_overrides_apply_on_top_of_file(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("cpu: {capacity: 1GiB}\nssd: {path: /tmp/x}\n")
-    cfg = TierKVConfig.from_yaml(f, ["cpu.capacity=16GiB", "ssd.level=3", "gpu.num_blocks=8"])
+    cfg = KVStrataConfig.from_yaml(f, ["cpu.capacity=16GiB", "ssd.level=3", "gpu.num_blocks=8"])
     assert cfg.cpu.capacity == 16 * 2**30
     assert cfg.ssd.level == 3 and cfg.ssd.path == "/tmp/x"
     assert cfg.gpu.num_blocks == 8
-    cfg2 = TierKVConfig.from_dict({}, {"ssd.path": None, "cpu.capacity": "2GiB"})
+    cfg2 = KVStrataConfig.from_dict({}, {"ssd.path": None, "cpu.capacity": "2GiB"})
     assert not cfg2.ssd.enabled and cfg2.cpu.capacity == 2 * 2**30
     with pytest.raises(ConfigError, match=r"^cpu.capasity: unknown key; did you mean 'capacity'"):
-        TierKVConfig.from_dict({}, ["cpu.capasity=1GiB"])
+        KVStrataConfig.from_dict({}, ["cpu.capasity=1GiB"])
     with pytest.raises(ConfigError, match=r"^spil: unknown key; did you mean 'spill'"):
         apply_overrides({}, {"spil.watermark": 0.1})
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
-        TierKVConfig.from_dict({}, ["cpu.capacity"])
+        KVStrataConfig.from_dict({}, ["cpu.capacity"])
 
 
 def test_yaml_errors_name_file_and_line(tmp_path):
     f = tmp_path / "broken.yaml"
     f.write_text("cpu:\n  capacity: 1GiB\n   bad: [\n")
     with pytest.raises(ConfigError, match=r"broken.yaml:\d+: invalid YAML"):
-        TierKVConfig.from_yaml(f)
+        KVStrataConfig.from_yaml(f)
     g = tmp_path / "typo.yaml"
     g.write_text("gpu: {num_block: 3}\n")
     with pytest.raises(ConfigError, match=r"typo.yaml: gpu.num_block: unknown key; did you mean 'num_blocks'"):
-        TierKVConfig.from_yaml(g)
+        KVStrataConfig.from_yaml(g)
     with pytest.raises(ConfigError, match="config file not found"):
-        TierKVConfig.from_yaml(tmp_path / "missing.yaml")
+        KVStrataConfig.from_yaml(tmp_path / "missing.yaml")
     h = tmp_path / "list.yaml"
     h.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="expected a mapping"):
-        TierKVConfig.from_yaml(h)
+        KVStrataConfig.from_yaml(h)
 
 
 def test_config_is_frozen():
-    cfg = TierKVConfig.from_dict({})
+    cfg = KVStrataConfig.from_dict({})
     with pytest.raises(AttributeError):
         cfg.block_size = 32  # type: ignore[misc]
 
@@ -216,16 +216,16 @@ def test_config_is_frozen():
 @pytest.mark.parametrize("host", ["", " ", 7, None, "127.0.0.1 ::1"])
 def test_metrics_host_must_be_an_address(host: object) -> None:
     with pytest.raises(ConfigError, match="metrics.host: expected an address to listen on"):
-        TierKVConfig.from_dict({"metrics": {"host": host}})
-    assert TierKVConfig.from_dict({"metrics": {"host": "127.0.0.1"}}).metrics.host == "127.0.0.1"
+        KVStrataConfig.from_dict({"metrics": {"host": host}})
+    assert KVStrataConfig.from_dict({"metrics": {"host": "127.0.0.1"}}).metrics.host == "127.0.0.1"
 
 
 # ---------------------------------------------------------------- config values through TieredKVCache
 
-def _library_config(tmp_path: Path, *overrides: str) -> TierKVConfig:
+def _library_config(tmp_path: Path, *overrides: str) -> KVStrataConfig:
     base = {"block_size": 4, "model": {"block_nbytes": 256}, "cpu": {"capacity": "4KiB"},
             "ssd": {"path": str(tmp_path / "ssd"), "capacity": "2MiB"}}
-    return TierKVConfig.from_dict(base, list(overrides))
+    return KVStrataConfig.from_dict(base, list(overrides))
 
 
 @pytest.mark.parametrize("overrides", [
@@ -235,7 +235,7 @@ def _library_config(tmp_path: Path, *overrides: str) -> TierKVConfig:
 def test_gpu_values_that_describe_the_kv_pool_are_accepted(tmp_path: Path, overrides: tuple[str, ...]) -> None:
     import torch
 
-    from tierkv import TieredKVCache
+    from kvstrata import TieredKVCache
 
     pool = torch.zeros((8, 256), dtype=torch.uint8)
     with TieredKVCache(_library_config(tmp_path, *overrides), kv_pool=pool) as cache:
@@ -254,7 +254,7 @@ def test_gpu_values_that_contradict_the_kv_pool_name_the_key_and_both_values(
         tmp_path: Path, overrides: tuple[str, ...], message: str) -> None:
     import torch
 
-    from tierkv import TieredKVCache
+    from kvstrata import TieredKVCache
 
     pool = torch.zeros((8, 256), dtype=torch.uint8)
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
@@ -264,7 +264,7 @@ def test_gpu_values_that_contradict_the_kv_pool_name_the_key_and_both_values(
 
 def test_default_yaml_describes_a_pool_of_its_size(tmp_path: Path) -> None:
     """What the README's library snippet does: default.yaml sets gpu.num_blocks and gpu.device."""
-    cfg = TierKVConfig.from_yaml(ROOT / "configs" / "default.yaml", [f"ssd.path={tmp_path / 'ssd'}"])
+    cfg = KVStrataConfig.from_yaml(ROOT / "configs" / "default.yaml", [f"ssd.path={tmp_path / 'ssd'}"])
     assert {"gpu.num_blocks", "gpu.device"} <= cfg.explicit
     cfg.check_kv_pool(1024, cfg.block_nbytes(), "cpu")
     cfg.check_kv_pool(1024, cfg.block_nbytes(), "cuda:3")
@@ -274,14 +274,14 @@ def test_default_yaml_describes_a_pool_of_its_size(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("override,message", [
-    ("ssd.path=/nonexistent-parent/tierkv", "ssd.path: the parent directory /nonexistent-parent does not exist"),
+    ("ssd.path=/nonexistent-parent/kvstrata", "ssd.path: the parent directory /nonexistent-parent does not exist"),
     ("ssd.path=/etc/hostname", "ssd.path: /etc/hostname exists and is not a directory"),
     ("ssd.capacity=512KiB", "ssd.capacity: 524288 is too small"),
     ("ssd.queue_capacity=0", "ssd.queue_capacity: expected an integer >= 1, got 0"),
     ("model.block_nbytes=0", "model.block_nbytes: expected a positive size, got 0"),
 ])
 def test_errors_from_config_values_name_the_config_key(tmp_path: Path, override: str, message: str) -> None:
-    from tierkv import TieredKVCache
+    from kvstrata import TieredKVCache
 
     if override.startswith("ssd.path=/etc/") and not Path(override.split("=", 1)[1]).is_file():
         pytest.skip("no /etc/hostname here")
@@ -290,7 +290,7 @@ def test_errors_from_config_values_name_the_config_key(tmp_path: Path, override:
 
 
 def test_a_second_owner_of_ssd_path_is_named_by_its_key(tmp_path: Path) -> None:
-    from tierkv import TieredKVCache
+    from kvstrata import TieredKVCache
 
     with TieredKVCache(_library_config(tmp_path, "gpu.num_blocks=8")):
         with pytest.raises(ConfigError, match=r"^ssd.path: .* is in use by this process"):
@@ -300,8 +300,8 @@ def test_a_second_owner_of_ssd_path_is_named_by_its_key(tmp_path: Path) -> None:
 @pytest.mark.parametrize("source", ["default", "configs/vllm-remote.yaml", "configs/chat-8b-48gb.yaml", "on_evict"])
 def test_to_dict_reads_back_as_the_same_config(source: str) -> None:
     repo = Path(__file__).resolve().parents[1]
-    cfg = (TierKVConfig.from_dict({}) if source == "default" else
-           TierKVConfig.from_dict({"spill": {"admission": "on_evict", "watermark": 0.1, "promotion": "exclusive",
+    cfg = (KVStrataConfig.from_dict({}) if source == "default" else
+           KVStrataConfig.from_dict({"spill": {"admission": "on_evict", "watermark": 0.1, "promotion": "exclusive",
                                               "write_through": False}}) if source == "on_evict" else
-           TierKVConfig.from_yaml(repo / source))
-    assert TierKVConfig.from_dict(cfg.to_dict()) == cfg
+           KVStrataConfig.from_yaml(repo / source))
+    assert KVStrataConfig.from_dict(cfg.to_dict()) == cfg

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tierkv import ConfigError
-from tierkv.cli import main
-from tierkv.config import TierKVConfig, key_paths, read_yaml
+from kvstrata import ConfigError
+from kvstrata.cli import main
+from kvstrata.config import KVStrataConfig, key_paths, read_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def write(tmp_path: Path, name: str, text: str | bytes) -> Path:
 
 
 def run_cli_bounded(config: Path) -> subprocess.CompletedProcess[str]:
-    """``tierkv bench --config FILE --quiet`` in a child process held to 1 GiB of address
+    """``kvstrata bench --config FILE --quiet`` in a child process held to 1 GiB of address
     space and 60 s, so a regression fails the test instead of exhausting the machine."""
     def limit() -> None:
         import resource
@@ -44,7 +44,7 @@ def run_cli_bounded(config: Path) -> subprocess.CompletedProcess[str]:
         resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))
 
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "tierkv.cli", "bench", "--config", str(config), "--quiet"],
+    return subprocess.run([sys.executable, "-m", "kvstrata.cli", "bench", "--config", str(config), "--quiet"],
                           capture_output=True, text=True, timeout=60, preexec_fn=limit, cwd=ROOT, env=env)
 
 
@@ -61,13 +61,13 @@ def test_alias_bomb_through_the_cli_is_one_line(tmp_path):
     f = write(tmp_path, "bomb.yaml", alias_bomb(10))
     proc = run_cli_bounded(f)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr == f"tierkv: error: {f}:2: YAML holds more than 10,000 values with aliases expanded\n"
+    assert proc.stderr == f"kvstrata: error: {f}:2: YAML holds more than 10,000 values with aliases expanded\n"
 
 
 def test_alias_bomb_in_an_override_is_refused():
     bomb = alias_bomb(5, width=10).split("capacity: ", 1)[1].strip()   # 100,000 values
     with pytest.raises(ConfigError, match=r"^cpu\.capacity: YAML holds more than 10,000 values") as e:
-        TierKVConfig.from_dict({}, [f"cpu.capacity={bomb}"])
+        KVStrataConfig.from_dict({}, [f"cpu.capacity={bomb}"])
     assert len(str(e.value)) < 100
 
 
@@ -80,7 +80,7 @@ def test_alias_inside_its_own_anchor_is_refused(tmp_path):
 def test_plain_aliases_and_merge_keys_still_load(tmp_path):
     f = write(tmp_path, "ok.yaml", "cpu: {capacity: &cap 2GiB}\ngpu: {capacity: *cap}\n"
                                    "ssd: {<<: {path: /tmp/x, level: 3}, capacity: *cap}\n")
-    cfg = TierKVConfig.from_yaml(f)
+    cfg = KVStrataConfig.from_yaml(f)
     assert cfg.cpu.capacity == cfg.gpu.capacity == cfg.ssd.capacity == 2 * 2**30
     assert cfg.ssd.path == "/tmp/x" and cfg.ssd.level == 3
 
@@ -97,7 +97,7 @@ def test_deep_nesting_is_refused(tmp_path, opened, closed):
 
 def test_deep_nesting_in_an_override_is_refused():
     with pytest.raises(ConfigError, match=r"^cpu\.capacity: YAML nested more than 32 levels deep"):
-        TierKVConfig.from_dict({}, ["cpu.capacity=" + "[" * 10_000 + "]" * 10_000])
+        KVStrataConfig.from_dict({}, ["cpu.capacity=" + "[" * 10_000 + "]" * 10_000])
 
 
 def test_nesting_up_to_the_limit_loads(tmp_path):
@@ -107,7 +107,7 @@ def test_nesting_up_to_the_limit_loads(tmp_path):
         (value,) = value
     assert value == []
     with pytest.raises(ConfigError, match=r"nested\.yaml: cpu\.capacity: expected a size like '8GiB', got \[\[\["):
-        TierKVConfig.from_yaml(f)
+        KVStrataConfig.from_yaml(f)
 
 
 # --------------------------------------------------------------------------- the file itself
@@ -120,7 +120,7 @@ def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path):
 
 def test_utf8_text_and_a_byte_order_mark_still_load(tmp_path):
     f = write(tmp_path, "bom.yaml", "\ufeffmodel:\n  name: café\ncpu:\n  capacity: 1GiB\n".encode())
-    cfg = TierKVConfig.from_yaml(f)
+    cfg = KVStrataConfig.from_yaml(f)
     assert cfg.model.name == "café" and cfg.cpu.capacity == 2**30
 
 
@@ -165,5 +165,5 @@ def test_cli_prints_one_line_and_no_traceback(tmp_path, capsys, name):
     f = write(tmp_path, f"{name}.yaml", text)
     assert main(["bench", "--config", str(f), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"tierkv: error: {f}{expected}")
+    assert err.startswith(f"kvstrata: error: {f}{expected}")
     assert err.count("\n") == 1 and len(err) < len(str(f)) + 200 and "Traceback" not in err

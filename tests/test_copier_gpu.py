@@ -1,4 +1,4 @@
-"""The copier on a real GPU: CUDA streams and events, tierkv's gather/scatter kernels,
+"""The copier on a real GPU: CUDA streams and events, kvstrata's gather/scatter kernels,
 the page-locked slab, a real SSD tier (needs a GPU and cupy; run by
 benchmarks/gpu_check.sh). The same ordering rules are checked without a GPU by
 tests/test_copier_state.py on a fake device."""
@@ -16,13 +16,13 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device: GPU copier tests skipped", allow_module_level=True)
 pytest.importorskip("cupy")
 
-from tierkv.connectors.kv_layout import KVLayout, LayoutRows  # noqa: E402
-from tierkv.copier import Copier  # noqa: E402
-from tierkv.executor import Executor  # noqa: E402
-from tierkv.policy import COMPUTED, LoadPlan, StorePlan  # noqa: E402
-from tierkv.streams import CudaStreams  # noqa: E402
-from tierkv.tiers.host import HostSlab  # noqa: E402
-from tierkv.tiers.ssd import SSDTier  # noqa: E402
+from kvstrata.connectors.kv_layout import KVLayout, LayoutRows  # noqa: E402
+from kvstrata.copier import Copier  # noqa: E402
+from kvstrata.executor import Executor  # noqa: E402
+from kvstrata.policy import COMPUTED, LoadPlan, StorePlan  # noqa: E402
+from kvstrata.streams import CudaStreams  # noqa: E402
+from kvstrata.tiers.host import HostSlab  # noqa: E402
+from kvstrata.tiers.ssd import SSDTier  # noqa: E402
 
 NUM_BLOCKS = 16
 LAYERS = 4
@@ -140,7 +140,7 @@ def test_slab_close_unregisters_the_page_locked_memory() -> None:
 
 def test_transfer_write_rows_runs_after_the_compute_stream() -> None:
     """A promotion into a pool row that queued compute work still writes lands after it."""
-    from tierkv.transfer import TransferEngine
+    from kvstrata.transfer import TransferEngine
 
     pool = torch.zeros((4, 1 << 20), dtype=torch.uint8, device="cuda")
     engine = TransferEngine(pool)
@@ -155,7 +155,7 @@ def test_transfer_write_rows_runs_after_the_compute_stream() -> None:
 def test_unregister_and_restore_on_cuda(tmp_path) -> None:
     """The sleep-mode hooks' device side: the kernel tables are dropped with the views, and
     after restore a store still gathers the right bytes."""
-    from tierkv.kernels import cuda_block_ops
+    from kvstrata.kernels import cuda_block_ops
 
     kv, layout, slab, ssd, copier = _engine(tmp_path)
     rows = LayoutRows(layout)

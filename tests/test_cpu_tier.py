@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierkv.policy.slot_index import PinnedError, SlotIndex
-from tierkv.tiers.host import CPUTier
-from tierkv.errors import ConfigError
+from kvstrata.policy.slot_index import PinnedError, SlotIndex
+from kvstrata.tiers.host import CPUTier
+from kvstrata.errors import ConfigError
 
 B = 64  # block bytes in most tests
 
@@ -246,14 +246,14 @@ def test_bad_input_names_the_argument():
 
 
 def test_import_does_not_load_torch():
-    code = ("import sys, tierkv, tierkv.tiers.host, tierkv.tiers.ssd; "
+    code = ("import sys, kvstrata, kvstrata.tiers.host, kvstrata.tiers.ssd; "
             "assert not {'torch', 'lmdb', 'zstandard'} & set(sys.modules), sys.modules.keys()")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_policy_is_bytes_free():
     """The policy package loads no numpy, torch or storage library."""
-    code = ("import sys, tierkv.policy as p; "
+    code = ("import sys, kvstrata.policy as p; "
             "pol = p.TierPolicy(p.PolicySpec(cpu_slots=2, ssd_slots=2)); "
             "pol.complete_store(pol.prepare_store([0], [b'x' * 32], 'computed')); "
             "assert pol.lookup([b'x' * 32]) == ['cpu'], pol.lookup([b'x' * 32]); "
@@ -572,7 +572,7 @@ def copy_rows_reference(src: np.ndarray, src_rows, dst: np.ndarray, dst_rows) ->
     ([], []),
 ])
 def test_copy_rows_matches_row_by_row(src_rows, dst_rows):
-    from tierkv.transfer import copy_rows
+    from kvstrata.transfer import copy_rows
     rng = np.random.default_rng(3)
     src = rng.integers(0, 256, (8, 16), dtype=np.uint8)
     got = np.zeros((8, 16), np.uint8)
@@ -584,7 +584,7 @@ def test_copy_rows_matches_row_by_row(src_rows, dst_rows):
 
 @pytest.mark.parametrize("src_rows, dst_rows", [([0, 8], [0, 1]), ([0, 1], [3, 8]), ([0, 1], [8, 9])])
 def test_copy_rows_out_of_range_raises(src_rows, dst_rows):
-    from tierkv.transfer import copy_rows
+    from kvstrata.transfer import copy_rows
     with pytest.raises(IndexError):
         copy_rows(np.zeros((8, 4), np.uint8), src_rows, np.zeros((8, 4), np.uint8), dst_rows)
 
@@ -592,11 +592,11 @@ def test_copy_rows_out_of_range_raises(src_rows, dst_rows):
 # ---------------------------------------------------------------------- page-locking the slab
 
 def _pin_warnings(caplog) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "tierkv.tiers.host" and r.levelno >= logging.WARNING]
+    return [r for r in caplog.records if r.name == "kvstrata.tiers.host" and r.levelno >= logging.WARNING]
 
 
 def test_pinning_asked_for_without_cuda_falls_back_with_one_warning(caplog):
-    from tierkv.tiers.host import HostSlab
+    from kvstrata.tiers.host import HostSlab
 
     assert not torch.cuda.is_available()  # CUDA cannot exist on this machine: the no-CUDA failure is real
     with caplog.at_level(logging.WARNING):
@@ -612,7 +612,7 @@ def test_pinning_asked_for_without_cuda_falls_back_with_one_warning(caplog):
 
 @pytest.mark.parametrize("pin", [None, False])
 def test_no_pinning_wanted_means_no_warning(caplog, pin):
-    from tierkv.tiers.host import HostSlab
+    from kvstrata.tiers.host import HostSlab
 
     with caplog.at_level(logging.WARNING):
         slab = HostSlab(3, B, pin_memory=pin)
@@ -649,7 +649,7 @@ class FakePinRuntime:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    from tierkv.tiers import host
+    from kvstrata.tiers import host
 
     def install(runtime: FakePinRuntime, chunk: int = 4 << 20) -> FakePinRuntime:
         monkeypatch.setattr(host, "_pin_runtime", lambda: (runtime, ""))
@@ -663,7 +663,7 @@ def test_slab_is_registered_in_page_aligned_chunks_off_the_callers_thread(fake_c
     import gc
     import threading
 
-    from tierkv.tiers.host import HostSlab
+    from kvstrata.tiers.host import HostSlab
 
     rt = fake_cuda(FakePinRuntime())
     with caplog.at_level(logging.WARNING):
@@ -690,7 +690,7 @@ def test_slab_is_registered_in_page_aligned_chunks_off_the_callers_thread(fake_c
 
 @pytest.mark.parametrize("failure", [dict(fail_at=2), dict(raise_at=1), dict(fail_at=0)])
 def test_a_failed_chunk_releases_the_others_and_leaves_a_pageable_slab(fake_cuda, caplog, failure):
-    from tierkv.tiers.host import HostSlab
+    from kvstrata.tiers.host import HostSlab
 
     rt = fake_cuda(FakePinRuntime(**failure), chunk=2 << 20)
     with caplog.at_level(logging.WARNING):
@@ -707,7 +707,7 @@ def test_a_failed_chunk_releases_the_others_and_leaves_a_pageable_slab(fake_cuda
 
 
 def test_pinning_turned_off_never_touches_cuda(fake_cuda):
-    from tierkv.tiers.host import HostSlab
+    from kvstrata.tiers.host import HostSlab
 
     rt = fake_cuda(FakePinRuntime())
     assert not HostSlab(4, B, pin_memory=False).pinned and rt.registered == []

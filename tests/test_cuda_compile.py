@@ -3,7 +3,7 @@
 The quick grid (a few specialisations covering every source, type and code
 path) always runs. The full grid (186 specialisations, ~2 minutes on two
 cores) is marked ``slow``: it runs under ``make test`` (CI) and is skipped by
-``make test-quick`` and when TIERKV_QUICK=1. Without nvcc the tests skip with
+``make test-quick`` and when KVSTRATA_QUICK=1. Without nvcc the tests skip with
 a reason; the NVRTC variant needs cupy and skips without it.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.kernels import compile_check
-from tierkv.kernels.sources import cuda_dir, read_source
-from tierkv.kernels.specs import full_grid, quick_grid
+from kvstrata.kernels import compile_check
+from kvstrata.kernels.sources import cuda_dir, read_source
+from kvstrata.kernels.specs import full_grid, quick_grid
 
 NVCC = compile_check.find_nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found: the CUDA compile check cannot run")
@@ -38,7 +38,7 @@ def test_quick_grid_compiles() -> None:
 @pytest.mark.long
 @needs_nvcc
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TIERKV_QUICK") == "1", reason="TIERKV_QUICK=1: full compile grid skipped")
+@pytest.mark.skipif(os.environ.get("KVSTRATA_QUICK") == "1", reason="KVSTRATA_QUICK=1: full compile grid skipped")
 def test_full_grid_compiles() -> None:
     _assert_compiles(full_grid())
 
@@ -47,7 +47,7 @@ def test_full_grid_compiles() -> None:
 def test_checker_fails_on_a_type_error_inside_a_template(tmp_path: Path) -> None:
     # The error only exists once the template is instantiated, as in the kernels.
     broken = (
-        '#include "tierkv_types.cuh"\n'
+        '#include "kvstrata_types.cuh"\n'
         "template <typename T> __global__ void k(T* out) { tkv::f16 h = out[0]; out[0] = h; }\n"
         "void* tkv_instances[] = {(void*)&k<float>};\n"
     )
@@ -67,7 +67,7 @@ def test_grid_covers_the_issue_parameters() -> None:
 
 
 def test_sources_are_found() -> None:
-    assert (cuda_dir() / "tierkv_types.cuh").is_file() and list(cuda_dir().glob("*.cu"))
+    assert (cuda_dir() / "kvstrata_types.cuh").is_file() and list(cuda_dir().glob("*.cu"))
     assert "paged_attention_body" in read_source("paged_attention.cuh")
 
 
@@ -78,7 +78,7 @@ def test_nvrtc_compiles_quick_grid() -> None:
     pytest.importorskip("cupy")  # the skip reason carries the import error
     from cupy.cuda import compiler
 
-    from tierkv.kernels.runtime import CUPY_APPENDED_OPTIONS, NVRTC_OPTIONS
+    from kvstrata.kernels.runtime import CUPY_APPENDED_OPTIONS, NVRTC_OPTIONS
 
     for spec, arch in itertools.product(quick_grid(), ("sm_80", "sm_90")):
         program = compiler._NVRTCProgram(read_source(spec.source), spec.source, name_expressions=[spec.name], method="cubin")

@@ -1,5 +1,5 @@
-"""dashboards/tierkv.json cannot drift from the code: every series it queries is one tierkv
-exports (vLLM's /metrics through the connector's stats, or tierkv's own endpoint), and it
+"""dashboards/kvstrata.json cannot drift from the code: every series it queries is one kvstrata
+exports (vLLM's /metrics through the connector's stats, or kvstrata's own endpoint), and it
 is well formed for Grafana. The long test in test_vllm_server.py checks the same names
 against a live scrape of the real API server."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "dashboards" / "tierkv.json"
-SERIES = re.compile(r"\b((?:tierkv|vllm):[a-z_]+)")
+DASHBOARD = Path(__file__).resolve().parents[1] / "dashboards" / "kvstrata.json"
+SERIES = re.compile(r"\b((?:kvstrata|vllm):[a-z_]+)")
 
 
 def dashboard_series() -> set[str]:
@@ -23,7 +23,7 @@ def dashboard_series() -> set[str]:
 
 def test_dashboard_is_well_formed() -> None:
     d = json.loads(DASHBOARD.read_text())
-    assert d["uid"] == "tierkv" and d["panels"]
+    assert d["uid"] == "kvstrata" and d["panels"]
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids))
     for p in d["panels"]:
@@ -35,18 +35,18 @@ def test_dashboard_is_well_formed() -> None:
 def test_every_series_the_dashboard_queries_is_exported() -> None:
     from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-    from tierkv.connectors.vllm_metrics import SERIES as CONNECTOR
-    from tierkv.metrics import TierKVCollector
+    from kvstrata.connectors.vllm_metrics import SERIES as CONNECTOR
+    from kvstrata.metrics import KVStrataCollector
 
-    exported = {f"tierkv:{s.name}" + ("" if s.gauge else "_total") for s in CONNECTOR}
-    # tierkv's own endpoint (metrics.port): what its collector renders for a library cache
-    from tierkv import TierKVConfig, TieredKVCache
+    exported = {f"kvstrata:{s.name}" + ("" if s.gauge else "_total") for s in CONNECTOR}
+    # kvstrata's own endpoint (metrics.port): what its collector renders for a library cache
+    from kvstrata import KVStrataConfig, TieredKVCache
 
-    cache = TieredKVCache(TierKVConfig.from_dict({"block_size": 4, "model": {"block_nbytes": 1024},
+    cache = TieredKVCache(KVStrataConfig.from_dict({"block_size": 4, "model": {"block_nbytes": 1024},
                                                   "gpu": {"num_blocks": 8, "device": "cpu"},
                                                   "cpu": {"capacity": 8192}, "ssd": {"capacity": 0}}))
     try:
-        collector = TierKVCollector(cache.stats, cache.lifecycle)
+        collector = KVStrataCollector(cache.stats, cache.lifecycle)
         for family in collector.collect():
             if isinstance(family, HistogramMetricFamily):
                 exported.add(family.name + "_bucket")
@@ -54,5 +54,5 @@ def test_every_series_the_dashboard_queries_is_exported() -> None:
                 exported.add(family.name + "_total")
     finally:
         cache.close()
-    ours = {s for s in dashboard_series() if s.startswith("tierkv:")}
+    ours = {s for s in dashboard_series() if s.startswith("kvstrata:")}
     assert ours and not ours - exported, sorted(ours - exported)

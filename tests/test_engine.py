@@ -1,4 +1,4 @@
-"""tierkv.engine against transformers, token for token. On CPU tensors the engine runs
+"""kvstrata.engine against transformers, token for token. On CPU tensors the engine runs
 the kernels' torch references; the same tests with CUDA tensors (marked ``gpu``, run by
 benchmarks/gpu_check.sh) run the CUDA kernels, the copy stream and the pinned slab.
 transformers' reference runs on the CPU in float32. The model is a real checkpoint
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine_util import build_engine_model, engine_config, hf_greedy, random_prompt
-from tierkv.errors import ConfigError
+from kvstrata.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,7 +34,7 @@ def hf(model_dir: Path):
 
 
 def engine(model_dir: Path, tmp: Path, **kw):
-    from tierkv.engine import LLMEngine
+    from kvstrata.engine import LLMEngine
 
     opts = {k: kw.pop(k) for k in ("dtype", "kv_cache_dtype", "k_scale", "v_scale") if k in kw}
     return LLMEngine(model_dir, engine_config(tmp, **kw), **opts)
@@ -202,7 +202,7 @@ def _write_config(path: Path, **fields) -> Path:
 ])
 def test_a_checkpoint_the_engine_cannot_run_is_refused_before_loading_weights(tmp_path: Path, fields,
                                                                               message: str) -> None:
-    from tierkv.engine import LLMEngine
+    from kvstrata.engine import LLMEngine
 
     ckpt = _write_config(tmp_path / "ckpt", **fields)  # no weights at all: nothing may be loaded
     with pytest.raises(ConfigError, match=message):
@@ -210,7 +210,7 @@ def test_a_checkpoint_the_engine_cannot_run_is_refused_before_loading_weights(tm
 
 
 def test_a_directory_without_a_config_is_named(tmp_path: Path) -> None:
-    from tierkv.engine import LLMEngine
+    from kvstrata.engine import LLMEngine
 
     with pytest.raises(ConfigError, match=r"config.json"):
         LLMEngine(tmp_path, engine_config(tmp_path))
@@ -227,7 +227,7 @@ def test_a_directory_without_a_config_is_named(tmp_path: Path) -> None:
 ])
 def test_engine_options_the_kernels_cannot_serve_are_refused(model_dir: Path, tmp_path: Path, kw, extra,
                                                              message: str) -> None:
-    from tierkv.engine import LLMEngine
+    from kvstrata.engine import LLMEngine
 
     with pytest.raises(ConfigError, match=message):
         LLMEngine(model_dir, engine_config(tmp_path, **extra), **kw)
@@ -249,14 +249,14 @@ def test_a_prompt_longer_than_the_pool_is_refused_before_any_work(model_dir: Pat
         assert eng.generate([ok], 4)[0][0]  # and the engine still serves
 
 
-# ------------------------------------------------------------------ tierkv generate
+# ------------------------------------------------------------------ kvstrata generate
 
 
 def _cli(*argv: str) -> tuple[int, str, str]:
     import contextlib
     import io
 
-    from tierkv.cli import main
+    from kvstrata.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -268,11 +268,11 @@ def test_generate_prints_tokens_and_where_each_prefix_came_from(model_dir: Path,
     prompt = random_prompt(40, seed=80)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps(prompt) + "\n\n" + json.dumps({"prompt": "the cat sat on the mat"}) + "\n")
-    (tmp_path / "tierkv.yaml").write_text(
+    (tmp_path / "kvstrata.yaml").write_text(
         f"gpu: {{num_blocks: 32, device: cpu}}\ncpu: {{capacity: 1MiB}}\n"
         f"ssd: {{path: {tmp_path / 'ssd'}, capacity: 16MiB}}\n")
     argv = ("generate", "--model", str(model_dir), "--prompt-file", str(prompts), "--config",
-            str(tmp_path / "tierkv.yaml"), "--n", "4", "--max-new-tokens", "6")
+            str(tmp_path / "kvstrata.yaml"), "--n", "4", "--max-new-tokens", "6")
     code, out, err = _cli(*argv)
     assert code == 0, err
     expected = " ".join(map(str, hf_greedy(hf, prompt, 6)))

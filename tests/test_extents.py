@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.tiers.ssd.extents import ExtentMap
+from kvstrata.tiers.ssd.extents import ExtentMap
 
 
 def test_best_fit_prefers_the_smallest_hole_and_grows_last():

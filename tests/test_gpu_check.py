@@ -1,5 +1,5 @@
 """benchmarks/gpu_check.sh without a GPU (GPU_CHECK_DRY=1), as ``make test`` runs it: the
-wheel is built offline and installed with ``--target`` (tierkv then imports from there,
+wheel is built offline and installed with ``--target`` (kvstrata then imports from there,
 never from the checkout), everything the GPU tests import is imported, the non-GPU cases
 of the GPU test files run from the installed wheel, and what comes back (summary.json,
 the archive) is what a GPU run returns. The device's own steps need a GPU."""
@@ -34,7 +34,7 @@ def test_dry_run_installs_the_wheel_and_imports_what_the_gpu_tests_import(tmp_pa
     assert summary["state"] == "done" and summary["failed"] == 0
     assert [s["status"] for s in summary["steps"]] == ["ok"] * len(summary["steps"])
     assert sum(s["limit_s"] for s in summary["steps"]) <= summary["budget_s"] <= 480  # one call of 8 minutes
-    assert f"tierkv from {tmp_path / 'work' / 'site'}" in log  # the installed wheel, not the checkout
+    assert f"kvstrata from {tmp_path / 'work' / 'site'}" in log  # the installed wheel, not the checkout
     assert "imports of 4 GPU test files resolved" in log
     assert len(list(out.iterdir())) <= 8  # what the device tool brings back
     with tarfile.open(out / "gpu_check.tar.gz") as tar:
@@ -44,13 +44,13 @@ def test_dry_run_installs_the_wheel_and_imports_what_the_gpu_tests_import(tmp_pa
 
 def test_import_check_finds_what_would_fail_on_the_gpu_machine(tmp_path: Path) -> None:
     good = tmp_path / "test_good_gpu.py"
-    good.write_text("import numpy\nfrom tierkv.connectors.kv_layout import KVLayout, LayoutRows\n"
-                    "def test():\n    from tierkv.streams import CudaStreams\n")
+    good.write_text("import numpy\nfrom kvstrata.connectors.kv_layout import KVLayout, LayoutRows\n"
+                    "def test():\n    from kvstrata.streams import CudaStreams\n")
     bad = tmp_path / "test_bad_gpu.py"
-    bad.write_text("def test():\n    from tierkv.no_such_module import thing\n    import cupy_only_there\n")
-    assert "tierkv.streams.CudaStreams" in imported_modules(good)
+    bad.write_text("def test():\n    from kvstrata.no_such_module import thing\n    import cupy_only_there\n")
+    assert "kvstrata.streams.CudaStreams" in imported_modules(good)
     imported, missing, errors = check([good], set())
-    assert not errors and "tierkv.connectors.kv_layout.LayoutRows" in imported
+    assert not errors and "kvstrata.connectors.kv_layout.LayoutRows" in imported
     _, missing, errors = check([bad], {"cupy_only_there"})
-    assert len(errors) == 1 and "tierkv.no_such_module" in errors[0]
+    assert len(errors) == 1 and "kvstrata.no_such_module" in errors[0]
     assert missing == ["test_bad_gpu.py: cupy_only_there (needs cupy_only_there)"]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tierkv import BlockHasher, ConfigError
+from kvstrata import BlockHasher, ConfigError
 
 ALGOS = ["sha256", "sha256_cbor", "xxh3_128"]
 
@@ -31,7 +31,7 @@ def test_one_digest_per_full_block_and_chained(algo):
 
 def test_sha256_chain_matches_the_documented_formula():
     h = BlockHasher(2, "sha256", namespace=b"model-x")
-    root = hashlib.sha256(b"tierkv.block-hash.v1\x00sha256\x00model-x").digest()
+    root = hashlib.sha256(b"kvstrata.block-hash.v1\x00sha256\x00model-x").digest()
     h0 = hashlib.sha256(root + struct.pack("<2I", 5, 6)).digest()
     h1 = hashlib.sha256(h0 + struct.pack("<2I", 7, 8)).digest()
     assert h.hash_blocks([5, 6, 7, 8, 9]) == [h0, h1]
@@ -79,7 +79,7 @@ def test_mm_hash_enters_only_overlapping_blocks():
 
 
 def test_deterministic_across_processes():
-    code = ("from tierkv import BlockHasher;"
+    code = ("from kvstrata import BlockHasher;"
             "print(BlockHasher(16, 'ALGO', namespace='ns').hash_blocks(list(range(100)), cache_salt='s')[-1].hex())")
     for algo in ALGOS:
         outs = {subprocess.run([sys.executable, "-c", code.replace("ALGO", algo)], capture_output=True, text=True,
@@ -101,7 +101,7 @@ def test_bad_input():
 
 
 def test_xxh3_warns(caplog):
-    import tierkv.hashing as hashing
+    import kvstrata.hashing as hashing
 
     hashing._warned_xxh3 = False
     with caplog.at_level("WARNING"):

@@ -4,7 +4,7 @@ Every test works on real checkpoint directories: the tiny random-weight Llama
 of ``tests/vllm_util.py`` (written offline with torch/transformers), copied,
 linked, edited or laid out the way the Hugging Face cache stores it. ``HOME``
 points at a per-test directory, so the per-file digest cache
-(``~/.cache/tierkv/model-ids.json``) starts empty in every test.
+(``~/.cache/kvstrata/model-ids.json``) starts empty in every test.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-import tierkv.identity as identity
-from tierkv.errors import ConfigError
-from tierkv.identity import Fingerprint, content_identity, model_identity
+import kvstrata.identity as identity
+from kvstrata.errors import ConfigError
+from kvstrata.identity import Fingerprint, content_identity, model_identity
 from vllm_util import build_tiny_llama
 
 WEIGHTS = "model.safetensors"
@@ -50,7 +50,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def digest_cache(home: Path) -> Path:
-    return home / ".cache" / "tierkv" / "model-ids.json"
+    return home / ".cache" / "kvstrata" / "model-ids.json"
 
 
 def copy_of(tiny: Path, dest: Path) -> Path:
@@ -301,8 +301,8 @@ def test_hf_config_blob_counts_and_tokenizer_blob_does_not(tiny: Path, tmp_path:
 
 _RESOLVE = r"""
 import json, sys
-from tierkv.errors import ConfigError
-from tierkv.identity import model_identity
+from kvstrata.errors import ConfigError
+from kvstrata.identity import model_identity
 out = {}
 for repo in sys.argv[1:]:
     try:
@@ -491,7 +491,7 @@ def test_fingerprint_is_frozen() -> None:
 
 _IDENTIFY = """
 import sys, time
-import tierkv.identity as identity
+import kvstrata.identity as identity
 real = identity._file_digest
 def counted(path):
     with open(sys.argv[2], "a") as log:

@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 
-from tierkv.kernels import paged_attention
-from tierkv.kernels.specs import BLOCK_SIZES, HEAD_SIZES
-from tierkv.kernels.testing import dense_attention, make_paged_case
+from kvstrata.kernels import paged_attention
+from kvstrata.kernels.specs import BLOCK_SIZES, HEAD_SIZES
+from kvstrata.kernels.testing import dense_attention, make_paged_case
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CACHES = ("same", torch.float8_e4m3fn, torch.float8_e5m2)

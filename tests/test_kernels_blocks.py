@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv.kernels import copy_blocks, gather_blocks, scatter_blocks
+from kvstrata.kernels import copy_blocks, gather_blocks, scatter_blocks
 
 
 def _layers(nb: int = 9) -> list[torch.Tensor]:
@@ -179,7 +179,7 @@ def test_rows_must_live_on_the_cpu_for_cpu_caches() -> None:
 @pytest.fixture
 def launches(monkeypatch):
     """launch() and arg() replaced by recorders: CUDA cannot run on this machine."""
-    from tierkv.kernels import cuda_block_ops
+    from kvstrata.kernels import cuda_block_ops
 
     calls = []
     monkeypatch.setattr(cuda_block_ops, "arg", lambda t: t)
@@ -191,7 +191,7 @@ def launches(monkeypatch):
 def _kernel_params() -> list[str]:
     import re
 
-    from tierkv.kernels.sources import read_source
+    from kvstrata.kernels.sources import read_source
 
     src = read_source("gather_scatter.cu")
     body = re.search(r"gather_scatter_kernel\(([^)]*)\)", src).group(1)
@@ -200,7 +200,7 @@ def _kernel_params() -> list[str]:
 
 
 def test_launch_covers_every_item_within_the_cap(launches) -> None:
-    from tierkv.kernels import cuda_block_ops as ops
+    from kvstrata.kernels import cuda_block_ops as ops
 
     # Two layers: 40 KiB pages (3 chunks of 16 KiB, the last partial) and 16 bytes.
     pools = [torch.zeros(6, 40 * 1024, dtype=torch.uint8), torch.zeros(6, 16, dtype=torch.uint8)]
@@ -228,7 +228,7 @@ def test_launch_covers_every_item_within_the_cap(launches) -> None:
 
 
 def test_default_cap_applies_to_host_staging_only() -> None:
-    from tierkv.kernels.cuda_block_ops import HOST_STAGING_THREAD_BLOCKS, MAX_GRID_X, thread_blocks
+    from kvstrata.kernels.cuda_block_ops import HOST_STAGING_THREAD_BLOCKS, MAX_GRID_X, thread_blocks
 
     assert thread_blocks(10**6, None, host_staging=True) == HOST_STAGING_THREAD_BLOCKS
     assert thread_blocks(10**6, None, host_staging=False) == 10**6  # one block per item, as before the cap
@@ -304,7 +304,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory):
     import shutil
     import subprocess
 
-    from tierkv.kernels.sources import cuda_dir
+    from kvstrata.kernels.sources import cuda_dir
 
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -330,7 +330,7 @@ def _emulate(exe, launches, gather: bool, regions, layers, ids, staging, rows, c
     """Launch through the real launcher (recorded), then run the recorded launch in the emulator."""
     import subprocess
 
-    from tierkv.kernels import cuda_block_ops as ops
+    from kvstrata.kernels import cuda_block_ops as ops
 
     ops.gather_scatter_cuda(layers, ids, staging, gather, rows, cap)
     spec, grid, args = launches[-1]

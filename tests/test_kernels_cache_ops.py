@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierkv.kernels import kv_cache_shapes, reshape_and_cache, x_of
-from tierkv.kernels.layout import quantize_fp8
+from kvstrata.kernels import kv_cache_shapes, reshape_and_cache, x_of
+from kvstrata.kernels.layout import quantize_fp8
 
 
 def _setup(dtype: torch.dtype, cache_dtype: torch.dtype, num_tokens: int = 20, nb: int = 6, h: int = 2, d: int = 64, bs: int = 8):

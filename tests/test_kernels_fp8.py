@@ -1,5 +1,5 @@
 """FP8 quantisation: the reference's error bound and saturation, and a numpy
-port of the CUDA encoder/decoder (cuda/tierkv_types.cuh) checked bit for bit
+port of the CUDA encoder/decoder (cuda/kvstrata_types.cuh) checked bit for bit
 against torch's conversions, so the device code's arithmetic is verified here."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv.kernels.layout import FP8_MAX, dequantize, fp8_min_normal, fp8_relative_bound, quantize_fp8
+from kvstrata.kernels.layout import FP8_MAX, dequantize, fp8_min_normal, fp8_relative_bound, quantize_fp8
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # (mantissa bits, bias, max code, max value, min normal, 1 / subnormal step, decode shift, decode scale)
@@ -19,7 +19,7 @@ PARAMS = {
 
 
 def encode_like_kernel(f: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """encode_fp8<MANT, BIAS, MAX_CODE> from tierkv_types.cuh, vectorised."""
+    """encode_fp8<MANT, BIAS, MAX_CODE> from kvstrata_types.cuh, vectorised."""
     mant, bias, max_code, max_val, min_normal, sub_scale, _, _ = PARAMS[dtype]
     f = f.astype(np.float32)
     u = f.view(np.uint32)
@@ -36,7 +36,7 @@ def encode_like_kernel(f: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 
 
 def decode_like_kernel(codes: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """to_float(fp8e4m3 / fp8e5m2) from tierkv_types.cuh."""
+    """to_float(fp8e4m3 / fp8e5m2) from kvstrata_types.cuh."""
     *_, shift, scale = PARAMS[dtype]
     b = codes.astype(np.uint32)
     mag = ((b & 0x7F) << shift).view(np.float32) * np.float32(scale)

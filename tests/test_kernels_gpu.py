@@ -11,9 +11,9 @@ import itertools
 import pytest
 import torch
 
-from tierkv.kernels import copy_blocks, gather_blocks, kv_cache_shapes, paged_attention, reshape_and_cache, scatter_blocks
-from tierkv.kernels.specs import BLOCK_SIZES, HEAD_SIZES
-from tierkv.kernels.testing import make_paged_case
+from kvstrata.kernels import copy_blocks, gather_blocks, kv_cache_shapes, paged_attention, reshape_and_cache, scatter_blocks
+from kvstrata.kernels.specs import BLOCK_SIZES, HEAD_SIZES
+from kvstrata.kernels.testing import make_paged_case
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -188,7 +188,7 @@ def test_host_slab_is_registered_in_chunks_and_kernels_address_it(monkeypatch, c
     """A HostSlab page-locked in 2 MiB chunks (rows straddle chunk boundaries): pinned
     without a warning, seen as pinned by torch, stored into and loaded from directly by
     the kernels, and read back by a plain non_blocking copy_."""
-    from tierkv.tiers import host
+    from kvstrata.tiers import host
 
     monkeypatch.setattr(host, "PIN_CHUNK_BYTES", 2 << 20)
     caches = _kv_layers("cuda")

@@ -1,7 +1,7 @@
 """The kernels' pure device helpers, built for the host by nvcc and checked exhaustively
 on this CPU machine: every FP8 code through the decoder, every fp16 and bf16 value (and
 float32 edge cases) through the encoder, element offsets past 2^31, the split-K combine,
-against torch, numpy and tierkv's CPU references (the kernels' contract). And the device build of the FP8
+against torch, numpy and kvstrata's CPU references (the kernels' contract). And the device build of the FP8
 helpers, with cupy's -ftz=true, holds no float arithmetic that flush-to-zero could
 change: the GPU computes the bits the host test checked."""
 
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv.kernels import compile_check
-from tierkv.kernels.layout import k_offset, quantize_fp8, v_offset
-from tierkv.kernels.sources import cuda_dir
+from kvstrata.kernels import compile_check
+from kvstrata.kernels.layout import k_offset, quantize_fp8, v_offset
+from kvstrata.kernels.sources import cuda_dir
 
 NVCC = compile_check.find_nvcc()
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found: the host build of the helpers cannot run")
@@ -73,7 +73,7 @@ def _float32_inputs() -> np.ndarray:
 
 
 def test_every_fp16_and_bf16_value_encodes_like_the_reference(helpers: Path) -> None:
-    """The kernels' FP8 contract (tierkv.kernels.layout.quantize_fp8: saturate, then round
+    """The kernels' FP8 contract (kvstrata.kernels.layout.quantize_fp8: saturate, then round
     to nearest even), bit for bit; a NaN stays a NaN."""
     x = _float32_inputs()
     out = np.frombuffer(run(helpers, "encode", x.tobytes()), dtype=np.uint8).reshape(2, -1)
@@ -127,7 +127,7 @@ def test_split_k_combine_equals_one_softmax(helpers: Path, sizes: list[int], shi
 
 
 _PTX_PROBE = r"""
-#include "tierkv_types.cuh"
+#include "kvstrata_types.cuh"
 extern "C" __global__ void probe(const unsigned char* c, const float* f, float* o, unsigned char* e) {
   const int i = threadIdx.x;
   o[2 * i] = tkv::decode_e4m3(c[i]);
@@ -145,7 +145,7 @@ def test_fp8_helpers_do_no_float_arithmetic_on_the_device(tmp_path: Path) -> Non
     src = tmp_path / "probe.cu"
     src.write_text(_PTX_PROBE, encoding="utf-8")
     ptx = tmp_path / "probe.ptx"
-    from tierkv.kernels.runtime import CUPY_APPENDED_OPTIONS
+    from kvstrata.kernels.runtime import CUPY_APPENDED_OPTIONS
 
     subprocess.run([NVCC, "-std=c++17", "-O3", *CUPY_APPENDED_OPTIONS, "-arch=sm_80", "-ptx", "-I", str(cuda_dir()),
                     "-o", str(ptx), str(src)], check=True, capture_output=True, text=True)

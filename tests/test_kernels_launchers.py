@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv.kernels import cuda_attention, cuda_block_ops, cuda_cache_ops
-from tierkv.kernels.sources import read_source
-from tierkv.kernels.testing import make_paged_case
+from kvstrata.kernels import cuda_attention, cuda_block_ops, cuda_cache_ops
+from kvstrata.kernels.sources import read_source
+from kvstrata.kernels.testing import make_paged_case
 
 SCALARS = {"int": np.int32, "long long": np.int64, "float": np.float32, "unsigned long long": np.uint64}
 
@@ -123,7 +123,7 @@ def test_v2_past_the_grid_limit_is_refused_before_launch(launches) -> None:
 
 def test_bf16_kernels_need_sm80(monkeypatch) -> None:
     """Checked before the kernel is compiled or launched (cvt.rn.bf16.f32 needs sm_80)."""
-    from tierkv.kernels import runtime, specs
+    from kvstrata.kernels import runtime, specs
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(runtime, "kernel", lambda spec, index: pytest.fail("compiled on sm_75"))

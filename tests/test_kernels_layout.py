@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierkv.kernels.layout import k_offset, k_tokens_view, kv_cache_shapes, v_offset, v_tokens_view, x_of
+from kvstrata.kernels.layout import k_offset, k_tokens_view, kv_cache_shapes, v_offset, v_tokens_view, x_of
 
 
 @pytest.mark.parametrize(

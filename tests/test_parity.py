@@ -1,7 +1,7 @@
 """The bench replay and the vLLM connector run the same placement, and agree.
 
 One trace (a slice of the shared Mooncake conversation trace, and a generated
-multi-turn chat) is replayed by ``tierkv bench``'s replay and driven through
+multi-turn chat) is replayed by ``kvstrata bench``'s replay and driven through
 vLLM's real v1 ``Scheduler`` with the connector's scheduler half
 (``tests/vllm_sched.py``; the worker side is a null executor that reports
 every plan done in the step that issued it, since no model runs here). Both
@@ -29,10 +29,10 @@ pytestmark = [
 from vllm_sched import SchedulerHarness, block_nbytes, complete_every_plan  # noqa: E402
 from vllm_util import build_tiny_llama  # noqa: E402
 
-from tierkv.bench.replay import ReplayOptions, replay  # noqa: E402
-from tierkv.bench.traces import load_trace  # noqa: E402
-from tierkv.config import TierKVConfig  # noqa: E402
-from tierkv.tiers.ssd import capacity_blocks  # noqa: E402
+from kvstrata.bench.replay import ReplayOptions, replay  # noqa: E402
+from kvstrata.trace.reader import load_trace  # noqa: E402
+from kvstrata.config import KVStrataConfig  # noqa: E402
+from kvstrata.tiers.ssd import capacity_blocks  # noqa: E402
 
 BS = 16
 NBYTES = block_nbytes(BS)
@@ -126,7 +126,7 @@ def test_replay_and_connector_agree(model: str, tmp_path: Path, case: str, admis
              **spill}
     vllm_hits, vllm_counts = through_vllm(model, prompts, gpu, extra)
 
-    cfg = TierKVConfig.from_dict({"block_size": BS, "model": {"block_nbytes": NBYTES}, "gpu": {"num_blocks": gpu}},
+    cfg = KVStrataConfig.from_dict({"block_size": BS, "model": {"block_nbytes": NBYTES}, "gpu": {"num_blocks": gpu}},
                                  {**extra, "ssd.path": str(tmp_path / "unused")})
     trace = load_trace(write_trace(tmp_path / "trace.jsonl", prompts), block_size=BS)
     result = replay(trace, cfg, ReplayOptions(decode_s_per_token=0.0))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.bench.plan import ModelShape, kv_pool_bytes, make_plan, render_plan, shape_from_hf_config
-from tierkv.errors import ConfigError
+from kvstrata.bench.plan import ModelShape, kv_pool_bytes, make_plan, render_plan, shape_from_hf_config
+from kvstrata.errors import ConfigError
 
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_attention_heads": 32,
              "num_hidden_layers": 32, "num_key_value_heads": 8, "torch_dtype": "bfloat16"}

@@ -13,11 +13,11 @@ import pickle
 
 import pytest
 
-from tierkv.config import TierKVConfig
-from tierkv.errors import ConfigError
-from tierkv.policy import LoadPlan, PolicySpec, StorePlan, TierPolicy
-from tierkv.policy.manager import select_for_shutdown
-from tierkv.tiers.ssd import capacity_blocks
+from kvstrata.config import KVStrataConfig
+from kvstrata.errors import ConfigError
+from kvstrata.policy import LoadPlan, PolicySpec, StorePlan, TierPolicy
+from kvstrata.policy.manager import select_for_shutdown
+from kvstrata.tiers.ssd import capacity_blocks
 
 from policy_sim import TOMBSTONE_PREFIX, SimExecutor
 
@@ -626,7 +626,7 @@ def test_every_slot_of_an_open_plan_is_pinned_until_complete() -> None:
 
 def test_an_ssd_key_deleted_by_one_open_plan_and_written_by_a_later_one_is_held_in_order() -> None:
     """An SSD key one open plan deletes (ssd_evictions) may be stored again by a later plan.
-    The contract (tierkv.policy.plans): executors run plans in the order they were prepared.
+    The contract (kvstrata.policy.plans): executors run plans in the order they were prepared.
     In that order the record the policy holds exists; in the other order the deletion
     would remove the new record."""
     policy = make(ssd_slots=2)
@@ -728,8 +728,8 @@ def test_plans_run_in_preparation_order_hold_every_key_where_the_policy_says() -
 # ---------------------------------------------------------------------------- PolicySpec
 
 
-def config(tmp_path, spill: dict, cpu: int, ssd: int | None, block: int = 4096) -> TierKVConfig:
-    return TierKVConfig.from_dict({
+def config(tmp_path, spill: dict, cpu: int, ssd: int | None, block: int = 4096) -> KVStrataConfig:
+    return KVStrataConfig.from_dict({
         "model": {"block_nbytes": block},
         "cpu": {"capacity": cpu},
         "ssd": {"path": str(tmp_path) if ssd is not None else None, "capacity": ssd or 0},

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tierkv.errors import ConfigError
-from tierkv.policy import PolicySpec, TierPolicy
+from kvstrata.errors import ConfigError
+from kvstrata.policy import PolicySpec, TierPolicy
 
 A, B, C, D, E = (bytes([c]) * 32 for c in b"ABCDE")
 

@@ -28,7 +28,7 @@ above it were never handed out). From the documented semantics:
   complete_load (those before the first block that failed or was held nowhere);
 * forget (and the ``lost`` reports of complete_*) removes present keys at
   once, emitting ``lost`` for them only; a pinned one is renamed to the
-  tombstone ``b"\\x00tierkv-tombstone:N"`` (N counts burials across both
+  tombstone ``b"\\x00kvstrata-tombstone:N"`` (N counts burials across both
   tiers), which keeps its slot and pins (and moves to the end of the pinned
   order) until its last unpin pops it; open plans' pins follow the rename.
 
@@ -49,11 +49,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import pytest
 
-from tierkv.policy import (
+from kvstrata.policy import (
     COMPUTED, EVENT_KINDS, LOWER_TIERS, SHUTDOWN, STORE_REASONS, LoadPlan, PolicySpec, StorePlan, TierPolicy,
 )
-from tierkv.policy import holdings
-from tierkv.policy.compact_index import CompactIndex
+from kvstrata.policy import holdings
+from kvstrata.policy.compact_index import CompactIndex
 
 from policy_sim import TOMBSTONE_PREFIX, SimExecutor
 

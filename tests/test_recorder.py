@@ -1,4 +1,4 @@
-"""The request recorder (tierkv.recorder) and reading what it wrote (tierkv.bench.recording):
+"""The request recorder (kvstrata.trace.recorder) and reading what it wrote (kvstrata.trace.recording):
 real files in temp directories, a real child process whose file size limit makes the
 disk "full" (the kernel refuses the write with EFBIG: no mock)."""
 
@@ -15,17 +15,17 @@ from typing import Any
 
 import pytest
 
-from tierkv.bench.deployment import recorded_config, recorded_deployment
-from tierkv.bench.traces import TRACE_VERSION, TraceError, TraceReader, load_trace
-from tierkv.config import TierKVConfig, TraceConfig
-from tierkv.recorder import RecordedRequest, TraceRecorder, rekey
+from kvstrata.bench.deployment import recorded_config, recorded_deployment
+from kvstrata.trace.reader import TRACE_VERSION, TraceError, TraceReader, load_trace
+from kvstrata.config import KVStrataConfig, TraceConfig
+from kvstrata.trace.recorder import RecordedRequest, TraceRecorder, rekey
 
 BS = 16
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _deployment() -> dict[str, Any]:
-    cfg = TierKVConfig.from_dict({"cpu": {"capacity": "1MiB"}, "ssd": {"path": "/secret/where", "capacity": "8MiB"},
+    cfg = KVStrataConfig.from_dict({"cpu": {"capacity": "1MiB"}, "ssd": {"path": "/secret/where", "capacity": "8MiB"},
                                   "remote": {"url": "redis://user:password@host:6379/0", "capacity": "1GiB"},
                                   "trace": {"path": "/x"}})
     return recorded_deployment(cfg, block_size=BS, block_nbytes=4096, gpu_blocks=40,
@@ -63,7 +63,7 @@ def test_records_leave_in_admission_order_and_hold_no_tokens(tmp_path: Path) -> 
     rec.measured({"hits": {"gpu": {"tokens": 16, "blocks": 1}}})
     rec.close()
     header, *reqs = _lines(tmp_path / "rec")
-    assert header["tierkv_trace"] == TRACE_VERSION and header["block_size"] == BS
+    assert header["kvstrata_trace"] == TRACE_VERSION and header["block_size"] == BS
     assert header["recording"]["part"] == 0 and header["recording"]["id"] == rec.id
     assert header["deployment"]["capacity_blocks"] == {"gpu": 40, "cpu": 256, "ssd": 1900}
     config = header["deployment"]["config"]
@@ -121,7 +121,7 @@ def test_an_unwritable_directory_disables_recording_with_one_log_line(tmp_path: 
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "file").write_text("not a directory")
     cfg = TraceConfig.from_dict({"path": str(tmp_path / "file" / "rec")})
-    with caplog.at_level(logging.WARNING, logger="tierkv.recorder"):
+    with caplog.at_level(logging.WARNING, logger="kvstrata.trace.recorder"):
         rec = TraceRecorder(cfg, block_size=BS, deployment=_deployment())
         for i in range(50):
             rec.admitted(str(i))
@@ -204,22 +204,22 @@ def test_missing_parts_foreign_files_and_newer_versions_are_skipped_and_named(tm
     parts[-1].unlink()  # the last part: only the recorder's count of parts shows it is missing
     (d / "notes.jsonl").write_text('{"hello": 1}\n')
     newer = json.loads(parts[0].read_text().splitlines()[0])
-    newer["tierkv_trace"] = 99
+    newer["kvstrata_trace"] = 99
     (d / "future.jsonl").write_text(json.dumps(newer) + "\n")
     reader = TraceReader(d)
     got = list(reader)
     info = reader.info
     text = "\n".join(info.notes)
-    assert f"part {len(parts) - 1} missing" in text and "notes.jsonl: does not start with a tierkv header" in text
-    assert "future.jsonl: is written in tierkv trace format 99" in text
+    assert f"part {len(parts) - 1} missing" in text and "notes.jsonl: does not start with a kvstrata header" in text
+    assert "future.jsonl: is written in kvstrata trace format 99" in text
     assert 0 < len(got) < 30 and info.measured is None  # a part is missing: no whole-recording figures
 
 
 def test_a_directory_with_nothing_usable_is_an_error_naming_why(tmp_path: Path) -> None:
-    (tmp_path / "a.jsonl").write_text('{"tierkv_trace": 7, "recording": {"id": "x", "part": 0}}\n')
+    (tmp_path / "a.jsonl").write_text('{"kvstrata_trace": 7, "recording": {"id": "x", "part": 0}}\n')
     with pytest.raises(TraceError, match="no recording to read.*format 7"):
         list(TraceReader(tmp_path))
-    from tierkv.cli import main
+    from kvstrata.cli import main
 
     assert main(["bench", "--trace", str(tmp_path), "--quiet"]) == 2
 

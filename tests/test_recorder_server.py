@@ -1,6 +1,6 @@
 """Sizing from recorded traffic, end to end on vLLM's OpenAI-compatible server (CPU
 build, no mocks): the plugin records a multi-turn workload, the server stops, and
-``tierkv bench --trace DIR`` with no flags replays the deployment that served it.
+``kvstrata bench --trace DIR`` with no flags replays the deployment that served it.
 
 The workload: eight chats over one shared system prompt, four turns each, sent
 round robin; each turn's prompt is the chat so far (the previous prompts and the
@@ -41,7 +41,7 @@ pytestmark = [
 from test_vllm_server import BLOCK, BLOCK_BYTES, Server, _scrape, _until, _v  # noqa: E402
 from vllm_util import build_tiny_llama  # noqa: E402
 
-from tierkv.cli import main  # noqa: E402
+from kvstrata.cli import main  # noqa: E402
 
 CHATS, TURNS, OUTPUT = 8, 4, 16
 GPU_BLOCKS = 33          # 32 usable (vLLM keeps one): about two chats
@@ -94,11 +94,11 @@ def _record(model: str, tmp: Path, cpu_slots: int, concurrency: int) -> tuple[Pa
         def settled() -> float | None:  # the workers' counters reach /metrics with their next steps
             status, text = server.get("/metrics")
             m = _scrape(text) if status == 200 else {}
-            stored = _v(m, "tierkv:blocks_stored_total", tier="ssd")
-            queries = _v(m, "tierkv:prefix_cache_queries_total")
+            stored = _v(m, "kvstrata:blocks_stored_total", tier="ssd")
+            queries = _v(m, "kvstrata:prefix_cache_queries_total")
             return stored if queries == queries and stored == stored and stored > 0 else None
 
-        _until("tierkv's SSD stores in /metrics", settled, 60, server.tail)
+        _until("kvstrata's SSD stores in /metrics", settled, 60, server.tail)
         stored = settled()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=60) in (0, -signal.SIGTERM), server.tail()

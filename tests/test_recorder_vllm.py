@@ -6,7 +6,7 @@ reports every plan done in its step). Multi-turn chats over a shared system prom
 each turn's prompt holds the previous turn's prompt and output, so the blocks an
 output completed are hit later, and the pool holds fewer blocks than the chats.
 One request at a time, the regime in which the replay models vLLM's steps exactly:
-``tierkv bench --trace DIR`` with no flags must predict exactly the hits per tier
+``kvstrata bench --trace DIR`` with no flags must predict exactly the hits per tier
 and the SSD writes the plugin counted; ``--set cpu.capacity=`` a larger tier must
 predict exactly what a second run with that tier measures.
 """
@@ -29,7 +29,7 @@ pytestmark = [
 from vllm_sched import SAMPLED_TOKEN, SchedulerHarness, block_nbytes, complete_every_plan  # noqa: E402
 from vllm_util import build_tiny_llama  # noqa: E402
 
-from tierkv.cli import main  # noqa: E402
+from kvstrata.cli import main  # noqa: E402
 
 BS = 16
 NBYTES = block_nbytes(BS)
@@ -156,7 +156,7 @@ def test_an_unwritable_recording_directory_changes_nothing_served(model: str, tm
     recorded: dict[str, Any] = {}
     broken: dict[str, Any] = {}
     serve(model, tmp_path, 40, "ok", hits=recorded)
-    with caplog.at_level("WARNING", logger="tierkv.recorder"):
+    with caplog.at_level("WARNING", logger="kvstrata.trace.recorder"):
         serve(model, tmp_path, 40, "broken", trace_path=tmp_path / "a-file" / "rec", hits=broken)
     assert broken == recorded and recorded["cpu"]["blocks"] > 0
     stops = [r for r in caplog.records if "request recording stopped" in r.getMessage()]

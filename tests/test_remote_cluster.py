@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierkv.tiers.remote import RemoteTier, key_prefix
+from kvstrata.tiers.remote import RemoteTier, key_prefix
 
 sys.path.insert(0, str(Path(__file__).parent))
 from valkey_server import ValkeyCluster  # noqa: E402

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierkv.tiers.remote import RemoteTier, key_prefix
-from tierkv.tiers.remote.breaker import Breaker
-from tierkv.tiers.remote.value import encode
-from tierkv.tiers.ssd.record import Codec
+from kvstrata.tiers.remote import RemoteTier, key_prefix
+from kvstrata.tiers.remote.breaker import Breaker
+from kvstrata.tiers.remote.value import encode
+from kvstrata.tiers.ssd.record import Codec
 
 sys.path.insert(0, str(Path(__file__).parent))
 from valkey_server import ValkeyServer, free_port  # noqa: E402
@@ -113,7 +113,7 @@ def test_namespaces_are_isolated(server) -> None:
     fill(a, keys, rows)
     out = np.zeros_like(rows)
     assert b.probe(keys) == 0 and b.get_into(keys, out) == 0
-    assert all(k.startswith(b"tierkv:") for k in server.client().keys(b"*"))
+    assert all(k.startswith(b"kvstrata:") for k in server.client().keys(b"*"))
     a.close(), b.close()
 
 
@@ -246,7 +246,7 @@ def test_no_server_and_a_wrong_protocol_server_are_misses_not_errors(caplog) -> 
 
 
 def test_a_server_without_maxmemory_is_warned_about(caplog) -> None:
-    with ValkeyServer(maxmemory="0") as s, caplog.at_level(logging.WARNING, logger="tierkv.tiers.remote.tier"):
+    with ValkeyServer(maxmemory="0") as s, caplog.at_level(logging.WARNING, logger="kvstrata.tiers.remote.tier"):
         t = RemoteTier(s.url, PREFIX, NB)
         keys, rows = blocks(1)
         fill(t, keys, rows)

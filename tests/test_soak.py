@@ -14,9 +14,9 @@ SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("tierkv_soak", SOAK)
+    spec = importlib.util.spec_from_file_location("kvstrata_soak", SOAK)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["tierkv_soak"] = mod   # dataclasses look their module up
+    sys.modules["kvstrata_soak"] = mod   # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -96,4 +96,4 @@ def test_short_soak_with_a_sigkill_restart(tmp_path: Path) -> None:
     assert after_kill[0]["reopen"]["confirmed"] > 0          # the check after the kill covered blocks
     assert rep["children"][-1]["kind"] == "verify" and rep["children"][-1]["reopen"]["lost"] == 0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert not list(tmp_path.glob("tierkv-soak-*"))          # the work directory is removed
+    assert not list(tmp_path.glob("kvstrata-soak-*"))          # the work directory is removed

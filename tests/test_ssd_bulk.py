@@ -13,19 +13,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.tiers.ssd.coders import Coders
-from tierkv.tiers.ssd.extents import ExtentMap
-from tierkv.tiers.ssd.health import Health
-from tierkv.tiers.ssd.index import pack_keys, parse_head, unpack_keys
-from tierkv.tiers.ssd.lost import LostKeys
-from tierkv.tiers.ssd.reclaim import Reclaim
-from tierkv.tiers.ssd.record import PAGE, Codec, Encoded, record_footprint
-from tierkv.tiers.ssd.directory import prepare_directory
-from tierkv.tiers.ssd.recovery import open_files
-from tierkv.tiers.ssd.survey import Survey, survey
-from tierkv.tiers.ssd.tier import SSDTier, read_keys
-from tierkv.tiers.ssd.writequeue import WriteQueue
-from tierkv.tiers.ssd.writer import Writer
+from kvstrata.tiers.ssd.coders import Coders
+from kvstrata.tiers.ssd.extents import ExtentMap
+from kvstrata.tiers.ssd.health import Health
+from kvstrata.tiers.ssd.index import pack_keys, parse_head, unpack_keys
+from kvstrata.tiers.ssd.lost import LostKeys
+from kvstrata.tiers.ssd.reclaim import Reclaim
+from kvstrata.tiers.ssd.record import PAGE, Codec, Encoded, record_footprint
+from kvstrata.tiers.ssd.directory import prepare_directory
+from kvstrata.tiers.ssd.recovery import open_files
+from kvstrata.tiers.ssd.survey import Survey, survey
+from kvstrata.tiers.ssd.tier import SSDTier, read_keys
+from kvstrata.tiers.ssd.writequeue import WriteQueue
+from kvstrata.tiers.ssd.writer import Writer
 
 MiB = 1024**2
 NS = b"N" * 16

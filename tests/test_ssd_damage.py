@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierkv.tiers.ssd import SSDTier
+from kvstrata.tiers.ssd import SSDTier
 
 ROOT = str(Path(__file__).resolve().parents[1])
 MiB = 1024**2

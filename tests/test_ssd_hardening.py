@@ -23,9 +23,9 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from tierkv.errors import ConfigError
-from tierkv.tiers.ssd import SSDTier
-from tierkv.tiers.ssd.tier import MAX_KEY_LEN, read_keys
+from kvstrata.errors import ConfigError
+from kvstrata.tiers.ssd import SSDTier
+from kvstrata.tiers.ssd.tier import MAX_KEY_LEN, read_keys
 
 from recovery_gate import hold_walks
 
@@ -55,7 +55,7 @@ def tmp(tmp_path: Path) -> Path:
 
 _HOLD = """
 import sys
-from tierkv.tiers.ssd import SSDTier
+from kvstrata.tiers.ssd import SSDTier
 tier = SSDTier(sys.argv[1], capacity_bytes=32 << 20, fingerprint="model-a/fp16/bs16",
                compression="none")
 print("open", flush=True)
@@ -105,8 +105,8 @@ def test_a_second_instance_in_this_process_is_refused(tmp):
 
 _SECOND = """
 import sys
-from tierkv.errors import ConfigError
-from tierkv.tiers.ssd import SSDTier
+from kvstrata.errors import ConfigError
+from kvstrata.tiers.ssd import SSDTier
 try:
     tier = SSDTier(sys.argv[1], capacity_bytes=32 << 20, fingerprint="model-b",
                    compression="none")
@@ -220,7 +220,7 @@ def fill(path: Path) -> None:
 _OPEN_FULL = """
 import json, logging, sys
 logging.basicConfig(level=logging.ERROR)
-from tierkv.tiers.ssd import SSDTier
+from kvstrata.tiers.ssd import SSDTier
 tier = SSDTier(sys.argv[1], capacity_bytes=32 << 20, fingerprint="m", compression="none")
 s = tier.stats()
 print(json.dumps({"available": s["available"], "reason": s["disabled_reason"],
@@ -252,7 +252,7 @@ def test_a_full_disk_fails_the_flush_then_recovers(tmp_path, caplog):
         try:
             assert tier.put(k(0), block(0)) and tier.flush()
             fill(fs / "filler")
-            with caplog.at_level(logging.WARNING, logger="tierkv.tiers.ssd"):
+            with caplog.at_level(logging.WARNING, logger="kvstrata.tiers.ssd"):
                 accepted = [i for i in range(1, 9) if tier.put(k(i), block(i))]
                 assert accepted and not tier.flush()
                 assert [k(i) for i in accepted if k(i) not in tier] == \
@@ -283,7 +283,7 @@ def test_kv_at_rest_is_owner_only_whatever_the_umask(tmp):
         with open_tier(tmp) as tier:
             assert tier.put(k(0), block(0)) and tier.flush()
         files = sorted(p.name for p in tmp.iterdir())
-        assert {"data.mdb", "lock.mdb", "blocks.dat", "tierkv.lock", "tierkv.clean"} <= set(files)
+        assert {"data.mdb", "lock.mdb", "blocks.dat", "kvstrata.lock", "kvstrata.clean"} <= set(files)
         assert _mode(tmp) == 0o700
         assert {name: _mode(tmp / name) for name in files} == dict.fromkeys(files, 0o600)
     finally:
@@ -295,7 +295,7 @@ def test_an_existing_loose_directory_is_tightened(tmp, caplog):
         assert tier.put(k(0), block(0)) and tier.flush()
     os.chmod(tmp, 0o755)
     os.chmod(tmp / "blocks.dat", 0o644)
-    with caplog.at_level(logging.WARNING, logger="tierkv.tiers.ssd"):
+    with caplog.at_level(logging.WARNING, logger="kvstrata.tiers.ssd"):
         with open_tier(tmp) as tier:
             assert tier.get(k(0)) == block(0)
     assert _mode(tmp) == 0o700 and _mode(tmp / "blocks.dat") == 0o600
@@ -345,7 +345,7 @@ def test_close_racing_reads_never_raises_nor_logs(tmp, caplog):
             except BaseException as exc:
                 errors.append(exc)
 
-        with caplog.at_level(logging.WARNING, logger="tierkv.tiers.ssd"):
+        with caplog.at_level(logging.WARNING, logger="kvstrata.tiers.ssd"):
             threads = [threading.Thread(target=read) for _ in range(2)]
             for t in threads:
                 t.start()
@@ -431,7 +431,7 @@ def test_a_symlink_among_the_files_is_refused_and_its_target_untouched(tmp, tmp_
     assert victim.read_bytes() == b"x" * 640 and _mode(victim) == 0o644
 
 
-@pytest.mark.parametrize("name", ["blocks.dat", "tierkv.lock", "lock.mdb", "data.mdb"])
+@pytest.mark.parametrize("name", ["blocks.dat", "kvstrata.lock", "lock.mdb", "data.mdb"])
 @pytest.mark.parametrize("existing", [True, False])
 def test_a_hard_link_among_the_files_is_refused_and_its_target_untouched(tmp, tmp_path, name, existing):
     """blocks.dat (or the lock files) hard-linked to a file elsewhere: a regular file with
@@ -457,7 +457,7 @@ def test_a_hard_link_among_the_files_is_refused_and_its_target_untouched(tmp, tm
 def test_a_link_planted_after_the_checks_is_refused_on_the_open_descriptor(tmp_path):
     """The path checks run before the files are opened; a link planted in between is
     caught on the descriptor (fstat) before anything is written or truncated."""
-    from tierkv.tiers.ssd.private import open_private
+    from kvstrata.tiers.ssd.private import open_private
 
     victim = tmp_path / "victim.txt"
     victim.write_bytes(b"y" * 100)
@@ -576,8 +576,8 @@ def test_two_heads_on_one_extent_keep_one(tmp):
     """Two owners with equal free-space maps leave two heads on the same pages; recovery
     used to keep both, and deleting the one that does not verify freed pages the other
     still used."""
-    from tierkv.tiers.ssd.record import Codec, Encoded, NS_LEN
-    from tierkv.tiers.ssd.survey import survey
+    from kvstrata.tiers.ssd.record import Codec, Encoded, NS_LEN
+    from kvstrata.tiers.ssd.survey import survey
 
     codec = Codec("none", 1)
     heads = []
@@ -596,7 +596,7 @@ def _unclean(path: Path, n: int = 20) -> None:
     with open_tier(path) as tier:
         for i in range(n):
             assert tier.put(k(i), block(i, 8192))
-    (path / "tierkv.clean").unlink()
+    (path / "kvstrata.clean").unlink()
 
 
 def test_close_during_a_background_recovery_reports_the_queued_puts_lost(tmp, monkeypatch):
@@ -614,7 +614,7 @@ def test_close_during_a_background_recovery_reports_the_queued_puts_lost(tmp, mo
 
 _SLOW_WALK = """
 import sys, time
-from tierkv.tiers.ssd import SSDTier, walk
+from kvstrata.tiers.ssd import SSDTier, walk
 real = walk.child_command
 walk.child_command = lambda code, *a: real("import time; time.sleep(120); " + code, *a)
 tier = SSDTier(sys.argv[1], capacity_bytes=32 << 20, fingerprint="model-a/fp16/bs16",
@@ -667,7 +667,7 @@ def test_an_oversized_clean_snapshot_is_refused_unread(tmp, caplog):
     with open_tier(tmp) as tier:
         for i in range(5):
             assert tier.put(k(i), block(i, 8192))
-    with open(tmp / "tierkv.clean", "r+b") as f:  # a valid start, then a 256 MiB tail
+    with open(tmp / "kvstrata.clean", "r+b") as f:  # a valid start, then a 256 MiB tail
         f.seek(256 * MiB)
         f.write(b"x")
     with caplog.at_level(logging.WARNING):

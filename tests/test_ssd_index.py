@@ -7,8 +7,8 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from tierkv.tiers.ssd.index import Index, IndexFailure, MapFull, WriteTxn
-from tierkv.tiers.ssd.record import CLOCK, Codec, Encoded, Header, record_footprint
+from kvstrata.tiers.ssd.index import Index, IndexFailure, MapFull, WriteTxn
+from kvstrata.tiers.ssd.record import CLOCK, Codec, Encoded, Header, record_footprint
 
 MiB = 1024**2
 NS = b"N" * 16
@@ -151,12 +151,12 @@ def test_drop_removes_head_and_lru_entry_without_accounting(index):
 def test_meta_records_and_drop_all(index):
     insert(index, record(0, 0), record(1, 2))
     with index.write() as tx:
-        assert tx.meta(b"tierkv") is None and tx.records() == 2
-        tx.put_meta(b"tierkv", b"x")
+        assert tx.meta(b"kvstrata") is None and tx.records() == 2
+        tx.put_meta(b"kvstrata", b"x")
         tx.drop_all()
         assert tx.records() == 0 and (tx.used, tx.clock) == (0, 0)
     with index.write() as tx:
-        assert tx.meta(b"tierkv") == b"x"
+        assert tx.meta(b"kvstrata") == b"x"
     assert index.keys_lru(NS) == [] and index.used_bytes() == 0
 
 

@@ -1,4 +1,4 @@
-"""``tierkv ssd stats | verify`` on real tiers: what they report, what they refuse, and that
+"""``kvstrata ssd stats | verify`` on real tiers: what they report, what they refuse, and that
 nothing on disk changes (not a byte, not a lock file)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from tierkv.cli import main
-from tierkv.identity import RECORD_VERSION
-from tierkv.tiers.ssd import SSDTier
+from kvstrata.cli import main
+from kvstrata.identity import RECORD_VERSION
+from kvstrata.tiers.ssd import SSDTier
 
 BLOCK = 64 * 1024
 
@@ -97,8 +97,8 @@ def _set_format(path: Path, version: int) -> None:
     env = lmdb.open(str(path), max_dbs=8)
     with env.begin(write=True) as txn:
         meta = env.open_db(b"meta", txn=txn)
-        info = msgpack.unpackb(txn.get(b"tierkv", db=meta))
-        txn.put(b"tierkv", msgpack.packb({**info, "format": version}), db=meta)
+        info = msgpack.unpackb(txn.get(b"kvstrata", db=meta))
+        txn.put(b"kvstrata", msgpack.packb({**info, "format": version}), db=meta)
     env.close()
     (path / "lock.mdb").unlink(missing_ok=True)
 
@@ -107,13 +107,13 @@ def test_other_formats_and_other_directories(tmp_path: Path, capsys: pytest.Capt
     fill(tmp_path / "old").close()
     _set_format(tmp_path / "old", RECORD_VERSION - 1)
     rc, out, _ = run(capsys, "ssd", "stats", str(tmp_path / "old"))
-    assert rc == 0 and f"record format {RECORD_VERSION - 1}: older than this tierkv's" in out
+    assert rc == 0 and f"record format {RECORD_VERSION - 1}: older than this kvstrata's" in out
     fill(tmp_path / "new").close()
     _set_format(tmp_path / "new", RECORD_VERSION + 1)
     before = snapshot(tmp_path / "new")
     for command in ("stats", "verify"):
         rc, _, err = run(capsys, "ssd", command, str(tmp_path / "new"))
-        assert rc == 2 and f"written by a newer tierkv (record format {RECORD_VERSION + 1})" in err
+        assert rc == 2 and f"written by a newer kvstrata (record format {RECORD_VERSION + 1})" in err
         assert err.count("\n") == 1 and "Traceback" not in err
     assert snapshot(tmp_path / "new") == before
     (tmp_path / "plain").mkdir()
@@ -125,7 +125,7 @@ def test_other_formats_and_other_directories(tmp_path: Path, capsys: pytest.Capt
         txn.put(b"key", b"someone else's value")
     env.close()
     rc, _, err = run(capsys, "ssd", "stats", str(foreign))
-    assert rc == 2 and err.startswith("tierkv: error: ") and err.count("\n") == 1
+    assert rc == 2 and err.startswith("kvstrata: error: ") and err.count("\n") == 1
     rc, _, err = run(capsys, "ssd", "stats", str(tmp_path / "missing"))
     assert rc == 2 and "no such directory" in err
 
@@ -179,7 +179,7 @@ def test_purge_older_than_deletes_what_was_unused_that_long(tmp_path: Path, caps
     """The writer's time marks date each record's last use to the minute: records written two
     hours ago and not used since go; one read since then and the new ones stay. (The two hours
     are the writer's clock moved back: a test cannot wait them out.)"""
-    from tierkv.tiers.ssd import writer
+    from kvstrata.tiers.ssd import writer
 
     real = writer.wall_clock
     monkeypatch.setattr(writer, "wall_clock", lambda: real() - 7200)
@@ -225,5 +225,5 @@ def test_verify_without_a_readable_page_file_is_an_error_not_a_clean_bill(tmp_pa
     fill(tmp_path / "t", 5).close()
     (tmp_path / "t" / "blocks.dat").rename(tmp_path / "blocks.dat")
     rc, out, err = run(capsys, "ssd", "verify", str(tmp_path / "t"), "--drop")
-    assert rc == 2 and err == f"tierkv: error: {tmp_path / 't'}: cannot read the tier: cannot open blocks.dat " \
+    assert rc == 2 and err == f"kvstrata: error: {tmp_path / 't'}: cannot read the tier: cannot open blocks.dat " \
                               "for reading\n" and "0 bad records" not in out

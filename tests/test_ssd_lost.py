@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from tierkv.tiers.ssd.lost import LOST_MAX, LostKeys
+from kvstrata.tiers.ssd.lost import LOST_MAX, LostKeys
 
 NS = b"N" * 16
 

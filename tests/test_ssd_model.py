@@ -14,7 +14,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierkv.tiers.ssd import SSDTier, capacity_blocks
+from kvstrata.tiers.ssd import SSDTier, capacity_blocks
 
 BLOCK = 128 * 1024
 CAPACITY = 1024**2          # holds capacity_blocks(CAPACITY, BLOCK) = 7 blocks: evictions are routine
@@ -38,7 +38,7 @@ class SSDTierModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.dir = Path(tempfile.mkdtemp(prefix="tierkv-model-"))
+        self.dir = Path(tempfile.mkdtemp(prefix="kvstrata-model-"))
         self.tier = self._open()
         self.held: set[int] = set()
 

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierkv.tiers.ssd.reclaim import Reclaim
+from kvstrata.tiers.ssd.reclaim import Reclaim
 
 
 def test_freed_pages_wait_for_the_sync():

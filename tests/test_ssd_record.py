@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tierkv.tiers.ssd.record import (HEADER, PAGE, PLANES, RAW, RECORD_VERSION, ZSTD, Codec,
+from kvstrata.tiers.ssd.record import (HEADER, PAGE, PLANES, RAW, RECORD_VERSION, ZSTD, Codec,
                                      CorruptRecord, Encoded, Header, capacity_blocks,
                                      checksum, namespace_of, record_footprint, split_tail)
 
@@ -104,4 +104,4 @@ def test_capacity_blocks_inverts_the_footprint_with_the_namespace_prefix():
 def test_namespace_depends_on_fingerprint_and_record_version():
     a, b = namespace_of(b"model-a"), namespace_of(b"model-b")
     assert len(a) == len(b) == 16 and a != b and a == namespace_of(b"model-a")
-    assert RECORD_VERSION == 2  # a change here empties every existing tier at open
+    assert RECORD_VERSION == 3  # a change here empties every existing tier at open

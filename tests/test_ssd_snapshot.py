@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierkv.errors import ConfigError
-from tierkv.tiers.ssd import SSDTier, record_footprint
-from tierkv.tiers.ssd import recovery
-from tierkv.tiers.ssd.snapshot import CLEAN, take
+from kvstrata.errors import ConfigError
+from kvstrata.tiers.ssd import SSDTier, record_footprint
+from kvstrata.tiers.ssd import recovery
+from kvstrata.tiers.ssd.snapshot import CLEAN, take
 
 from recovery_gate import hold_walks
 
@@ -101,7 +101,7 @@ def test_a_clean_close_reopens_from_the_snapshot_without_walking(tmp, walks):
 def test_the_snapshot_counts_other_fingerprints(tmp, walks, caplog):
     with SSDTier(tmp, capacity_bytes=64 * MiB, fingerprint="other", compression="none") as tier:
         fill(tier, range(7))
-    with caplog.at_level(logging.INFO, logger="tierkv.tiers.ssd"):
+    with caplog.at_level(logging.INFO, logger="kvstrata.tiers.ssd"):
         with open_tier(tmp) as tier:
             fill(tier, range(10, 13))
             tier.discard_many([k(10)])
@@ -123,7 +123,7 @@ def test_a_changed_index_means_a_full_recovery(tmp, walks, caplog):
     with env.begin(write=True) as txn:
         txn.put(b"x", b"y", db=env.open_db(b"meta", txn=txn))
     env.close()
-    with caplog.at_level(logging.WARNING, logger="tierkv.tiers.ssd"):
+    with caplog.at_level(logging.WARNING, logger="kvstrata.tiers.ssd"):
         with open_tier(tmp) as tier:
             assert walks == [tmp]
             assert tier.get_many([k(i) for i in range(50)]) == [block(i) for i in range(50)]
@@ -236,7 +236,7 @@ def test_take_reads_and_removes_the_snapshot(tmp):
 
 _HOLD = """
 import sys
-from tierkv.tiers.ssd import SSDTier
+from kvstrata.tiers.ssd import SSDTier
 import numpy as np, hashlib
 def k(i): return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=32).digest()
 def block(i): return np.random.default_rng(i).integers(0, 256, 4096, dtype=np.uint8).tobytes()
@@ -305,8 +305,8 @@ def test_a_load_that_misses_during_the_recovery_does_not_report_the_record_lost(
     recomputed), but the key is not reported lost, so the policy keeps it and the next
     load, once the record is verified, succeeds. A record the recovery drops is reported
     by the tier itself; a miss after the recovery is a loss."""
-    from tierkv.executor import Executor
-    from tierkv.policy import LoadPlan
+    from kvstrata.executor import Executor
+    from kvstrata.policy import LoadPlan
 
     kill_holding(tmp, 10)
     tier = open_tier(tmp, recover_inline_bytes=0)
@@ -336,7 +336,7 @@ def test_a_damaged_environment_found_in_the_background_disables_the_tier(tmp, ga
     size = data.stat().st_size
     with open(data, "r+b") as f:  # a torn index: the file ends before its last pages
         f.truncate(size // 2)
-    with caplog.at_level(logging.ERROR, logger="tierkv.tiers.ssd"):
+    with caplog.at_level(logging.ERROR, logger="kvstrata.tiers.ssd"):
         tier = open_tier(tmp, recover_inline_bytes=0)
         assert tier.put(k(7), block(7))
         gate.set()
@@ -366,7 +366,7 @@ def test_close_during_a_background_recovery_cancels_it(tmp, gate, walks):
         assert again.stats()["corrupt_deleted"] == 0
 
 
-def test_an_environment_tierkv_did_not_create_stops_start_up_whatever_its_size(tmp_path, gate):
+def test_an_environment_kvstrata_did_not_create_stops_start_up_whatever_its_size(tmp_path, gate):
     """Identified before anything is touched, also where the index would recover in the
     background (the walk is held back: it is never reached)."""
     import lmdb

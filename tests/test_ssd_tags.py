@@ -9,8 +9,8 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from tierkv.tiers.ssd import SSDTier
-from tierkv.tiers.ssd.tier import MAX_TAG_LEN, read_keys, read_tags
+from kvstrata.tiers.ssd import SSDTier
+from kvstrata.tiers.ssd.tier import MAX_TAG_LEN, read_keys, read_tags
 
 FP = b"tags-fingerprint"
 BLOCK = 65536

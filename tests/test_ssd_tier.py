@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 import ssd_helper
-from tierkv.errors import ConfigError
-from tierkv.tiers.ssd import SSDTier, capacity_blocks, record_footprint
-from tierkv.tiers.ssd import coders
+from kvstrata.errors import ConfigError
+from kvstrata.tiers.ssd import SSDTier, capacity_blocks, record_footprint
+from kvstrata.tiers.ssd import coders
 
 HELPER = str(Path(__file__).with_name("ssd_helper.py"))
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -177,7 +177,7 @@ def test_get_into_verifies_in_place(tmp):
 
 
 def codec_threads() -> int:
-    return sum(t.name.startswith("tierkv-ssd-codec") for t in threading.enumerate())
+    return sum(t.name.startswith("kvstrata-ssd-codec") for t in threading.enumerate())
 
 
 def test_batches_compress_and_decompress_on_several_threads(tmp, monkeypatch):
@@ -455,14 +455,14 @@ def test_concurrent_reads_during_heavy_eviction_see_exact_bytes(tmp):
 
 
 def test_records_of_another_fingerprint_are_reported_at_open_and_evicted_first(tmp, caplog):
-    """A directory written under another fingerprint (an earlier tierkv format version's
+    """A directory written under another fingerprint (an earlier kvstrata format version's
     namespace, another model) opens and serves the new one; the open says how many
     records it cannot serve, and they are the first the LRU evicts."""
     cap = 2 * MiB
     fits = cap // record_footprint(32 + 16, 65536)
-    with SSDTier(tmp, capacity_bytes=cap, fingerprint="tierkv/v1|model=m", compression="none") as tier:
+    with SSDTier(tmp, capacity_bytes=cap, fingerprint="kvstrata/v1|model=m", compression="none") as tier:
         fill(tier, range(5))
-    with caplog.at_level(logging.INFO, logger="tierkv.tiers.ssd"):
+    with caplog.at_level(logging.INFO, logger="kvstrata.tiers.ssd"):
         with SSDTier(tmp, capacity_bytes=cap, fingerprint=FP, compression="none") as tier:
             assert tier.get(k(0)) is None
             fill(tier, range(100, 100 + fits - 2))
@@ -472,8 +472,8 @@ def test_records_of_another_fingerprint_are_reported_at_open_and_evicted_first(t
     said = [r.getMessage() for r in caplog.records if "other fingerprints" in r.getMessage()]
     assert len(said) == 1 and "5 of its 5 records" in said[0] and str(tmp) in said[0]
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="tierkv.tiers.ssd"):
-        with SSDTier(tmp, capacity_bytes=cap, fingerprint="tierkv/v1|model=m", compression="none") as tier:
+    with caplog.at_level(logging.INFO, logger="kvstrata.tiers.ssd"):
+        with SSDTier(tmp, capacity_bytes=cap, fingerprint="kvstrata/v1|model=m", compression="none") as tier:
             assert [tier.get(k(i)) is not None for i in range(5)] == [False] * 3 + [True] * 2
     assert any(f"{fits - 2} of its {fits} records" in r.getMessage() for r in caplog.records)
 
@@ -486,7 +486,7 @@ def test_records_of_an_older_format_are_discarded(tmp, caplog):
     env = lmdb.open(str(tmp), max_dbs=8)
     with env.begin(write=True) as txn:               # as a tier of record format 1 left it
         meta = env.open_db(b"meta", txn=txn)
-        txn.put(b"tierkv", msgpack.packb({"format": 1, "created_at": 0.0}), db=meta)
+        txn.put(b"kvstrata", msgpack.packb({"format": 1, "created_at": 0.0}), db=meta)
         txn.put(b"k", b"v", db=env.open_db(b"body", txn=txn))
     env.close()
     with caplog.at_level(logging.WARNING):
@@ -828,7 +828,7 @@ def test_capacity_blocks_counts_the_key_length():
 
 _REOPEN = """
 import sys
-from tierkv.tiers.ssd import SSDTier
+from kvstrata.tiers.ssd import SSDTier
 with SSDTier(sys.argv[1], capacity_bytes=16 * 1024**2, fingerprint="fp") as t:
     for i in range(30):
         t.get(i.to_bytes(32, "little"))

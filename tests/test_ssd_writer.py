@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierkv.tiers.ssd.coders import Coders
-from tierkv.tiers.ssd.health import Health
-from tierkv.tiers.ssd.lost import LostKeys
-from tierkv.tiers.ssd.reclaim import Reclaim
-from tierkv.tiers.ssd.record import Codec
-from tierkv.tiers.ssd.directory import prepare_directory
-from tierkv.tiers.ssd.recovery import Files, open_files
-from tierkv.tiers.ssd.writequeue import WriteQueue
-from tierkv.tiers.ssd.writer import Writer
+from kvstrata.tiers.ssd.coders import Coders
+from kvstrata.tiers.ssd.health import Health
+from kvstrata.tiers.ssd.lost import LostKeys
+from kvstrata.tiers.ssd.reclaim import Reclaim
+from kvstrata.tiers.ssd.record import Codec
+from kvstrata.tiers.ssd.directory import prepare_directory
+from kvstrata.tiers.ssd.recovery import Files, open_files
+from kvstrata.tiers.ssd.writequeue import WriteQueue
+from kvstrata.tiers.ssd.writer import Writer
 
 MiB = 1024**2
 NS = b"N" * 16

@@ -10,7 +10,7 @@ import pytest
 import numpy as np
 import torch
 
-from tierkv import OutOfBlocksError, TierKVConfig, TieredKVCache
+from kvstrata import OutOfBlocksError, KVStrataConfig, TieredKVCache
 
 BS, NBYTES = 4, 256
 
@@ -27,7 +27,7 @@ def config(tmp_path, *, gpu=16, cpu=24, ssd="8MiB", admission="on_compute", **ex
         d["gpu"] = {"num_blocks": gpu}
     for k, v in extra.items():
         d.setdefault(k, {}).update(v)
-    return TierKVConfig.from_dict(d)
+    return KVStrataConfig.from_dict(d)
 
 
 def payload(h: bytes) -> bytes:
@@ -265,12 +265,12 @@ def test_metrics_endpoint_is_scrapable(tmp_path):
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         cache.close()
-    assert 'tierkv:prefix_cache_hits_total{tier="cpu"}' in body or 'tierkv:prefix_cache_hits_total{tier="gpu"}' in body
-    for name in ("tierkv:prefix_cache_queries_total", "tierkv:spills_total", "tierkv:occupancy_blocks",
-                 "tierkv:kv_block_reuse_gap_seconds_bucket", "tierkv:kv_block_lifetime_seconds_count",
-                 "tierkv:transfer_bytes_total", "tierkv:dropped_spills_total", "tierkv:corrupt_blocks_total"):
+    assert 'kvstrata:prefix_cache_hits_total{tier="cpu"}' in body or 'kvstrata:prefix_cache_hits_total{tier="gpu"}' in body
+    for name in ("kvstrata:prefix_cache_queries_total", "kvstrata:spills_total", "kvstrata:occupancy_blocks",
+                 "kvstrata:kv_block_reuse_gap_seconds_bucket", "kvstrata:kv_block_lifetime_seconds_count",
+                 "kvstrata:transfer_bytes_total", "kvstrata:dropped_spills_total", "kvstrata:corrupt_blocks_total"):
         assert name in body, name
-    queries = [ln for ln in body.splitlines() if ln.startswith("tierkv:prefix_cache_queries_total")]
+    queries = [ln for ln in body.splitlines() if ln.startswith("kvstrata:prefix_cache_queries_total")]
     assert float(queries[0].split()[-1]) > 0
 
 
@@ -304,7 +304,7 @@ def test_spills_never_push_the_ssd_tier_past_the_policys_plan(tmp_path):
     deletions: a writer batch taken in between found the tier over capacity, and its LRU
     backstop evicted blocks the policy still held (lost SSD hits)."""
     nbytes = 8192
-    cfg = TierKVConfig.from_dict({
+    cfg = KVStrataConfig.from_dict({
         "block_size": 16, "model": {"block_nbytes": nbytes}, "gpu": {"num_blocks": 64, "device": "cpu"},
         "cpu": {"capacity": 32 * nbytes, "pin_memory": "false"},
         "ssd": {"path": str(tmp_path / "ssd"), "capacity": "2MiB", "compression": "none"},
@@ -336,7 +336,7 @@ def test_a_metrics_port_in_use_is_a_config_error_and_leaves_nothing_open(tmp_pat
     again, or a retry in this process finds its directory taken."""
     import socket
 
-    from tierkv.errors import ConfigError
+    from kvstrata.errors import ConfigError
 
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0))
@@ -426,8 +426,8 @@ def test_close_persists_the_whole_hot_set_through_a_small_ssd_queue(tmp_path):
 
 
 def test_load_staging_rows_are_pinned_only_for_a_cuda_pool() -> None:
-    from tierkv.executor import PoolRows
-    from tierkv.transfer import TransferEngine
+    from kvstrata.executor import PoolRows
+    from kvstrata.transfer import TransferEngine
 
     rows = PoolRows(TransferEngine(torch.zeros((4, NBYTES), dtype=torch.uint8))).staging(3)
     assert rows.shape == (3, NBYTES) and rows.dtype == np.uint8
@@ -437,8 +437,8 @@ def test_load_staging_rows_are_pinned_only_for_a_cuda_pool() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pinned host memory)")
 def test_load_staging_rows_are_pinned_for_a_cuda_pool() -> None:
-    from tierkv.executor import PoolRows
-    from tierkv.transfer import TransferEngine
+    from kvstrata.executor import PoolRows
+    from kvstrata.transfer import TransferEngine
 
     rows = PoolRows(TransferEngine(torch.zeros((4, NBYTES), dtype=torch.uint8, device="cuda"))).staging(3)
     assert torch.from_numpy(rows).is_pinned()  # write_rows copies it up without a second host copy
@@ -453,7 +453,7 @@ def test_close_leaves_the_hot_set_most_recent_on_disk(tmp_path, monkeypatch, wri
     must not matter; both timings are fixed here: every put written before close()
     (``caught_up``), or the system prompt written and the users' puts still queued,
     taken by the writer in one turn with close()'s touches (``behind``)."""
-    from tierkv.tiers.ssd import writer as ssd_writer
+    from kvstrata.tiers.ssd import writer as ssd_writer
 
     if writer == "behind":  # a writer woken by a put waits for a flush (blocks << 1 MiB)
         monkeypatch.setattr(ssd_writer, "LINGER_S", 60.0)

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tierkv import TierKVConfig, TieredKVCache
-from tierkv.tiers.ssd import SSDTier
+from kvstrata import KVStrataConfig, TieredKVCache
+from kvstrata.tiers.ssd import SSDTier
 
 from recovery_gate import hold_walks
 
@@ -27,8 +27,8 @@ ROOT = str(Path(__file__).resolve().parents[1])
 BS, NBYTES, PROMPTS, BLOCKS = 4, 256, 40, 6
 
 
-def config(path: Path) -> TierKVConfig:
-    return TierKVConfig.from_dict({
+def config(path: Path) -> KVStrataConfig:
+    return KVStrataConfig.from_dict({
         "block_size": BS, "model": {"block_nbytes": NBYTES}, "gpu": {"num_blocks": 16},
         "cpu": {"capacity": 8 * NBYTES}, "ssd": {"path": str(path), "capacity": "8MiB"}})
 
@@ -45,7 +45,7 @@ _WRITER = """
 import sys, time, torch
 sys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]
 from tests.test_tiered_recovery import config, prompt, payload, PROMPTS, BLOCKS
-from tierkv import TieredKVCache
+from kvstrata import TieredKVCache
 from pathlib import Path
 cache = TieredKVCache(config(Path(sys.argv[1])))
 for i in range(PROMPTS):
@@ -113,7 +113,7 @@ def test_wait_ready_holds_what_the_recovery_verified(tmp_path, gate):
 
 
 def test_wait_ready_without_an_ssd_tier_is_true(tmp_path):
-    cfg = TierKVConfig.from_dict({"block_size": BS, "model": {"block_nbytes": NBYTES},
+    cfg = KVStrataConfig.from_dict({"block_size": BS, "model": {"block_nbytes": NBYTES},
                                   "gpu": {"num_blocks": 4}, "cpu": {"capacity": 4 * NBYTES},
                                   "ssd": {"path": None}})
     with TieredKVCache(cfg) as cache:

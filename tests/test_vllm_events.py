@@ -51,7 +51,7 @@ def engine(model: str, tmp_path: Path, ssd_capacity: str, tick: list[int]) -> tu
     """An engine with events on serves PROMPT, then BATCH (85 blocks through a 64-slot DRAM
     tier), then ``tick``; returns its spec (to start it again) and every event it sent."""
     cfg = {"cpu.capacity": "4MiB", "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": ssd_capacity}
-    spec = {"model": model, "tierkv": cfg, "kv_events": f"ipc://{tmp_path}/events",
+    spec = {"model": model, "kvstrata": cfg, "kv_events": f"ipc://{tmp_path}/events",
             "steps": [{"prompts": [PROMPT]}, {"prompts": BATCH}, {"prompts": [tick]}]}
     return spec, all_events(run_in_subprocess(spec))
 

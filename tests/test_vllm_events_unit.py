@@ -35,8 +35,8 @@ def keys(n: int, seed: int = 0) -> list[bytes]:
 def setup(cpu: int = 4, ssd: int = 8):  # type: ignore[no-untyped-def]
     from vllm.utils.hashing import sha256
 
-    from tierkv.connectors.vllm_events import KVEvents
-    from tierkv.policy import COMPUTED, PolicySpec, TierPolicy
+    from kvstrata.connectors.vllm_events import KVEvents
+    from kvstrata.policy import COMPUTED, PolicySpec, TierPolicy
 
     policy = TierPolicy(PolicySpec(cpu_slots=cpu, ssd_slots=ssd))
     return policy, KVEvents(policy, BS, 64, sha256), COMPUTED
@@ -112,14 +112,14 @@ def test_ssd_tags_rebuild_vllm_hashes_after_a_restart_and_skip_orphans() -> None
 
 
 def test_tag_unpack_refuses_other_bytes() -> None:
-    from tierkv.connectors.vllm_events import BlockTag
+    from kvstrata.connectors.vllm_events import BlockTag
 
     assert BlockTag.unpack(b"not msgpack \xff") is None
     assert BlockTag.unpack(b"\x93\x01\x02\x03") is None
 
 
 def test_damaged_tags_forming_a_cycle_are_skipped() -> None:
-    from tierkv.connectors.vllm_events import BlockTag
+    from kvstrata.connectors.vllm_events import BlockTag
 
     _, events, _ = setup()
     a, b = keys(2)
@@ -135,8 +135,8 @@ def test_fetched_and_promoted_blocks_are_announced_once_their_copies_completed()
     arrive."""
     from vllm.utils.hashing import sha256
 
-    from tierkv.connectors.vllm_events import KVEvents
-    from tierkv.policy import COMPUTED, PolicySpec, TierPolicy
+    from kvstrata.connectors.vllm_events import KVEvents
+    from kvstrata.policy import COMPUTED, PolicySpec, TierPolicy
 
     policy = TierPolicy(PolicySpec(cpu_slots=8, ssd_slots=8, remote=True))
     events = KVEvents(policy, BS, 64, sha256)

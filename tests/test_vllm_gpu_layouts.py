@@ -15,7 +15,7 @@ for (Hopper and Blackwell), and CUTLASS MLA's module-level 128 MiB CUDA workspac
 device. ``AttentionGroup`` is reduced to the two fields ``prepare_kernel_block_sizes``
 reads.
 
-Each case registers a real ``TierKVWorker`` (real SSD tier), stores blocks to the CPU
+Each case registers a real ``KVStrataWorker`` (real SSD tier), stores blocks to the CPU
 and SSD tiers, loads them into other block ids, and compares the whole backing buffer
 byte for byte: the loaded blocks hold the stored bytes in every layer, and not one
 byte outside them changed.
@@ -167,9 +167,9 @@ def _blocks_of(view: torch.Tensor, num_blocks: int, base: torch.Tensor) -> torch
 
 
 def _round_trip(vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, torch.Tensor], tmp: Path) -> None:
-    from tierkv.connectors.vllm_common import TierKVMetadata, block_nbytes_of, load_config
-    from tierkv.connectors.vllm_worker import TierKVWorker
-    from tierkv.policy import COMPUTED, LoadPlan, StorePlan
+    from kvstrata.connectors.vllm_common import KVStrataMetadata, block_nbytes_of, load_config
+    from kvstrata.connectors.vllm_worker import KVStrataWorker
+    from kvstrata.policy import COMPUTED, LoadPlan, StorePlan
 
     nb = int(kv_cache_config.num_blocks)
     raw = _raw(kv_caches)
@@ -177,7 +177,7 @@ def _round_trip(vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, tor
     block_nbytes = block_nbytes_of(kv_cache_config)
     tmp.mkdir(parents=True, exist_ok=True)
     extra = {"cpu.capacity": 4 * block_nbytes, "ssd.path": str(tmp / "ssd"), "ssd.capacity": "256MiB"}
-    worker = TierKVWorker(load_config(extra), vllm_config, kv_cache_config)
+    worker = KVStrataWorker(load_config(extra), vllm_config, kv_cache_config)
     worker.register_kv_caches(kv_caches)
     try:
         keys = {b: bytes([b]) * 32 for b in [*STORED, *SSD_ONLY]}
@@ -186,7 +186,7 @@ def _round_trip(vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, tor
             store.add(b, keys[b], slot, False)
         for b in SSD_ONLY:
             store.add(b, keys[b], -1, True)
-        _step(worker, TierKVMetadata(stores=[store]))
+        _step(worker, KVStrataMetadata(stores=[store]))
         assert worker.ssd is not None and worker.ssd.flush()
         assert sorted(worker.ssd.keys()) == sorted(keys[b] for b in SSD_ONLY)
 
@@ -198,7 +198,7 @@ def _round_trip(vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, tor
             _blocks_of(view, nb, expected)[LOADED_INTO] = _blocks_of(view, nb, raw)[sources]
         load = LoadPlan(2, "req", list(LOADED_INTO), [keys[b] for b in sources], [*STORED.values(), -1, -1],
                         [False, False, True, True], [-1] * 4)
-        finished = _step(worker, TierKVMetadata(loads=[load]))
+        finished = _step(worker, KVStrataMetadata(loads=[load]))
         assert finished == {"req"} and not worker.get_block_ids_with_load_errors()
         assert torch.equal(raw, expected), "the loaded blocks differ, or bytes outside them changed"
     finally:
@@ -305,7 +305,7 @@ def test_two_groups_sliding_window_and_full(vllm_config: Any, tmp_path: Path) ->
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from tierkv.connectors.vllm_common import block_nbytes_of
+    from kvstrata.connectors.vllm_common import block_nbytes_of
 
     backend = _backend("FLASH_ATTN")
     vllm_config.cache_config.block_size = 16
@@ -328,7 +328,7 @@ def test_the_layout_is_part_of_the_fingerprint(vllm_config: Any) -> None:
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
-    from tierkv.connectors.vllm_common import load_config, vllm_fingerprint
+    from kvstrata.connectors.vllm_common import load_config, vllm_fingerprint
 
     backend = _backend("FLASH_ATTN")
     vllm_config.cache_config.block_size = 16
@@ -347,8 +347,8 @@ def test_the_layout_is_part_of_the_fingerprint(vllm_config: Any) -> None:
 def test_a_state_cache_stops_start_up_naming_the_layer(vllm_config: Any) -> None:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec
 
-    from tierkv.connectors.vllm_common import block_nbytes_of
-    from tierkv.errors import ConfigError
+    from kvstrata.connectors.vllm_common import block_nbytes_of
+    from kvstrata.errors import ConfigError
 
     spec = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
     config = KVCacheConfig(num_blocks=4, kv_cache_tensors=[KVCacheTensor(size=4 * spec.page_size_bytes,
@@ -368,9 +368,9 @@ def test_new_tensors_of_another_layout_reset_the_tiers(vllm_config: Any, tmp_pat
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
-    from tierkv.connectors.vllm_common import TierKVMetadata, block_nbytes_of, load_config
-    from tierkv.connectors.vllm_worker import TierKVWorker
-    from tierkv.policy import COMPUTED, StorePlan
+    from kvstrata.connectors.vllm_common import KVStrataMetadata, block_nbytes_of, load_config
+    from kvstrata.connectors.vllm_worker import KVStrataWorker
+    from kvstrata.policy import COMPUTED, StorePlan
 
     backend = _backend("FLASH_ATTN")
     vllm_config.cache_config.block_size = 16
@@ -380,12 +380,12 @@ def test_new_tensors_of_another_layout_reset_the_tiers(vllm_config: Any, tmp_pat
     kv_cache_config, kv_caches, _ = _engine_tensors(vllm_config, first, groups, [backend], NUM_BLOCKS)
     extra = {"cpu.capacity": 4 * block_nbytes_of(kv_cache_config), "ssd.path": str(tmp_path / "ssd"),
              "ssd.capacity": "64MiB"}
-    worker = TierKVWorker(load_config(extra), vllm_config, kv_cache_config)
+    worker = KVStrataWorker(load_config(extra), vllm_config, kv_cache_config)
     worker.register_kv_caches(kv_caches)
     try:
         plan = StorePlan(1, COMPUTED)
         plan.add(1, b"a" * 32, 0, True)
-        _step(worker, TierKVMetadata(stores=[plan]))
+        _step(worker, KVStrataMetadata(stores=[plan]))
         assert worker.ssd.flush() and list(worker.ssd.keys()) == [b"a" * 32]
         worker.register_kv_caches(_engine_tensors(vllm_config, first, groups, [backend], NUM_BLOCKS)[1])
         worker.copier.drain()
@@ -394,7 +394,7 @@ def test_new_tensors_of_another_layout_reset_the_tiers(vllm_config: Any, tmp_pat
 
         kv_cache_config.kv_cache_layout = second.name
         _, other, _ = _engine_tensors(vllm_config, second, groups, [backend], NUM_BLOCKS)
-        with caplog.at_level(logging.WARNING, logger="tierkv.connectors.vllm_worker"):
+        with caplog.at_level(logging.WARNING, logger="kvstrata.connectors.vllm_worker"):
             worker.register_kv_caches(other)
         assert any("tiers are reset" in r.getMessage() for r in caplog.records)
         worker.copier.drain()
@@ -405,15 +405,15 @@ def test_new_tensors_of_another_layout_reset_the_tiers(vllm_config: Any, tmp_pat
         worker.shutdown()
 
 
-def test_tensors_tierkv_cannot_move_stop_start_up_in_one_line(vllm_config: Any, tmp_path: Path) -> None:
+def test_tensors_kvstrata_cannot_move_stop_start_up_in_one_line(vllm_config: Any, tmp_path: Path) -> None:
     """Tensors whose dimension 0 is not the block axis (not what vLLM hands over): start-up
-    stops naming the layout and the ones tierkv moves, and nothing is copied."""
+    stops naming the layout and the ones kvstrata moves, and nothing is copied."""
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
-    from tierkv.connectors.vllm_common import block_nbytes_of, load_config
-    from tierkv.connectors.vllm_worker import SUPPORTED_LAYOUTS, TierKVWorker
-    from tierkv.errors import ConfigError
+    from kvstrata.connectors.vllm_common import block_nbytes_of, load_config
+    from kvstrata.connectors.vllm_worker import SUPPORTED_LAYOUTS, KVStrataWorker
+    from kvstrata.errors import ConfigError
 
     backend = _backend("FLASH_ATTN")
     vllm_config.cache_config.block_size = 16
@@ -423,7 +423,7 @@ def test_tensors_tierkv_cannot_move_stop_start_up_in_one_line(vllm_config: Any, 
     transposed = {name: t.transpose(0, 1) for name, t in kv_caches.items()}  # [H, B, N, C]
     extra = {"cpu.capacity": 4 * block_nbytes_of(kv_cache_config), "ssd.path": str(tmp_path / "ssd"),
              "ssd.capacity": "64MiB"}
-    worker = TierKVWorker(load_config(extra), vllm_config, kv_cache_config)
+    worker = KVStrataWorker(load_config(extra), vllm_config, kv_cache_config)
     with pytest.raises(ConfigError) as info:
         worker.register_kv_caches(transposed)
     message = str(info.value)

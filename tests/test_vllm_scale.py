@@ -1,6 +1,6 @@
 """The scheduler half's view of the SSD tier is exact and its memory follows the tiers'
-capacity, not the traffic: vLLM's real scheduler with TierKVConnector, and a real
-TierKVWorker (CPU tensors laid out as vLLM's, a real slab, a real SSD tier on disk)
+capacity, not the traffic: vLLM's real scheduler with KVStrataConnector, and a real
+KVStrataWorker (CPU tensors laid out as vLLM's, a real slab, a real SSD tier on disk)
 standing in for the model runner's connector calls. A long stream of prompts, most
 of them never seen before, some repeated after their blocks left every tier: every
 load the scheduler plans succeeds (nothing evicted is ever offered as a hit), and
@@ -40,13 +40,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def ours_filters() -> list[tracemalloc.Filter]:
-    """Allocations made by tierkv's own source files: the package's and the connectors'
-    directories exactly (a pattern such as ``*/tierkv/*`` would also match every file of a
+    """Allocations made by kvstrata's own source files: the package's and the connectors'
+    directories exactly (a pattern such as ``*/kvstrata/*`` would also match every file of a
     checkout that happens to live under a directory of that name, the virtualenv included)."""
-    import tierkv
-    import tierkv.connectors
+    import kvstrata
+    import kvstrata.connectors
 
-    dirs = {form(d) for d in (*tierkv.__path__, *tierkv.connectors.__path__) for form in (str, os.path.realpath)}
+    dirs = {form(d) for d in (*kvstrata.__path__, *kvstrata.connectors.__path__) for form in (str, os.path.realpath)}
     return [tracemalloc.Filter(True, os.path.join(d, "*")) for d in dirs]
 
 
@@ -113,12 +113,12 @@ def test_no_evicted_block_is_offered_and_memory_stays_flat(model: str, tmp_path:
         assert len(sched._resident.blocks) <= GPU_BLOCKS + 1 and len(worker.worker._mirror) <= GPU_BLOCKS + 1
         assert not (copier._reading or copier._slot_event or copier._slot_io or copier._stores or copier._loads)
         assert not (sched._matched or sched._sources or sched._store_done or sched._load_lost)
-        # ... and tierkv's own allocations stay flat. What moves between two snapshots is ~40 KB:
+        # ... and kvstrata's own allocations stay flat. What moves between two snapshots is ~40 KB:
         # torch's and numpy's small internal allocations, attributed to the lines that called
         # them (sublinear in the rounds), and the harness's statistics. A set of every key
         # stored, ~1,100 new ones here (65-byte keys and the set's table), adds 90-180 KB.
         assert grown < GROWTH_BOUND, \
-            f"tierkv's memory grew by {grown} bytes over {ROUNDS} rounds of mostly new blocks; most at:\n{top}"
+            f"kvstrata's memory grew by {grown} bytes over {ROUNDS} rounds of mostly new blocks; most at:\n{top}"
     finally:
         worker.worker.shutdown()
         h.close()
@@ -127,9 +127,9 @@ def test_no_evicted_block_is_offered_and_memory_stays_flat(model: str, tmp_path:
 def test_an_ssd_tier_too_large_to_index_stops_start_up_naming_it(model: str, tmp_path: Path) -> None:
     """A capacity whose index would take more than half the machine's memory once full is a
     clear error when the scheduler starts, not an out-of-memory kill once the disk fills."""
-    from tierkv.connectors.vllm_common import check_index_memory
-    from tierkv.errors import ConfigError
-    from tierkv.policy import PolicySpec
+    from kvstrata.connectors.vllm_common import check_index_memory
+    from kvstrata.errors import ConfigError
+    from kvstrata.policy import PolicySpec
 
     check_index_memory(PolicySpec(ssd_slots=10_000_000), 65536, total_bytes=16 * 2**30)  # ~0.5 GiB: fine
     with pytest.raises(ConfigError, match=r"ssd.capacity: 200,000,000 blocks of 65,536 bytes.*GiB"):
@@ -151,9 +151,9 @@ def test_an_ssd_tier_recovering_in_the_background_is_held_once_verified(
     make this small tier recover in the background, as one with a larger index would."""
     import functools
 
-    from tierkv.connectors import vllm_worker
-    from tierkv.tiers.ssd import recovery
-    from tierkv.tiers.ssd.snapshot import CLEAN
+    from kvstrata.connectors import vllm_worker
+    from kvstrata.tiers.ssd import recovery
+    from kvstrata.tiers.ssd.snapshot import CLEAN
 
     extra = {"cpu.capacity": 4 * block_nbytes(BLOCK), "ssd.path": str(tmp_path / "ssd"),
              "ssd.capacity": 64 * block_nbytes(BLOCK), "ssd.compression": "none"}

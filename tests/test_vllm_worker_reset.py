@@ -1,6 +1,6 @@
 """The worker half on a reset after a weight update: every record of its SSD tier goes,
 also those its scheduler half no longer knew of (a put of a key still on disk only
-refreshes the record, so a stale one would be served again). A real TierKVWorker over
+refreshes the record, so a stale one would be served again). A real KVStrataWorker over
 CPU tensors laid out as vLLM's, with a real SSD tier; no engine runs."""
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_reset_deletes_every_record_of_the_workers_tier(model: str, tmp_path: Path) -> None:
-    from tierkv.connectors.vllm_common import TierKVMetadata, load_config
-    from tierkv.connectors.vllm_worker import TierKVWorker
+    from kvstrata.connectors.vllm_common import KVStrataMetadata, load_config
+    from kvstrata.connectors.vllm_worker import KVStrataWorker
 
     extra = _extra(tmp_path)
     with _environ_kept():
         vllm_config = _vllm_config(model, BLOCK, extra, 1 << 16, 256, 1 << 15)
     per_layer = block_nbytes(BLOCK) // len(layer_names()) // 4
-    worker = TierKVWorker(load_config(extra), vllm_config, _kv_cache_config(BLOCK, NUM_BLOCKS))
+    worker = KVStrataWorker(load_config(extra), vllm_config, _kv_cache_config(BLOCK, NUM_BLOCKS))
     worker.register_kv_caches({name: torch.zeros(NUM_BLOCKS, per_layer) for name in layer_names()})
     try:
         ssd = worker.ssd
@@ -49,10 +49,10 @@ def test_reset_deletes_every_record_of_the_workers_tier(model: str, tmp_path: Pa
         for key in orphans:
             assert ssd.put(key, bytes(block_nbytes(BLOCK)))
         assert ssd.flush()
-        worker.before_forward(TierKVMetadata())
+        worker.before_forward(KVStrataMetadata())
         worker.copier.drain()
         assert ssd.flush() and sorted(ssd.keys()) == orphans  # an ordinary step keeps them
-        worker.before_forward(TierKVMetadata(reset=True))
+        worker.before_forward(KVStrataMetadata(reset=True))
         worker.copier.drain()  # the deletions run on the copier's I/O thread, in plan order
         assert ssd.flush() and list(ssd.keys()) == []
     finally:

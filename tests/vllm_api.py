@@ -1,4 +1,4 @@
-"""The Python sources of another vLLM release, for tests that check tierkv's connector
+"""The Python sources of another vLLM release, for tests that check kvstrata's connector
 against that release's API (the connector base class, its hooks and signatures).
 
 ``python tests/vllm_api.py DEST [VERSION]`` downloads the release's wheel (no

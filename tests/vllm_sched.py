@@ -1,5 +1,5 @@
 """Drive vLLM's real v1 ``Scheduler`` (no model runner, no workers) with
-tierkv's ``TierKVConnector`` in the scheduler role.
+kvstrata's ``KVStrataConnector`` in the scheduler role.
 
 :class:`SchedulerHarness` builds the scheduler the way vLLM's ``EngineCore``
 does (config objects, a KV cache config for the tiny Llama of
@@ -91,25 +91,25 @@ def complete_every_plan(meta: Any) -> tuple[set[str] | None, Any]:
     (the scheduler half alone is tested)."""
     from collections import Counter
 
-    from tierkv.connectors.vllm_common import TierKVWorkerMetadata
+    from kvstrata.connectors.vllm_common import KVStrataWorkerMetadata
 
     if meta is None:
         return None, None
     stored = Counter(p.plan_id for p in [*meta.early_stores, *meta.stores])
-    return {p.req_id for p in meta.loads} or None, (TierKVWorkerMetadata(stored=stored) if stored else None)
+    return {p.req_id for p in meta.loads} or None, (KVStrataWorkerMetadata(stored=stored) if stored else None)
 
 
 class RealWorker:
-    """The connector's worker-side calls of one engine step, on a real ``TierKVWorker``
+    """The connector's worker-side calls of one engine step, on a real ``KVStrataWorker``
     (its KV caches: CPU tensors laid out as vLLM's for the tiny model). Build it in
     ``before_scheduler``, as ``EngineCore`` builds its workers before its scheduler;
     pass it as the harness's ``worker``."""
 
     def __init__(self, vllm_config: Any, extra: dict[str, Any], kv_cache_config: Any) -> None:
-        from tierkv.connectors.vllm_common import load_config
-        from tierkv.connectors.vllm_worker import TierKVWorker
+        from kvstrata.connectors.vllm_common import load_config
+        from kvstrata.connectors.vllm_worker import KVStrataWorker
 
-        self.worker = TierKVWorker(load_config(extra), vllm_config, kv_cache_config)
+        self.worker = KVStrataWorker(load_config(extra), vllm_config, kv_cache_config)
         block_size = int(vllm_config.cache_config.block_size)
         per_layer = block_nbytes(block_size) // LAYERS // DTYPE.itemsize
         n = int(kv_cache_config.num_blocks)
@@ -130,7 +130,7 @@ class RealWorker:
 
 class SchedulerHarness:
     """A real vLLM ``Scheduler`` over ``num_gpu_blocks`` usable blocks, with
-    ``TierKVConnector`` attached when ``kv_connector_extra_config`` is not None.
+    ``KVStrataConnector`` attached when ``kv_connector_extra_config`` is not None.
 
     ``stall_timeout_s``: :meth:`run_group` raises when no step schedules a
     token and no load finishes for this long (e.g. a prompt that can never fit
@@ -322,8 +322,8 @@ def _vllm_config(model_dir: str, block_size: int, extra: dict[str, Any] | None,
                             async_scheduling=False)
     kv = None
     if extra is not None:
-        kv = KVTransferConfig(kv_connector="TierKVConnector", kv_role="kv_both",
-                              kv_connector_module_path="tierkv.connectors.vllm",
+        kv = KVTransferConfig(kv_connector="KVStrataConnector", kv_role="kv_both",
+                              kv_connector_module_path="kvstrata.connectors.vllm",
                               kv_load_failure_policy="recompute", kv_connector_extra_config=dict(extra))
     return VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
                       kv_transfer_config=kv)

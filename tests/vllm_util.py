@@ -106,11 +106,11 @@ def random_token_prompt(n: int, seed: int, vocab: int = 500) -> list[int]:
 # --------------------------------------------------------------------------- engine runner
 
 def kv_transfer_config(extra: dict[str, Any], *, module_path: bool = True) -> dict[str, Any]:
-    cfg: dict[str, Any] = {"kv_connector": "TierKVConnector", "kv_role": "kv_both",
+    cfg: dict[str, Any] = {"kv_connector": "KVStrataConnector", "kv_role": "kv_both",
                            "kv_connector_extra_config": extra,
                            "kv_load_failure_policy": "recompute"}
     if module_path:
-        cfg["kv_connector_module_path"] = "tierkv.connectors.vllm"
+        cfg["kv_connector_module_path"] = "kvstrata.connectors.vllm"
     return cfg
 
 
@@ -124,8 +124,8 @@ def _make_llm(spec: dict[str, Any]) -> Any:
                                   disable_log_stats=False)
     if spec.get("tp", 1) > 1:  # one worker process per rank (run with multiprocessing=True)
         kwargs.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
-    if spec.get("tierkv") is not None:
-        kwargs["kv_transfer_config"] = kv_transfer_config(spec["tierkv"],
+    if spec.get("kvstrata") is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config(spec["kvstrata"],
                                                           module_path=spec.get("module_path", True))
     if spec.get("kv_events"):
         from vllm.config import KVEventsConfig
@@ -264,16 +264,16 @@ _WORKER_HOOKS = ("handle_preemptions", "start_load_kv", "wait_for_save", "get_fi
 
 
 def _time_worker_hooks() -> list[float]:
-    """Time tierkv's worker-side hooks (in-process engines); returns the list each engine
+    """Time kvstrata's worker-side hooks (in-process engines); returns the list each engine
     step appends its total seconds spent inside them to."""
     import time
 
-    from tierkv.connectors.vllm_connector import TierKVConnector
+    from kvstrata.connectors.vllm_connector import KVStrataConnector
 
     steps: list[float] = []
     acc = [0.0]
     for name in _WORKER_HOOKS:
-        orig = getattr(TierKVConnector, name)
+        orig = getattr(KVStrataConnector, name)
 
         def timed(self: Any, *args: Any, _orig: Any = orig, _last: bool = name == _WORKER_HOOKS[-1],
                   **kwargs: Any) -> Any:
@@ -287,15 +287,15 @@ def _time_worker_hooks() -> list[float]:
                         steps.append(acc[0])
                         acc[0] = 0.0
 
-        setattr(TierKVConnector, name, timed)
+        setattr(KVStrataConnector, name, timed)
     return steps
 
 
 def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
     """Run ``spec["steps"]`` on one engine. Each step is ``{"prompts": [[ids...]], "salt": str|None}``
-    or ``{"reset": true}`` (reset vLLM's prefix cache; with ``"connector": true`` tierkv's
+    or ``{"reset": true}`` (reset vLLM's prefix cache; with ``"connector": true`` kvstrata's
     tiers too). ``spec["hook_timing"]``: each step also reports ``hook_seconds``, the time
-    every engine step of it spent inside tierkv's worker-side hooks. ``spec["kv_events"]``
+    every engine step of it spent inside kvstrata's worker-side hooks. ``spec["kv_events"]``
     (an ``ipc://`` endpoint): KV-cache events on, each step reports the ``events`` a router
     subscribed from before the engine started received, or, with ``events_from_step: i``,
     one that connected before step ``i`` (the batches before it come from the replay socket)."""

@@ -1,5 +1,5 @@
 // Host build of the kernels' pure device helpers (the TKV_HD functions of
-// cuda/tierkv_types.cuh and cuda/layout.cuh), for tests/test_kernels_helpers.py.
+// cuda/kvstrata_types.cuh and cuda/layout.cuh), for tests/test_kernels_helpers.py.
 // nvcc compiles the very functions the kernels call, for the host.
 //
 //   helpers_host decode    256 float32 bit patterns per FP8 format (E4M3, E5M2) on stdout
@@ -17,7 +17,7 @@
 
 #include "layout.cuh"
 #include "reduce.cuh"
-#include "tierkv_types.cuh"
+#include "kvstrata_types.cuh"
 
 static int decode() {
   unsigned int out[512];

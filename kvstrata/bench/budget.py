@@ -1,0 +1,61 @@
+"""How many distinct blocks a ``kvstrata bench`` analysis can hold in the memory available now.
+
+The analysis keeps a fixed number of bytes per distinct block of the trace
+(its id map, the replay's per-block state, the miss-ratio pass's stack and
+histogram) and nothing per request or access, so the distinct blocks decide
+whether it fits. :data:`BYTES_PER_DISTINCT_BLOCK` is that cost on hash-id
+traces with headroom: 135-180 bytes were measured (the processes' summed
+proportional set size, Mooncake conversation trace repeated 1, 10 and 30
+times with fresh ids), plus the slack of arrays and maps caught mid-growth.
+Token traces (``kvstrata`` format) key each block by its tokens, 8 more bytes
+per token of block size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["BYTES_PER_DISTINCT_BLOCK", "available_memory_bytes", "default_max_distinct_blocks"]
+
+BYTES_PER_DISTINCT_BLOCK = 250
+_BASE_BYTES = 256 << 20   # interpreter, numpy, the tiers' fixed state and the batches in flight
+_USABLE = 0.8             # of the available memory: headroom for the page cache and other processes
+
+
+def available_memory_bytes() -> int | None:
+    """``MemAvailable``, or less where a cgroup limit leaves less; None when neither can be read."""
+    got = [n for n in (_meminfo_available(), _cgroup_room()) if n is not None]
+    return min(got) if got else None
+
+
+def default_max_distinct_blocks(fmt: str = "mooncake", block_size: int = 0) -> int | None:
+    """Distinct blocks of a ``fmt`` trace (``block_size`` tokens a block) that the memory available
+    now holds; None when it cannot be read (no limit)."""
+    avail = available_memory_bytes()
+    if avail is None:
+        return None
+    per_block = BYTES_PER_DISTINCT_BLOCK + (8 * block_size + 40 if fmt == "kvstrata" else 0)
+    return max(1 << 20, int((avail * _USABLE - _BASE_BYTES) // per_block))
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_room() -> int | None:
+    """cgroup v2: ``memory.max - memory.current`` of this process's group, None without a limit."""
+    try:
+        rel = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
+        base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        limit = (base / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int((base / "memory.current").read_text()))
+    except (OSError, ValueError, IndexError):
+        return None

@@ -1,0 +1,73 @@
+"""The deployment ``kvstrata bench`` replays when no ``--config`` is given.
+
+An 8B model (Llama-3-8B's KV layout, fp16: 128 KiB per token) served by vLLM on
+one 48 GB card: 22 GiB of KV pool (about 180K tokens, enough for long-context
+requests), a 64 GiB DRAM tier and a 1 TiB SSD tier, with the library's
+default placement rules. ``--set`` overrides any of it (``--set
+gpu.num_blocks`` replaces the pool's capacity).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from kvstrata.config import KVStrataConfig
+
+__all__ = ["DEFAULT_DEPLOYMENT", "default_config", "recorded_config", "recorded_deployment"]
+
+DEFAULT_DEPLOYMENT: dict[str, Any] = {
+    "model": {"name": "llama-3-8b", "layers": 32, "kv_heads": 8, "head_size": 128, "kv_dtype": "fp16"},
+    "gpu": {"capacity": "22GiB"}, "cpu": {"capacity": "64GiB"}, "ssd": {"capacity": "1TiB"},
+}
+
+
+def default_config(overrides: Iterable[str] = ()) -> KVStrataConfig:
+    """The default deployment with ``--set`` style overrides applied."""
+    overrides = list(overrides)
+    base = {k: dict(v) for k, v in DEFAULT_DEPLOYMENT.items()}
+    if any(isinstance(o, str) and o.split("=", 1)[0].strip() == "gpu.num_blocks" for o in overrides):
+        base["gpu"].pop("capacity")  # one pool size: num_blocks and capacity are exclusive
+    return KVStrataConfig.from_dict(base, overrides)
+
+
+# What a recording's header says of the deployment that served it (``deployment``), and
+# the config a replay of the recording starts from. Left out: where things are (paths,
+# the remote server's URL, which may hold a password), the metrics endpoint and the
+# recorder itself.
+_NOT_RECORDED = {"ssd": ("path",), "remote": ("url", "cluster"), "metrics": None, "trace": None}
+
+
+def recorded_deployment(cfg: KVStrataConfig, *, block_size: int, block_nbytes: int, gpu_blocks: int,
+                        capacity_blocks: dict[str, int], engine: dict[str, Any]) -> dict[str, Any]:
+    """The ``deployment`` of a recording's header: ``cfg`` as it ran (the engine's block
+    size, a block's bytes, the GPU blocks the engine sized), the blocks each tier held,
+    and what served it (``engine``: names and versions, for the reader)."""
+    d = cfg.to_dict()
+    for section, keys in _NOT_RECORDED.items():
+        if keys is None:
+            d.pop(section, None)
+        else:
+            for key in keys:
+                d[section].pop(key, None)
+    d["block_size"] = block_size
+    d["model"]["block_nbytes"] = block_nbytes
+    d["gpu"] = {"num_blocks": gpu_blocks}
+    return {"config": d, "capacity_blocks": dict(capacity_blocks), "engine": engine}
+
+
+def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = ()) -> KVStrataConfig:
+    """The config a recording's deployment ran, with ``--set`` style overrides applied."""
+    from kvstrata.errors import ConfigError
+
+    base = deployment.get("config") if isinstance(deployment, dict) else None
+    if not isinstance(base, dict):
+        raise ConfigError("trace: the recording's header holds no deployment to replay; give --config")
+    overrides = list(overrides)
+    base = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    if any(isinstance(o, str) and o.split("=", 1)[0].strip() == "gpu.capacity" for o in overrides):
+        base["gpu"].pop("num_blocks", None)  # one pool size: num_blocks and capacity are exclusive
+    try:
+        KVStrataConfig.from_dict(base)
+    except ConfigError as exc:
+        raise ConfigError(f"trace: the recorded deployment: {exc}") from None
+    return KVStrataConfig.from_dict(base, overrides)

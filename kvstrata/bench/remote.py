@@ -1,0 +1,70 @@
+"""The shared remote tier in a replay: a Redis/Valkey server without bytes.
+
+It models a server run with ``maxmemory`` and ``allkeys-lru``: an LRU of keys
+holding ``remote.capacity`` bytes of blocks (the server's own per-key overhead
+is not counted); a write (``SET NX``) of a key it holds, a probe and a fetch
+all count as uses. Writes are write-behind in the plugin; here they land at
+once. One replay (``remote.url`` and ``remote.capacity`` set) or several
+replicas (``kvstrata bench --replicas``) share one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Sequence
+
+from kvstrata.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvstrata.config import KVStrataConfig
+
+__all__ = ["SharedRemote", "remote_capacity_blocks"]
+
+
+def remote_capacity_blocks(cfg: "KVStrataConfig") -> int:
+    """Blocks of ``cfg``'s size that ``remote.capacity`` holds (at least one)."""
+    capacity, nbytes = cfg.remote.capacity or 0, cfg.block_nbytes()
+    if capacity // nbytes < 1:
+        raise ConfigError(f"remote.capacity: {capacity:,} bytes hold no block of {nbytes:,} bytes")
+    return capacity // nbytes
+
+
+class SharedRemote:
+    """The shared tier of a fleet, without bytes: an LRU of at most ``capacity`` keys."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity: expected at least one block, got {capacity}")
+        self.capacity = capacity
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self.counts = {"stored": 0, "present": 0, "evicted": 0, "fetched": 0}
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def put_many(self, keys: Sequence[bytes]) -> None:
+        """``SET key value NX`` for each key: a held key is only used (its value stays)."""
+        lru = self._lru
+        for key in keys:
+            if key in lru:
+                lru.move_to_end(key)
+                self.counts["present"] += 1
+            else:
+                lru[key] = None
+                self.counts["stored"] += 1
+        over = len(lru) - self.capacity
+        for _ in range(max(0, over)):
+            lru.popitem(last=False)
+        self.counts["evicted"] += max(0, over)
+
+    def held_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the tier holds (probed and fetched: each is used)."""
+        lru = self._lru
+        n = 0
+        for key in keys:
+            if key not in lru:
+                break
+            lru.move_to_end(key)
+            n += 1
+        self.counts["fetched"] += n
+        return n

@@ -1,0 +1,687 @@
+"""Replay a trace through the deployed placement: kvstrata's pool, the tier policy, an executor.
+
+The replay drives the same :class:`~kvstrata.policy.TierPolicy` as the library
+and the vLLM connector, in the order the connector drives it under vLLM's
+scheduler, so its hit counts are what a deployment of the same config sees:
+
+* a request whose prefix is partly held below takes two steps, as in vLLM:
+  step A allocates its cached prefix and the blocks to load (the load is
+  planned, sources pinned), step B the rest of the prompt (computed);
+* every step ends the same way: blocks the pool evicted in the step are
+  offered as ``evicted``, newly computed blocks as ``computed``, the page-out
+  window as ``pageout``; then the step's stores complete, then its loads.
+
+The GPU pool is a :class:`~kvstrata.block_pool.BlockManager`, which evicts and
+frees in vLLM's order. With one request at a time this is exactly what the
+connector does under vLLM (a test checks it against the real scheduler);
+with concurrent requests vLLM interleaves steps of different requests,
+which the replay approximates by running each arrival's steps back to back.
+
+Hash-id traces (Mooncake, Qwen-Bailian): every id is a full block that may
+hit (no last-token cap). Request lifetimes: a request holds its GPU blocks
+from arrival until ``arrival + output_length * decode_s_per_token``
+(prefill time and the output tokens' own blocks are not modelled). When the
+GPU pool has too few free blocks for an arrival, running requests are
+finished early, earliest finisher first, and counted as ``forced_frees``. A
+request that needs more blocks than the whole pool is rejected, as an engine
+rejects it: counted (``rejected``), with the pool size that would admit it.
+
+Capacities: the trace's block size replaces the config's ``block_size``;
+tier capacities keep their meaning in tokens and bytes (``gpu.num_blocks``
+is converted to the same number of tokens). Without payload no bytes move
+(a null executor); ``payload=True`` moves real bytes (``payload_block_bytes``
+per block) through a host pool, the CPU slab and an SSD tier in a temporary
+directory, with the tiers holding the same number of blocks.
+
+Memory: the replay reads each request once and keeps nothing per request
+(unless ``record_requests``) or per access. Per block it keeps a state byte
+and two times (miss reasons, whole-cache lifetimes), in arrays indexed by
+the trace's dense block ids, so its memory follows the trace's distinct
+blocks; the pool and the tiers hold what their capacities hold. Lifecycle
+samples are summarised as they come (:mod:`kvstrata.bench.lifelog`,
+:class:`~kvstrata.bench.stats.Quantiles`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import heapq
+import itertools
+import tempfile
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+
+from kvstrata.block_pool import BlockManager, Prompt
+from kvstrata.config import SSD_TIER_KEYS, KVStrataConfig
+from kvstrata.errors import ConfigError, OutOfBlocksError, config_keys
+from kvstrata.executor import Executor, NullExecutor
+from kvstrata.bench.lifelog import LifecycleLog
+from kvstrata.bench.stats import Quantiles
+from kvstrata.metrics import TIERS, LifecycleRecorder, policy_stats
+from kvstrata.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, LoadPlan, PolicySpec, StorePlan, TierPolicy
+from kvstrata.policy.events import REMOTE
+
+if TYPE_CHECKING:
+    from kvstrata.bench.remote import SharedRemote
+    from kvstrata.trace.reader import Request, Trace, TraceReader
+
+__all__ = ["TIERS", "MISS_REASONS", "ReplayError", "ReplayOptions", "ReplayResult", "Replayer", "config_for_trace",
+           "tier_capacities", "policy_spec", "replay", "replaying", "requests_of"]
+
+MISS_REASONS = ("new", "evicted_gpu", "evicted_cpu", "evicted_ssd", "prefix_miss", "last_token", "rejected", "other")
+
+# per-block state while replaying
+_NEVER, _CACHED = 0, 1
+_LEFT = {"gpu": 2, "cpu": 3, "ssd": 4}
+_STATE_REASON = {2: "evicted_gpu", 3: "evicted_cpu", 4: "evicted_ssd"}
+
+
+class ReplayError(ValueError):
+    """The configuration cannot replay this trace."""
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How requests are timed, whether bytes move, and which admission runs."""
+
+    decode_s_per_token: float = 0.02
+    payload: bool = False
+    payload_block_bytes: int = 16 * 1024
+    admission: str | None = None   # None: the config's spill.admission
+    record_requests: bool = False  # keep each request's hits per tier (ReplayResult.request_hits)
+    explain: bool = False          # keep why each request's first missed block missed (ReplayResult.misses)
+
+
+@dataclass
+class ReplayResult:
+    """Counts from one replay (block counts are of the trace's block size)."""
+
+    config: KVStrataConfig
+    spec: PolicySpec
+    capacity_blocks: dict[str, int]
+    requests: int
+    accesses: int
+    hit_blocks: dict[str, int]
+    miss_reasons: dict[str, int]
+    forced_frees: int
+    peak_running: int
+    wall_s: float
+    stats: dict[str, Any]
+    rejected: int = 0
+    rejected_max_blocks: int = 0
+    admit_hint: str | None = None
+    request_hits: list[dict[str, int]] = field(default_factory=list)
+    cache_lifetime_s: Quantiles = field(default_factory=Quantiles)
+    cache_idle_before_evict_s: Quantiles = field(default_factory=Quantiles)
+    payload_block_bytes: int | None = None
+    config_block_size: int = 0  # the block size of the config as given (its capacities' unit)
+    prompt_tokens: int = 0      # of every request replayed
+    misses: list[dict[str, Any]] = field(default_factory=list)
+    preempted_hit_blocks: dict[str, int] = field(default_factory=dict)  # on resuming (recorded preemptions)
+
+    def ssd_bytes_written(self) -> int:
+        """Bytes the replay stored to the SSD tier (blocks x the block's bytes, before compression)."""
+        return int(self.stats.get("spills", {}).get("ssd", 0)) * self.config.block_nbytes()
+
+    @property
+    def hits(self) -> int:
+        return sum(self.hit_blocks.values())
+
+    def hit_rate(self) -> dict[str, float]:
+        """Per tier (the remote tier too when it was modelled) and in total."""
+        n = self.accesses or 1
+        rates = {t: self.hit_blocks[t] / n for t in (*TIERS, REMOTE) if t in self.hit_blocks}
+        rates["total"] = self.hits / n
+        return rates
+
+    def lifecycle(self, tier: str, what: str) -> Quantiles:
+        """Samples ``what`` (lifetime_s | idle_before_evict_s | reuse_gap_s) of ``tier``."""
+        got = self.stats.get("lifecycle", {}).get(tier, {}).get(what)
+        return got if got is not None else Quantiles()
+
+
+def _gpu_tokens(cfg: KVStrataConfig) -> int | None:
+    return cfg.gpu.num_blocks * cfg.block_size if cfg.gpu.num_blocks is not None else None
+
+
+def config_for_trace(cfg: KVStrataConfig, block_size: int, admission: str | None = None) -> KVStrataConfig:
+    """``cfg`` with the trace's block size, keeping every capacity in tokens/bytes."""
+    model, gpu, spill = cfg.model, cfg.gpu, cfg.spill
+    if model.block_nbytes is not None:
+        per_token = model.block_nbytes / cfg.block_size
+        model = dataclasses.replace(model, block_nbytes=max(1, round(per_token * block_size)))
+    tokens = _gpu_tokens(cfg)
+    if tokens is not None:
+        gpu = dataclasses.replace(gpu, num_blocks=max(1, tokens // block_size))
+    if admission is not None and admission != spill.admission:
+        promotion = spill.promotion if admission == "on_evict" else "inclusive"
+        spill = dataclasses.replace(spill, admission=admission, promotion=promotion)
+    return dataclasses.replace(cfg, block_size=block_size, model=model, gpu=gpu, spill=spill)
+
+
+def policy_spec(cfg: KVStrataConfig) -> PolicySpec:
+    """The policy a deployment of ``cfg`` runs (blocks of ``cfg.block_nbytes()``)."""
+    nbytes = cfg.block_nbytes()
+    return PolicySpec.from_config(cfg, block_nbytes=nbytes, gpu_blocks=cfg.gpu.resolve_num_blocks(nbytes))
+
+
+def tier_capacities(cfg: KVStrataConfig) -> dict[str, int]:
+    """Blocks each tier holds under ``cfg``."""
+    spec = policy_spec(cfg)
+    return {"gpu": cfg.gpu.resolve_num_blocks(cfg.block_nbytes()), "cpu": spec.cpu_slots, "ssd": spec.ssd_slots}
+
+
+_FLUSH = 1 << 16  # whole-cache samples buffered before they go into their Quantiles
+
+
+class _Tracker:
+    """Per-block state for miss reasons and whole-cache lifetimes (arrays grown with the block ids)."""
+
+    def __init__(self) -> None:
+        self.state = bytearray()
+        self.entered = array("d")
+        self.last = array("d")
+        self.left = array("d")  # when the block left the last tier that held it
+        self.lifetime, self.idle = Quantiles(), Quantiles()
+        self._life: list[float] = []
+        self._idle: list[float] = []
+
+    def cover(self, top: int) -> None:
+        """Room for block ids below ``top``."""
+        n = len(self.state)
+        if top > n:
+            grow = max(top, 2 * n, 1024) - n
+            self.state.extend(bytes(grow))
+            self.entered.extend(array("d", bytes(8 * grow)))
+            self.last.extend(array("d", bytes(8 * grow)))
+            self.left.extend(array("d", bytes(8 * grow)))
+
+    def left_many(self, keys: list[bytes], tier: str, now: float) -> None:
+        """These blocks left the last tier that held them (``tier``)."""
+        state, code, entered, last, left = self.state, _LEFT[tier], self.entered, self.last, self.left
+        life, idle = self._life, self._idle
+        for key in keys:
+            block = _block(key)
+            if state[block] == _CACHED:
+                state[block] = code
+                left[block] = now
+                life.append(now - entered[block])
+                idle.append(now - last[block])
+        if len(life) >= _FLUSH:
+            self.flush()
+
+    def flush(self) -> None:
+        self.lifetime.add(self._life)
+        self.idle.add(self._idle)
+        self._life, self._idle = [], []
+
+    def retained_bytes(self) -> int:
+        return len(self.state) + 8 * (len(self.entered) + len(self.last) + len(self.left) + len(self._life)
+                                      + len(self._idle)) + \
+            self.lifetime.retained_bytes() + self.idle.retained_bytes()
+
+    def touch(self, blocks: list[int], now: float) -> None:
+        state, entered, last = self.state, self.entered, self.last
+        for b in blocks:
+            if state[b] != _CACHED:
+                state[b] = _CACHED
+                entered[b] = now
+            last[b] = now
+
+
+def _classify(before: bytes, hit: int, hittable: int, reasons: dict[str, int]) -> None:
+    """Why each block after the first ``hit`` missed, from its state before the request
+    (``before[j]``): counted per state with ``bytes.count``, no per-block loop."""
+    if hittable < len(before):
+        reasons["last_token"] += len(before) - max(hit, hittable)
+    seg = before[hit:hittable]
+    if not seg:
+        return
+    reasons["new"] += seg.count(_NEVER)
+    cached = seg.count(_CACHED)
+    if cached:  # still cached: unreachable behind an earlier miss, or (the first one) not served
+        first = seg[0] == _CACHED
+        reasons["other"] += first
+        reasons["prefix_miss"] += cached - first
+    for code, reason in _STATE_REASON.items():
+        reasons[reason] += seg.count(code)
+
+
+_FIRST_REASON = {_NEVER: "new", _CACHED: "other", **_STATE_REASON}
+
+
+def _first_reason(before: bytes, hit: int) -> str:
+    """Why the first missed block (index ``hit``) missed, from its state before the request."""
+    return _FIRST_REASON.get(before[hit], "other") if hit < len(before) else "last_token"
+
+
+def _block(key: bytes) -> int:
+    return int.from_bytes(key, "little")
+
+
+class Replayer:
+    """One pass over a trace, a request at a time (see the module docstring for the step protocol).
+
+    Made by :func:`replaying`, which sets :attr:`result` when it exits."""
+
+    def __init__(self, block_size: int, cfg: KVStrataConfig, opts: ReplayOptions, executor: Executor,
+                 remote: "SharedRemote | None" = None) -> None:
+        self.block_size, self.opts = block_size, opts
+        self.now = 0.0
+        self.spec = policy_spec(cfg)
+        self.remote = remote  # the shared tier of several replicas (kvstrata.bench.replicas)
+        if remote is not None:
+            self.spec = dataclasses.replace(self.spec, remote=True)
+        self.tracker = _Tracker()
+        self.lifecycle = {t: LifecycleLog() for t in TIERS}
+        self._left: list[tuple[list[bytes], str]] = []
+        self.gpu_blocks = cfg.gpu.resolve_num_blocks(cfg.block_nbytes())
+        self.manager = BlockManager(self.gpu_blocks, block_size, track_evictions=True)
+        self.policy = TierPolicy(self.spec, clock=lambda: self.now,
+                                 observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS}),
+                                            self._observe])
+        self.executor = executor
+        self.running: list[tuple[float, int]] = []
+        # recorded preemptions still to replay: (time, order, request, tokens; 0 = preempted)
+        self.preempting: list[tuple[float, int, int, int]] = []
+        self._order = itertools.count()
+        self.resumable: dict[int, Prompt] = {}  # running requests with preemptions to replay
+        self.preempted_hit_blocks = dict.fromkeys(TIERS, 0)  # lookups on resuming: not the hit rate's
+        self.hit_blocks = dict.fromkeys((*TIERS, REMOTE) if remote is not None else TIERS, 0)
+        self.reasons = dict.fromkeys(MISS_REASONS, 0)
+        self.forced = self.peak = self.rejected = self.rejected_max = 0
+        self.request_hits: list[dict[str, int]] | None = [] if opts.record_requests else None
+        self.gpu_evictions = self.stored_at_eviction = 0
+        self.requests = self.accesses = self.prompt_tokens = 0
+        self.misses: list[dict[str, Any]] | None = [] if opts.explain else None
+        self.wall_s = 0.0
+        self.result: ReplayResult | None = None
+
+    def _observe(self, kind: str, tier: str, keys: Any, now: float) -> None:
+        if kind in ("evicted", "lost", "dropped"):
+            self._left.append((list(keys), tier))
+
+    # ------------------------------------------------------------------ requests
+
+    def finish_until(self, now: float) -> None:
+        """Free the requests finished by ``now`` and replay the preemptions due by then (a
+        preemption frees the request's blocks, its resumption looks it up again); then a
+        step with nothing scheduled runs (as in vLLM, the step that tells the workers): the
+        page-out window is offered."""
+        running, preempting, manager = self.running, self.preempting, self.manager
+        freed = False
+        while running or preempting:
+            fin = running[0][0] if running else float("inf")
+            due = preempting[0][0] if preempting else float("inf")
+            if min(fin, due) > now:
+                break
+            if preempting and due <= fin:
+                at, _, rid, tokens = heapq.heappop(preempting)
+                self.now = max(self.now, at)
+                freed |= self._preempted(rid, tokens)
+                continue
+            fin, rid = heapq.heappop(running)
+            self.now = max(self.now, fin)
+            if str(rid) in manager.requests:  # else preempted, and not resumed before it finished
+                manager.free(str(rid))
+                freed = True
+            self.resumable.pop(rid, None)
+        if freed and self.policy.pageout_blocks:
+            self._end_step([], None)
+
+    def _preempted(self, rid: int, tokens: int) -> bool:
+        """Request ``rid`` preempted (``tokens`` 0: its blocks are freed) or resumed (its
+        first ``tokens`` looked up again, the rest computed); True when blocks were freed."""
+        prompt = self.resumable.get(rid)
+        if prompt is None:
+            return False  # finished early to make room for another
+        held = str(rid) in self.manager.requests
+        if not tokens:
+            if held:
+                self.manager.free(str(rid))
+            return held
+        if not held:
+            cap = min(len(prompt.hashes), max(tokens - 1, 0) // self.block_size)
+            self._schedule(str(rid), Prompt(prompt.hashes, prompt.num_tokens, cap), resumed=True)
+        return False
+
+    def _room(self, call: Callable[[], Any]) -> Any:
+        """``call()``, finishing running requests early while the pool is too full for it."""
+        while True:
+            try:
+                return call()
+            except OutOfBlocksError:
+                victim = self._first_to_finish()
+                if victim is None:
+                    raise
+                self.manager.free(str(victim))
+                self.resumable.pop(victim, None)
+                self.forced += 1
+
+    def _first_to_finish(self) -> int | None:
+        """Take out of ``running`` the request that finishes first among those holding blocks
+        (a preempted one, or one being resumed, holds none and stays)."""
+        skipped = []
+        victim = None
+        while self.running:
+            entry = heapq.heappop(self.running)
+            if str(entry[1]) in self.manager.requests:
+                victim = entry[1]
+                break
+            skipped.append(entry)
+        for entry in skipped:
+            heapq.heappush(self.running, entry)
+        return victim
+
+    def step(self, r: "Request") -> None:
+        """Replay the next request (arrival order)."""
+        t0 = time.perf_counter()
+        rid = self.requests
+        self.requests += 1
+        self.accesses += len(r.blocks)
+        self.prompt_tokens += r.input_length if r.token_based else len(r.blocks) * self.block_size
+        if r.blocks or r.output_blocks:
+            self.tracker.cover(max([*r.blocks, *r.output_blocks]) + 1)
+        self._step(rid, r)
+        self.wall_s += time.perf_counter() - t0
+
+    def _step(self, rid: int, r: "Request") -> None:
+        self.policy.forget_pairs(self.executor.take_lost())  # what the SSD tier dropped on its own
+        self.finish_until(r.timestamp)
+        self.now = max(self.now, r.timestamp)
+        prompt = self.prompt_of(r)
+        needed = self.manager.blocks_needed(prompt)
+        if needed > self.gpu_blocks:
+            self.rejected += 1
+            self.rejected_max = max(self.rejected_max, needed)
+            self.reasons["rejected"] += len(r.blocks)
+            if self.request_hits is not None:
+                self.request_hits.append({"gpu": 0, "cpu": 0, "ssd": 0})
+            if self.misses is not None:
+                self.misses.append(self._miss(r, rid, 0, "rejected"))
+            return
+        before = bytes(map(self.tracker.state.__getitem__, r.blocks))
+        hits = self._schedule(str(rid), prompt)
+        _classify(before, hits, r.hittable, self.reasons)
+        if self.misses is not None and hits < r.hittable:
+            self.misses.append(self._miss(r, rid, hits, _first_reason(before, hits)))
+        self.tracker.touch([*r.blocks, *r.output_blocks], self.now)
+        held = r.duration if r.duration >= 0 else r.output_length * self.opts.decode_s_per_token
+        heapq.heappush(self.running, (r.timestamp + held, rid))
+        if r.preemptions:
+            self.resumable[rid] = prompt
+            for preempted, resumed, tokens in r.preemptions:
+                heapq.heappush(self.preempting, (r.timestamp + preempted, next(self._order), rid, 0))
+                heapq.heappush(self.preempting, (r.timestamp + resumed, next(self._order), rid, max(tokens, 1)))
+        self.peak = max(self.peak, len(self.running))
+
+    def _miss(self, r: "Request", rid: int, hit: int, reason: str) -> dict[str, Any]:
+        """Why request ``rid``'s block ``hit`` (its first miss) missed, and since when."""
+        out: dict[str, Any] = {"request": rid, "line": r.line, "timestamp": r.timestamp, "blocks": len(r.blocks),
+                               "hittable": r.hittable, "hit": hit, "first_miss": hit, "reason": reason}
+        if reason.startswith("evicted_"):
+            block = r.blocks[hit]
+            out["left_s_ago"] = self.now - self.tracker.left[block]
+            out["last_used_s_ago"] = self.now - self.tracker.last[block]
+        return out
+
+    def prompt_of(self, r: "Request") -> Prompt:
+        """The request as the pool sees it; a recorded request with the full blocks its output
+        completed: they are allocated and computed with its prompt (never looked up)."""
+        n_tokens = r.input_length if r.token_based else len(r.blocks) * self.block_size
+        if r.output_blocks:
+            keys = [b.to_bytes(8, "little") for b in (*r.blocks, *r.output_blocks)]
+            kv_tokens = max(n_tokens, r.input_length + r.output_length - 1)  # the last token's KV is never computed
+            return Prompt(keys, max(kv_tokens, len(keys) * self.block_size), r.hittable)
+        return Prompt([b.to_bytes(8, "little") for b in r.blocks], n_tokens, r.hittable)
+
+    def held_prefix(self, prompt: Prompt) -> int:
+        """Blocks of ``prompt``'s prefix this replica holds, in its pool or below (what a
+        prefix-aware router reads from its KV-cache events). Pure."""
+        gpu = self.manager.lookup(prompt)
+        return gpu + len(self.policy.lookup(prompt.hashes[gpu:prompt.cap]))
+
+    def _fetch(self, prompt: Prompt, gpu_hits: int, below: list[str]) -> set[bytes]:
+        """What the shared tier holds after the local prefix, fetched into CPU slots as the
+        vLLM scheduler fetches it (the local prefix touched first); returns the keys fetched."""
+        assert self.remote is not None
+        start = gpu_hits + len(below)
+        held = self.remote.held_prefix(prompt.hashes[start:prompt.cap])
+        if not held:
+            return set()
+        self.policy.touch(prompt.hashes[gpu_hits:start])
+        plan = self.policy.prepare_fetch(prompt.hashes[start:start + held])
+        self.policy.complete_fetch(plan, self.executor.fetch(plan))
+        return set(plan.keys)
+
+    def _schedule(self, rid: str, prompt: Prompt, resumed: bool = False) -> int:
+        """Steps A (prefix + loads) and B (the rest, computed); returns the blocks served from
+        cache. ``resumed``: a preempted request looked up again, counted apart."""
+        manager, policy = self.manager, self.policy
+        gpu_hits = manager.lookup(prompt)
+        below = policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
+        fetched: set[bytes] = set()
+        if self.remote is not None and gpu_hits + len(below) < prompt.cap:
+            fetched = self._fetch(prompt, gpu_hits, below)
+            if fetched:
+                below = policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
+        if below:
+            alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, num_external=len(below),
+                                                        num_blocks=gpu_hits + len(below)))
+        else:
+            alloc = self._room(lambda: manager.allocate(rid, prompt=prompt))
+        policy.touch(prompt.hashes[:gpu_hits])
+        self._gpu_hits(prompt.hashes[:gpu_hits])
+        loaded = 0
+        if below:
+            load = policy.prepare_load(rid, prompt.hashes[gpu_hits:gpu_hits + len(below)],
+                                       alloc.block_ids[gpu_hits:gpu_hits + len(below)])
+            loaded = self._end_step([], load)
+            if loaded < len(below):
+                manager.invalidate(rid, gpu_hits + loaded)
+            self.lifecycle["gpu"].enter_many(prompt.hashes[gpu_hits:gpu_hits + loaded], self.now)
+            self._room(lambda: manager.grow(rid))
+        computed = manager.commit(rid)
+        self._note_computed(computed)
+        self._end_step(computed, None)
+        counts = self.preempted_hit_blocks if resumed else self.hit_blocks
+        counts["gpu"] += gpu_hits
+        if fetched:  # fetched blocks are served from CPU slots, but came from the shared tier
+            below = [REMOTE if t == "cpu" and k in fetched else t
+                     for t, k in zip(below, prompt.hashes[gpu_hits:gpu_hits + len(below)])]
+        for tier in below[:loaded]:
+            counts[tier] = counts.get(tier, 0) + 1
+        if self.request_hits is not None and not resumed:
+            self.request_hits.append({"gpu": gpu_hits, "cpu": below[:loaded].count("cpu"),
+                                      "ssd": below[:loaded].count("ssd")})
+        return gpu_hits + loaded
+
+    def _end_step(self, computed: list[tuple[int, bytes]], load: LoadPlan | None) -> int:
+        """Offer evicted, computed and page-out blocks; run and complete the step's plans."""
+        policy = self.policy
+        plans: list[StorePlan] = []
+        evicted = self.manager.take_evicted()
+        if evicted:
+            self._gpu_evicted(evicted)
+            if policy.admits(EVICTED):
+                plans.append(policy.prepare_store([b for b, _ in evicted], [h for _, h in evicted], EVICTED))
+                self.stored_at_eviction += len(plans[-1])
+        if computed and policy.admits(COMPUTED):
+            plans.append(policy.prepare_store([b for b, _ in computed], [h for _, h in computed], COMPUTED))
+        if policy.pageout_blocks:
+            window = self.manager.free_window(policy.pageout_blocks)
+            if window:
+                plans.append(policy.prepare_store([b for b, _ in window], [h for _, h in window], PAGEOUT))
+        results = [(plan, self.executor.store(plan) if not plan.empty else []) for plan in plans]
+        if self.remote is not None:
+            self.remote.put_many([k for plan in plans for i, k in enumerate(plan.keys) if plan.remote(i)])
+        loaded = 0
+        if load is not None:
+            result = self.executor.load(load)
+            loaded = result.loaded
+        for plan, lost in results:
+            policy.complete_store(plan, lost)
+        if load is not None:
+            policy.complete_load(load, result.lost, loaded)
+        self._settle([h for _, h in evicted])
+        return loaded
+
+    # ------------------------------------------------------------------ accounting
+
+    def _gpu_hits(self, keys: list[bytes]) -> None:
+        self.lifecycle["gpu"].access_many(keys, self.now)
+
+    def _note_computed(self, computed: list[tuple[int, bytes]]) -> None:
+        """Computed blocks the pool registered enter it (a duplicate of a cached block does not)."""
+        blocks = self.manager.blocks
+        self.lifecycle["gpu"].enter_many([k for b, k in computed if blocks[b].block_hash == k], self.now)
+
+    def _gpu_evicted(self, evicted: list[tuple[int, bytes]]) -> None:
+        self.lifecycle["gpu"].leave_many([h for _, h in evicted], self.now)
+        self.gpu_evictions += len(evicted)
+
+    def _settle(self, gpu_evicted: list[bytes]) -> None:
+        """Blocks that left a tier in this step and are held nowhere now have left the cache."""
+        left, self._left = self._left, []
+        holdings = self.policy.holdings
+        cached, in_cpu, in_ssd, now = self.manager.cached, holdings.in_cpu, holdings.in_ssd, self.now
+        leave = self.tracker.left_many
+        for keys, tier in [*left, (gpu_evicted, "gpu")]:  # a lower tier first: it held the block last
+            gone = [k for k in keys if k not in cached and k not in in_cpu and k not in in_ssd]
+            if gone:
+                leave(gone, tier, now)
+
+    def close(self) -> dict[str, Any]:
+        self.finish_until(float("inf"))
+        self.tracker.flush()
+        stats = {**policy_stats(self.policy, gpu_evictions=self.gpu_evictions,
+                                gpu_cached=self.manager.num_cached_blocks, gpu_blocks=self.gpu_blocks),
+                 "spills_at_eviction": self.stored_at_eviction,
+                 "executor": self.executor.stats(),
+                 "lifecycle": {t: lc.samples() for t, lc in self.lifecycle.items()}}
+        device = getattr(self.executor.device, "engine", None)
+        stats["transfer"] = {d: dict(v) for d, v in device.moved.items()} if device is not None else {}
+        return stats
+
+
+def _payload_config(cfg: KVStrataConfig, block_bytes: int, ssd_dir: str) -> KVStrataConfig:
+    """Same capacities in blocks, with ``block_bytes`` per block and the SSD tier in ``ssd_dir``."""
+    from kvstrata.tiers.ssd.record import NS_LEN, record_footprint
+
+    caps = tier_capacities(cfg)
+    ssd_cap = cfg.ssd.capacity
+    if caps["ssd"]:  # the capacity that holds as many blocks of the new size (see capacity_blocks)
+        ssd_cap = caps["ssd"] * record_footprint(NS_LEN + 32, block_bytes)
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, block_nbytes=block_bytes),
+        gpu=dataclasses.replace(cfg.gpu, num_blocks=caps["gpu"], capacity=None),
+        cpu=dataclasses.replace(cfg.cpu, capacity=caps["cpu"] * block_bytes),
+        ssd=dataclasses.replace(cfg.ssd, path=ssd_dir, capacity=ssd_cap),
+    )
+
+
+def _payload_executor(cfg: KVStrataConfig) -> Executor:
+    """Real bytes: a host 'device' pool, the CPU slab and an SSD tier (``cfg.ssd.path``)."""
+    import torch
+
+    from kvstrata.executor import PoolRows
+    from kvstrata.tiers.host import HostSlab
+    from kvstrata.tiers.ssd import SSDTier
+    from kvstrata.transfer import TransferEngine
+
+    spec, nbytes = policy_spec(cfg), cfg.block_nbytes()
+    pool = torch.zeros((cfg.gpu.resolve_num_blocks(nbytes), nbytes), dtype=torch.uint8)
+    slab = HostSlab(spec.cpu_slots, nbytes, pin_memory=False) if spec.cpu_slots else None
+    with config_keys(SSD_TIER_KEYS):
+        ssd = SSDTier(cfg.ssd.path, capacity_bytes=cfg.ssd.capacity, fingerprint="kvstrata-bench",
+                      compression="none", block_nbytes=nbytes) if spec.ssd_slots else None
+    return Executor(PoolRows(TransferEngine(pool)), slab, ssd)
+
+
+def _checked(config: KVStrataConfig, block_size: int, admission: str | None) -> tuple[KVStrataConfig, dict[str, int]]:
+    try:
+        cfg = config_for_trace(config, block_size, admission)
+        return cfg, tier_capacities(cfg)
+    except ConfigError as exc:
+        raise ReplayError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def replaying(config: KVStrataConfig, block_size: int, options: ReplayOptions = ReplayOptions(),
+              remote: "SharedRemote | None" = None) -> Iterator[Replayer]:
+    """A :class:`Replayer` of ``config`` for a trace of ``block_size``-token blocks: call its
+    ``step`` with each request in arrival order; on exit its ``result`` holds the
+    :class:`ReplayResult` (the payload tiers, if any, are closed and removed). ``remote``:
+    the shared tier this replica stores to and fetches from (no bytes: not with payload);
+    by default one of ``remote.capacity`` when ``remote.url`` and ``remote.capacity`` are set."""
+    cfg, caps = _checked(config, block_size, options.admission)
+    if remote is None and cfg.remote.enabled and cfg.remote.capacity:
+        from kvstrata.bench.remote import SharedRemote, remote_capacity_blocks
+
+        try:
+            remote = SharedRemote(remote_capacity_blocks(cfg))
+        except ConfigError as exc:
+            raise ReplayError(str(exc)) from None
+    if remote is not None:
+        caps = {**caps, REMOTE: remote.capacity}
+    if remote is not None and options.payload:
+        raise ReplayError("--payload: a replay with a shared remote tier moves no bytes")
+    with tempfile.TemporaryDirectory(prefix="kvstrata-bench-") as tmp:
+        run_cfg = _payload_config(cfg, options.payload_block_bytes, tmp) if options.payload else cfg
+        executor = _payload_executor(run_cfg) if options.payload else NullExecutor()
+        rp = Replayer(block_size, run_cfg, options, executor, remote)
+        try:
+            yield rp
+        finally:
+            t0 = time.perf_counter()
+            stats = rp.close()
+            if executor.ssd is not None:
+                executor.ssd.close()
+            rp.wall_s += time.perf_counter() - t0
+            rp.result = _result(rp, config, cfg, caps, stats)
+
+
+def _result(rp: Replayer, config: KVStrataConfig, cfg: KVStrataConfig, caps: dict[str, int],
+            stats: dict[str, Any]) -> ReplayResult:
+    opts = rp.opts
+    return ReplayResult(cfg, rp.spec, caps, rp.requests, rp.accesses, rp.hit_blocks, rp.reasons,
+                        rp.forced, rp.peak, rp.wall_s, stats, rp.rejected, rp.rejected_max,
+                        _admit_hint(config, rp.rejected_max * rp.block_size) if rp.rejected else None,
+                        rp.request_hits or [], rp.tracker.lifetime, rp.tracker.idle,
+                        opts.payload_block_bytes if opts.payload else None, config.block_size,
+                        rp.prompt_tokens, rp.misses or [], rp.preempted_hit_blocks)
+
+
+def requests_of(trace: "Trace | TraceReader | Iterable[Request]") -> Iterator["Request"]:
+    """The requests of an in-memory trace, or of a reader as it reads them."""
+    from kvstrata.trace.reader import Trace
+
+    return iter(trace.requests if isinstance(trace, Trace) else trace)
+
+
+def replay(trace: "Trace | TraceReader", config: KVStrataConfig, options: ReplayOptions = ReplayOptions(),
+           progress: Callable[[int], None] | None = None) -> ReplayResult:
+    """Drive ``trace`` through the tier policy of ``config`` (see the module docstring).
+
+    A :class:`~kvstrata.trace.reader.TraceReader` is replayed as it is read."""
+    requests = requests_of(trace)
+    first = next(requests, None)
+    with replaying(config, trace.block_size, options) as rp:
+        for n, r in enumerate(itertools.chain(() if first is None else (first,), requests), 1):
+            rp.step(r)
+            if progress is not None and n & 255 == 0:
+                progress(n)
+    assert rp.result is not None
+    return rp.result
+
+
+def _admit_hint(original: KVStrataConfig, tokens: int) -> str:
+    """The ``--set`` that gives the GPU pool room for ``tokens`` (in the config's own units)."""
+    if original.gpu.num_blocks is not None:
+        return f"--set gpu.num_blocks={-(-tokens // original.block_size)} or more for concurrent requests"
+    need = int(tokens * original.block_nbytes() / original.block_size)
+    return f"--set gpu.capacity={-(-need // 1024**3)}GiB or more"

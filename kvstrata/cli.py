@@ -1,0 +1,705 @@
+"""``kvstrata`` command line: ``bench`` (size a tiered cache from traffic), ``plan`` (KV memory), ``inspect``
+(a trace alone), ``ssd stats | verify`` (what an SSD tier directory holds).
+
+Exit status: 0 success; 1 when ``ssd verify`` found records that do not verify;
+2 bad input (missing or malformed trace, bad config or flag, a directory that is
+not a tier), reported as one ``kvstrata: error: ...`` line on stderr; 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
+
+from kvstrata.config import plural
+from kvstrata.policy.spec import ADMISSIONS
+
+if TYPE_CHECKING:
+    from kvstrata.trace.reader import DistinctLimit
+
+__all__ = ["main", "build_parser"]
+
+
+# ---------------------------------------------------------------- progress
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+class Progress:
+    """A one-line progress bar on stderr, shown only once a phase has run for ``delay`` seconds."""
+
+    def __init__(self, enabled: bool, stream: TextIO = sys.stderr, delay: float = 1.0) -> None:
+        self.enabled, self.stream, self.delay = enabled, stream, delay
+        self._label, self._total, self._t0, self._last, self._shown = "", 0, 0.0, 0.0, False
+
+    def phase(self, label: str, total: int) -> Callable[[int], None]:
+        """Start a phase of ``total`` steps; returns ``update(steps done)``."""
+        self._start(label, total)
+        return self.update
+
+    def reading(self, label: str, size: int | None) -> Callable[[int, int], None]:
+        """Start a phase that reads a stream; returns ``update(lines, bytes)``. ``size``: the
+        stream's bytes when known (a regular file), else only what was read is shown."""
+        self._start(label, size or 0)
+        return self.update_read
+
+    def update(self, n: int) -> None:
+        frac = min(1.0, n / self._total) if self._total else 0.0
+        self._show(f"[{'#' * int(30 * frac):<30}] {100 * frac:5.1f}% {n:,}/{self._total:,}")
+
+    def update_read(self, lines: int, nbytes: int) -> None:
+        if not self._total:
+            self._show(f"{lines:,} lines, {_mib(nbytes)}")
+            return
+        frac = min(1.0, nbytes / self._total)
+        self._show(f"[{'#' * int(20 * frac):<20}] {100 * frac:5.1f}% {lines:,} lines, {_mib(nbytes)}")
+
+    def _start(self, label: str, total: int) -> None:
+        self.done()
+        self._label, self._total, self._t0, self._last = label, total, time.monotonic(), 0.0
+
+    def _show(self, text: str) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._t0 < self.delay or now - self._last < 0.1:
+            return
+        self._last, self._shown = now, True
+        self.stream.write(f"\r{self._label:<8} {text} {now - self._t0:5.1f} s")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self._shown:
+            self.stream.write("\r" + " " * 79 + "\r")
+            self.stream.flush()
+            self._shown = False
+
+
+# ------------------------------------------------------------------ bench
+
+def _load_config(args: argparse.Namespace) -> Any:
+    from kvstrata.bench.deployment import default_config
+    from kvstrata.config import KVStrataConfig
+
+    overrides = list(args.set or [])
+    if getattr(args, "admission", None) in ADMISSIONS:  # the flag decides, before checks
+        overrides.append(f"spill.admission={args.admission}")
+    if args.config:
+        return KVStrataConfig.from_yaml(args.config, overrides)
+    deployment = _recorded_deployment(args)
+    if deployment is not None:  # a recording replays the deployment that served it
+        from kvstrata.bench.deployment import recorded_config
+
+        return recorded_config(deployment, overrides)
+    return default_config(overrides)
+
+
+def _recorded_deployment(args: argparse.Namespace) -> Any:
+    """The deployment in a recorded trace's header (None for other traces and pipes)."""
+    if not getattr(args, "trace", None) or args.trace == "-":
+        return None
+    from kvstrata.trace.recording import trace_header
+
+    header = trace_header(Path(args.trace))
+    return header.get("deployment") if header is not None else None
+
+
+def _load_trace(args: argparse.Namespace, config: Any, progress: Progress) -> Any:
+    """The built-in workload (in memory), or a reader that streams ``--trace`` through the analysis."""
+    if args.trace is None:
+        from kvstrata.bench.workloads import generate
+
+        return generate(args.workload, args.seed, block_size=args.block_size or config.block_size, scale=args.scale)
+    from kvstrata.trace.reader import TraceReader
+
+    return TraceReader(args.trace, args.format, block_size=args.block_size, default_block_size=config.block_size,
+                       skip_bad_lines=args.skip_bad_lines, max_distinct_blocks=_max_distinct(args),
+                       progress=progress.reading("reading", _file_size(args.trace)))
+
+
+def _max_distinct(args: argparse.Namespace) -> "DistinctLimit":
+    """``--max-distinct-blocks``: the given number, none (0), or (by default) what the memory
+    available now holds of the trace's format, decided once the format is known."""
+    from kvstrata.bench.budget import default_max_distinct_blocks
+
+    n = args.max_distinct_blocks
+    if n is None:
+        return default_max_distinct_blocks
+    return n or None
+
+
+def _file_size(path: str) -> int | None:
+    """Bytes of a regular file; None for a pipe, a device or what cannot be read (the loader reports it)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse an output path that cannot be written before any work (a replay of a large
+    trace must not end with its report lost): its directory must exist, and it must not
+    be a directory itself."""
+    from kvstrata.errors import ConfigError
+
+    for flag in ("json", "plot"):
+        path = getattr(args, flag, None)
+        if not path or path == "-":
+            continue
+        where = Path(path)
+        parent = where.parent if str(where.parent) else Path(".")
+        if where.is_dir():
+            raise ConfigError(f"--{flag}: {path} is a directory; give a file name")
+        if not parent.is_dir():
+            raise ConfigError(f"--{flag}: {path}: the directory {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise ConfigError(f"--{flag}: {path}: the directory {parent} is not writable")
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    text = json.dumps(data, indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        Path(path).write_text(text, encoding="utf-8")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvstrata.bench.analysis import run_bench
+    from kvstrata.bench.replay import ReplayOptions
+    from kvstrata.bench.report import build_report, render_text
+
+    t0 = time.perf_counter()
+    progress = Progress(enabled=not args.quiet and (args.progress or sys.stderr.isatty()))
+    config = _load_config(args)
+    admission = None if args.admission in (None, "both") else args.admission
+    options = ReplayOptions(decode_s_per_token=args.decode_ms_per_token / 1000.0, payload=args.payload,
+                            payload_block_bytes=args.payload_block_bytes, admission=admission,
+                            explain=args.explain)
+    if args.replicas is not None:
+        return _bench_replicas(args, config, options, progress)
+    trace = _load_trace(args, config, progress)
+    t_load = time.perf_counter() - t0
+    in_memory = args.trace is None  # a file is read (with its own progress) as the analysis goes
+    try:
+        res = run_bench(trace, config, options,
+                        progress=progress.phase("replay", trace.num_requests) if in_memory else None,
+                        compare_admissions=args.admission == "both")
+    finally:
+        progress.done()
+    if res.trace.skipped_lines and not args.quiet:
+        print(f"kvstrata: skipped {plural(res.trace.skipped_lines, 'bad line')} (first: {res.trace.first_skipped})",
+              file=sys.stderr)
+    res.timings_s["load"] = res.timings_s.get("load", 0.0) + t_load
+    t_report = time.perf_counter()
+    report = build_report(res)
+    report["timings_s"]["report"] = round(time.perf_counter() - t_report, 3)
+    if args.plot:
+        from kvstrata.bench.plot import plot_report
+
+        t_plot = time.perf_counter()
+        plot_report(res, report, args.plot)
+        report["timings_s"]["plot"] = round(time.perf_counter() - t_plot, 3)
+    report["timings_s"]["total"] = round(time.perf_counter() - t0, 3)
+    if args.json:
+        _write_json(args.json, report)
+    if not args.quiet and args.json != "-":
+        sys.stdout.write(render_text(report))
+    return 0
+
+
+def _bench_replicas(args: argparse.Namespace, config: Any, options: Any, progress: Progress) -> int:
+    """``kvstrata bench --replicas N``: the fleets of :mod:`kvstrata.bench.replicas`."""
+    from kvstrata.bench.replay import ReplayError
+    from kvstrata.bench.replicas import ROUTINGS, render_replicas, replay_replicas, replicas_report
+
+    for flag, given in (("--admission both", args.admission == "both"), ("--plot", args.plot),
+                        ("--payload", args.payload)):
+        if given:
+            raise ReplayError(f"{flag}: not with --replicas")
+    trace = _load_trace(args, config, progress)
+    routings = ROUTINGS if args.routing == "both" else (args.routing,)
+    try:
+        res = replay_replicas(trace, config, args.replicas, options, routings,
+                              progress=progress.phase("replay", trace.num_requests) if args.trace is None else None)
+    finally:
+        progress.done()
+    report = replicas_report(res)
+    if args.json:
+        _write_json(args.json, report)
+    if not args.quiet and args.json != "-":
+        sys.stdout.write(render_replicas(report))
+    return 0
+
+
+# ------------------------------------------------------------------- plan
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kvstrata.bench.plan import ModelShape, kv_pool_bytes, make_plan, render_plan, shape_from_hf_config
+    from kvstrata.errors import ConfigError
+
+    if args.model_config:
+        shape = shape_from_hf_config(args.model_config)
+        if args.dtype:
+            shape = ModelShape(shape.layers, shape.kv_heads, shape.head_dim, args.dtype, shape.name)
+    else:
+        missing = [f for f in ("layers", "kv_heads", "head_dim") if getattr(args, f) is None]
+        if missing:
+            raise ConfigError(f"--{missing[0].replace('_', '-')}: required without --model-config")
+        shape = ModelShape(args.layers, args.kv_heads, args.head_dim, args.dtype or "fp16", "model")
+    pool = kv_pool_bytes(kv_pool_gib=args.kv_pool_gib, gpu_mem_gib=args.gpu_mem_gib,
+                         weights_gib=args.weights_gib, util=args.util)
+    plan = make_plan(shape, pool, args.max_model_len, args.block_size)
+    if args.json:
+        _write_json(args.json, plan.to_dict())
+    if not args.quiet and args.json != "-":
+        sys.stdout.write(render_plan(plan))
+    return 0
+
+
+# ---------------------------------------------------------------- inspect
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from kvstrata.bench.mrc import build_mrc
+    from kvstrata.trace.reader import TraceReader
+
+    reader = TraceReader(args.trace, args.format, block_size=args.block_size, skip_bad_lines=args.skip_bad_lines,
+                         max_distinct_blocks=_max_distinct(args))
+    sp = build_mrc(reader)
+    trace = reader.info
+    info = {"trace": trace.name, "format": trace.format, "block_tokens": trace.block_size,
+            "requests": trace.num_requests, "block_accesses": trace.num_accesses,
+            "distinct_blocks": trace.num_distinct_blocks, "duration_s": round(trace.duration_s, 3),
+            "ideal_hit_rate": round(sp.mrc.ideal_hit_rate, 6),
+            "saturation_tokens": sp.mrc.saturation_blocks * trace.block_size,
+            "reuse_gap_s": sp.reuse_gaps.summary(), "skipped_lines": trace.skipped_lines}
+    if args.json:
+        _write_json(args.json, info)
+    else:
+        sys.stdout.write(_render_inspect(info))
+    return 0
+
+
+def _render_inspect(info: dict[str, Any]) -> str:
+    """``kvstrata inspect`` as a reader wants it: named rows, units, and what each figure means."""
+    from kvstrata.bench.report import format_seconds as sec
+
+    gap = info["reuse_gap_s"]
+    gaps = (f"P50 {sec(gap['p50'])} s, P90 {sec(gap['p90'])} s, P99 {sec(gap['p99'])} s over "
+            f"{plural(gap['count'], 'reuse')}" if gap.get("count") else "none (no block is used twice)")
+    rows = [
+        ("requests", f"{info['requests']:,} over {sec(info['duration_s'])} s of trace time"),
+        ("block accesses", f"{info['block_accesses']:,} ({info['block_tokens']}-token blocks)"),
+        ("distinct blocks", f"{info['distinct_blocks']:,}"),
+        ("ideal hit rate", f"{info['ideal_hit_rate']:.1%} (an unbounded cache: accesses to blocks seen "
+                           "before / all accesses)"),
+        ("cache for it", f"{info['saturation_tokens']:,} tokens (the smallest LRU cache that reaches the "
+                         "ideal hit rate)"),
+        ("reuse gap", f"{gaps}: the trace time between two uses of a block"),
+    ]
+    if info["skipped_lines"]:
+        rows.append(("skipped", plural(info["skipped_lines"], "bad line")))
+    width = max(len(k) for k, _ in rows)
+    head = f"kvstrata inspect: {info['trace']} ({info['format']})\n"
+    return head + "".join(f"  {k:<{width}}  {v}\n" for k, v in rows)
+
+
+# ----------------------------------------------------------------- ssd
+
+def cmd_ssd(args: argparse.Namespace) -> int:
+    """``kvstrata ssd stats|verify PATH``: read-only; exit 1 when verify found bad records."""
+    from kvstrata.errors import ConfigError
+    from kvstrata.tiers.ssd.inventory import held_by, inventory, tier_dirs
+
+    tiers = tier_dirs(args.path)
+    if args.verify:
+        for path in tiers:
+            pid = held_by(path)
+            if pid is not None:
+                raise ConfigError(f"{path}: in use by {'process %d' % pid if pid > 0 else 'another process'}; "
+                                  "verify reads every record: stop the server first (a read there already "
+                                  "verifies and drops what does not)")
+    reports = [inventory(path, verify=args.verify) for path in tiers]
+    if args.drop:
+        for r in reports:
+            if "verify" in r:  # (an unreadable page file verified nothing, so nothing is dropped)
+                r["verify"]["dropped"] = _drop_bad(Path(r["path"]), r)
+    if args.json:
+        _write_json(args.json, {"tiers": reports})
+    if args.json != "-":
+        sys.stdout.write("".join(_render_tier(r) for r in reports))
+    return 1 if any(r.get("verify", {}).get("bad") and not args.drop for r in reports) else 0
+
+
+def _drop_bad(path: Path, report: dict[str, Any]) -> int:
+    """Delete what ``verify`` found bad in the tier at ``path``; the records deleted."""
+    from kvstrata.tiers.ssd.admin import delete_records
+
+    by_prefix = {ns["prefix"]: ns for ns in report["namespaces"]}
+    dropped = 0
+    for prefix, keys in report["verify"]["bad_keys"].items():
+        if prefix in by_prefix:
+            dropped += delete_records(path, by_prefix[prefix], [bytes.fromhex(k) for k in keys],
+                                      report["used_bytes"] or 0)
+    return dropped
+
+
+def cmd_ssd_purge(args: argparse.Namespace) -> int:
+    """``kvstrata ssd purge PATH --namespace N | --all-but N... | --older-than D | --all``, in each tier at PATH."""
+    from kvstrata.tiers.ssd.admin import delete_records, find_namespace
+    from kvstrata.tiers.ssd.inventory import inventory, tier_dirs
+
+    if args.all:
+        from kvstrata.tiers.ssd.admin import purge_all
+        for path in tier_dirs(args.path):
+            files = purge_all(path)
+            print(f"{path}: deleted every block ({', '.join(files) or 'no files'})")
+        return 0
+    for path in tier_dirs(args.path):
+        report = inventory(path, older_than=args.older_than)
+        if args.namespace is not None or args.all_but:
+            keep = {find_namespace(report, name, "--all-but")["prefix"] for name in args.all_but or ()}
+            drop = ([find_namespace(report, args.namespace)] if args.namespace is not None else
+                    [ns for ns in report["namespaces"] if ns["prefix"] not in keep and ns["records"]])
+            for ns in drop:
+                n = delete_records(path, ns, None, report["used_bytes"] or 0)
+                print(f"{path}: deleted {plural(n, 'record')} of {ns['prefix'][:16]} ({ns.get('fingerprint', '?')})")
+            continue
+        by_prefix = {ns["prefix"]: ns for ns in report["namespaces"]}
+        n = sum(delete_records(path, by_prefix[p], [bytes.fromhex(k) for k in keys], report["used_bytes"] or 0)
+                for p, keys in report["old_keys"].items() if p in by_prefix)
+        print(f"{path}: deleted {plural(n, 'record')} unused for at least {args.older_than:,.0f} s")
+    return 0
+
+
+def _duration(text: str) -> float:
+    """An argparse type: ``90s``, ``30m``, ``12h``, ``7d`` (seconds when no unit)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    body, unit = (text[:-1], text[-1]) if text and text[-1] in units else (text, "s")
+    try:
+        value = float(body) * units[unit]
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a duration such as 30m, 12h or 7d, got {text!r}")
+    return value
+
+
+def _idle_line(r: dict[str, Any]) -> str:
+    from kvstrata.bench.report import format_seconds as sec
+
+    idle = r.get("idle_at_least_s") or {}
+    if idle.get("p50") is None:
+        return "not known (no time marks: written by an older kvstrata, or never written since)"
+    return (f"at least P50 {sec(idle['p50'])} s, P90 {sec(idle['p90'])} s, the oldest {sec(idle['max'])} s "
+            "(since each record's last use, to the minute)")
+
+
+def _render_tier(r: dict[str, Any]) -> str:
+    import datetime as dt
+
+    from kvstrata.config import format_size
+
+    def when(t: float | None) -> str:
+        return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC") if t else "-"
+
+    files = r["files"]
+    disk = sum(files.values())
+    lines = [f"SSD tier {r['path']}" + (f" (in use by process {r['held_by']})" if (r["held_by"] or 0) > 0
+                                        else " (in use)" if r["held_by"] else "")]
+    if r["format"] != r["reads"]:
+        lines.append(f"  record format {r['format']}: older than this kvstrata's ({r['reads']}); a tier opening "
+                     "this directory discards its records")
+    ratio = r["logical_bytes"] / r["stored_bytes"] if r["stored_bytes"] else None
+    slack = max(0, files.get("blocks.dat", 0) - r["page_bytes"])
+    rows = [("records", f"{r['records']:,}" + (f" ({plural(r['unreadable_heads'], 'unreadable header')})"
+                                                 if r["unreadable_heads"] else "")),
+            ("blocks", f"{format_size(r['logical_bytes'])} as stored blocks; {format_size(r['stored_bytes'])} "
+                       f"after compression" + (f" (ratio {ratio:.2f})" if ratio else "")),
+            ("on disk", f"{format_size(disk)}: index {format_size(files.get('data.mdb', 0))}, page file "
+                        f"{format_size(files.get('blocks.dat', 0))} ({format_size(slack)} of it free or slack)"),
+            ("created", when(r.get("created_at"))),
+            ("unused for", _idle_line(r))]
+    width = max(len(k) for k, _ in rows)
+    lines += [f"  {k:<{width}}  {v}" for k, v in rows]
+    if r["namespaces"]:
+        lines.append("  namespaces (what wrote the records, since its first write):")
+        for ns in r["namespaces"]:
+            lines.append(f"    {ns['prefix'][:16]}  {ns['records']:>10,} records  "
+                         f"{format_size(ns['logical_bytes']):>10}  since {when(ns.get('created_at'))}  "
+                         f"{ns.get('fingerprint', '?')}")
+    if "verify" in r:
+        v = r["verify"]
+        why = ", ".join(f"{n:,} {k}" for k, n in sorted(v["bad_by_reason"].items()))
+        dropped = v.get("dropped")
+        lines.append(f"  verify: {v['checked']:,} records read, {plural(v['bad'], 'bad record')}"
+                     + (f" ({why}); " if v["bad"] else "")
+                     + ("" if not v["bad"] else f"deleted {dropped:,}" if dropped is not None
+                        else "a server deletes each when it reads it (or --drop)"))
+    return "\n".join(lines) + "\n\n"
+
+
+# ----------------------------------------------------------------- parser
+
+def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}")
+        return value
+    return parse
+
+
+_positive_int = _int_at_least(1, "positive")
+_count = _int_at_least(0, "non-negative")
+
+
+_MAX_DISTINCT_HELP = ("stop with an error once a trace has more distinct blocks than this, before the analysis "
+                      "runs out of memory; 0: no limit (default: what the memory available now holds)")
+
+
+MAX_SCALE = 10_000.0  # about 10^7 requests of the built-in workloads: hours to generate already
+
+
+def _finite(minimum: float, inclusive: bool, maximum: float = math.inf) -> Callable[[str], float]:
+    """An argparse type: a finite number above ``minimum`` (or equal, if ``inclusive``), at most ``maximum``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        low_ok = value >= minimum if inclusive else value > minimum
+        if not math.isfinite(value) or not low_ok or value > maximum:
+            bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+            bound += f" and <= {maximum:g}" if math.isfinite(maximum) else ""
+            raise argparse.ArgumentTypeError(f"expected a finite number {bound}, got {text!r}")
+        return value
+    return parse
+
+
+def _block_bytes(text: str) -> int:
+    """An argparse type: a size of at least one byte, such as ``16KiB``."""
+    from kvstrata.config import parse_size
+    from kvstrata.errors import ConfigError
+
+    try:
+        value = parse_size(text, "size")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("size: ")) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 byte, got {text!r}")
+    return value
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from kvstrata.bench.workloads import DEFAULT_WORKLOAD, WORKLOADS
+
+    src = p.add_argument_group("input")
+    src.add_argument("--trace", metavar="PATH", help="JSONL request trace (default: a built-in workload)")
+    src.add_argument("--format", default="auto", help="auto | mooncake | qwen | kvstrata (default: auto)")
+    src.add_argument("--workload", choices=WORKLOADS, default=DEFAULT_WORKLOAD,
+                     help=f"built-in workload when no --trace is given (default: {DEFAULT_WORKLOAD})")
+    src.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    src.add_argument("--scale", type=_finite(0, False, MAX_SCALE), default=1.0,
+                     help=f"workload size multiplier (default: 1, at most {MAX_SCALE:g})")
+    src.add_argument("--block-size", type=_positive_int, default=None, metavar="TOKENS",
+                     help="tokens per trace block (default: 512 mooncake, 16 qwen, the config's otherwise)")
+    src.add_argument("--max-distinct-blocks", type=_count, default=None, metavar="N", help=_MAX_DISTINCT_HELP)
+    bad = src.add_mutually_exclusive_group()
+    bad.add_argument("--strict", dest="skip_bad_lines", action="store_false",
+                     help="stop at the first bad line (default)")
+    bad.add_argument("--skip-bad-lines", dest="skip_bad_lines", action="store_true",
+                     help="skip malformed lines and report how many")
+    p.set_defaults(skip_bad_lines=False)
+    cfg = p.add_argument_group("cache")
+    cfg.add_argument("--config", metavar="PATH",
+                     help="kvstrata YAML config (default: an 8B fp16 model on a 48 GB card, 22 GiB GPU pool, "
+                          "64 GiB DRAM, 1 TiB SSD)")
+    cfg.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. cpu.capacity=16GiB")
+    cfg.add_argument("--admission", choices=(*ADMISSIONS, "both"), default=None,
+                     help="spill.admission to replay (default: the config's); 'both' compares them in one report")
+    cfg.add_argument("--decode-ms-per-token", type=_finite(0, True), default=20.0,
+                     help="a request holds its GPU blocks for output_length x this (default: 20)")
+    cfg.add_argument("--payload", action="store_true", help="move real bytes through the CPU slab and the SSD tier")
+    cfg.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
+                     help="replay on N replicas sharing a remote tier of remote.capacity, with and without it")
+    cfg.add_argument("--routing", choices=("round_robin", "prefix", "both"), default="both",
+                     help="how --replicas routes requests: round robin, to the replica holding the longest "
+                          "prefix, or both side by side (default: both)")
+    cfg.add_argument("--payload-block-bytes", type=_block_bytes, default="16KiB", metavar="SIZE",
+                     help="bytes per block with --payload (default: 16KiB)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write the report as JSON ('-' for stdout)")
+    out.add_argument("--plot", metavar="PATH.png", help="write the miss-ratio curve and lifecycle plot")
+    out.add_argument("--explain", action="store_true",
+                     help="say why each request's first missed block missed (never seen, evicted from which tier "
+                          "and how long before, rejected); all of them under 'misses' in --json")
+    out.add_argument("--quiet", action="store_true", help="print only errors")
+    out.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a tty")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Greedy generation through kvstrata.engine; prints each prompt's samples and where its
+    prefix came from."""
+    from kvstrata.config import KVStrataConfig
+    from kvstrata.engine import LLMEngine
+    from kvstrata.engine.prompts import load_tokenizer, read_prompts
+
+    prompts = read_prompts(args.prompt_file, args.model)
+    overrides = list(args.set or [])
+    config = KVStrataConfig.from_yaml(args.config, overrides) if args.config else KVStrataConfig.from_dict({}, overrides)
+    with LLMEngine(args.model, config, kv_cache_dtype=args.kv_cache_dtype, k_scale=args.k_scale,
+                   v_scale=args.v_scale) as engine:
+        t0 = time.perf_counter()
+        outputs = engine.run(prompts, args.max_new_tokens, n=args.n)
+        seconds = time.perf_counter() - t0
+        stats = engine.stats()
+    tokenizer = load_tokenizer(args.model) if not args.quiet and args.json != "-" else None
+    if args.json:
+        _write_json(args.json, {"outputs": [_generate_record(o) for o in outputs], "seconds": seconds,
+                                "stats": {k: v for k, v in stats.items() if k != "cache"}})
+    if not args.quiet and args.json != "-":
+        for i, out in enumerate(outputs):
+            print(f"prompt {i}: {plural(out.prompt_tokens, 'token')}; prefix: {_sources(out)}")
+            for j, sample in enumerate(out.samples):
+                print(f"  sample {j}: {' '.join(map(str, sample))}")
+                if tokenizer is not None:
+                    print(f"    {tokenizer.decode(sample)!r}")
+        tokens = stats["generated_tokens"]
+        print(f"{plural(tokens, 'token')} generated in {seconds:.2f} s; {plural(stats['cow_copies'], 'block')} "
+              f"copied on write")
+    return 0
+
+
+def _sources(out: Any) -> str:
+    """``32 GPU pool, 16 CPU, 0 SSD, 9 computed``."""
+    names = {"gpu": "GPU pool", "cpu": "CPU", "ssd": "SSD", "remote": "remote"}
+    parts = [f"{out.hit_tokens.get(t, 0)} {name}" for t, name in names.items() if t in out.hit_tokens]
+    return ", ".join([*parts, f"{out.computed_tokens} computed"])
+
+
+def _generate_record(out: Any) -> dict[str, Any]:
+    return {"prompt_tokens": out.prompt_tokens, "samples": out.samples, "hit_tokens": out.hit_tokens,
+            "computed_tokens": out.computed_tokens, "ttft_s": out.ttft_s}
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="DIR", help="a Hugging Face Llama-family checkpoint directory")
+    p.add_argument("--prompt-file", required=True, metavar="PATH",
+                   help="JSONL: a list of token ids, {\"prompt_token_ids\": [...]} or {\"prompt\": \"text\"} per line")
+    p.add_argument("--config", metavar="PATH", help="kvstrata YAML config (gpu.* sizes the engine's pool)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. cpu.capacity=1GiB")
+    p.add_argument("--n", type=_positive_int, default=1, help="samples per prompt, sharing its blocks (default: 1)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N", help="(default: 32)")
+    p.add_argument("--kv-cache-dtype", default=None, metavar="DTYPE",
+                   help="auto | fp8 | fp8_e4m3 | fp8_e5m2 (default: model.kv_dtype, else auto)")
+    p.add_argument("--k-scale", type=_finite(0, False), default=1.0, help="FP8 K scale (default: 1)")
+    p.add_argument("--v-scale", type=_finite(0, False), default=1.0, help="FP8 V scale (default: 1)")
+    p.add_argument("--json", metavar="PATH", help="write the outputs as JSON ('-' for stdout)")
+    p.add_argument("--quiet", action="store_true", help="print only errors")
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-config", metavar="config.json", help="Hugging Face model config")
+    p.add_argument("--layers", type=_positive_int)
+    p.add_argument("--kv-heads", type=_positive_int)
+    p.add_argument("--head-dim", type=_positive_int)
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp8", "fp32"), help="KV cache dtype (default: the model's)")
+    p.add_argument("--kv-pool-gib", type=_finite(0, False), help="KV pool size")
+    p.add_argument("--gpu-mem-gib", type=_finite(0, False), help="GPU memory (with --weights-gib)")
+    p.add_argument("--weights-gib", type=_finite(0, True), help="memory taken by the weights")
+    p.add_argument("--util", type=_finite(0, False, 1), default=0.9, help="gpu_memory_utilization (default: 0.9)")
+    p.add_argument("--max-model-len", type=_positive_int, default=8192, help="tokens per request (default: 8192)")
+    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default: 16)")
+    p.add_argument("--json", metavar="PATH", help="write the plan as JSON ('-' for stdout)")
+    p.add_argument("--quiet", action="store_true", help="print only errors")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvstrata import __version__
+
+    parser = argparse.ArgumentParser(prog="kvstrata", description="Multi-tier KV cache: size it from your traffic.")
+    parser.add_argument("--version", action="version", version=f"kvstrata {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="replay traffic through the tiered cache; hit rates, curves, sizing")
+    _bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
+    plan = sub.add_parser("plan", help="KV memory planning: bytes per token, pool tokens, concurrency")
+    _plan_args(plan)
+    plan.set_defaults(func=cmd_plan)
+    ssd = sub.add_parser("ssd", help="what an SSD tier directory holds (read-only)")
+    ssd_sub = ssd.add_subparsers(dest="ssd_command", required=True)
+    for name, helptext in (("stats", "records, bytes, compression, namespaces, slack"),
+                           ("verify", "read every record and check it as a read does (not while a server "
+                                      "holds the tier)")):
+        cmd = ssd_sub.add_parser(name, help=helptext)
+        cmd.add_argument("path", metavar="PATH", help="an SSD tier directory, or a vLLM ssd.path holding rank-<r>")
+        cmd.add_argument("--json", metavar="PATH", help="write the figures as JSON ('-' for stdout)")
+        if name == "verify":
+            cmd.add_argument("--drop", action="store_true", help="delete the records that do not verify")
+        cmd.set_defaults(func=cmd_ssd, verify=name == "verify", drop=False)
+    purge = ssd_sub.add_parser("purge", help="delete every record of one namespace (a retired model version); "
+                                              "not while a server holds the tier")
+    purge.add_argument("path", metavar="PATH", help="an SSD tier directory, or a vLLM ssd.path holding rank-<r>")
+    which = purge.add_mutually_exclusive_group(required=True)
+    which.add_argument("--namespace", metavar="PREFIX|FINGERPRINT",
+                       help="the namespace as `kvstrata ssd stats` shows it (its prefix, 8 hex digits or more, "
+                            "or its fingerprint)")
+    which.add_argument("--older-than", type=_duration, metavar="DURATION",
+                       help="records unused for at least this long (30m, 12h, 7d; known to the minute)")
+    which.add_argument("--all-but", action="append", metavar="PREFIX|FINGERPRINT",
+                       help="every namespace but this one (repeat to keep several): the current model's")
+    which.add_argument("--all", action="store_true",
+                       help="every block of every namespace: the tier's files are deleted (also a tier "
+                            "written under kvstrata's previous name)")
+    purge.set_defaults(func=cmd_ssd_purge)
+    gen = sub.add_parser("generate", help="greedy generation with kvstrata.engine (a Llama-family checkpoint)")
+    _generate_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    insp = sub.add_parser("inspect", help="summarise a trace (no replay)")
+    insp.add_argument("--trace", required=True, metavar="PATH")
+    insp.add_argument("--format", default="auto")
+    insp.add_argument("--block-size", type=_positive_int, default=None, metavar="TOKENS")
+    insp.add_argument("--skip-bad-lines", action="store_true")
+    insp.add_argument("--max-distinct-blocks", type=_count, default=None, metavar="N", help=_MAX_DISTINCT_HELP)
+    insp.add_argument("--json", metavar="PATH")
+    insp.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from kvstrata.bench.replay import ReplayError
+    from kvstrata.trace.reader import TraceError
+    from kvstrata.errors import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        _check_outputs(args)
+        return int(args.func(args))
+    except (TraceError, ConfigError, ReplayError) as e:
+        print(f"kvstrata: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"kvstrata: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvstrata: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""Pieces shared by both halves of the vLLM connector: configuration, the
+fingerprint, and the small picklable messages that cross between them.
+
+Scheduler -> worker (:class:`KVStrataMetadata`, once per engine step): the tier
+policy's plans themselves (:mod:`kvstrata.policy.plans`), and the changes to
+the set of hashed GPU blocks (:class:`ResidentDelta`) the worker mirrors so
+that its shutdown can persist the hot set.
+
+Worker -> scheduler (:class:`KVStrataWorkerMetadata`, aggregated over workers):
+which store plans every worker finished, and which blocks turned out to be
+missing or corrupt (so the policy forgets them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from kvstrata.config import KVStrataConfig, first_under, key_paths, read_yaml
+from kvstrata.errors import ConfigError
+from kvstrata.identity import Fingerprint, model_identity
+from kvstrata.policy import FetchPlan, LoadPlan, PolicySpec, StorePlan
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["load_config", "vllm_fingerprint", "policy_spec", "check_index_memory", "block_nbytes_of", "kv_layout_name", "layer_spec", "num_workers", "Rank",
+           "engine_ranks", "ssd_root", "ResidentDelta",
+           "ResidentMap", "KVStrataMetadata", "KVStrataWorkerMetadata"]
+
+CONFIG_FILE_KEY = "config"
+_VLLM_OWNS = (
+    ("block_size", "vLLM's --block-size sets it"),
+    ("gpu", "vLLM sizes its own KV pool (--gpu-memory-utilization or --kv-cache-memory-bytes)"),
+    ("model.name", "taken from the model vLLM serves (set model.id to name its identity)"),
+    ("model.layers", "taken from the model vLLM serves"),
+    ("model.kv_heads", "taken from the model vLLM serves"),
+    ("model.head_size", "taken from the model vLLM serves"),
+    ("model.kv_dtype", "vLLM's --kv-cache-dtype sets it"),
+    ("model.block_nbytes", "taken from vLLM's KV cache tensors"),
+)
+
+
+def load_config(extra: Mapping[str, Any] | None) -> KVStrataConfig:
+    """Build the config from ``kv_connector_extra_config``: an optional YAML file
+    under ``"config"`` plus dotted-key overrides (``"cpu.capacity": "16GiB"``).
+    Unknown keys, and keys vLLM decides, raise :class:`ConfigError` naming the key."""
+    overrides = dict(extra or {})
+    path = overrides.pop(CONFIG_FILE_KEY, None)
+    bad = [k for k in overrides if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"kv_connector_extra_config: keys must be strings, got {bad[0]!r}")
+    try:
+        if path is not None:
+            _reject_vllm_keys(key_paths(read_yaml(path)), f"{path}: ")
+        _reject_vllm_keys(key_paths({}, overrides), "")
+        cfg = KVStrataConfig.from_yaml(path, overrides) if path is not None else KVStrataConfig.from_dict({}, overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+    return cfg
+
+
+def _reject_vllm_keys(paths: set[str], where: str) -> None:
+    """Keys vLLM decides are errors whatever their value (checked before any value is)."""
+    for key, why in _VLLM_OWNS:
+        hit = first_under(paths, key)
+        if hit is not None:
+            raise ConfigError(f"{where}{hit}: not used under vLLM: {why}")
+
+
+def block_nbytes_of(kv_cache_config: "KVCacheConfig") -> int:
+    """Bytes of one kvstrata block: every byte one block id addresses, from where vLLM
+    places each layer (``KVCacheTensor``: ``offset + l * layer_stride + b * block_stride``,
+    the rest of a page's strides from the resolved layout, as ``create_kv_cache_views``
+    computes them). Pages that alias each other (KV cache groups overlaid by the hybrid
+    allocator, layers sharing a KV cache) count once, padding between pages not at all.
+    :class:`~kvstrata.connectors.kv_layout.KVLayout` finds the same bytes in the tensors
+    themselves (the worker checks)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, compute_layer_kv_cache_shape_bytes, compute_layout_strides
+
+    from kvstrata.connectors.kv_layout import block_runs, union_runs
+
+    layout = _resolved_layout(kv_cache_config)
+    nb = int(kv_cache_config.num_blocks)
+    runs: dict[int, list[tuple[int, int]]] = {}  # block stride -> block 0's bytes
+    for tensor in kv_cache_config.kv_cache_tensors:
+        spec = layer_spec(kv_cache_config, tensor.layers[0])  # a tensor's layers share one spec
+        if not (spec.has_layer_views and isinstance(spec, AttentionSpec)):
+            raise ConfigError(f"layer {tensor.layers[0]}: its {type(spec).__name__} is a state cache "
+                              "without per-block pages; kvstrata stores the KV of attention layers only")
+        shape = compute_layer_kv_cache_shape_bytes(spec, nb)
+        strides = compute_layout_strides(spec, nb, len(tensor.layers), layout,
+                                         fixed_strides=(tensor.layer_stride, tensor.block_stride, None, None, None))
+        for i in range(len(tensor.layers)):
+            stride, block = block_runs(shape, strides[1:], 1, int(tensor.offset) + i * strides[0], nb,
+                                       f"layer {tensor.layers[i]}")
+            runs.setdefault(stride, []).extend(block)
+    return sum(n for rs in runs.values() for _, n in union_runs(rs))
+
+
+def _resolved_layout(kv_cache_config: "KVCacheConfig") -> Any:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    name = getattr(kv_cache_config, "kv_cache_layout", None)
+    if name is None:
+        raise ValueError("kv_cache_config: no KV cache layout resolved (vLLM's engine core sets "
+                         "kv_cache_layout before the connector is built)")
+    return KVCacheLayout[name]
+
+
+def layer_spec(kv_cache_config: "KVCacheConfig", layer: str) -> Any:
+    """The ``KVCacheSpec`` of one layer (its group's, or its own in a group of mixed specs)."""
+    for group in kv_cache_config.kv_cache_groups:
+        if layer in group.layer_names:
+            spec = group.kv_cache_spec
+            specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+            return specs[layer] if specs is not None else spec
+    raise ValueError(f"kv_cache_config: layer {layer} is in no KV cache group")
+
+
+def kv_layout_name(kv_cache_config: "KVCacheConfig") -> str:
+    """The KV cache layout vLLM resolved (``LBNHC``, ``LBHNC``, ...): a block's bytes differ
+    between layouts, so it is part of the fingerprint."""
+    return _resolved_layout(kv_cache_config).name
+
+
+def vllm_fingerprint(cfg: KVStrataConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Fingerprint:
+    """The fingerprint of the blocks this vLLM deployment computes (the same in every process)."""
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    return Fingerprint(
+        model=model_identity(str(mc.model), mc.revision, cfg.model.id),
+        dtype=str(mc.dtype), kv_dtype=str(cc.cache_dtype), block_size=int(cc.block_size),
+        block_nbytes=block_nbytes_of(kv_cache_config), layers=int(mc.get_num_layers(pc)),
+        kv_heads=int(mc.get_num_kv_heads(pc)), head_size=int(mc.get_head_size()), hash=cfg.hash,
+        tp_size=int(pc.tensor_parallel_size), pp_size=int(pc.pipeline_parallel_size),
+        variant=_variant(mc), kv_layout=kv_layout_name(kv_cache_config))
+
+
+def _variant(mc: Any) -> str:
+    """What vLLM changes about the checkpoint's KV beyond its files: quantization and config overrides."""
+    parts = []
+    if getattr(mc, "quantization", None):
+        parts.append(f"quantization={mc.quantization}")
+    overrides = getattr(mc, "hf_overrides", None)
+    if overrides:
+        text = (json.dumps(overrides, sort_keys=True, default=str) if isinstance(overrides, Mapping)
+                else f"{getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', repr(overrides))}")
+        parts.append(f"hf_overrides={text}")
+    return ";".join(parts)
+
+
+def check_index_memory(spec: PolicySpec, block_nbytes: int, total_bytes: int | None = None) -> None:
+    """Refuse an SSD tier whose index would not fit the scheduler's machine once full
+    (more than half its memory): a clear error at start-up, not an out-of-memory kill
+    days later. ``total_bytes``: the machine's memory (read from /proc/meminfo)."""
+    from kvstrata.policy.holdings import index_bytes
+
+    need = index_bytes(spec.ssd_slots)
+    total = total_bytes if total_bytes is not None else _memory_total()
+    if total and need > total // 2:
+        raise ConfigError(
+            f"ssd.capacity: {spec.ssd_slots:,} blocks of {block_nbytes:,} bytes; indexing them takes "
+            f"~{need / 2**30:.1f} GiB of the scheduler's memory, more than half of this machine's "
+            f"{total / 2**30:.1f} GiB: use a smaller ssd.capacity or larger blocks (--block-size)")
+
+
+def _memory_total() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def policy_spec(cfg: KVStrataConfig, kv_cache_config: "KVCacheConfig") -> PolicySpec:
+    """The tier policy's spec under vLLM (its pool: ``kv_cache_config.num_blocks`` blocks,
+    one of which vLLM keeps as its null block)."""
+    return PolicySpec.from_config(cfg, block_nbytes=block_nbytes_of(kv_cache_config),
+                                  gpu_blocks=max(1, int(kv_cache_config.num_blocks) - 1))
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One worker of an engine: its place in the parallel layout. Each has an SSD tier of
+    its own, in ``rank-<index>`` under ``ssd.path`` (a tier directory has one owner)."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_size: int
+    pp_size: int
+
+    @property
+    def index(self) -> int:
+        """The worker's global rank: data-parallel engine, then pipeline stage, then shard."""
+        return (self.dp * self.pp_size + self.pp) * self.tp_size + self.tp
+
+    def ssd_dir(self, root: Path) -> Path:
+        return root / f"rank-{self.index}"
+
+    def tier_id(self, fingerprint: Fingerprint) -> str:
+        return fingerprint.tier_id(self.tp, self.pp)
+
+
+def engine_ranks(vllm_config: "VllmConfig") -> list[Rank]:
+    """Every worker of this (data-parallel) engine, rank 0 first."""
+    pc = vllm_config.parallel_config
+    tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+    dp = int(getattr(pc, "data_parallel_rank", 0) or 0)
+    return [Rank(t, p, dp, tp, pp) for p in range(pp) for t in range(tp)]
+
+
+def ssd_root(cfg: KVStrataConfig) -> Path:
+    """``ssd.path``, created owner-only if missing; its parent must exist (an unmounted
+    disk must not fill the root file system)."""
+    from kvstrata.tiers.ssd.directory import DIR_MODE, FILE_MODE, LMDB_LOCK, check_environment
+    from kvstrata.tiers.ssd.pagefile import BLOCKS
+    from kvstrata.tiers.ssd.tier import check_path
+
+    configured = cfg.ssd.resolved_path()
+    assert configured is not None
+    path = check_path(os.path.realpath(configured), "ssd.path")
+    if (path / "data.mdb").exists():  # a tier of the layout before rank-<r>, or not kvstrata's
+        check_environment(path, "ssd.path")
+    try:
+        path.mkdir(mode=DIR_MODE, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"ssd.path: cannot create {path}: {exc.strerror}") from None
+    _tighten(path, DIR_MODE)
+    for name in ("data.mdb", LMDB_LOCK, BLOCKS):  # a tier of the layout before rank-<r>
+        if os.path.isfile(path / name) and not os.path.islink(path / name):
+            _tighten(path / name, FILE_MODE)
+    return path
+
+
+def _tighten(path: Path, mode: int) -> None:
+    """Owner-only, when this user owns ``path`` (each rank's own directory is checked
+    strictly by the SSD tier; the directory above it may be shared on purpose)."""
+    try:
+        st = path.stat()
+        if st.st_uid == os.geteuid() and st.st_mode & 0o777 & ~mode:
+            os.chmod(path, mode)
+    except OSError:
+        pass
+
+
+def num_workers(vllm_config: "VllmConfig") -> int:
+    """Workers that each run every step's plans (and report them done)."""
+    pc = vllm_config.parallel_config
+    return int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
+
+
+@dataclass
+class ResidentDelta:
+    """Changes to the hashed GPU blocks since the last step, in the order to apply them:
+    ``cleared`` (all dropped), ``dropped`` block ids, ``added`` ``(block id, key)``,
+    ``used`` block ids (most recently used last). Built by :class:`ResidentMap`, which
+    sends only additions still resident, so that this order is always right."""
+
+    cleared: bool = False
+    dropped: list[int] = field(default_factory=list)
+    added: list[tuple[int, bytes]] = field(default_factory=list)
+    used: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.cleared or self.dropped or self.added or self.used)
+
+    def apply(self, mirror: "OrderedDict[int, bytes]") -> None:
+        """Bring a worker's mirror (block id -> key, least recently used first) up to date."""
+        if self.cleared:
+            mirror.clear()
+        for block_id in self.dropped:
+            mirror.pop(block_id, None)
+        for block_id, key in self.added:
+            mirror[block_id] = key
+            mirror.move_to_end(block_id)
+        for block_id in self.used:
+            if block_id in mirror:
+                mirror.move_to_end(block_id)
+
+
+class ResidentMap:
+    """The scheduler's map of vLLM block id -> key for hashed blocks whose KV is ours, and
+    the :class:`ResidentDelta` the workers' mirrors need to follow it."""
+
+    def __init__(self, record: bool = True) -> None:
+        self.blocks: dict[int, bytes] = {}
+        self.record = record  # False: no worker keeps a mirror (no SSD tier), nothing to send
+        self._delta = ResidentDelta()
+
+    def add(self, block_ids: Sequence[int], keys: Sequence[bytes]) -> None:
+        for block_id, key in zip(block_ids, keys):
+            self.blocks[block_id] = key
+        if self.record:
+            self._delta.added.extend(zip(block_ids, keys))
+
+    def drop(self, block_id: int) -> bool:
+        """Forget a block (vLLM reassigned it); True if it was ours."""
+        if self.blocks.pop(block_id, None) is None:
+            return False
+        if self.record:
+            self._delta.dropped.append(block_id)
+        return True
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        if self.record:
+            self._delta = ResidentDelta(cleared=True)
+
+    def used(self, block_ids: Sequence[int]) -> None:
+        if self.record:
+            self._delta.used.extend(block_ids)
+
+    def take_delta(self) -> ResidentDelta:
+        """The changes since the last call. A block added and then dropped (or added again
+        under another key) in between is sent only as it is now."""
+        delta, self._delta = self._delta, ResidentDelta()
+        blocks = self.blocks
+        delta.added = [(b, k) for b, k in delta.added if blocks.get(b) == k]
+        return delta
+
+
+@dataclass
+class KVStrataMetadata(KVConnectorMetadata):
+    """One step's work for the workers.
+
+    ``loads``: load plans, and fetch plans (remote tier -> CPU slots), in the order the
+    policy prepared them (their evictions run in that order).
+    ``early_stores`` (blocks vLLM evicted in this step: their bytes are intact
+    until this step's forward) run in ``handle_preemptions``, before the
+    forward; ``loads`` in ``start_load_kv``; ``stores`` (computed blocks, the
+    page-out window) in ``wait_for_save``.
+    ``ssd_evictions``: keys to delete from the SSD tier (start-up overflow).
+    ``reset``: delete every record of the worker's SSD tier first (the weights changed:
+    records the policy no longer knew of are stale too, and a put of a key still on
+    disk only refreshes it).
+    ``tags``: key -> what to keep beside the SSD record of a block these plans (or a later
+    step's spill) write there (with KV-cache events on: see :mod:`kvstrata.connectors.vllm_events`).
+    ``reused``: device blocks vLLM handed out again in this step (the workers' forward
+    must not rewrite them before pending copies out of them ran); None: not known, so
+    every block with a pending copy is treated as reused.
+    """
+
+    loads: list[LoadPlan | FetchPlan] = field(default_factory=list)
+    early_stores: list[StorePlan] = field(default_factory=list)
+    stores: list[StorePlan] = field(default_factory=list)
+    ssd_evictions: list[bytes] = field(default_factory=list)
+    reset: bool = False
+    reused: list[int] | None = None
+    resident: ResidentDelta = field(default_factory=ResidentDelta)
+    tags: dict[bytes, bytes] = field(default_factory=dict)
+    prepared: bool = False  # set by the worker once the pre-forward part ran
+
+
+@dataclass
+class KVStrataWorkerMetadata(KVConnectorWorkerMetadata):
+    """``stored``: store plan id -> workers that finished it. ``lost``: ``(tier, key)``
+    of blocks a worker could not store or read. ``load_lost``: the same per request.
+    ``fetched``: fetch plan id -> how many blocks arrived, one entry per worker."""
+
+    stored: Counter = field(default_factory=Counter)
+    lost: set[tuple[str, bytes]] = field(default_factory=set)
+    load_lost: dict[str, set[tuple[str, bytes]]] = field(default_factory=dict)
+    fetched: dict[int, list[int]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVStrataWorkerMetadata), type(other)
+        load_lost = {r: set(v) for r, v in self.load_lost.items()}
+        for r, v in other.load_lost.items():
+            load_lost.setdefault(r, set()).update(v)
+        fetched = {p: list(v) for p, v in self.fetched.items()}
+        for p, v in other.fetched.items():
+            fetched.setdefault(p, []).extend(v)
+        return KVStrataWorkerMetadata(self.stored + other.stored, self.lost | other.lost, load_lost, fetched)

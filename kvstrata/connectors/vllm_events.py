@@ -1,0 +1,351 @@
+"""KV-cache events for prefix-aware routers: what the tiers below vLLM's GPU pool hold.
+
+A consumer of the tier policy's events, run by the scheduler half when vLLM's
+``--kv-events-config`` enables KV-cache events. It hands vLLM's own
+``BlockStored`` / ``BlockRemoved`` objects to ``take_events()``, so they travel
+in vLLM's batches, on vLLM's publisher, in the installed vLLM's wire format,
+beside vLLM's GPU events for the same blocks:
+
+* block hashes are **vLLM's** (``request.block_hashes``, converted as vLLM
+  converts its own), with the parent's hash, the token ids, the block size,
+  the LoRA fields and vLLM's extra keys, so a router joins them with the GPU
+  events or rebuilds its own keys from the tokens;
+* one medium per tier (:data:`MEDIA`): ``CPU`` for the DRAM tier, ``STORAGE``
+  for the SSD tier; the shared remote tier is not announced (every replica
+  reads it alike, and the server evicts without telling: see :data:`MEDIA`);
+* a ``BlockStored`` is sent once the copy that placed the block completed (a
+  store every worker finished, a load's promotion, a fetch), never at the
+  plan; a ``BlockRemoved`` for a medium once the tier announced as holding a
+  block no longer does (evicted, found corrupt, cleared);
+* after a restart the blocks the SSD tier already holds are announced as
+  ``STORAGE``, with their tokens, as soon as the policy holds them (the SSD
+  tier keeps each block's :class:`BlockTag` beside its record, see
+  :meth:`KVEvents.ssd_tags`), at most :data:`ANNOUNCE_PER_STEP` per step.
+
+What a block's events need is kept in one :class:`BlockTag` per block (about
+400 bytes), for at most as many blocks as the GPU pool and the tiers below
+hold together; a block whose tag was dropped is not announced again (its
+events are counted in ``untagged``). vLLM's hashes are rebuilt after a restart
+with vLLM's hash function from the tags' tokens and extra keys, so they match
+the GPU events of the new process.
+
+Threading: the scheduler thread owns everything here, like the policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+import msgpack
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from kvstrata.policy import TierPolicy
+
+__all__ = ["MEDIA", "BlockTag", "KVEvents", "ANNOUNCE_PER_STEP", "EVENT_COUNTS", "events_enabled"]
+
+log = logging.getLogger(__name__)
+
+#: The medium of each tier in vLLM's events. ``CPU`` is vLLM's own name for its DRAM
+#: offloading tier; ``STORAGE`` is vLLM's constant for storage (llm-d lowercases media:
+#: ``cpu``, ``storage``). The remote tier has none: any replica loads from it, so it says
+#: nothing about where to route, and its server evicts without telling anyone.
+MEDIA = {"cpu": "CPU", "ssd": "STORAGE"}
+EVENT_COUNTS = ("stored", "removed", "announced", "untagged")  # KVEvents.counts, per block
+ANNOUNCE_PER_STEP = 4096  # restart announcements per engine step (a step's batch stays small)
+_TAG_VERSION = 1
+
+
+def events_enabled(vllm_config: Any) -> bool:
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and cfg.enable_kv_cache_events)
+
+
+class BlockTag:
+    """What a block's events carry beyond its kvstrata key: vLLM's hash (None until rebuilt
+    after a restart), its parent's, the token ids (int32), vLLM's extra keys for the block
+    (tagged, as vLLM hashes them), the LoRA fields, the parent's kvstrata key, and the media
+    announced as holding it."""
+
+    __slots__ = ("vhash", "parent_vhash", "tokens", "extra", "lora_id", "lora_name", "parent_key", "media")
+
+    def __init__(self, vhash: bytes | None, parent_vhash: bytes | None, tokens: bytes, extra: Any,
+                 lora_id: int | None, lora_name: str | None, parent_key: bytes | None) -> None:
+        self.vhash = vhash
+        self.parent_vhash = parent_vhash
+        self.tokens = tokens
+        self.extra = extra
+        self.lora_id = lora_id
+        self.lora_name = lora_name
+        self.parent_key = parent_key
+        self.media = 0  # bit per tier of MEDIA_BITS: announced as held there
+
+    def pack(self) -> bytes:
+        """The tag kept beside the block's SSD record (rebuilds this tag after a restart)."""
+        return msgpack.packb([_TAG_VERSION, self.parent_key, self.tokens, self.extra, self.lora_id,
+                              self.lora_name], use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "BlockTag | None":
+        """A tag :meth:`pack` made (its hashes not yet rebuilt), or None for anything else."""
+        try:
+            version, parent, tokens, extra, lora_id, lora_name = msgpack.unpackb(data, raw=False)
+        except Exception:
+            return None
+        if version != _TAG_VERSION or not isinstance(tokens, bytes) or len(tokens) % 4:
+            return None
+        if parent is not None and not isinstance(parent, bytes):
+            return None
+        return cls(None, None, tokens, _tuples(extra), lora_id, lora_name, parent)
+
+    def token_ids(self) -> list[int]:
+        return array("i", self.tokens).tolist()
+
+
+def _tuples(value: Any) -> Any:
+    """msgpack's lists back to the tuples vLLM hashes (its extra keys are tuples of tuples)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+MEDIA_BITS = {tier: 1 << i for i, tier in enumerate(MEDIA)}
+
+
+class KVEvents:
+    """The scheduler's KV-event consumer (see the module docstring). ``capacity``: tags
+    kept (the blocks the GPU pool and the lower tiers hold together)."""
+
+    def __init__(self, policy: "TierPolicy", block_size: int, capacity: int,
+                 hash_fn: Callable[[Any], bytes]) -> None:
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+        self.policy = policy
+        self.block_size = block_size
+        self.capacity = max(1, capacity)
+        self.hash_fn = hash_fn
+        self._stored, self._removed = BlockStored, BlockRemoved
+        self.tags: OrderedDict[bytes, BlockTag] = OrderedDict()
+        self._events: list[tuple[bool, str, BlockTag]] = []  # (stored?, tier, tag) since the last take
+        self._leaving: list[tuple[str, bytes]] = []  # (tier, key) evicted or lost since the last take
+        self._announce: list[bytes] | None = None     # keys read from the SSD tier, to announce
+        self._announcing: Any = None                   # the future reading them
+        self.counts = dict.fromkeys(EVENT_COUNTS, 0)
+        policy.add_observer(self._observe)
+
+    # ------------------------------------------------------------------ tags
+
+    def record(self, request: "Request", keys: Sequence[bytes], lo: int, hi: int) -> None:
+        """Tags of the request's blocks ``lo..hi`` (``keys``: its kvstrata hash chain), for
+        those that have none yet."""
+        tags = self.tags
+        vhashes = request.block_hashes
+        tokens = request.all_token_ids
+        bs = self.block_size
+        if len(vhashes) != len(tokens) // bs:  # vLLM hashes in blocks of another size (hybrid models)
+            if not self.counts["untagged"]:
+                log.warning("kvstrata: vLLM hashes blocks of %d tokens, not %d: the tiers below are "
+                            "not announced", len(tokens) // max(1, len(vhashes)), bs)
+            self.counts["untagged"] += max(0, hi - lo)
+            return
+        hi = min(hi, len(keys), len(vhashes))
+        for i in range(lo, hi):
+            key = keys[i]
+            if key in tags:
+                tags.move_to_end(key)
+                continue
+            tags[key] = BlockTag(vhashes[i], vhashes[i - 1] if i else None,
+                                 array("i", tokens[i * bs:(i + 1) * bs]).tobytes(), _extra_keys(request, i, bs),
+                                 request.lora_request.adapter_id if request.lora_request else None,
+                                 request.lora_request.name if request.lora_request else None,
+                                 keys[i - 1] if i else None)
+        while len(tags) > self.capacity:
+            tags.popitem(last=False)
+
+    def ssd_tags(self, plans: Iterable[Any]) -> dict[bytes, bytes]:
+        """The packed tags of every block ``plans`` write to the SSD tier (the workers keep
+        them beside the records)."""
+        out: dict[bytes, bytes] = {}
+        for plan in plans:
+            for tier, key in _placed(plan, None):
+                tag = self.tags.get(key) if tier == "ssd" else None
+                if tag is not None:
+                    out[key] = tag.pack()
+        return out
+
+    # ------------------------------------------------------------------ completions
+
+    def completed(self, plan: Any, done: int | None = None) -> None:
+        """A plan's copies completed (``done``: blocks a load or fetch delivered): announce
+        what it placed that its tier still holds."""
+        held_in = self.policy.held_in
+        for tier, key in _placed(plan, done):
+            if tier in MEDIA and held_in(tier, key):
+                self._store(tier, key)
+
+    def _store(self, tier: str, key: bytes) -> None:
+        tag = self.tags.get(key)
+        if tag is None or tag.vhash is None:
+            self.counts["untagged"] += 1
+            return
+        bit = MEDIA_BITS[tier]
+        if tag.media & bit:
+            return
+        tag.media |= bit
+        self._events.append((True, tier, tag))
+        self.counts["stored"] += 1
+
+    def _observe(self, kind: str, tier: str, keys: Sequence[bytes], now: float) -> None:
+        if kind in ("evicted", "lost") and tier in MEDIA:
+            self._leaving.extend((tier, k) for k in keys)
+
+    # ------------------------------------------------------------------ restart
+
+    def announce_from(self, read: Callable[[], dict[bytes, bytes]]) -> None:
+        """Read the SSD tier's tags on a thread (``read``: key -> packed tag) and announce
+        the blocks the policy holds once they are in."""
+        import concurrent.futures
+        import threading
+
+        future: concurrent.futures.Future[dict[bytes, bytes]] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(read())
+            except BaseException as exc:  # a broken tier costs announcements, never the engine
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name="kvstrata-announce", daemon=True).start()
+        self._announcing = future
+
+    def _poll_announcement(self, pending: bool) -> None:
+        """Take the read tags once in; announce held blocks (``pending``: the SSD tier's
+        seeding is not over, so keys not held yet may still be)."""
+        if self._announcing is not None and self._announcing.done():
+            future, self._announcing = self._announcing, None
+            try:
+                self._announce = self._rebuild(future.result())
+            except Exception as exc:
+                log.warning("kvstrata: cannot read the SSD tier's block tags (%s); its blocks are "
+                            "not announced", exc)
+        if not self._announce:
+            return
+        held_in = self.policy.held_in
+        todo, later, n = self._announce, [], 0
+        for i, key in enumerate(todo):
+            if n >= ANNOUNCE_PER_STEP:
+                later.extend(todo[i:])
+                break
+            if held_in("ssd", key):
+                self._store("ssd", key)
+                n += 1
+            elif pending:
+                later.append(key)
+        self.counts["announced"] += n
+        self._announce = later or None
+
+    def _rebuild(self, packed: dict[bytes, bytes]) -> list[bytes]:
+        """Tags from the SSD tier, vLLM's hashes rebuilt along each chain (a block whose
+        parent is not on the SSD tier cannot be hashed, nor reached by a prefix: skipped);
+        returns their keys, parents first."""
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+        tags = {k: t for k, t in ((k, BlockTag.unpack(v)) for k, v in packed.items()) if t is not None}
+        order: list[bytes] = []
+        for key in tags:
+            chain: list[bytes] = []
+            on_chain: set[bytes] = set()  # (damaged tags may form a cycle)
+            k: bytes | None = key
+            while k is not None and k in tags and tags[k].vhash is None and k not in on_chain:
+                chain.append(k)
+                on_chain.add(k)
+                k = tags[k].parent_key
+            parent = tags[k].vhash if k is not None and k in tags else None
+            if k is not None and not parent:  # (b"": a block already found unreachable)
+                for c in chain:  # an orphan chain (or a cycle): unreachable
+                    tags[c].vhash = b""
+                continue
+            for c in reversed(chain):
+                tag = tags[c]
+                tag.parent_vhash = parent
+                tag.vhash = parent = hash_block_tokens(self.hash_fn, parent, tag.token_ids(), tag.extra)
+                order.append(c)
+        for key in order:
+            if key not in self.tags:
+                self.tags[key] = tags[key]
+        while len(self.tags) > self.capacity:
+            self.tags.popitem(last=False)
+        return [k for k in order if k in self.tags]
+
+    # ------------------------------------------------------------------ vLLM's hook
+
+    def take(self, seeding_pending: bool = False) -> list[Any]:
+        """The events since the last call (``take_events()``)."""
+        self._poll_announcement(seeding_pending)
+        if self._leaving:
+            held_in = self.policy.held_in
+            for tier, key in self._leaving:
+                tag = self.tags.get(key)
+                bit = MEDIA_BITS[tier]
+                if tag is None or not tag.media & bit or held_in(tier, key):
+                    continue
+                tag.media &= ~bit
+                self._events.append((False, tier, tag))
+                self.counts["removed"] += 1
+            self._leaving = []
+        out, self._events = self._events, []
+        return self._build(out)
+
+    def _build(self, changes: list[tuple[bool, str, BlockTag]]) -> list[Any]:
+        """vLLM's event objects for ``(stored?, tier, tag)`` in order, as few as possible: a
+        run of stores of one medium that continue a chain (each the child of the one before,
+        one LoRA) is one ``BlockStored``, a run of removals of one medium one ``BlockRemoved``."""
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, to_event_extra_keys
+
+        out: list[Any] = []
+        last: Any = None
+        prev: BlockTag | None = None
+        for stored, tier, tag in changes:
+            medium, vhash = MEDIA[tier], maybe_convert_block_hash(tag.vhash)
+            if not stored:
+                if isinstance(last, self._removed) and last.medium == medium:
+                    last.block_hashes.append(vhash)
+                else:
+                    last = self._removed(block_hashes=[vhash], medium=medium, group_idx=0)
+                    out.append(last)
+                continue
+            extra = to_event_extra_keys([tag.extra])
+            if (isinstance(last, self._stored) and last.medium == medium and prev is not None
+                    and tag.parent_vhash == prev.vhash and tag.lora_name == prev.lora_name):
+                last.block_hashes.append(vhash)
+                last.token_ids.extend(tag.token_ids())
+                last.extra_keys.extend(extra)
+            else:
+                last = self._stored(
+                    block_hashes=[vhash],
+                    parent_block_hash=maybe_convert_block_hash(tag.parent_vhash) if tag.parent_vhash else None,
+                    token_ids=tag.token_ids(), block_size=self.block_size, lora_id=tag.lora_id,
+                    medium=medium, lora_name=tag.lora_name, extra_keys=extra, group_idx=0)
+                out.append(last)
+            prev = tag
+        return out
+
+
+def _placed(plan: Any, done: int | None) -> list[tuple[str, bytes]]:
+    from kvstrata.policy import StorePlan
+
+    if isinstance(plan, StorePlan):
+        return plan.placed()
+    return plan.placed(len(plan) if done is None else done)
+
+
+def _extra_keys(request: "Request", i: int, bs: int) -> Any:
+    """vLLM's extra keys of block ``i`` (multimodal inputs, LoRA, cache salt, prompt embeds)."""
+    if request.lora_request is None and not request.cache_salt and not getattr(request, "mm_features", None) \
+            and getattr(request, "prompt_embeds", None) is None:
+        return None
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    return generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, 0)[0]

@@ -1,0 +1,139 @@
+"""What the tiers below the device hold, and which open plans pin what.
+
+:class:`Holdings` is the tier policy's bookkeeping, with no decisions in it:
+one index per lower tier (``cpu``: a :class:`~kvstrata.policy.slot_index.SlotIndex`;
+``ssd``: a :class:`~kvstrata.policy.compact_index.CompactIndex`; None when the tier is off), the keys each open plan pinned, and the
+tombstones of keys forgotten while pinned.
+
+A key forgotten while pinned leaves its tier at once (lookups stop finding
+it, a later store places it again); its entry is renamed to a tombstone key
+that keeps the slot and the pins until the plans that pinned it complete,
+and every open plan's pin list refers to the tombstone from then on.
+
+Threading: owned by the policy's owner thread, like the policy.
+"""
+
+from __future__ import annotations
+
+from typing import Container, Iterable
+
+from kvstrata.policy.compact_index import CompactIndex
+from kvstrata.policy.slot_index import SlotIndex
+
+__all__ = ["Holdings", "TOMBSTONE_PREFIX", "COMPACT_ABOVE", "ssd_index", "index_bytes"]
+
+TOMBSTONE_PREFIX = b"\x00kvstrata-tombstone:"  # + a counter: the key a forgotten pinned entry takes
+
+
+#: SSD tiers of more blocks than this are indexed in flat arrays (see :func:`ssd_index`).
+COMPACT_ABOVE = 1 << 20
+
+
+def ssd_index(num_slots: int) -> SlotIndex | CompactIndex:
+    """The SSD tier's index: a large disk of small blocks holds tens of millions of them, and
+    a :class:`CompactIndex` costs ~50 bytes per key where a :class:`SlotIndex` costs ~165;
+    below :data:`COMPACT_ABOVE` slots (at most ~170 MB either way) the dict-based index is
+    kept for its speed (lookups are ~2x faster: ``kvstrata bench`` replays millions)."""
+    return CompactIndex(num_slots) if num_slots > COMPACT_ABOVE else SlotIndex(num_slots)
+
+
+def index_bytes(ssd_slots: int, key_len: int = 32) -> int:
+    """What the SSD tier's index costs in memory once the tier is full (an upper estimate:
+    the key, the LRU links, the hash table at its fullest; measured ~49 bytes for 32-byte
+    keys), for the driver to check against the machine before it starts."""
+    if ssd_slots <= COMPACT_ABOVE:
+        return ssd_slots * (key_len + 140)
+    return ssd_slots * (key_len + 20)
+
+
+class Holdings:
+    """The lower tiers' indexes with the pins of open plans."""
+
+    def __init__(self, cpu_slots: int, ssd_slots: int) -> None:
+        self.cpu: SlotIndex | None = SlotIndex(cpu_slots) if cpu_slots else None
+        self.ssd = ssd_index(ssd_slots) if ssd_slots else None
+        self.in_cpu = self.cpu._slot if self.cpu is not None else {}  # membership tests
+        self.in_ssd: Container[bytes] = self.ssd if self.ssd is not None else {}
+        self._pins: dict[int, tuple[list[bytes], list[bytes]]] = {}  # plan -> (CPU keys, SSD keys) it pinned
+        self._tombs: tuple[set[bytes], set[bytes]] = (set(), set())
+        self._next_tomb = 0
+
+    def index(self, tier: str) -> SlotIndex | CompactIndex | None:
+        return self.cpu if tier == "cpu" else self.ssd
+
+    def open(self, plan_id: int) -> None:
+        self._pins[plan_id] = ([], [])
+
+    def pin(self, tier: str, plan_id: int, keys: list[bytes]) -> list[int]:
+        """Pin present ``keys`` in ``tier`` until the plan completes; returns their slots."""
+        index = self.index(tier)
+        assert index is not None
+        self._pins[plan_id][tier == "ssd"].extend(keys)
+        return index.pin_many(keys)
+
+    def place(self, tier: str, plan_id: int, keys: list[bytes]
+              ) -> tuple[dict[bytes, int], list[tuple[bytes, int]]]:
+        """Slots for ``keys`` the tier does not hold, pinned for the plan: ``(placed key ->
+        slot, evicted (key, slot))``. Keys that found no room (every other slot pinned) are
+        not placed."""
+        index = self.index(tier)
+        assert index is not None
+        if len(set(keys)) != len(keys):
+            keys = list(dict.fromkeys(keys))  # one slot and one pin per key
+        slots, evicted = index.allocate_absent(keys, pin=True)
+        placed = dict(zip(keys, slots)) if None not in slots else {k: s for k, s in zip(keys, slots) if s is not None}
+        self._pins[plan_id][tier == "ssd"].extend(placed)
+        return placed, evicted  # type: ignore[return-value]
+
+    def release(self, plan_id: int) -> None:
+        """The plan completed: drop its pins (and the tombstones it was the last to hold)."""
+        cpu_keys, ssd_keys = self._pins.pop(plan_id, ((), ()))
+        for index, keys, tombs in ((self.cpu, cpu_keys, self._tombs[0]), (self.ssd, ssd_keys, self._tombs[1])):
+            if not keys:
+                continue
+            assert index is not None
+            index.unpin_many(keys)
+            if tombs:
+                for tomb in [k for k in keys if k in tombs and not index.pin_count(k)]:
+                    tombs.discard(tomb)
+                    index.pop(tomb)
+
+    def forget(self, tier: str, keys: Iterable[bytes]) -> list[bytes]:
+        """Drop ``keys`` from ``tier`` now; returns those it held."""
+        index = self.index(tier)
+        if index is None:
+            return []
+        present = [k for k in dict.fromkeys(keys) if k in index]
+        for key in present:
+            if index.pin_count(key):
+                self._bury(index, tier == "ssd", key)
+            else:
+                index.pop(key)
+        return present
+
+    def _bury(self, index: SlotIndex | CompactIndex, side: bool, key: bytes) -> None:
+        self._next_tomb += 1
+        tomb = TOMBSTONE_PREFIX + b"%d" % self._next_tomb
+        index.rename(key, tomb)
+        self._tombs[side].add(tomb)
+        for pins in self._pins.values():
+            held = pins[side]
+            if key in held:
+                held[:] = [tomb if k == key else k for k in held]
+
+    def check(self) -> None:
+        """Assert that every pin belongs to an open plan and every tombstone is still pinned."""
+        for side, (tier, index) in enumerate((("cpu", self.cpu), ("ssd", self.ssd))):
+            if index is None:
+                continue
+            index.check()
+            held: dict[bytes, int] = {}
+            for pins in self._pins.values():
+                for key in pins[side]:
+                    held[key] = held.get(key, 0) + 1
+            for key, n in held.items():
+                assert index.pin_count(key) == n, (
+                    f"{tier} key {key.hex()[:12]}: plans hold {n} pins, the index counts {index.pin_count(key)}")
+            stray = [k for k in index._pins if k not in held]
+            assert not stray, f"{len(stray)} {tier} pins no open plan holds"
+            assert all(index.pin_count(t) for t in self._tombs[side]), f"a {tier} tombstone outlived its pins"

@@ -1,0 +1,107 @@
+"""The policy's parameters: tier sizes in blocks and the placement rules, from a config.
+
+``PolicySpec.from_config`` is the one place where capacities in bytes become
+capacities in blocks, for every mode (library, vLLM connector, bench replay):
+the CPU tier holds ``cpu.capacity // block_nbytes`` blocks; the SSD tier holds
+as many uncompressed blocks as its footprint rule admits under
+``ssd.capacity`` (compression then saves disk space and bandwidth, it does
+not change which blocks are kept, so every mode agrees on placement).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstrata.config import ADMISSIONS, ON_COMPUTE, ON_EVICT, PROMOTIONS, KVStrataConfig, check_spill_rules
+from kvstrata.errors import ConfigError
+from kvstrata.policy.plans import COMPUTED, EVICTED, PAGEOUT, SHUTDOWN
+from kvstrata.tiers.ssd.footprint import capacity_blocks
+
+__all__ = ["PolicySpec", "ADMISSIONS", "PROMOTIONS", "ON_COMPUTE", "ON_EVICT", "check_spill_rules"]
+
+_ADMITTED = {ON_COMPUTE: (COMPUTED, SHUTDOWN), ON_EVICT: (PAGEOUT, EVICTED, SHUTDOWN)}
+
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """Placement rules and lower-tier sizes (in blocks; 0 = no such tier).
+
+    ``admission``: ``on_compute`` stores every block as soon as it is computed;
+    ``on_evict`` stores a block when the device pool evicts it, paging out the
+    ``pageout_blocks`` least recently used free device blocks ahead of time.
+    ``promotion``: ``inclusive`` keeps the lower copy of a loaded block,
+    ``exclusive`` moves it out of the CPU tier (SSD copies always stay).
+    ``write_through``: every block stored to the CPU tier also goes to the
+    SSD tier; otherwise blocks reach the SSD tier when the CPU tier evicts them.
+    ``remote``: a shared tier (not held here: other replicas write to it and its
+    server evicts on its own) receives every block new to this replica's lower tiers,
+    and serves hits by a fetch into CPU slots (needs a CPU tier).
+    """
+
+    cpu_slots: int = 0
+    ssd_slots: int = 0
+    admission: str = ON_COMPUTE
+    promotion: str = "inclusive"
+    write_through: bool = True
+    pageout_blocks: int = 0
+    remote: bool = False
+
+    def __post_init__(self) -> None:
+        check_spill_rules(self.admission, self.promotion)
+        for name in ("cpu_slots", "ssd_slots", "pageout_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}: expected a non-negative integer, got {value!r}")
+        if self.remote and not self.cpu_slots:
+            raise ConfigError("remote.url: the remote tier fetches blocks into CPU slots before they are served; "
+                              "cpu.capacity holds no block")
+        if not isinstance(self.write_through, bool):
+            raise ConfigError(f"spill.write_through: expected true or false, got {self.write_through!r}")
+
+    @classmethod
+    def from_config(cls, config: "KVStrataConfig", *, block_nbytes: int, gpu_blocks: int) -> "PolicySpec":
+        """The spec a deployment of ``config`` runs, with blocks of ``block_nbytes`` bytes
+        and a device pool of ``gpu_blocks`` blocks."""
+        if isinstance(block_nbytes, bool) or not isinstance(block_nbytes, int) or block_nbytes < 1:
+            raise ConfigError(f"block_nbytes: expected a positive integer, got {block_nbytes!r}")
+        cpu = config.cpu.capacity // block_nbytes
+        ssd = ssd_blocks(config, block_nbytes)
+        spill = config.spill
+        lower = cpu > 0 or ssd > 0
+        pageout = max(1, int(spill.watermark * gpu_blocks)) if spill.admission == ON_EVICT and lower else 0
+        return cls(cpu_slots=cpu, ssd_slots=ssd, admission=spill.admission, promotion=spill.promotion,
+                   write_through=spill.write_through, pageout_blocks=pageout, remote=config.remote.enabled)
+
+    def admits(self, reason: str) -> bool:
+        """Does admission take blocks offered for ``reason``?"""
+        return reason in _ADMITTED[self.admission]
+
+    def capacity(self) -> dict[str, int]:
+        """Blocks each lower tier holds at most."""
+        return {"cpu": self.cpu_slots, "ssd": self.ssd_slots}
+
+    @property
+    def has_lower_tier(self) -> bool:
+        return self.cpu_slots > 0 or self.ssd_slots > 0
+
+    def lower_blocks(self) -> int:
+        """Distinct blocks the tiers below the device can hold."""
+        if self.write_through:
+            return max(self.cpu_slots, self.ssd_slots)
+        return self.cpu_slots + self.ssd_slots
+
+    def effective_blocks(self, gpu_blocks: int) -> int:
+        """Distinct blocks the whole hierarchy can hold (approximately): ``on_evict`` keeps
+        the device pool and the tiers below disjoint; ``on_compute`` copies every
+        computed block down, so the tiers below also hold what the device holds."""
+        if self.admission == ON_EVICT:
+            return gpu_blocks + self.lower_blocks()
+        return max(gpu_blocks, self.lower_blocks())
+
+
+def ssd_blocks(config: "KVStrataConfig", block_nbytes: int) -> int:
+    """Uncompressed blocks the SSD tier of ``config`` holds (0 when disabled)."""
+    if not config.ssd.enabled:
+        return 0
+    return capacity_blocks(config.ssd.capacity, block_nbytes)

@@ -1,0 +1,445 @@
+"""RemoteTier: blocks on a Redis or Valkey server, shared by every replica.
+
+Never blocks or breaks the engine:
+
+* **Reads** (:meth:`RemoteTier.probe`, :meth:`RemoteTier.get_into`) go to the
+  server on a dedicated reader thread in pipelined batches of at most
+  ``batch_bytes`` of values; the caller waits ``timeout`` seconds per batch at
+  most, and what has not answered by then is a miss. A value that does not
+  verify (:mod:`.value`) is a miss, counted, and deleted from the server.
+* **Writes** are write-behind: :meth:`RemoteTier.put` copies the block into a
+  queue bounded by ``queue_capacity`` bytes (a put beyond it is dropped and
+  counted) and returns; one writer thread encodes and sends batches of at most
+  ``batch_bytes`` as pipelined ``SET key value NX`` (keys are content
+  addressed: a key present already holds the same block).
+* A :class:`~kvstrata.tiers.remote.breaker.Breaker` opens after repeated
+  connection failures or timeouts: reads miss and writes drop at once until a
+  probe succeeds. A server that is down at start-up is logged, not fatal.
+
+The server bounds the store (``maxmemory`` with ``allkeys-lru``); kvstrata reads
+``INFO`` when it connects and every :data:`INFO_EVERY` seconds, reports it in
+:meth:`RemoteTier.stats`, and warns when the server has no ``maxmemory`` (it
+can grow without bound) or a policy that never evicts (writes then fail).
+
+Threads: any thread may call every method. The queue is guarded by
+``_cond``; counters by ``_lock``; the client's connection pool is thread-safe.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from kvstrata.tiers.remote.breaker import Breaker
+from kvstrata.tiers.remote.value import decode_into, seal, staged, value_bytes
+from kvstrata.tiers.ssd.record import HEADER, Codec, CorruptRecord
+
+if TYPE_CHECKING:
+    from kvstrata.config import RemoteConfig
+
+__all__ = ["RemoteTier", "connect", "INFO_EVERY"]
+
+log = logging.getLogger(__name__)
+
+INFO_EVERY = 10.0           # seconds between INFO reads by the writer thread
+_PROBE_BATCH = 1024         # keys per pipelined EXISTS round trip
+_EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+COUNTERS = ("hits", "misses", "corrupt", "timeouts", "errors", "refused", "probes", "probe_hits",
+            "puts", "written", "present", "put_failures", "dropped_full", "dropped_breaker",
+            "bytes_read", "bytes_written", "breaker_opened", "breaker_closed")
+
+
+def connect(url: str, *, cluster: bool = False, timeout: float = 0.5, connect_timeout: float = 1.0) -> Any:
+    """A client for ``url`` that never retries on its own (the breaker decides) and gives
+    up on a socket after ``timeout`` seconds. Imports ``redis`` (the ``remote`` extra)."""
+    try:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+    except ImportError as exc:  # pragma: no cover - the extra is installed with the tests
+        raise ImportError("the remote tier needs the redis client: pip install 'kvstrata[remote]'") from exc
+    for alias, scheme in (("valkeys://", "rediss://"), ("valkey://", "redis://")):
+        if url.startswith(alias):
+            url = scheme + url[len(alias):]
+    kwargs = dict(socket_timeout=timeout, socket_connect_timeout=connect_timeout, retry=Retry(NoBackoff(), 0),
+                  health_check_interval=0)
+    if cluster:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(url, **kwargs)
+    return redis.Redis.from_url(url, retry_on_timeout=False, **kwargs)
+
+
+class RemoteTier:
+    """The blocks of one shard (``prefix``, see :func:`~.value.key_prefix`) on a server.
+
+    ``probe_prefixes``: the shards :meth:`probe` checks (all of them for a scheduler
+    that answers for every tensor-parallel rank); by default ``prefix`` alone.
+    """
+
+    def __init__(self, url: str, prefix: bytes, block_nbytes: int, *, cluster: bool = False,
+                 capacity_bytes: int = 0, compression: str = "auto", level: int = 1, timeout: float = 0.5,
+                 connect_timeout: float = 1.0, queue_capacity_bytes: int = 256 * 1024**2,
+                 batch_bytes: int = 8 * 1024**2, probe_prefixes: Sequence[bytes] | None = None,
+                 writer: bool = True, breaker: Breaker | None = None) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.probe_prefixes = list(probe_prefixes) if probe_prefixes is not None else [prefix]
+        self.block_nbytes = block_nbytes
+        self.capacity_bytes = capacity_bytes
+        self.timeout = timeout
+        self.queue_capacity = queue_capacity_bytes
+        self.batch_values = max(1, batch_bytes // value_bytes(block_nbytes))
+        self.codec = Codec(compression, level)
+        self.breaker = breaker or Breaker()
+        self.client = connect(url, cluster=cluster, timeout=timeout, connect_timeout=connect_timeout)
+        self.server: dict[str, Any] = {}
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self._lock = threading.Lock()
+        self._logged: set[str] = set()
+        self._reader = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-reader")
+        self._busy = 0  # reads submitted and not finished (a stuck one makes the next miss at once)
+        self._prober: cf.ThreadPoolExecutor | None = None
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[bytes, bytearray]] = deque()
+        self._deletes: list[bytes] = []
+        self._spare: list[bytearray] = []  # sent buffers, reused by put (at most a queue's worth)
+        self._queued_bytes = 0
+        self._writing = False
+        self._closed = False
+        self._info_at = 0.0
+        self._writer = threading.Thread(target=self._write_loop, name="kvstrata-remote-writer", daemon=True) \
+            if writer else None
+        if self._writer is not None:
+            self._writer.start()
+
+    @classmethod
+    def from_config(cls, cfg: "RemoteConfig", tier_ids: Sequence[str], block_nbytes: int, *,
+                    writer: bool = True) -> "RemoteTier":
+        """The tier ``remote.*`` describes, for the shard ``tier_ids[0]`` (a
+        :meth:`~kvstrata.identity.Fingerprint.tier_id`); :meth:`probe` checks every shard in
+        ``tier_ids`` (a vLLM scheduler answers for all tensor-parallel ranks)."""
+        from kvstrata.tiers.remote.value import key_prefix
+
+        assert cfg.url is not None, "remote.url is not set"
+        from kvstrata.errors import ConfigError
+
+        prefixes = [key_prefix(t) for t in tier_ids]
+        try:
+            return cls(cfg.url, prefixes[0], block_nbytes, cluster=cfg.cluster, capacity_bytes=cfg.capacity or 0,
+                       compression=cfg.compression, level=cfg.level, timeout=cfg.timeout,
+                       connect_timeout=cfg.connect_timeout, queue_capacity_bytes=cfg.queue_capacity,
+                       batch_bytes=cfg.batch_bytes, probe_prefixes=prefixes, writer=writer)
+        except ValueError as exc:  # the client's own reading of the URL (its query options)
+            raise ConfigError(f"remote.url: {exc}") from None
+
+    def key(self, key: bytes) -> bytes:
+        return self.prefix + key
+
+    # ------------------------------------------------------------------ reads
+
+    def probe(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the server holds (in every probed shard): the answer of
+        ``EXISTS``, without reading or verifying a value (that is :meth:`get_into`'s job)."""
+        held = 0
+        for lo in range(0, len(keys), _PROBE_BATCH):
+            batch = keys[lo:lo + _PROBE_BATCH]
+            nskeys = [p + k for k in batch for p in self.probe_prefixes]
+            answers = self._read("probe", self._exists, nskeys)
+            if answers is None:
+                break
+            width = len(self.probe_prefixes)
+            n = 0
+            while n < len(batch) and all(answers[n * width:(n + 1) * width]):
+                n += 1
+            held += n
+            if n < len(batch):
+                break
+        self.count("probes", len(keys))
+        self.count("probe_hits", held)
+        return held
+
+    def probe_async(self, keys: Sequence[bytes]) -> "cf.Future[int]":
+        """:meth:`probe` on a thread of its own: a caller that must never wait (a vLLM
+        scheduler) polls the future; it is done within the deadline of each batch."""
+        with self._lock:
+            if self._prober is None:
+                self._prober = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-probe")
+        try:
+            return self._prober.submit(self.probe, list(keys))
+        except RuntimeError:  # closed
+            done: cf.Future[int] = cf.Future()
+            done.set_result(0)
+            return done
+
+    def get_into(self, keys: Sequence[bytes], rows: np.ndarray) -> int:
+        """Read ``keys`` into ``rows[i]`` (``[len(keys), block_nbytes]`` uint8) up to the
+        first that is missing, late or does not verify; returns how many leading rows hold
+        their block. Rows from that one on hold nothing usable."""
+        done = 0
+        while done < len(keys):
+            batch = keys[done:done + self.batch_values]
+            nskeys = [self.key(k) for k in batch]
+            values = self._read("get", self._get, nskeys)
+            n = self._decode(nskeys, values, rows[done:done + len(batch)]) if values is not None else 0
+            done += n
+            if n < len(batch):
+                break
+        self.count("hits", done)
+        self.count("misses", len(keys) - done)
+        return done
+
+    def _decode(self, nskeys: list[bytes], values: list[Any], rows: np.ndarray) -> int:
+        for i, (nskey, value) in enumerate(zip(nskeys, values)):
+            if value is None:
+                return i
+            try:
+                decode_into(nskey, value, rows[i], self.codec)
+            except CorruptRecord as exc:
+                self.count("corrupt")
+                self._log_once("corrupt", "remote tier: a value under kvstrata's prefix does not verify (%s); "
+                               "counted as a miss and deleted", exc)
+                if self._writer is not None:  # a probing-only tier sends nothing
+                    with self._cond:
+                        self._deletes.append(nskey)
+                        self._cond.notify()
+                return i
+            self.count("bytes_read", len(value))
+        return len(values)
+
+    def _read(self, what: str, fn: Any, nskeys: list[bytes]) -> list[Any] | None:
+        """``fn(nskeys)`` on the reader thread within the deadline; None when it is refused,
+        fails or is late."""
+        if self._closed or not self.breaker.allow():
+            self.count("refused")
+            return None
+        with self._lock:
+            if self._busy:  # the reader is stuck on an earlier call that missed its deadline
+                self.counts["refused"] += 1
+                return None
+            self._busy += 1
+        try:
+            future = self._reader.submit(self._timed, fn, nskeys)
+        except RuntimeError:  # closed meanwhile
+            self._idle()
+            return None
+        try:
+            return future.result(timeout=self.timeout)
+        except cf.TimeoutError:
+            self.count("timeouts")
+            self._failed(what, TimeoutError(f"no answer within {self.timeout:g} s"))
+        except Exception as exc:
+            self.count("errors")
+            self._failed(what, exc)
+        return None
+
+    def _timed(self, fn: Any, nskeys: list[bytes]) -> list[Any]:
+        try:
+            out = fn(nskeys)
+        finally:
+            self._idle()
+        self._succeeded()
+        return out
+
+    def _idle(self) -> None:
+        with self._lock:
+            self._busy -= 1
+
+    def _exists(self, nskeys: list[bytes]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for k in nskeys:
+            pipe.exists(k)
+        return pipe.execute()
+
+    def _get(self, nskeys: list[bytes]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for k in nskeys:
+            pipe.get(k)
+        return pipe.execute()
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, key: bytes, row: Any) -> bool:
+        """Queue one block (copied now) to be stored under ``key``; False (counted) when the
+        queue is full or the breaker is open."""
+        nbytes = int(getattr(row, "nbytes", len(row)))
+        if self._closed or self.breaker.state == "open":
+            self.count("dropped_breaker")
+            return False
+        with self._cond:
+            if self._queued_bytes + nbytes > self.queue_capacity:
+                self.counts["dropped_full"] += 1
+                return False
+            self._queued_bytes += nbytes  # reserved; copied without holding the lock
+        with self._cond:
+            spare = self._spare.pop() if self._spare else None
+        value = staged(row, spare)
+        with self._cond:
+            self._queue.append((self.key(key), value))
+            self._cond.notify()
+        self.count("puts")
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued put, and every delete of a value that did not verify, was
+        sent (or dropped); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._deletes or self._writing:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left if left is not None else 0.1)
+        return True
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._queue or self._deletes or self._closed):
+                    self._cond.wait(INFO_EVERY)
+                    if not (self._queue or self._deletes or self._closed):
+                        break
+                if self._closed and not self._queue and not self._deletes:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(self.batch_values, len(self._queue)))]
+                self._queued_bytes -= sum(len(v) - HEADER.size for _, v in batch)
+                deletes, self._deletes = self._deletes, []
+                self._writing = True
+            try:
+                self._maybe_info()
+                if batch or deletes:
+                    self._write(batch, deletes)
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
+
+    def _write(self, batch: list[tuple[bytes, bytearray]], deletes: list[bytes]) -> None:
+        if not self.breaker.allow():
+            self.count("dropped_breaker", len(batch))
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            nbytes = 0
+            for nskey, buf in batch:
+                value = seal(nskey, buf, self.codec)
+                nbytes += len(value)
+                pipe.set(nskey, value, nx=True)
+            for nskey in deletes:
+                pipe.delete(nskey)
+            results = pipe.execute(raise_on_error=False)
+        except Exception as exc:
+            self.count("put_failures", len(batch))
+            self._failed("put", exc)
+            return
+        finally:
+            with self._cond:  # the buffers are free again (the pipeline no longer refers to them)
+                room = max(0, self.queue_capacity // value_bytes(self.block_nbytes) - len(self._spare))
+                self._spare.extend(buf for _, buf in batch[:room])
+        self._succeeded()
+        written = sum(1 for r in results[:len(batch)] if r is True)
+        failed = [r for r in results[:len(batch)] if isinstance(r, Exception)]
+        self.count("written", written)
+        self.count("present", len(batch) - written - len(failed))
+        self.count("bytes_written", nbytes)
+        if failed:  # e.g. OOM under a policy that never evicts: the server is up, the write is not
+            self.count("put_failures", len(failed))
+            self._log_once("refused", "remote tier: the server refused writes (%s); dropped and counted",
+                           failed[0])
+
+    # ------------------------------------------------------------------ server
+
+    def _maybe_info(self) -> None:
+        now = time.monotonic()
+        if now - self._info_at < INFO_EVERY or not self.breaker.allow():
+            return
+        self._info_at = now
+        try:
+            info = self.client.info()
+        except Exception as exc:
+            self._failed("info", exc)
+            return
+        self._succeeded()
+        first = not self.server
+        self.server = {k: info.get(k) for k in ("redis_version", "valkey_version", "maxmemory", "maxmemory_policy",
+                                                "used_memory", "evicted_keys", "cluster_enabled") if k in info}
+        if first:
+            self._check_server()
+
+    def _check_server(self) -> None:
+        s = self.server
+        maxmemory, policy = int(s.get("maxmemory") or 0), str(s.get("maxmemory_policy", "?"))
+        log.info("remote tier: %s (version %s), maxmemory %d bytes, policy %s", self.url,
+                 s.get("valkey_version") or s.get("redis_version"), maxmemory, policy)
+        if maxmemory == 0:
+            log.warning("remote tier: %s has no maxmemory: the store can grow without bound (set maxmemory "
+                        "and maxmemory-policy allkeys-lru)", self.url)
+        elif policy not in _EVICTING:
+            log.warning("remote tier: %s evicts nothing under maxmemory-policy %s: writes fail once it is full "
+                        "(set allkeys-lru)", self.url, policy)
+        if maxmemory and self.capacity_bytes > maxmemory:
+            log.warning("remote tier: remote.capacity (%d bytes) exceeds the server's maxmemory (%d bytes): the "
+                        "server evicts first", self.capacity_bytes, maxmemory)
+
+    def _succeeded(self) -> None:
+        if self.breaker.success():
+            self.count("breaker_closed")
+            log.warning("remote tier: %s answers again", self.url)
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        if self.breaker.failure():
+            self.count("breaker_opened")
+            log.warning("remote tier: %s failed %d times in a row (last: %s: %s); reads miss and writes drop "
+                        "until it answers", self.url, self.breaker.failures, what, exc)
+        else:
+            self._log_once(what, "remote tier: %s on %s failed (%s); counted as a miss or a dropped write",
+                           what, self.url, exc)
+
+    def _log_once(self, what: str, msg: str, *args: Any) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            log.warning(msg, *args)
+
+    # ------------------------------------------------------------------ upkeep
+
+    def count(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._lock:
+                self.counts[name] += n
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self.counts)
+        with self._cond:
+            out["queued_bytes"] = self._queued_bytes
+        out["breaker"] = self.breaker.state
+        out["capacity_bytes"] = self.capacity_bytes
+        out["server"] = dict(self.server)
+        return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (for at most ``timeout`` seconds), then stop the threads."""
+        if self._closed:
+            return
+        if self._writer is not None:
+            self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._cond.notify_all()
+        if self._writer is not None:
+            self._writer.join(timeout)
+        self._reader.shutdown(wait=False, cancel_futures=True)
+        if self._prober is not None:
+            self._prober.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.client.close()
+        except Exception:  # pragma: no cover - closing a broken connection
+            pass

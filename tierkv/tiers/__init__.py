@@ -1,1 +1,0 @@
-"""Storage tiers below the GPU pool: the host slab and the SSD tier (:mod:`tierkv.tiers.ssd`)."""
