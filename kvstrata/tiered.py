@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kvstrata.block_pool import BlockManager
 from kvstrata.config import SSD_TIER_KEYS, KVStrataConfig
+from kvstrata.core.hits import count_tiers, request_counts, served_from
 from kvstrata.errors import config_keys
 from kvstrata.executor import Executor, LoadResult, PoolRows
 from kvstrata.hashing import BlockHasher
 from kvstrata.identity import Fingerprint
 from kvstrata.metrics import TIERS, Lifecycle, LifecycleRecorder, KVStrataCollector, lifecycle_sampling, policy_stats
 from kvstrata.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, SHUTDOWN, PolicySpec, StorePlan, TierPolicy
-from kvstrata.policy.events import REMOTE
 from kvstrata.policy.seeding import SSDSeeding
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ class TieredKVCache:
                                        lifecycle_sampling(capacity[t])) for t in TIERS}
         self.policy = TierPolicy(spec, clock=self.clock,
                                  observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS})])
-        self._hits = dict.fromkeys((*TIERS, REMOTE) if spec.remote else TIERS, 0)
+        self._hits = dict.fromkeys(count_tiers(spec.remote), 0)
         self._queries = {"blocks": 0, "tokens": 0}
         self._gpu_evictions = 0
         self._stored_at_eviction = 0
@@ -236,8 +236,7 @@ class TieredKVCache:
                                      cache_salt=cache_salt, lora_id=lora_id)
         gpu_hits = self.manager.lookup(prompt)
         below = self.policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
-        local = len(below)
-        fetched = self._fetch_remote(prompt.hashes[gpu_hits:prompt.cap], local) if self.remote else 0
+        fetched = self._fetch_remote(prompt.hashes[gpu_hits:prompt.cap], len(below)) if self.remote else set()
         if fetched:
             below = self.policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
         assert not self.manager.take_evicted(), "evictions are stored by the call that made them"
@@ -250,33 +249,29 @@ class TieredKVCache:
         result = self._run_load(request_id, load, gpu_hits) if load is not None else LoadResult(0)
         cached = gpu_hits + result.loaded
         self._note_gpu(hashes, gpu_hits, alloc.external[:result.loaded], now)
-        hit_blocks = {"gpu": gpu_hits, "cpu": 0, "ssd": 0}
-        for tier in (load.tiers()[:result.loaded] if load is not None else ()):
-            hit_blocks[tier] += 1
-        if self.remote is not None:  # fetched into CPU slots just now: CPU loads of remote blocks
-            hit_blocks[REMOTE] = max(0, min(fetched, result.loaded - local))
-            hit_blocks["cpu"] -= hit_blocks[REMOTE]
+        served = served_from(load.tiers(), load.keys, fetched, result.loaded) if load is not None else []
+        hit_blocks = request_counts(gpu_hits, served, self.remote is not None)
         self._count_query(len(alloc.block_ids), prompt.num_tokens, hit_blocks)
         self._pageout()
         events = [ev for ev in (self._pending_event(r) for r in alloc.block_ids[:cached]) if ev is not None]
         return TieredAllocation(alloc.block_ids, cached * self.block_size,
                                 {t: b * self.block_size for t, b in hit_blocks.items()}, hit_blocks, events)
 
-    def _fetch_remote(self, keys: list[bytes], local: int) -> int:
+    def _fetch_remote(self, keys: list[bytes], local: int) -> set[bytes]:
         """Fetch what the remote tier holds of ``keys`` after the ``local`` leading ones held
         below into CPU slots (the local ones are touched first: the fetch's placements must
-        not evict them). Returns how many arrived, in order, right after the local ones."""
+        not evict them). Returns the keys that arrived."""
         rest = keys[local:]
         if not rest:
-            return 0
+            return set()
         n = self.executor.probe_remote(rest)
         if not n:
-            return 0
+            return set()
         self.policy.touch(keys[:local])
         plan = self.policy.prepare_fetch(rest[:n])
         got = self.executor.fetch(plan) if len(plan) else 0
         self.policy.complete_fetch(plan, got)
-        return got
+        return set(plan.keys[:got])
 
     def _run_load(self, request_id: str, load: Any, gpu_hits: int) -> LoadResult:
         result = self.executor.load(load)

@@ -62,6 +62,7 @@ from kvstrata.bench.lifelog import LifecycleLog
 from kvstrata.bench.stats import Quantiles
 from kvstrata.metrics import TIERS, LifecycleRecorder, policy_stats
 from kvstrata.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, LoadPlan, PolicySpec, StorePlan, TierPolicy
+from kvstrata.core.hits import count_tiers, request_counts, served_from
 from kvstrata.policy.events import REMOTE
 
 if TYPE_CHECKING:
@@ -289,8 +290,8 @@ class Replayer:
         self.preempting: list[tuple[float, int, int, int]] = []
         self._order = itertools.count()
         self.resumable: dict[int, Prompt] = {}  # running requests with preemptions to replay
-        self.preempted_hit_blocks = dict.fromkeys(TIERS, 0)  # lookups on resuming: not the hit rate's
-        self.hit_blocks = dict.fromkeys((*TIERS, REMOTE) if remote is not None else TIERS, 0)
+        self.preempted_hit_blocks = dict.fromkeys(count_tiers(remote is not None), 0)  # lookups on resuming: not the hit rate's
+        self.hit_blocks = dict.fromkeys(count_tiers(remote is not None), 0)
         self.reasons = dict.fromkeys(MISS_REASONS, 0)
         self.forced = self.peak = self.rejected = self.rejected_max = 0
         self.request_hits: list[dict[str, int]] | None = [] if opts.record_requests else None
@@ -399,7 +400,7 @@ class Replayer:
             self.rejected_max = max(self.rejected_max, needed)
             self.reasons["rejected"] += len(r.blocks)
             if self.request_hits is not None:
-                self.request_hits.append({"gpu": 0, "cpu": 0, "ssd": 0})
+                self.request_hits.append(request_counts(0, [], self.remote is not None))
             if self.misses is not None:
                 self.misses.append(self._miss(r, rid, 0, "rejected"))
             return
@@ -487,16 +488,13 @@ class Replayer:
         computed = manager.commit(rid)
         self._note_computed(computed)
         self._end_step(computed, None)
+        served = served_from(below, prompt.hashes[gpu_hits:gpu_hits + len(below)], fetched, loaded)
+        hits = request_counts(gpu_hits, served, self.remote is not None)
         counts = self.preempted_hit_blocks if resumed else self.hit_blocks
-        counts["gpu"] += gpu_hits
-        if fetched:  # fetched blocks are served from CPU slots, but came from the shared tier
-            below = [REMOTE if t == "cpu" and k in fetched else t
-                     for t, k in zip(below, prompt.hashes[gpu_hits:gpu_hits + len(below)])]
-        for tier in below[:loaded]:
-            counts[tier] = counts.get(tier, 0) + 1
+        for tier, n in hits.items():
+            counts[tier] = counts.get(tier, 0) + n
         if self.request_hits is not None and not resumed:
-            self.request_hits.append({"gpu": gpu_hits, "cpu": below[:loaded].count("cpu"),
-                                      "ssd": below[:loaded].count("ssd")})
+            self.request_hits.append(hits)
         return gpu_hits + loaded
 
     def _end_step(self, computed: list[tuple[int, bytes]], load: LoadPlan | None) -> int:

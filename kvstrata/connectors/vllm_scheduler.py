@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstrata.config import KVStrataConfig
+from kvstrata.core.hits import served_from
 from kvstrata.hashing import BlockHasher
 from kvstrata.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampling, policy_stats
 from kvstrata.policy import COMPUTED, EVICTED, PAGEOUT, FetchPlan, LoadPlan, StorePlan, TierPolicy
@@ -363,9 +364,8 @@ class KVStrataScheduler:
         assert hits * self.block_size == num_external_tokens, (hits, num_external_tokens)
         plan = self.policy.prepare_load(req_id, keys[first:first + hits], block_ids[first:first + hits])
         self._loads.append(plan)
-        tiers = Counter(plan.tiers())
-        if self._remote is not None:
-            tiers.update(self._remote.sources(req_id, plan))
+        fetched = self._remote.take_fetched(req_id) if self._remote is not None else set()
+        tiers = Counter(served_from(plan.tiers(), plan.keys, fetched))
         self._sources[req_id] = {_SOURCES[t]: n * self.block_size for t, n in tiers.items() if t in _SOURCES and n > 0}
 
     def _lookups_for(self, request: "Request") -> _Lookups:
@@ -661,11 +661,9 @@ class RemoteLookups:
                 self._done.add(plan.req_id)
                 self._fetched[plan.req_id] = set(plan.keys[:got])
 
-    def sources(self, req_id: str, plan: LoadPlan) -> Counter:
-        """Hit sources of a load: blocks fetched for it count as remote, not CPU."""
-        fetched = self._fetched.pop(req_id, set())
-        n = sum(1 for k, t in zip(plan.keys, plan.tiers()) if t == "cpu" and k in fetched)
-        return Counter({"remote": n, "cpu": -n}) if n else Counter()
+    def take_fetched(self, req_id: str) -> set[bytes]:
+        """The keys fetched for ``req_id`` (its load's hit sources, :func:`served_from`)."""
+        return self._fetched.pop(req_id, set())
 
     def finished(self, req_id: str) -> None:
         self._probes.pop(req_id, None)

@@ -1,0 +1,5 @@
+"""The driver core: what every driver (the library's :class:`~kvstrata.tiered.TieredKVCache`,
+the vLLM connector's scheduler half, the ``kvstrata bench`` replay) does the same way.
+
+* :mod:`.hits`: which tier served each block of a request, and the per-request counts.
+"""

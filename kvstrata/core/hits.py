@@ -1,0 +1,49 @@
+"""Hit accounting: which tier served each block of a request, written once for every driver.
+
+A request's prefix is served by the device pool (``gpu``), then by a load whose
+plan says where it reads each block (:meth:`~kvstrata.policy.plans.LoadPlan.tiers`).
+One rule is added here: a block the driver fetched from the shared remote tier
+into a CPU slot for this request is read from that slot, but it is a hit of the
+remote tier, not of the CPU tier. Counting it once, here, is what keeps the
+library, the plugin and the replay's per-request and per-tier counts equal.
+
+Threads: pure functions.
+"""
+
+from __future__ import annotations
+
+from typing import Collection, Sequence
+
+from kvstrata.policy.events import LOWER_TIERS, REMOTE
+
+__all__ = ["GPU", "served_from", "request_counts", "count_tiers"]
+
+GPU = "gpu"
+_CPU = LOWER_TIERS[0]  # the tier remote fetches land in
+
+
+def count_tiers(remote: bool) -> tuple[str, ...]:
+    """The tiers a request's hits are counted in: the device pool, the lower tiers, and the
+    remote tier when the deployment has one."""
+    return (GPU, *LOWER_TIERS, REMOTE) if remote else (GPU, *LOWER_TIERS)
+
+
+def served_from(tiers: Sequence[str], keys: Sequence[bytes], fetched: Collection[bytes] = (),
+                loaded: int | None = None) -> list[str]:
+    """The tier that served each of the first ``loaded`` blocks of a load (all when None):
+    ``tiers`` as the load plan reads them, except that a block read from a CPU slot it was
+    fetched into from the remote tier (``fetched``: those keys) is a remote hit."""
+    n = len(tiers) if loaded is None else loaded
+    if not fetched:
+        return list(tiers[:n])
+    return [REMOTE if t == _CPU and k in fetched else t for t, k in zip(tiers[:n], keys[:n])]
+
+
+def request_counts(gpu_hits: int, served: Sequence[str], remote: bool) -> dict[str, int]:
+    """One request's hits in blocks per tier (:func:`count_tiers`): ``gpu_hits`` device-pool
+    hits, then one for each tier in ``served`` (:func:`served_from`)."""
+    counts = dict.fromkeys(count_tiers(remote), 0)
+    counts[GPU] = gpu_hits
+    for tier in served:
+        counts[tier] += 1
+    return counts
