@@ -74,6 +74,8 @@ SUBSTITUTIONS = (  # (as written, as run here, why)
      "the same tier (its records are seconds old: none goes)"),
     ("kvstrata ssd purge /data/kvstrata --all-but 9f3c1a2b", "kvstrata ssd purge @tmp@/ssd-tier --all-but "
      "test-model/fp16/bs16", "the same tier; its one namespace is kept"),
+    ("kvstrata ssd purge /data/kvstrata --all", "kvstrata ssd purge @tmp@/ssd-tier --all",
+     "the same tier, cleared last"),
     ("/data/kvstrata", "@tmp@/kvstrata", "a directory on the reader's SSD"),
     ("meta-llama/Llama-3.1-8B-Instruct", "@model@", "no download: a tiny random Llama (tests/vllm_util.py)"),
     ("/models/Llama-3.2-1B-Instruct", "@model@", "the same tiny Llama, as a local checkpoint directory"),
