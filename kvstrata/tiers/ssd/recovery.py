@@ -67,7 +67,7 @@ from kvstrata.tiers.ssd.private import open_private
 from kvstrata.tiers.ssd.record import PAGE, RECORD_VERSION
 from kvstrata.tiers.ssd.snapshot import CLEAN, UNCLEAN, Snapshot, take
 from kvstrata.tiers.ssd.survey import Survey, survey
-from kvstrata.tiers.ssd.walk import REBUILT, Cancel, Cancelled, Damaged, Foreign, walk
+from kvstrata.tiers.ssd.walk import REBUILT, Cancel, Cancelled, Damaged, Foreign, _format_of, walk
 
 if TYPE_CHECKING:
     from kvstrata.tiers.ssd.health import Health
@@ -439,16 +439,6 @@ def _init_meta(tx: WriteTxn, now: float) -> None:
     import msgpack
     tx.put_meta(b"kvstrata", msgpack.packb({"format": RECORD_VERSION, "created_at": now}))
     tx.used = tx.clock = 0
-
-
-def _format_of(info: bytes) -> object:
-    import msgpack
-    try:
-        return msgpack.unpackb(info).get("format")
-    except Exception:  # a damaged meta record: treated as an unknown format
-        return None
-
-
 
 
 def _size(path: Path) -> int:
