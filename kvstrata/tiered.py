@@ -41,13 +41,14 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kvstrata.block_pool import BlockManager
 from kvstrata.config import SSD_TIER_KEYS, KVStrataConfig
-from kvstrata.core.hits import count_tiers, request_counts, served_from
+from kvstrata.core.driver import DriverCore
+from kvstrata.core.request import RequestState
 from kvstrata.errors import config_keys
-from kvstrata.executor import Executor, LoadResult, PoolRows
+from kvstrata.executor import Executor, PoolRows
 from kvstrata.hashing import BlockHasher
 from kvstrata.identity import Fingerprint
 from kvstrata.metrics import TIERS, Lifecycle, LifecycleRecorder, KVStrataCollector, lifecycle_sampling, policy_stats
-from kvstrata.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, SHUTDOWN, PolicySpec, StorePlan, TierPolicy
+from kvstrata.policy import LOWER_TIERS, PolicySpec, TierPolicy
 from kvstrata.policy.seeding import SSDSeeding
 
 if TYPE_CHECKING:
@@ -124,10 +125,7 @@ class TieredKVCache:
                                        lifecycle_sampling(capacity[t])) for t in TIERS}
         self.policy = TierPolicy(spec, clock=self.clock,
                                  observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS})])
-        self._hits = dict.fromkeys(count_tiers(spec.remote), 0)
-        self._queries = {"blocks": 0, "tokens": 0}
-        self._gpu_evictions = 0
-        self._stored_at_eviction = 0
+        self.core = DriverCore(self.policy, self.block_size)
         self._pending: dict[int, Any] = {}  # device row -> event of an unfinished load copy
         self._metrics_server: Any = None
         self._seeding: SSDSeeding | None = None
@@ -234,54 +232,26 @@ class TieredKVCache:
         self.policy.forget_pairs(self.executor.take_lost())
         prompt = self.manager.prompt(token_ids, block_hashes=block_hashes, num_tokens=num_tokens,
                                      cache_salt=cache_salt, lora_id=lora_id)
+        st = RequestState(request_id, prompt.hashes)
         gpu_hits = self.manager.lookup(prompt)
-        below = self.policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
-        fetched = self._fetch_remote(prompt.hashes[gpu_hits:prompt.cap], len(below)) if self.remote else set()
-        if fetched:
-            below = self.policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
+        if self.remote is not None:
+            self.core.fetch_now(st, self.executor, gpu_hits, prompt.cap)
+        below = self.core.held_below(st, gpu_hits, prompt.cap)
         assert not self.manager.take_evicted(), "evictions are stored by the call that made them"
-        alloc = self.manager.allocate(request_id, prompt=prompt, num_external=len(below))
-        hashes = prompt.hashes
-        self.policy.touch(hashes[:gpu_hits])
-        load = self.policy.prepare_load(request_id, [h for _, _, h in alloc.external],
-                                        [b for _, b, _ in alloc.external]) if alloc.external else None
-        self._store_evicted()  # before the load rewrites any of those rows
-        result = self._run_load(request_id, load, gpu_hits) if load is not None else LoadResult(0)
+        alloc = self.manager.allocate(request_id, prompt=prompt, num_external=below)
+        self.core.admit(st, gpu_hits, alloc.block_ids, below, prompt.num_tokens)
+        early, _ = self.core.end_step(self._take_evicted(), [])  # stored before the load rewrites their rows
+        result = self.core.run(self.executor, early, st)
+        if result.loaded < below:  # recomputed by the caller: nobody may hit those rows
+            self.manager.invalidate(request_id, gpu_hits + result.loaded)
+        for row in alloc.block_ids[gpu_hits:gpu_hits + result.loaded] if result.event is not None else ():
+            self._pending[row] = result.event
         cached = gpu_hits + result.loaded
-        self._note_gpu(hashes, gpu_hits, alloc.external[:result.loaded], now)
-        served = served_from(load.tiers(), load.keys, fetched, result.loaded) if load is not None else []
-        hit_blocks = request_counts(gpu_hits, served, self.remote is not None)
-        self._count_query(len(alloc.block_ids), prompt.num_tokens, hit_blocks)
-        self._pageout()
+        self._note_gpu(prompt.hashes, gpu_hits, prompt.hashes[gpu_hits:cached], now)
+        self._store_step([], [], self.manager.free_window)  # the page-out window
         events = [ev for ev in (self._pending_event(r) for r in alloc.block_ids[:cached]) if ev is not None]
         return TieredAllocation(alloc.block_ids, cached * self.block_size,
-                                {t: b * self.block_size for t, b in hit_blocks.items()}, hit_blocks, events)
-
-    def _fetch_remote(self, keys: list[bytes], local: int) -> set[bytes]:
-        """Fetch what the remote tier holds of ``keys`` after the ``local`` leading ones held
-        below into CPU slots (the local ones are touched first: the fetch's placements must
-        not evict them). Returns the keys that arrived."""
-        rest = keys[local:]
-        if not rest:
-            return set()
-        n = self.executor.probe_remote(rest)
-        if not n:
-            return set()
-        self.policy.touch(keys[:local])
-        plan = self.policy.prepare_fetch(rest[:n])
-        got = self.executor.fetch(plan) if len(plan) else 0
-        self.policy.complete_fetch(plan, got)
-        return set(plan.keys[:got])
-
-    def _run_load(self, request_id: str, load: Any, gpu_hits: int) -> LoadResult:
-        result = self.executor.load(load)
-        if result.loaded < len(load):  # recomputed by the caller: nobody may hit those rows
-            self.manager.invalidate(request_id, gpu_hits + result.loaded)
-        if result.event is not None:
-            for row in load.block_ids[:result.loaded]:
-                self._pending[row] = result.event
-        self.policy.complete_load(load, result.lost, result.loaded)
-        return result
+                                {t: b * self.block_size for t, b in st.hits.items()}, dict(st.hits), events)
 
     def commit(self, request_id: str, num_tokens: int | None = None) -> None:
         """The KV of the request's first ``num_tokens`` tokens (all when None) is written:
@@ -294,14 +264,13 @@ class TieredKVCache:
         for block_id, h in done:
             if blocks[block_id].block_hash == h:
                 lc.enter_new(h, now)
-        if done and self.policy.admits(COMPUTED):
-            self._store([b for b, _ in done], [h for _, h in done], COMPUTED)
+        self._store_step([], done)
 
     def append(self, request_id: str, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """Append tokens (BlockManager semantics); returns the COW copies ``(src, dst)`` to perform.
         Blocks evicted to make room are stored below first (``evicted``)."""
         ops = self.manager.append(request_id, token_ids)
-        self._store_evicted()
+        self._store_step(self._take_evicted(), [])
         return ops
 
     def fork(self, parent_request_id: str, child_request_id: str) -> None:
@@ -316,34 +285,21 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------ stores
 
-    def _store_evicted(self) -> None:
-        """Offer the blocks the pool evicted in this call; their rows are intact until the
-        caller writes them (loads into them are queued after this)."""
+    def _take_evicted(self) -> list[tuple[int, bytes]]:
+        """The blocks the pool evicted in this call; their rows are intact until the caller
+        writes them (loads into them are queued after their stores)."""
         evicted = self.manager.take_evicted()
-        if not evicted:
-            return
         now = self.clock()
         lc = self.lifecycle["gpu"]
         for block_id, h in evicted:
             self._pending.pop(block_id, None)
             lc.leave(h, now)
-        self._gpu_evictions += len(evicted)
-        if self.policy.admits(EVICTED):
-            plan = self._store([b for b, _ in evicted], [h for _, h in evicted], EVICTED)
-            self._stored_at_eviction += len(plan)
+        return evicted
 
-    def _pageout(self) -> None:
-        """Offer the page-out window: the least recently used free blocks."""
-        if self.policy.pageout_blocks:
-            window = self.manager.free_window(self.policy.pageout_blocks)
-            if window:
-                self._store([b for b, _ in window], [h for _, h in window], PAGEOUT)
-
-    def _store(self, block_ids: list[int], keys: list[bytes], reason: str) -> StorePlan:
-        plan = self.policy.prepare_store(block_ids, keys, reason)
-        lost = self.executor.store(plan) if not plan.empty else []
-        self.policy.complete_store(plan, lost)
-        return plan
+    def _store_step(self, evicted: list[tuple[int, bytes]], computed: list[tuple[int, bytes]],
+                    window: Any = None) -> None:
+        early, late = self.core.end_step(evicted, computed, window)
+        self.core.run(self.executor, early + late)
 
     # -------------------------------------------------------------- accounting
 
@@ -354,28 +310,21 @@ class TieredKVCache:
             return None
         return ev
 
-    def _note_gpu(self, hashes: list[bytes], gpu_hits: int, loaded: list[tuple[int, int, bytes]], now: float) -> None:
+    def _note_gpu(self, hashes: list[bytes], gpu_hits: int, loaded: list[bytes], now: float) -> None:
         lc = self.lifecycle["gpu"]
         for h in hashes[:gpu_hits]:
             lc.access(h, now)
-        for _, _, h in loaded:
+        for h in loaded:
             lc.enter_new(h, now)
-
-    def _count_query(self, num_blocks: int, num_tokens: int, hit_blocks: dict[str, int]) -> None:
-        self._queries["blocks"] += num_blocks
-        self._queries["tokens"] += num_tokens
-        for t, b in hit_blocks.items():
-            self._hits[t] += b
 
     def stats(self) -> dict[str, Any]:
         """A snapshot of every counter (see the README's metrics table)."""
         ex = self.executor.stats()
         out: dict[str, Any] = {
-            "queries": dict(self._queries),
-            "hits": {t: {"blocks": b, "tokens": b * self.block_size} for t, b in self._hits.items()},
-            **policy_stats(self.policy, gpu_evictions=self._gpu_evictions,
+            **self.core.counts.stats(self.block_size),
+            **policy_stats(self.policy, gpu_evictions=self.core.gpu_evictions,
                            gpu_cached=self.manager.num_cached_blocks, gpu_blocks=self.manager.num_blocks),
-            "spills_at_eviction": self._stored_at_eviction,
+            "spills_at_eviction": self.core.stored_at_eviction,
             "transfer": {d: dict(v) for d, v in self.transfer.moved.items()},
             "executor": ex,
             "lifecycle": {t: lc.samples() for t, lc in self.lifecycle.items()},
@@ -408,8 +357,7 @@ class TieredKVCache:
         """Store the device-resident blocks the SSD tier lacks (most recently used first,
         as many as it holds), flush, and release the tiers; the SSD tier persists."""
         if self.executor.ssd is not None:
-            resident = self.manager.resident()
-            self._store([b for b, _ in resident], [h for _, h in resident], SHUTDOWN)
+            self.core.shutdown(self.executor, self.manager.resident())
         self.flush()
         self._close_tiers()
 

@@ -168,3 +168,30 @@ def test_the_rules_have_teeth(tmp_path: Path) -> None:
     bad = tmp_path / "driver.py"
     bad.write_text("def place(index, keys):\n    return index.allocate_many(keys)\n")
     assert names_used(bad) & PLACEMENT == {"allocate_many"}
+
+
+DRIVERS = ("kvstrata/tiered.py", "kvstrata/bench/replay.py", "kvstrata/connectors/vllm_scheduler.py",
+           "kvstrata/connectors/vllm_remote.py")
+# The policy's request verbs: only the driver core calls them, so the step protocol (their
+# order, what is touched before what is placed, what is counted) is written once.
+PROTOCOL_VERBS = {"prepare_load", "complete_load", "prepare_store", "complete_store", "prepare_fetch",
+                  "complete_fetch", "touch", "request_counts", "served_from"}
+
+
+def test_the_step_protocol_is_written_once_in_the_driver_core() -> None:
+    for rel in DRIVERS:
+        path = ROOT / rel
+        assert "kvstrata.core.driver.DriverCore" in all_imports(path), f"{rel} does not drive the DriverCore"
+        tree = ast.parse(path.read_text())
+        called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+        called |= {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        # the replay's per-block tracker has a touch of its own (miss reasons), not the policy's
+        bad = called & PROTOCOL_VERBS - ({"touch"} if rel.endswith("replay.py") else set())
+        assert not bad, f"{rel} calls {sorted(bad)} itself instead of through kvstrata.core"
+
+
+def test_the_driver_core_knows_no_driver() -> None:
+    upper = ("kvstrata.tiered", "kvstrata.bench", "kvstrata.engine", "kvstrata.connectors", "kvstrata.cli")
+    for path in sources("kvstrata/core"):
+        bad = [m for m in all_imports(path) if m.startswith(upper) or m.startswith(("vllm", "torch", "numpy"))]
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"

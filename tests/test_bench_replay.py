@@ -129,10 +129,10 @@ def test_default_deployment_keeps_its_pool_unless_its_size_is_overridden() -> No
 
 @pytest.mark.parametrize("block_bytes", [1024, 4096, 16384, 100_000])
 def test_payload_tiers_hold_as_many_blocks_as_the_replayed_ones(tmp_path: Path, block_bytes: int) -> None:
-    from kvstrata.bench.replay import _payload_config
+    from kvstrata.bench.payload import payload_config
 
     c = cfg(tmp_path, gpu=8, cpu=5, ssd=3000)
-    assert tier_capacities(_payload_config(c, block_bytes, str(tmp_path))) == tier_capacities(c)
+    assert tier_capacities(payload_config(c, block_bytes, str(tmp_path))) == tier_capacities(c)
 
 
 def test_metadata_replay_memory_follows_blocks_used_not_capacity(tmp_path: Path) -> None:

@@ -137,3 +137,77 @@ def test_replay_and_connector_agree(model: str, tmp_path: Path, case: str, admis
     assert result.hit_blocks == vllm_hits
     assert counts == {k: vllm_counts[k] for k in counts}
     assert all(vllm_hits[t] > 0 for t in ("gpu", "cpu", "ssd")), vllm_hits  # every tier is exercised
+
+
+# ---------------------------------------------------------------------------- the remote tier
+
+def through_vllm_with_remote(model: str, prompts: list[list[int]], gpu: int, extra: dict[str, Any]
+                             ) -> tuple[dict[str, int], list[dict[str, int]], Any, dict[str, Any]]:
+    """The prompts one at a time through vLLM's scheduler with a real worker (its KV caches:
+    CPU tensors) whose remote tier is a real Valkey server; every write of a step is flushed to
+    the server before the next step, as the replay's shared tier takes writes at once."""
+    from vllm_sched import RealWorker
+
+    holder: dict[str, RealWorker] = {}
+
+    def build(vllm_config: Any, kv_cache_config: Any) -> None:
+        holder["w"] = RealWorker(vllm_config, extra, kv_cache_config)
+
+    def worker(meta: Any) -> Any:
+        out = holder["w"](meta)
+        remote = holder["w"].worker.executor.remote
+        assert remote is not None and remote.flush(30.0)
+        return out
+
+    h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=gpu, kv_connector_extra_config=extra, worker=worker,
+                         before_scheduler=build)
+    per_request = []
+    try:
+        for i, toks in enumerate(prompts):
+            (r,) = h.run_group([(f"r{i}", toks)])
+            ext = r.external_hit_tokens
+            per_request.append({"gpu": r.gpu_hit_tokens // BS, "cpu": ext.get("host", 0) // BS,
+                                "ssd": ext.get("disk", 0) // BS, "remote": ext.get("external_unspecified", 0) // BS})
+        sched = h.connector._scheduler  # type: ignore[union-attr]
+        sched.policy.check()
+        assert holder["w"].load_errors == 0
+        stats = sched.stats()
+        return {t: v["blocks"] for t, v in stats["hits"].items()}, per_request, sched.policy.counts.snapshot(), stats
+    finally:
+        h.close()
+        holder["w"].worker.shutdown()
+
+
+REMOTE_CASES = {  # trace, GPU blocks, CPU blocks, the tiers below the GPU it must hit
+    "mooncake": (lambda: mooncake_prompts(300), 260, 150, ("remote",)),
+    "chat": (lambda: chat_prompts(12, 8), 40, 60, ("cpu", "remote")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REMOTE_CASES))
+def test_replay_and_connector_agree_with_a_remote_tier(model: str, tmp_path: Path, case: str) -> None:
+    """A CPU tier too small for the trace over a shared remote tier (a real Valkey server for
+    the plugin, the replay's model of one): blocks the CPU tier evicted come back from the
+    server, and both count them as remote hits, per tier and per request alike."""
+    from valkey_server import ValkeyServer
+
+    make, gpu, cpu, exercised = REMOTE_CASES[case]
+    prompts = make()
+    with ValkeyServer() as server:
+        extra = {"cpu.capacity": cpu * NBYTES, "ssd.capacity": 0, "remote.url": server.url,
+                 "spill.admission": "on_compute"}
+        vllm_hits, vllm_requests, vllm_counts, stats = through_vllm_with_remote(model, prompts, gpu, extra)
+    cfg = KVStrataConfig.from_dict({"block_size": BS, "model": {"block_nbytes": NBYTES}, "gpu": {"num_blocks": gpu},
+                                    "remote": {"capacity": 1 << 40}},
+                                   {**extra, "remote.url": "redis://modelled:6379/0"})
+    trace = load_trace(write_trace(tmp_path / "trace.jsonl", prompts), block_size=BS)
+    result = replay(trace, cfg, ReplayOptions(decode_s_per_token=0.0, record_requests=True))
+    assert result.rejected == 0 and result.forced_frees == 0
+    assert result.hit_blocks == vllm_hits
+    assert all(vllm_hits[t] > 0 for t in exercised), vllm_hits
+    assert result.request_hits == vllm_requests
+    assert stats["remote"]["blocks_fetched"] == vllm_hits["remote"]
+    counts = {k: {t: result.stats[s].get(t, 0) for t in ("cpu", "remote")}
+              for k, s in (("stored", "spills"), ("hit", "promotions"), ("evicted", "evictions"),
+                           ("dropped", "dropped_spills"))}
+    assert counts == {k: {t: vllm_counts[k].get(t, 0) for t in ("cpu", "remote")} for k in counts}

@@ -107,12 +107,12 @@ def test_no_evicted_block_is_offered_and_memory_stays_flat(model: str, tmp_path:
         assert ssd_stats["evictions"] == 0, "the SSD tier evicted on its own: the policy's view was not exact"
         assert ssd_stats["discarded"] > 0, "the policy never evicted from the SSD tier"
         assert policy.occupancy()["ssd"] <= policy.capacity()["ssd"]
-        assert len(sched._reqs) == len(sched._inflight) == len(sched._stores) == 0
+        assert sched.core.idle() and not len(sched._stores)
         # What could grow with history is bounded by the tiers and the GPU pool ...
         copier = worker.worker.copier
-        assert len(sched._resident.blocks) <= GPU_BLOCKS + 1 and len(worker.worker._mirror) <= GPU_BLOCKS + 1
+        assert len(sched._pool.resident.blocks) <= GPU_BLOCKS + 1 and len(worker.worker._mirror) <= GPU_BLOCKS + 1
         assert not (copier._reading or copier._slot_event or copier._slot_io or copier._stores or copier._loads)
-        assert not (sched._matched or sched._sources or sched._store_done or sched._load_lost)
+        assert not (sched._remote is not None and len(sched._remote._reports))
         # ... and kvstrata's own allocations stay flat. What moves between two snapshots is ~40 KB:
         # torch's and numpy's small internal allocations, attributed to the lines that called
         # them (sublinear in the rounds), and the harness's statistics. A set of every key
@@ -151,7 +151,7 @@ def test_an_ssd_tier_recovering_in_the_background_is_held_once_verified(
     make this small tier recover in the background, as one with a larger index would."""
     import functools
 
-    from kvstrata.connectors import vllm_worker
+    from kvstrata.connectors import vllm_ssd
     from kvstrata.tiers.ssd import recovery
     from kvstrata.tiers.ssd.snapshot import CLEAN
 
@@ -186,7 +186,7 @@ def test_an_ssd_tier_recovering_in_the_background_is_held_once_verified(
         opened.wait(60)
         return walk(*args, **kw)
     monkeypatch.setattr(recovery, "walk", gated_walk)
-    monkeypatch.setattr(vllm_worker, "SSDTier", functools.partial(vllm_worker.SSDTier, recover_inline_bytes=0))
+    monkeypatch.setattr(vllm_ssd, "SSDTier", functools.partial(vllm_ssd.SSDTier, recover_inline_bytes=0))
     h, holder = engine()
     try:
         worker = holder["w"]

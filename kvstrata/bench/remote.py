@@ -14,11 +14,13 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Sequence
 
 from kvstrata.errors import ConfigError
+from kvstrata.executor import Lost, NullExecutor
+from kvstrata.policy.plans import StorePlan
 
 if TYPE_CHECKING:
     from kvstrata.config import KVStrataConfig
 
-__all__ = ["SharedRemote", "remote_capacity_blocks"]
+__all__ = ["SharedRemote", "SharedRemoteExecutor", "remote_capacity_blocks"]
 
 
 def remote_capacity_blocks(cfg: "KVStrataConfig") -> int:
@@ -68,3 +70,19 @@ class SharedRemote:
             n += 1
         self.counts["fetched"] += n
         return n
+
+
+class SharedRemoteExecutor(NullExecutor):
+    """A replica's executor without bytes over a :class:`SharedRemote`: stores the blocks plans
+    send to the remote tier there, and probes it for what follows a local prefix."""
+
+    def __init__(self, shared: SharedRemote) -> None:
+        super().__init__()
+        self.shared = shared
+
+    def probe_remote(self, keys: Sequence[bytes]) -> int:
+        return self.shared.held_prefix(keys) if keys else 0
+
+    def store(self, plan: StorePlan) -> Lost:
+        self.shared.put_many([k for i, k in enumerate(plan.keys) if plan.remote(i)])
+        return []

@@ -50,19 +50,23 @@ import heapq
 import itertools
 import tempfile
 import time
-from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from kvstrata.block_pool import BlockManager, Prompt
-from kvstrata.config import SSD_TIER_KEYS, KVStrataConfig
-from kvstrata.errors import ConfigError, OutOfBlocksError, config_keys
+from kvstrata.config import KVStrataConfig
+from kvstrata.errors import ConfigError, OutOfBlocksError
 from kvstrata.executor import Executor, NullExecutor
 from kvstrata.bench.lifelog import LifecycleLog
+from kvstrata.bench.capacity import config_for_trace, policy_spec, tier_capacities
+from kvstrata.bench.payload import payload_config, payload_executor
+from kvstrata.bench.misses import MISS_REASONS, Tracker, classify, first_reason
 from kvstrata.bench.stats import Quantiles
 from kvstrata.metrics import TIERS, LifecycleRecorder, policy_stats
-from kvstrata.policy import COMPUTED, EVICTED, LOWER_TIERS, PAGEOUT, LoadPlan, PolicySpec, StorePlan, TierPolicy
-from kvstrata.core.hits import count_tiers, request_counts, served_from
+from kvstrata.policy import LOWER_TIERS, PolicySpec, TierPolicy
+from kvstrata.bench.remote import SharedRemoteExecutor
+from kvstrata.core.driver import DriverCore
+from kvstrata.core.request import RequestState
 from kvstrata.policy.events import REMOTE
 
 if TYPE_CHECKING:
@@ -71,13 +75,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TIERS", "MISS_REASONS", "ReplayError", "ReplayOptions", "ReplayResult", "Replayer", "config_for_trace",
            "tier_capacities", "policy_spec", "replay", "replaying", "requests_of"]
-
-MISS_REASONS = ("new", "evicted_gpu", "evicted_cpu", "evicted_ssd", "prefix_miss", "last_token", "rejected", "other")
-
-# per-block state while replaying
-_NEVER, _CACHED = 0, 1
-_LEFT = {"gpu": 2, "cpu": 3, "ssd": 4}
-_STATE_REASON = {2: "evicted_gpu", 3: "evicted_cpu", 4: "evicted_ssd"}
 
 
 class ReplayError(ValueError):
@@ -144,125 +141,6 @@ class ReplayResult:
         return got if got is not None else Quantiles()
 
 
-def _gpu_tokens(cfg: KVStrataConfig) -> int | None:
-    return cfg.gpu.num_blocks * cfg.block_size if cfg.gpu.num_blocks is not None else None
-
-
-def config_for_trace(cfg: KVStrataConfig, block_size: int, admission: str | None = None) -> KVStrataConfig:
-    """``cfg`` with the trace's block size, keeping every capacity in tokens/bytes."""
-    model, gpu, spill = cfg.model, cfg.gpu, cfg.spill
-    if model.block_nbytes is not None:
-        per_token = model.block_nbytes / cfg.block_size
-        model = dataclasses.replace(model, block_nbytes=max(1, round(per_token * block_size)))
-    tokens = _gpu_tokens(cfg)
-    if tokens is not None:
-        gpu = dataclasses.replace(gpu, num_blocks=max(1, tokens // block_size))
-    if admission is not None and admission != spill.admission:
-        promotion = spill.promotion if admission == "on_evict" else "inclusive"
-        spill = dataclasses.replace(spill, admission=admission, promotion=promotion)
-    return dataclasses.replace(cfg, block_size=block_size, model=model, gpu=gpu, spill=spill)
-
-
-def policy_spec(cfg: KVStrataConfig) -> PolicySpec:
-    """The policy a deployment of ``cfg`` runs (blocks of ``cfg.block_nbytes()``)."""
-    nbytes = cfg.block_nbytes()
-    return PolicySpec.from_config(cfg, block_nbytes=nbytes, gpu_blocks=cfg.gpu.resolve_num_blocks(nbytes))
-
-
-def tier_capacities(cfg: KVStrataConfig) -> dict[str, int]:
-    """Blocks each tier holds under ``cfg``."""
-    spec = policy_spec(cfg)
-    return {"gpu": cfg.gpu.resolve_num_blocks(cfg.block_nbytes()), "cpu": spec.cpu_slots, "ssd": spec.ssd_slots}
-
-
-_FLUSH = 1 << 16  # whole-cache samples buffered before they go into their Quantiles
-
-
-class _Tracker:
-    """Per-block state for miss reasons and whole-cache lifetimes (arrays grown with the block ids)."""
-
-    def __init__(self) -> None:
-        self.state = bytearray()
-        self.entered = array("d")
-        self.last = array("d")
-        self.left = array("d")  # when the block left the last tier that held it
-        self.lifetime, self.idle = Quantiles(), Quantiles()
-        self._life: list[float] = []
-        self._idle: list[float] = []
-
-    def cover(self, top: int) -> None:
-        """Room for block ids below ``top``."""
-        n = len(self.state)
-        if top > n:
-            grow = max(top, 2 * n, 1024) - n
-            self.state.extend(bytes(grow))
-            self.entered.extend(array("d", bytes(8 * grow)))
-            self.last.extend(array("d", bytes(8 * grow)))
-            self.left.extend(array("d", bytes(8 * grow)))
-
-    def left_many(self, keys: list[bytes], tier: str, now: float) -> None:
-        """These blocks left the last tier that held them (``tier``)."""
-        state, code, entered, last, left = self.state, _LEFT[tier], self.entered, self.last, self.left
-        life, idle = self._life, self._idle
-        for key in keys:
-            block = _block(key)
-            if state[block] == _CACHED:
-                state[block] = code
-                left[block] = now
-                life.append(now - entered[block])
-                idle.append(now - last[block])
-        if len(life) >= _FLUSH:
-            self.flush()
-
-    def flush(self) -> None:
-        self.lifetime.add(self._life)
-        self.idle.add(self._idle)
-        self._life, self._idle = [], []
-
-    def retained_bytes(self) -> int:
-        return len(self.state) + 8 * (len(self.entered) + len(self.last) + len(self.left) + len(self._life)
-                                      + len(self._idle)) + \
-            self.lifetime.retained_bytes() + self.idle.retained_bytes()
-
-    def touch(self, blocks: list[int], now: float) -> None:
-        state, entered, last = self.state, self.entered, self.last
-        for b in blocks:
-            if state[b] != _CACHED:
-                state[b] = _CACHED
-                entered[b] = now
-            last[b] = now
-
-
-def _classify(before: bytes, hit: int, hittable: int, reasons: dict[str, int]) -> None:
-    """Why each block after the first ``hit`` missed, from its state before the request
-    (``before[j]``): counted per state with ``bytes.count``, no per-block loop."""
-    if hittable < len(before):
-        reasons["last_token"] += len(before) - max(hit, hittable)
-    seg = before[hit:hittable]
-    if not seg:
-        return
-    reasons["new"] += seg.count(_NEVER)
-    cached = seg.count(_CACHED)
-    if cached:  # still cached: unreachable behind an earlier miss, or (the first one) not served
-        first = seg[0] == _CACHED
-        reasons["other"] += first
-        reasons["prefix_miss"] += cached - first
-    for code, reason in _STATE_REASON.items():
-        reasons[reason] += seg.count(code)
-
-
-_FIRST_REASON = {_NEVER: "new", _CACHED: "other", **_STATE_REASON}
-
-
-def _first_reason(before: bytes, hit: int) -> str:
-    """Why the first missed block (index ``hit``) missed, from its state before the request."""
-    return _FIRST_REASON.get(before[hit], "other") if hit < len(before) else "last_token"
-
-
-def _block(key: bytes) -> int:
-    return int.from_bytes(key, "little")
-
-
 class Replayer:
     """One pass over a trace, a request at a time (see the module docstring for the step protocol).
 
@@ -274,9 +152,9 @@ class Replayer:
         self.now = 0.0
         self.spec = policy_spec(cfg)
         self.remote = remote  # the shared tier of several replicas (kvstrata.bench.replicas)
-        if remote is not None:
-            self.spec = dataclasses.replace(self.spec, remote=True)
-        self.tracker = _Tracker()
+        if bool(self.spec.remote) != (remote is not None):  # a remote tier is replayed only when modelled
+            self.spec = dataclasses.replace(self.spec, remote=remote is not None)
+        self.tracker = Tracker()
         self.lifecycle = {t: LifecycleLog() for t in TIERS}
         self._left: list[tuple[list[bytes], str]] = []
         self.gpu_blocks = cfg.gpu.resolve_num_blocks(cfg.block_nbytes())
@@ -284,18 +162,16 @@ class Replayer:
         self.policy = TierPolicy(self.spec, clock=lambda: self.now,
                                  observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS}),
                                             self._observe])
-        self.executor = executor
+        self.executor = SharedRemoteExecutor(remote) if remote is not None else executor
+        self.core = DriverCore(self.policy, block_size)
         self.running: list[tuple[float, int]] = []
         # recorded preemptions still to replay: (time, order, request, tokens; 0 = preempted)
         self.preempting: list[tuple[float, int, int, int]] = []
         self._order = itertools.count()
         self.resumable: dict[int, Prompt] = {}  # running requests with preemptions to replay
-        self.preempted_hit_blocks = dict.fromkeys(count_tiers(remote is not None), 0)  # lookups on resuming: not the hit rate's
-        self.hit_blocks = dict.fromkeys(count_tiers(remote is not None), 0)
         self.reasons = dict.fromkeys(MISS_REASONS, 0)
         self.forced = self.peak = self.rejected = self.rejected_max = 0
         self.request_hits: list[dict[str, int]] | None = [] if opts.record_requests else None
-        self.gpu_evictions = self.stored_at_eviction = 0
         self.requests = self.accesses = self.prompt_tokens = 0
         self.misses: list[dict[str, Any]] | None = [] if opts.explain else None
         self.wall_s = 0.0
@@ -331,7 +207,7 @@ class Replayer:
                 freed = True
             self.resumable.pop(rid, None)
         if freed and self.policy.pageout_blocks:
-            self._end_step([], None)
+            self._end_step([])
 
     def _preempted(self, rid: int, tokens: int) -> bool:
         """Request ``rid`` preempted (``tokens`` 0: its blocks are freed) or resumed (its
@@ -400,15 +276,15 @@ class Replayer:
             self.rejected_max = max(self.rejected_max, needed)
             self.reasons["rejected"] += len(r.blocks)
             if self.request_hits is not None:
-                self.request_hits.append(request_counts(0, [], self.remote is not None))
+                self.request_hits.append(self.core.no_hits())
             if self.misses is not None:
                 self.misses.append(self._miss(r, rid, 0, "rejected"))
             return
         before = bytes(map(self.tracker.state.__getitem__, r.blocks))
         hits = self._schedule(str(rid), prompt)
-        _classify(before, hits, r.hittable, self.reasons)
+        classify(before, hits, r.hittable, self.reasons)
         if self.misses is not None and hits < r.hittable:
-            self.misses.append(self._miss(r, rid, hits, _first_reason(before, hits)))
+            self.misses.append(self._miss(r, rid, hits, first_reason(before, hits)))
         self.tracker.touch([*r.blocks, *r.output_blocks], self.now)
         held = r.duration if r.duration >= 0 else r.output_length * self.opts.decode_s_per_token
         heapq.heappush(self.running, (r.timestamp + held, rid))
@@ -445,87 +321,45 @@ class Replayer:
         gpu = self.manager.lookup(prompt)
         return gpu + len(self.policy.lookup(prompt.hashes[gpu:prompt.cap]))
 
-    def _fetch(self, prompt: Prompt, gpu_hits: int, below: list[str]) -> set[bytes]:
-        """What the shared tier holds after the local prefix, fetched into CPU slots as the
-        vLLM scheduler fetches it (the local prefix touched first); returns the keys fetched."""
-        assert self.remote is not None
-        start = gpu_hits + len(below)
-        held = self.remote.held_prefix(prompt.hashes[start:prompt.cap])
-        if not held:
-            return set()
-        self.policy.touch(prompt.hashes[gpu_hits:start])
-        plan = self.policy.prepare_fetch(prompt.hashes[start:start + held])
-        self.policy.complete_fetch(plan, self.executor.fetch(plan))
-        return set(plan.keys)
-
     def _schedule(self, rid: str, prompt: Prompt, resumed: bool = False) -> int:
         """Steps A (prefix + loads) and B (the rest, computed); returns the blocks served from
         cache. ``resumed``: a preempted request looked up again, counted apart."""
-        manager, policy = self.manager, self.policy
+        manager, core = self.manager, self.core
+        st = RequestState(rid, prompt.hashes)
         gpu_hits = manager.lookup(prompt)
-        below = policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
-        fetched: set[bytes] = set()
-        if self.remote is not None and gpu_hits + len(below) < prompt.cap:
-            fetched = self._fetch(prompt, gpu_hits, below)
-            if fetched:
-                below = policy.lookup(prompt.hashes[gpu_hits:prompt.cap])
+        if self.remote is not None:
+            core.fetch_now(st, self.executor, gpu_hits, prompt.cap)
+        below = core.held_below(st, gpu_hits, prompt.cap)
         if below:
-            alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, num_external=len(below),
-                                                        num_blocks=gpu_hits + len(below)))
+            alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, num_external=below,
+                                                        num_blocks=gpu_hits + below))
         else:
             alloc = self._room(lambda: manager.allocate(rid, prompt=prompt))
-        policy.touch(prompt.hashes[:gpu_hits])
+        core.admit(st, gpu_hits, alloc.block_ids, below, prompt.num_tokens, resumed)
         self._gpu_hits(prompt.hashes[:gpu_hits])
         loaded = 0
         if below:
-            load = policy.prepare_load(rid, prompt.hashes[gpu_hits:gpu_hits + len(below)],
-                                       alloc.block_ids[gpu_hits:gpu_hits + len(below)])
-            loaded = self._end_step([], load)
-            if loaded < len(below):
+            loaded = self._end_step([], st)
+            if loaded < below:
                 manager.invalidate(rid, gpu_hits + loaded)
             self.lifecycle["gpu"].enter_many(prompt.hashes[gpu_hits:gpu_hits + loaded], self.now)
             self._room(lambda: manager.grow(rid))
         computed = manager.commit(rid)
         self._note_computed(computed)
-        self._end_step(computed, None)
-        served = served_from(below, prompt.hashes[gpu_hits:gpu_hits + len(below)], fetched, loaded)
-        hits = request_counts(gpu_hits, served, self.remote is not None)
-        counts = self.preempted_hit_blocks if resumed else self.hit_blocks
-        for tier, n in hits.items():
-            counts[tier] = counts.get(tier, 0) + n
+        self._end_step(computed)
         if self.request_hits is not None and not resumed:
-            self.request_hits.append(hits)
+            self.request_hits.append(st.hits)
         return gpu_hits + loaded
 
-    def _end_step(self, computed: list[tuple[int, bytes]], load: LoadPlan | None) -> int:
-        """Offer evicted, computed and page-out blocks; run and complete the step's plans."""
-        policy = self.policy
-        plans: list[StorePlan] = []
+    def _end_step(self, computed: list[tuple[int, bytes]], st: RequestState | None = None) -> int:
+        """End a step: its store offers and the load of ``st``, run and completed at once."""
         evicted = self.manager.take_evicted()
         if evicted:
-            self._gpu_evicted(evicted)
-            if policy.admits(EVICTED):
-                plans.append(policy.prepare_store([b for b, _ in evicted], [h for _, h in evicted], EVICTED))
-                self.stored_at_eviction += len(plans[-1])
-        if computed and policy.admits(COMPUTED):
-            plans.append(policy.prepare_store([b for b, _ in computed], [h for _, h in computed], COMPUTED))
-        if policy.pageout_blocks:
-            window = self.manager.free_window(policy.pageout_blocks)
-            if window:
-                plans.append(policy.prepare_store([b for b, _ in window], [h for _, h in window], PAGEOUT))
-        results = [(plan, self.executor.store(plan) if not plan.empty else []) for plan in plans]
-        if self.remote is not None:
-            self.remote.put_many([k for plan in plans for i, k in enumerate(plan.keys) if plan.remote(i)])
-        loaded = 0
-        if load is not None:
-            result = self.executor.load(load)
-            loaded = result.loaded
-        for plan, lost in results:
-            policy.complete_store(plan, lost)
-        if load is not None:
-            policy.complete_load(load, result.lost, loaded)
+            self.lifecycle["gpu"].leave_many([h for _, h in evicted], self.now)
+        early, late = self.core.end_step(evicted, computed, self.manager.free_window)
+        result = self.core.run(self.executor, early + late, st)
         self._settle([h for _, h in evicted])
-        return loaded
+        return result.loaded
 
     # ------------------------------------------------------------------ accounting
 
@@ -536,10 +370,6 @@ class Replayer:
         """Computed blocks the pool registered enter it (a duplicate of a cached block does not)."""
         blocks = self.manager.blocks
         self.lifecycle["gpu"].enter_many([k for b, k in computed if blocks[b].block_hash == k], self.now)
-
-    def _gpu_evicted(self, evicted: list[tuple[int, bytes]]) -> None:
-        self.lifecycle["gpu"].leave_many([h for _, h in evicted], self.now)
-        self.gpu_evictions += len(evicted)
 
     def _settle(self, gpu_evicted: list[bytes]) -> None:
         """Blocks that left a tier in this step and are held nowhere now have left the cache."""
@@ -555,49 +385,14 @@ class Replayer:
     def close(self) -> dict[str, Any]:
         self.finish_until(float("inf"))
         self.tracker.flush()
-        stats = {**policy_stats(self.policy, gpu_evictions=self.gpu_evictions,
+        stats = {**policy_stats(self.policy, gpu_evictions=self.core.gpu_evictions,
                                 gpu_cached=self.manager.num_cached_blocks, gpu_blocks=self.gpu_blocks),
-                 "spills_at_eviction": self.stored_at_eviction,
+                 "spills_at_eviction": self.core.stored_at_eviction,
                  "executor": self.executor.stats(),
                  "lifecycle": {t: lc.samples() for t, lc in self.lifecycle.items()}}
         device = getattr(self.executor.device, "engine", None)
         stats["transfer"] = {d: dict(v) for d, v in device.moved.items()} if device is not None else {}
         return stats
-
-
-def _payload_config(cfg: KVStrataConfig, block_bytes: int, ssd_dir: str) -> KVStrataConfig:
-    """Same capacities in blocks, with ``block_bytes`` per block and the SSD tier in ``ssd_dir``."""
-    from kvstrata.tiers.ssd.record import NS_LEN, record_footprint
-
-    caps = tier_capacities(cfg)
-    ssd_cap = cfg.ssd.capacity
-    if caps["ssd"]:  # the capacity that holds as many blocks of the new size (see capacity_blocks)
-        ssd_cap = caps["ssd"] * record_footprint(NS_LEN + 32, block_bytes)
-    return dataclasses.replace(
-        cfg,
-        model=dataclasses.replace(cfg.model, block_nbytes=block_bytes),
-        gpu=dataclasses.replace(cfg.gpu, num_blocks=caps["gpu"], capacity=None),
-        cpu=dataclasses.replace(cfg.cpu, capacity=caps["cpu"] * block_bytes),
-        ssd=dataclasses.replace(cfg.ssd, path=ssd_dir, capacity=ssd_cap),
-    )
-
-
-def _payload_executor(cfg: KVStrataConfig) -> Executor:
-    """Real bytes: a host 'device' pool, the CPU slab and an SSD tier (``cfg.ssd.path``)."""
-    import torch
-
-    from kvstrata.executor import PoolRows
-    from kvstrata.tiers.host import HostSlab
-    from kvstrata.tiers.ssd import SSDTier
-    from kvstrata.transfer import TransferEngine
-
-    spec, nbytes = policy_spec(cfg), cfg.block_nbytes()
-    pool = torch.zeros((cfg.gpu.resolve_num_blocks(nbytes), nbytes), dtype=torch.uint8)
-    slab = HostSlab(spec.cpu_slots, nbytes, pin_memory=False) if spec.cpu_slots else None
-    with config_keys(SSD_TIER_KEYS):
-        ssd = SSDTier(cfg.ssd.path, capacity_bytes=cfg.ssd.capacity, fingerprint="kvstrata-bench",
-                      compression="none", block_nbytes=nbytes) if spec.ssd_slots else None
-    return Executor(PoolRows(TransferEngine(pool)), slab, ssd)
 
 
 def _checked(config: KVStrataConfig, block_size: int, admission: str | None) -> tuple[KVStrataConfig, dict[str, int]]:
@@ -629,8 +424,8 @@ def replaying(config: KVStrataConfig, block_size: int, options: ReplayOptions = 
     if remote is not None and options.payload:
         raise ReplayError("--payload: a replay with a shared remote tier moves no bytes")
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-") as tmp:
-        run_cfg = _payload_config(cfg, options.payload_block_bytes, tmp) if options.payload else cfg
-        executor = _payload_executor(run_cfg) if options.payload else NullExecutor()
+        run_cfg = payload_config(cfg, options.payload_block_bytes, tmp) if options.payload else cfg
+        executor = payload_executor(run_cfg) if options.payload else NullExecutor()
         rp = Replayer(block_size, run_cfg, options, executor, remote)
         try:
             yield rp
@@ -646,12 +441,12 @@ def replaying(config: KVStrataConfig, block_size: int, options: ReplayOptions = 
 def _result(rp: Replayer, config: KVStrataConfig, cfg: KVStrataConfig, caps: dict[str, int],
             stats: dict[str, Any]) -> ReplayResult:
     opts = rp.opts
-    return ReplayResult(cfg, rp.spec, caps, rp.requests, rp.accesses, rp.hit_blocks, rp.reasons,
+    return ReplayResult(cfg, rp.spec, caps, rp.requests, rp.accesses, rp.core.counts.hits, rp.reasons,
                         rp.forced, rp.peak, rp.wall_s, stats, rp.rejected, rp.rejected_max,
                         _admit_hint(config, rp.rejected_max * rp.block_size) if rp.rejected else None,
                         rp.request_hits or [], rp.tracker.lifetime, rp.tracker.idle,
                         opts.payload_block_bytes if opts.payload else None, config.block_size,
-                        rp.prompt_tokens, rp.misses or [], rp.preempted_hit_blocks)
+                        rp.prompt_tokens, rp.misses or [], rp.core.resumed.hits)
 
 
 def requests_of(trace: "Trace | TraceReader | Iterable[Request]") -> Iterator["Request"]:

@@ -30,7 +30,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from kvstrata.bench.remote import SharedRemote, remote_capacity_blocks
 from kvstrata.bench.replay import (ReplayError, ReplayOptions, ReplayResult, Replayer, config_for_trace, replaying,

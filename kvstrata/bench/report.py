@@ -369,14 +369,7 @@ def render_text(r: dict[str, Any]) -> str:
         gpu = r["capacity"]["gpu"]["tokens"]
         out.append(f"  Blocks of this trace ({r['block_tokens']} tokens); the config counts blocks of {own} "
                    f"tokens (its GPU pool: {gpu // own:,} of them, {gpu:,} tokens).")
-    out += ["", "Block lifecycle (seconds of trace time)"]
-    life_rows, no_samples = _life_rows(r)
-    out += _table(["", "scope", "P50", "P90", "P99", "samples"], life_rows)
-    if no_samples:
-        out.append(f"  No samples (nothing reused or evicted there): {', '.join(no_samples)}.")
-    if not all(s.get("exact", True) for s in _summaries(r)):
-        out += [f"  ~: samples of more than {EXACT_VALUES:,} distinct values: percentiles within "
-                f"{100 * RELATIVE_ERROR:g}% of exact"]
+    out += ["", *_lifecycle_lines(r)]
     out += ["", "Why blocks missed"]
     n = r["block_accesses"] or 1
     out += _table(["reason", "blocks", "of accesses"],
@@ -396,6 +389,25 @@ def render_text(r: dict[str, Any]) -> str:
                       [_comparison_row(m, c) for m, c in r["admission_comparison"].items()])
     if r.get("misses") is not None:
         out += ["", *_miss_lines(r["misses"])]
+    out += _replay_lines(r)
+    out += ["Timings: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["timings_s"].items())]
+    return "\n".join(out) + "\n"
+
+
+def _lifecycle_lines(r: dict[str, Any]) -> list[str]:
+    out = ["Block lifecycle (seconds of trace time)"]
+    life_rows, no_samples = _life_rows(r)
+    out += _table(["", "scope", "P50", "P90", "P99", "samples"], life_rows)
+    if no_samples:
+        out.append(f"  No samples (nothing reused or evicted there): {', '.join(no_samples)}.")
+    if not all(s.get("exact", True) for s in _summaries(r)):
+        out += [f"  ~: samples of more than {EXACT_VALUES:,} distinct values: percentiles within "
+                f"{100 * RELATIVE_ERROR:g}% of exact"]
+    return out
+
+
+def _replay_lines(r: dict[str, Any]) -> list[str]:
+    out: list[str] = []
     rp = r["replay"]
     pol = r["policy"]
     out += ["", f"Policy: {pol['admission']} admission, {pol['promotion']} promotion, write-through "
@@ -411,5 +423,4 @@ def render_text(r: dict[str, Any]) -> str:
                  if v.get("bytes")]
         out += [f"Payload: real bytes moved through the CPU slab and the SSD tier ({format_size(rp['payload_block_bytes'])}"
                 " per block; times are copy and storage costs at that block size): " + ("; ".join(moved) or "none")]
-    out += ["Timings: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["timings_s"].items())]
-    return "\n".join(out) + "\n"
+    return out

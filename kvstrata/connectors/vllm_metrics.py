@@ -46,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvstrata.connectors.vllm_events import EVENT_COUNTS
 from kvstrata.metrics import REMOTE_DIRECTIONS, REMOTE_OUTCOMES
-from kvstrata.policy.events import LOWER_TIERS
+from kvstrata.policy.events import LOWER_TIERS, REMOTE
 from kvstrata.transfer import DIRECTIONS
 
 if TYPE_CHECKING:
@@ -58,6 +58,7 @@ __all__ = ["SERIES", "WORKER_SERIES", "CounterDeltas", "Series", "KVStrataPromMe
 log = logging.getLogger(__name__)
 
 PREFIX = "kvstrata:"
+HIT_TIERS = (*LOWER_TIERS, REMOTE)  # the tiers below the GPU a hit is counted in
 _COUNTERS, _GAUGES = "counters", "gauges"
 NO_LABEL = ""  # the label key of a series without a tier/direction label
 
@@ -81,11 +82,11 @@ SERIES: tuple[Series, ...] = (
     Series("prefix_cache_queries", "Prompt tokens of requests looked up by kvstrata (vLLM's GPU hits included; "
            "requests resumed after a preemption are counted apart, as vLLM counts its own)"),
     Series("prefix_cache_queries_blocks", "Prompt blocks of requests looked up by kvstrata"),
-    Series("prefix_cache_hits", "Prompt tokens loaded from a tier below the GPU", "tier", LOWER_TIERS),
-    Series("prefix_cache_hits_blocks", "Prompt blocks loaded from a tier below the GPU", "tier", LOWER_TIERS),
+    Series("prefix_cache_hits", "Prompt tokens loaded from a tier below the GPU", "tier", HIT_TIERS),
+    Series("prefix_cache_hits_blocks", "Prompt blocks loaded from a tier below the GPU", "tier", HIT_TIERS),
     Series("prefix_cache_preempted_queries", "Tokens of requests looked up again after a preemption"),
     Series("prefix_cache_preempted_hits", "Tokens of requests resumed after a preemption loaded from a tier below "
-           "the GPU", "tier", LOWER_TIERS),
+           "the GPU", "tier", HIT_TIERS),
     Series("occupancy_blocks", "Blocks held per tier", "tier", LOWER_TIERS, gauge=True),
     Series("kv_events", "KV-cache events sent for the tiers below the GPU, per kind (announced: the SSD "
            "tier's blocks after a restart; untagged: blocks that could not be described)", "kind", EVENT_COUNTS),
@@ -135,13 +136,13 @@ def scheduler_sample(stats: Mapping[str, Any]) -> tuple[Sample, Sample]:
     queries, hits, occupancy = stats["queries"], stats["hits"], stats["occupancy"]
     counters: Sample = {("prefix_cache_queries", NO_LABEL): queries["tokens"],
                         ("prefix_cache_queries_blocks", NO_LABEL): queries["blocks"]}
-    for tier in LOWER_TIERS:
-        counters["prefix_cache_hits", tier] = hits[tier]["tokens"]
-        counters["prefix_cache_hits_blocks", tier] = hits[tier]["blocks"]
     preempted = stats["preempted"]
     counters["prefix_cache_preempted_queries", NO_LABEL] = preempted["queries"]["tokens"]
-    for tier in LOWER_TIERS:
-        counters["prefix_cache_preempted_hits", tier] = preempted["hits"][tier]["tokens"]
+    for tier in HIT_TIERS:  # the remote tier's only with one
+        if tier in hits:
+            counters["prefix_cache_hits", tier] = hits[tier]["tokens"]
+            counters["prefix_cache_hits_blocks", tier] = hits[tier]["blocks"]
+            counters["prefix_cache_preempted_hits", tier] = preempted["hits"][tier]["tokens"]
     for kind, value in stats.get("kv_events", {}).items():
         counters["kv_events", kind] = value
     gauges: Sample = {("occupancy_blocks", tier): occupancy[tier] for tier in LOWER_TIERS}

@@ -38,27 +38,25 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from kvstrata.config import SSD_TIER_KEYS, KVStrataConfig
+from kvstrata.config import KVStrataConfig
 from kvstrata.copier import Copier, Finished
 from kvstrata.executor import Executor
 from kvstrata.policy import SHUTDOWN, FetchPlan, LoadPlan, StorePlan
 from kvstrata.policy.manager import select_for_shutdown
 from kvstrata.tiers.host import HostSlab
-from kvstrata.errors import ConfigError, config_keys
+from kvstrata.errors import ConfigError
 from kvstrata.identity import Fingerprint
 from kvstrata.metrics import REMOTE_DIRECTIONS, REMOTE_OUTCOMES
 from kvstrata.tiers.ssd import SSDTier
-from kvstrata.tiers.ssd.tier import read_keys, read_tags
 from kvstrata.streams import Event, streams_for
 
 from kvstrata.connectors.kv_layout import KVLayout, LayoutRows
+from kvstrata.connectors.vllm_ssd import forget_ssd_tier, open_ssd_tier
 from kvstrata.connectors.vllm_common import (
     Rank,
     ResidentDelta,
@@ -67,7 +65,6 @@ from kvstrata.connectors.vllm_common import (
     block_nbytes_of,
     engine_ranks,
     policy_spec,
-    ssd_root,
     vllm_fingerprint,
 )
 
@@ -75,13 +72,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["KVStrataWorker", "open_ssd_tier", "read_ssd_keys"]
+__all__ = ["KVStrataWorker"]
 
 log = logging.getLogger(__name__)
-
-# SSD tiers opened by a worker of this process, by path: the scheduler half in
-# the same process reads its key list from here (LMDB allows one handle per process).
-_SHARED: dict[str, SSDTier] = {}
 
 # get_finished waits at most this long for the SSD reads of an in-flight load (an
 # idle engine otherwise spins through empty steps, competing with them for the GIL).
@@ -92,73 +85,6 @@ WORKER_COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu"
                    "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures",
                    "stores_dropped", "corrupt_blocks", "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d",
                    *(f"remote_{o}" for o in REMOTE_OUTCOMES), *(f"remote_bytes_{d}" for d in REMOTE_DIRECTIONS))
-
-
-def open_ssd_tier(cfg: KVStrataConfig, fingerprint: Fingerprint, rank: Rank, block_nbytes: int) -> SSDTier:
-    """The SSD tier of one worker, in its own directory under ``ssd.path``."""
-    root = ssd_root(cfg)
-    if rank.index == 0 and (root / "data.mdb").exists():
-        log.warning("kvstrata: %s holds an SSD tier of the layout before per-rank directories; "
-                    "it is no longer read (each worker uses %s/rank-<r>): delete its files to "
-                    "free the space", root, root)
-    path = rank.ssd_dir(root)
-    with config_keys(SSD_TIER_KEYS):
-        tier = SSDTier(path, capacity_bytes=cfg.ssd.capacity, fingerprint=rank.tier_id(fingerprint),
-                       compression=cfg.ssd.compression, level=cfg.ssd.level,
-                       queue_capacity_bytes=cfg.ssd.queue_capacity, block_nbytes=block_nbytes)
-    _SHARED[str(path)] = tier
-    return tier
-
-
-def recovering_ssd_tiers(cfg: KVStrataConfig, ranks: Sequence[Rank]) -> list[SSDTier]:
-    """The SSD tiers of ``ranks`` open in this process whose background recovery is not
-    over: :func:`read_ssd_keys` gets none of their keys yet."""
-    root = ssd_root(cfg)
-    tiers = [_SHARED.get(str(rank.ssd_dir(root))) for rank in ranks]
-    return [tier for tier in tiers if tier is not None and tier.recovering()]
-
-
-def read_ssd_keys(cfg: KVStrataConfig, fingerprint: Fingerprint, ranks: Sequence[Rank]
-                  ) -> tuple[list[bytes], list[bytes]]:
-    """The blocks on SSD at start-up: ``(whole, partial)``. ``whole``: keys every rank's
-    tier holds, least recently used first (by rank 0); ``partial``: keys only some hold
-    (a crash between the ranks' writes), to delete. Read once, from the tiers the
-    workers own: in this process through the worker's tier, otherwise beside it
-    (read-only, in a child process). A tier that cannot be read yields none (misses
-    only) and deletes nothing."""
-    root = ssd_root(cfg)
-
-    def keys_of(rank: Rank) -> list[bytes]:
-        path = rank.ssd_dir(root)
-        tier = _SHARED.get(str(path))
-        return list(tier.keys()) if tier is not None else read_keys(path, rank.tier_id(fingerprint))
-
-    try:
-        with ThreadPoolExecutor(min(len(ranks), 8), thread_name_prefix="kvstrata-keys") as pool:
-            per_rank = list(pool.map(keys_of, ranks))  # the ranks' reader processes at once
-    except (OSError, ConfigError) as exc:  # a broken tier costs hits, never the engine
-        log.warning("kvstrata: cannot read the SSD tiers under %s (%s); starting with none of "
-                    "their blocks", root, exc)
-        return [], []
-    if len(per_rank) == 1:
-        return per_rank[0], []
-    common = set(per_rank[0]).intersection(*per_rank[1:])
-    whole = [k for k in per_rank[0] if k in common]
-    partial = list(dict.fromkeys(k for keys in per_rank for k in keys if k not in common))
-    return whole, partial
-
-
-def read_ssd_tags(cfg: KVStrataConfig, fingerprint: Fingerprint, rank: Rank) -> dict[bytes, bytes]:
-    """The tags kept beside the records of ``rank``'s SSD tier (key -> tag), read as
-    :func:`read_ssd_keys` reads keys; a tier of this process that recovers in the background
-    is waited for (the caller's thread blocks: not the scheduler's). Raises ``OSError`` when
-    they cannot be read."""
-    path = rank.ssd_dir(ssd_root(cfg))
-    tier = _SHARED.get(str(path))
-    if tier is None:
-        return read_tags(path, rank.tier_id(fingerprint))
-    tier.wait_ready()
-    return tier.tags()
 
 
 def _this_rank(vllm_config: "VllmConfig") -> Rank:
@@ -456,7 +382,7 @@ class KVStrataWorker:
             log.exception("kvstrata worker: storing the hot set at shutdown failed")
         ssd = self.ssd
         if ssd is not None:
-            _SHARED.pop(str(ssd.path), None)
+            forget_ssd_tier(ssd)
             ssd.close()
         remote = self.executor.remote if self.executor is not None else None
         if remote is not None:

@@ -12,11 +12,11 @@ Threads: pure functions.
 
 from __future__ import annotations
 
-from typing import Collection, Sequence
+from typing import Any, Collection, Sequence
 
 from kvstrata.policy.events import LOWER_TIERS, REMOTE
 
-__all__ = ["GPU", "served_from", "request_counts", "count_tiers"]
+__all__ = ["GPU", "HitCounts", "served_from", "request_counts", "count_tiers"]
 
 GPU = "gpu"
 _CPU = LOWER_TIERS[0]  # the tier remote fetches land in
@@ -47,3 +47,28 @@ def request_counts(gpu_hits: int, served: Sequence[str], remote: bool) -> dict[s
     for tier in served:
         counts[tier] += 1
     return counts
+
+
+class HitCounts:
+    """Lookups and the blocks each tier served, over many requests. A driver keeps two, as
+    vLLM keeps its own prefix-cache counts: one for new requests (the hit rate) and one for
+    requests looked up again after a preemption (their prompt was counted when they first ran)."""
+
+    __slots__ = ("blocks", "tokens", "hits")
+
+    def __init__(self, tiers: Sequence[str]) -> None:
+        self.blocks = self.tokens = 0
+        self.hits = dict.fromkeys(tiers, 0)
+
+    def query(self, num_blocks: int, num_tokens: int) -> None:
+        """A request was looked up: ``num_blocks`` blocks of ``num_tokens`` tokens."""
+        self.blocks += num_blocks
+        self.tokens += num_tokens
+
+    def add(self, tier: str, blocks: int) -> None:
+        self.hits[tier] += blocks
+
+    def stats(self, block_size: int) -> dict[str, Any]:
+        """``queries`` and ``hits`` per tier, in blocks and tokens (the ``stats()`` shape)."""
+        return {"queries": {"blocks": self.blocks, "tokens": self.tokens},
+                "hits": {t: {"blocks": b, "tokens": b * block_size} for t, b in self.hits.items()}}

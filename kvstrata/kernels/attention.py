@@ -16,21 +16,10 @@ from kvstrata.kernels.reference_attention import paged_attention_ref
 MAX_SEQS = 65535  # CUDA grid y
 
 
-def paged_attention(
-    query: Any,
-    key_cache: Any,
-    value_cache: Any,
-    block_tables: Any,
-    seq_lens: Any,
-    scale: float,
-    *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    out: Any | None = None,
-    max_seq_len: int | None = None,
-    version: Literal["auto", "v1", "v2"] = "auto",
-    check_indices: bool = True,
-) -> torch.Tensor:
+def paged_attention(query: Any, key_cache: Any, value_cache: Any, block_tables: Any, seq_lens: Any, scale: float,
+                    *, k_scale: float = 1.0, v_scale: float = 1.0, out: Any | None = None,
+                    max_seq_len: int | None = None, version: Literal["auto", "v1", "v2"] = "auto",
+                    check_indices: bool = True) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged KV cache.
 
     Shapes (legacy vLLM layout, ``x = 16 // cache element size``):

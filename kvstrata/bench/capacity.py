@@ -1,0 +1,45 @@
+"""A config as a replay runs it: the trace's block size, and each tier's capacity in blocks.
+
+Capacities keep their meaning in tokens and bytes when the block size changes
+(``gpu.num_blocks`` becomes the same number of tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvstrata.config import KVStrataConfig
+from kvstrata.policy import PolicySpec
+
+__all__ = ["config_for_trace", "policy_spec", "tier_capacities"]
+
+
+def _gpu_tokens(cfg: KVStrataConfig) -> int | None:
+    return cfg.gpu.num_blocks * cfg.block_size if cfg.gpu.num_blocks is not None else None
+
+
+def config_for_trace(cfg: KVStrataConfig, block_size: int, admission: str | None = None) -> KVStrataConfig:
+    """``cfg`` with the trace's block size, keeping every capacity in tokens/bytes."""
+    model, gpu, spill = cfg.model, cfg.gpu, cfg.spill
+    if model.block_nbytes is not None:
+        per_token = model.block_nbytes / cfg.block_size
+        model = dataclasses.replace(model, block_nbytes=max(1, round(per_token * block_size)))
+    tokens = _gpu_tokens(cfg)
+    if tokens is not None:
+        gpu = dataclasses.replace(gpu, num_blocks=max(1, tokens // block_size))
+    if admission is not None and admission != spill.admission:
+        promotion = spill.promotion if admission == "on_evict" else "inclusive"
+        spill = dataclasses.replace(spill, admission=admission, promotion=promotion)
+    return dataclasses.replace(cfg, block_size=block_size, model=model, gpu=gpu, spill=spill)
+
+
+def policy_spec(cfg: KVStrataConfig) -> PolicySpec:
+    """The policy a deployment of ``cfg`` runs (blocks of ``cfg.block_nbytes()``)."""
+    nbytes = cfg.block_nbytes()
+    return PolicySpec.from_config(cfg, block_nbytes=nbytes, gpu_blocks=cfg.gpu.resolve_num_blocks(nbytes))
+
+
+def tier_capacities(cfg: KVStrataConfig) -> dict[str, int]:
+    """Blocks each tier holds under ``cfg``."""
+    spec = policy_spec(cfg)
+    return {"gpu": cfg.gpu.resolve_num_blocks(cfg.block_nbytes()), "cpu": spec.cpu_slots, "ssd": spec.ssd_slots}

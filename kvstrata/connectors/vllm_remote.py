@@ -1,0 +1,112 @@
+"""The scheduler half's side of the shared remote tier: probes, then fetch plans.
+
+Per request, what follows the local prefix is probed on the remote tier (``EXISTS``,
+on the tier's probe thread); what the server holds is then planned as a fetch into
+CPU slots (:meth:`~kvstrata.core.driver.DriverCore.plan_fetch`), which the workers
+run with the step's loads. The scheduler never waits: :meth:`RemoteLookups.ready`
+is False until both are over, and vLLM asks again next step. A request gets one
+remote lookup: resumed or asked again later, it is answered from the tiers below
+as they are by then. The probe's state lives on the request
+(:class:`~kvstrata.core.request.RequestState` subclass of the scheduler).
+
+Threads: vLLM's scheduler thread; the probe runs on the remote tier's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+from kvstrata.config import KVStrataConfig
+from kvstrata.core.driver import DriverCore
+from kvstrata.core.request import RequestState
+from kvstrata.policy import FetchPlan
+
+__all__ = ["RemoteLookups", "WorkerReports"]
+
+log = logging.getLogger(__name__)
+
+
+class WorkerReports:
+    """Per-plan reports from ``num_workers`` workers: a plan is done once every worker reported it."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self._reports: dict[int, list[int]] = {}
+
+    def add(self, reports: Mapping[int, int | Sequence[int]]) -> list[tuple[int, list[int]]]:
+        """Take ``plan id -> count`` (or a list of counts) reports; returns the plans now
+        reported by every worker, with every worker's count."""
+        for plan_id, counts in reports.items():
+            got = self._reports.setdefault(plan_id, [])
+            if isinstance(counts, int):
+                got.extend([1] * counts)
+            else:
+                got.extend(counts)
+        done = [(p, c) for p, c in self._reports.items() if len(c) >= self.num_workers]
+        for plan_id, _ in done:
+            del self._reports[plan_id]
+        return done
+
+    def __len__(self) -> int:
+        return len(self._reports)
+
+
+class RemoteLookups:
+    """Probes and fetch plans of one scheduler (see the module docstring)."""
+
+    def __init__(self, core: DriverCore, cfg: KVStrataConfig, tier_ids: list[str], block_nbytes: int,
+                 num_workers: int) -> None:
+        from kvstrata.tiers.remote import RemoteTier
+
+        self.core = core
+        self.tier = RemoteTier.from_config(cfg.remote, tier_ids, block_nbytes, writer=False)
+        self._reports = WorkerReports(num_workers)
+        self.blocks_fetched = 0
+
+    def ready(self, st: Any, first: int, start: int, last: int) -> bool:
+        """May the request be answered now? ``st.hashes[first:start]`` are held below, the
+        rest up to ``last`` are not."""
+        if st.remote_done:
+            return True
+        if st.fetch is not None:
+            return False
+        if st.probe is None:
+            st.probe = (start, self.tier.probe_async(st.hashes[start:last]))
+            return False
+        begin, future = st.probe
+        if not future.done():
+            return False
+        st.probe, st.remote_done = None, True
+        try:
+            held = int(future.result())
+        except Exception:  # the probe thread never raises for the server; a bug must not stop the engine
+            log.exception("kvstrata: a remote probe failed")
+            held = 0
+        held = begin + held - start if start >= begin else 0  # the local prefix may have grown meanwhile
+        if self.core.plan_fetch(st, first, start, held) is None:
+            return True
+        st.remote_done = False  # answered once the fetch completed
+        return False
+
+    def reported(self, fetched: Mapping[int, Sequence[int]]) -> list[tuple[FetchPlan, int]]:
+        """Workers' fetch results; a plan completes once every worker ran it (the blocks
+        every rank fetched are held). Returns the plans completed and their blocks fetched."""
+        out = []
+        for plan_id, counts in self._reports.add(fetched):
+            got = min(counts)
+            plan = self.core.fetch_done(plan_id, got)
+            if plan is None:
+                continue
+            self.blocks_fetched += got
+            st: RequestState | None = self.core.requests.get(plan.req_id)
+            if st is not None:
+                st.remote_done = True  # type: ignore[attr-defined]
+            out.append((plan, got))
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {"blocks_fetched": self.blocks_fetched, **self.tier.stats()}
+
+    def close(self) -> None:
+        self.tier.close()

@@ -1,0 +1,295 @@
+"""The step protocol, written once for every driver.
+
+:class:`DriverCore` is what the library's :class:`~kvstrata.tiered.TieredKVCache`,
+the vLLM connector's scheduler half and the ``kvstrata bench`` replay have in
+common. It tells the :class:`~kvstrata.policy.TierPolicy` what a driver's device
+pool did, keeps each request's state (:class:`~kvstrata.core.request.RequestState`),
+the plans prepared and those running, and counts where every hit came from.
+A driver adds only what differs for it:
+
+* who owns the device pool (the library's and the replay's own
+  :class:`~kvstrata.block_pool.BlockManager`, or vLLM's), and so which blocks
+  are hits, evicted, computed or in the page-out window;
+* whether plans complete at once (:meth:`DriverCore.run`, :meth:`DriverCore.fetch_now`)
+  or a step later, reported by workers (:meth:`DriverCore.take_planned`, then
+  :meth:`DriverCore.load_finished`, :meth:`DriverCore.store_done`,
+  :meth:`DriverCore.fetch_done`);
+* whether bytes move at all (the executor it runs plans on);
+* where time comes from (the policy's clock).
+
+A request's steps, in order:
+
+1. :meth:`~DriverCore.held_below`: how many blocks after the device prefix the
+   tiers below hold (pure). With a remote tier, what follows is probed there
+   and fetched into CPU slots first (:meth:`~DriverCore.plan_fetch`): a remote
+   block is a hit only once its bytes are local.
+2. :meth:`~DriverCore.admit`: the driver's pool allocated the request. The
+   device hits are touched below (a use of every copy), the lookup is counted,
+   and the load is planned (its sources pinned).
+3. :meth:`~DriverCore.end_step`: the step's store offers, in the one order:
+   blocks the pool evicted (copied before any row is rewritten), newly
+   computed blocks, the page-out window.
+4. Completion: stores first, then loads. A load's hits are counted by the tier
+   that served each block (:func:`~kvstrata.core.hits.served_from`) once it
+   completed, and only the blocks that arrived.
+5. :meth:`~DriverCore.finish`: plans not yet handed to an executor are
+   cancelled; a load already running keeps the request's blocks until it
+   completes.
+
+Threads: not thread-safe; the driver's one owner thread calls every method.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
+
+from kvstrata.core.hits import GPU, HitCounts, count_tiers, request_counts, served_from
+from kvstrata.core.request import RequestState
+from kvstrata.policy.plans import COMPUTED, EVICTED, PAGEOUT, SHUTDOWN, FetchPlan, LoadPlan, StorePlan
+
+if TYPE_CHECKING:
+    from kvstrata.executor import Executor, LoadResult
+    from kvstrata.policy.manager import TierPolicy
+
+__all__ = ["DriverCore", "Blocks"]
+
+S = TypeVar("S", bound=RequestState)
+Blocks = Sequence[tuple[int, bytes]]  # (device block id, key) pairs
+Lost = Iterable[tuple[str, bytes]]
+
+
+class DriverCore:
+    """The protocol of :mod:`kvstrata.core.driver` over one policy (``block_size`` tokens a block)."""
+
+    def __init__(self, policy: "TierPolicy", block_size: int) -> None:
+        self.policy = policy
+        self.block_size = block_size
+        self.remote = bool(policy.spec.remote)
+        self.tiers = count_tiers(self.remote)
+        self.counts = HitCounts(self.tiers)    # new requests: the hit rate
+        self.resumed = HitCounts(self.tiers)   # requests looked up again after a preemption
+        self.requests: dict[str, RequestState] = {}
+        self.gpu_evictions = 0
+        self.stored_at_eviction = 0
+        self._planned: list[LoadPlan | FetchPlan] = []      # prepared, not yet handed to an executor
+        self._loading: dict[str, RequestState] = {}         # loads handed over, not complete
+        self._fetching: dict[int, tuple[FetchPlan, RequestState]] = {}  # planned or running
+        self._storing: dict[int, StorePlan] = {}            # handed over, not complete
+
+    # ------------------------------------------------------------------ requests
+
+    def open(self, state: S) -> S:
+        """Follow ``state``'s request from now on (replacing any state of the same id)."""
+        self.requests[state.req_id] = state
+        return state
+
+    def finish(self, req_id: str) -> tuple[RequestState | None, bool]:
+        """The request finished: forget it and cancel its plans no executor has yet. Returns
+        its state and whether a load into its blocks is still running (the driver must not
+        free them before :meth:`load_finished`)."""
+        st = self.requests.pop(req_id, None)
+        cancelled = [p for p in self._planned if p.req_id == req_id]
+        if cancelled:
+            self._planned = [p for p in self._planned if p.req_id != req_id]
+            for plan in cancelled:
+                if isinstance(plan, LoadPlan):
+                    self.policy.complete_load(plan, loaded=0)
+                    if st is not None:
+                        st.load = None
+                else:
+                    self._fetching.pop(plan.plan_id, None)
+                    self.policy.complete_fetch(plan, 0)
+        return st, req_id in self._loading
+
+    @property
+    def planned(self) -> tuple[LoadPlan | FetchPlan, ...]:
+        """The loads and fetches prepared and not yet handed to an executor, in order."""
+        return tuple(self._planned)
+
+    def busy(self) -> int:
+        """Loads and fetches planned or running (a reset of the tiers waits for none)."""
+        return sum(isinstance(p, LoadPlan) for p in self._planned) + len(self._loading) + len(self._fetching)
+
+    def idle(self) -> bool:
+        """Nothing planned or running, and no request followed (a drained driver)."""
+        return not (self._planned or self._loading or self._fetching or self._storing or self.requests)
+
+    # ------------------------------------------------------------------ lookups
+
+    def held_below(self, st: RequestState, first: int, last: int) -> int:
+        """Blocks of ``st.hashes[first:last]``, from the first, that the tiers below hold. Pure."""
+        return len(self.policy.lookup(st.hashes[first:last]))
+
+    def plan_fetch(self, st: RequestState, first: int, start: int, held: int) -> FetchPlan | None:
+        """The remote tier holds ``held`` blocks from ``st.hashes[start]`` on, after the local
+        prefix ``[first:start]``: touch that prefix (the fetch's placements must not evict it)
+        and plan fetching them into CPU slots. None when nothing can be fetched."""
+        if held <= 0 or not self.remote:
+            return None
+        self.policy.touch(st.hashes[first:start])
+        plan = self.policy.prepare_fetch(st.hashes[start:start + held], st.req_id)
+        if not len(plan):
+            self.policy.complete_fetch(plan, 0)
+            return None
+        st.fetch = plan
+        self._fetching[plan.plan_id] = (plan, st)
+        self._planned.append(plan)
+        return plan
+
+    def fetch_done(self, plan_id: int, fetched: int) -> FetchPlan | None:
+        """Executors fetched the first ``fetched`` blocks of a fetch plan: those are held in
+        the CPU tier from now on, remote hits of the request they were fetched for."""
+        entry = self._fetching.pop(plan_id, None)
+        if entry is None:
+            return None
+        plan, st = entry
+        self.policy.complete_fetch(plan, fetched)
+        st.fetch = None
+        st.fetched = set(plan.keys[:fetched])
+        return plan
+
+    def fetch_now(self, st: RequestState, executor: "Executor", first: int, last: int) -> bool:
+        """Synchronous drivers: probe the remote tier for what follows the blocks held from
+        ``first`` on, fetch it and complete. True when blocks arrived (look up again)."""
+        start = first + self.held_below(st, first, last)
+        if not self.remote or start >= last:
+            return False
+        plan = self.plan_fetch(st, first, start, executor.probe_remote(st.hashes[start:last]))
+        if plan is None:
+            return False
+        self._planned.remove(plan)
+        fetched = executor.fetch(plan)
+        self.fetch_done(plan.plan_id, fetched)
+        return fetched > 0
+
+    # ------------------------------------------------------------------ loads
+
+    def admit(self, st: RequestState, gpu_hits: int, block_ids: Sequence[int], num_external: int,
+              num_tokens: int, resumed: bool = False) -> LoadPlan | None:
+        """The driver's pool allocated the request (``block_ids``): ``gpu_hits`` blocks from its
+        own prefix cache, then ``num_external`` blocks to load from below. Touches the device
+        hits in every tier below (before the load's promotions, whose cascades may evict),
+        counts the lookup and plans the load."""
+        st.resumed, st.gpu_hits = resumed, gpu_hits
+        st.hits = request_counts(gpu_hits, [], self.remote)
+        st.load, st.load_lost, st.sources = None, set(), []
+        self.policy.touch(st.hashes[:gpu_hits])
+        counts = self.resumed if resumed else self.counts
+        counts.query(-(-num_tokens // self.block_size), num_tokens)
+        counts.add(GPU, gpu_hits)
+        fetched, st.fetched = st.fetched, set()
+        if not num_external:
+            return None
+        end = gpu_hits + num_external
+        plan = self.policy.prepare_load(st.req_id, st.hashes[gpu_hits:end], block_ids[gpu_hits:end])
+        st.load = plan
+        st.sources = served_from(plan.tiers(), plan.keys, fetched)
+        self._planned.append(plan)
+        return plan
+
+    def take_planned(self) -> list[LoadPlan | FetchPlan]:
+        """The loads and fetches prepared since the last call, in preparation order (the order
+        executors run them in); from now on they are running."""
+        out, self._planned = self._planned, []
+        for plan in out:
+            if isinstance(plan, LoadPlan):
+                self._loading[plan.req_id] = self.requests[plan.req_id]
+        return out
+
+    def loading(self, req_id: str) -> RequestState | None:
+        """The state of a request whose load is running (also once the request finished)."""
+        return self._loading.get(req_id)
+
+    def load_finished(self, req_id: str) -> tuple[RequestState, LoadPlan, int] | None:
+        """Executors finished the running load of ``req_id`` (``load_lost``: what they could not
+        read). Returns its state, the plan and how many blocks arrived (hits, counted)."""
+        st = self._loading.pop(req_id, None)
+        if st is None or st.load is None:
+            return None
+        plan = st.load
+        return st, plan, self._complete_load(st, st.load_lost)
+
+    def _complete_load(self, st: RequestState, lost: Lost, loaded: int | None = None) -> int:
+        plan = st.load
+        assert plan is not None
+        lost = list(lost)
+        n = plan.loaded(lost) if loaded is None else loaded
+        self.policy.complete_load(plan, lost, n)
+        counts = self.resumed if st.resumed else self.counts
+        for tier in st.sources[:n]:
+            counts.add(tier, 1)
+            st.hits[tier] += 1
+        st.load, st.load_lost = None, set()
+        return n
+
+    # ------------------------------------------------------------------ stores
+
+    def end_step(self, evicted: Blocks, computed: Blocks,
+                 window: Callable[[int], Blocks] | None = None) -> tuple[list[StorePlan], list[StorePlan]]:
+        """The step's store offers, in the one order: blocks the pool evicted (``early``: their
+        copies run before the step's loads and forward rewrite the rows), blocks computed
+        (``late``), then the page-out window (``window(n)``: the pool's ``n`` least recently
+        used free blocks). Plans with nothing to do complete at once."""
+        self.gpu_evictions += len(evicted)
+        early = self._offer(evicted, EVICTED)
+        late = self._offer(computed, COMPUTED)
+        if window is not None and self.policy.pageout_blocks:
+            late += self._offer(window(self.policy.pageout_blocks), PAGEOUT)
+        return early, late
+
+    def _offer(self, blocks: Blocks, reason: str) -> list[StorePlan]:
+        if not blocks or not self.policy.admits(reason):
+            return []
+        plan = self.policy.prepare_store([b for b, _ in blocks], [k for _, k in blocks], reason)
+        if reason == EVICTED:
+            self.stored_at_eviction += len(plan)
+        if plan.empty:
+            self.policy.complete_store(plan)
+            return []
+        self._storing[plan.plan_id] = plan
+        return [plan]
+
+    def shutdown(self, executor: "Executor", resident_mru_first: Blocks) -> StorePlan:
+        """A graceful close: offer the device-resident blocks (most recently used first) as
+        ``shutdown`` (the hot set the persistent tier lacks goes there) and run the plan."""
+        plan = self.policy.prepare_store([b for b, _ in resident_mru_first], [k for _, k in resident_mru_first],
+                                         SHUTDOWN)
+        self.policy.complete_store(plan, executor.store(plan) if not plan.empty else [])
+        return plan
+
+    def store_done(self, plan_id: int, lost: Lost = ()) -> StorePlan | None:
+        """Executors finished a store plan; ``lost``: ``(tier, key)`` they could not write."""
+        plan = self._storing.pop(plan_id, None)
+        if plan is not None:
+            self.policy.complete_store(plan, lost)
+        return plan
+
+    # ------------------------------------------------------------------ synchronous drivers
+
+    def run(self, executor: "Executor", stores: Sequence[StorePlan], st: RequestState | None = None) -> "LoadResult":
+        """Synchronous drivers: run ``stores``, then the planned load of ``st`` (if any), on
+        ``executor``; then complete them in that order. Returns the load's result."""
+        from kvstrata.executor import LoadResult
+
+        lost = [executor.store(plan) for plan in stores]
+        plan = st.load if st is not None else None
+        result = LoadResult(0)
+        if plan is not None:
+            self._planned.remove(plan)
+            result = executor.load(plan)
+        for done, failed in zip(stores, lost):
+            self.store_done(done.plan_id, failed)
+        if plan is not None:
+            assert st is not None
+            self._complete_load(st, result.lost, result.loaded)
+        return result
+
+    # ------------------------------------------------------------------ statistics
+
+    def no_hits(self) -> dict[str, int]:
+        """A request's counts when nothing served it (one rejected before its lookup)."""
+        return request_counts(0, [], self.remote)
+
+    def stats(self) -> dict[str, Any]:
+        """``queries`` and ``hits`` of new requests, and the same under ``preempted``."""
+        return {**self.counts.stats(self.block_size), "preempted": self.resumed.stats(self.block_size)}

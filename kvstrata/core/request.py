@@ -1,0 +1,49 @@
+"""One request as every driver follows it: the one object that holds a request's state.
+
+A driver makes one per request (a subclass adds what only that driver needs, such
+as the vLLM request object) and hands it to :class:`~kvstrata.core.driver.DriverCore`,
+which fills in the rest as the request goes through the step protocol. Nothing
+about a request is kept anywhere else, so finishing it is one ``pop``.
+
+Threads: owned by the driver's one owner thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstrata.policy.plans import FetchPlan, LoadPlan
+
+__all__ = ["RequestState"]
+
+
+class RequestState:
+    """``hashes``: the request's block keys so far (a driver may extend the list).
+    ``resumed``: looked up again after a preemption (counted apart).
+    ``gpu_hits``: blocks of the last lookup served by the device pool.
+    ``load``: its load plan, from planning until the load completed or was cancelled.
+    ``load_lost``: ``(tier, key)`` the executors could not read for that load.
+    ``fetch``: its remote fetch plan, planned or running.
+    ``fetched``: keys fetched from the remote tier for it (remote hits, not CPU hits).
+    ``sources``: the tier each block of its load is planned to come from.
+    ``hits``: blocks per tier of its last lookup, complete once its load completed.
+    """
+
+    __slots__ = ("req_id", "hashes", "resumed", "gpu_hits", "load", "load_lost", "fetch", "fetched", "sources",
+                 "hits")
+
+    def __init__(self, req_id: str, hashes: list[bytes] | None = None) -> None:
+        self.req_id = req_id
+        self.hashes: list[bytes] = hashes if hashes is not None else []
+        self.resumed = False
+        self.gpu_hits = 0
+        self.load: LoadPlan | None = None
+        self.load_lost: set[tuple[str, bytes]] = set()
+        self.fetch: FetchPlan | None = None
+        self.fetched: set[bytes] = set()
+        self.sources: list[str] = []
+        self.hits: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return f"RequestState({self.req_id!r}, {len(self.hashes)} blocks, hits={self.hits})"
