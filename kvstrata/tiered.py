@@ -234,9 +234,7 @@ class TieredKVCache:
                                      cache_salt=cache_salt, lora_id=lora_id)
         st = RequestState(request_id, prompt.hashes)
         gpu_hits = self.manager.lookup(prompt)
-        if self.remote is not None:
-            self.core.fetch_now(st, self.executor, gpu_hits, prompt.cap)
-        below = self.core.held_below(st, gpu_hits, prompt.cap)
+        below = self.core.lookup_now(st, self.executor, gpu_hits, prompt.cap)
         assert not self.manager.take_evicted(), "evictions are stored by the call that made them"
         alloc = self.manager.allocate(request_id, prompt=prompt, num_external=below)
         self.core.admit(st, gpu_hits, alloc.block_ids, below, prompt.num_tokens)
@@ -244,8 +242,9 @@ class TieredKVCache:
         result = self.core.run(self.executor, early, st)
         if result.loaded < below:  # recomputed by the caller: nobody may hit those rows
             self.manager.invalidate(request_id, gpu_hits + result.loaded)
-        for row in alloc.block_ids[gpu_hits:gpu_hits + result.loaded] if result.event is not None else ():
-            self._pending[row] = result.event
+        if result.event is not None:  # copies still running on CUDA: attention waits for them
+            for row in alloc.block_ids[gpu_hits:gpu_hits + result.loaded]:
+                self._pending[row] = result.event
         cached = gpu_hits + result.loaded
         self._note_gpu(prompt.hashes, gpu_hits, prompt.hashes[gpu_hits:cached], now)
         self._store_step([], [], self.manager.free_window)  # the page-out window

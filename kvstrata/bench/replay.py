@@ -327,9 +327,7 @@ class Replayer:
         manager, core = self.manager, self.core
         st = RequestState(rid, prompt.hashes)
         gpu_hits = manager.lookup(prompt)
-        if self.remote is not None:
-            core.fetch_now(st, self.executor, gpu_hits, prompt.cap)
-        below = core.held_below(st, gpu_hits, prompt.cap)
+        below = core.lookup_now(st, self.executor, gpu_hits, prompt.cap)
         if below:
             alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, num_external=below,
                                                         num_blocks=gpu_hits + below))

@@ -10,7 +10,7 @@ A driver adds only what differs for it:
 * who owns the device pool (the library's and the replay's own
   :class:`~kvstrata.block_pool.BlockManager`, or vLLM's), and so which blocks
   are hits, evicted, computed or in the page-out window;
-* whether plans complete at once (:meth:`DriverCore.run`, :meth:`DriverCore.fetch_now`)
+* whether plans complete at once (:meth:`DriverCore.run`, :meth:`DriverCore.lookup_now`)
   or a step later, reported by workers (:meth:`DriverCore.take_planned`, then
   :meth:`DriverCore.load_finished`, :meth:`DriverCore.store_done`,
   :meth:`DriverCore.fetch_done`);
@@ -148,19 +148,20 @@ class DriverCore:
         st.fetched = set(plan.keys[:fetched])
         return plan
 
-    def fetch_now(self, st: RequestState, executor: "Executor", first: int, last: int) -> bool:
-        """Synchronous drivers: probe the remote tier for what follows the blocks held from
-        ``first`` on, fetch it and complete. True when blocks arrived (look up again)."""
-        start = first + self.held_below(st, first, last)
+    def lookup_now(self, st: RequestState, executor: "Executor", first: int, last: int) -> int:
+        """Synchronous drivers: :meth:`held_below`, after fetching what the remote tier holds
+        right after the local prefix (probed, fetched and completed at once)."""
+        held = self.held_below(st, first, last)
+        start = first + held
         if not self.remote or start >= last:
-            return False
+            return held
         plan = self.plan_fetch(st, first, start, executor.probe_remote(st.hashes[start:last]))
         if plan is None:
-            return False
+            return held
         self._planned.remove(plan)
         fetched = executor.fetch(plan)
         self.fetch_done(plan.plan_id, fetched)
-        return fetched > 0
+        return self.held_below(st, first, last) if fetched else held
 
     # ------------------------------------------------------------------ loads
 
