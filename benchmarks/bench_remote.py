@@ -11,9 +11,12 @@ persistence, ``maxmemory`` above the data, ``allkeys-lru``) on a loopback port.
   against the same pipeline sending a copy of each block taken when it is queued,
   the least a write-behind client does (the block's slot is reused once ``put``
   returns; kvstrata's put also makes that copy).
-* get: ``RemoteTier.get_into`` (pipelined ``GET``, header and checksum verified,
-  decoded into rows) against a redis-py pipeline of ``GET`` of the same keys in the
-  same batches (target >= 0.7).
+* get: ``RemoteTier.get_into`` (pipelined ``STRLEN`` + bounded ``GETRANGE``, MAC,
+  header and checksum verified, decoded into rows) against a redis-py pipeline of
+  ``GET`` of the same keys in the same batches (target >= 0.7).
+
+Each case runs unsigned (``remote.trust_server``) and signed (the default: a keyed
+HMAC-SHA256 on every value) side by side, so the MAC's cost is the change in ratio.
 
 Both use one connection from this process; the server runs on this machine, so both
 sides share its cores. Blocks are KV-like fp16 (``bench_tiers.kv_blocks``); with
@@ -50,19 +53,21 @@ def best(fn: Callable[[], object], repeat: int, before: Callable[[], object] = l
     return out
 
 
-def run(url: str, layers: int, blocks: int, compression: str, repeat: int) -> None:
+def run(url: str, layers: int, blocks: int, compression: str, repeat: int, signed: bool) -> None:
     import redis
 
     from kvstrata.tiers.remote import RemoteTier, key_prefix
-    from kvstrata.tiers.remote.value import encode
+    from kvstrata.tiers.remote.value import Auth, encode
 
     rows = kv_blocks(blocks, layers=layers)
     nb = rows.shape[1]
     keys = [i.to_bytes(32, "big") for i in range(blocks)]
-    tier = RemoteTier(url, key_prefix(f"bench-{compression}-{nb}"), nb, compression=compression, timeout=5.0,
-                      queue_capacity_bytes=2 * rows.nbytes)  # the whole run fits: nothing is dropped
+    auth = Auth([b"bench-remote-secret-0123456789"]) if signed else None
+    tier = RemoteTier(url, key_prefix(f"bench-{compression}-{nb}", signed=signed), nb, compression=compression,
+                      timeout=5.0, queue_capacity_bytes=2 * rows.nbytes,  # the whole run fits: nothing is dropped
+                      auth=auth)
     raw = redis.Redis.from_url(url, socket_timeout=30)
-    values = [encode(tier.key(k), r.tobytes(), tier.codec) for k, r in zip(keys, rows)]
+    values = [encode(tier.key(k), r.tobytes(), tier.codec, auth) for k, r in zip(keys, rows)]
     ref_keys = [b"raw:" + k for k in keys]
     step = tier.batch_values
 
@@ -111,7 +116,8 @@ def run(url: str, layers: int, blocks: int, compression: str, repeat: int) -> No
     rget_s = best(raw_get, repeat)
     assert np.array_equal(out, rows)
     stored = sum(len(v) for v in values) / rows.nbytes
-    print(f"  {nb // 1024:5d} KiB blocks, compression {compression:<4} (stored {stored:.2f} of raw):")
+    print(f"  {nb // 1024:5d} KiB blocks, compression {compression:<4}, {'signed' if signed else 'unsigned'} "
+          f"(stored {stored:.2f} of raw):")
     for name, mine, ref in (("put + flush", put_s, set_s), ("get_into", get_s, rget_s)):
         ratio = ref / mine
         print(f"    {name:<12} {total / mine:6.2f} GB/s of blocks   raw {'SET' if 'put' in name else 'GET'} "
@@ -139,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"remote tier vs raw pipelines on {url} ({blocks} blocks per run, best of {repeat})")
         for layers in (2, 16):  # 256 KiB and 2 MiB blocks
             for compression in ("none", "auto"):
-                run(url, layers, blocks, compression, repeat)
+                for signed in (False, True):  # side by side: the MAC's cost is the ratio's change
+                    run(url, layers, blocks, compression, repeat, signed)
     finally:
         if server is not None:
             server.stop()

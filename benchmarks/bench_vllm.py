@@ -55,7 +55,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from benchutil import drop_page_cache  # noqa: E402
-from valkey_server import ValkeyServer  # noqa: E402
+from valkey_server import ValkeyServer, secret_file  # noqa: E402
 from vllm_util import build_tiny_llama, random_token_prompt, run_in_subprocess  # noqa: E402
 
 
@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ssd_step = ssd_run[2]
 
     with ValkeyServer(maxmemory="1gb") as server:
-        shared = {"cpu.capacity": "2GiB", "ssd.capacity": "4GiB", "remote.url": server.url}
+        shared = {"cpu.capacity": "2GiB", "ssd.capacity": "4GiB", "remote.url": server.url,
+                  "remote.secret_file": secret_file(work)}
         engines.run("remote writer", {**common, "kvstrata": {**shared, "ssd.path": str(work / "ssd-a")},
                                       "steps": [{"prompts": [warm_long]}, {"prompts": [prompt]}]})
         remote_run = engines.run("remote tier", {**common, "kvstrata": {**shared, "ssd.path": str(work / "ssd-b")},

@@ -299,31 +299,47 @@ def _seconds(v: Any, path: str, *, minimum: float, maximum: float) -> float:
     return float(v)
 
 
+REMOTE_SECRET_ENV = "KVSTRATA_REMOTE_SECRET"
+
+
+def _path_or_none(d: Mapping[str, Any], key: str, p: str) -> str | None:
+    v = d.get(key)
+    if v is not None and (not isinstance(v, str) or not v.strip()):
+        raise ConfigError(f"{p}.{key}: expected a path, got {short_repr(v)}")
+    return v
+
+
 def _remote_url(v: Any, path: str) -> str | None:
     """``redis://[user:password@]host:port[/db]``, ``rediss://`` (TLS), ``unix:///socket``
-    (``valkey://`` and ``valkeys://`` are read as ``redis://`` and ``rediss://``), or None."""
+    (``valkey://`` and ``valkeys://`` are read as ``redis://`` and ``rediss://``), or None.
+    Errors show the URL with its password redacted."""
+    from kvstrata.credentials import redact_url
+
     if v is None:
         return None
     if not isinstance(v, str) or any(c.isspace() for c in v):
-        raise ConfigError(f"{path}: expected a URL like redis://host:6379/0, got {short_repr(v)}")
+        raise ConfigError(f"{path}: expected a URL like redis://host:6379/0, got {short_repr(redact_url(v))}")
     from urllib.parse import urlsplit
 
     try:
         u = urlsplit(v)
         port = u.port
     except ValueError as exc:
-        raise ConfigError(f"{path}: {exc}: {short_repr(v)}") from None
+        raise ConfigError(f"{path}: {redact_url(str(exc))}: {short_repr(redact_url(v))}") from None
     if u.scheme not in REMOTE_SCHEMES:
-        raise ConfigError(f"{path}: expected a scheme among {', '.join(REMOTE_SCHEMES)}; got {short_repr(v)}")
+        raise ConfigError(f"{path}: expected a scheme among {', '.join(REMOTE_SCHEMES)}; "
+                          f"got {short_repr(redact_url(v))}")
     if u.scheme == "unix":
         if not u.path:
-            raise ConfigError(f"{path}: a unix:// URL names a socket file (unix:///run/valkey.sock), got {short_repr(v)}")
+            raise ConfigError(f"{path}: a unix:// URL names a socket file (unix:///run/valkey.sock), "
+                              f"got {short_repr(redact_url(v))}")
         return v
     if not u.hostname:
-        raise ConfigError(f"{path}: no host in {short_repr(v)} (expected redis://host:6379/0)")
+        raise ConfigError(f"{path}: no host in {short_repr(redact_url(v))} (expected redis://host:6379/0)")
     db = u.path.strip("/")
     if db and not db.isdigit():
-        raise ConfigError(f"{path}: the path names a database number (redis://host:6379/0), got {short_repr(v)}")
+        raise ConfigError(f"{path}: the path names a database number (redis://host:6379/0), "
+                          f"got {short_repr(redact_url(v))}")
     del port
     return v
 
@@ -338,10 +354,18 @@ class RemoteConfig:
     of the shared tier with it). ``timeout``: the deadline of one round trip (a lookup that cannot answer
     in time is a miss). ``queue_capacity``: bytes waiting to be written (beyond it puts
     are dropped and counted). ``batch_bytes``: values per pipelined round trip.
+    ``secret_file``: the deployment's secrets (one per line, the first signs; a file only
+    its owner can read), which every value is signed with; else the environment variable
+    ``KVSTRATA_REMOTE_SECRET``. ``trust_server``: run without a secret (values unsigned:
+    whoever can write to the server can have their bytes served). ``password_file``: the
+    server's password (first line; else ``REDISCLI_AUTH``), so that none is inline in the URL.
     """
 
     url: str | None = None
     cluster: bool = False
+    secret_file: str | None = None
+    trust_server: bool = False
+    password_file: str | None = None
     capacity: int | None = None
     compression: str = "auto"
     level: int = 1
@@ -353,14 +377,17 @@ class RemoteConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "remote") -> "RemoteConfig":
         _check_keys(d, ("url", "cluster", "capacity", "compression", "level", "timeout", "connect_timeout",
-                        "queue_capacity", "batch_bytes"), p)
-        cluster = d.get("cluster", False)
-        if not isinstance(cluster, bool):
-            raise ConfigError(f"{p}.cluster: expected true or false, got {short_repr(cluster)}")
+                        "queue_capacity", "batch_bytes", "secret_file", "trust_server", "password_file"), p)
+        cluster, trust = d.get("cluster", False), d.get("trust_server", False)
+        for key, flag in (("cluster", cluster), ("trust_server", trust)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{p}.{key}: expected true or false, got {short_repr(flag)}")
+        secret_file, password_file = _path_or_none(d, "secret_file", p), _path_or_none(d, "password_file", p)
         batch = parse_size(d.get("batch_bytes", cls.batch_bytes), f"{p}.batch_bytes")
         if batch < 64 * 1024:
             raise ConfigError(f"{p}.batch_bytes: expected at least 64KiB, got {short_repr(d.get('batch_bytes'))}")
-        return cls(url=_remote_url(d.get("url"), f"{p}.url"), cluster=cluster,
+        return cls(url=_remote_url(d.get("url"), f"{p}.url"), cluster=cluster, secret_file=secret_file,
+                   trust_server=trust, password_file=password_file,
                    capacity=None if d.get("capacity") is None else parse_size(d["capacity"], f"{p}.capacity"),
                    compression=_choice(d.get("compression", "auto"), f"{p}.compression", ("auto", "zstd", "none")),
                    level=_int(d.get("level", 1), f"{p}.level", minimum=-7, maximum=22),
@@ -373,6 +400,38 @@ class RemoteConfig:
     @property
     def enabled(self) -> bool:
         return self.url is not None and self.capacity != 0
+
+    def secrets(self) -> list[bytes] | None:
+        """The secrets values are signed with (``secret_file``, else ``KVSTRATA_REMOTE_SECRET``);
+        None with ``trust_server``. A ConfigError naming ``remote.secret_file`` when there is
+        none: a server anyone can write to would otherwise have its bytes served as KV."""
+        from kvstrata.credentials import read_secret_file, secrets_from_env
+
+        if self.secret_file is not None:
+            return read_secret_file(self.secret_file, "remote.secret_file")
+        found = secrets_from_env(REMOTE_SECRET_ENV)
+        if found is not None:
+            return found
+        if self.trust_server:
+            return None
+        raise ConfigError(f"remote.secret_file: the remote tier signs its values with a secret: set "
+                          f"remote.secret_file (a file only its owner can read) or {REMOTE_SECRET_ENV}, or set "
+                          f"remote.trust_server: true if only trusted processes can write to the server")
+
+    def password(self) -> str | None:
+        """The server's password from ``password_file`` (else ``REDISCLI_AUTH``); None: the URL's own."""
+        from kvstrata.credentials import read_secret_file
+
+        if self.password_file is not None:
+            return read_secret_file(self.password_file, "remote.password_file", min_bytes=1)[0].decode()
+        return os.environ.get("REDISCLI_AUTH") or None
+
+    def __repr__(self) -> str:  # the URL's password is never shown
+        from kvstrata.credentials import redact_url
+
+        fields = ", ".join(f"{f.name}={redact_url(v) if f.name == 'url' else v!r}"
+                           for f in dataclasses.fields(self) for v in (getattr(self, f.name),))
+        return f"RemoteConfig({fields})"
 
 
 @dataclass(frozen=True)
@@ -509,11 +568,12 @@ class TraceConfig:
     rotate_bytes: int = 256 * 1024**2
     rotate_seconds: float = 3600.0
     sample: float = 1.0
-    secret: str | None = None
+    secret: str | None = field(default=None, repr=False)
+    secret_file: str | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "trace") -> "TraceConfig":
-        _check_keys(d, ("path", "rotate_bytes", "rotate_seconds", "sample", "secret"), p)
+        _check_keys(d, ("path", "rotate_bytes", "rotate_seconds", "sample", "secret", "secret_file"), p)
         path = d.get("path")
         if path is not None and (not isinstance(path, str) or not path.strip()):
             raise ConfigError(f"{p}.path: expected a directory, got {short_repr(path)}")
@@ -528,7 +588,19 @@ class TraceConfig:
         secret = d.get("secret")
         if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
             raise ConfigError(f"{p}.secret: expected a string of at least 16 characters")
-        return cls(path=path, rotate_bytes=rotate, rotate_seconds=seconds, sample=float(sample), secret=secret)
+        secret_file = _path_or_none(d, "secret_file", p)
+        if secret is not None and secret_file is not None:
+            raise ConfigError(f"{p}.secret_file: give the secret once (trace.secret or trace.secret_file)")
+        return cls(path=path, rotate_bytes=rotate, rotate_seconds=seconds, sample=float(sample), secret=secret,
+                   secret_file=secret_file)
+
+    def key(self) -> bytes | None:
+        """The secret block hashes are re-keyed with: ``secret_file``'s first line, else ``secret``."""
+        from kvstrata.credentials import read_secret_file
+
+        if self.secret_file is not None:
+            return read_secret_file(self.secret_file, "trace.secret_file")[0]
+        return self.secret.encode() if self.secret else None
 
     @property
     def enabled(self) -> bool:

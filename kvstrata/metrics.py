@@ -267,7 +267,7 @@ class KVStrataCollector:
 
 
 #: The remote tier's counters (``RemoteTier.stats()``) exported as ``kvstrata:remote_operations{outcome}``.
-REMOTE_OUTCOMES = ("hits", "misses", "corrupt", "timeouts", "errors", "refused", "written", "present",
+REMOTE_OUTCOMES = ("hits", "misses", "corrupt", "timeouts", "errors", "refused", "written", "present", "replaced",
                    "put_failures", "dropped_full", "dropped_breaker")
 REMOTE_DIRECTIONS = ("read", "written")  # kvstrata:remote_bytes{direction}: RemoteTier's bytes_<direction>
 

@@ -189,13 +189,13 @@ def test_replay_and_connector_agree_with_a_remote_tier(model: str, tmp_path: Pat
     """A CPU tier too small for the trace over a shared remote tier (a real Valkey server for
     the plugin, the replay's model of one): blocks the CPU tier evicted come back from the
     server, and both count them as remote hits, per tier and per request alike."""
-    from valkey_server import ValkeyServer
+    from valkey_server import ValkeyServer, secret_file
 
     make, gpu, cpu, exercised = REMOTE_CASES[case]
     prompts = make()
     with ValkeyServer() as server:
         extra = {"cpu.capacity": cpu * NBYTES, "ssd.capacity": 0, "remote.url": server.url,
-                 "spill.admission": "on_compute"}
+                 "remote.secret_file": secret_file(tmp_path), "spill.admission": "on_compute"}
         vllm_hits, vllm_requests, vllm_counts, stats = through_vllm_with_remote(model, prompts, gpu, extra)
     cfg = KVStrataConfig.from_dict({"block_size": BS, "model": {"block_nbytes": NBYTES}, "gpu": {"num_blocks": gpu},
                                     "remote": {"capacity": 1 << 40}},

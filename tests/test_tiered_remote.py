@@ -16,7 +16,7 @@ from kvstrata.config import KVStrataConfig
 from kvstrata.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from valkey_server import ValkeyServer, free_port  # noqa: E402
+from valkey_server import ValkeyServer, free_port, secret_file  # noqa: E402
 
 NB = 4096
 BS = 4
@@ -27,7 +27,7 @@ def config(tmp: Path, name: str, url: str, metrics: dict | None = None, **remote
         "block_size": BS, "model": {"block_nbytes": NB, "id": "test-model"},
         "gpu": {"num_blocks": 64, "device": "cpu"}, "cpu": {"capacity": NB * 32},
         "ssd": {"path": str(tmp / name), "capacity": "64MiB"},
-        "remote": {"url": url, "timeout": 0.3, "connect_timeout": 0.3, **remote},
+        "remote": {"url": url, "timeout": 0.3, "connect_timeout": 0.3, "secret_file": secret_file(tmp), **remote},
         **({"metrics": metrics} if metrics else {})})
 
 

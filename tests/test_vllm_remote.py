@@ -17,7 +17,7 @@ pytestmark = [
 ]
 
 from test_vllm_connector import BLOCK, PROMPT, SHIFTED, same, kvstrata  # noqa: E402
-from valkey_server import ValkeyServer  # noqa: E402
+from valkey_server import ValkeyServer, secret_file  # noqa: E402
 from vllm_util import build_tiny_llama, run_in_subprocess  # noqa: E402
 
 
@@ -37,13 +37,14 @@ def test_a_second_engine_serves_the_first_ones_prefix_from_the_remote_tier(model
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with ValkeyServer() as server:
-        a_cfg = kvstrata(tmp_path / "a", **{"remote.url": server.url})
+        remote = {"remote.url": server.url, "remote.secret_file": secret_file(tmp_path)}
+        a_cfg = kvstrata(tmp_path / "a", **remote)
         first = run_in_subprocess({"model": model, "kvstrata": a_cfg, "steps": [{"prompts": [PROMPT]}]})["steps"][0]
         assert same(first, baseline["prompt"])
         assert server.client().dbsize() == 22  # one key per full block (TP 1): 700 prompt + 8 sampled tokens
         # Engine B: its own (empty) SSD tier; SHIFTED shares the first 10 full blocks only,
         # so blocks loaded into the wrong positions would change its output.
-        b_cfg = kvstrata(tmp_path / "b", **{"remote.url": server.url})
+        b_cfg = kvstrata(tmp_path / "b", **remote)
         steps = [{"prompts": [SHIFTED]}, {"prompts": [PROMPT]}]
         shifted, again = run_in_subprocess({"model": model, "kvstrata": b_cfg, "steps": steps})["steps"]
     assert shifted["external_hits"] == 10 * BLOCK

@@ -154,3 +154,18 @@ class ValkeyCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def secret_file(directory: "Path | str", secret: bytes | None = None, name: str = "remote.secret") -> str:
+    """A file only this user can read holding one secret (random by default), for
+    ``remote.secret_file``: every deployment that shares a server shares this."""
+    import os
+    import secrets as _secrets
+    from pathlib import Path
+
+    path = Path(directory) / name
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write((secret or _secrets.token_hex(32).encode()) + b"\n")
+    return str(path)

@@ -89,7 +89,7 @@ class TraceRecorder:
         self.started = clock()
         self.id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self.started)) + f"-{os.getpid()}"
         self.dir = Path(cfg.path).expanduser()
-        self._secret = cfg.secret.encode() if cfg.secret else None
+        self._secret = cfg.key()
         self._pending: OrderedDict[str, RecordedRequest | None] = OrderedDict()
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(MAX_QUEUED)
         self.counts = {"recorded": 0, "sampled_out": 0, "dropped": 0, "unfinished": 0}

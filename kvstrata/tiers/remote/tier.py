@@ -5,13 +5,19 @@ Never blocks or breaks the engine:
 * **Reads** (:meth:`RemoteTier.probe`, :meth:`RemoteTier.get_into`) go to the
   server on a dedicated reader thread in pipelined batches of at most
   ``batch_bytes`` of values; the caller waits ``timeout`` seconds per batch at
-  most, and what has not answered by then is a miss. A value that does not
-  verify (:mod:`.value`) is a miss, counted, and deleted from the server.
+  most, and what has not answered by then is a miss. A value is read only up to
+  the longest this tier writes (``STRLEN`` and ``GETRANGE`` in one pipeline), so
+  a huge value costs no more than a block. A value that does not verify
+  (:mod:`.value`: signed with the deployment's secret), is too long or is not a
+  string is a miss, counted, and deleted from the server.
 * **Writes** are write-behind: :meth:`RemoteTier.put` copies the block into a
   queue bounded by ``queue_capacity`` bytes (a put beyond it is dropped and
   counted) and returns; one writer thread encodes and sends batches of at most
   ``batch_bytes`` as pipelined ``SET key value NX`` (keys are content
-  addressed: a key present already holds the same block).
+  addressed: a key present already holds the same block). With signed values,
+  a key found present is checked: one that does not carry this writer's
+  signature of the same bytes is overwritten, so a value planted before the
+  honest writer cannot squat the key.
 * A :class:`~kvstrata.tiers.remote.breaker.Breaker` opens after repeated
   connection failures or timeouts: reads miss and writes drop at once until a
   probe succeeds. A server that is down at start-up is logged, not fatal.
@@ -36,9 +42,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from kvstrata.credentials import redact_url, url_has_password
 from kvstrata.tiers.remote.breaker import Breaker
-from kvstrata.tiers.remote.value import decode_into, seal, staged, value_bytes
-from kvstrata.tiers.ssd.record import HEADER, Codec, CorruptRecord
+from kvstrata.tiers.remote.value import AUTH_SIZE, Auth, decode_into, max_value_bytes, seal, staged, value_bytes
+from kvstrata.tiers.ssd.record import Codec, CorruptRecord
 
 if TYPE_CHECKING:
     from kvstrata.config import RemoteConfig
@@ -51,13 +58,15 @@ INFO_EVERY = 10.0           # seconds between INFO reads by the writer thread
 _PROBE_BATCH = 1024         # keys per pipelined EXISTS round trip
 _EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
 COUNTERS = ("hits", "misses", "corrupt", "timeouts", "errors", "refused", "probes", "probe_hits",
-            "puts", "written", "present", "put_failures", "dropped_full", "dropped_breaker",
+            "puts", "written", "present", "replaced", "put_failures", "dropped_full", "dropped_breaker",
             "bytes_read", "bytes_written", "breaker_opened", "breaker_closed")
 
 
-def connect(url: str, *, cluster: bool = False, timeout: float = 0.5, connect_timeout: float = 1.0) -> Any:
+def connect(url: str, *, cluster: bool = False, timeout: float = 0.5, connect_timeout: float = 1.0,
+            password: str | None = None) -> Any:
     """A client for ``url`` that never retries on its own (the breaker decides) and gives
-    up on a socket after ``timeout`` seconds. Imports ``redis`` (the ``remote`` extra)."""
+    up on a socket after ``timeout`` seconds (``password``: instead of the URL's).
+    Imports ``redis`` (the ``remote`` extra)."""
     try:
         import redis
         from redis.backoff import NoBackoff
@@ -67,8 +76,10 @@ def connect(url: str, *, cluster: bool = False, timeout: float = 0.5, connect_ti
     for alias, scheme in (("valkeys://", "rediss://"), ("valkey://", "redis://")):
         if url.startswith(alias):
             url = scheme + url[len(alias):]
-    kwargs = dict(socket_timeout=timeout, socket_connect_timeout=connect_timeout, retry=Retry(NoBackoff(), 0),
-                  health_check_interval=0)
+    kwargs: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=connect_timeout,
+                                  retry=Retry(NoBackoff(), 0), health_check_interval=0)
+    if password is not None:
+        kwargs["password"] = password
     if cluster:
         from redis.cluster import RedisCluster
 
@@ -81,24 +92,31 @@ class RemoteTier:
 
     ``probe_prefixes``: the shards :meth:`probe` checks (all of them for a scheduler
     that answers for every tensor-parallel rank); by default ``prefix`` alone.
+    ``auth``: signs and verifies values (:class:`~.value.Auth`); None trusts the server
+    (values unsigned: whoever can write to it can have their bytes served).
     """
 
     def __init__(self, url: str, prefix: bytes, block_nbytes: int, *, cluster: bool = False,
                  capacity_bytes: int = 0, compression: str = "auto", level: int = 1, timeout: float = 0.5,
                  connect_timeout: float = 1.0, queue_capacity_bytes: int = 256 * 1024**2,
                  batch_bytes: int = 8 * 1024**2, probe_prefixes: Sequence[bytes] | None = None,
-                 writer: bool = True, breaker: Breaker | None = None) -> None:
+                 writer: bool = True, breaker: Breaker | None = None, auth: Auth | None = None,
+                 password: str | None = None) -> None:
         self.url = url
+        self.auth = auth
         self.prefix = prefix
         self.probe_prefixes = list(probe_prefixes) if probe_prefixes is not None else [prefix]
         self.block_nbytes = block_nbytes
         self.capacity_bytes = capacity_bytes
         self.timeout = timeout
         self.queue_capacity = queue_capacity_bytes
-        self.batch_values = max(1, batch_bytes // value_bytes(block_nbytes))
+        self.batch_values = max(1, batch_bytes // value_bytes(block_nbytes, auth))
+        self.max_value = max_value_bytes(block_nbytes, auth)
         self.codec = Codec(compression, level)
         self.breaker = breaker or Breaker()
-        self.client = connect(url, cluster=cluster, timeout=timeout, connect_timeout=connect_timeout)
+        self.client = connect(url, cluster=cluster, timeout=timeout, connect_timeout=connect_timeout,
+                              password=password)
+        self.where = redact_url(url)  # what logs show
         self.server: dict[str, Any] = {}
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
@@ -125,19 +143,27 @@ class RemoteTier:
         """The tier ``remote.*`` describes, for the shard ``tier_ids[0]`` (a
         :meth:`~kvstrata.identity.Fingerprint.tier_id`); :meth:`probe` checks every shard in
         ``tier_ids`` (a vLLM scheduler answers for all tensor-parallel ranks)."""
+        from kvstrata.errors import ConfigError
         from kvstrata.tiers.remote.value import key_prefix
 
         assert cfg.url is not None, "remote.url is not set"
-        from kvstrata.errors import ConfigError
-
-        prefixes = [key_prefix(t) for t in tier_ids]
+        secrets = cfg.secrets()
+        auth = Auth(secrets) if secrets is not None else None
+        if auth is None:
+            log.warning("remote tier: remote.trust_server is on: values on %s are not signed, and whoever can "
+                        "write to the server can have their bytes served as KV", redact_url(cfg.url))
+        if url_has_password(cfg.url):
+            log.warning("remote tier: remote.url carries a password; vLLM logs its connector config as given: "
+                        "use remote.password_file or REDISCLI_AUTH instead")
+        prefixes = [key_prefix(t, signed=auth is not None) for t in tier_ids]
         try:
             return cls(cfg.url, prefixes[0], block_nbytes, cluster=cfg.cluster, capacity_bytes=cfg.capacity or 0,
                        compression=cfg.compression, level=cfg.level, timeout=cfg.timeout,
                        connect_timeout=cfg.connect_timeout, queue_capacity_bytes=cfg.queue_capacity,
-                       batch_bytes=cfg.batch_bytes, probe_prefixes=prefixes, writer=writer)
+                       batch_bytes=cfg.batch_bytes, probe_prefixes=prefixes, writer=writer, auth=auth,
+                       password=cfg.password())
         except ValueError as exc:  # the client's own reading of the URL (its query options)
-            raise ConfigError(f"remote.url: {exc}") from None
+            raise ConfigError(f"remote.url: {redact_url(str(exc))}") from None
 
     def key(self, key: bytes) -> bytes:
         return self.prefix + key
@@ -200,7 +226,9 @@ class RemoteTier:
             if value is None:
                 return i
             try:
-                decode_into(nskey, value, rows[i], self.codec)
+                if isinstance(value, CorruptRecord):
+                    raise value
+                decode_into(nskey, value, rows[i], self.codec, self.auth)
             except CorruptRecord as exc:
                 self.count("corrupt")
                 self._log_once("corrupt", "remote tier: a value under kvstrata's prefix does not verify (%s); "
@@ -258,10 +286,22 @@ class RemoteTier:
         return pipe.execute()
 
     def _get(self, nskeys: list[bytes]) -> list[Any]:
+        """Each key's value (None: absent), read only up to the longest value this tier writes:
+        a longer one, or one that is not a string, is a :class:`CorruptRecord` (not read)."""
         pipe = self.client.pipeline(transaction=False)
         for k in nskeys:
-            pipe.get(k)
-        return pipe.execute()
+            pipe.strlen(k)
+            pipe.getrange(k, 0, self.max_value - 1)
+        answers = pipe.execute(raise_on_error=False)
+        out: list[Any] = []
+        for length, value in zip(answers[::2], answers[1::2]):
+            if isinstance(length, Exception) or isinstance(value, Exception):
+                out.append(CorruptRecord("not a string value"))
+            elif length > self.max_value:
+                out.append(CorruptRecord(f"a value of {length:,} bytes; the longest valid one has {self.max_value:,}"))
+            else:
+                out.append(value if length else None)
+        return out
 
     # ------------------------------------------------------------------ writes
 
@@ -279,7 +319,7 @@ class RemoteTier:
             self._queued_bytes += nbytes  # reserved; copied without holding the lock
         with self._cond:
             spare = self._spare.pop() if self._spare else None
-        value = staged(row, spare)
+        value = staged(row, spare, self.auth)
         with self._cond:
             self._queue.append((self.key(key), value))
             self._cond.notify()
@@ -308,7 +348,7 @@ class RemoteTier:
                 if self._closed and not self._queue and not self._deletes:
                     return
                 batch = [self._queue.popleft() for _ in range(min(self.batch_values, len(self._queue)))]
-                self._queued_bytes -= sum(len(v) - HEADER.size for _, v in batch)
+                self._queued_bytes -= sum(len(v) - value_bytes(0, self.auth) for _, v in batch)
                 deletes, self._deletes = self._deletes, []
                 self._writing = True
             try:
@@ -327,31 +367,58 @@ class RemoteTier:
         try:
             pipe = self.client.pipeline(transaction=False)
             nbytes = 0
+            values, replaced = [], 0
             for nskey, buf in batch:
-                value = seal(nskey, buf, self.codec)
+                value = seal(nskey, buf, self.codec, self.auth)
+                values.append(value)
                 nbytes += len(value)
                 pipe.set(nskey, value, nx=True)
             for nskey in deletes:
                 pipe.delete(nskey)
             results = pipe.execute(raise_on_error=False)
+            if self.auth is not None:
+                replaced, resent = self._replace_squatters(batch, values, results)
+                nbytes += resent
         except Exception as exc:
             self.count("put_failures", len(batch))
             self._failed("put", exc)
             return
         finally:
             with self._cond:  # the buffers are free again (the pipeline no longer refers to them)
-                room = max(0, self.queue_capacity // value_bytes(self.block_nbytes) - len(self._spare))
+                room = max(0, self.queue_capacity // value_bytes(self.block_nbytes, self.auth) - len(self._spare))
                 self._spare.extend(buf for _, buf in batch[:room])
         self._succeeded()
         written = sum(1 for r in results[:len(batch)] if r is True)
         failed = [r for r in results[:len(batch)] if isinstance(r, Exception)]
         self.count("written", written)
-        self.count("present", len(batch) - written - len(failed))
+        self.count("present", len(batch) - written - len(failed) - replaced)
+        self.count("replaced", replaced)
         self.count("bytes_written", nbytes)
         if failed:  # e.g. OOM under a policy that never evicts: the server is up, the write is not
             self.count("put_failures", len(failed))
             self._log_once("refused", "remote tier: the server refused writes (%s); dropped and counted",
                            failed[0])
+
+    def _replace_squatters(self, batch: list[tuple[bytes, bytearray]], values: list[Any],
+                           results: list[Any]) -> tuple[int, int]:
+        """Keys ``SET NX`` found present: those whose value does not start with this writer's
+        signature of the same bytes (a planted value, or one signed under another secret or
+        encoding) are overwritten. Returns how many, and the bytes sent again."""
+        present = [i for i, r in enumerate(results[:len(batch)]) if r is None]
+        if not present:
+            return 0, 0
+        pipe = self.client.pipeline(transaction=False)
+        for i in present:
+            pipe.getrange(batch[i][0], 0, AUTH_SIZE - 1)
+        heads = pipe.execute(raise_on_error=False)
+        stale = [i for i, head in zip(present, heads) if head != bytes(memoryview(values[i])[:AUTH_SIZE])]
+        if not stale:
+            return 0, 0
+        pipe = self.client.pipeline(transaction=False)
+        for i in stale:
+            pipe.set(batch[i][0], values[i])
+        pipe.execute(raise_on_error=False)
+        return len(stale), sum(len(values[i]) for i in stale)
 
     # ------------------------------------------------------------------ server
 
@@ -375,14 +442,14 @@ class RemoteTier:
     def _check_server(self) -> None:
         s = self.server
         maxmemory, policy = int(s.get("maxmemory") or 0), str(s.get("maxmemory_policy", "?"))
-        log.info("remote tier: %s (version %s), maxmemory %d bytes, policy %s", self.url,
+        log.info("remote tier: %s (version %s), maxmemory %d bytes, policy %s", self.where,
                  s.get("valkey_version") or s.get("redis_version"), maxmemory, policy)
         if maxmemory == 0:
             log.warning("remote tier: %s has no maxmemory: the store can grow without bound (set maxmemory "
-                        "and maxmemory-policy allkeys-lru)", self.url)
+                        "and maxmemory-policy allkeys-lru)", self.where)
         elif policy not in _EVICTING:
             log.warning("remote tier: %s evicts nothing under maxmemory-policy %s: writes fail once it is full "
-                        "(set allkeys-lru)", self.url, policy)
+                        "(set allkeys-lru)", self.where, policy)
         if maxmemory and self.capacity_bytes > maxmemory:
             log.warning("remote tier: remote.capacity (%d bytes) exceeds the server's maxmemory (%d bytes): the "
                         "server evicts first", self.capacity_bytes, maxmemory)
@@ -390,16 +457,16 @@ class RemoteTier:
     def _succeeded(self) -> None:
         if self.breaker.success():
             self.count("breaker_closed")
-            log.warning("remote tier: %s answers again", self.url)
+            log.warning("remote tier: %s answers again", self.where)
 
     def _failed(self, what: str, exc: BaseException) -> None:
         if self.breaker.failure():
             self.count("breaker_opened")
             log.warning("remote tier: %s failed %d times in a row (last: %s: %s); reads miss and writes drop "
-                        "until it answers", self.url, self.breaker.failures, what, exc)
+                        "until it answers", self.where, self.breaker.failures, what, _shown(exc))
         else:
             self._log_once(what, "remote tier: %s on %s failed (%s); counted as a miss or a dropped write",
-                           what, self.url, exc)
+                           what, self.where, _shown(exc))
 
     def _log_once(self, what: str, msg: str, *args: Any) -> None:
         if what not in self._logged:
@@ -443,3 +510,11 @@ class RemoteTier:
             self.client.close()
         except Exception:  # pragma: no cover - closing a broken connection
             pass
+
+
+def _shown(exc: BaseException) -> str:
+    """An error from the client or the server as a log line shows it: one line, printable,
+    bounded, with any URL's password redacted (a server's reply is not trusted text)."""
+    text = redact_url(str(exc)) if "://" in str(exc) else str(exc)
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text[:200] + ("..." if len(text) > 200 else "")
