@@ -46,10 +46,10 @@ def child(mode: str, requests: int, tmp: Path) -> dict[str, Any]:
     extra: dict[str, Any] = {"cpu.capacity": 64 * block_nbytes(bs), "ssd.path": str(tmp / "ssd"),
                              "ssd.capacity": "8MiB"}
     if mode == "on" or mode == "disk full":
-        extra["trace.path"] = str(tmp / "rec")
+        extra["trace.path"], extra["trace.insecure_hashes"] = str(tmp / "rec"), True
     elif mode == "unwritable":
         (tmp / "file").write_text("")
-        extra["trace.path"] = str(tmp / "file" / "rec")
+        extra["trace.path"], extra["trace.insecure_hashes"] = str(tmp / "file" / "rec"), True
     if mode == "disk full":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))

@@ -561,8 +561,9 @@ class TraceConfig:
     """The plugin's request recorder (``path`` null: off). ``path`` is a directory:
     each server start writes one recording there, in parts rotated after
     ``rotate_bytes`` or ``rotate_seconds``, of ``sample`` of the requests; with a
-    ``secret`` every block hash is re-keyed (HMAC) so it cannot be matched against
-    the hashes of known prompts."""
+    ``secret_file`` (or ``secret``) every block hash is re-keyed (HMAC) so it cannot be
+    matched against the hashes of known prompts; without one the recorder stays off
+    unless ``insecure_hashes`` says the plain hashes may be recorded."""
 
     path: str | None = None
     rotate_bytes: int = 256 * 1024**2
@@ -570,10 +571,12 @@ class TraceConfig:
     sample: float = 1.0
     secret: str | None = field(default=None, repr=False)
     secret_file: str | None = None
+    insecure_hashes: bool = False
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "trace") -> "TraceConfig":
-        _check_keys(d, ("path", "rotate_bytes", "rotate_seconds", "sample", "secret", "secret_file"), p)
+        _check_keys(d, ("path", "rotate_bytes", "rotate_seconds", "sample", "secret", "secret_file",
+                        "insecure_hashes"), p)
         path = d.get("path")
         if path is not None and (not isinstance(path, str) or not path.strip()):
             raise ConfigError(f"{p}.path: expected a directory, got {short_repr(path)}")
@@ -591,8 +594,11 @@ class TraceConfig:
         secret_file = _path_or_none(d, "secret_file", p)
         if secret is not None and secret_file is not None:
             raise ConfigError(f"{p}.secret_file: give the secret once (trace.secret or trace.secret_file)")
+        insecure = d.get("insecure_hashes", False)
+        if not isinstance(insecure, bool):
+            raise ConfigError(f"{p}.insecure_hashes: expected true or false, got {short_repr(insecure)}")
         return cls(path=path, rotate_bytes=rotate, rotate_seconds=seconds, sample=float(sample), secret=secret,
-                   secret_file=secret_file)
+                   secret_file=secret_file, insecure_hashes=insecure)
 
     def key(self) -> bytes | None:
         """The secret block hashes are re-keyed with: ``secret_file``'s first line, else ``secret``."""
@@ -723,11 +729,16 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _read_text(p: Path) -> str:
     """The text of config file ``p``: at most 1 MiB of UTF-8."""
+    from kvstrata.files import NotRegular, open_regular
+
     try:
-        with p.open("rb") as fh:
+        fd, _ = open_regular(p)  # a FIFO or a device is refused, never waited on
+        with os.fdopen(fd, "rb") as fh:
             data = fh.read(_MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"{p}: config file not found") from None
+    except NotRegular:
+        raise ConfigError(f"{p}: not a regular file; a config is a YAML file") from None
     except OSError as e:
         raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from None
     if len(data) > _MAX_FILE_BYTES:

@@ -15,6 +15,7 @@ import stat
 from pathlib import Path
 
 from kvstrata.errors import ConfigError
+from kvstrata.files import NotRegular, open_regular
 
 __all__ = ["MIN_SECRET_BYTES", "MAX_SECRET_FILE_BYTES", "read_secret_file", "secrets_from_env", "redact_url",
            "url_has_password"]
@@ -31,13 +32,12 @@ def read_secret_file(path: str | os.PathLike[str], key: str, min_bytes: int = MI
     ``min_bytes`` bytes. Never blocks on a FIFO."""
     p = Path(path).expanduser()
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd, st = open_regular(p, follow=False)
+    except NotRegular:
+        raise ConfigError(f"{key}: {p} is not a regular file") from None
     except OSError as exc:
         raise ConfigError(f"{key}: cannot open {p}: {exc.strerror}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{key}: {p} is not a regular file")
         if st.st_uid != os.geteuid():
             raise ConfigError(f"{key}: {p} belongs to uid {st.st_uid}, not to this user ({os.geteuid()})")
         if st.st_mode & 0o077:

@@ -389,3 +389,19 @@ def test_plot_draws_no_zero_gap_on_its_log_axis() -> None:
     x, frac, zeros = _ecdf_points(q)
     assert (x > 0).all() and x.min() >= 1.0 and zeros == pytest.approx(0.3, abs=0.02)
     assert frac[0] == pytest.approx(zeros)
+
+
+@pytest.mark.parametrize("what", ["config", "recording part"])
+def test_a_fifo_is_refused_at_once_naming_it(tmp_path: Path, what: str) -> None:
+    """Regression: a FIFO given as a config, or named ``*.jsonl`` in a recording directory,
+    hung the command. (A FIFO given as the trace itself is a stream, read once: see
+    test_trace_in_a_fifo_is_read_once.)"""
+    fifo = tmp_path / "x.jsonl"
+    os.mkfifo(fifo)
+    if what == "config":
+        res = run_cli("bench", "--trace", str(DATA / "small_mooncake.jsonl"), "--config", str(fifo), "--quiet",
+                      timeout=30)
+    else:
+        res = run_cli("bench", "--trace", str(tmp_path), "--quiet", timeout=30)  # the directory holds only the FIFO
+    assert res.returncode == 2, res.stderr
+    assert str(fifo) in res.stderr and "Traceback" not in res.stderr

@@ -38,7 +38,7 @@ def _key(i: int) -> bytes:
 
 
 def _recorder(tmp: Path, clock: Any = time.time, **trace: Any) -> TraceRecorder:
-    cfg = TraceConfig.from_dict({"path": str(tmp / "rec"), **trace})
+    cfg = TraceConfig.from_dict({"path": str(tmp / "rec"), "insecure_hashes": "secret" not in trace, **trace})
     return TraceRecorder(cfg, block_size=BS, deployment=_deployment(), clock=clock)
 
 
@@ -120,7 +120,7 @@ def test_sampling_keeps_a_stable_share_of_the_requests(tmp_path: Path) -> None:
 def test_an_unwritable_directory_disables_recording_with_one_log_line(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "file").write_text("not a directory")
-    cfg = TraceConfig.from_dict({"path": str(tmp_path / "file" / "rec")})
+    cfg = TraceConfig.from_dict({"path": str(tmp_path / "file" / "rec"), "insecure_hashes": True})
     with caplog.at_level(logging.WARNING, logger="kvstrata.trace.recorder"):
         rec = TraceRecorder(cfg, block_size=BS, deployment=_deployment())
         for i in range(50):
@@ -236,3 +236,128 @@ def test_of_two_recordings_the_latest_is_read(tmp_path: Path) -> None:
     assert trace.num_requests == 5
     assert any(f"recording {old.id} (1 part) skipped" in n for n in trace.notes)
     assert trace.measured is not None
+
+
+# ---------------------------------------------------------------------------- planted links
+
+FIXED = 1_800_000_000.0  # a fixed clock: the recording's id, and so its file names, are known in advance
+
+
+def _fixed_id() -> str:
+    import os
+
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(FIXED)) + f"-{os.getpid()}"
+
+
+def test_a_link_planted_where_the_measurements_go_redirects_nothing(tmp_path: Path) -> None:
+    """Regression: ``<id>.measured.tmp`` was opened through links, so a link planted in the
+    recording directory had the server's user overwrite a file of the planter's choosing."""
+    rec_dir = tmp_path / "rec"
+    rec_dir.mkdir(mode=0o700)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    rid = _fixed_id()
+    (rec_dir / f"{rid}.measured.tmp").symlink_to(victim)
+    (rec_dir / f"{rid}.measured.json").symlink_to(victim)
+    rec = _recorder(tmp_path, clock=lambda: FIXED)
+    rec.measured({"hits": 1})
+    rec.close()
+    assert victim.read_text() == "precious\n"
+    measured = rec_dir / f"{rid}.measured.json"
+    assert not measured.is_symlink() and json.loads(measured.read_text())["measured"] == {"hits": 1}
+    assert rec.disabled is None
+    assert [p.name for p in rec_dir.glob("*.tmp") if not p.is_symlink()] == []  # no temp file left behind
+
+
+def test_a_link_planted_where_a_part_goes_stops_the_recording_not_the_victim(tmp_path: Path, caplog) -> None:
+    rec_dir = tmp_path / "rec"
+    rec_dir.mkdir(mode=0o700)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (rec_dir / f"{_fixed_id()}-00000.jsonl").symlink_to(victim)
+    with caplog.at_level(logging.WARNING, logger="kvstrata.trace.recorder"):
+        rec = _recorder(tmp_path, clock=lambda: FIXED)
+        rec.admitted("a")
+        rec.finished("a", _req(FIXED + 1, [1]))
+        rec.close()
+    assert victim.read_text() == "precious\n"
+    assert rec.disabled is not None
+    assert sum("request recording stopped" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_files_are_private_and_a_directory_others_can_write_is_refused(tmp_path: Path, caplog) -> None:
+    import os
+    import stat
+
+    rec = _recorder(tmp_path)
+    rec.admitted("a")
+    rec.finished("a", _req(rec.started + 1, [1]))
+    rec.measured({"hits": 1})
+    rec.close()
+    files = list((tmp_path / "rec").iterdir())
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files), \
+        {f.name: oct(f.stat().st_mode) for f in files}
+    assert stat.S_IMODE((tmp_path / "rec").stat().st_mode) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with caplog.at_level(logging.WARNING, logger="kvstrata.trace.recorder"):
+        bad = TraceRecorder(TraceConfig.from_dict({"path": str(shared), "insecure_hashes": True}), block_size=BS,
+                            deployment=_deployment())
+        bad.close()
+    assert bad.disabled is not None and "others can write" in bad.disabled
+    assert list(shared.iterdir()) == []
+
+
+def test_measurements_are_read_with_a_bound_and_never_from_a_fifo(tmp_path: Path) -> None:
+    import os
+
+    from kvstrata.trace.recording import _read_measured
+
+    fifo = tmp_path / "x.measured.json"
+    os.mkfifo(fifo)
+    assert _read_measured(fifo, "x") is None  # returns at once: never waits for a writer
+    link = tmp_path / "y.measured.json"
+    link.symlink_to("/dev/zero")
+    assert _read_measured(link, "y") is None
+
+
+def test_without_a_secret_the_recorder_stays_off_unless_plain_hashes_are_asked_for(tmp_path: Path, caplog) -> None:
+    """Regression: without a secret (the default) the recorded hashes of a guessed prompt
+    matched the recording's, block for block."""
+    with caplog.at_level(logging.WARNING, logger="kvstrata.trace.recorder"):
+        rec = TraceRecorder(TraceConfig.from_dict({"path": str(tmp_path / "rec")}), block_size=BS,
+                            deployment=_deployment())
+        rec.admitted("a")
+        rec.finished("a", _req(rec.started + 1, [1]))
+        rec.measured({"hits": 1})
+        rec.close()
+    assert rec.disabled is not None and not (tmp_path / "rec").exists()
+    assert sum("trace.secret_file" in r.getMessage() for r in caplog.records) == 1
+    plain = _recorder(tmp_path / "plain")  # trace.insecure_hashes: true
+    plain.admitted("a")
+    plain.finished("a", _req(plain.started + 1, [1]))
+    plain.close()
+    assert _lines(tmp_path / "plain" / "rec")[1]["block_hashes"] == rekey([_key(1)], None)
+
+
+def test_one_long_request_holds_back_a_bounded_number_of_others(tmp_path: Path, monkeypatch) -> None:
+    """Regression: the reorder buffer was unbounded; 100k requests behind one long-running
+    one took 317 MiB and none reached the disk."""
+    from kvstrata.trace import recorder as recorder_module
+
+    monkeypatch.setattr(recorder_module, "MAX_WAITING", 3)
+    rec = _recorder(tmp_path)
+    t0 = rec.started
+    rec.admitted("slow")
+    for i in range(6):
+        rec.admitted(f"r{i}")
+        rec.finished(f"r{i}", _req(t0 + 1 + i, [10 + i]))
+    assert len(rec._pending) <= 3  # bounded: the slow request no longer holds the others back
+    rec.finished("slow", _req(t0 + 0.5, [1], finish=t0 + 100))
+    rec.close()
+    lines = _lines(tmp_path / "rec")[1:]
+    assert len(lines) == 7 and rec.counts["late"] == 1
+    assert lines[-1].get("late") is True and lines[-1]["block_hashes"] == rekey([_key(1)], None)
+    assert not any(line.get("late") for line in lines[:-1])
+    assert load_trace(tmp_path / "rec").requests  # still a trace the replay reads

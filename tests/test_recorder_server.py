@@ -85,7 +85,7 @@ def _record(model: str, tmp: Path, cpu_slots: int, concurrency: int) -> tuple[Pa
     bytes the workers stored to their SSD tiers (vLLM's /metrics)."""
     tmp.mkdir()
     extra = {"cpu.capacity": cpu_slots * BLOCK_BYTES, "ssd.path": str(tmp / "ssd"), "ssd.capacity": "256MiB",
-             "trace.path": str(tmp / "recording")}
+             "trace.path": str(tmp / "recording"), "trace.insecure_hashes": True}
     server = Server(model, tmp, extra=extra, gpu_blocks=GPU_BLOCKS)
     try:
         server.wait_ready(240)

@@ -55,7 +55,8 @@ def serve(model: str, tmp: Path, cpu_blocks: int, name: str, *, secret: str | No
     the plugin counted."""
     system = [random.Random(1).randrange(2, 500) for _ in range(3 * BS)]
     extra: dict[str, Any] = {"cpu.capacity": cpu_blocks * NBYTES, "ssd.path": str(tmp / f"ssd-{name}"),
-                             "ssd.capacity": "4MiB", "trace.path": str(trace_path or tmp / name)}
+                             "ssd.capacity": "4MiB", "trace.path": str(trace_path or tmp / name),
+                             "trace.insecure_hashes": True}
     if secret:
         extra["trace.secret"] = secret
     h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=48, kv_connector_extra_config=extra,
@@ -122,7 +123,8 @@ def test_preemptions_are_recorded_and_replayed_apart_from_the_hit_rate(model: st
     and looks it up again then, and neither side counts that lookup in the hit rate."""
     from vllm_util import random_token_prompt
 
-    extra = {"cpu.capacity": 40 * NBYTES, "ssd.path": None, "trace.path": str(tmp_path / "rec")}
+    extra = {"cpu.capacity": 40 * NBYTES, "ssd.path": None, "trace.path": str(tmp_path / "rec"),
+             "trace.insecure_hashes": True}
     h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=6, kv_connector_extra_config=extra,
                          worker=complete_every_plan)
     prompts = [(f"r{i}", random_token_prompt(2 * BS + 8, seed=30 + i)) for i in range(2)]

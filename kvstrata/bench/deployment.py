@@ -34,7 +34,8 @@ def default_config(overrides: Iterable[str] = ()) -> KVStrataConfig:
 # the config a replay of the recording starts from. Left out: where things are (paths,
 # the remote server's URL, which may hold a password), the metrics endpoint and the
 # recorder itself.
-_NOT_RECORDED = {"ssd": ("path",), "remote": ("url", "cluster"), "metrics": None, "trace": None}
+_NOT_RECORDED = {"ssd": ("path",), "remote": ("url", "cluster", "secret_file", "password_file"), "metrics": None,
+                 "trace": None}
 
 
 def recorded_deployment(cfg: KVStrataConfig, *, block_size: int, block_nbytes: int, gpu_blocks: int,

@@ -606,7 +606,7 @@ class _Loader:
             files, measured = [root], None
         for path in files:
             self.path, self.lines = path, 0
-            try:
+            try:  # a FIFO given as the trace is read as a stream (a recording's parts are regular files)
                 fh = open(path, "rb", buffering=1 << 20)
             except FileNotFoundError:
                 raise TraceError(f"{path}: trace file not found") from None

@@ -15,10 +15,12 @@ they are used only when every part of it is read.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from kvstrata.config import plural
+from kvstrata.files import NotRegular, open_regular, read_bounded
 from kvstrata.trace.format import MEASURED_SUFFIX, TRACE_VERSION, TraceError, header_version, is_header
 
 __all__ = ["recording_parts", "measured_of", "trace_header"]
@@ -27,8 +29,11 @@ __all__ = ["recording_parts", "measured_of", "trace_header"]
 def _first_header(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     """The kvstrata header a file starts with, or None and why it has none."""
     try:
-        with open(path, "rb") as fh:
+        fd, _ = open_regular(path)  # a FIFO named *.jsonl is skipped, never waited on
+        with os.fdopen(fd, "rb") as fh:
             first = fh.readline(1 << 20)
+    except NotRegular:
+        return None, "is not a regular file"
     except OSError as exc:
         return None, f"cannot be read ({exc.strerror or exc})"
     try:
@@ -102,10 +107,13 @@ def measured_of(path: Path, header: dict[str, Any] | None) -> dict[str, Any] | N
     return body if body is not None and body.get("parts", 1) == 1 else None
 
 
+MAX_MEASURED_BYTES = 16 * 1024**2  # a measurements file is a few KiB: a larger one is not the recorder's
+
+
 def _read_measured(path: Path, rid: str) -> dict[str, Any] | None:
     try:
-        body = json.loads(path.read_text())
-    except (OSError, ValueError):
+        body = json.loads(read_bounded(path, MAX_MEASURED_BYTES))
+    except (OSError, ValueError):  # missing, not a regular file, too large, not JSON: no measurements
         return None
     if not isinstance(body, dict) or body.get("recording") != rid or not isinstance(body.get("measured"), dict):
         return None
