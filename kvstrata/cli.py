@@ -184,7 +184,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     admission = None if args.admission in (None, "both") else args.admission
     options = ReplayOptions(decode_s_per_token=args.decode_ms_per_token / 1000.0, payload=args.payload,
                             payload_block_bytes=args.payload_block_bytes, admission=admission,
-                            explain=args.explain)
+                            explain=args.explain, max_memory=args.max_memory)
     if args.replicas is not None:
         return _bench_replicas(args, config, options, progress)
     trace = _load_trace(args, config, progress)
@@ -541,6 +541,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                           "prefix, or both side by side (default: both)")
     cfg.add_argument("--payload-block-bytes", type=_block_bytes, default="16KiB", metavar="SIZE",
                      help="bytes per block with --payload (default: 16KiB)")
+    cfg.add_argument("--max-memory", type=_block_bytes, default=None, metavar="SIZE",
+                     help="refuse a deployment whose replay would need more memory than this, before building "
+                          "it (default: half the machine's memory)")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the report as JSON ('-' for stdout)")
     out.add_argument("--plot", metavar="PATH.png", help="write the miss-ratio curve and lifecycle plot")

@@ -405,3 +405,18 @@ def test_a_fifo_is_refused_at_once_naming_it(tmp_path: Path, what: str) -> None:
         res = run_cli("bench", "--trace", str(tmp_path), "--quiet", timeout=30)  # the directory holds only the FIFO
     assert res.returncode == 2, res.stderr
     assert str(fifo) in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_deployment_too_large_to_replay_is_refused_before_anything_is_built(tmp_path: Path) -> None:
+    """Regression: the replay spent ~115 bytes per GPU-pool block of whatever the config (or a
+    recording's header) asked for: 5x10^7 blocks were killed at 4 GiB."""
+    res = run_cli("bench", "--trace", str(DATA / "small_mooncake.jsonl"), *SMALL, "--set", "gpu.num_blocks=1000000000",
+                  "--quiet", timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "gpu.num_blocks" in res.stderr and "--max-memory" in res.stderr
+    payload = run_cli("bench", "--trace", str(DATA / "small_mooncake.jsonl"), *SMALL, "--max-memory", "16MiB",
+                      "--payload", "--payload-block-bytes", "1KiB", "--set", "cpu.capacity=64MiB", "--quiet", timeout=60)
+    assert payload.returncode == 2 and "cpu.capacity" in payload.stderr, payload.stderr  # the slab's bytes
+    ok = run_cli("bench", "--trace", str(DATA / "small_mooncake.jsonl"), *SMALL, "--max-memory", "1GiB", "--quiet",
+                 timeout=60)
+    assert ok.returncode == 0, ok.stderr

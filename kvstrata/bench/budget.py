@@ -15,11 +15,58 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["BYTES_PER_DISTINCT_BLOCK", "available_memory_bytes", "default_max_distinct_blocks"]
+__all__ = ["BYTES_PER_DISTINCT_BLOCK", "GPU_BYTES_PER_BLOCK", "available_memory_bytes", "default_max_distinct_blocks",
+           "default_max_memory", "deployment_bytes", "largest_part"]
 
 BYTES_PER_DISTINCT_BLOCK = 250
 _BASE_BYTES = 256 << 20   # interpreter, numpy, the tiers' fixed state and the batches in flight
 _USABLE = 0.8             # of the available memory: headroom for the page cache and other processes
+
+
+GPU_BYTES_PER_BLOCK = 160    # the replay's device pool per block: ~115 measured, with headroom
+
+
+def deployment_bytes(capacity_blocks: dict[str, int], payload_block_bytes: int | None = None) -> dict[str, int]:
+    """What replaying a deployment of these tier capacities (blocks) costs in memory before a
+    single request, per tier: the device pool's bookkeeping (allocated for its whole size),
+    and with ``payload`` the host pool's and the CPU slab's bytes. The lower tiers' indexes
+    and the modelled remote tier grow with the blocks the trace brings, which
+    ``--max-distinct-blocks`` bounds."""
+    gpu, cpu = capacity_blocks.get("gpu", 0), capacity_blocks.get("cpu", 0)
+    out = {"gpu": gpu * GPU_BYTES_PER_BLOCK, "cpu": 0}
+    if payload_block_bytes:
+        out["gpu"] += gpu * payload_block_bytes
+        out["cpu"] += cpu * payload_block_bytes
+    return out
+
+
+def largest_part(parts: dict[str, int]) -> str:
+    """The tier that costs the most (the one to shrink)."""
+    return max(parts, key=lambda t: parts[t])
+
+
+def default_max_memory() -> int | None:
+    """Half of the machine's memory (or of this process's cgroup limit, when lower); None
+    when neither can be read."""
+    total = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    limit = _cgroup_limit()
+    got = [n for n in (total, limit) if n is not None]
+    return min(got) // 2 if got else None
+
+
+def _cgroup_limit() -> int | None:
+    try:
+        rel = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
+        value = (Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.max").read_text().strip()
+        return None if value == "max" else int(value)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def available_memory_bytes() -> int | None:

@@ -91,6 +91,7 @@ class ReplayOptions:
     admission: str | None = None   # None: the config's spill.admission
     record_requests: bool = False  # keep each request's hits per tier (ReplayResult.request_hits)
     explain: bool = False          # keep why each request's first missed block missed (ReplayResult.misses)
+    max_memory: int | None = None  # bytes the deployment may cost to replay (None: half the machine's memory)
 
 
 @dataclass
@@ -393,6 +394,27 @@ class Replayer:
         return stats
 
 
+_TIER_KEYS = {"gpu": "gpu.num_blocks or gpu.capacity", "cpu": "cpu.capacity"}
+
+
+def _check_memory(caps: dict[str, int], options: ReplayOptions) -> None:
+    """Refuse, before anything is built, a deployment whose replay would cost more memory than
+    ``options.max_memory`` (by default half the machine's), naming the key to lower: a
+    recording's header is trusted no more than ``--set``."""
+    from kvstrata.bench.budget import default_max_memory, deployment_bytes, largest_part
+    from kvstrata.config import format_size
+
+    limit = options.max_memory if options.max_memory is not None else default_max_memory()
+    parts = deployment_bytes(caps, options.payload_block_bytes if options.payload else None)
+    need = sum(parts.values())
+    if limit is None or need <= limit:
+        return
+    tier = largest_part(parts)
+    raise ReplayError(f"{_TIER_KEYS[tier]}: replaying this deployment needs ~{format_size(need)} of memory "
+                      f"({caps.get(tier, 0):,} {tier} blocks cost {format_size(parts[tier])}), more than "
+                      f"--max-memory {format_size(limit)}; lower {_TIER_KEYS[tier]} or raise --max-memory")
+
+
 def _checked(config: KVStrataConfig, block_size: int, admission: str | None) -> tuple[KVStrataConfig, dict[str, int]]:
     try:
         cfg = config_for_trace(config, block_size, admission)
@@ -421,9 +443,14 @@ def replaying(config: KVStrataConfig, block_size: int, options: ReplayOptions = 
         caps = {**caps, REMOTE: remote.capacity}
     if remote is not None and options.payload:
         raise ReplayError("--payload: a replay with a shared remote tier moves no bytes")
+    _check_memory(caps, options)
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-") as tmp:
         run_cfg = payload_config(cfg, options.payload_block_bytes, tmp) if options.payload else cfg
-        executor = payload_executor(run_cfg) if options.payload else NullExecutor()
+        try:
+            executor = payload_executor(run_cfg) if options.payload else NullExecutor()
+        except (MemoryError, RuntimeError) as exc:  # torch reports a failed allocation as RuntimeError
+            raise ReplayError(f"--payload: cannot allocate the tiers' bytes ({str(exc).splitlines()[0][:200]}); "
+                              f"lower --payload-block-bytes or the capacities") from None
         rp = Replayer(block_size, run_cfg, options, executor, remote)
         try:
             yield rp
