@@ -285,3 +285,19 @@ def test_the_readmes_example_trace_reads_as_it_says(tmp_path: Path) -> None:
     assert tr.format == "kvstrata" and tr.block_size == 16 and len(tr.requests) == 3
     assert tr.requests[1].blocks[:2] == tr.requests[0].blocks[:2]  # equal hashes: shared blocks
     assert tr.requests[0].input_length == 40 and tr.requests[1].output_length == 128
+
+
+def test_one_huge_line_stops_at_the_distinct_block_limit_before_it_fills_the_map(tmp_path) -> None:
+    """Regression: a single line's blocks were all interned before the limit was checked
+    (one 56 MiB line reached 1.2 GiB first)."""
+    import json as _json
+
+    from kvstrata.trace.reader import TraceReader
+
+    path = tmp_path / "huge.jsonl"
+    path.write_text(_json.dumps({"timestamp": 0, "hash_ids": list(range(3)), "output_length": 1}) + "\n"
+                    + _json.dumps({"timestamp": 1, "hash_ids": list(range(200_000)), "output_length": 1}) + "\n")
+    reader = TraceReader(path, "mooncake", block_size=16, max_distinct_blocks=1000)
+    with pytest.raises(TraceError, match=r"huge.jsonl:2: more than 1,000 distinct blocks"):
+        list(reader)
+    assert reader.info.num_distinct_blocks == 3  # nothing of line 2 was interned

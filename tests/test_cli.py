@@ -128,7 +128,7 @@ def test_skip_bad_lines_skips_and_counts_every_kind(tmp_path: Path, capsys: pyte
 def test_endless_line_is_an_error_not_a_hang() -> None:
     res = run_cli("bench", "--trace", "/dev/zero", "--quiet", timeout=60)
     assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert res.stderr == "kvstrata: error: /dev/zero:1: line longer than 67108864 bytes\n"
+    assert res.stderr == "kvstrata: error: /dev/zero:1: line longer than 16777216 bytes\n"
 
 
 def test_trace_on_stdin_is_read_once() -> None:

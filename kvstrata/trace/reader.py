@@ -58,7 +58,7 @@ __all__ = ["TRACE_VERSION", "HEADER_KEY", "header_version", "is_header", "FORMAT
 FORMATS = ("mooncake", "qwen", "kvstrata")
 _ALIASES = {"qwen-bailian": "qwen", "bailian": "qwen"}
 DEFAULT_BLOCK_SIZE = {"mooncake": 512, "qwen": 16}
-MAX_LINE_BYTES = 64 << 20
+MAX_LINE_BYTES = 16 << 20  # a 1M-token prompt's token ids fit; parsed, a line costs ~10x its bytes
 """Longest trace line read (bytes); a longer one is a bad line."""
 MAX_COUNT = 2**63 - 1
 """Largest ``input_length`` / ``output_length`` accepted."""
@@ -306,6 +306,7 @@ class TraceBuilder:
         ids = self.ids
         blocks = list(map(ids.get, raw_ids))
         if None in blocks:  # new blocks get the next ids (a request's hashes are distinct)
+            self._room_for(blocks.count(None))
             for i, b in enumerate(blocks):
                 if b is None:
                     blocks[i] = ids[raw_ids[i]] = len(ids)
@@ -329,6 +330,7 @@ class TraceBuilder:
             key = (parent, _token_key(tokens[i:i + bs]))
             parent = get(key)
             if parent is None:
+                self._room_for(1)
                 parent = ids[key] = len(ids)
             blocks.append(parent)
         self.token_based = True
@@ -349,10 +351,15 @@ class TraceBuilder:
         self.token_based = True
         self._append(Request(ts, blocks, input_length, output_length, hittable, 0, True))
 
-    def _append(self, req: Request) -> None:
-        if self.max_distinct_blocks is not None and len(self.ids) > self.max_distinct_blocks:
+    def _room_for(self, new: int) -> None:
+        """Refuse ``new`` more distinct blocks beyond ``max_distinct_blocks`` before they are
+        interned: one huge line stops here, not after its blocks filled the map."""
+        if self.max_distinct_blocks is not None and len(self.ids) + new > self.max_distinct_blocks:
             raise _TooManyBlocks(f"more than {self.max_distinct_blocks:,} distinct blocks (--max-distinct-blocks): "
                                  "stopped before the analysis outgrows the memory it was given")
+
+    def _append(self, req: Request) -> None:
+        self._room_for(0)
         if not self.num_requests:
             self._first_ts = req.timestamp
         self._last_ts = req.timestamp
