@@ -196,6 +196,9 @@ def _write_config(path: Path, **fields) -> Path:
 
 
 @pytest.mark.parametrize("fields, message", [
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got '0'"),
+    ({"vocab_size": 511.5}, "vocab_size must be a positive integer, got '511.5'"),
+    ({"hidden_size": 250}, "hidden_size 250 is not a multiple of num_attention_heads 4"),
     ({"model_type": "gemma3_text"}, "model_type 'gemma3_text' is not a Llama-family model"),
     ({"hidden_size": 128}, "head size 32 is not supported by the paged-attention kernels"),
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
@@ -312,3 +315,52 @@ def test_generate_refuses_a_model_that_is_not_llama_family(tmp_path: Path) -> No
     (tmp_path / "p.jsonl").write_text("[1, 2, 3]\n")
     code, out, err = _cli("generate", "--model", str(ckpt), "--prompt-file", str(tmp_path / "p.jsonl"))
     assert code == 2 and "is not a Llama-family model" in err and "Traceback" not in err
+
+
+
+def _copy_checkpoint(model_dir: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(model_dir, dest)
+    return dest
+
+
+def test_weights_lacking_a_tensor_the_config_names_are_refused_not_run_at_random(model_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    """Regression: transformers fills a tensor missing from the files with random values, and
+    ``generate`` ran them and exited 0."""
+    from safetensors.torch import load_file, save_file
+
+    from kvstrata.engine import LLMEngine
+
+    ckpt = _copy_checkpoint(model_dir, tmp_path / "ckpt")
+    (weights,) = ckpt.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = next(k for k in tensors if "layers.1.mlp.down_proj" in k)
+    del tensors[name]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"the weight files lack 1 tensor\(s\) the config names, first "
+                                          r"'model.layers.1.mlp.down_proj.weight'"):
+        LLMEngine(ckpt, engine_config(tmp_path))
+
+
+def test_a_damaged_weights_file_is_one_line_naming_the_checkpoint(model_dir: Path, tmp_path: Path) -> None:
+    from kvstrata.engine import LLMEngine
+
+    ckpt = _copy_checkpoint(model_dir, tmp_path / "ckpt")
+    (weights,) = ckpt.glob("*.safetensors")
+    weights.write_bytes(b"\xff" * 64 + weights.read_bytes()[64:])  # the header's length and start overwritten
+    with pytest.raises(ConfigError, match=rf"^model: {re.escape(str(ckpt))}: cannot load the weights"):
+        LLMEngine(ckpt, engine_config(tmp_path))
+
+
+def test_a_kv_pool_larger_than_memory_is_refused_before_allocating_whichever_key_sized_it(model_dir: Path,
+                                                                                        tmp_path: Path) -> None:
+    """Regression: ``gpu.num_blocks`` of 10^6 ran until killed at 4 GiB, where ``gpu.capacity``
+    was refused at once."""
+    from kvstrata.engine import LLMEngine
+
+    huge = engine_config(tmp_path, gpu_blocks=10**9)
+    with pytest.raises(ConfigError, match=r"^gpu\.num_blocks: a KV pool of 1,000,000,000 blocks .* free"):
+        LLMEngine(model_dir, huge)
+    assert not (tmp_path / "ssd").exists()  # refused before any tier was opened

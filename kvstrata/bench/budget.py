@@ -13,10 +13,10 @@ per token of block size.
 
 from __future__ import annotations
 
-from pathlib import Path
+from kvstrata.machine import available_memory_bytes
 
 __all__ = ["BYTES_PER_DISTINCT_BLOCK", "GPU_BYTES_PER_BLOCK", "available_memory_bytes", "default_max_distinct_blocks",
-           "default_max_memory", "deployment_bytes", "largest_part"]
+           "deployment_bytes", "largest_part"]
 
 BYTES_PER_DISTINCT_BLOCK = 250
 _BASE_BYTES = 256 << 20   # interpreter, numpy, the tiers' fixed state and the batches in flight
@@ -45,36 +45,6 @@ def largest_part(parts: dict[str, int]) -> str:
     return max(parts, key=lambda t: parts[t])
 
 
-def default_max_memory() -> int | None:
-    """Half of the machine's memory (or of this process's cgroup limit, when lower); None
-    when neither can be read."""
-    total = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                total = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    limit = _cgroup_limit()
-    got = [n for n in (total, limit) if n is not None]
-    return min(got) // 2 if got else None
-
-
-def _cgroup_limit() -> int | None:
-    try:
-        rel = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
-        value = (Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.max").read_text().strip()
-        return None if value == "max" else int(value)
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def available_memory_bytes() -> int | None:
-    """``MemAvailable``, or less where a cgroup limit leaves less; None when neither can be read."""
-    got = [n for n in (_meminfo_available(), _cgroup_room()) if n is not None]
-    return min(got) if got else None
-
-
 def default_max_distinct_blocks(fmt: str = "mooncake", block_size: int = 0) -> int | None:
     """Distinct blocks of a ``fmt`` trace (``block_size`` tokens a block) that the memory available
     now holds; None when it cannot be read (no limit)."""
@@ -83,26 +53,3 @@ def default_max_distinct_blocks(fmt: str = "mooncake", block_size: int = 0) -> i
         return None
     per_block = BYTES_PER_DISTINCT_BLOCK + (8 * block_size + 40 if fmt == "kvstrata" else 0)
     return max(1 << 20, int((avail * _USABLE - _BASE_BYTES) // per_block))
-
-
-def _meminfo_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _cgroup_room() -> int | None:
-    """cgroup v2: ``memory.max - memory.current`` of this process's group, None without a limit."""
-    try:
-        rel = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
-        base = Path("/sys/fs/cgroup") / rel.lstrip("/")
-        limit = (base / "memory.max").read_text().strip()
-        if limit == "max":
-            return None
-        return max(0, int(limit) - int((base / "memory.current").read_text()))
-    except (OSError, ValueError, IndexError):
-        return None

@@ -401,7 +401,8 @@ def _check_memory(caps: dict[str, int], options: ReplayOptions) -> None:
     """Refuse, before anything is built, a deployment whose replay would cost more memory than
     ``options.max_memory`` (by default half the machine's), naming the key to lower: a
     recording's header is trusted no more than ``--set``."""
-    from kvstrata.bench.budget import default_max_memory, deployment_bytes, largest_part
+    from kvstrata.bench.budget import deployment_bytes, largest_part
+    from kvstrata.machine import default_max_memory
     from kvstrata.config import format_size
 
     limit = options.max_memory if options.max_memory is not None else default_max_memory()

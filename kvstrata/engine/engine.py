@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from kvstrata.config import KVStrataConfig
+from kvstrata.config import KVStrataConfig, format_size
 from kvstrata.engine.kv import PagedKV, StepBatch, cache_dtype
 from kvstrata.engine.model import DTYPES, ModelShape, PagedModel, read_model_shape
 from kvstrata.errors import ConfigError
@@ -85,6 +85,22 @@ class _Request:
     admitted_at: float = 0.0
 
 
+def _check_pool_memory(cfg: KVStrataConfig, num_blocks: int, device: torch.device) -> None:
+    """Refuse a KV pool larger than the device can hold now, before allocating it, naming the
+    key that sized it (``gpu.num_blocks`` or ``gpu.capacity``)."""
+    from kvstrata.machine import available_memory_bytes
+
+    need = num_blocks * cfg.block_nbytes()
+    if device.type == "cuda":
+        free = int(torch.cuda.mem_get_info(device)[0])
+    else:
+        free = available_memory_bytes()
+    if free is not None and need > free:
+        key = "gpu.num_blocks" if cfg.gpu.num_blocks is not None else "gpu.capacity"
+        raise ConfigError(f"{key}: a KV pool of {num_blocks:,} blocks of {format_size(cfg.block_nbytes())} needs "
+                          f"{format_size(need)}; {device.type} has {format_size(free)} free")
+
+
 class LLMEngine:
     """A Llama-family checkpoint over kvstrata's tiered cache.
 
@@ -110,9 +126,10 @@ class LLMEngine:
         kv_dtype = cache_dtype(kv_name, activation)
         self.config = cfg = _engine_config(cfg, shape, kv_name)
         self.device = torch.device(cfg.gpu.resolve_device())
-        self.kv = PagedKV(shape.num_layers, shape.num_kv_heads, shape.head_size,
-                          cfg.gpu.resolve_num_blocks(cfg.block_nbytes()), cfg.block_size, kv_dtype, self.device,
-                          k_scale=k_scale, v_scale=v_scale)
+        num_blocks = cfg.gpu.resolve_num_blocks(cfg.block_nbytes())
+        _check_pool_memory(cfg, num_blocks, self.device)
+        self.kv = PagedKV(shape.num_layers, shape.num_kv_heads, shape.head_size, num_blocks, cfg.block_size, kv_dtype,
+                          self.device, k_scale=k_scale, v_scale=v_scale)
         self.fingerprint = Fingerprint(
             model=model_identity(str(model_path), override=cfg.model.id), dtype=_name(activation),
             kv_dtype=_name(kv_dtype), block_size=cfg.block_size, block_nbytes=self.kv.block_nbytes(),

@@ -69,13 +69,23 @@ def read_model_shape(path: str | Path) -> ModelShape:
     if model_type not in FAMILIES:
         raise ConfigError(f"model: {cfg_path}: model_type {model_type!r} is not a Llama-family model "
                           f"(supported: {', '.join(FAMILIES)})")
+    def field(name: str, default: Any = None) -> int:
+        value = cfg.get(name)
+        value = default if value is None else value
+        if value is None:
+            raise ConfigError(f"model: {cfg_path}: missing field {name!r}")
+        if type(value) is not int or value < 1:
+            raise ConfigError(f"model: {cfg_path}: {name} must be a positive integer, got {str(value)[:40]!r}")
+        return value
+
+    heads, hidden = field("num_attention_heads"), field("hidden_size")
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise ConfigError(f"model: {cfg_path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
     try:
-        heads = int(cfg["num_attention_heads"])
-        head_size = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
         shape = ModelShape(
-            model_type=model_type, num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_size=head_size,
-            vocab_size=int(cfg["vocab_size"]), max_positions=int(cfg.get("max_position_embeddings") or 2048),
+            model_type=model_type, num_layers=field("num_hidden_layers"), num_heads=heads,
+            num_kv_heads=field("num_key_value_heads", heads), head_size=field("head_dim", hidden // heads),
+            vocab_size=field("vocab_size"), max_positions=field("max_position_embeddings", 2048),
             dtype=DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"), "float32"),
             sliding_window=_sliding_window(cfg), eos_token_ids=_eos_ids(root, cfg))
     except (KeyError, TypeError, ValueError) as exc:
@@ -84,6 +94,11 @@ def read_model_shape(path: str | Path) -> ModelShape:
         raise ConfigError(f"model: {cfg_path}: num_attention_heads {heads} is not a multiple of "
                           f"num_key_value_heads {shape.num_kv_heads}")
     return shape
+
+
+def _tied(model: Any, key: str) -> bool:
+    """Is ``key`` the output embedding tied to the input one (absent from the files by design)?"""
+    return key.startswith("lm_head") and bool(getattr(model.config, "tie_word_embeddings", False))
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:
@@ -118,7 +133,17 @@ class PagedModel:
         import torch
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(Path(path).expanduser()), dtype=dtype)
+        root = Path(path).expanduser()
+        try:
+            hf, info = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype, output_loading_info=True)
+        except Exception as exc:  # a damaged weights file (SafetensorError), a tensor of the wrong shape, ...
+            raise ConfigError(f"model: {root}: cannot load the weights: {str(exc).splitlines()[0][:300]}") from None
+        missing = [k for k in info.get("missing_keys", ()) if not _tied(hf, k)]
+        if missing:  # transformers would run them with random values
+            raise ConfigError(f"model: {root}: the weight files lack {len(missing)} tensor(s) the config names, "
+                              f"first {missing[0]!r}")
+        if info.get("mismatched_keys"):
+            raise ConfigError(f"model: {root}: tensor {info['mismatched_keys'][0]!r} has the wrong shape")
         self.hf = hf.to(device=device, dtype=dtype).eval()
         self.shape = shape
         self.dtype = dtype
