@@ -420,3 +420,16 @@ def test_a_deployment_too_large_to_replay_is_refused_before_anything_is_built(tm
     ok = run_cli("bench", "--trace", str(DATA / "small_mooncake.jsonl"), *SMALL, "--max-memory", "1GiB", "--quiet",
                  timeout=60)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_recording_header_whose_section_is_not_a_mapping_is_one_line(tmp_path: Path) -> None:
+    header = {"kvstrata_trace": 3, "block_size": 16, "recording": {"id": "x", "part": 0, "started": 0,
+                                                                   "sample": 1.0, "keyed": False},
+              "deployment": {"config": {"gpu": 5}}}
+    line = {"timestamp": 0, "input_length": 32, "output_length": 1, "block_hashes": ["00" * 16, "01" * 16],
+            "output_block_hashes": [], "duration": 1}
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(header) + "\n" + json.dumps(line) + "\n")
+    res = run_cli("bench", "--trace", str(path), "--set", "gpu.capacity=1GiB", "--quiet", timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "gpu: expected a mapping" in res.stderr

@@ -364,3 +364,14 @@ def test_a_kv_pool_larger_than_memory_is_refused_before_allocating_whichever_key
     with pytest.raises(ConfigError, match=r"^gpu\.num_blocks: a KV pool of 1,000,000,000 blocks .* free"):
         LLMEngine(model_dir, huge)
     assert not (tmp_path / "ssd").exists()  # refused before any tier was opened
+
+
+def test_a_prompt_file_nested_too_deeply_or_not_a_file_is_one_line(tmp_path: Path) -> None:
+    from kvstrata.engine.prompts import read_prompts
+
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match=r"deep.jsonl:1: JSON nested too deeply"):
+        read_prompts(deep, tmp_path)
+    with pytest.raises(ConfigError, match=r"^--prompt-file: /dev/zero is not a regular file"):
+        read_prompts("/dev/zero", tmp_path)

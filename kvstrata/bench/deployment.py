@@ -65,10 +65,10 @@ def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = ()) -
         raise ConfigError("trace: the recording's header holds no deployment to replay; give --config")
     overrides = list(overrides)
     base = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
-    if any(isinstance(o, str) and o.split("=", 1)[0].strip() == "gpu.capacity" for o in overrides):
-        base["gpu"].pop("num_blocks", None)  # one pool size: num_blocks and capacity are exclusive
     try:
-        KVStrataConfig.from_dict(base)
+        KVStrataConfig.from_dict(base)  # checked as a whole first: a section that is not a mapping is named
     except ConfigError as exc:
         raise ConfigError(f"trace: the recorded deployment: {exc}") from None
+    if any(isinstance(o, str) and o.split("=", 1)[0].strip() == "gpu.capacity" for o in overrides):
+        base.get("gpu", {}).pop("num_blocks", None)  # one pool size: num_blocks and capacity are exclusive
     return KVStrataConfig.from_dict(base, overrides)

@@ -14,17 +14,22 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvstrata.files import NotRegular, read_bounded
 from kvstrata.errors import ConfigError
 
-__all__ = ["read_prompts", "load_tokenizer"]
+__all__ = ["read_prompts", "load_tokenizer", "MAX_PROMPT_FILE_BYTES"]
+
+MAX_PROMPT_FILE_BYTES = 256 * 1024**2  # prompts of a few million tokens
 
 
 def read_prompts(path: str | Path, model_dir: str | Path) -> list[list[int]]:
     """The prompts of ``path`` as token ids (text through ``model_dir``'s tokenizer)."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = read_bounded(path, MAX_PROMPT_FILE_BYTES).decode("utf-8").splitlines()
     except UnicodeDecodeError:
         raise ConfigError(f"--prompt-file: {path}: not UTF-8 text") from None
+    except NotRegular as e:
+        raise ConfigError(f"--prompt-file: {e}") from None
     except OSError as e:
         raise ConfigError(f"--prompt-file: {path}: {e.strerror or e}") from None
     prompts: list[list[int]] = []
@@ -35,8 +40,10 @@ def read_prompts(path: str | Path, model_dir: str | Path) -> list[list[int]]:
         where = f"{path}:{number}"
         try:
             item = json.loads(line)
+        except RecursionError:
+            raise ConfigError(f"{where}: JSON nested too deeply") from None
         except ValueError as exc:
-            raise ConfigError(f"{where}: not JSON ({exc.msg})") from None
+            raise ConfigError(f"{where}: not JSON ({getattr(exc, 'msg', exc)})") from None
         if isinstance(item, dict) and isinstance(item.get("prompt"), str):
             if tokenizer is None:
                 tokenizer = load_tokenizer(model_dir)
