@@ -36,17 +36,32 @@ def test_a_second_engine_serves_the_first_ones_prefix_from_the_remote_tier(model
                                                                             tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
+    password, signing = "server-password-4f1c", b"signing-secret-9d2e7a61b0c4"
     with ValkeyServer() as server:
-        remote = {"remote.url": server.url, "remote.secret_file": secret_file(tmp_path)}
+        server.client().config_set("requirepass", password)
+        pw_file = tmp_path / "remote.password"
+        pw_file.write_text(password + "\n")
+        pw_file.chmod(0o600)
+        # Secrets by file only: vLLM logs kv_connector_extra_config as given, at INFO.
+        remote = {"remote.url": server.url, "remote.secret_file": secret_file(tmp_path, signing),
+                  "remote.password_file": str(pw_file)}
         a_cfg = kvstrata(tmp_path / "a", **remote)
-        first = run_in_subprocess({"model": model, "kvstrata": a_cfg, "steps": [{"prompts": [PROMPT]}]})["steps"][0]
+        info = {"VLLM_LOGGING_LEVEL": "INFO"}
+        run_a = run_in_subprocess({"model": model, "kvstrata": a_cfg, "steps": [{"prompts": [PROMPT]}]}, env=info)
+        first = run_a["steps"][0]
         assert same(first, baseline["prompt"])
-        assert server.client().dbsize() == 22  # one key per full block (TP 1): 700 prompt + 8 sampled tokens
+        import redis
+
+        assert redis.Redis(port=server.port, password=password).dbsize() == 22  # a key per full block (TP 1)
         # Engine B: its own (empty) SSD tier; SHIFTED shares the first 10 full blocks only,
         # so blocks loaded into the wrong positions would change its output.
         b_cfg = kvstrata(tmp_path / "b", **remote)
         steps = [{"prompts": [SHIFTED]}, {"prompts": [PROMPT]}]
-        shifted, again = run_in_subprocess({"model": model, "kvstrata": b_cfg, "steps": steps})["steps"]
+        run_b = run_in_subprocess({"model": model, "kvstrata": b_cfg, "steps": steps}, env=info)
+        shifted, again = run_b["steps"]
+    for log in (run_a["log"], run_b["log"]):
+        assert "remote.password_file" in log  # the engine logged its connector config ...
+        assert password not in log and signing.decode() not in log  # ... and no secret with it
     assert shifted["external_hits"] == 10 * BLOCK
     assert shifted["by_source"] == {"external_unspecified": 10 * BLOCK}
     assert same(shifted, baseline["shifted"])

@@ -439,6 +439,7 @@ def run_in_subprocess(spec: dict[str, Any], *, multiprocessing: bool = False, ti
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
             result["omp_binding_log"] = omp_binding_log(proc.stdout + proc.stderr)
+            result["log"] = proc.stdout + proc.stderr
             return result
     raise RuntimeError(f"engine process failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
 
