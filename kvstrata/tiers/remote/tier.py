@@ -20,7 +20,9 @@ Never blocks or breaks the engine:
   honest writer cannot squat the key.
 * A :class:`~kvstrata.tiers.remote.breaker.Breaker` opens after repeated
   connection failures or timeouts: reads miss and writes drop at once until a
-  probe succeeds. A server that is down at start-up is logged, not fatal.
+  probe succeeds. A server that is down at start-up is logged, not fatal. On a
+  cluster every round trip is split by node, each node with a breaker of its
+  own: a dead node costs only the keys it owns.
 
 The server bounds the store (``maxmemory`` with ``allkeys-lru``); kvstrata reads
 ``INFO`` when it connects and every :data:`INFO_EVERY` seconds, reports it in
@@ -55,6 +57,7 @@ __all__ = ["RemoteTier", "connect", "INFO_EVERY"]
 log = logging.getLogger(__name__)
 
 INFO_EVERY = 10.0           # seconds between INFO reads by the writer thread
+_UNANSWERED = ConnectionError("the cluster node that owns the key did not answer")
 _PROBE_BATCH = 1024         # keys per pipelined EXISTS round trip
 _EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
 COUNTERS = ("hits", "misses", "corrupt", "timeouts", "errors", "refused", "probes", "probe_hits",
@@ -117,6 +120,8 @@ class RemoteTier:
         self.client = connect(url, cluster=cluster, timeout=timeout, connect_timeout=connect_timeout,
                               password=password)
         self.where = redact_url(url)  # what logs show
+        self.cluster = cluster
+        self._node_breakers: dict[str, Breaker] = {}
         self.server: dict[str, Any] = {}
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
@@ -182,7 +187,7 @@ class RemoteTier:
                 break
             width = len(self.probe_prefixes)
             n = 0
-            while n < len(batch) and all(answers[n * width:(n + 1) * width]):
+            while n < len(batch) and all(a == 1 for a in answers[n * width:(n + 1) * width]):
                 n += 1
             held += n
             if n < len(batch):
@@ -280,22 +285,54 @@ class RemoteTier:
             self._busy -= 1
 
     def _exists(self, nskeys: list[bytes]) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
-        for k in nskeys:
-            pipe.exists(k)
-        return pipe.execute()
+        return self._pipelined(nskeys, lambda pipe, k: pipe.exists(k), 1, 0)
+
+    def _pipelined(self, nskeys: list[bytes], add: Any, per_key: int, missing: Any, strict: bool = True) -> list[Any]:
+        """``add(pipe, key)`` for each key (``per_key`` commands each) in one pipeline, or on a
+        cluster one per node: the answers of a node that fails or whose breaker is open are
+        ``missing`` (the node's breaker counts the failure; the others go on). ``strict``: a
+        pipeline whose every command failed is a failure (see :func:`_answers`)."""
+        if not self.cluster:
+            pipe = self.client.pipeline(transaction=False)
+            for k in nskeys:
+                add(pipe, k)
+            return _answers(pipe, strict)
+        by_node: dict[str, list[int]] = {}
+        nodes: dict[str, Any] = {}
+        for i, k in enumerate(nskeys):
+            node = self.client.get_node_from_key(k)
+            nodes[node.name] = node
+            by_node.setdefault(node.name, []).append(i)
+        out: list[Any] = [missing] * (len(nskeys) * per_key)
+        for name, idx in by_node.items():
+            breaker = self._node_breakers.setdefault(name, Breaker())
+            if not breaker.allow():
+                continue
+            try:
+                pipe = self.client.get_redis_connection(nodes[name]).pipeline(transaction=False)
+                for i in idx:
+                    add(pipe, nskeys[i])
+                answers = _answers(pipe, strict)
+            except Exception as exc:  # this node is down or late: its keys miss
+                if breaker.failure():
+                    self._log_once(f"node {name}", "remote tier: cluster node %s failed (%s); its keys miss until "
+                                   "it answers", name, _shown(exc))
+                continue
+            breaker.success()
+            for j, i in enumerate(idx):
+                out[i * per_key:(i + 1) * per_key] = answers[j * per_key:(j + 1) * per_key]
+        return out
 
     def _get(self, nskeys: list[bytes]) -> list[Any]:
         """Each key's value (None: absent), read only up to the longest value this tier writes:
         a longer one, or one that is not a string, is a :class:`CorruptRecord` (not read)."""
-        pipe = self.client.pipeline(transaction=False)
-        for k in nskeys:
-            pipe.strlen(k)
-            pipe.getrange(k, 0, self.max_value - 1)
-        answers = pipe.execute(raise_on_error=False)
+        answers = self._pipelined(nskeys, lambda pipe, k: (pipe.strlen(k), pipe.getrange(k, 0, self.max_value - 1)),
+                                  2, None)
         out: list[Any] = []
         for length, value in zip(answers[::2], answers[1::2]):
-            if isinstance(length, Exception) or isinstance(value, Exception):
+            if length is None:  # the node that owns it did not answer
+                out.append(None)
+            elif isinstance(length, Exception) or isinstance(value, Exception):
                 out.append(CorruptRecord("not a string value"))
             elif length > self.max_value:
                 out.append(CorruptRecord(f"a value of {length:,} bytes; the longest valid one has {self.max_value:,}"))
@@ -365,17 +402,13 @@ class RemoteTier:
             self.count("dropped_breaker", len(batch))
             return
         try:
-            pipe = self.client.pipeline(transaction=False)
-            nbytes = 0
-            values, replaced = [], 0
-            for nskey, buf in batch:
-                value = seal(nskey, buf, self.codec, self.auth)
-                values.append(value)
-                nbytes += len(value)
-                pipe.set(nskey, value, nx=True)
-            for nskey in deletes:
-                pipe.delete(nskey)
-            results = pipe.execute(raise_on_error=False)
+            values = [seal(nskey, buf, self.codec, self.auth) for nskey, buf in batch]
+            nbytes, replaced = sum(len(v) for v in values), 0
+            value_of = {nskey: v for (nskey, _), v in zip(batch, values)}
+            results = self._pipelined([k for k, _ in batch], lambda pipe, k: pipe.set(k, value_of[k], nx=True), 1,
+                                      _UNANSWERED, strict=False) if batch else []
+            if deletes:
+                self._pipelined(deletes, lambda pipe, k: pipe.delete(k), 1, None, strict=False)
             if self.auth is not None:
                 replaced, resent = self._replace_squatters(batch, values, results)
                 nbytes += resent
@@ -407,17 +440,14 @@ class RemoteTier:
         present = [i for i, r in enumerate(results[:len(batch)]) if r is None]
         if not present:
             return 0, 0
-        pipe = self.client.pipeline(transaction=False)
-        for i in present:
-            pipe.getrange(batch[i][0], 0, AUTH_SIZE - 1)
-        heads = pipe.execute(raise_on_error=False)
-        stale = [i for i, head in zip(present, heads) if head != bytes(memoryview(values[i])[:AUTH_SIZE])]
+        heads = self._pipelined([batch[i][0] for i in present], lambda pipe, k: pipe.getrange(k, 0, AUTH_SIZE - 1),
+                                1, None, strict=False)
+        stale = [i for i, head in zip(present, heads)
+                 if head is not None and head != bytes(memoryview(values[i])[:AUTH_SIZE])]
         if not stale:
             return 0, 0
-        pipe = self.client.pipeline(transaction=False)
-        for i in stale:
-            pipe.set(batch[i][0], values[i])
-        pipe.execute(raise_on_error=False)
+        value_of = {batch[i][0]: values[i] for i in stale}
+        self._pipelined(list(value_of), lambda pipe, k: pipe.set(k, value_of[k]), 1, None, strict=False)
         return len(stale), sum(len(values[i]) for i in stale)
 
     # ------------------------------------------------------------------ server
@@ -518,3 +548,15 @@ def _shown(exc: BaseException) -> str:
     text = redact_url(str(exc)) if "://" in str(exc) else str(exc)
     text = "".join(c if c.isprintable() else "?" for c in text)
     return text[:200] + ("..." if len(text) > 200 else "")
+
+
+def _answers(pipe: Any, strict: bool = True) -> list[Any]:
+    """A pipeline's answers, an error answer in place of a command that failed on its own
+    (another type under the key, a write refused for memory); ``strict``: raises when every
+    command failed otherwise (the server refuses them all: a protocol or authentication
+    problem, for the breaker)."""
+    answers = pipe.execute(raise_on_error=False)
+    errors = [a for a in answers if isinstance(a, Exception)]
+    if strict and errors and len(errors) == len(answers) and not any(str(e).startswith("WRONGTYPE") for e in errors):
+        raise errors[0]
+    return answers
