@@ -559,11 +559,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prefix came from."""
     from kvstrata.config import KVStrataConfig
     from kvstrata.engine import LLMEngine
+    from kvstrata.engine.engine import EnginePlan
     from kvstrata.engine.prompts import load_tokenizer, read_prompts
 
     prompts = read_prompts(args.prompt_file, args.model)
     overrides = list(args.set or [])
     config = KVStrataConfig.from_yaml(args.config, overrides) if args.config else KVStrataConfig.from_dict({}, overrides)
+    plan = EnginePlan.of(args.model, config, kv_cache_dtype=args.kv_cache_dtype)
+    for i, prompt in enumerate(prompts):  # every prompt, before the weights load or a tier opens
+        plan.check(prompt, args.max_new_tokens, args.n, f"prompts[{i}]")
     with LLMEngine(args.model, config, kv_cache_dtype=args.kv_cache_dtype, k_scale=args.k_scale,
                    v_scale=args.v_scale) as engine:
         t0 = time.perf_counter()

@@ -375,3 +375,15 @@ def test_a_prompt_file_nested_too_deeply_or_not_a_file_is_one_line(tmp_path: Pat
         read_prompts(deep, tmp_path)
     with pytest.raises(ConfigError, match=r"^--prompt-file: /dev/zero is not a regular file"):
         read_prompts("/dev/zero", tmp_path)
+
+
+def test_generate_checks_every_prompt_before_the_weights_load(tmp_path: Path) -> None:
+    """Regression: the prompt checks ran only after the weights loaded. A checkpoint with no
+    weight file at all still gets the prompt's error: nothing was loaded."""
+    ckpt = _write_config(tmp_path / "ckpt")
+    (tmp_path / "p.jsonl").write_text("[1, 2, 3]\n[5, 9999]\n")
+    code, out, err = _cli("generate", "--model", str(ckpt), "--prompt-file", str(tmp_path / "p.jsonl"),
+                          "--set", f"ssd.path={tmp_path / 'ssd'}", "--set", "gpu.device=cpu")
+    assert code == 2 and "Traceback" not in err
+    assert "prompts[1]: token 9999 is not an id" in err, err
+    assert not (tmp_path / "ssd").exists()

@@ -101,6 +101,60 @@ def _check_pool_memory(cfg: KVStrataConfig, num_blocks: int, device: torch.devic
                           f"{format_size(need)}; {device.type} has {format_size(free)} free")
 
 
+@dataclass(frozen=True)
+class EnginePlan:
+    """What an engine of a checkpoint and a config will be, known before anything is loaded or
+    allocated: the model's shape, the config the engine runs, the dtypes and the pool's
+    blocks. :meth:`check` tells whether a request can ever run (``kvstrata generate`` checks
+    every prompt with it before the weights load)."""
+
+    shape: ModelShape
+    config: KVStrataConfig
+    activation: torch.dtype
+    kv_dtype: torch.dtype
+    num_blocks: int
+
+    @classmethod
+    def of(cls, model_path: str | Path, config: KVStrataConfig | str | Path | Mapping[str, Any] | None = None, *,
+           dtype: str | torch.dtype | None = None, kv_cache_dtype: str | None = None) -> "EnginePlan":
+        shape = read_model_shape(model_path)
+        cfg = _load_config(config)
+        activation = _activation_dtype(dtype, shape)
+        kv_name = _kv_name(cfg, kv_cache_dtype, activation)
+        kv_dtype = cache_dtype(kv_name, activation)
+        cfg = _engine_config(cfg, shape, kv_name)
+        return cls(shape, cfg, activation, kv_dtype, cfg.gpu.resolve_num_blocks(cfg.block_nbytes()))
+
+    def check(self, prompt: Sequence[int], max_new_tokens: int, n: int, what: str) -> tuple[list[int], int]:
+        """The prompt's tokens and the blocks the request can ever hold; ConfigError naming
+        ``what`` when it cannot run."""
+        for name, value in (("max_new_tokens", max_new_tokens), ("n", n)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+        tokens = list(prompt)
+        if not tokens:
+            raise ConfigError(f"{what}: empty (a prompt needs at least one token)")
+        vocab = self.shape.vocab_size
+        bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ConfigError(f"{what}: token {bad!r} is not an id in [0, {vocab})")
+        total = len(tokens) + max_new_tokens - 1
+        limit = self.shape.max_positions
+        if self.shape.sliding_window is not None:
+            limit = min(limit, self.shape.sliding_window)
+        if total > limit:
+            why = "the sliding window" if limit == self.shape.sliding_window else "max_position_embeddings"
+            raise ConfigError(f"{what}: {len(tokens)} tokens + {max_new_tokens} new exceed the model's "
+                              f"{limit} positions ({why})")
+        shared = len(tokens) // self.config.block_size
+        reserve = shared + n * (math.ceil(total / self.config.block_size) - shared)
+        if reserve > self.num_blocks:
+            raise ConfigError(f"{what}: {len(tokens)} tokens + {max_new_tokens} new (n={n}) need {reserve} blocks "
+                              f"of {self.config.block_size} tokens; the pool holds {self.num_blocks} "
+                              f"(gpu.num_blocks)")
+        return tokens, reserve
+
+
 class LLMEngine:
     """A Llama-family checkpoint over kvstrata's tiered cache.
 
@@ -119,14 +173,11 @@ class LLMEngine:
                  k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         from kvstrata.tiered import TieredKVCache
 
-        self.shape = shape = read_model_shape(model_path)
-        cfg = _load_config(config)
-        activation = _activation_dtype(dtype, shape)
-        kv_name = _kv_name(cfg, kv_cache_dtype, activation)
-        kv_dtype = cache_dtype(kv_name, activation)
-        self.config = cfg = _engine_config(cfg, shape, kv_name)
+        self.plan = plan = EnginePlan.of(model_path, config, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+        self.shape = shape = plan.shape
+        self.config = cfg = plan.config
+        activation, kv_dtype, num_blocks = plan.activation, plan.kv_dtype, plan.num_blocks
         self.device = torch.device(cfg.gpu.resolve_device())
-        num_blocks = cfg.gpu.resolve_num_blocks(cfg.block_nbytes())
         _check_pool_memory(cfg, num_blocks, self.device)
         self.kv = PagedKV(shape.num_layers, shape.num_kv_heads, shape.head_size, num_blocks, cfg.block_size, kv_dtype,
                           self.device, k_scale=k_scale, v_scale=v_scale)
@@ -199,32 +250,7 @@ class LLMEngine:
         return [r.out for r in finished]
 
     def _check(self, prompt: Sequence[int], max_new_tokens: int, n: int, what: str) -> tuple[list[int], int]:
-        """The prompt's tokens and the blocks the request can ever hold; ConfigError naming
-        ``what`` when it cannot run."""
-        for name, value in (("max_new_tokens", max_new_tokens), ("n", n)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
-        tokens = list(prompt)
-        if not tokens:
-            raise ConfigError(f"{what}: empty (a prompt needs at least one token)")
-        vocab = self.shape.vocab_size
-        bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ConfigError(f"{what}: token {bad!r} is not an id in [0, {vocab})")
-        total = len(tokens) + max_new_tokens - 1
-        limit = self.shape.max_positions
-        if self.shape.sliding_window is not None:
-            limit = min(limit, self.shape.sliding_window)
-        if total > limit:
-            why = "the sliding window" if limit == self.shape.sliding_window else "max_position_embeddings"
-            raise ConfigError(f"{what}: {len(tokens)} tokens + {max_new_tokens} new exceed the model's "
-                              f"{limit} positions ({why})")
-        shared = len(tokens) // self.block_size
-        reserve = shared + n * (math.ceil(total / self.block_size) - shared)
-        if reserve > self.num_blocks:
-            raise ConfigError(f"{what}: {len(tokens)} tokens + {max_new_tokens} new (n={n}) need {reserve} blocks "
-                              f"of {self.block_size} tokens; the pool holds {self.num_blocks} (gpu.num_blocks)")
-        return tokens, reserve
+        return self.plan.check(prompt, max_new_tokens, n, what)
 
     def _add(self, tokens: list[int], max_new_tokens: int, n: int, cache_salt: str | bytes | None,
              reserve: int, return_logits: bool = False) -> str:
