@@ -13,10 +13,10 @@ per token of block size.
 
 from __future__ import annotations
 
-from kvstrata.machine import available_memory_bytes
+from kvstrata.machine import available_memory_bytes, default_max_memory
 
 __all__ = ["BYTES_PER_DISTINCT_BLOCK", "GPU_BYTES_PER_BLOCK", "available_memory_bytes", "default_max_distinct_blocks",
-           "deployment_bytes", "largest_part"]
+           "check_memory", "deployment_bytes"]
 
 BYTES_PER_DISTINCT_BLOCK = 250
 _BASE_BYTES = 256 << 20   # interpreter, numpy, the tiers' fixed state and the batches in flight
@@ -40,11 +40,6 @@ def deployment_bytes(capacity_blocks: dict[str, int], payload_block_bytes: int |
     return out
 
 
-def largest_part(parts: dict[str, int]) -> str:
-    """The tier that costs the most (the one to shrink)."""
-    return max(parts, key=lambda t: parts[t])
-
-
 def default_max_distinct_blocks(fmt: str = "mooncake", block_size: int = 0) -> int | None:
     """Distinct blocks of a ``fmt`` trace (``block_size`` tokens a block) that the memory available
     now holds; None when it cannot be read (no limit)."""
@@ -53,3 +48,24 @@ def default_max_distinct_blocks(fmt: str = "mooncake", block_size: int = 0) -> i
         return None
     per_block = BYTES_PER_DISTINCT_BLOCK + (8 * block_size + 40 if fmt == "kvstrata" else 0)
     return max(1 << 20, int((avail * _USABLE - _BASE_BYTES) // per_block))
+
+
+_TIER_KEYS = {"gpu": "gpu.num_blocks or gpu.capacity", "cpu": "cpu.capacity"}
+
+
+def check_memory(capacity_blocks: dict[str, int], payload_block_bytes: int | None, limit: int | None) -> None:
+    """Refuse (a ConfigError naming the key to lower), before anything is built, a deployment
+    whose replay would cost more memory than ``limit`` (None: half the machine's): a
+    recording's header is trusted no more than ``--set``."""
+    from kvstrata.config import format_size
+    from kvstrata.errors import ConfigError
+
+    limit = limit if limit is not None else default_max_memory()
+    parts = deployment_bytes(capacity_blocks, payload_block_bytes)
+    need = sum(parts.values())
+    if limit is None or need <= limit:
+        return
+    tier = max(parts, key=lambda t: parts[t])
+    raise ConfigError(f"{_TIER_KEYS[tier]}: replaying this deployment needs ~{format_size(need)} of memory "
+                      f"({capacity_blocks.get(tier, 0):,} {tier} blocks cost {format_size(parts[tier])}), more than "
+                      f"--max-memory {format_size(limit)}; lower {_TIER_KEYS[tier]} or raise --max-memory")

@@ -58,6 +58,7 @@ from kvstrata.config import KVStrataConfig
 from kvstrata.errors import ConfigError, OutOfBlocksError
 from kvstrata.executor import Executor, NullExecutor
 from kvstrata.bench.lifelog import LifecycleLog
+from kvstrata.bench.budget import check_memory
 from kvstrata.bench.capacity import config_for_trace, policy_spec, tier_capacities
 from kvstrata.bench.payload import payload_config, payload_executor
 from kvstrata.bench.misses import MISS_REASONS, Tracker, classify, first_reason
@@ -394,28 +395,6 @@ class Replayer:
         return stats
 
 
-_TIER_KEYS = {"gpu": "gpu.num_blocks or gpu.capacity", "cpu": "cpu.capacity"}
-
-
-def _check_memory(caps: dict[str, int], options: ReplayOptions) -> None:
-    """Refuse, before anything is built, a deployment whose replay would cost more memory than
-    ``options.max_memory`` (by default half the machine's), naming the key to lower: a
-    recording's header is trusted no more than ``--set``."""
-    from kvstrata.bench.budget import deployment_bytes, largest_part
-    from kvstrata.machine import default_max_memory
-    from kvstrata.config import format_size
-
-    limit = options.max_memory if options.max_memory is not None else default_max_memory()
-    parts = deployment_bytes(caps, options.payload_block_bytes if options.payload else None)
-    need = sum(parts.values())
-    if limit is None or need <= limit:
-        return
-    tier = largest_part(parts)
-    raise ReplayError(f"{_TIER_KEYS[tier]}: replaying this deployment needs ~{format_size(need)} of memory "
-                      f"({caps.get(tier, 0):,} {tier} blocks cost {format_size(parts[tier])}), more than "
-                      f"--max-memory {format_size(limit)}; lower {_TIER_KEYS[tier]} or raise --max-memory")
-
-
 def _checked(config: KVStrataConfig, block_size: int, admission: str | None) -> tuple[KVStrataConfig, dict[str, int]]:
     try:
         cfg = config_for_trace(config, block_size, admission)
@@ -444,7 +423,10 @@ def replaying(config: KVStrataConfig, block_size: int, options: ReplayOptions = 
         caps = {**caps, REMOTE: remote.capacity}
     if remote is not None and options.payload:
         raise ReplayError("--payload: a replay with a shared remote tier moves no bytes")
-    _check_memory(caps, options)
+    try:
+        check_memory(caps, options.payload_block_bytes if options.payload else None, options.max_memory)
+    except ConfigError as exc:
+        raise ReplayError(str(exc)) from None
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-") as tmp:
         run_cfg = payload_config(cfg, options.payload_block_bytes, tmp) if options.payload else cfg
         try:

@@ -46,6 +46,7 @@ import numpy as np
 
 from kvstrata.credentials import redact_url, url_has_password
 from kvstrata.tiers.remote.breaker import Breaker
+from kvstrata.tiers.remote.client import UNANSWERED, Pipelines, connect, shown
 from kvstrata.tiers.remote.value import AUTH_SIZE, Auth, decode_into, max_value_bytes, seal, staged, value_bytes
 from kvstrata.tiers.ssd.record import Codec, CorruptRecord
 
@@ -57,37 +58,11 @@ __all__ = ["RemoteTier", "connect", "INFO_EVERY"]
 log = logging.getLogger(__name__)
 
 INFO_EVERY = 10.0           # seconds between INFO reads by the writer thread
-_UNANSWERED = ConnectionError("the cluster node that owns the key did not answer")
 _PROBE_BATCH = 1024         # keys per pipelined EXISTS round trip
 _EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
 COUNTERS = ("hits", "misses", "corrupt", "timeouts", "errors", "refused", "probes", "probe_hits",
             "puts", "written", "present", "replaced", "put_failures", "dropped_full", "dropped_breaker",
             "bytes_read", "bytes_written", "breaker_opened", "breaker_closed")
-
-
-def connect(url: str, *, cluster: bool = False, timeout: float = 0.5, connect_timeout: float = 1.0,
-            password: str | None = None) -> Any:
-    """A client for ``url`` that never retries on its own (the breaker decides) and gives
-    up on a socket after ``timeout`` seconds (``password``: instead of the URL's).
-    Imports ``redis`` (the ``remote`` extra)."""
-    try:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-    except ImportError as exc:  # pragma: no cover - the extra is installed with the tests
-        raise ImportError("the remote tier needs the redis client: pip install 'kvstrata[remote]'") from exc
-    for alias, scheme in (("valkeys://", "rediss://"), ("valkey://", "redis://")):
-        if url.startswith(alias):
-            url = scheme + url[len(alias):]
-    kwargs: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=connect_timeout,
-                                  retry=Retry(NoBackoff(), 0), health_check_interval=0)
-    if password is not None:
-        kwargs["password"] = password
-    if cluster:
-        from redis.cluster import RedisCluster
-
-        return RedisCluster.from_url(url, **kwargs)
-    return redis.Redis.from_url(url, retry_on_timeout=False, **kwargs)
 
 
 class RemoteTier:
@@ -120,8 +95,7 @@ class RemoteTier:
         self.client = connect(url, cluster=cluster, timeout=timeout, connect_timeout=connect_timeout,
                               password=password)
         self.where = redact_url(url)  # what logs show
-        self.cluster = cluster
-        self._node_breakers: dict[str, Breaker] = {}
+        self._pipes = Pipelines(self.client, cluster, self._log_once)
         self.server: dict[str, Any] = {}
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
@@ -285,48 +259,12 @@ class RemoteTier:
             self._busy -= 1
 
     def _exists(self, nskeys: list[bytes]) -> list[Any]:
-        return self._pipelined(nskeys, lambda pipe, k: pipe.exists(k), 1, 0)
-
-    def _pipelined(self, nskeys: list[bytes], add: Any, per_key: int, missing: Any, strict: bool = True) -> list[Any]:
-        """``add(pipe, key)`` for each key (``per_key`` commands each) in one pipeline, or on a
-        cluster one per node: the answers of a node that fails or whose breaker is open are
-        ``missing`` (the node's breaker counts the failure; the others go on). ``strict``: a
-        pipeline whose every command failed is a failure (see :func:`_answers`)."""
-        if not self.cluster:
-            pipe = self.client.pipeline(transaction=False)
-            for k in nskeys:
-                add(pipe, k)
-            return _answers(pipe, strict)
-        by_node: dict[str, list[int]] = {}
-        nodes: dict[str, Any] = {}
-        for i, k in enumerate(nskeys):
-            node = self.client.get_node_from_key(k)
-            nodes[node.name] = node
-            by_node.setdefault(node.name, []).append(i)
-        out: list[Any] = [missing] * (len(nskeys) * per_key)
-        for name, idx in by_node.items():
-            breaker = self._node_breakers.setdefault(name, Breaker())
-            if not breaker.allow():
-                continue
-            try:
-                pipe = self.client.get_redis_connection(nodes[name]).pipeline(transaction=False)
-                for i in idx:
-                    add(pipe, nskeys[i])
-                answers = _answers(pipe, strict)
-            except Exception as exc:  # this node is down or late: its keys miss
-                if breaker.failure():
-                    self._log_once(f"node {name}", "remote tier: cluster node %s failed (%s); its keys miss until "
-                                   "it answers", name, _shown(exc))
-                continue
-            breaker.success()
-            for j, i in enumerate(idx):
-                out[i * per_key:(i + 1) * per_key] = answers[j * per_key:(j + 1) * per_key]
-        return out
+        return self._pipes.run(nskeys, lambda pipe, k: pipe.exists(k), 1, 0)
 
     def _get(self, nskeys: list[bytes]) -> list[Any]:
         """Each key's value (None: absent), read only up to the longest value this tier writes:
         a longer one, or one that is not a string, is a :class:`CorruptRecord` (not read)."""
-        answers = self._pipelined(nskeys, lambda pipe, k: (pipe.strlen(k), pipe.getrange(k, 0, self.max_value - 1)),
+        answers = self._pipes.run(nskeys, lambda pipe, k: (pipe.strlen(k), pipe.getrange(k, 0, self.max_value - 1)),
                                   2, None)
         out: list[Any] = []
         for length, value in zip(answers[::2], answers[1::2]):
@@ -405,10 +343,10 @@ class RemoteTier:
             values = [seal(nskey, buf, self.codec, self.auth) for nskey, buf in batch]
             nbytes, replaced = sum(len(v) for v in values), 0
             value_of = {nskey: v for (nskey, _), v in zip(batch, values)}
-            results = self._pipelined([k for k, _ in batch], lambda pipe, k: pipe.set(k, value_of[k], nx=True), 1,
-                                      _UNANSWERED, strict=False) if batch else []
+            results = self._pipes.run([k for k, _ in batch], lambda pipe, k: pipe.set(k, value_of[k], nx=True), 1,
+                                      UNANSWERED, strict=False) if batch else []
             if deletes:
-                self._pipelined(deletes, lambda pipe, k: pipe.delete(k), 1, None, strict=False)
+                self._pipes.run(deletes, lambda pipe, k: pipe.delete(k), 1, None, strict=False)
             if self.auth is not None:
                 replaced, resent = self._replace_squatters(batch, values, results)
                 nbytes += resent
@@ -440,14 +378,14 @@ class RemoteTier:
         present = [i for i, r in enumerate(results[:len(batch)]) if r is None]
         if not present:
             return 0, 0
-        heads = self._pipelined([batch[i][0] for i in present], lambda pipe, k: pipe.getrange(k, 0, AUTH_SIZE - 1),
+        heads = self._pipes.run([batch[i][0] for i in present], lambda pipe, k: pipe.getrange(k, 0, AUTH_SIZE - 1),
                                 1, None, strict=False)
         stale = [i for i, head in zip(present, heads)
                  if head is not None and head != bytes(memoryview(values[i])[:AUTH_SIZE])]
         if not stale:
             return 0, 0
         value_of = {batch[i][0]: values[i] for i in stale}
-        self._pipelined(list(value_of), lambda pipe, k: pipe.set(k, value_of[k]), 1, None, strict=False)
+        self._pipes.run(list(value_of), lambda pipe, k: pipe.set(k, value_of[k]), 1, None, strict=False)
         return len(stale), sum(len(values[i]) for i in stale)
 
     # ------------------------------------------------------------------ server
@@ -493,10 +431,10 @@ class RemoteTier:
         if self.breaker.failure():
             self.count("breaker_opened")
             log.warning("remote tier: %s failed %d times in a row (last: %s: %s); reads miss and writes drop "
-                        "until it answers", self.where, self.breaker.failures, what, _shown(exc))
+                        "until it answers", self.where, self.breaker.failures, what, shown(exc))
         else:
             self._log_once(what, "remote tier: %s on %s failed (%s); counted as a miss or a dropped write",
-                           what, self.where, _shown(exc))
+                           what, self.where, shown(exc))
 
     def _log_once(self, what: str, msg: str, *args: Any) -> None:
         if what not in self._logged:
@@ -540,23 +478,3 @@ class RemoteTier:
             self.client.close()
         except Exception:  # pragma: no cover - closing a broken connection
             pass
-
-
-def _shown(exc: BaseException) -> str:
-    """An error from the client or the server as a log line shows it: one line, printable,
-    bounded, with any URL's password redacted (a server's reply is not trusted text)."""
-    text = redact_url(str(exc)) if "://" in str(exc) else str(exc)
-    text = "".join(c if c.isprintable() else "?" for c in text)
-    return text[:200] + ("..." if len(text) > 200 else "")
-
-
-def _answers(pipe: Any, strict: bool = True) -> list[Any]:
-    """A pipeline's answers, an error answer in place of a command that failed on its own
-    (another type under the key, a write refused for memory); ``strict``: raises when every
-    command failed otherwise (the server refuses them all: a protocol or authentication
-    problem, for the breaker)."""
-    answers = pipe.execute(raise_on_error=False)
-    errors = [a for a in answers if isinstance(a, Exception)]
-    if strict and errors and len(errors) == len(answers) and not any(str(e).startswith("WRONGTYPE") for e in errors):
-        raise errors[0]
-    return answers
