@@ -158,6 +158,26 @@ class BlockHasher:
                 append(parent)
         return hashes
 
+    def block_extra(self, index: int, *, cache_salt: str | bytes | None = None,
+                    lora_id: str | bytes | int | None = None, mm_hashes: Sequence[MMHash] | None = None) -> bytes:
+        """What block ``index`` of a request hashes beside its parent and tokens (the salt on
+        the first block, the LoRA, the media overlapping it): with :meth:`block_key`, enough
+        to check a block's key from what is kept beside it."""
+        salt = _tagged(_TAG_SALT, _as_bytes(cache_salt, "cache_salt")) if cache_salt is not None and index == 0 \
+            else b""
+        lora = _tagged(_TAG_LORA, _as_bytes(lora_id, "lora_id")) if lora_id is not None else b""
+        return salt + lora + self._mm_extra(mm_hashes, index)
+
+    def block_key(self, parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+        """The key of one full block: ``parent``'s (None: the first block of a chain), its
+        ``block_size`` tokens and its :meth:`block_extra`, as :meth:`extend` computes it."""
+        if len(token_ids) != self.block_size:
+            raise ValueError(f"token_ids: expected {self.block_size} tokens, got {len(token_ids)}")
+        parent = self.root if parent is None else parent
+        if self._cbor is not None:
+            return self._new(self._cbor([parent, [int(t) for t in token_ids], extra])).digest()
+        return self._new(parent + self._pack(token_ids, 0, len(token_ids)) + extra).digest()
+
     # ---------------------------------------------------------------- internals
 
     @staticmethod

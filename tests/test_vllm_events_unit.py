@@ -32,14 +32,27 @@ def keys(n: int, seed: int = 0) -> list[bytes]:
     return [bytes([seed, i]) * 16 for i in range(n)]
 
 
-def setup(cpu: int = 4, ssd: int = 8):  # type: ignore[no-untyped-def]
+def hasher():  # type: ignore[no-untyped-def]
+    from kvstrata.hashing import BlockHasher
+
+    return BlockHasher(BS)
+
+
+def events_of(policy):  # type: ignore[no-untyped-def]
+    """The consumer as the scheduler builds it: vLLM's hash function and kvstrata's hasher."""
     from vllm.utils.hashing import sha256
 
     from kvstrata.connectors.vllm_events import KVEvents
+
+    h = hasher()
+    return KVEvents(policy, BS, 64, sha256, h, lambda req, i: h.block_extra(i, cache_salt=req.cache_salt))
+
+
+def setup(cpu: int = 4, ssd: int = 8):  # type: ignore[no-untyped-def]
     from kvstrata.policy import COMPUTED, PolicySpec, TierPolicy
 
     policy = TierPolicy(PolicySpec(cpu_slots=cpu, ssd_slots=ssd))
-    return policy, KVEvents(policy, BS, 64, sha256), COMPUTED
+    return policy, events_of(policy), COMPUTED
 
 
 def test_stores_announced_on_completion_as_one_chain_with_vllm_hashes() -> None:
@@ -89,7 +102,7 @@ def test_ssd_tags_rebuild_vllm_hashes_after_a_restart_and_skip_orphans() -> None
 
     policy, events, computed = setup(cpu=0, ssd=16)
     req = request(list(range(500, 520)), salt="tenant-a")  # 5 blocks; the salt enters block 0
-    ks = keys(5)
+    ks = hasher().hash_blocks(list(range(500, 520)), cache_salt="tenant-a")  # the records' own keys
     events.record(req, ks, 0, 5)
     plan = policy.prepare_store(list(range(5)), ks, computed)
     tags = events.ssd_tags([plan])
@@ -133,13 +146,10 @@ def test_fetched_and_promoted_blocks_are_announced_once_their_copies_completed()
     SSD tier with write-through); a load
     from SSD announces its promotions into DRAM; nothing is announced for what did not
     arrive."""
-    from vllm.utils.hashing import sha256
-
-    from kvstrata.connectors.vllm_events import KVEvents
     from kvstrata.policy import COMPUTED, PolicySpec, TierPolicy
 
     policy = TierPolicy(PolicySpec(cpu_slots=8, ssd_slots=8, remote=True))
-    events = KVEvents(policy, BS, 64, sha256)
+    events = events_of(policy)
     req = request(list(range(300, 316)))  # 4 blocks
     ks = keys(4)
     events.record(req, ks, 0, 4)
@@ -154,7 +164,7 @@ def test_fetched_and_promoted_blocks_are_announced_once_their_copies_completed()
     assert out[0].token_ids == list(range(300, 308))
     # a block only on SSD, loaded: its promotion into DRAM is announced when the load finished
     policy2 = TierPolicy(PolicySpec(cpu_slots=8, ssd_slots=8, write_through=True))
-    ev2 = KVEvents(policy2, BS, 64, sha256)
+    ev2 = events_of(policy2)
     ev2.record(req, ks, 0, 4)
     policy2.seed_ssd(ks[:2])
     load = policy2.prepare_load("r", ks[:2], [0, 1])
@@ -165,3 +175,26 @@ def test_fetched_and_promoted_blocks_are_announced_once_their_copies_completed()
     policy2.complete_store(store)
     ev2.completed(store)
     assert [(e.medium, len(e.block_hashes)) for e in ev2.take()] == [("CPU", 2), ("STORAGE", 2)]
+
+
+def test_a_tag_that_does_not_hash_to_its_records_key_is_not_announced() -> None:
+    """Regression: a tampered tag in a closed SSD tier made the restart announce blocks under
+    tokens they do not hold (the tag was never checked against its record's key)."""
+    from kvstrata.connectors.vllm_events import BlockTag
+
+    policy, events, computed = setup(cpu=0, ssd=16)
+    tokens = list(range(600, 612))
+    req = request(tokens)
+    ks = hasher().hash_blocks(tokens)
+    events.record(req, ks, 0, 3)
+    tags = events.ssd_tags([policy.prepare_store([0, 1, 2], ks, computed)])
+    honest_tags = dict(tags)
+    forged = BlockTag.unpack(tags[ks[0]])
+    assert forged is not None
+    forged.tokens = bytes(reversed(forged.tokens))  # other tokens under the same key
+    tags[ks[0]] = forged.pack()
+    _, restarted, _ = setup(cpu=0, ssd=16)
+    assert restarted._rebuild(tags) == []  # block 0 is refused, and 1 and 2 hang from it
+    assert restarted.counts["mismatched"] == 1
+    _, honest, _ = setup(cpu=0, ssd=16)
+    assert honest._rebuild(honest_tags) == ks and honest.counts["mismatched"] == 0

@@ -27,7 +27,11 @@ What a block's events need is kept in one :class:`BlockTag` per block (about
 hold together; a block whose tag was dropped is not announced again (its
 events are counted in ``untagged``). vLLM's hashes are rebuilt after a restart
 with vLLM's hash function from the tags' tokens and extra keys, so they match
-the GPU events of the new process.
+the GPU events of the new process. A tag also keeps what kvstrata's own key of
+the block hashed beside its parent and tokens: at a restart, a tag whose parent,
+tokens and extra bytes do not hash to the record's key (a damaged or tampered
+tag) is not announced (counted in ``mismatched``), so a router is never told of
+blocks under tokens they do not hold.
 
 Threading: the scheduler thread owns everything here, like the policy.
 """
@@ -44,6 +48,7 @@ import msgpack
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
+    from kvstrata.hashing import BlockHasher
     from kvstrata.policy import TierPolicy
 
 __all__ = ["MEDIA", "BlockTag", "KVEvents", "ANNOUNCE_PER_STEP", "EVENT_COUNTS", "events_enabled"]
@@ -55,9 +60,9 @@ log = logging.getLogger(__name__)
 #: ``cpu``, ``storage``). The remote tier has none: any replica loads from it, so it says
 #: nothing about where to route, and its server evicts without telling anyone.
 MEDIA = {"cpu": "CPU", "ssd": "STORAGE"}
-EVENT_COUNTS = ("stored", "removed", "announced", "untagged")  # KVEvents.counts, per block
+EVENT_COUNTS = ("stored", "removed", "announced", "untagged", "mismatched")  # KVEvents.counts, per block
 ANNOUNCE_PER_STEP = 4096  # restart announcements per engine step (a step's batch stays small)
-_TAG_VERSION = 1
+_TAG_VERSION = 2  # 2: kvstrata's own extra bytes, to check the tag against the record's key
 
 
 def events_enabled(vllm_config: Any) -> bool:
@@ -71,10 +76,10 @@ class BlockTag:
     (tagged, as vLLM hashes them), the LoRA fields, the parent's kvstrata key, and the media
     announced as holding it."""
 
-    __slots__ = ("vhash", "parent_vhash", "tokens", "extra", "lora_id", "lora_name", "parent_key", "media")
+    __slots__ = ("vhash", "parent_vhash", "tokens", "extra", "lora_id", "lora_name", "parent_key", "kextra", "media")
 
     def __init__(self, vhash: bytes | None, parent_vhash: bytes | None, tokens: bytes, extra: Any,
-                 lora_id: int | None, lora_name: str | None, parent_key: bytes | None) -> None:
+                 lora_id: int | None, lora_name: str | None, parent_key: bytes | None, kextra: bytes = b"") -> None:
         self.vhash = vhash
         self.parent_vhash = parent_vhash
         self.tokens = tokens
@@ -82,25 +87,26 @@ class BlockTag:
         self.lora_id = lora_id
         self.lora_name = lora_name
         self.parent_key = parent_key
+        self.kextra = kextra  # what kvstrata's key of the block hashed beside parent and tokens
         self.media = 0  # bit per tier of MEDIA_BITS: announced as held there
 
     def pack(self) -> bytes:
         """The tag kept beside the block's SSD record (rebuilds this tag after a restart)."""
         return msgpack.packb([_TAG_VERSION, self.parent_key, self.tokens, self.extra, self.lora_id,
-                              self.lora_name], use_bin_type=True)
+                              self.lora_name, self.kextra], use_bin_type=True)
 
     @classmethod
     def unpack(cls, data: bytes) -> "BlockTag | None":
         """A tag :meth:`pack` made (its hashes not yet rebuilt), or None for anything else."""
         try:
-            version, parent, tokens, extra, lora_id, lora_name = msgpack.unpackb(data, raw=False)
+            version, parent, tokens, extra, lora_id, lora_name, kextra = msgpack.unpackb(data, raw=False)
         except Exception:
             return None
-        if version != _TAG_VERSION or not isinstance(tokens, bytes) or len(tokens) % 4:
+        if version != _TAG_VERSION or not isinstance(tokens, bytes) or len(tokens) % 4 or not isinstance(kextra, bytes):
             return None
         if parent is not None and not isinstance(parent, bytes):
             return None
-        return cls(None, None, tokens, _tuples(extra), lora_id, lora_name, parent)
+        return cls(None, None, tokens, _tuples(extra), lora_id, lora_name, parent, kextra)
 
     def token_ids(self) -> list[int]:
         return array("i", self.tokens).tolist()
@@ -118,14 +124,16 @@ class KVEvents:
     """The scheduler's KV-event consumer (see the module docstring). ``capacity``: tags
     kept (the blocks the GPU pool and the lower tiers hold together)."""
 
-    def __init__(self, policy: "TierPolicy", block_size: int, capacity: int,
-                 hash_fn: Callable[[Any], bytes]) -> None:
+    def __init__(self, policy: "TierPolicy", block_size: int, capacity: int, hash_fn: Callable[[Any], bytes],
+                 hasher: "BlockHasher", extra_of: Callable[["Request", int], bytes]) -> None:
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
         self.policy = policy
         self.block_size = block_size
         self.capacity = max(1, capacity)
         self.hash_fn = hash_fn
+        self.hasher = hasher      # kvstrata's: checks a tag read back against its record's key
+        self.extra_of = extra_of  # (request, block index) -> what kvstrata's key hashed beside the tokens
         self._stored, self._removed = BlockStored, BlockRemoved
         self.tags: OrderedDict[bytes, BlockTag] = OrderedDict()
         self._events: list[tuple[bool, str, BlockTag]] = []  # (stored?, tier, tag) since the last take
@@ -160,7 +168,7 @@ class KVEvents:
                                  array("i", tokens[i * bs:(i + 1) * bs]).tobytes(), _extra_keys(request, i, bs),
                                  request.lora_request.adapter_id if request.lora_request else None,
                                  request.lora_request.name if request.lora_request else None,
-                                 keys[i - 1] if i else None)
+                                 keys[i - 1] if i else None, self.extra_of(request, i))
         while len(tags) > self.capacity:
             tags.popitem(last=False)
 
@@ -253,6 +261,9 @@ class KVEvents:
         from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
         tags = {k: t for k, t in ((k, BlockTag.unpack(v)) for k, v in packed.items()) if t is not None}
+        true = {k: t for k, t in tags.items() if self._matches(k, t)}
+        self.counts["mismatched"] += len(tags) - len(true)
+        tags = true
         order: list[bytes] = []
         for key in tags:
             chain: list[bytes] = []
@@ -278,6 +289,13 @@ class KVEvents:
         while len(self.tags) > self.capacity:
             self.tags.popitem(last=False)
         return [k for k in order if k in self.tags]
+
+    def _matches(self, key: bytes, tag: BlockTag) -> bool:
+        """Do the tag's parent, tokens and extra bytes hash to ``key`` (the record's own)?"""
+        try:
+            return self.hasher.block_key(tag.parent_key, tag.token_ids(), tag.kextra) == key
+        except (ValueError, TypeError):  # tokens of another block size, or not token ids
+            return False
 
     # ------------------------------------------------------------------ vLLM's hook
 

@@ -151,7 +151,8 @@ class KVStrataScheduler:
 
         capacity = int(kv_cache_config.num_blocks) + spec.cpu_slots + spec.ssd_slots
         events = KVEvents(self.policy, self.block_size, capacity,
-                          get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo))
+                          get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo), self.hasher,
+                          self._block_extra)
         if self.policy.ssd is not None:
             events.announce_from(lambda: read_ssd_tags(self.cfg, self.fingerprint, self._ranks[0]))
         log.info("kvstrata: KV-cache events for the tiers below the GPU (tags of up to %d blocks, "
@@ -201,6 +202,12 @@ class KVStrataScheduler:
             self.hasher.extend(st.hashes, req.all_token_ids[:num_blocks * self.block_size],
                                cache_salt=req.cache_salt, lora_id=lora, mm_hashes=_mm_hashes(req))
         return st.hashes
+
+    def _block_extra(self, req: "Request", index: int) -> bytes:
+        """What the key of block ``index`` of ``req`` hashed beside its parent and tokens (as
+        :meth:`_hashes` hashes it), kept in its KV-event tag."""
+        lora = req.lora_request.lora_name if req.lora_request is not None else None
+        return self.hasher.block_extra(index, cache_salt=req.cache_salt, lora_id=lora, mm_hashes=_mm_hashes(req))
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` held below (whole blocks, never the last
