@@ -361,3 +361,12 @@ def test_one_long_request_holds_back_a_bounded_number_of_others(tmp_path: Path, 
     assert lines[-1].get("late") is True and lines[-1]["block_hashes"] == rekey([_key(1)], None)
     assert not any(line.get("late") for line in lines[:-1])
     assert load_trace(tmp_path / "rec").requests  # still a trace the replay reads
+
+
+def test_an_inline_recording_secret_is_warned_about_and_never_logged(tmp_path: Path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="kvstrata.trace.recorder"):
+        rec = _recorder(tmp_path, secret="an-inline-recording-secret")
+        rec.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("trace.secret_file" in line for line in lines)
+    assert not any("an-inline-recording-secret" in line for line in lines)

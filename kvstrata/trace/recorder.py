@@ -114,6 +114,9 @@ class TraceRecorder:
         self._part_started = 0.0
         self._last_ts = 0.0
         self._thread = threading.Thread(target=self._run, name="kvstrata-trace", daemon=True)
+        if cfg.secret is not None:
+            log.warning("kvstrata: trace.secret is given inline; vLLM logs its connector config as given: "
+                        "use trace.secret_file")
         if self._secret is None and not cfg.insecure_hashes:
             self.disabled = "no trace.secret_file: recorded hashes would match those of any guessed prompt"
             log.warning("kvstrata: request recording is off: set trace.secret_file (a private file holding a "
