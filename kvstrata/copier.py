@@ -54,11 +54,11 @@ import time
 from concurrent.futures import Executor as FuturesExecutor
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FuturesTimeout
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from kvstrata.copies import CopyRows, Finished, PendingLoad, PendingStore
 from kvstrata.executor import Executor, LoadResult, Lost
 from kvstrata.policy.plans import FetchPlan, LoadPlan, StorePlan
 from kvstrata.streams import Event, InlineStreams, Stream, Streams
@@ -66,59 +66,6 @@ from kvstrata.streams import Event, InlineStreams, Stream, Streams
 __all__ = ["CopyRows", "Copier", "Finished"]
 
 log = logging.getLogger(__name__)
-
-
-class CopyRows(Protocol):
-    """Whole device blocks copied as host rows of ``block_nbytes`` bytes (device work:
-    called inside :meth:`Stream.submit`)."""
-
-    block_nbytes: int
-
-    def gather(self, block_ids: Sequence[int], dst: np.ndarray, dst_rows: Sequence[int]) -> None:
-        """``dst[dst_rows[i]] = block block_ids[i]``."""
-
-    def scatter(self, src: np.ndarray, src_rows: Sequence[int], block_ids: Sequence[int]) -> None:
-        """``block block_ids[i] = src[src_rows[i]]``."""
-
-    def staging(self, n: int) -> np.ndarray:
-        """Host rows ``[n, block_nbytes]`` uint8 (pinned on a GPU)."""
-
-
-@dataclass
-class Finished:
-    """What :meth:`Copier.poll` found complete: store plan ids, blocks lost (``(tier, key)``,
-    for the policy to forget), and finished loads by request id."""
-
-    stored: list[int] = field(default_factory=list)
-    lost: Lost = field(default_factory=list)
-    loads: dict[str, LoadResult] = field(default_factory=dict)
-    fetched: dict[int, int] = field(default_factory=dict)  # fetch plan id -> blocks that arrived
-
-
-@dataclass
-class _Store:
-    plan: StorePlan
-    gathered: Event
-    io: "Future[Lost]"
-    staged: int             # staging bytes held until ``io`` is done
-    lost: Lost
-    started: float
-    nbytes: int
-    copied: bool = False
-
-
-@dataclass
-class _Load:
-    plan: LoadPlan
-    staging: np.ndarray
-    ok: list[bool]
-    lost: Lost
-    io: "Future[Lost] | None"          # the SSD reads (None: no SSD block)
-    waits_on: list["Future[Any]"]      # I/O jobs writing slab slots this load reads
-    after: Event | None = None         # the compute stream when the load was queued
-    scattered: Event | None = None
-    loaded: int = 0
-    started: float = 0.0
 
 
 class Copier:
@@ -138,8 +85,8 @@ class Copier:
         self._last_io: Future[Any] | None = None  # the I/O thread's latest job
         self._last_change: Future[Any] | None = None  # ... and its latest change of the SSD tier
         self._inline = isinstance(streams, InlineStreams)
-        self._stores: list[_Store] = []
-        self._loads: list[_Load] = []
+        self._stores: list[PendingStore] = []
+        self._loads: list[PendingLoad] = []
         self._reading: dict[int, Event] = {}        # device block -> gather still reading it
         self._slot_event: dict[int, Event] = {}     # slab slot -> gather writing it
         self._slot_io: dict[int, Future[Any]] = {}  # slab slot -> promotion writing it
@@ -243,7 +190,7 @@ class Copier:
         sends = [(plan.keys[i], ("slab", plan.cpu_slots[i])) for i in cpu if remote and remote[i]]
         sends += [(plan.keys[i], ("staging", j)) for j, i in enumerate(staged) if remote and remote[i]]
         io = self._io_submit(self._put_io, gathered, puts, staging, sends)
-        self._stores.append(_Store(plan, gathered, io, size * len(staged), lost, time.perf_counter(),
+        self._stores.append(PendingStore(plan, gathered, io, size * len(staged), lost, time.perf_counter(),
                                    size * len(blocks)))
 
     def _gather(self, plan: StorePlan, cpu: list[int], staged: list[int], staging: np.ndarray | None) -> None:
@@ -318,7 +265,7 @@ class Copier:
                     slab.keys[slot] = key  # later loads of it wait for ``io`` and check again (rule 3)
                     self._slot_io[slot] = io
         after = after if after is not None else self.streams.current().record()
-        self._loads.append(_Load(plan, staging, ok, lost, io, waits, after, started=time.perf_counter()))
+        self._loads.append(PendingLoad(plan, staging, ok, lost, io, waits, after, started=time.perf_counter()))
         self._advance_loads()
 
     def _advance_loads(self) -> None:
@@ -333,7 +280,7 @@ class Copier:
             self._recheck_slots(job)
             self._scatter(job)
 
-    def _recheck_slots(self, job: _Load) -> None:
+    def _recheck_slots(self, job: PendingLoad) -> None:
         """A promotion this load waited for may have failed (its slot was emptied): refuse
         such slots now rather than copy what they hold."""
         slab, plan = self.ex.slab, job.plan
@@ -345,7 +292,7 @@ class Copier:
                 job.lost.append(("cpu", plan.keys[i]))
                 self.ex.count("load_failures_cpu")
 
-    def _scatter(self, job: _Load) -> None:
+    def _scatter(self, job: PendingLoad) -> None:
         plan = job.plan
         loaded = job.ok.index(False) if False in job.ok else len(plan)
         job.loaded = loaded
@@ -377,7 +324,7 @@ class Copier:
         """Rule 4 (on the I/O thread): puts read rows only once their gather ran."""
         gathered.synchronize()
 
-    def _after_queued_compute(self, job: _Load, stream: Stream) -> None:
+    def _after_queued_compute(self, job: PendingLoad, stream: Stream) -> None:
         """Rule 2 for loads: the scatter starts after the compute work queued before the load
         (the blocks' previous owner may still be writing them, and gathers out of them were
         fenced on that stream)."""
@@ -466,7 +413,7 @@ class Copier:
         self._lost = []
         return out
 
-    def _release_sources(self, job: _Store) -> None:
+    def _release_sources(self, job: PendingStore) -> None:
         for b in job.plan.block_ids:
             if self._reading.get(b) is job.gathered:
                 del self._reading[b]
@@ -474,7 +421,7 @@ class Copier:
             if self._slot_event.get(slot) is job.gathered:
                 del self._slot_event[slot]
 
-    def _release_slots(self, job: _Load) -> None:
+    def _release_slots(self, job: PendingLoad) -> None:
         for slot in job.plan.promote_slots:
             if job.io is not None and self._slot_io.get(slot) is job.io:
                 del self._slot_io[slot]
