@@ -1,4 +1,5 @@
-"""Reading files kvstrata did not write: regular files only, with a bound, never blocking.
+"""Reading files kvstrata did not write (regular files only, with a bound, never blocking),
+and writing its JSON reports.
 
 A path given by a user or found in a directory others can write may be a FIFO (an
 ``open`` that waits forever), a device (``/dev/zero``: endless), or a link to either.
@@ -10,11 +11,14 @@ Threads: pure functions (plus the file read).
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import sys
 from pathlib import Path
+from typing import Any
 
-__all__ = ["NotRegular", "open_regular", "read_bounded"]
+__all__ = ["NotRegular", "open_regular", "read_bounded", "write_json"]
 
 
 class NotRegular(OSError):
@@ -49,3 +53,12 @@ def read_bounded(path: str | os.PathLike[str], limit: int, *, follow: bool = Tru
     if len(data) > limit:  # grew meanwhile
         raise NotRegular(f"{path} holds more than the {limit:,} bytes allowed")
     return data
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    """A report as indented JSON, to ``path`` or to standard output for ``-``."""
+    text = json.dumps(data, indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        Path(path).write_text(text, encoding="utf-8")
