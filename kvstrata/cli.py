@@ -9,7 +9,6 @@ not a tier), reported as one ``kvstrata: error: ...`` line on stderr; 130 on Ctr
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import stat
 import sys
@@ -18,7 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 
 from kvstrata.config import plural
+from kvstrata.cli_args import MAX_DISTINCT_HELP, MAX_SCALE, block_bytes, count, finite, positive_int
 from kvstrata.files import write_json
+from kvstrata.generate_command import cmd_generate
 from kvstrata.ssd_commands import cmd_ssd, cmd_ssd_purge, parse_duration
 from kvstrata.policy.spec import ADMISSIONS
 
@@ -308,60 +309,6 @@ def _render_inspect(info: dict[str, Any]) -> str:
 
 # ----------------------------------------------------------------- ssd
 
-def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}")
-        return value
-    return parse
-
-
-_positive_int = _int_at_least(1, "positive")
-_count = _int_at_least(0, "non-negative")
-
-
-_MAX_DISTINCT_HELP = ("stop with an error once a trace has more distinct blocks than this, before the analysis "
-                      "runs out of memory; 0: no limit (default: what the memory available now holds)")
-
-
-MAX_SCALE = 10_000.0  # about 10^7 requests of the built-in workloads: hours to generate already
-
-
-def _finite(minimum: float, inclusive: bool, maximum: float = math.inf) -> Callable[[str], float]:
-    """An argparse type: a finite number above ``minimum`` (or equal, if ``inclusive``), at most ``maximum``."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        low_ok = value >= minimum if inclusive else value > minimum
-        if not math.isfinite(value) or not low_ok or value > maximum:
-            bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
-            bound += f" and <= {maximum:g}" if math.isfinite(maximum) else ""
-            raise argparse.ArgumentTypeError(f"expected a finite number {bound}, got {text!r}")
-        return value
-    return parse
-
-
-def _block_bytes(text: str) -> int:
-    """An argparse type: a size of at least one byte, such as ``16KiB``."""
-    from kvstrata.config import parse_size
-    from kvstrata.errors import ConfigError
-
-    try:
-        value = parse_size(text, "size")
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("size: ")) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1 byte, got {text!r}")
-    return value
-
-
 def _bench_args(p: argparse.ArgumentParser) -> None:
     from kvstrata.bench.workloads import DEFAULT_WORKLOAD, WORKLOADS
 
@@ -371,11 +318,11 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--workload", choices=WORKLOADS, default=DEFAULT_WORKLOAD,
                      help=f"built-in workload when no --trace is given (default: {DEFAULT_WORKLOAD})")
     src.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    src.add_argument("--scale", type=_finite(0, False, MAX_SCALE), default=1.0,
+    src.add_argument("--scale", type=finite(0, False, MAX_SCALE), default=1.0,
                      help=f"workload size multiplier (default: 1, at most {MAX_SCALE:g})")
-    src.add_argument("--block-size", type=_positive_int, default=None, metavar="TOKENS",
+    src.add_argument("--block-size", type=positive_int, default=None, metavar="TOKENS",
                      help="tokens per trace block (default: 512 mooncake, 16 qwen, the config's otherwise)")
-    src.add_argument("--max-distinct-blocks", type=_count, default=None, metavar="N", help=_MAX_DISTINCT_HELP)
+    src.add_argument("--max-distinct-blocks", type=count, default=None, metavar="N", help=MAX_DISTINCT_HELP)
     bad = src.add_mutually_exclusive_group()
     bad.add_argument("--strict", dest="skip_bad_lines", action="store_false",
                      help="stop at the first bad line (default)")
@@ -389,17 +336,17 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     cfg.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. cpu.capacity=16GiB")
     cfg.add_argument("--admission", choices=(*ADMISSIONS, "both"), default=None,
                      help="spill.admission to replay (default: the config's); 'both' compares them in one report")
-    cfg.add_argument("--decode-ms-per-token", type=_finite(0, True), default=20.0,
+    cfg.add_argument("--decode-ms-per-token", type=finite(0, True), default=20.0,
                      help="a request holds its GPU blocks for output_length x this (default: 20)")
     cfg.add_argument("--payload", action="store_true", help="move real bytes through the CPU slab and the SSD tier")
-    cfg.add_argument("--replicas", type=_positive_int, default=None, metavar="N",
+    cfg.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                      help="replay on N replicas sharing a remote tier of remote.capacity, with and without it")
     cfg.add_argument("--routing", choices=("round_robin", "prefix", "both"), default="both",
                      help="how --replicas routes requests: round robin, to the replica holding the longest "
                           "prefix, or both side by side (default: both)")
-    cfg.add_argument("--payload-block-bytes", type=_block_bytes, default="16KiB", metavar="SIZE",
+    cfg.add_argument("--payload-block-bytes", type=block_bytes, default="16KiB", metavar="SIZE",
                      help="bytes per block with --payload (default: 16KiB)")
-    cfg.add_argument("--max-memory", type=_block_bytes, default=None, metavar="SIZE",
+    cfg.add_argument("--max-memory", type=block_bytes, default=None, metavar="SIZE",
                      help="refuse a deployment whose replay would need more memory than this, before building "
                           "it (default: half the machine's memory)")
     out = p.add_argument_group("output")
@@ -412,83 +359,34 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     out.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a tty")
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    """Greedy generation through kvstrata.engine; prints each prompt's samples and where its
-    prefix came from."""
-    from kvstrata.config import KVStrataConfig
-    from kvstrata.engine import LLMEngine
-    from kvstrata.engine.engine import EnginePlan
-    from kvstrata.engine.prompts import load_tokenizer, read_prompts
-
-    prompts = read_prompts(args.prompt_file, args.model)
-    overrides = list(args.set or [])
-    config = KVStrataConfig.from_yaml(args.config, overrides) if args.config else KVStrataConfig.from_dict({}, overrides)
-    plan = EnginePlan.of(args.model, config, kv_cache_dtype=args.kv_cache_dtype)
-    for i, prompt in enumerate(prompts):  # every prompt, before the weights load or a tier opens
-        plan.check(prompt, args.max_new_tokens, args.n, f"prompts[{i}]")
-    with LLMEngine(args.model, config, kv_cache_dtype=args.kv_cache_dtype, k_scale=args.k_scale,
-                   v_scale=args.v_scale) as engine:
-        t0 = time.perf_counter()
-        outputs = engine.run(prompts, args.max_new_tokens, n=args.n)
-        seconds = time.perf_counter() - t0
-        stats = engine.stats()
-    tokenizer = load_tokenizer(args.model) if not args.quiet and args.json != "-" else None
-    if args.json:
-        write_json(args.json, {"outputs": [_generate_record(o) for o in outputs], "seconds": seconds,
-                                "stats": {k: v for k, v in stats.items() if k != "cache"}})
-    if not args.quiet and args.json != "-":
-        for i, out in enumerate(outputs):
-            print(f"prompt {i}: {plural(out.prompt_tokens, 'token')}; prefix: {_sources(out)}")
-            for j, sample in enumerate(out.samples):
-                print(f"  sample {j}: {' '.join(map(str, sample))}")
-                if tokenizer is not None:
-                    print(f"    {tokenizer.decode(sample)!r}")
-        tokens = stats["generated_tokens"]
-        print(f"{plural(tokens, 'token')} generated in {seconds:.2f} s; {plural(stats['cow_copies'], 'block')} "
-              f"copied on write")
-    return 0
-
-
-def _sources(out: Any) -> str:
-    """``32 GPU pool, 16 CPU, 0 SSD, 9 computed``."""
-    names = {"gpu": "GPU pool", "cpu": "CPU", "ssd": "SSD", "remote": "remote"}
-    parts = [f"{out.hit_tokens.get(t, 0)} {name}" for t, name in names.items() if t in out.hit_tokens]
-    return ", ".join([*parts, f"{out.computed_tokens} computed"])
-
-
-def _generate_record(out: Any) -> dict[str, Any]:
-    return {"prompt_tokens": out.prompt_tokens, "samples": out.samples, "hit_tokens": out.hit_tokens,
-            "computed_tokens": out.computed_tokens, "ttft_s": out.ttft_s}
-
-
 def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="a Hugging Face Llama-family checkpoint directory")
     p.add_argument("--prompt-file", required=True, metavar="PATH",
                    help="JSONL: a list of token ids, {\"prompt_token_ids\": [...]} or {\"prompt\": \"text\"} per line")
     p.add_argument("--config", metavar="PATH", help="kvstrata YAML config (gpu.* sizes the engine's pool)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. cpu.capacity=1GiB")
-    p.add_argument("--n", type=_positive_int, default=1, help="samples per prompt, sharing its blocks (default: 1)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N", help="(default: 32)")
+    p.add_argument("--n", type=positive_int, default=1, help="samples per prompt, sharing its blocks (default: 1)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N", help="(default: 32)")
     p.add_argument("--kv-cache-dtype", default=None, metavar="DTYPE",
                    help="auto | fp8 | fp8_e4m3 | fp8_e5m2 (default: model.kv_dtype, else auto)")
-    p.add_argument("--k-scale", type=_finite(0, False), default=1.0, help="FP8 K scale (default: 1)")
-    p.add_argument("--v-scale", type=_finite(0, False), default=1.0, help="FP8 V scale (default: 1)")
+    p.add_argument("--k-scale", type=finite(0, False), default=1.0, help="FP8 K scale (default: 1)")
+    p.add_argument("--v-scale", type=finite(0, False), default=1.0, help="FP8 V scale (default: 1)")
     p.add_argument("--json", metavar="PATH", help="write the outputs as JSON ('-' for stdout)")
     p.add_argument("--quiet", action="store_true", help="print only errors")
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-config", metavar="config.json", help="Hugging Face model config")
-    p.add_argument("--layers", type=_positive_int)
-    p.add_argument("--kv-heads", type=_positive_int)
-    p.add_argument("--head-dim", type=_positive_int)
+    p.add_argument("--layers", type=positive_int)
+    p.add_argument("--kv-heads", type=positive_int)
+    p.add_argument("--head-dim", type=positive_int)
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp8", "fp32"), help="KV cache dtype (default: the model's)")
-    p.add_argument("--kv-pool-gib", type=_finite(0, False), help="KV pool size")
-    p.add_argument("--gpu-mem-gib", type=_finite(0, False), help="GPU memory (with --weights-gib)")
-    p.add_argument("--weights-gib", type=_finite(0, True), help="memory taken by the weights")
-    p.add_argument("--util", type=_finite(0, False, 1), default=0.9, help="gpu_memory_utilization (default: 0.9)")
-    p.add_argument("--max-model-len", type=_positive_int, default=8192, help="tokens per request (default: 8192)")
-    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default: 16)")
+    p.add_argument("--kv-pool-gib", type=finite(0, False), help="KV pool size")
+    p.add_argument("--gpu-mem-gib", type=finite(0, False), help="GPU memory (with --weights-gib)")
+    p.add_argument("--weights-gib", type=finite(0, True), help="memory taken by the weights")
+    p.add_argument("--util", type=finite(0, False, 1), default=0.9, help="gpu_memory_utilization (default: 0.9)")
+    p.add_argument("--max-model-len", type=positive_int, default=8192, help="tokens per request (default: 8192)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default: 16)")
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON ('-' for stdout)")
     p.add_argument("--quiet", action="store_true", help="print only errors")
 
@@ -537,9 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     insp = sub.add_parser("inspect", help="summarise a trace (no replay)")
     insp.add_argument("--trace", required=True, metavar="PATH")
     insp.add_argument("--format", default="auto")
-    insp.add_argument("--block-size", type=_positive_int, default=None, metavar="TOKENS")
+    insp.add_argument("--block-size", type=positive_int, default=None, metavar="TOKENS")
     insp.add_argument("--skip-bad-lines", action="store_true")
-    insp.add_argument("--max-distinct-blocks", type=_count, default=None, metavar="N", help=_MAX_DISTINCT_HELP)
+    insp.add_argument("--max-distinct-blocks", type=count, default=None, metavar="N", help=MAX_DISTINCT_HELP)
     insp.add_argument("--json", metavar="PATH")
     insp.set_defaults(func=cmd_inspect)
     return parser
