@@ -40,10 +40,7 @@ and tests.
 
 from __future__ import annotations
 
-import json
-import math
 from array import array
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Optional, Union
@@ -51,6 +48,8 @@ from typing import Any, BinaryIO, Callable, Iterator, Optional, Union
 from kvstrata.config import plural, short_repr
 from kvstrata.trace.format import HEADER_KEY, TRACE_VERSION, TraceError, header_version, is_header
 from kvstrata.trace.recording import measured_of, recording_parts
+from kvstrata.trace.records import ADDERS, BadRecord, TooManyBlocks, parse_line
+from kvstrata.trace.requests import Request, Trace, TraceInfo
 
 __all__ = ["TRACE_VERSION", "HEADER_KEY", "header_version", "is_header", "FORMATS", "DistinctLimit", "Request", "Trace", "TraceBuilder",
            "TraceError", "TraceInfo", "TraceReader", "detect_format", "load_trace"]
@@ -60,8 +59,6 @@ _ALIASES = {"qwen-bailian": "qwen", "bailian": "qwen"}
 DEFAULT_BLOCK_SIZE = {"mooncake": 512, "qwen": 16}
 MAX_LINE_BYTES = 16 << 20  # a 1M-token prompt's token ids fit; parsed, a line costs ~10x its bytes
 """Longest trace line read (bytes); a longer one is a bad line."""
-MAX_COUNT = 2**63 - 1
-"""Largest ``input_length`` / ``output_length`` accepted."""
 _BOM = b"\xef\xbb\xbf"
 _PROGRESS_LINES, _PROGRESS_BYTES = 4096, 4 << 20
 
@@ -69,98 +66,6 @@ _PROGRESS_LINES, _PROGRESS_BYTES = 4096, 4 << 20
 DistinctLimit = Optional[Union[int, Callable[[str, int], Optional[int]]]]
 """A limit on distinct blocks: a number, None (no limit), or a function of (format, block size)."""
 
-
-
-@dataclass(slots=True)
-class Request:
-    """One request of a trace.
-
-    ``blocks``: dense block ids of the prompt in prefix order. ``hittable``:
-    how many leading blocks may be served from cache (all of them for hash-id
-    traces; for token traces the last prompt token is always computed, so at
-    most ``(input_length - 1) // block_size``). ``token_based``: the prompt's
-    length is ``input_length`` (given by tokens, or by hashes whose last block
-    may be partial) rather than ``len(blocks)`` full blocks.
-    """
-
-    timestamp: float
-    blocks: list[int]
-    input_length: int
-    output_length: int
-    hittable: int
-    line: int = 0
-    token_based: bool = False
-    output_blocks: list[int] = field(default_factory=list)  # full blocks its output completed (recordings)
-    duration: float = -1.0  # seconds from arrival to finish when recorded (< 0: unknown)
-    # recorded preemptions: (preempted, resumed) seconds after arrival, tokens looked up again
-    preemptions: list[tuple[float, float, int]] = field(default_factory=list)
-
-
-@dataclass
-class TraceInfo:
-    """What a pass over a trace has counted (all of it once the pass is over)."""
-
-    name: str
-    format: str
-    block_size: int
-    num_requests: int = 0
-    num_accesses: int = 0
-    num_distinct_blocks: int = 0
-    id_bound: int = 0
-    token_based: bool = False
-    first_timestamp: float = 0.0
-    last_timestamp: float = 0.0
-    skipped_lines: int = 0
-    first_skipped: str | None = None
-    header: dict[str, Any] | None = None     # the kvstrata header (a recording's: its deployment)
-    notes: list[str] = field(default_factory=list)  # what was skipped and why (files, a cut-off line)
-    measured: dict[str, Any] | None = None   # a whole recording's measured counters (its sidecar)
-
-    @property
-    def duration_s(self) -> float:
-        return self.last_timestamp - self.first_timestamp if self.num_requests else 0.0
-
-
-@dataclass
-class Trace:
-    """A whole trace in memory.
-
-    ``num_distinct_blocks``: distinct block ids; every id is ``< id_bound``
-    (ids are 0, 1, 2, ... in order of first use, so the two are equal).
-    """
-
-    name: str
-    format: str
-    block_size: int
-    requests: list[Request]
-    num_distinct_blocks: int
-    id_bound: int
-    token_based: bool = False
-    skipped_lines: int = 0
-    first_skipped: str | None = None
-    header: dict[str, Any] | None = None
-    notes: list[str] = field(default_factory=list)
-    measured: dict[str, Any] | None = None
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.requests)
-
-    @property
-    def num_accesses(self) -> int:
-        return sum(len(r.blocks) for r in self.requests)
-
-    @property
-    def duration_s(self) -> float:
-        return self.requests[-1].timestamp - self.requests[0].timestamp if self.requests else 0.0
-
-    @property
-    def info(self) -> TraceInfo:
-        reqs = self.requests
-        return TraceInfo(self.name, self.format, self.block_size, len(reqs), self.num_accesses,
-                         self.num_distinct_blocks, self.id_bound, self.token_based,
-                         reqs[0].timestamp if reqs else 0.0, reqs[-1].timestamp if reqs else 0.0,
-                         self.skipped_lines, self.first_skipped, self.header, list(self.notes), self.measured)
 
 
 def detect_format(record: Any) -> str | None:
@@ -174,96 +79,6 @@ def detect_format(record: Any) -> str | None:
     if "token_ids" in record or "block_hashes" in record or is_header(record):
         return "kvstrata"
     return None
-
-
-_ID_TYPES = {int, str}
-
-
-class _Bad(Exception):
-    """A bad record; the loader adds file and line."""
-
-
-class _TooManyBlocks(Exception):
-    """More distinct blocks than ``max_distinct_blocks``: fatal even when skipping bad lines."""
-
-
-def _number(rec: dict[str, Any], key: str, *, required: bool = True, default: float = 0) -> float:
-    v = rec.get(key)
-    if v is None:
-        if required:
-            raise _Bad(f"missing '{key}'")
-        return default
-    if type(v) is bool or not isinstance(v, (int, float)):
-        raise _Bad(f"'{key}' must be a number, got {short_repr(v)}")
-    try:
-        value = float(v)
-    except OverflowError:
-        value = math.inf
-    if not math.isfinite(value):
-        raise _Bad(f"'{key}' must be a finite number, got {short_repr(v)}")
-    if value < 0:
-        raise _Bad(f"'{key}' must not be negative, got {short_repr(v)}")
-    return value
-
-
-def _count(rec: dict[str, Any], key: str, default: int) -> int:
-    v = rec.get(key)
-    if v is None:
-        return default
-    if type(v) is not int or not 0 <= v <= MAX_COUNT:
-        raise _Bad(f"'{key}' must be an integer from 0 to 2**63 - 1, got {short_repr(v)}")
-    return v
-
-
-def _id_list(rec: dict[str, Any], key: str) -> list[Any]:
-    ids = rec.get(key)
-    if not isinstance(ids, list):
-        raise _Bad(f"missing '{key}'" if ids is None else f"'{key}' must be a list, got {type(ids).__name__}")
-    if not set(map(type, ids)) <= _ID_TYPES:
-        bad = next(h for h in ids if type(h) not in _ID_TYPES)
-        raise _Bad(f"'{key}' must hold integers or hex strings, got {short_repr(bad)}")
-    return ids
-
-
-def _preemptions(rec: dict[str, Any], duration: float) -> list[tuple[float, float, int]]:
-    """A recorded request's ``preemptions``: ``[preempted, resumed, tokens]`` each, seconds
-    after its arrival in order, within its ``duration``."""
-    raw = rec.get("preemptions", [])
-    if not isinstance(raw, list):
-        raise _Bad(f"'preemptions' must be a list, got {type(raw).__name__}")
-    out: list[tuple[float, float, int]] = []
-    last = 0.0
-    for item in raw:
-        if not (isinstance(item, list) and len(item) == 3):
-            raise _Bad(f"'preemptions' holds [preempted_s, resumed_s, tokens] lists, got {short_repr(item)}")
-        entry = dict(zip(("preempted_s", "resumed_s", "tokens"), item))
-        preempted, resumed = _number(entry, "preempted_s"), _number(entry, "resumed_s")
-        tokens = _count(entry, "tokens", 0)
-        if not last <= preempted <= resumed or (duration >= 0 and resumed > duration):
-            raise _Bad(f"'preemptions': {short_repr(item)} is out of order or past the request's duration")
-        out.append((preempted, resumed, tokens))
-        last = resumed
-    return out
-
-
-def _namespace(rec: dict[str, Any]) -> tuple[str | None, str | int | None] | None:
-    """``(cache_salt, lora)`` of a kvstrata record, None when it has neither."""
-    salt, lora = rec.get("cache_salt"), rec.get("lora")
-    if salt is not None and not isinstance(salt, str):
-        raise _Bad(f"'cache_salt' must be a string, got {short_repr(salt)}")
-    if lora is not None and (type(lora) is bool or not isinstance(lora, (str, int))):
-        raise _Bad(f"'lora' must be a string or an integer, got {short_repr(lora)}")
-    return (salt, lora) if salt is not None or lora is not None else None
-
-
-def _hashed_length(rec: dict[str, Any], ids: list[Any], block_size: int) -> int:
-    """``input_length`` of a record given by block hashes: the last block may be partial, no more."""
-    n = _count(rec, "input_length", len(ids) * block_size)
-    least = (len(ids) - 1) * block_size + 1
-    if ids and n < least:
-        raise _Bad(f"'input_length' {n} is too small for {len(ids)} block hashes of {block_size} tokens "
-                   f"(at least {least})")
-    return n
 
 
 class TraceBuilder:
@@ -288,7 +103,7 @@ class TraceBuilder:
 
     def check_time(self, ts: float) -> None:
         if ts < self._last_ts:
-            raise _Bad(f"timestamp {ts:g} s is earlier than the previous request's {self._last_ts:g} s "
+            raise BadRecord(f"timestamp {ts:g} s is earlier than the previous request's {self._last_ts:g} s "
                        "(the trace must be sorted by arrival time)")
 
     def add_ids(self, ts: float, raw_ids: list[Any], input_length: int, output_length: int,
@@ -302,7 +117,7 @@ class TraceBuilder:
         if namespace is not None:
             raw_ids = [(namespace, h) for h in raw_ids]
         if len(set(raw_ids)) != len(raw_ids):  # before interning: a bad line adds no blocks
-            raise _Bad("the same block hash appears twice in one request")
+            raise BadRecord("the same block hash appears twice in one request")
         ids = self.ids
         blocks = list(map(ids.get, raw_ids))
         if None in blocks:  # new blocks get the next ids (a request's hashes are distinct)
@@ -355,7 +170,7 @@ class TraceBuilder:
         """Refuse ``new`` more distinct blocks beyond ``max_distinct_blocks`` before they are
         interned: one huge line stops here, not after its blocks filled the map."""
         if self.max_distinct_blocks is not None and len(self.ids) + new > self.max_distinct_blocks:
-            raise _TooManyBlocks(f"more than {self.max_distinct_blocks:,} distinct blocks (--max-distinct-blocks): "
+            raise TooManyBlocks(f"more than {self.max_distinct_blocks:,} distinct blocks (--max-distinct-blocks): "
                                  "stopped before the analysis outgrows the memory it was given")
 
     def _append(self, req: Request) -> None:
@@ -392,70 +207,6 @@ def _token_key(tokens: list[int]) -> bytes | tuple[int, ...]:
         return array("q", tokens).tobytes()
     except OverflowError:
         return tuple(tokens)
-
-
-def _add_mooncake(b: TraceBuilder, rec: dict[str, Any], line: int) -> None:
-    ids = _id_list(rec, "hash_ids")
-    ts = _number(rec, "timestamp") / 1000.0
-    b.add_ids(ts, ids, _count(rec, "input_length", len(ids) * b.block_size),
-              _count(rec, "output_length", 0), line)
-
-
-def _add_qwen(b: TraceBuilder, rec: dict[str, Any], line: int) -> None:
-    ids = _id_list(rec, "hash_ids")
-    ts = _number(rec, "timestamp")
-    b.add_ids(ts, ids, _count(rec, "input_length", len(ids) * b.block_size),
-              _count(rec, "output_length", 0), line)
-
-
-def _add_kvstrata(b: TraceBuilder, rec: dict[str, Any], line: int) -> None:
-    ts = _number(rec, "timestamp")
-    ns = _namespace(rec)
-    out = _count(rec, "output_length", 0)
-    if "token_ids" in rec:
-        tokens = rec["token_ids"]
-        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-            raise _Bad("'token_ids' must be a list of integers")
-        if not tokens:
-            raise _Bad("'token_ids' is empty")
-        b.add_tokens(ts, tokens, out, line, ns)
-    elif "output_block_hashes" in rec:  # a recorded request (kvstrata.trace.recorder): the plugin's rules
-        ids = _id_list(rec, "block_hashes")
-        n = _count(rec, "input_length", len(ids) * b.block_size)
-        if n // b.block_size != len(ids):
-            raise _Bad(f"'input_length' {n} holds {n // b.block_size} full blocks of {b.block_size} tokens, "
-                       f"but 'block_hashes' names {len(ids)}")
-        duration = _number(rec, "duration", required=False, default=-1.0)
-        b.add_ids(ts, ids, n, out, line, ns, _id_list(rec, "output_block_hashes"), duration,
-                  hittable=min(len(ids), max(n - 1, 0) // b.block_size), preemptions=_preemptions(rec, duration))
-    elif "block_hashes" in rec:
-        ids = _id_list(rec, "block_hashes")
-        b.add_ids(ts, ids, _hashed_length(rec, ids, b.block_size), out, line, ns)
-    else:
-        raise _Bad("missing 'token_ids' or 'block_hashes'")
-
-
-_ADDERS: dict[str, Callable[[TraceBuilder, dict[str, Any], int], None]] = {
-    "mooncake": _add_mooncake, "qwen": _add_qwen, "kvstrata": _add_kvstrata}
-
-
-def _parse(raw: bytes) -> Any:
-    """The JSON value of one line's bytes, None for a blank line; raises :class:`_Bad`."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _Bad(f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
-    if not text or text.isspace():
-        return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        truncated = e.pos >= len(text.rstrip())
-        raise _Bad("truncated JSON record" if truncated else f"not valid JSON: {e.msg} (column {e.colno})") from None
-    except RecursionError:
-        raise _Bad("JSON nested too deeply") from None
-    except ValueError:  # int() refuses a number longer than the interpreter's digit limit
-        raise _Bad(f"a number has more than {sys.get_int_max_str_digits()} digits") from None
 
 
 def normalize_format(fmt: str) -> str:
@@ -538,24 +289,24 @@ class _Loader:
         if line == 1 and raw.startswith(_BOM):
             raw = raw[len(_BOM):]
         try:
-            rec = _parse(raw)
+            rec = parse_line(raw)
             if rec is None:
                 return
             if not isinstance(rec, dict):
-                raise _Bad(f"expected a JSON object, got {type(rec).__name__}")
+                raise BadRecord(f"expected a JSON object, got {type(rec).__name__}")
             if is_header(rec) and (self.builder is None or line == 1):  # a later part's header too
                 self.header(rec, line)
                 return
             b = self.builder or self.start(rec, line)
             if b is not None:
-                _ADDERS[b.format](b, rec, line)
-        except _Bad as e:
+                ADDERS[b.format](b, rec, line)
+        except BadRecord as e:
             if not raw.endswith(b"\n"):  # the last line, cut off: the writer was killed mid-line
                 self.notes.append(f"{self.path}:{line}: the last line is cut off (the writer stopped while "
                                   "writing it): skipped")
                 return
             self.fail(line, str(e))
-        except _TooManyBlocks as e:
+        except TooManyBlocks as e:
             raise TraceError(f"{self.path}:{line}: {e}") from None
 
     def read_lines(self, fh: BinaryIO) -> Iterator[bytes | None]:
