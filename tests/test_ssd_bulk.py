@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from kvstrata.tiers.ssd.coders import Coders
 from kvstrata.tiers.ssd.extents import ExtentMap
 from kvstrata.tiers.ssd.health import Health
-from kvstrata.tiers.ssd.index import pack_keys, parse_head, unpack_keys
+from kvstrata.tiers.ssd.beside import pack_keys, unpack_keys
+from kvstrata.tiers.ssd.index import parse_head
 from kvstrata.tiers.ssd.lost import LostKeys
 from kvstrata.tiers.ssd.reclaim import Reclaim
 from kvstrata.tiers.ssd.record import PAGE, Codec, Encoded, record_footprint

@@ -228,7 +228,7 @@ def ssd_root(cfg: KVStrataConfig) -> Path:
     disk must not fill the root file system)."""
     from kvstrata.tiers.ssd.directory import DIR_MODE, FILE_MODE, LMDB_LOCK, check_environment
     from kvstrata.tiers.ssd.pagefile import BLOCKS
-    from kvstrata.tiers.ssd.tier import check_path
+    from kvstrata.tiers.ssd.arguments import check_path
 
     configured = cfg.ssd.resolved_path()
     assert configured is not None

@@ -116,6 +116,7 @@ def _survey(path: Path, verify: bool, older_than: float | None = None) -> dict[s
 
     from kvstrata.tiers.ssd.index import MARK_PREFIX, STATE, TIME_MARK, Index
     from kvstrata.tiers.ssd.record import CLOCK
+    from kvstrata.tiers.ssd.arguments import file_size
     from kvstrata.tiers.ssd.pagefile import BLOCKS
     from kvstrata.tiers.ssd.record import NS_LEN, PAGE, RECORD_VERSION
 
@@ -131,7 +132,7 @@ def _survey(path: Path, verify: bool, older_than: float | None = None) -> dict[s
         out: dict[str, Any] = {"path": str(path), "format": fmt, "reads": RECORD_VERSION,
                                "used_bytes": STATE.unpack(state)[0] if len(state) == STATE.size else None,
                                "created_at": about.get("created_at") if isinstance(about, dict) else None,
-                               "files": {n: _size(path / n) for n in ("data.mdb", BLOCKS)}}
+                               "files": {n: file_size(path / n) for n in ("data.mdb", BLOCKS)}}
         if isinstance(fmt, int) and fmt > RECORD_VERSION:
             return {**out, "newer": True}
         nskeys, heads = index.all_heads() if b"head" in names else ([], [])
@@ -279,10 +280,3 @@ def _check(nskey: bytes, hdr: Any, head: bytes, fd: int, page: int) -> str | Non
     except CorruptRecord:
         return "payload"
     return None if checksum(nskey, raw) == hdr.checksum else "checksum"
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0

@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvstrata.errors import ConfigError
+from kvstrata.tiers.ssd.arguments import file_size
 from kvstrata.tiers.ssd.extents import ExtentMap
 from kvstrata.tiers.ssd.index import Index, IndexFailure, WriteTxn
 from kvstrata.tiers.ssd.pagefile import BLOCKS, PageFile
@@ -185,7 +186,7 @@ class Opening:
     def _walk(self, cancel: Cancel | None) -> Survey | None:
         """Step 3: the survey of a walked environment, or None (disabled or cancelled)."""
         try:
-            found = walk(self.path, _size(self.path / BLOCKS), cancel)
+            found = walk(self.path, file_size(self.path / BLOCKS), cancel)
             _install_rebuilt(self.path)
         except Cancelled:
             return None
@@ -439,10 +440,3 @@ def _init_meta(tx: WriteTxn, now: float) -> None:
     import msgpack
     tx.put_meta(b"kvstrata", msgpack.packb({"format": RECORD_VERSION, "created_at": now}))
     tx.used = tx.clock = 0
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0

@@ -42,32 +42,30 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import subprocess
-from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from kvstrata.buffers import as_numpy, nbytes, writable_view
-from kvstrata.errors import ConfigError
+from kvstrata.tiers.ssd.arguments import (MAX_KEY_LEN, check_block_nbytes, check_capacity, check_fingerprint,
+                                         check_int, check_key, check_path, file_size)
 from kvstrata.tiers.ssd.coders import Coders
 from kvstrata.tiers.ssd.health import Health
-from kvstrata.tiers.ssd.index import MAX_KEY, IndexFailure
+from kvstrata.tiers.ssd.index import IndexFailure
 from kvstrata.tiers.ssd.lost import LostKeys
 from kvstrata.tiers.ssd.owner import Owner
 from kvstrata.tiers.ssd.pagefile import BLOCKS
 from kvstrata.tiers.ssd.reader import Reader
+from kvstrata.tiers.ssd.beside import read_beside
 from kvstrata.tiers.ssd.reclaim import Reclaim
 from kvstrata.tiers.ssd.record import NS_LEN, Codec, namespace_of
 from kvstrata.tiers.ssd.directory import prepare_directory
 from kvstrata.tiers.ssd.recovery import Background, Files, Opening
-from kvstrata.tiers.ssd.walk import child_command
 from kvstrata.tiers.ssd.writequeue import WriteQueue
 from kvstrata.tiers.ssd.writer import Writer
 
 __all__ = ["SSDTier", "read_keys", "read_tags", "check_path", "MAX_KEY_LEN", "MAX_TAG_LEN"]
 
-MAX_KEY_LEN = MAX_KEY - NS_LEN   # longest key a caller may use
 MAX_TAG_LEN = 4096               # longest tag kept beside a record
 RECOVER_INLINE_BYTES = 16 * 1024**2   # larger indexes recover in the background
 
@@ -104,11 +102,11 @@ class SSDTier:
                  block_nbytes: int | None = None,
                  recover_inline_bytes: int = RECOVER_INLINE_BYTES) -> None:
         self.path = check_path(path)
-        self.block_nbytes = _check_block_nbytes(block_nbytes)
-        self.capacity_bytes = _check_capacity(capacity_bytes, self.block_nbytes)
-        self.fingerprint = _check_fingerprint(fingerprint)
-        self.queue_capacity_bytes = _check_int(queue_capacity_bytes, "queue_capacity_bytes", 1)
-        self.recover_inline_bytes = _check_int(recover_inline_bytes, "recover_inline_bytes", 0)
+        self.block_nbytes = check_block_nbytes(block_nbytes)
+        self.capacity_bytes = check_capacity(capacity_bytes, self.block_nbytes)
+        self.fingerprint = check_fingerprint(fingerprint)
+        self.queue_capacity_bytes = check_int(queue_capacity_bytes, "queue_capacity_bytes", 1)
+        self.recover_inline_bytes = check_int(recover_inline_bytes, "recover_inline_bytes", 0)
         self._codec = Codec(compression, level)
         self.compression = compression
         self.batch_bytes = min(16 * 1024**2, max(self.capacity_bytes // 16, 256 * 1024))
@@ -208,7 +206,7 @@ class SSDTier:
         Raises ``ValueError`` for a key that is not bytes or longer than
         :data:`MAX_KEY_LEN`, and for data of the wrong size.
         """
-        _check_key(key, "key")
+        check_key(key, "key")
         if tag is not None and (not isinstance(tag, bytes) or len(tag) > MAX_TAG_LEN):
             raise ValueError(f"tag: expected bytes of at most {MAX_TAG_LEN}, got "
                              f"{type(tag).__name__} of {len(tag) if isinstance(tag, bytes) else '?'}")
@@ -255,14 +253,14 @@ class SSDTier:
         From now on they are absent to ``get``, ``in`` and :meth:`keys`, and they are
         never reported by :meth:`take_lost`. Never blocks on disk, never raises for I/O.
         """
-        nskeys = [self._ns + _check_key(k, "keys") for k in keys]
+        nskeys = [self._ns + check_key(k, "keys") for k in keys]
         if nskeys and self._health.usable():
             self._queue.discard(nskeys)
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
         """Record an access to each key (absent ones are ignored), in order, so the last
         is the most recently used; persisted with the writer's next transaction."""
-        nskeys = [self._ns + _check_key(k, "keys") for k in keys]
+        nskeys = [self._ns + check_key(k, "keys") for k in keys]
         with self._using() as files:
             for nskey in nskeys if files is not None else ():
                 if self._present(files, nskey):
@@ -309,7 +307,7 @@ class SSDTier:
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Verified blocks (or None) for ``keys``, read in one transaction."""
-        nskeys = [self._ns + _check_key(k, "keys") for k in keys]
+        nskeys = [self._ns + check_key(k, "keys") for k in keys]
         with self._using() as files:
             reader = self._reader if files is not None else None
             out = [None] * len(nskeys) if reader is None else reader.get_many(nskeys)
@@ -327,7 +325,7 @@ class SSDTier:
         """
         if len(outs) != len(keys):
             raise ValueError(f"outs: expected {len(keys)} buffers (one per key), got {len(outs)}")
-        nskeys = [self._ns + _check_key(k, "keys") for k in keys]
+        nskeys = [self._ns + check_key(k, "keys") for k in keys]
         views = [writable_view(o, "outs") for o in outs]
         with self._using() as files:
             reader = self._reader if files is not None else None
@@ -393,8 +391,8 @@ class SSDTier:
         out["queued_bytes"] = self._queue.queued_bytes
         with self._using() as files:
             out["current_bytes"] = 0 if files is None else files.index.used_bytes()
-        out["index_file_bytes"] = _size(self.path / "data.mdb")
-        out["block_file_bytes"] = _size(self.path / BLOCKS)
+        out["index_file_bytes"] = file_size(self.path / "data.mdb")
+        out["block_file_bytes"] = file_size(self.path / BLOCKS)
         out["file_bytes"] = out["index_file_bytes"] + out["block_file_bytes"]
         out["available"] = self._health.broken is None and not self._health.closed
         out["recovering"] = self.recovering()
@@ -453,69 +451,6 @@ class SSDTier:
 
 # ====================================================================== argument checks
 
-def _check_key(key: object, what: str) -> bytes:
-    if not isinstance(key, bytes):
-        raise ValueError(f"{what}: expected bytes (a block hash), got {type(key).__name__}")
-    if len(key) > MAX_KEY_LEN:
-        raise ValueError(f"{what}: a key has at most {MAX_KEY_LEN} bytes, got {len(key)}")
-    return key
-
-
-def _check_int(value: object, what: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{what}: expected an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_block_nbytes(value: int | None) -> int | None:
-    return None if value is None else _check_int(value, "block_nbytes", 1)
-
-
-def _check_capacity(value: object, block_nbytes: int | None) -> int:
-    cap = _check_int(value, "capacity_bytes", 0)
-    floor = max(2 * (block_nbytes or 0), 1024**2)
-    if cap < floor:
-        raise ConfigError(f"capacity_bytes: {cap} is too small; the SSD tier needs at least "
-                          f"{floor} bytes (1 MiB and two blocks)")
-    return cap
-
-
-def _check_fingerprint(value: object) -> bytes:
-    if isinstance(value, str):
-        value = value.encode()
-    if not isinstance(value, bytes) or not value:
-        raise ConfigError(f"fingerprint: expected a non-empty str or bytes, got {value!r}")
-    return value
-
-
-def check_path(value: object, what: str = "path") -> Path:
-    """``value`` as an absolute directory path a tier may use (it or its parent exists and
-    is writable: a missing parent is an error, an unmounted disk must not fill the root
-    file system); errors name ``what``."""
-    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
-        raise ConfigError(f"{what}: expected a directory path, got {value!r}")
-    path = Path(os.path.expanduser(os.fspath(value))).absolute()
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{what}: {path} exists and is not a directory")
-    if not path.exists() and not path.parent.is_dir():
-        raise ConfigError(f"{what}: the parent directory {path.parent} does not exist "
-                          "(create it first; kvstrata does not create mount points)")
-    target = path if path.exists() else path.parent
-    if not os.access(target, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what}: {target} is not writable")
-    for name in ("data.mdb", BLOCKS):
-        if (path / name).exists() and not os.access(path / name, os.R_OK | os.W_OK):
-            raise ConfigError(f"{what}: {path / name} is not readable and writable")
-    return path
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
 def read_keys(path: str | os.PathLike[str], fingerprint: str | bytes, *,
               timeout: float = 600.0) -> list[bytes]:
     """The keys of ``fingerprint`` in the tier at ``path``, least recently used first,
@@ -525,36 +460,11 @@ def read_keys(path: str | os.PathLike[str], fingerprint: str | bytes, *,
     tier there. Never writes a file: beside an owner it takes a reader slot in the
     owner's ``lock.mdb`` (shared memory); where there is none it opens without one.
     Raises ``OSError`` when the keys cannot be read."""
-    from kvstrata.tiers.ssd.index import unpack_keys
-    return _read_beside(path, fingerprint, "keys", unpack_keys, [], timeout)
+    return read_beside(path, namespace_of(check_fingerprint(fingerprint)), "keys", timeout)
 
 
 def read_tags(path: str | os.PathLike[str], fingerprint: str | bytes, *,
               timeout: float = 600.0) -> dict[bytes, bytes]:
     """:meth:`SSDTier.tags` of the tier at ``path``, read beside its owner as
     :func:`read_keys` reads keys. Raises ``OSError`` when they cannot be read."""
-    from kvstrata.tiers.ssd.index import unpack_tags
-    return _read_beside(path, fingerprint, "tags", unpack_tags, {}, timeout)
-
-
-def _read_beside(path: str | os.PathLike[str], fingerprint: str | bytes, what: str,
-                 unpack: Any, empty: Any, timeout: float) -> Any:
-    """Run the index's ``_print_<what>`` child on the tier at ``path`` and unpack its output."""
-    where = Path(os.path.expanduser(os.fspath(path))).absolute()
-    if not (where / "data.mdb").exists():
-        return empty
-    prefix = namespace_of(_check_fingerprint(fingerprint))
-    code = f"from kvstrata.tiers.ssd.index import _print_{what}; _print_{what}()"
-    try:
-        proc = subprocess.run(child_command(code, str(where), prefix.hex()),
-                              capture_output=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise OSError(f"reading the {what} of {where} took over {timeout:g} s") from None
-    if proc.returncode != 0:
-        why = proc.stderr.decode(errors="replace").strip().splitlines()
-        raise OSError(f"cannot read the {what} of {where}: "
-                      f"{why[-1] if why else f'exit {proc.returncode}'}")
-    try:
-        return unpack(proc.stdout)
-    except ValueError as exc:  # anything else on the child's stdout
-        raise OSError(f"cannot read the {what} of {where}: unexpected output ({exc})") from None
+    return read_beside(path, namespace_of(check_fingerprint(fingerprint)), "tags", timeout)
