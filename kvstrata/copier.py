@@ -62,10 +62,57 @@ from kvstrata.copies import CopyRows, Finished, PendingLoad, PendingStore
 from kvstrata.executor import Executor, LoadResult, Lost
 from kvstrata.policy.plans import FetchPlan, LoadPlan, StorePlan
 from kvstrata.streams import Event, InlineStreams, Stream, Streams
+from kvstrata.policy.tiers import CPU, SSD
 
-__all__ = ["CopyRows", "Copier", "Finished"]
+__all__ = ["CopyRows", "Copier", "Finished", "IOQueue"]
 
 log = logging.getLogger(__name__)
+
+
+def evict_and_spill(ex: Executor, evictions: list[bytes], copies: list[tuple[bytes, np.ndarray]]) -> Lost:
+    """On the I/O thread: delete ``evictions`` from the SSD tier, then put the spilled copies."""
+    ex.evict([], evictions)
+    lost: Lost = []
+    for key, row in copies:
+        if ex.put_row(key, row):
+            ex.count("blocks_spilled")
+        else:
+            ex.count("spill_failures")
+            lost.append((SSD, key))
+    return lost
+
+
+class IOQueue:
+    """SSD work in plan order (rule 4): one thread, or at once on inline streams."""
+
+    def __init__(self, io: "FuturesExecutor | None", inline: bool) -> None:
+        # one thread: SSD work runs in plan order (tests pass a fake that runs it in a seeded order)
+        self._io = io if io is not None else ThreadPoolExecutor(1, thread_name_prefix="kvstrata-io")
+        self._inline = inline
+        self.last: Future[Any] | None = None  # the I/O thread's latest job
+        self._last_change: Future[Any] | None = None  # ... and its latest change of the SSD tier
+
+    def submit(self, fn: Callable[..., Any], *args: Any, changes: bool = True) -> "Future[Any]":
+        """Run SSD work after the work queued before it. ``changes`` (puts, deletions,
+        touches) runs at once when the device copies it depends on run when submitted
+        (the CPU backend: the tier's ``put`` only queues; plans then take effect in the
+        step that made them, as they did before copies could be asynchronous). Reads of
+        the SSD tier always go to the I/O thread: they wait on the disk."""
+        if changes and self._inline and (self._last_change is None or self._last_change.done()):
+            fut: Future[Any] = Future()
+            try:
+                fut.set_result(fn(*args))
+            except Exception as exc:  # reported where the result is read, as from the thread
+                fut.set_exception(exc)
+            return fut
+        fut = self._io.submit(fn, *args)
+        self.last = fut
+        if changes:
+            self._last_change = fut
+        return fut
+
+    def shutdown(self) -> None:
+        self._io.shutdown(wait=True)
 
 
 class Copier:
@@ -80,11 +127,7 @@ class Copier:
         self.load_stream: Stream = streams.new_stream(low_priority=False)
         self.staging_bytes = staging_bytes
         self._staged = 0
-        # one thread: SSD work runs in plan order (tests pass a fake that runs it in a seeded order)
-        self._io = io if io is not None else ThreadPoolExecutor(1, thread_name_prefix="kvstrata-io")
-        self._last_io: Future[Any] | None = None  # the I/O thread's latest job
-        self._last_change: Future[Any] | None = None  # ... and its latest change of the SSD tier
-        self._inline = isinstance(streams, InlineStreams)
+        self._io = IOQueue(io, isinstance(streams, InlineStreams))
         self._stores: list[PendingStore] = []
         self._loads: list[PendingLoad] = []
         self._reading: dict[int, Event] = {}        # device block -> gather still reading it
@@ -96,25 +139,6 @@ class Copier:
 
     # ------------------------------------------------------------------ SSD work, in plan order
 
-    def _io_submit(self, fn: Callable[..., Any], *args: Any, changes: bool = True) -> "Future[Any]":
-        """Run SSD work after the work queued before it. ``changes`` (puts, deletions,
-        touches) runs at once when the device copies it depends on run when submitted
-        (the CPU backend: the tier's ``put`` only queues; plans then take effect in the
-        step that made them, as they did before copies could be asynchronous). Reads of
-        the SSD tier always go to the I/O thread: they wait on the disk."""
-        if changes and self._inline and (self._last_change is None or self._last_change.done()):
-            fut: Future[Any] = Future()
-            try:
-                fut.set_result(fn(*args))
-            except Exception as exc:  # reported where the result is read, as from the thread
-                fut.set_exception(exc)
-            return fut
-        fut = self._io.submit(fn, *args)
-        self._last_io = fut
-        if changes:
-            self._last_change = fut
-        return fut
-
     def evict(self, spills: Sequence[tuple[int, bytes]], ssd_evictions: Sequence[bytes]) -> None:
         """Delete ``ssd_evictions`` from the SSD tier, then spill slab slots to it (rule 4).
         A spill's slot is copied now; past the staging budget it is dropped."""
@@ -125,27 +149,16 @@ class Copier:
                 copies.append((key, slab.view(slot).copy()))
             else:
                 self.ex.count("spill_failures")
-                self._lost.append(("ssd", key))
+                self._lost.append((SSD, key))
         if copies or ssd_evictions:
-            fut = self._io_submit(self._evict_io, list(ssd_evictions), copies)
+            fut = self._io.submit(evict_and_spill, self.ex, list(ssd_evictions), copies)
             self._spills.append((fut, size * len(copies)))
 
     def discard_all(self) -> None:
         """Delete every record of the SSD tier (after the SSD work queued so far)."""
         ssd = self.ex.ssd
         if ssd is not None:
-            self._spills.append((self._io_submit(lambda: self.ex.evict([], list(ssd.keys()))), 0))
-
-    def _evict_io(self, evictions: list[bytes], copies: list[tuple[bytes, np.ndarray]]) -> Lost:
-        self.ex.evict([], evictions)
-        lost: Lost = []
-        for key, row in copies:
-            if self.ex.put_row(key, row):
-                self.ex.count("blocks_spilled")
-            else:
-                self.ex.count("spill_failures")
-                lost.append(("ssd", key))
-        return lost
+            self._spills.append((self._io.submit(lambda: self.ex.evict([], list(ssd.keys()))), 0))
 
     def _admit(self, nbytes: int) -> bool:
         if self._staged + nbytes > self.staging_bytes:
@@ -160,7 +173,7 @@ class Copier:
         SSD puts. Returns without waiting for any of it."""
         self.evict(plan.spills, plan.ssd_evictions)
         if plan.ssd_touches and self.ex.ssd is not None:
-            self._io_submit(self.ex.ssd.touch_many, list(plan.ssd_touches))
+            self._io.submit(self.ex.ssd.touch_many, list(plan.ssd_touches))
         slab, size = self.ex.slab, self.rows.block_nbytes
         cpu = [i for i, s in enumerate(plan.cpu_slots) if s >= 0 and slab is not None]
         in_cpu = set(cpu)
@@ -170,7 +183,7 @@ class Copier:
         staged = host_only
         if host_only and not self._admit(size * len(host_only)):  # rule 5: dropped, never waited for
             staged = []
-            lost = [("ssd", plan.keys[i]) for i in host_only if plan.to_ssd[i]]
+            lost = [(SSD, plan.keys[i]) for i in host_only if plan.to_ssd[i]]
             self.ex.count("stores_dropped", len(host_only))
         staging = self.rows.staging(len(staged)) if staged else None
         blocks = [plan.block_ids[i] for i in cpu + staged]
@@ -189,7 +202,7 @@ class Copier:
         puts += [(plan.keys[i], ("staging", j)) for j, i in enumerate(staged) if plan.to_ssd[i]]
         sends = [(plan.keys[i], ("slab", plan.cpu_slots[i])) for i in cpu if remote and remote[i]]
         sends += [(plan.keys[i], ("staging", j)) for j, i in enumerate(staged) if remote and remote[i]]
-        io = self._io_submit(self._put_io, gathered, puts, staging, sends)
+        io = self._io.submit(self._put_io, gathered, puts, staging, sends)
         self._stores.append(PendingStore(plan, gathered, io, size * len(staged), lost, time.perf_counter(),
                                    size * len(blocks)))
 
@@ -215,7 +228,7 @@ class Copier:
         lost: Lost = []
         for key, (where, i) in puts:
             if not self.ex.put_row(key, row(where, i)):
-                lost.append(("ssd", key))
+                lost.append((SSD, key))
         if sends:
             self.ex.put_remote([k for k, _ in sends], [row(w, i) for _, (w, i) in sends])
         return lost
@@ -227,7 +240,7 @@ class Copier:
         after the SSD work queued before it (its spills run first, copied now). Loads of
         those slots wait for it (rule 3); :meth:`poll` reports how many blocks arrived."""
         self.evict(plan.spills, plan.ssd_evictions)
-        io: Future[int] = self._io_submit(lambda: self.ex.fetch(plan, evict=False), changes=False)
+        io: Future[int] = self._io.submit(lambda: self.ex.fetch(plan, evict=False), changes=False)
         slab = self.ex.slab
         if slab is not None:
             for slot, key in zip(plan.cpu_slots, plan.keys):
@@ -255,11 +268,11 @@ class Copier:
                 ok[i] = True
                 waits += self._promotions_into(slot)
             else:  # never filled or overwritten: refused, never copied
-                lost.append(("cpu", plan.keys[i]))
+                lost.append((CPU, plan.keys[i]))
         self.ex.count("load_failures_cpu", len(lost))
         io = None
         if any(f and s < 0 for f, s in zip(plan.from_ssd, plan.cpu_slots)):
-            io = self._io_submit(self.ex.read_ssd, plan, staging, ok, changes=False)
+            io = self._io.submit(self.ex.read_ssd, plan, staging, ok, changes=False)
             for slot, key in zip(plan.promote_slots, plan.keys):
                 if slot >= 0 and slab is not None:
                     slab.keys[slot] = key  # later loads of it wait for ``io`` and check again (rule 3)
@@ -289,7 +302,7 @@ class Copier:
         for i, slot in enumerate(plan.cpu_slots):
             if slot >= 0 and job.ok[i] and not slab.holds(slot, plan.keys[i]):
                 job.ok[i] = False
-                job.lost.append(("cpu", plan.keys[i]))
+                job.lost.append((CPU, plan.keys[i]))
                 self.ex.count("load_failures_cpu")
 
     def _scatter(self, job: PendingLoad) -> None:
@@ -454,9 +467,9 @@ class Copier:
             for job in self._loads:
                 if job.scattered is not None:
                     job.scattered.synchronize()
-            if self._last_io is not None:
+            if self._io.last is not None:
                 try:
-                    self._last_io.result(timeout=max(0.0, deadline - time.monotonic()))
+                    self._io.last.result(timeout=max(0.0, deadline - time.monotonic()))
                 except FuturesTimeout:
                     raise
                 except Exception:  # the job failed: poll reads and reports its outcome
@@ -470,4 +483,4 @@ class Copier:
                 return out
 
     def close(self) -> None:
-        self._io.shutdown(wait=True)
+        self._io.shutdown()

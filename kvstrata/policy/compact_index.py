@@ -4,16 +4,13 @@ The SSD tier's index in the tier policy holds every block the tier holds, tens
 of millions on a large disk; a dict and an ordered dict of ``bytes`` objects
 cost ~250 bytes per key. Here the slot is the entry:
 
-* ``_keys``: one ``bytearray``, ``width`` bytes per slot (the hasher's key
-  length, fixed by the first key placed);
+* the keys: a :class:`~kvstrata.policy.flat_keys.FlatKeys` table, ``width``
+  bytes per slot in one ``bytearray`` and an open-addressing table of slots
+  (keys of another length, the policy's tombstones, always pinned, aside);
 * ``_prev`` / ``_next``: ``array('i')`` links of the LRU list of unpinned
   entries (slot numbers; ``-1`` ends the list);
-* ``_table``: open addressing with linear probing on ``hash(key)`` (cached in
-  the caller's ``bytes`` objects), ``slot + 1`` per cell, at most half full;
-  deletion shifts the following run back (no tombstones);
 * pinned entries (a few: those open plans use) leave the LRU list and are
-  counted in a dict; keys of another length (the policy's tombstones, which
-  are always pinned) live in two small dicts.
+  counted in a dict.
 
 Memory grows with occupancy, not capacity (arrays double as slots are handed
 out). Same contract, order and errors as :class:`SlotIndex` (the tier policy's
@@ -26,11 +23,10 @@ from array import array
 from typing import Iterable, Iterator, Sequence
 
 from kvstrata.errors import ConfigError
+from kvstrata.policy.flat_keys import NIL as _NIL, FlatKeys
 from kvstrata.policy.slot_index import PinnedError, SlotCounts, check_key, check_keys
 
 __all__ = ["CompactIndex"]
-
-_NIL = -1
 
 
 class CompactIndex(SlotCounts):
@@ -40,118 +36,25 @@ class CompactIndex(SlotCounts):
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ConfigError(f"num_slots: expected a positive integer, got {num_slots!r}")
         self.num_slots = num_slots
-        self.width = 0
-        self._keys = bytearray()
+        self._k = FlatKeys()
         self._prev = array("i")
         self._next = array("i")
-        self._table = array("i", bytes(4 * 16))
-        self._count = 0                       # entries in the table
         self._head = self._tail = _NIL        # LRU list: head = least recently used
         self._lru_len = 0
         self._pins: dict[bytes, int] = {}     # pinned key -> count (insertion order = pin order)
-        self._odd: dict[bytes, int] = {}      # keys of another width -> slot
-        self._odd_key: dict[int, bytes] = {}  # slot -> such a key
         self._free = array("i")               # freed slots; pop() reuses the most recently freed
         self._unused = 0
 
     # ------------------------------------------------------------------ storage
 
-    def _grow(self, slot: int) -> None:
-        """Make room for ``slot`` in the per-slot arrays (doubling)."""
+    def _insert(self, key: bytes, slot: int) -> None:
+        """Enter ``key`` at ``slot``, making room in the per-slot arrays (doubling)."""
         have = len(self._prev)
         if slot >= have:
             new = min(self.num_slots, max(slot + 1, 2 * have, 64))
             self._prev.extend([_NIL] * (new - have))
             self._next.extend([_NIL] * (new - have))
-        missing = len(self._prev) * self.width - len(self._keys)
-        if missing > 0:
-            self._keys.extend(bytes(missing))
-
-    def _key_of(self, slot: int) -> bytes:
-        odd = self._odd_key.get(slot)
-        if odd is not None:
-            return odd
-        w = self.width
-        return bytes(self._keys[slot * w:(slot + 1) * w])
-
-    def _fits(self, key: bytes) -> bool:
-        """Does ``key`` go in the table (the first key placed sets the width)?"""
-        if not self.width:
-            self.width = len(key)
-        return len(key) == self.width
-
-    def _find(self, key: bytes) -> int:
-        """The key's slot, or -1."""
-        if len(key) != self.width:
-            return self._odd.get(key, _NIL)
-        table, keys, w = self._table, self._keys, self.width
-        mask = len(table) - 1
-        i = hash(key) & mask
-        while True:
-            cell = table[i]
-            if not cell:
-                return _NIL
-            at = (cell - 1) * w
-            if keys[at:at + w] == key:
-                return cell - 1
-            i = (i + 1) & mask
-
-    def _insert(self, key: bytes, slot: int) -> None:
-        compact = self._fits(key)
-        self._grow(slot)
-        if not compact:
-            self._odd[key] = slot
-            self._odd_key[slot] = key
-            return
-        w = self.width
-        self._keys[slot * w:slot * w + w] = key
-        if 2 * (self._count + 1) > len(self._table):
-            self._rehash(2 * len(self._table))
-        table = self._table
-        mask = len(table) - 1
-        i = hash(key) & mask
-        while table[i]:
-            i = (i + 1) & mask
-        table[i] = slot + 1
-        self._count += 1
-
-    def _rehash(self, size: int) -> None:
-        old, w, keys = self._table, self.width, self._keys
-        table = array("i", bytes(4 * size))
-        mask = size - 1
-        for cell in old:
-            if cell:
-                s = cell - 1
-                i = hash(bytes(keys[s * w:s * w + w])) & mask
-                while table[i]:
-                    i = (i + 1) & mask
-                table[i] = cell
-        self._table = table
-
-    def _delete(self, key: bytes, slot: int) -> None:
-        """Remove ``key`` (at ``slot``) from the table: backward-shift deletion."""
-        if len(key) != self.width:
-            del self._odd[key]
-            del self._odd_key[slot]
-            return
-        table, keys, w = self._table, self._keys, self.width
-        mask = len(table) - 1
-        i = hash(key) & mask
-        while table[i] != slot + 1:
-            i = (i + 1) & mask
-        j = i
-        while True:
-            j = (j + 1) & mask
-            cell = table[j]
-            if not cell:
-                break
-            s = cell - 1
-            home = hash(bytes(keys[s * w:s * w + w])) & mask
-            if (j - home) & mask >= (j - i) & mask:  # the entry at j may move back to i
-                table[i] = cell
-                i = j
-        table[i] = 0
-        self._count -= 1
+        self._k.insert(key, slot, len(self._prev))
 
     # ------------------------------------------------------------------ LRU list
 
@@ -188,13 +91,14 @@ class CompactIndex(SlotCounts):
     # ------------------------------------------------------------------ queries
 
     def __contains__(self, key: object) -> bool:
-        w = self.width
+        k = self._k
+        w = k.width
         if not isinstance(key, bytes) or len(key) != w:
-            return key in self._odd
-        table, keys = self._table, self._keys
+            return key in k.odd
+        table, keys = k.table, k.keys
         mask = len(table) - 1
         i = hash(key) & mask
-        while True:  # _find, inlined: the policy's lookups call this for every prompt block
+        while True:  # FlatKeys.find, inlined: the policy's lookups call this for every prompt block
             cell = table[i]
             if not cell:
                 return False
@@ -204,14 +108,14 @@ class CompactIndex(SlotCounts):
             i = (i + 1) & mask
 
     def __len__(self) -> int:
-        return self._count + len(self._odd)
+        return len(self._k)
 
     def __iter__(self) -> Iterator[bytes]:
-        yield from [self._key_of(s) for s in self._lru_slots()]
+        yield from [self._k.key_of(s) for s in self._lru_slots()]
         yield from list(self._pins)
 
     def lookup(self, key: bytes) -> int | None:
-        slot = self._find(check_key(key))
+        slot = self._k.find(check_key(key))
         return None if slot == _NIL else slot
 
     def lookup_many(self, keys: Sequence[bytes]) -> list[int | None]:
@@ -219,17 +123,17 @@ class CompactIndex(SlotCounts):
         return [self.lookup(k) for k in keys]
 
     def lru_keys(self, n: int | None = None) -> list[bytes]:
-        return [self._key_of(s) for s in self._lru_slots(n)]
+        return [self._k.key_of(s) for s in self._lru_slots(n)]
 
     def nbytes(self) -> int:
         """Bytes held by the arrays (the per-key cost; the few pinned keys aside)."""
-        return (len(self._keys) + self._prev.itemsize * (len(self._prev) + len(self._next))
-                + self._table.itemsize * len(self._table) + self._free.itemsize * len(self._free))
+        return (self._k.nbytes() + self._prev.itemsize * (len(self._prev) + len(self._next))
+                + self._free.itemsize * len(self._free))
 
     # ------------------------------------------------------------------ updates
 
     def touch(self, key: bytes) -> bool:
-        slot = self._find(key)
+        slot = self._k.find(key)
         if slot == _NIL:
             return False
         if key not in self._pins:
@@ -240,16 +144,16 @@ class CompactIndex(SlotCounts):
     def touch_many(self, keys: Iterable[bytes]) -> None:
         pins = self._pins
         for key in keys:
-            slot = self._find(key)
+            slot = self._k.find(key)
             if slot != _NIL and key not in pins:
                 self._unlink(slot)
                 self._link_tail(slot)
 
     def _evict_lru(self) -> tuple[bytes, int]:
         slot = self._head
-        key = self._key_of(slot)
+        key = self._k.key_of(slot)
         self._unlink(slot)
-        self._delete(key, slot)
+        self._k.delete(key, slot)
         return key, slot
 
     def allocate(self, key: bytes) -> tuple[int, bytes | None]:
@@ -259,7 +163,7 @@ class CompactIndex(SlotCounts):
         return got
 
     def try_allocate(self, key: bytes) -> tuple[int, bytes | None] | None:
-        slot = self._find(check_key(key))
+        slot = self._k.find(check_key(key))
         if slot != _NIL:
             self.touch(key)
             return slot, None
@@ -283,7 +187,7 @@ class CompactIndex(SlotCounts):
         placed = 0  # keys of this call at the LRU list's end, never evicted for a later one
         ours: set[int] = set()
         for key in keys:
-            slot = self._find(key)
+            slot = self._k.find(key)
             if slot != _NIL:
                 if key not in self._pins:
                     self._unlink(slot)
@@ -317,24 +221,12 @@ class CompactIndex(SlotCounts):
     def _fill(self, keys: Sequence[bytes]) -> list[int | None]:
         """Place ``keys`` in an empty index in slots 0..n-1, least recently used first, in
         bulk (the per-slot arrays built whole, one probe loop for the table)."""
-        n, w = len(keys), len(keys[0])
-        self.width = w
-        self._keys = bytearray(b"".join(keys))
+        n = len(keys)
+        self._k.fill(keys)
         self._prev = array("i", range(-1, n - 1))
         self._next = array("i", range(1, n + 1))
         self._next[n - 1] = _NIL
         self._head, self._tail, self._lru_len, self._unused = 0, n - 1, n, n
-        size = 16
-        while size < 2 * n:
-            size *= 2
-        table = array("i", bytes(4 * size))
-        mask = size - 1
-        for cell, key in enumerate(keys, 1):
-            i = hash(key) & mask
-            while table[i]:
-                i = (i + 1) & mask
-            table[i] = cell
-        self._table, self._count = table, n
         return list(range(n))
 
     def allocate_absent(self, keys: Sequence[bytes], *, pin: bool = False
@@ -362,26 +254,26 @@ class CompactIndex(SlotCounts):
         return slots, evicted
 
     def pop(self, key: bytes) -> int | None:
-        slot = self._find(check_key(key))
+        slot = self._k.find(check_key(key))
         if slot == _NIL:
             return None
         if key in self._pins:
             raise PinnedError(f"key {key.hex()[:16]}... is pinned; unpin it before popping")
         self._unlink(slot)
-        self._delete(key, slot)
+        self._k.delete(key, slot)
         self._free.append(slot)
         return slot
 
     def rename(self, key: bytes, new_key: bytes) -> None:
-        if self._find(new_key) != _NIL:
+        if self._k.find(new_key) != _NIL:
             raise ValueError("new_key: already present")
-        slot = self._find(key)
+        slot = self._k.find(key)
         if slot == _NIL:
             raise KeyError(key)
         pinned = key in self._pins
         if not pinned:
             self._unlink(slot)
-        self._delete(key, slot)
+        self._k.delete(key, slot)
         self._insert(new_key, slot)
         if pinned:
             self._pins[new_key] = self._pins.pop(key)
@@ -389,7 +281,7 @@ class CompactIndex(SlotCounts):
             self._link_tail(slot)
 
     def pin(self, key: bytes) -> int:
-        slot = self._find(check_key(key))
+        slot = self._k.find(check_key(key))
         if slot == _NIL:
             raise KeyError(key)
         count = self._pins.get(key, 0)
@@ -402,7 +294,7 @@ class CompactIndex(SlotCounts):
         out = []
         pins = self._pins
         for key in keys:
-            slot = self._find(key)
+            slot = self._k.find(key)
             if slot == _NIL:
                 raise KeyError(key)
             count = pins.get(key, 0)
@@ -422,7 +314,7 @@ class CompactIndex(SlotCounts):
             raise RuntimeError(f"unpin of key {key.hex()[:16]}... that holds no pin")
         if count == 1:
             del self._pins[key]
-            self._link_tail(self._find(key))
+            self._link_tail(self._k.find(key))
         else:
             self._pins[key] = count - 1
 
@@ -435,11 +327,11 @@ class CompactIndex(SlotCounts):
             f"unpinned {self._lru_len} + pinned {len(self._pins)} != entries {entries}")
         lru = list(self._lru_slots())
         assert len(lru) == self._lru_len, "the LRU list's length is off"
-        assert sum(1 for c in self._table if c) == self._count, "table count is off"
-        keys = [self._key_of(s) for s in lru]
+        self._k.check()
+        keys = [self._k.key_of(s) for s in lru]
         assert set(keys).isdisjoint(self._pins), "a key is both pinned and in the LRU list"
-        assert all(self._find(k) == s for k, s in zip(keys, lru)), "an LRU entry is not found by its key"
-        used = set(lru) | {self._find(k) for k in self._pins}
+        assert all(self._k.find(k) == s for k, s in zip(keys, lru)), "an LRU entry is not found by its key"
+        used = set(lru) | {self._k.find(k) for k in self._pins}
         assert len(used) == entries and used.isdisjoint(self._free), "a slot is shared"
         assert all(s < self._unused for s in used | set(self._free)), "a slot beyond the handed-out range"
 

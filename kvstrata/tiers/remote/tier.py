@@ -30,7 +30,8 @@ The server bounds the store (``maxmemory`` with ``allkeys-lru``); kvstrata reads
 can grow without bound) or a policy that never evicts (writes then fail).
 
 Threads: any thread may call every method. The queue is guarded by
-``_cond``; counters by ``_lock``; the client's connection pool is thread-safe.
+``_cond``; the reader's state by ``_lock``; counters by the :class:`~.watch.ServerWatch`;
+the client's connection pool is thread-safe.
 """
 
 from __future__ import annotations
@@ -46,23 +47,19 @@ import numpy as np
 
 from kvstrata.credentials import redact_url, url_has_password
 from kvstrata.tiers.remote.breaker import Breaker
-from kvstrata.tiers.remote.client import UNANSWERED, Pipelines, connect, shown
+from kvstrata.tiers.remote.client import UNANSWERED, Pipelines, connect
+from kvstrata.tiers.remote.watch import COUNTERS, INFO_EVERY, ServerWatch
 from kvstrata.tiers.remote.value import AUTH_SIZE, Auth, decode_into, max_value_bytes, seal, staged, value_bytes
 from kvstrata.tiers.ssd.record import Codec, CorruptRecord
 
 if TYPE_CHECKING:
     from kvstrata.config import RemoteConfig
 
-__all__ = ["RemoteTier", "connect", "INFO_EVERY"]
+__all__ = ["RemoteTier", "connect", "INFO_EVERY", "COUNTERS"]
 
 log = logging.getLogger(__name__)
 
-INFO_EVERY = 10.0           # seconds between INFO reads by the writer thread
 _PROBE_BATCH = 1024         # keys per pipelined EXISTS round trip
-_EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
-COUNTERS = ("hits", "misses", "corrupt", "timeouts", "errors", "refused", "probes", "probe_hits",
-            "puts", "written", "present", "replaced", "put_failures", "dropped_full", "dropped_breaker",
-            "bytes_read", "bytes_written", "breaker_opened", "breaker_closed")
 
 
 class RemoteTier:
@@ -95,11 +92,9 @@ class RemoteTier:
         self.client = connect(url, cluster=cluster, timeout=timeout, connect_timeout=connect_timeout,
                               password=password)
         self.where = redact_url(url)  # what logs show
-        self._pipes = Pipelines(self.client, cluster, self._log_once)
-        self.server: dict[str, Any] = {}
-        self.counts = dict.fromkeys(COUNTERS, 0)
-        self._lock = threading.Lock()
-        self._logged: set[str] = set()
+        self.watch = ServerWatch(self.client, self.where, self.breaker, capacity_bytes)
+        self._lock = threading.Lock()  # the reader's and the prober's state
+        self._pipes = Pipelines(self.client, cluster, self.watch.log_once)
         self._reader = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-reader")
         self._busy = 0  # reads submitted and not finished (a stuck one makes the next miss at once)
         self._prober: cf.ThreadPoolExecutor | None = None
@@ -110,7 +105,6 @@ class RemoteTier:
         self._queued_bytes = 0
         self._writing = False
         self._closed = False
-        self._info_at = 0.0
         self._writer = threading.Thread(target=self._write_loop, name="kvstrata-remote-writer", daemon=True) \
             if writer else None
         if self._writer is not None:
@@ -210,7 +204,7 @@ class RemoteTier:
                 decode_into(nskey, value, rows[i], self.codec, self.auth)
             except CorruptRecord as exc:
                 self.count("corrupt")
-                self._log_once("corrupt", "remote tier: a value under kvstrata's prefix does not verify (%s); "
+                self.watch.log_once("corrupt", "remote tier: a value under kvstrata's prefix does not verify (%s); "
                                "counted as a miss and deleted", exc)
                 if self._writer is not None:  # a probing-only tier sends nothing
                     with self._cond:
@@ -227,10 +221,12 @@ class RemoteTier:
             self.count("refused")
             return None
         with self._lock:
-            if self._busy:  # the reader is stuck on an earlier call that missed its deadline
-                self.counts["refused"] += 1
-                return None
-            self._busy += 1
+            stuck = self._busy > 0  # the reader is stuck on an earlier call that missed its deadline
+            if not stuck:
+                self._busy += 1
+        if stuck:
+            self.count("refused")
+            return None
         try:
             future = self._reader.submit(self._timed, fn, nskeys)
         except RuntimeError:  # closed meanwhile
@@ -240,10 +236,10 @@ class RemoteTier:
             return future.result(timeout=self.timeout)
         except cf.TimeoutError:
             self.count("timeouts")
-            self._failed(what, TimeoutError(f"no answer within {self.timeout:g} s"))
+            self.watch.failed(what, TimeoutError(f"no answer within {self.timeout:g} s"))
         except Exception as exc:
             self.count("errors")
-            self._failed(what, exc)
+            self.watch.failed(what, exc)
         return None
 
     def _timed(self, fn: Any, nskeys: list[bytes]) -> list[Any]:
@@ -251,7 +247,7 @@ class RemoteTier:
             out = fn(nskeys)
         finally:
             self._idle()
-        self._succeeded()
+        self.watch.succeeded()
         return out
 
     def _idle(self) -> None:
@@ -288,10 +284,12 @@ class RemoteTier:
             self.count("dropped_breaker")
             return False
         with self._cond:
-            if self._queued_bytes + nbytes > self.queue_capacity:
-                self.counts["dropped_full"] += 1
-                return False
-            self._queued_bytes += nbytes  # reserved; copied without holding the lock
+            full = self._queued_bytes + nbytes > self.queue_capacity
+            if not full:
+                self._queued_bytes += nbytes  # reserved; copied without holding the lock
+        if full:
+            self.count("dropped_full")
+            return False
         with self._cond:
             spare = self._spare.pop() if self._spare else None
         value = staged(row, spare, self.auth)
@@ -327,7 +325,7 @@ class RemoteTier:
                 deletes, self._deletes = self._deletes, []
                 self._writing = True
             try:
-                self._maybe_info()
+                self.watch.maybe_info()
                 if batch or deletes:
                     self._write(batch, deletes)
             finally:
@@ -348,17 +346,17 @@ class RemoteTier:
             if deletes:
                 self._pipes.run(deletes, lambda pipe, k: pipe.delete(k), 1, None, strict=False)
             if self.auth is not None:
-                replaced, resent = self._replace_squatters(batch, values, results)
+                replaced, resent = replace_squatters(self._pipes, batch, values, results)
                 nbytes += resent
         except Exception as exc:
             self.count("put_failures", len(batch))
-            self._failed("put", exc)
+            self.watch.failed("put", exc)
             return
         finally:
             with self._cond:  # the buffers are free again (the pipeline no longer refers to them)
                 room = max(0, self.queue_capacity // value_bytes(self.block_nbytes, self.auth) - len(self._spare))
                 self._spare.extend(buf for _, buf in batch[:room])
-        self._succeeded()
+        self.watch.succeeded()
         written = sum(1 for r in results[:len(batch)] if r is True)
         failed = [r for r in results[:len(batch)] if isinstance(r, Exception)]
         self.count("written", written)
@@ -367,95 +365,22 @@ class RemoteTier:
         self.count("bytes_written", nbytes)
         if failed:  # e.g. OOM under a policy that never evicts: the server is up, the write is not
             self.count("put_failures", len(failed))
-            self._log_once("refused", "remote tier: the server refused writes (%s); dropped and counted",
+            self.watch.log_once("refused", "remote tier: the server refused writes (%s); dropped and counted",
                            failed[0])
-
-    def _replace_squatters(self, batch: list[tuple[bytes, bytearray]], values: list[Any],
-                           results: list[Any]) -> tuple[int, int]:
-        """Keys ``SET NX`` found present: those whose value does not start with this writer's
-        signature of the same bytes (a planted value, or one signed under another secret or
-        encoding) are overwritten. Returns how many, and the bytes sent again."""
-        present = [i for i, r in enumerate(results[:len(batch)]) if r is None]
-        if not present:
-            return 0, 0
-        heads = self._pipes.run([batch[i][0] for i in present], lambda pipe, k: pipe.getrange(k, 0, AUTH_SIZE - 1),
-                                1, None, strict=False)
-        stale = [i for i, head in zip(present, heads)
-                 if head is not None and head != bytes(memoryview(values[i])[:AUTH_SIZE])]
-        if not stale:
-            return 0, 0
-        value_of = {batch[i][0]: values[i] for i in stale}
-        self._pipes.run(list(value_of), lambda pipe, k: pipe.set(k, value_of[k]), 1, None, strict=False)
-        return len(stale), sum(len(values[i]) for i in stale)
-
-    # ------------------------------------------------------------------ server
-
-    def _maybe_info(self) -> None:
-        now = time.monotonic()
-        if now - self._info_at < INFO_EVERY or not self.breaker.allow():
-            return
-        self._info_at = now
-        try:
-            info = self.client.info()
-        except Exception as exc:
-            self._failed("info", exc)
-            return
-        self._succeeded()
-        first = not self.server
-        self.server = {k: info.get(k) for k in ("redis_version", "valkey_version", "maxmemory", "maxmemory_policy",
-                                                "used_memory", "evicted_keys", "cluster_enabled") if k in info}
-        if first:
-            self._check_server()
-
-    def _check_server(self) -> None:
-        s = self.server
-        maxmemory, policy = int(s.get("maxmemory") or 0), str(s.get("maxmemory_policy", "?"))
-        log.info("remote tier: %s (version %s), maxmemory %d bytes, policy %s", self.where,
-                 s.get("valkey_version") or s.get("redis_version"), maxmemory, policy)
-        if maxmemory == 0:
-            log.warning("remote tier: %s has no maxmemory: the store can grow without bound (set maxmemory "
-                        "and maxmemory-policy allkeys-lru)", self.where)
-        elif policy not in _EVICTING:
-            log.warning("remote tier: %s evicts nothing under maxmemory-policy %s: writes fail once it is full "
-                        "(set allkeys-lru)", self.where, policy)
-        if maxmemory and self.capacity_bytes > maxmemory:
-            log.warning("remote tier: remote.capacity (%d bytes) exceeds the server's maxmemory (%d bytes): the "
-                        "server evicts first", self.capacity_bytes, maxmemory)
-
-    def _succeeded(self) -> None:
-        if self.breaker.success():
-            self.count("breaker_closed")
-            log.warning("remote tier: %s answers again", self.where)
-
-    def _failed(self, what: str, exc: BaseException) -> None:
-        if self.breaker.failure():
-            self.count("breaker_opened")
-            log.warning("remote tier: %s failed %d times in a row (last: %s: %s); reads miss and writes drop "
-                        "until it answers", self.where, self.breaker.failures, what, shown(exc))
-        else:
-            self._log_once(what, "remote tier: %s on %s failed (%s); counted as a miss or a dropped write",
-                           what, self.where, shown(exc))
-
-    def _log_once(self, what: str, msg: str, *args: Any) -> None:
-        if what not in self._logged:
-            self._logged.add(what)
-            log.warning(msg, *args)
 
     # ------------------------------------------------------------------ upkeep
 
     def count(self, name: str, n: int = 1) -> None:
-        if n:
-            with self._lock:
-                self.counts[name] += n
+        self.watch.count(name, n)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self.watch.counts
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            out: dict[str, Any] = dict(self.counts)
+        out = self.watch.snapshot()
         with self._cond:
             out["queued_bytes"] = self._queued_bytes
-        out["breaker"] = self.breaker.state
-        out["capacity_bytes"] = self.capacity_bytes
-        out["server"] = dict(self.server)
         return out
 
     def close(self, timeout: float = 5.0) -> None:
@@ -478,3 +403,22 @@ class RemoteTier:
             self.client.close()
         except Exception:  # pragma: no cover - closing a broken connection
             pass
+
+
+def replace_squatters(pipes: Pipelines, batch: list[tuple[bytes, bytearray]], values: list[Any],
+                      results: list[Any]) -> tuple[int, int]:
+    """Keys ``SET NX`` found present: those whose value does not start with this writer's
+    signature of the same bytes (a planted value, or one signed under another secret or
+    encoding) are overwritten. Returns how many, and the bytes sent again."""
+    present = [i for i, r in enumerate(results[:len(batch)]) if r is None]
+    if not present:
+        return 0, 0
+    heads = pipes.run([batch[i][0] for i in present], lambda pipe, k: pipe.getrange(k, 0, AUTH_SIZE - 1),
+                      1, None, strict=False)
+    stale = [i for i, head in zip(present, heads)
+             if head is not None and head != bytes(memoryview(values[i])[:AUTH_SIZE])]
+    if not stale:
+        return 0, 0
+    value_of = {batch[i][0]: values[i] for i in stale}
+    pipes.run(list(value_of), lambda pipe, k: pipe.set(k, value_of[k]), 1, None, strict=False)
+    return len(stale), sum(len(values[i]) for i in stale)
