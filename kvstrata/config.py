@@ -380,9 +380,6 @@ class KVStrataConfig:
             kwargs[name] = section.from_dict(sub, name)
         explicit = {k for k in d if k not in _SECTIONS}
         explicit |= {f"{name}.{k}" for name in _SECTIONS for k in (d.get(name) or {})}
-        if kwargs["remote"].enabled and kwargs["cpu"].capacity == 0:
-            raise ConfigError("remote.url: the remote tier fetches blocks into CPU slots before they are "
-                              "served; set cpu.capacity above 0")
         return cls(**kwargs, explicit=frozenset(explicit))
 
     def reject(self, keys: Iterable[str], why: str) -> None:

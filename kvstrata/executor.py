@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 import numpy as np
 
 from kvstrata.policy.plans import SHUTDOWN, FetchPlan, LoadPlan, StorePlan
+from kvstrata.policy.tiers import CPU, SSD
 
 if TYPE_CHECKING:
     from kvstrata.tiers.host import HostSlab
@@ -158,7 +159,7 @@ class Executor:
             if not ok and patient and self.flush():
                 ok = self.put_row(plan.keys[i], rows[i - lo])
             if not ok:
-                lost.append(("ssd", plan.keys[i]))
+                lost.append((SSD, plan.keys[i]))
         return lost
 
     def evict(self, spills: Sequence[tuple[int, bytes]], ssd_evictions: Sequence[bytes]) -> Lost:
@@ -174,7 +175,7 @@ class Executor:
                 self.count("blocks_spilled")
             else:
                 self.count("spill_failures")
-                lost.append(("ssd", key))
+                lost.append((SSD, key))
         return lost
 
     def add_tags(self, tags: dict[bytes, bytes]) -> None:
@@ -272,7 +273,7 @@ class Executor:
             if self.slab is not None and self.slab.holds(slot, plan.keys[i]):
                 idx.append(i)
             else:  # the slot was never filled or was overwritten: refuse it, never copy wrong bytes
-                lost.append(("cpu", plan.keys[i]))
+                lost.append((CPU, plan.keys[i]))
         if idx:
             assert self.slab is not None
             self.slab.read([plan.cpu_slots[i] for i in idx], rows, idx)
@@ -305,9 +306,9 @@ class Executor:
                     promote.append(i)
                 continue
             if not unverified:
-                lost.append(("ssd", plan.keys[i]))
+                lost.append((SSD, plan.keys[i]))
             if slot >= 0:  # the promotion slot receives nothing
-                lost.append(("cpu", plan.keys[i]))
+                lost.append((CPU, plan.keys[i]))
                 if self.slab is not None:
                     self.slab.forget(slot)
         if promote and self.slab is not None:
@@ -324,7 +325,7 @@ class Executor:
         if self.ssd is None:
             return []
         keys = self._safely("take_lost", self.ssd.take_lost) or []
-        return [("ssd", k) for k in keys]
+        return [(SSD, k) for k in keys]
 
     def flush(self) -> bool:
         """Wait until every accepted SSD write is committed and synced."""

@@ -53,7 +53,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _sources(out: Any) -> str:
     """``32 GPU pool, 16 CPU, 0 SSD, 9 computed``."""
-    names = {"gpu": "GPU pool", "cpu": "CPU", "ssd": "SSD", "remote": "remote"}
+    from kvstrata.policy.tiers import GPU, KNOWN
+
+    names = {GPU: "GPU pool", **{name: t.label for name, t in KNOWN.items()}}
     parts = [f"{out.hit_tokens.get(t, 0)} {name}" for t, name in names.items() if t in out.hit_tokens]
     return ", ".join([*parts, f"{out.computed_tokens} computed"])
 

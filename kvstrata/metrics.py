@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 
 from kvstrata.errors import ConfigError
 from kvstrata.policy.events import TIERS
+from kvstrata.policy.tiers import GPU, REMOTE
 
 __all__ = ["TIERS", "Histogram", "Lifecycle", "LifecycleRecorder", "KVStrataCollector", "lifecycle_sampling",
            "policy_stats", "start_metrics_server"]
@@ -197,11 +198,11 @@ def policy_stats(policy: Any, *, gpu_evictions: int = 0, gpu_cached: int = 0, gp
     return {
         "spills": {**zero, **counts["stored"]},
         "promotions": {**zero, **counts["hit"]},
-        "evictions": {**zero, **counts["evicted"], "gpu": gpu_evictions},
+        "evictions": {**zero, **counts["evicted"], GPU: gpu_evictions},
         "dropped_spills": {**zero, **counts["dropped"]},
         "corrupt_blocks": {**zero, **counts["lost"]},
-        "occupancy": {"gpu": gpu_cached, **policy.occupancy()},
-        "capacity_blocks": {"gpu": gpu_blocks, **policy.capacity()},
+        "occupancy": {GPU: gpu_cached, **policy.occupancy()},
+        "capacity_blocks": {GPU: gpu_blocks, **policy.capacity()},
     }
 
 
@@ -230,9 +231,9 @@ class KVStrataCollector:
         qb.add_metric([], s["queries"]["blocks"])
         yield qb
         yield per_tier("prefix_cache_hits", "Prompt tokens served from a tier",
-                       {t: s["hits"][t]["tokens"] for t in TIERS})
+                       {t: h["tokens"] for t, h in s["hits"].items()})
         yield per_tier("prefix_cache_hits_blocks", "Prompt blocks served from a tier",
-                       {t: s["hits"][t]["blocks"] for t in TIERS})
+                       {t: h["blocks"] for t, h in s["hits"].items()})
         yield per_tier("spills", "Blocks copied down into a tier", s["spills"])
         yield per_tier("promotions", "Blocks promoted from a tier into the GPU pool", s["promotions"])
         yield per_tier("evictions", "Blocks evicted from a tier", s["evictions"])
@@ -248,8 +249,8 @@ class KVStrataCollector:
             secs.add_metric([direction], v["seconds"])
         yield moved
         yield secs
-        if s.get("remote"):
-            yield from _remote_metrics(s["remote"])
+        if s.get(REMOTE):
+            yield from _remote_metrics(s[REMOTE])
         if s.get("kv_events"):
             ev = CounterMetricFamily("kvstrata:kv_events", "KV-cache events for routers, per kind (announced: "
                                      "stored events of the SSD tier's blocks after a restart; untagged: blocks "

@@ -49,6 +49,7 @@ from kvstrata.hashing import BlockHasher
 from kvstrata.identity import Fingerprint
 from kvstrata.metrics import TIERS, Lifecycle, LifecycleRecorder, KVStrataCollector, lifecycle_sampling, policy_stats
 from kvstrata.policy import LOWER_TIERS, PolicySpec, TierPolicy
+from kvstrata.policy.tiers import GPU, REMOTE, SSD
 from kvstrata.policy.seeding import SSDSeeding
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class TieredKVCache:
         self.hasher = BlockHasher(self.block_size, config.hash, namespace=self.fingerprint.namespace())
         self.manager = BlockManager(num_blocks, self.block_size, hasher=self.hasher, track_evictions=True)
         spec = PolicySpec.from_config(config, block_nbytes=self.block_nbytes, gpu_blocks=num_blocks)
-        capacity = {"gpu": num_blocks, **spec.capacity()}
+        capacity = {GPU: num_blocks, **spec.capacity()}
         # Exact samples when asked for; otherwise large tiers are followed through a sample.
         self.lifecycle = {t: Lifecycle(record_samples, sample_every=1 if record_samples else
                                        lifecycle_sampling(capacity[t])) for t in TIERS}
@@ -258,7 +259,7 @@ class TieredKVCache:
         admission, are stored below."""
         now = self.clock()
         done = self.manager.commit(request_id, num_tokens)
-        lc = self.lifecycle["gpu"]
+        lc = self.lifecycle[GPU]
         blocks = self.manager.blocks
         for block_id, h in done:
             if blocks[block_id].block_hash == h:
@@ -289,7 +290,7 @@ class TieredKVCache:
         writes them (loads into them are queued after their stores)."""
         evicted = self.manager.take_evicted()
         now = self.clock()
-        lc = self.lifecycle["gpu"]
+        lc = self.lifecycle[GPU]
         for block_id, h in evicted:
             self._pending.pop(block_id, None)
             lc.leave(h, now)
@@ -310,7 +311,7 @@ class TieredKVCache:
         return ev
 
     def _note_gpu(self, hashes: list[bytes], gpu_hits: int, loaded: list[bytes], now: float) -> None:
-        lc = self.lifecycle["gpu"]
+        lc = self.lifecycle[GPU]
         for h in hashes[:gpu_hits]:
             lc.access(h, now)
         for h in loaded:
@@ -329,9 +330,9 @@ class TieredKVCache:
             "lifecycle": {t: lc.samples() for t, lc in self.lifecycle.items()},
         }
         if self.ssd is not None:
-            out["ssd"] = self.ssd.stats()
+            out[SSD] = self.ssd.stats()
         if self.remote is not None:
-            out["remote"] = self.remote.stats()
+            out[REMOTE] = self.remote.stats()
         return out
 
     # -------------------------------------------------------------- lifecycle

@@ -83,5 +83,5 @@ def test_a_fetch_stops_at_a_block_the_cpu_tier_holds() -> None:
 
 
 def test_a_remote_tier_needs_a_cpu_tier() -> None:
-    with pytest.raises(ConfigError, match="remote.url"):
+    with pytest.raises(ConfigError, match="cpu.capacity: the shared tier"):
         PolicySpec(ssd_slots=4, remote=True)

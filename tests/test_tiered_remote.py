@@ -103,9 +103,14 @@ def test_a_server_down_at_start_up_and_killed_mid_run_costs_misses(tmp_path) -> 
     a.close()
 
 
-def test_a_remote_tier_without_a_cpu_tier_is_a_config_error(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="^remote.url: .*cpu.capacity"):
-        KVStrataConfig.from_dict({"cpu": {"capacity": 0}, "remote": {"url": "redis://127.0.0.1:1/0"}})
+@pytest.mark.parametrize("cpu", [0, 1000])
+def test_a_remote_tier_without_a_cpu_tier_is_a_config_error(tmp_path, cpu) -> None:
+    """Fetches land in CPU slots: a CPU tier of no block (none, or smaller than one block) is refused."""
+    from kvstrata.policy import PolicySpec
+
+    cfg = KVStrataConfig.from_dict({"cpu": {"capacity": cpu}, "remote": {"url": "redis://127.0.0.1:1/0"}})
+    with pytest.raises(ConfigError, match="^cpu.capacity: the shared tier fetches blocks into"):
+        PolicySpec.from_config(cfg, block_nbytes=4096, gpu_blocks=8)
 
 
 def test_the_remote_tier_is_in_the_metrics(server, tmp_path) -> None:
@@ -130,3 +135,5 @@ def test_the_remote_tier_is_in_the_metrics(server, tmp_path) -> None:
     assert lines["kvstrata:remote_breaker_open"] == "0.0"
     assert float(lines['kvstrata:remote_server_memory_bytes{kind="max"}']) == 256 * 1024**2
     assert float(lines['kvstrata:promotions_total{tier="remote"}']) == 9
+    # the library exports a prefix hit per tier its stats count, the remote tier's included
+    assert float(lines['kvstrata:prefix_cache_hits_blocks_total{tier="remote"}']) == 9

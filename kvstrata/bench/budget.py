@@ -14,6 +14,7 @@ per token of block size.
 from __future__ import annotations
 
 from kvstrata.machine import available_memory_bytes, default_max_memory
+from kvstrata.policy.tiers import CPU, GPU
 
 __all__ = ["BYTES_PER_DISTINCT_BLOCK", "GPU_BYTES_PER_BLOCK", "available_memory_bytes", "default_max_distinct_blocks",
            "check_memory", "deployment_bytes"]
@@ -32,11 +33,11 @@ def deployment_bytes(capacity_blocks: dict[str, int], payload_block_bytes: int |
     and with ``payload`` the host pool's and the CPU slab's bytes. The lower tiers' indexes
     and the modelled remote tier grow with the blocks the trace brings, which
     ``--max-distinct-blocks`` bounds."""
-    gpu, cpu = capacity_blocks.get("gpu", 0), capacity_blocks.get("cpu", 0)
-    out = {"gpu": gpu * GPU_BYTES_PER_BLOCK, "cpu": 0}
+    gpu, cpu = capacity_blocks.get(GPU, 0), capacity_blocks.get(CPU, 0)
+    out = {GPU: gpu * GPU_BYTES_PER_BLOCK, CPU: 0}
     if payload_block_bytes:
-        out["gpu"] += gpu * payload_block_bytes
-        out["cpu"] += cpu * payload_block_bytes
+        out[GPU] += gpu * payload_block_bytes
+        out[CPU] += cpu * payload_block_bytes
     return out
 
 
@@ -50,7 +51,7 @@ def default_max_distinct_blocks(fmt: str = "mooncake", block_size: int = 0) -> i
     return max(1 << 20, int((avail * _USABLE - _BASE_BYTES) // per_block))
 
 
-_TIER_KEYS = {"gpu": "gpu.num_blocks or gpu.capacity", "cpu": "cpu.capacity"}
+_TIER_KEYS = {GPU: "gpu.num_blocks or gpu.capacity", CPU: "cpu.capacity"}
 
 
 def check_memory(capacity_blocks: dict[str, int], payload_block_bytes: int | None, limit: int | None) -> None:

@@ -10,6 +10,7 @@ import dataclasses
 
 from kvstrata.config import KVStrataConfig
 from kvstrata.policy import PolicySpec
+from kvstrata.policy.tiers import CPU, GPU, SSD
 
 __all__ = ["config_for_trace", "policy_spec", "tier_capacities"]
 
@@ -42,4 +43,4 @@ def policy_spec(cfg: KVStrataConfig) -> PolicySpec:
 def tier_capacities(cfg: KVStrataConfig) -> dict[str, int]:
     """Blocks each tier holds under ``cfg``."""
     spec = policy_spec(cfg)
-    return {"gpu": cfg.gpu.resolve_num_blocks(cfg.block_nbytes()), "cpu": spec.cpu_slots, "ssd": spec.ssd_slots}
+    return {GPU: cfg.gpu.resolve_num_blocks(cfg.block_nbytes()), CPU: spec.cpu_slots, SSD: spec.ssd_slots}

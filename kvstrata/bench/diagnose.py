@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata.config import format_size
 from kvstrata.policy.events import TIERS
+from kvstrata.policy.tiers import CPU, GPU, KNOWN, SSD
 
 if TYPE_CHECKING:
     from kvstrata.bench.mrc import MissRatioCurve
@@ -22,10 +23,9 @@ if TYPE_CHECKING:
 __all__ = ["hit_rate_band", "pool_checks", "recommend", "effective_capacity_blocks"]
 
 _GROW = {
-    "gpu": "grow the GPU KV pool: raise gpu_memory_utilization, lower max_model_len or use an FP8 KV cache "
+    GPU: "grow the GPU KV pool: raise gpu_memory_utilization, lower max_model_len or use an FP8 KV cache "
            "(`kvstrata plan` shows the effect), or add a larger CPU tier below it",
-    "cpu": "raise cpu.capacity",
-    "ssd": "raise ssd.capacity",
+    **{name: t.hint for name, t in KNOWN.items() if not t.shared},
     "cache": "give the tiers more capacity (see the recommendation)",
 }
 
@@ -65,7 +65,7 @@ def hit_rate_band(rate: float, ideal: float) -> dict[str, str]:
 
 
 # Where a tier's evicted blocks are served from when the tiers below hold them all.
-_FASTER = {"gpu": "without a load", "cpu": "from DRAM instead of the SSD"}
+_FASTER = {GPU: "without a load", CPU: "from DRAM instead of the SSD"}
 
 
 def pool_check(scope: str, reuse_p90: float | None, idle_p50: float | None, evictions: int, *,
@@ -123,24 +123,24 @@ def pool_checks(reuse: dict[str, dict[str, Any]], idle: dict[str, dict[str, Any]
 
 def effective_capacity_blocks(spec: "PolicySpec", caps: dict[str, int]) -> int:
     """Distinct blocks the hierarchy can hold (approx.; the policy's own rule)."""
-    return spec.effective_blocks(caps["gpu"])
+    return spec.effective_blocks(caps[GPU])
 
 
 def _target(mrc: "MissRatioCurve", cfg: "KVStrataConfig", caps: dict[str, int], frac: float) -> dict[str, Any]:
     bs, nbytes = cfg.block_size, cfg.block_nbytes()
     goal = frac * mrc.ideal_hit_rate
     total = mrc.capacity_for(goal) or 0
-    below = max(0, total - caps["gpu"])
-    ssd = below if cfg.spill.write_through else max(0, below - caps["cpu"])
+    below = max(0, total - caps[GPU])
+    ssd = below if cfg.spill.write_through else max(0, below - caps[CPU])
     t = {"fraction_of_ideal": frac, "hit_rate": round(mrc.hit_rate(total), 6), "total_tokens": total * bs,
-         "total_bytes": total * nbytes, "gpu_tokens": caps["gpu"] * bs, "below_gpu_tokens": below * bs,
+         "total_bytes": total * nbytes, "gpu_tokens": caps[GPU] * bs, "below_gpu_tokens": below * bs,
          "cpu_capacity_bytes": below * nbytes, "ssd_capacity_bytes": ssd * nbytes}
     head = f"{frac:.0%} of ideal ({_pct(t['hit_rate'])}): {total * bs:,} tokens in total"
     if below == 0:
         t["message"] = f"{head}; the GPU pool alone is enough."
-    elif below <= caps["cpu"] or (ssd <= caps["ssd"] and caps["ssd"]):
+    elif below <= caps[CPU] or (ssd <= caps[SSD] and caps[SSD]):
         t["message"] = (f"{head}; {below * bs:,} tokens below the GPU pool, which the configured "
-                        f"{'CPU' if below <= caps['cpu'] else 'SSD'} tier already holds.")
+                        f"{KNOWN[CPU if below <= caps[CPU] else SSD].label} tier already holds.")
     else:
         t["message"] = (f"{head} ({format_size(total * nbytes)} of KV). Below the GPU pool put {below * bs:,} "
                         f"tokens: --set cpu.capacity={_size_arg(below * nbytes)}, or keep the CPU tier and "

@@ -13,6 +13,7 @@ from __future__ import annotations
 from array import array
 
 from kvstrata.bench.stats import Quantiles
+from kvstrata.policy.tiers import CPU, GPU, SSD
 
 __all__ = ["MISS_REASONS", "Tracker", "classify", "first_reason"]
 
@@ -20,7 +21,7 @@ MISS_REASONS = ("new", "evicted_gpu", "evicted_cpu", "evicted_ssd", "prefix_miss
 
 # per-block state while replaying
 _NEVER, _CACHED = 0, 1
-_LEFT = {"gpu": 2, "cpu": 3, "ssd": 4}
+_LEFT = {GPU: 2, CPU: 3, SSD: 4}
 _STATE_REASON = {2: "evicted_gpu", 3: "evicted_cpu", 4: "evicted_ssd"}
 
 

@@ -14,6 +14,7 @@ from kvstrata.config import SSD_TIER_KEYS, KVStrataConfig
 from kvstrata.errors import config_keys
 from kvstrata.bench.capacity import policy_spec, tier_capacities
 from kvstrata.executor import Executor
+from kvstrata.policy.tiers import CPU, GPU, SSD
 
 __all__ = ["payload_config", "payload_executor"]
 
@@ -24,13 +25,13 @@ def payload_config(cfg: KVStrataConfig, block_bytes: int, ssd_dir: str) -> KVStr
 
     caps = tier_capacities(cfg)
     ssd_cap = cfg.ssd.capacity
-    if caps["ssd"]:  # the capacity that holds as many blocks of the new size (see capacity_blocks)
-        ssd_cap = caps["ssd"] * record_footprint(NS_LEN + 32, block_bytes)
+    if caps[SSD]:  # the capacity that holds as many blocks of the new size (see capacity_blocks)
+        ssd_cap = caps[SSD] * record_footprint(NS_LEN + 32, block_bytes)
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, block_nbytes=block_bytes),
-        gpu=dataclasses.replace(cfg.gpu, num_blocks=caps["gpu"], capacity=None),
-        cpu=dataclasses.replace(cfg.cpu, capacity=caps["cpu"] * block_bytes),
+        gpu=dataclasses.replace(cfg.gpu, num_blocks=caps[GPU], capacity=None),
+        cpu=dataclasses.replace(cfg.cpu, capacity=caps[CPU] * block_bytes),
         ssd=dataclasses.replace(cfg.ssd, path=ssd_dir, capacity=ssd_cap),
     )
 

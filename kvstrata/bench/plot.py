@@ -7,13 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata.bench.replay import TIERS
 from kvstrata.bench.stats import Quantiles
+from kvstrata.policy.tiers import CPU, GPU, SSD
 
 if TYPE_CHECKING:
     from kvstrata.bench.analysis import BenchResult
 
 __all__ = ["plot_report"]
 
-_COLORS = {"gpu": "tab:green", "cpu": "tab:blue", "ssd": "tab:purple", "cache": "tab:red", "trace": "black"}
+_COLORS = {GPU: "tab:green", CPU: "tab:blue", SSD: "tab:purple", "cache": "tab:red", "trace": "black"}
 
 
 def _ecdf_points(samples: Quantiles) -> tuple[Any, Any, float]:
@@ -43,9 +44,9 @@ def _mrc_panel(ax: Any, report: dict[str, Any]) -> None:
     ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], color="black", lw=1.8, label="exact LRU hit rate")
     ax.axhline(100 * report["ideal_hit_rate"], color="grey", ls=":", label="ideal (unbounded)")
     cap = report["capacity"]
-    marks = [("GPU", cap["gpu"]["tokens"], _COLORS["gpu"]),
-             ("GPU+CPU", cap["gpu"]["tokens"] + cap["cpu"]["tokens"], _COLORS["cpu"]),
-             ("all tiers", cap["effective_total_tokens"], _COLORS["ssd"])]
+    marks = [("GPU", cap[GPU]["tokens"], _COLORS[GPU]),
+             ("GPU+CPU", cap[GPU]["tokens"] + cap[CPU]["tokens"], _COLORS[CPU]),
+             ("all tiers", cap["effective_total_tokens"], _COLORS[SSD])]
     for name, tokens, color in marks:
         if tokens > 0:
             ax.axvline(tokens, color=color, ls="--", lw=1, label=f"{name}: {tokens:,} tokens")

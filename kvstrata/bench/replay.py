@@ -69,6 +69,7 @@ from kvstrata.bench.remote import SharedRemoteExecutor
 from kvstrata.core.driver import DriverCore
 from kvstrata.core.request import RequestState
 from kvstrata.policy.events import REMOTE
+from kvstrata.policy.tiers import GPU, SSD
 
 if TYPE_CHECKING:
     from kvstrata.bench.remote import SharedRemote
@@ -124,7 +125,7 @@ class ReplayResult:
 
     def ssd_bytes_written(self) -> int:
         """Bytes the replay stored to the SSD tier (blocks x the block's bytes, before compression)."""
-        return int(self.stats.get("spills", {}).get("ssd", 0)) * self.config.block_nbytes()
+        return int(self.stats.get("spills", {}).get(SSD, 0)) * self.config.block_nbytes()
 
     @property
     def hits(self) -> int:
@@ -155,7 +156,9 @@ class Replayer:
         self.spec = policy_spec(cfg)
         self.remote = remote  # the shared tier of several replicas (kvstrata.bench.replicas)
         if bool(self.spec.remote) != (remote is not None):  # a remote tier is replayed only when modelled
-            self.spec = dataclasses.replace(self.spec, remote=remote is not None)
+            assert self.spec.tiers is not None
+            tiers = self.spec.tiers.with_shared("the replay's model" if remote is not None else None)
+            self.spec = dataclasses.replace(self.spec, tiers=tiers)
         self.tracker = Tracker()
         self.lifecycle = {t: LifecycleLog() for t in TIERS}
         self._left: list[tuple[list[bytes], str]] = []
@@ -342,7 +345,7 @@ class Replayer:
             loaded = self._end_step([], st)
             if loaded < below:
                 manager.invalidate(rid, gpu_hits + loaded)
-            self.lifecycle["gpu"].enter_many(prompt.hashes[gpu_hits:gpu_hits + loaded], self.now)
+            self.lifecycle[GPU].enter_many(prompt.hashes[gpu_hits:gpu_hits + loaded], self.now)
             self._room(lambda: manager.grow(rid))
         computed = manager.commit(rid)
         self._note_computed(computed)
@@ -355,7 +358,7 @@ class Replayer:
         """End a step: its store offers and the load of ``st``, run and completed at once."""
         evicted = self.manager.take_evicted()
         if evicted:
-            self.lifecycle["gpu"].leave_many([h for _, h in evicted], self.now)
+            self.lifecycle[GPU].leave_many([h for _, h in evicted], self.now)
         early, late = self.core.end_step(evicted, computed, self.manager.free_window)
         result = self.core.run(self.executor, early + late, st)
         self._settle([h for _, h in evicted])
@@ -364,21 +367,21 @@ class Replayer:
     # ------------------------------------------------------------------ accounting
 
     def _gpu_hits(self, keys: list[bytes]) -> None:
-        self.lifecycle["gpu"].access_many(keys, self.now)
+        self.lifecycle[GPU].access_many(keys, self.now)
 
     def _note_computed(self, computed: list[tuple[int, bytes]]) -> None:
         """Computed blocks the pool registered enter it (a duplicate of a cached block does not)."""
         blocks = self.manager.blocks
-        self.lifecycle["gpu"].enter_many([k for b, k in computed if blocks[b].block_hash == k], self.now)
+        self.lifecycle[GPU].enter_many([k for b, k in computed if blocks[b].block_hash == k], self.now)
 
     def _settle(self, gpu_evicted: list[bytes]) -> None:
         """Blocks that left a tier in this step and are held nowhere now have left the cache."""
         left, self._left = self._left, []
-        holdings = self.policy.holdings
-        cached, in_cpu, in_ssd, now = self.manager.cached, holdings.in_cpu, holdings.in_ssd, self.now
+        held = self.policy.holds
+        cached, now = self.manager.cached, self.now
         leave = self.tracker.left_many
-        for keys, tier in [*left, (gpu_evicted, "gpu")]:  # a lower tier first: it held the block last
-            gone = [k for k in keys if k not in cached and k not in in_cpu and k not in in_ssd]
+        for keys, tier in [*left, (gpu_evicted, GPU)]:  # a lower tier first: it held the block last
+            gone = [k for k in keys if k not in cached and held(k) is None]
             if gone:
                 leave(gone, tier, now)
 

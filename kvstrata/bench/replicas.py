@@ -38,6 +38,7 @@ from kvstrata.bench.replay import (ReplayError, ReplayOptions, ReplayResult, Rep
 from kvstrata.config import KVStrataConfig
 from kvstrata.errors import ConfigError
 from kvstrata.policy.events import REMOTE
+from kvstrata.policy.tiers import GPU, KNOWN
 
 if TYPE_CHECKING:
     from kvstrata.trace.reader import Request, Trace, TraceReader
@@ -46,7 +47,8 @@ __all__ = ["ROUTINGS", "SharedRemote", "Fleet", "ReplicasResult", "replay_replic
 
 ROUTINGS = ("round_robin", "prefix")
 LOAD_SLACK = 0.25  # prefix routing: a replica takes at most 1.25x its share of the requests so far
-HIT_TIERS = ("gpu", "cpu", "ssd", REMOTE)
+HIT_TIERS = (GPU, *KNOWN)
+_LABELS = {GPU: "GPU", **{n: t.label for n, t in KNOWN.items()}}
 
 
 def remote_blocks(config: KVStrataConfig, block_size: int) -> int:
@@ -165,7 +167,7 @@ def replicas_report(res: ReplicasResult) -> dict[str, Any]:
             "replicas": [{"requests": sent, "accesses": r.accesses, "hit_blocks": dict(r.hit_blocks),
                           "hit_rate": rates(r.hit_blocks, r.accesses)}
                          for sent, r in zip(f.sent, f.results)],
-            "remote": dict(f.remote.counts, held=len(f.remote)) if f.remote is not None else None,
+            REMOTE: dict(f.remote.counts, held=len(f.remote)) if f.remote is not None else None,
         })
     return {"replicas": res.num_replicas, "remote_capacity_blocks": res.remote_blocks,
             "block_size": res.block_size, "requests": res.requests, "fleets": fleets,
@@ -178,8 +180,8 @@ def render_replicas(report: dict[str, Any]) -> str:
     lines = [f"kvstrata bench: {report['replicas']} replicas, {report['requests']:,} requests, "
              f"a shared tier of {report['remote_capacity_blocks']:,} blocks of {report['block_size']} tokens",
              "",
-             f"{'routing':<14}{'shared tier':<13}{'GPU':>8}{'CPU':>8}{'SSD':>8}{'remote':>8}{'total':>8}"
-             "   total per replica (requests)",
+             f"{'routing':<14}{'shared tier':<13}" + "".join(f"{_LABELS.get(t, t):>8}" for t in (*HIT_TIERS, "total"))
+             + "   total per replica (requests)",
              ]
     for f in report["fleets"]:
         hr = f["hit_rate"]

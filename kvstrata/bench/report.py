@@ -25,6 +25,7 @@ from kvstrata.bench import diagnose
 from kvstrata.policy.events import LOWER_TIERS, REMOTE, TIERS
 from kvstrata.bench.stats import EXACT_VALUES, RELATIVE_ERROR, summarize
 from kvstrata.config import format_size, plural
+from kvstrata.policy.tiers import CPU, GPU, KNOWN, SSD
 
 if TYPE_CHECKING:
     from kvstrata.bench.analysis import BenchResult
@@ -78,7 +79,7 @@ def _diagnosis(rates: dict[str, float], ideal: float, life: dict[str, dict[str, 
     idle["cache"] = life["idle_before_evict_s"]
     band = diagnose.hit_rate_band(rates["total"], ideal)
     pools = diagnose.pool_checks(reuse, idle, evictions, rp.miss_reasons, rp.accesses)
-    messages = [band["message"], *(pools[k]["message"] for k in ("gpu", "cpu", "ssd", "cache"))]
+    messages = [band["message"], *(pools[k]["message"] for k in (*TIERS, "cache"))]
     if forced:
         messages.append(f"{forced:,} running requests were finished early to make room: the GPU pool is smaller "
                         "than this trace's concurrency (see --decode-ms-per-token).")
@@ -96,7 +97,7 @@ def build_report(res: "BenchResult") -> dict[str, Any]:
     rates = {k: round(v, 6) for k, v in rp.hit_rate().items()}
     life = _lifecycle(res)
     cap = _capacity(res)
-    marks = [rp.capacity_blocks["gpu"], rp.capacity_blocks["gpu"] + rp.capacity_blocks["cpu"],
+    marks = [rp.capacity_blocks[GPU], rp.capacity_blocks[GPU] + rp.capacity_blocks[CPU],
              cap["effective_total_tokens"] // bs]
     evictions = dict(rp.stats.get("evictions", {}))
     return {
@@ -139,7 +140,7 @@ def ssd_writes(rp: "ReplayResult", duration_s: float) -> dict[str, Any]:
     per hour of trace time, and the drive writes per day that is for ``ssd.capacity``."""
     written = rp.ssd_bytes_written()
     per_hour = written * 3600 / duration_s if duration_s > 0 else None
-    cap = rp.config.ssd.capacity if rp.capacity_blocks.get("ssd") else 0
+    cap = rp.config.ssd.capacity if rp.capacity_blocks.get(SSD) else 0
     return {"bytes": written, "bytes_per_hour": None if per_hour is None else round(per_hour),
             "capacity_bytes": cap,
             "drive_writes_per_day": round(per_hour * 24 / cap, 4) if per_hour is not None and cap else None}
@@ -173,7 +174,7 @@ def _recording(res: "BenchResult") -> dict[str, Any] | None:
     hits = {t: m.get("hits", {}).get(t, {}).get("tokens", 0) for t in rp.hit_blocks if t in m.get("hits", {})}
     rates = {t: v / tokens if tokens else 0.0 for t, v in hits.items()}
     rates["total"] = sum(rates.values())
-    ssd = int(m.get("spills", {}).get("ssd", 0)) * int(m.get("block_nbytes", rp.config.block_nbytes()))
+    ssd = int(m.get("spills", {}).get(SSD, 0)) * int(m.get("block_nbytes", rp.config.block_nbytes()))
     again = m.get("preempted", {}).get("hits", {})
     out["measured"] = {"hit_rate": {k: round(v, 6) for k, v in rates.items()}, "prompt_tokens": tokens,
                        "ssd_bytes_written": ssd, "recorder": body.get("recorder", {}),
@@ -200,14 +201,14 @@ def _comparison(rp: "ReplayResult", duration_s: float) -> dict[str, Any]:
     """One admission mode's outcome: hit rates, blocks written per tier, SSD bytes written per hit."""
     nbytes = rp.config.block_nbytes()
     stored = rp.stats.get("spills", {})
-    ssd_bytes = stored.get("ssd", 0) * nbytes
+    ssd_bytes = stored.get(SSD, 0) * nbytes
     return {"hit_rate": {k: round(v, 6) for k, v in rp.hit_rate().items()},
             "hit_blocks": dict(rp.hit_blocks),
             "ssd_writes": ssd_writes(rp, duration_s),
             "blocks_written": {t: stored.get(t, 0) for t in LOWER_TIERS},
             "ssd_bytes_written": ssd_bytes,
             "ssd_bytes_written_per_hit": round(ssd_bytes / rp.hits, 1) if rp.hits else None,
-            "ssd_bytes_written_per_ssd_hit": round(ssd_bytes / rp.hit_blocks["ssd"], 1) if rp.hit_blocks["ssd"] else None}
+            "ssd_bytes_written_per_ssd_hit": round(ssd_bytes / rp.hit_blocks[SSD], 1) if rp.hit_blocks[SSD] else None}
 
 
 # ------------------------------------------------------------------ rendering
@@ -221,6 +222,10 @@ def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> lis
         return indent + "  ".join([first, *rest]).rstrip()
 
     return [fmt(headers), indent + "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)]
+
+
+def _label(tier: str) -> str:
+    return KNOWN[tier].label if tier in KNOWN else tier.upper()
 
 
 def _pct(x: float | None) -> str:
@@ -281,7 +286,7 @@ def _mrc_rows(r: dict[str, Any], rows: int = 12) -> list[list[str]]:
 
 def _comparison_row(mode: str, c: dict[str, Any]) -> list[str]:
     per_hit = c["ssd_bytes_written_per_hit"]
-    return [mode, *(_pct(c["hit_rate"][t]) for t in ("gpu", "cpu", "ssd", "total")),
+    return [mode, *(_pct(c["hit_rate"][t]) for t in (*TIERS, "total")),
             format_size(c["ssd_bytes_written"]), "-" if per_hit is None else format_size(per_hit)]
 
 
@@ -366,7 +371,7 @@ def render_text(r: dict[str, Any]) -> str:
         out += ["", *_recording_lines(r["recording"], r["block_tokens"])]
     own = r["capacity"].get("config_block_tokens", r["block_tokens"])
     if own != r["block_tokens"]:
-        gpu = r["capacity"]["gpu"]["tokens"]
+        gpu = r["capacity"][GPU]["tokens"]
         out.append(f"  Blocks of this trace ({r['block_tokens']} tokens); the config counts blocks of {own} "
                    f"tokens (its GPU pool: {gpu // own:,} of them, {gpu:,} tokens).")
     out += ["", *_lifecycle_lines(r)]
@@ -385,7 +390,7 @@ def render_text(r: dict[str, Any]) -> str:
     out += ["", "Diagnosis"] + [f"  {m}" for m in r["diagnosis"]["messages"]]
     if r["admission_comparison"]:
         out += ["", "Admission modes (the same trace and capacities)"]
-        out += _table(["admission", "GPU", "CPU", "SSD", "total", "SSD writes", "SSD writes per hit (any tier)"],
+        out += _table(["admission", *(_label(t) for t in TIERS), "total", "SSD writes", "SSD writes per hit (any tier)"],
                       [_comparison_row(m, c) for m, c in r["admission_comparison"].items()])
     if r.get("misses") is not None:
         out += ["", *_miss_lines(r["misses"])]

@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import msgpack
 
+from kvstrata.policy.tiers import KNOWN, PERSISTENT
+
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
@@ -59,7 +61,8 @@ log = logging.getLogger(__name__)
 #: offloading tier; ``STORAGE`` is vLLM's constant for storage (llm-d lowercases media:
 #: ``cpu``, ``storage``). The remote tier has none: any replica loads from it, so it says
 #: nothing about where to route, and its server evicts without telling anyone.
-MEDIA = {"cpu": "CPU", "ssd": "STORAGE"}
+MEDIA = {name: t.medium for name, t in KNOWN.items() if t.medium}
+_TAGGED = frozenset(PERSISTENT)  # the tiers whose records keep the tags beside them
 EVENT_COUNTS = ("stored", "removed", "announced", "untagged", "mismatched")  # KVEvents.counts, per block
 ANNOUNCE_PER_STEP = 4096  # restart announcements per engine step (a step's batch stays small)
 _TAG_VERSION = 2  # 2: kvstrata's own extra bytes, to check the tag against the record's key
@@ -177,8 +180,8 @@ class KVEvents:
         them beside the records)."""
         out: dict[bytes, bytes] = {}
         for plan in plans:
-            for tier, key in _placed(plan, None):
-                tag = self.tags.get(key) if tier == "ssd" else None
+            for tier, key in plan.placed():
+                tag = self.tags.get(key) if tier in _TAGGED else None
                 if tag is not None:
                     out[key] = tag.pack()
         return out
@@ -189,7 +192,7 @@ class KVEvents:
         """A plan's copies completed (``done``: blocks a load or fetch delivered): announce
         what it placed that its tier still holds."""
         held_in = self.policy.held_in
-        for tier, key in _placed(plan, done):
+        for tier, key in plan.placed(done):
             if tier in MEDIA and held_in(tier, key):
                 self._store(tier, key)
 
@@ -246,8 +249,9 @@ class KVEvents:
             if n >= ANNOUNCE_PER_STEP:
                 later.extend(todo[i:])
                 break
-            if held_in("ssd", key):
-                self._store("ssd", key)
+            tier = next((t for t in _TAGGED if held_in(t, key)), None)
+            if tier is not None:
+                self._store(tier, key)
                 n += 1
             elif pending:
                 later.append(key)
@@ -349,14 +353,6 @@ class KVEvents:
                 out.append(last)
             prev = tag
         return out
-
-
-def _placed(plan: Any, done: int | None) -> list[tuple[str, bytes]]:
-    from kvstrata.policy import StorePlan
-
-    if isinstance(plan, StorePlan):
-        return plan.placed()
-    return plan.placed(len(plan) if done is None else done)
 
 
 def _extra_keys(request: "Request", i: int, bs: int) -> Any:

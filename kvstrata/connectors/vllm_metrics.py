@@ -46,7 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvstrata.connectors.vllm_events import EVENT_COUNTS
 from kvstrata.metrics import REMOTE_DIRECTIONS, REMOTE_OUTCOMES
-from kvstrata.policy.events import LOWER_TIERS, REMOTE
+from kvstrata.policy.events import LOWER_TIERS
+from kvstrata.policy.tiers import KNOWN, PERSISTENT
 from kvstrata.transfer import DIRECTIONS
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ __all__ = ["SERIES", "WORKER_SERIES", "CounterDeltas", "Series", "KVStrataPromMe
 log = logging.getLogger(__name__)
 
 PREFIX = "kvstrata:"
-HIT_TIERS = (*LOWER_TIERS, REMOTE)  # the tiers below the GPU a hit is counted in
+HIT_TIERS = tuple(KNOWN)  # the tiers below the GPU a hit is counted in
 _COUNTERS, _GAUGES = "counters", "gauges"
 NO_LABEL = ""  # the label key of a series without a tier/direction label
 
@@ -98,11 +99,11 @@ SERIES: tuple[Series, ...] = (
     Series("transfer_seconds", "Seconds spent copying between the GPU pool and host memory (d2h: stores, "
            "h2d: loads), summed over workers", "direction", DIRECTIONS),
     Series("load_failures", "Blocks a tier could not deliver (recomputed by vLLM)", "tier", LOWER_TIERS),
-    Series("store_failures", "Blocks a tier refused to store", "tier", ("ssd",)),
+    Series("store_failures", "Blocks a tier refused to store", "tier", PERSISTENT),
     Series("spill_failures", "Blocks that could not be moved from the CPU tier down to the SSD tier"),
     Series("stores_dropped", "Stores dropped before reaching a tier (full write queue, pinned slots)"),
     Series("corrupt_blocks", "Blocks that failed verification and were deleted (counted as misses)",
-           "tier", ("ssd",)),
+           "tier", PERSISTENT),
     Series("remote_operations", "Remote tier reads and writes by outcome (per worker shard)", "outcome",
            REMOTE_OUTCOMES),
     Series("remote_bytes", "Bytes read from and written to the remote tier (per worker shard)", "direction",
@@ -112,20 +113,16 @@ _BY_NAME = {s.name: s for s in SERIES}
 
 # KVStrataWorker.counters() name -> (series, label value)
 WORKER_SERIES: dict[str, tuple[str, str]] = {
-    "blocks_stored_cpu": ("blocks_stored", "cpu"),
-    "blocks_stored_ssd": ("blocks_stored", "ssd"),
-    "blocks_loaded_cpu": ("blocks_loaded", "cpu"),
-    "blocks_loaded_ssd": ("blocks_loaded", "ssd"),
+    **{f"blocks_{what}_{t}": (f"blocks_{what}", t) for what in ("stored", "loaded") for t in LOWER_TIERS},
     "bytes_d2h": ("transfer_bytes", "d2h"),
     "bytes_h2d": ("transfer_bytes", "h2d"),
     "seconds_d2h": ("transfer_seconds", "d2h"),
     "seconds_h2d": ("transfer_seconds", "h2d"),
-    "load_failures_cpu": ("load_failures", "cpu"),
-    "load_failures_ssd": ("load_failures", "ssd"),
-    "store_failures_ssd": ("store_failures", "ssd"),
+    **{f"load_failures_{t}": ("load_failures", t) for t in LOWER_TIERS},
+    **{f"store_failures_{t}": ("store_failures", t) for t in PERSISTENT},
     "spill_failures": ("spill_failures", NO_LABEL),
     "stores_dropped": ("stores_dropped", NO_LABEL),
-    "corrupt_blocks": ("corrupt_blocks", "ssd"),
+    "corrupt_blocks": ("corrupt_blocks", PERSISTENT[0]),
     **{f"remote_{o}": ("remote_operations", o) for o in REMOTE_OUTCOMES},
     **{f"remote_bytes_{d}": ("remote_bytes", d) for d in REMOTE_DIRECTIONS},
 }

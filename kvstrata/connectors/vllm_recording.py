@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from kvstrata.config import KVStrataConfig
 from kvstrata.trace.recorder import RecordedRequest
+from kvstrata.policy.tiers import GPU
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -42,7 +43,7 @@ class SchedulerRecording:
 
         deployment = recorded_deployment(
             cfg, block_size=block_size, block_nbytes=block_nbytes, gpu_blocks=gpu_blocks,
-            capacity_blocks={"gpu": gpu_blocks, **spec.capacity()},
+            capacity_blocks={GPU: gpu_blocks, **spec.capacity()},
             engine={"name": "vllm", "version": vllm.__version__, "model": fingerprint.model,
                     "tp_size": fingerprint.tp_size, "kv_layout": fingerprint.kv_layout})
         self.recorder = TraceRecorder(cfg.trace, block_size=block_size, deployment=deployment)

@@ -42,7 +42,7 @@ from kvstrata.core.request import RequestState
 from kvstrata.hashing import BlockHasher
 from kvstrata.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampling, policy_stats
 from kvstrata.policy import TierPolicy
-from kvstrata.policy.events import REMOTE
+from kvstrata.policy.tiers import KNOWN, REMOTE, describe_tiers
 from kvstrata.policy.seeding import SSDSeeding
 
 from kvstrata.connectors.vllm_events import KVEvents, events_enabled
@@ -74,7 +74,7 @@ __all__ = ["KVStrataScheduler", "PoolObserver"]
 
 log = logging.getLogger(__name__)
 
-_SOURCES = {"cpu": CacheHitSource.HOST, "ssd": CacheHitSource.DISK, REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED}
+_SOURCES = {name: getattr(CacheHitSource, t.hit_source) for name, t in KNOWN.items()}
 
 
 class _Req(RequestState):
@@ -138,9 +138,8 @@ class KVStrataScheduler:
         gpu_blocks = max(1, int(kv_cache_config.num_blocks) - 1)  # vLLM keeps one as its null block
         self._recording = SchedulerRecording(cfg, vllm_config, gpu_blocks, spec, self.fingerprint, self.block_size,
                                              self.block_nbytes) if cfg.trace.enabled else None
-        log.info("kvstrata scheduler: %s; block %d bytes; %s admission; %d CPU slots, %d SSD blocks (%d held)",
-                 self.fingerprint.describe(), self.block_nbytes, spec.admission, spec.cpu_slots, spec.ssd_slots,
-                 self.policy.occupancy()["ssd"])
+        log.info("kvstrata scheduler: %s; block %d bytes; %s admission; %s", self.fingerprint.describe(),
+                 self.block_nbytes, spec.admission, describe_tiers(spec.tiers, self.policy.occupancy()))
 
     def _kv_events(self, vllm_config: "VllmConfig", spec: Any, kv_cache_config: "KVCacheConfig") -> KVEvents | None:
         """The KV-event consumer when vLLM publishes KV-cache events (it then also announces
@@ -268,7 +267,7 @@ class KVStrataScheduler:
         if self._seeding is not None:
             self._seeding.cancel()  # what they are verifying is stale too: the workers delete it all
         self._reset_ssd = self.policy.ssd is not None  # the workers delete every record they hold
-        log.info("kvstrata: reset: forgot %d CPU and %d SSD blocks", dropped["cpu"], dropped["ssd"])
+        log.info("kvstrata: reset: forgot %s", ", ".join(f"{n} {KNOWN[t].label} blocks" for t, n in dropped.items()))
         return True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVStrataMetadata:
@@ -361,7 +360,7 @@ class KVStrataScheduler:
     def stats(self) -> dict[str, Any]:
         out = {**self.core.stats(), **policy_stats(self.policy), "transfer": {}}
         if self._remote is not None:
-            out["remote"] = self._remote.stats()
+            out[REMOTE] = self._remote.stats()
         if self._events is not None:
             out["kv_events"] = dict(self._events.counts)
         return out

@@ -54,6 +54,7 @@ from kvstrata.identity import Fingerprint
 from kvstrata.metrics import REMOTE_DIRECTIONS, REMOTE_OUTCOMES
 from kvstrata.tiers.ssd import SSDTier
 from kvstrata.streams import Event, streams_for
+from kvstrata.policy.tiers import REMOTE, SSD
 
 from kvstrata.connectors.kv_layout import KVLayout, LayoutRows
 from kvstrata.connectors.vllm_ssd import forget_ssd_tier, open_ssd_tier
@@ -414,5 +415,5 @@ class KVStrataWorker:
     def stats(self) -> dict[str, Any]:
         remote = self.executor.remote if self.executor is not None else None
         return {"cpu_slots": self.spec.cpu_slots, "executor": self.executor.stats() if self.executor else None,
-                "ssd": self.ssd.stats() if self.ssd else None, "remote": remote.stats() if remote else None}
+                SSD: self.ssd.stats() if self.ssd else None, REMOTE: remote.stats() if remote else None}
 

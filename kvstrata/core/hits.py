@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Collection, Sequence
 
-from kvstrata.policy.events import LOWER_TIERS, REMOTE
+from kvstrata.policy.tiers import GPU, KNOWN, LOWER, SHARED
 
 __all__ = ["GPU", "HitCounts", "served_from", "request_counts", "count_tiers"]
 
-GPU = "gpu"
-_CPU = LOWER_TIERS[0]  # the tier remote fetches land in
+_SLAB = next(n for n, t in KNOWN.items() if t.slab)  # the tier remote fetches land in
+REMOTE = SHARED[0]
+LOWER_TIERS = LOWER
 
 
 def count_tiers(remote: bool) -> tuple[str, ...]:
@@ -36,7 +37,7 @@ def served_from(tiers: Sequence[str], keys: Sequence[bytes], fetched: Collection
     n = len(tiers) if loaded is None else loaded
     if not fetched:
         return list(tiers[:n])
-    return [REMOTE if t == _CPU and k in fetched else t for t, k in zip(tiers[:n], keys[:n])]
+    return [REMOTE if t == _SLAB and k in fetched else t for t, k in zip(tiers[:n], keys[:n])]
 
 
 def request_counts(gpu_hits: int, served: Sequence[str], remote: bool) -> dict[str, int]:

@@ -21,13 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from kvstrata.policy.tiers import GPU, LOWER, REMOTE, SHARED
+
 __all__ = ["EVENT_KINDS", "LOWER_TIERS", "TIERS", "REMOTE", "EVENT_TIERS", "PolicyEvent", "Observer", "EventCounts"]
 
 EVENT_KINDS = ("stored", "hit", "evicted", "dropped", "lost")
-LOWER_TIERS = ("cpu", "ssd")  # the tiers a policy places blocks in
-TIERS = ("gpu", *LOWER_TIERS)  # every tier, as statistics and metrics name them
-REMOTE = "remote"  # the shared tier (a Redis/Valkey server)
-EVENT_TIERS = (*LOWER_TIERS, REMOTE)  # the tiers events name
+LOWER_TIERS = LOWER  # the tiers a policy places blocks in
+TIERS = (GPU, *LOWER_TIERS)  # every tier, as statistics and metrics name them
+EVENT_TIERS = (*LOWER_TIERS, *SHARED)  # the tiers events name
 
 Observer = Callable[[str, str, Sequence[bytes], float], None]
 

@@ -1,9 +1,9 @@
 """What the tiers below the device hold, and which open plans pin what.
 
 :class:`Holdings` is the tier policy's bookkeeping, with no decisions in it:
-one index per lower tier (``cpu``: a :class:`~kvstrata.policy.slot_index.SlotIndex`;
-``ssd``: a :class:`~kvstrata.policy.compact_index.CompactIndex`; None when the tier is off), the keys each open plan pinned, and the
-tombstones of keys forgotten while pinned.
+one index per local tier that holds blocks (a slab tier: a
+:class:`~kvstrata.policy.slot_index.SlotIndex`; a persistent one: :func:`ssd_index`),
+the keys each open plan pinned in each, and the tombstones of keys forgotten while pinned.
 
 A key forgotten while pinned leaves its tier at once (lookups stop finding
 it, a later store places it again); its entry is renamed to a tombstone key
@@ -19,6 +19,7 @@ from typing import Container, Iterable
 
 from kvstrata.policy.compact_index import CompactIndex
 from kvstrata.policy.slot_index import SlotIndex
+from kvstrata.policy.tiers import Tier
 
 __all__ = ["Holdings", "TOMBSTONE_PREFIX", "COMPACT_ABOVE", "ssd_index", "index_bytes"]
 
@@ -47,28 +48,36 @@ def index_bytes(ssd_slots: int, key_len: int = 32) -> int:
 
 
 class Holdings:
-    """The lower tiers' indexes with the pins of open plans."""
+    """The local tiers' indexes with the pins of open plans, by tier name."""
 
-    def __init__(self, cpu_slots: int, ssd_slots: int) -> None:
-        self.cpu: SlotIndex | None = SlotIndex(cpu_slots) if cpu_slots else None
-        self.ssd = ssd_index(ssd_slots) if ssd_slots else None
-        self.in_cpu = self.cpu._slot if self.cpu is not None else {}  # membership tests
-        self.in_ssd: Container[bytes] = self.ssd if self.ssd is not None else {}
-        self._pins: dict[int, tuple[list[bytes], list[bytes]]] = {}  # plan -> (CPU keys, SSD keys) it pinned
-        self._tombs: tuple[set[bytes], set[bytes]] = (set(), set())
+    def __init__(self, tiers: Iterable[Tier]) -> None:
+        self.indexes: dict[str, SlotIndex | CompactIndex] = {
+            t.name: SlotIndex(t.capacity) if t.slab else ssd_index(t.capacity)
+            for t in tiers if not t.shared and t.capacity}
+        self._pins: dict[int, dict[str, list[bytes]]] = {}  # plan -> tier -> keys it pinned there
+        self._tombs: dict[str, set[bytes]] = {name: set() for name in self.indexes}
         self._next_tomb = 0
 
     def index(self, tier: str) -> SlotIndex | CompactIndex | None:
-        return self.cpu if tier == "cpu" else self.ssd
+        return self.indexes.get(tier)
+
+    def held(self, tier: str) -> Container[bytes]:
+        """Membership of ``tier`` (an empty container when it holds nothing)."""
+        index = self.indexes.get(tier)
+        if index is None:
+            return {}
+        return index._slot if isinstance(index, SlotIndex) else index
 
     def open(self, plan_id: int) -> None:
-        self._pins[plan_id] = ([], [])
+        self._pins[plan_id] = {}
+
+    def _pinned(self, plan_id: int, tier: str) -> list[bytes]:
+        return self._pins[plan_id].setdefault(tier, [])
 
     def pin(self, tier: str, plan_id: int, keys: list[bytes]) -> list[int]:
         """Pin present ``keys`` in ``tier`` until the plan completes; returns their slots."""
-        index = self.index(tier)
-        assert index is not None
-        self._pins[plan_id][tier == "ssd"].extend(keys)
+        index = self.indexes[tier]
+        self._pinned(plan_id, tier).extend(keys)
         return index.pin_many(keys)
 
     def place(self, tier: str, plan_id: int, keys: list[bytes]
@@ -76,22 +85,20 @@ class Holdings:
         """Slots for ``keys`` the tier does not hold, pinned for the plan: ``(placed key ->
         slot, evicted (key, slot))``. Keys that found no room (every other slot pinned) are
         not placed."""
-        index = self.index(tier)
-        assert index is not None
+        index = self.indexes[tier]
         if len(set(keys)) != len(keys):
             keys = list(dict.fromkeys(keys))  # one slot and one pin per key
         slots, evicted = index.allocate_absent(keys, pin=True)
         placed = dict(zip(keys, slots)) if None not in slots else {k: s for k, s in zip(keys, slots) if s is not None}
-        self._pins[plan_id][tier == "ssd"].extend(placed)
+        self._pinned(plan_id, tier).extend(placed)
         return placed, evicted  # type: ignore[return-value]
 
     def release(self, plan_id: int) -> None:
         """The plan completed: drop its pins (and the tombstones it was the last to hold)."""
-        cpu_keys, ssd_keys = self._pins.pop(plan_id, ((), ()))
-        for index, keys, tombs in ((self.cpu, cpu_keys, self._tombs[0]), (self.ssd, ssd_keys, self._tombs[1])):
+        for tier, keys in self._pins.pop(plan_id, {}).items():
             if not keys:
                 continue
-            assert index is not None
+            index, tombs = self.indexes[tier], self._tombs[tier]
             index.unpin_many(keys)
             if tombs:
                 for tomb in [k for k in keys if k in tombs and not index.pin_count(k)]:
@@ -100,40 +107,38 @@ class Holdings:
 
     def forget(self, tier: str, keys: Iterable[bytes]) -> list[bytes]:
         """Drop ``keys`` from ``tier`` now; returns those it held."""
-        index = self.index(tier)
+        index = self.indexes.get(tier)
         if index is None:
             return []
         present = [k for k in dict.fromkeys(keys) if k in index]
         for key in present:
             if index.pin_count(key):
-                self._bury(index, tier == "ssd", key)
+                self._bury(tier, key)
             else:
                 index.pop(key)
         return present
 
-    def _bury(self, index: SlotIndex | CompactIndex, side: bool, key: bytes) -> None:
+    def _bury(self, tier: str, key: bytes) -> None:
         self._next_tomb += 1
         tomb = TOMBSTONE_PREFIX + b"%d" % self._next_tomb
-        index.rename(key, tomb)
-        self._tombs[side].add(tomb)
+        self.indexes[tier].rename(key, tomb)
+        self._tombs[tier].add(tomb)
         for pins in self._pins.values():
-            held = pins[side]
-            if key in held:
+            held = pins.get(tier)
+            if held and key in held:
                 held[:] = [tomb if k == key else k for k in held]
 
     def check(self) -> None:
         """Assert that every pin belongs to an open plan and every tombstone is still pinned."""
-        for side, (tier, index) in enumerate((("cpu", self.cpu), ("ssd", self.ssd))):
-            if index is None:
-                continue
+        for tier, index in self.indexes.items():
             index.check()
             held: dict[bytes, int] = {}
             for pins in self._pins.values():
-                for key in pins[side]:
+                for key in pins.get(tier, ()):
                     held[key] = held.get(key, 0) + 1
             for key, n in held.items():
                 assert index.pin_count(key) == n, (
                     f"{tier} key {key.hex()[:12]}: plans hold {n} pins, the index counts {index.pin_count(key)}")
             stray = [k for k in index._pins if k not in held]
             assert not stray, f"{len(stray)} {tier} pins no open plan holds"
-            assert all(index.pin_count(t) for t in self._tombs[side]), f"a {tier} tombstone outlived its pins"
+            assert all(index.pin_count(t) for t in self._tombs[tier]), f"a {tier} tombstone outlived its pins"

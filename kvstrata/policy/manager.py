@@ -50,10 +50,11 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Sequence
 
-from kvstrata.policy.events import EVENT_TIERS, LOWER_TIERS, REMOTE, EventCounts, Observer, PolicyEvent
+from kvstrata.policy.events import LOWER_TIERS, EventCounts, Observer, PolicyEvent
 from kvstrata.policy.plans import COMPUTED, SHUTDOWN, FetchPlan, LoadPlan, StorePlan
 from kvstrata.policy.holdings import TOMBSTONE_PREFIX, Holdings
 from kvstrata.policy.spec import PolicySpec
+from kvstrata.policy.tiers import KNOWN
 
 __all__ = ["TierPolicy", "select_for_shutdown"]
 
@@ -83,16 +84,26 @@ def select_for_shutdown(offered_mru_first: Iterable[tuple[int, bytes]], persiste
 
 
 class TierPolicy:
-    """Placement over a CPU tier and an SSD tier, sized and ruled by a :class:`PolicySpec`."""
+    """Placement over the tiers ``spec.tiers`` declares: a slab tier (host memory the device
+    copies to and from; promotions and remote fetches land in it), a persistent tier below it
+    (its evictions cascade there), and shared tiers, sized and ruled by a :class:`PolicySpec`."""
 
     def __init__(self, spec: PolicySpec, *, clock: Callable[[], float] = time.monotonic,
                  observers: Iterable[Observer] = (), record_events: bool = False) -> None:
         self.spec = spec
         self.clock = clock
-        self.holdings = Holdings(spec.cpu_slots, spec.ssd_slots)
-        self.cpu, self.ssd = self.holdings.cpu, self.holdings.ssd
-        self._cpu, self._ssd = self.holdings.in_cpu, self.holdings.in_ssd  # key -> slot, for lookups
-        self.counts = EventCounts(EVENT_TIERS if spec.remote else LOWER_TIERS)
+        tiers = spec.tiers
+        assert tiers is not None
+        slab, store, shared = tiers.slab(), tiers.store(), tiers.shared
+        # the names of the roles (a role no tier plays keeps its kind's name: nothing is ever placed there)
+        self._c = slab.name if slab is not None else next(n for n, t in KNOWN.items() if t.slab)
+        self._s = store.name if store is not None else next(n for n, t in KNOWN.items() if not t.slab and not t.shared)
+        self._r = shared[0].name if shared else ""
+        self.holdings = Holdings(tiers)
+        self.cpu, self.ssd = self.holdings.index(self._c), self.holdings.index(self._s)
+        self._cpu, self._ssd = self.holdings.held(self._c), self.holdings.held(self._s)  # for lookups
+        self.counts = EventCounts((*LOWER_TIERS, *(t.name for t in shared)))
+        self._cascades_to = slab.cascade if slab is not None else None
         self._observers: list[Observer] = list(observers)
         self._events: list[PolicyEvent] | None = [] if record_events else None
         self._next_plan = 0
@@ -102,13 +113,13 @@ class TierPolicy:
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
         """``cpu`` or ``ssd`` for each key of the longest prefix of ``keys`` held below.
         Pure: nothing is pinned, touched or counted."""
-        cpu, ssd = self._cpu, self._ssd
+        cpu, ssd, c, s = self._cpu, self._ssd, self._c, self._s
         out: list[str] = []
         for key in keys:
             if key in cpu:
-                out.append("cpu")
+                out.append(c)
             elif key in ssd:
-                out.append("ssd")
+                out.append(s)
             else:
                 break
         return out
@@ -116,9 +127,9 @@ class TierPolicy:
     def holds(self, key: bytes) -> str | None:
         """The highest lower tier holding ``key`` (``cpu``/``ssd``), or None."""
         if key in self._cpu:
-            return "cpu"
+            return self._c
         if key in self._ssd:
-            return "ssd"
+            return self._s
         return None
 
     def add_observer(self, observer: Observer) -> None:
@@ -127,7 +138,7 @@ class TierPolicy:
 
     def held_in(self, tier: str, key: bytes) -> bool:
         """Does lower tier ``tier`` (``cpu``/``ssd``) hold ``key``?"""
-        return key in (self._cpu if tier == "cpu" else self._ssd)
+        return key in self.holdings.held(tier)
 
     @property
     def pageout_blocks(self) -> int:
@@ -138,15 +149,15 @@ class TierPolicy:
         return self.spec.admits(reason)
 
     def occupancy(self) -> dict[str, int]:
-        return {"cpu": len(self.cpu) if self.cpu is not None else 0,
-                "ssd": len(self.ssd) if self.ssd is not None else 0}
+        indexes = self.holdings.indexes
+        return {t: len(indexes[t]) if t in indexes else 0 for t in LOWER_TIERS}
 
     def capacity(self) -> dict[str, int]:
         return self.spec.capacity()
 
     def pinned(self) -> dict[str, int]:
-        return {"cpu": self.cpu.num_pinned if self.cpu is not None else 0,
-                "ssd": self.ssd.num_pinned if self.ssd is not None else 0}
+        indexes = self.holdings.indexes
+        return {t: indexes[t].num_pinned if t in indexes else 0 for t in LOWER_TIERS}
 
     # ------------------------------------------------------------------ recency
 
@@ -188,9 +199,9 @@ class TierPolicy:
         in_cpu, in_ssd = self._cpu, self._ssd
         from_cpu = [k for k in plan.keys if k in in_cpu]
         from_ssd = [k for k in plan.keys if k not in in_cpu and k in in_ssd]
-        cpu_slot = dict(zip(from_cpu, self.holdings.pin("cpu", plan.plan_id, from_cpu))) if from_cpu else {}
+        cpu_slot = dict(zip(from_cpu, self.holdings.pin(self._c, plan.plan_id, from_cpu))) if from_cpu else {}
         if from_ssd:
-            self.holdings.pin("ssd", plan.plan_id, from_ssd)
+            self.holdings.pin(self._s, plan.plan_id, from_ssd)
         plan.cpu_slots = [cpu_slot.get(k, -1) for k in plan.keys]
         plan.from_ssd = [k not in cpu_slot and k in in_ssd for k in plan.keys]
         if from_cpu and self.ssd is not None:
@@ -199,8 +210,8 @@ class TierPolicy:
             # the promotions below, whose cascades may evict from the SSD tier.
             self.ssd.touch_many([k for k in from_cpu if k in in_ssd])
         now = self.clock()
-        self._emit("hit", "cpu", from_cpu, now)
-        self._emit("hit", "ssd", from_ssd, now)
+        self._emit("hit", self._c, from_cpu, now)
+        self._emit("hit", self._s, from_ssd, now)
         if from_ssd and self.cpu is not None and self.spec.promotion == "inclusive":
             self._promote(plan, from_ssd, now)
         return plan
@@ -209,7 +220,7 @@ class TierPolicy:
         """Give SSD hits pinned CPU slots (promote_slots), cascading what that evicts."""
         placed = self._place_cpu(plan, keys, now)
         plan.promote_slots = [placed.get(k, -1) if s else -1 for k, s in zip(plan.keys, plan.from_ssd)]
-        self._emit("dropped", "cpu", [k for k in keys if k not in placed], now)
+        self._emit("dropped", self._c, [k for k in keys if k not in placed], now)
 
     def complete_load(self, plan: LoadPlan, lost: Iterable[tuple[str, bytes]] = (),
                       loaded: int | None = None) -> None:
@@ -223,7 +234,7 @@ class TierPolicy:
         if self.spec.promotion == "exclusive":
             n = plan.loaded(lost) if loaded is None else loaded
             moved = [k for k, s in zip(plan.keys[:n], plan.cpu_slots[:n]) if s >= 0]
-            self.forget("cpu", moved)  # moved up (keys forgotten above are gone already)
+            self.forget(self._c, moved)  # moved up (keys forgotten above are gone already)
 
     # ------------------------------------------------------------------ stores
 
@@ -277,10 +288,10 @@ class TierPolicy:
         plan.to_ssd = [k in placed_ssd for k in stored]
         if fresh:
             plan.to_remote = [k in fresh for k in stored]
-            self._emit("stored", REMOTE, [k for k in stored if k in fresh], now)
+            self._emit("stored", self._r, [k for k in stored if k in fresh], now)
         if len(slots) < len(new):
             nowhere = [k for k in new if k not in slots and k not in placed_ssd and k not in ssd_keys]
-            self._emit("dropped", "cpu", nowhere, now)
+            self._emit("dropped", self._c, nowhere, now)
 
     def _ssd_wanted(self, offered: dict[bytes, int], cpu_slots: dict[bytes, int], in_cpu: set[bytes]) -> list[bytes]:
         """Keys that go to the SSD tier: all it lacks with write-through, else those
@@ -308,7 +319,7 @@ class TierPolicy:
             if key in placed:
                 plan.add(block, key, -1, True, remote and key not in self._cpu)
         if remote:
-            self._emit("stored", REMOTE, [k for k, r in zip(plan.keys, plan.to_remote) if r], now)
+            self._emit("stored", self._r, [k for k, r in zip(plan.keys, plan.to_remote) if r], now)
 
     def complete_store(self, plan: StorePlan, lost: Iterable[tuple[str, bytes]] = ()) -> None:
         """The plan's copies finished: release its pins; forget ``(tier, key)`` that failed."""
@@ -333,8 +344,8 @@ class TierPolicy:
         n = next((i for i, k in enumerate(want) if k not in slots), len(want))
         unplaced = want[n:]
         if unplaced:  # placed beyond a gap: of no use to the prefix
-            self.forget("cpu", [k for k in unplaced if k in slots])
-            self._emit("dropped", "cpu", [k for k in unplaced if k not in slots], now)
+            self.forget(self._c, [k for k in unplaced if k in slots])
+            self._emit("dropped", self._c, [k for k in unplaced if k not in slots], now)
         want = want[:n]
         to_ssd: dict[bytes, int] = {}
         if want and self.ssd is not None and self.spec.write_through:
@@ -349,42 +360,41 @@ class TierPolicy:
         on, a ``hit`` of the remote tier); the others are forgotten where they were placed."""
         self.holdings.release(plan.plan_id)
         now = self.clock()
-        self._emit("hit", REMOTE, plan.keys[:fetched], now)
+        self._emit("hit", self._r, plan.keys[:fetched], now)
         missed = plan.keys[fetched:]
         if missed:
-            self.forget("cpu", missed)
+            self.forget(self._c, missed)
             ssd = [k for k, s in zip(missed, plan.to_ssd[fetched:]) if s]
             if ssd:
-                self.forget("ssd", ssd)
+                self.forget(self._s, ssd)
 
     # ------------------------------------------------------------------ placement
 
     def _place_cpu(self, plan: StorePlan | LoadPlan, keys: list[bytes], now: float) -> dict[bytes, int]:
         """CPU slots for absent ``keys`` (pinned for the plan); cascades what they evict."""
-        placed, evicted = self.holdings.place("cpu", plan.plan_id, keys)
+        placed, evicted = self.holdings.place(self._c, plan.plan_id, keys)
         self._cascade(plan, evicted, now)
-        self._emit("stored", "cpu", list(placed), now)
+        self._emit("stored", self._c, list(placed), now)
         return placed
 
     def _place_ssd(self, plan: StorePlan | LoadPlan, keys: list[bytes], now: float) -> dict[bytes, int]:
         """Place absent ``keys`` in the SSD tier (pinned for the plan); evictions go in the plan."""
-        placed, evicted = self.holdings.place("ssd", plan.plan_id, keys)
+        placed, evicted = self.holdings.place(self._s, plan.plan_id, keys)
         gone = [k for k, _ in evicted]
         plan.ssd_evictions.extend(gone)
-        self._emit("evicted", "ssd", gone, now)
-        self._emit("stored", "ssd", list(placed), now)
+        self._emit("evicted", self._s, gone, now)
+        self._emit("stored", self._s, list(placed), now)
         if len(placed) < len(keys):
-            self._emit("dropped", "ssd", [k for k in keys if k not in placed], now)
+            self._emit("dropped", self._s, [k for k in keys if k not in placed], now)
         return placed
 
     def _cascade(self, plan: StorePlan | LoadPlan, evicted: list[tuple[bytes, int]], now: float) -> None:
-        """Keys the CPU tier evicted: without write-through they go down to the SSD tier
-        (a spill: slab slot -> SSD, executed before the slot is rewritten)."""
+        """Keys the slab tier evicted go down to the tier it cascades to, if any (without
+        write-through: a spill, slab slot -> SSD, executed before the slot is rewritten)."""
         if not evicted:
             return
-        self._emit("evicted", "cpu", [k for k, _ in evicted], now)
-        ssd = self.ssd
-        if ssd is None or self.spec.write_through:
+        self._emit("evicted", self._c, [k for k, _ in evicted], now)
+        if self.ssd is None or self._cascades_to != self._s:
             return
         down = [(k, s) for k, s in evicted if k not in self._ssd]
         if not down:
@@ -415,7 +425,7 @@ class TierPolicy:
             keys = [k for k in index if not k.startswith(TOMBSTONE_PREFIX)]
             gone = self.holdings.forget(tier, keys)
             self._emit("evicted", tier, gone, now)
-            if tier == "ssd":
+            if tier == self._s:
                 ssd_keys = gone
         return ssd_keys
 

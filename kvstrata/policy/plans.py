@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from kvstrata.policy.tiers import CPU, REMOTE, SSD
+
 __all__ = ["LoadPlan", "StorePlan", "FetchPlan", "COMPUTED", "PAGEOUT", "EVICTED", "SHUTDOWN", "STORE_REASONS"]
 
 #: Why blocks are offered for storing (admission decides which reasons it takes).
@@ -58,15 +60,16 @@ class LoadPlan:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def placed(self, loaded: int) -> list[tuple[str, bytes]]:
-        """``(tier, key)`` this plan's run wrote when its first ``loaded`` blocks arrived:
-        the promotions among them, and every spill."""
-        out = [("cpu", k) for k, s in zip(self.keys[:loaded], self.promote_slots[:loaded]) if s >= 0]
-        return out + [("ssd", k) for _, k in self.spills]
+    def placed(self, done: int | None = None) -> list[tuple[str, bytes]]:
+        """``(tier, key)`` this plan's run wrote when its first ``done`` blocks arrived (all
+        when None): the promotions among them, and every spill."""
+        n = len(self.keys) if done is None else done
+        out = [(CPU, k) for k, s in zip(self.keys[:n], self.promote_slots[:n]) if s >= 0]
+        return out + [(SSD, k) for _, k in self.spills]
 
     def tiers(self) -> list[str]:
-        """Where each block comes from: ``cpu``, ``ssd`` or ``""`` (not held)."""
-        return ["cpu" if s >= 0 else "ssd" if f else "" for s, f in zip(self.cpu_slots, self.from_ssd)]
+        """Where each block comes from: the slab tier, the persistent tier or ``""`` (not held)."""
+        return [CPU if s >= 0 else SSD if f else "" for s, f in zip(self.cpu_slots, self.from_ssd)]
 
     def loaded(self, lost: Iterable[tuple[str, bytes]] = ()) -> int:
         """How many blocks, from the first, a run of this plan delivers: up to the first
@@ -113,12 +116,13 @@ class StorePlan:
         """Does block ``i`` go to the remote tier?"""
         return bool(self.to_remote) and self.to_remote[i]
 
-    def placed(self) -> list[tuple[str, bytes]]:
-        """``(tier, key)`` this plan writes: its blocks where they go, and every spill."""
-        out = [("cpu", k) for k, s in zip(self.keys, self.cpu_slots) if s >= 0]
-        out += [("ssd", k) for k, s in zip(self.keys, self.to_ssd) if s]
-        out += [("ssd", k) for _, k in self.spills]
-        return out + [("remote", k) for i, k in enumerate(self.keys) if self.remote(i)]
+    def placed(self, done: int | None = None) -> list[tuple[str, bytes]]:
+        """``(tier, key)`` this plan writes: its blocks where they go, and every spill (a store
+        completes as a whole: ``done`` is accepted for the plans' one signature)."""
+        out = [(CPU, k) for k, s in zip(self.keys, self.cpu_slots) if s >= 0]
+        out += [(SSD, k) for k, s in zip(self.keys, self.to_ssd) if s]
+        out += [(SSD, k) for _, k in self.spills]
+        return out + [(REMOTE, k) for i, k in enumerate(self.keys) if self.remote(i)]
 
     @property
     def empty(self) -> bool:
@@ -144,8 +148,9 @@ class FetchPlan:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def placed(self, fetched: int) -> list[tuple[str, bytes]]:
-        """``(tier, key)`` this plan's run wrote when its first ``fetched`` blocks arrived."""
-        out = [("cpu", k) for k in self.keys[:fetched]]
-        out += [("ssd", k) for k, s in zip(self.keys[:fetched], self.to_ssd[:fetched]) if s]
-        return out + [("ssd", k) for _, k in self.spills]
+    def placed(self, done: int | None = None) -> list[tuple[str, bytes]]:
+        """``(tier, key)`` this plan's run wrote when its first ``done`` blocks arrived (all when None)."""
+        n = len(self.keys) if done is None else done
+        out = [(CPU, k) for k in self.keys[:n]]
+        out += [(SSD, k) for k, s in zip(self.keys[:n], self.to_ssd[:n]) if s]
+        return out + [(SSD, k) for _, k in self.spills]

@@ -59,10 +59,10 @@ class SSDSeeding:
         if not self._recovering or any(t.recovering() for t in self._recovering):
             return []
         self._recovering = []
-        held = self.policy.occupancy()["ssd"]
+        held = len(self.policy.ssd or ())
         delete = self._seed(leaving)
         log.info("kvstrata: the SSD tier's recovery is over: %d of its blocks held",
-                 self.policy.occupancy()["ssd"] - held)
+                 len(self.policy.ssd or ()) - held)
         return delete
 
     def cancel(self) -> None:

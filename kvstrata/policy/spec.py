@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstrata.config import ADMISSIONS, ON_COMPUTE, ON_EVICT, PROMOTIONS, KVStrataConfig, check_spill_rules
+from kvstrata.credentials import redact_url
 from kvstrata.errors import ConfigError
 from kvstrata.policy.plans import COMPUTED, EVICTED, PAGEOUT, SHUTDOWN
+from kvstrata.policy.tiers import LOWER, TierList, declare
 from kvstrata.tiers.ssd.footprint import capacity_blocks
 
 __all__ = ["PolicySpec", "ADMISSIONS", "PROMOTIONS", "ON_COMPUTE", "ON_EVICT", "check_spill_rules"]
@@ -37,6 +39,9 @@ class PolicySpec:
     ``remote``: a shared tier (not held here: other replicas write to it and its
     server evicts on its own) receives every block new to this replica's lower tiers,
     and serves hits by a fetch into CPU slots (needs a CPU tier).
+    ``tiers``: the declarations (:mod:`kvstrata.policy.tiers`); by default those of
+    ``cpu_slots``, ``ssd_slots``, ``write_through`` and ``remote``. When given, the
+    sizes are read from it.
     """
 
     cpu_slots: int = 0
@@ -46,6 +51,7 @@ class PolicySpec:
     write_through: bool = True
     pageout_blocks: int = 0
     remote: bool = False
+    tiers: TierList | None = None
 
     def __post_init__(self) -> None:
         check_spill_rules(self.admission, self.promotion)
@@ -53,11 +59,19 @@ class PolicySpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}: expected a non-negative integer, got {value!r}")
-        if self.remote and not self.cpu_slots:
-            raise ConfigError("remote.url: the remote tier fetches blocks into CPU slots before they are served; "
-                              "cpu.capacity holds no block")
         if not isinstance(self.write_through, bool):
             raise ConfigError(f"spill.write_through: expected true or false, got {self.write_through!r}")
+        tiers = self.tiers
+        if tiers is None:
+            tiers = declare(self.cpu_slots, self.ssd_slots or None, write_through=self.write_through,
+                            remote_server="given" if self.remote else None)
+            object.__setattr__(self, "tiers", tiers)
+        elif not isinstance(tiers, TierList):
+            raise ConfigError(f"tiers: expected a TierList, got {type(tiers).__name__}")
+        slab, store = tiers.slab(), tiers.store()
+        object.__setattr__(self, "cpu_slots", slab.capacity if slab is not None else 0)
+        object.__setattr__(self, "ssd_slots", store.capacity if store is not None else 0)
+        object.__setattr__(self, "remote", bool(tiers.shared))
 
     @classmethod
     def from_config(cls, config: "KVStrataConfig", *, block_nbytes: int, gpu_blocks: int) -> "PolicySpec":
@@ -68,18 +82,22 @@ class PolicySpec:
         cpu = config.cpu.capacity // block_nbytes
         ssd = ssd_blocks(config, block_nbytes)
         spill = config.spill
+        server = redact_url(config.remote.url) if config.remote.enabled and config.remote.url else None
+        tiers = declare(cpu, ssd if config.ssd.enabled else None, write_through=spill.write_through,
+                        remote_server=server)
         lower = cpu > 0 or ssd > 0
         pageout = max(1, int(spill.watermark * gpu_blocks)) if spill.admission == ON_EVICT and lower else 0
-        return cls(cpu_slots=cpu, ssd_slots=ssd, admission=spill.admission, promotion=spill.promotion,
-                   write_through=spill.write_through, pageout_blocks=pageout, remote=config.remote.enabled)
+        return cls(admission=spill.admission, promotion=spill.promotion, write_through=spill.write_through,
+                   pageout_blocks=pageout, tiers=tiers)
 
     def admits(self, reason: str) -> bool:
         """Does admission take blocks offered for ``reason``?"""
         return reason in _ADMITTED[self.admission]
 
     def capacity(self) -> dict[str, int]:
-        """Blocks each lower tier holds at most."""
-        return {"cpu": self.cpu_slots, "ssd": self.ssd_slots}
+        """Blocks each lower tier holds at most (every local tier this build knows; 0: off)."""
+        assert self.tiers is not None
+        return {name: self.tiers[name].capacity if name in self.tiers else 0 for name in LOWER}
 
     @property
     def has_lower_tier(self) -> bool:

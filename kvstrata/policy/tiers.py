@@ -1,0 +1,223 @@
+"""The tiers below the device, declared once each, in order from the device down.
+
+This module is the one place that names tiers. Statistics, metrics, KV-cache
+events, the bench report and plans name a tier by its declaration's ``name``
+and iterate a deployment's :class:`TierList`; nothing else compares a tier's
+name with a string it spells itself.
+
+A declaration says what differs between tiers:
+
+* ``name``: how statistics, metrics, events and plans name it;
+* ``medium``: the medium vLLM's KV-cache events give its blocks (None: it
+  announces nothing; a shared tier says nothing about where to route);
+* ``capacity``: blocks it holds at most (0: none; a shared tier's server
+  evicts on its own, so it has none here);
+* ``shared``: other replicas write to it and read from it (it needs a server);
+* ``slab``: its blocks sit in slots of pinned host memory that copies to and from
+  the device address directly (promotions and remote fetches land there);
+* ``cascade``: the tier its evicted blocks go down to (None: they are dropped);
+* ``key``: the config section that declares it (errors name its keys);
+* ``label``, ``hint``, ``hit_source``: how reports name it, what an operator
+  raises to grow it, and vLLM's ``CacheHitSource`` member a hit from it is.
+
+:func:`declare` builds a deployment's list from the tier sizes; :class:`TierList`
+checks that the declarations make sense together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+from kvstrata.errors import ConfigError
+
+__all__ = ["GPU", "CPU", "SSD", "REMOTE", "LOWER", "SHARED", "PERSISTENT", "Tier", "TierList", "KNOWN", "declare", "describe_tiers"]
+
+GPU = "gpu"  # the device pool (owned by the driver, not declared here)
+CPU = "cpu"
+SSD = "ssd"
+REMOTE = "remote"
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One tier below the device (see the module docstring)."""
+
+    name: str
+    medium: str | None = None
+    capacity: int = 0
+    shared: bool = False
+    slab: bool = False
+    cascade: str | None = None
+    server: str | None = None
+    key: str = ""
+    label: str = ""
+    hint: str = ""
+    hit_source: str = "EXTERNAL_UNSPECIFIED"
+
+    def where(self) -> str:
+        """The config section errors about this tier name."""
+        return self.key or self.name
+
+
+#: Every tier kind this build runs, in order from the device down: a deployment's
+#: declarations are these with their capacity, cascade and server filled in.
+KNOWN: dict[str, Tier] = {t.name: t for t in (
+    Tier(CPU, medium="CPU", slab=True, key="cpu", label="CPU", hint="raise cpu.capacity", hit_source="HOST"),
+    Tier(SSD, medium="STORAGE", key="ssd", label="SSD", hint="raise ssd.capacity", hit_source="DISK"),
+    Tier(REMOTE, shared=True, key="remote", label="remote", hint="raise the server's maxmemory"),
+)}
+LOWER = tuple(n for n, t in KNOWN.items() if not t.shared)  # the local kinds, as statistics name them
+SHARED = tuple(n for n, t in KNOWN.items() if t.shared)
+PERSISTENT = tuple(n for n, t in KNOWN.items() if not t.shared and not t.slab)  # records on a device that persists
+
+
+@dataclass(frozen=True)
+class TierList:
+    """A deployment's tiers below the device, in order (checked on construction)."""
+
+    tiers: tuple[Tier, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tiers", tuple(self.tiers))
+        _check(self.tiers)
+
+    def __iter__(self) -> Iterator[Tier]:
+        return iter(self.tiers)
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+    def __contains__(self, name: object) -> bool:
+        return any(t.name == name for t in self.tiers)
+
+    def __getitem__(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tiers)
+
+    @property
+    def local(self) -> tuple[Tier, ...]:
+        """The tiers this replica holds (placed by the policy), in order."""
+        return tuple(t for t in self.tiers if not t.shared)
+
+    @property
+    def shared(self) -> tuple[Tier, ...]:
+        return tuple(t for t in self.tiers if t.shared)
+
+    def slab(self) -> Tier | None:
+        """The local tier whose slots the device copies to and from directly (None: none)."""
+        return next((t for t in self.local if t.slab), None)
+
+    def store(self) -> Tier | None:
+        """The persistent local tier (read through a staging buffer), None when there is none."""
+        return next((t for t in self.local if not t.slab), None)
+
+    def capacity(self) -> dict[str, int]:
+        """Blocks each local tier holds at most."""
+        return {t.name: t.capacity for t in self.local}
+
+    def with_shared(self, server: str | None) -> "TierList":
+        """These local tiers with the shared tier on ``server`` (None: without one)."""
+        shared = (dataclasses.replace(KNOWN[REMOTE], server=server),) if server else ()
+        return TierList((*self.local, *shared))
+
+
+def declare(cpu_blocks: int, ssd_blocks: int | None, *, write_through: bool = True,
+            remote_server: str | None = None) -> TierList:
+    """The tiers of a deployment with these sizes. No CPU tier when ``cpu_blocks`` is 0; no SSD
+    tier when ``ssd_blocks`` is 0 or None (None: not enabled; 0: enabled, holding no block,
+    which is an error when the CPU tier cascades into it). The CPU tier's evictions cascade to
+    the SSD tier unless every stored block is written through to it already; a remote tier is
+    declared when it has a server."""
+    tiers = []
+    if cpu_blocks:
+        cascade = SSD if ssd_blocks is not None and not write_through else None
+        tiers.append(dataclasses.replace(KNOWN[CPU], capacity=cpu_blocks, cascade=cascade))
+    if ssd_blocks or (ssd_blocks == 0 and cpu_blocks and not write_through):
+        tiers.append(dataclasses.replace(KNOWN[SSD], capacity=ssd_blocks))
+    if remote_server is not None:
+        tiers.append(dataclasses.replace(KNOWN[REMOTE], server=remote_server))
+    return TierList(tuple(tiers))
+
+
+def describe_tiers(tiers: Iterable[Tier], held: dict[str, int] | None = None) -> str:
+    """One line for logs: each tier, its size and (``held``) what it holds now."""
+    parts = []
+    for t in tiers:
+        if t.shared:
+            parts.append(f"{t.label} tier on {t.server}")
+        else:
+            now = f" ({held.get(t.name, 0)} held)" if held is not None else ""
+            parts.append(f"{t.capacity} {t.label} blocks{now}")
+    return ", ".join(parts) or "no tier below the device"
+
+
+def _check(tiers: tuple[Tier, ...]) -> None:
+    """ConfigError, naming the key, for declarations that make no sense together."""
+    seen: dict[str, int] = {}
+    for i, t in enumerate(tiers):
+        if not isinstance(t, Tier):
+            raise ConfigError(f"tiers[{i}]: expected a tier declaration, got {type(t).__name__}")
+        kind = KNOWN.get(t.name)
+        if kind is None:
+            raise ConfigError(f"{t.where()}: no executor runs a tier named {t.name!r} "
+                              f"(this build runs {', '.join(KNOWN)})")
+        if (t.slab, t.shared) != (kind.slab, kind.shared):
+            raise ConfigError(f"{t.where()}: the {t.name!r} tier is {_role(kind)}, not {_role(t)}")
+        if t.name in seen:
+            raise ConfigError(f"{t.where()}: a tier named {t.name!r} is declared twice")
+        seen[t.name] = i
+        if isinstance(t.capacity, bool) or not isinstance(t.capacity, int) or t.capacity < 0:
+            raise ConfigError(f"{t.where()}.capacity: expected a non-negative number of blocks, got {t.capacity!r}")
+        if t.shared and not t.server:
+            raise ConfigError(f"{t.where()}.url: the shared tier {t.name!r} has no server")
+        if t.shared and t.capacity:
+            raise ConfigError(f"{t.where()}.capacity: a shared tier's server evicts on its own; "
+                              "it holds no blocks here")
+    by_name = {t.name: t for t in tiers}
+    for t in tiers:
+        _check_cascade(t, by_name, seen)
+    if any(t.shared for t in tiers):
+        slab = next((t for t in tiers if t.slab and not t.shared), None)
+        if slab is None or not slab.capacity:
+            where = slab.where() if slab is not None else KNOWN[CPU].key
+            raise ConfigError(f"{where}.capacity: the shared tier fetches blocks into this tier's slots before "
+                              "they are served, and it holds no block")
+
+
+def _check_cascade(t: Tier, by_name: dict[str, Tier], order: dict[str, int]) -> None:
+    if t.cascade is None:
+        return
+    path, cur = [t.name], t
+    while cur.cascade is not None:
+        nxt = by_name.get(cur.cascade)
+        if nxt is None:
+            raise ConfigError(f"{cur.where()}.cascade: no tier named {cur.cascade!r} is declared "
+                              f"(declared: {', '.join(by_name) or 'none'})")
+        path.append(nxt.name)
+        if nxt.name == t.name:
+            raise ConfigError(f"{t.where()}.cascade: the cascade {' -> '.join(path)} is a cycle")
+        if nxt.name in path[:-1]:
+            return  # a cycle further down: reported for a tier on it
+        cur = nxt
+    target = by_name[t.cascade]
+    if target.shared:
+        raise ConfigError(f"{t.where()}.cascade: {target.name!r} is shared; evicted blocks cascade "
+                          "only into a local tier")
+    if order[target.name] < order[t.name]:
+        raise ConfigError(f"{t.where()}.cascade: {target.name!r} is above {t.name!r}; evicted blocks "
+                          "cascade down")
+    if not target.capacity:
+        raise ConfigError(f"{target.where()}.capacity: {t.name!r} cascades its evicted blocks into "
+                          f"{target.name!r}, which holds no block")
+
+
+def _role(t: Tier) -> str:
+    return "shared" if t.shared else "a slab of host memory" if t.slab else "a persistent store"
