@@ -195,3 +195,39 @@ def test_the_driver_core_knows_no_driver() -> None:
     for path in sources("kvstrata/core"):
         bad = [m for m in all_imports(path) if m.startswith(upper) or m.startswith(("vllm", "torch", "numpy"))]
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+TIER_NAMES = {"gpu", "cpu", "ssd", "remote"}
+DECLARING = {ROOT / "kvstrata" / "policy" / "tiers.py"}  # the tier declarations (the config names its sections)
+
+
+def tier_name_comparisons(path: Path) -> list[int]:
+    """Lines where a tier's name spelled as a string is compared (``==``, ``!=``, ``in``): a
+    device's type (``t.device.type == "cpu"``) is torch's, not a tier's."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        if any(isinstance(s, ast.Attribute) and s.attr == "type" for s in sides):
+            continue
+        consts = [c for s in sides for c in ([s] if isinstance(s, ast.Constant) else getattr(s, "elts", []))]
+        if any(isinstance(c, ast.Constant) and c.value in TIER_NAMES for c in consts):
+            out.append(node.lineno)
+    return out
+
+
+def test_no_tier_name_is_compared_as_a_string_outside_the_declarations() -> None:
+    for path in sources("kvstrata"):
+        if path in DECLARING or path.name.startswith(("config", "values", "yaml_file", "remote_config")):
+            continue
+        lines = tier_name_comparisons(path)
+        assert not lines, f"{path.relative_to(ROOT)}:{lines[0]} compares a tier's name it spells itself"
+
+
+def test_the_tier_name_rule_has_teeth(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text('def f(tier):\n    return tier == "ssd" or tier in ("cpu",)\n')
+    ok = tmp_path / "ok.py"
+    ok.write_text('def f(t):\n    return t.device.type == "cpu"\n')
+    assert tier_name_comparisons(bad) == [2, 2] and tier_name_comparisons(ok) == []
