@@ -18,6 +18,7 @@ from kvstrata.errors import ConfigError
 from kvstrata.values import (check_keys, clip, duration_s, format_size, integer, one_of, parse_size, path_or_none,
                              plural, short_key, short_repr)
 from kvstrata.remote_config import REMOTE_SCHEMES, RemoteConfig
+from kvstrata.values import ALWAYS, tier_admission
 from kvstrata.yaml_file import YAMLLimitError, load_yaml, read_yaml
 
 __all__ = [
@@ -131,10 +132,12 @@ class SSDConfig:
     compression: str = "auto"
     level: int = 1
     queue_capacity: int = 256 * 1024**2
+    admission: str = ALWAYS
+    ghost_keys: int | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "ssd") -> "SSDConfig":
-        check_keys(d, ("path", "capacity", "compression", "level", "queue_capacity"), p)
+        check_keys(d, ("path", "capacity", "compression", "level", "queue_capacity", "admission", "ghost_keys"), p)
         path = d.get("path", cls.path)
         if path is not None and (not isinstance(path, str) or not path.strip()):
             raise ConfigError(f"{p}.path: expected a directory path or null, got {short_repr(path)}")
@@ -142,7 +145,8 @@ class SSDConfig:
         comp = one_of(d.get("compression", "auto"), f"{p}.compression", ("auto", "zstd", "none"))
         level = integer(d.get("level", 1), f"{p}.level", minimum=-7, maximum=22)
         qcap = parse_size(d.get("queue_capacity", cls.queue_capacity), f"{p}.queue_capacity")
-        return cls(path=path, capacity=cap, compression=comp, level=level, queue_capacity=qcap)
+        return cls(path=path, capacity=cap, compression=comp, level=level, queue_capacity=qcap,
+                   **tier_admission(d, p))
 
     @property
     def enabled(self) -> bool:

@@ -201,6 +201,7 @@ def policy_stats(policy: Any, *, gpu_evictions: int = 0, gpu_cached: int = 0, gp
         "evictions": {**zero, **counts["evicted"], GPU: gpu_evictions},
         "dropped_spills": {**zero, **counts["dropped"]},
         "corrupt_blocks": {**zero, **counts["lost"]},
+        "admissions_rejected": {**zero, **counts["rejected"]},
         "occupancy": {GPU: gpu_cached, **policy.occupancy()},
         "capacity_blocks": {GPU: gpu_blocks, **policy.capacity()},
     }
@@ -237,6 +238,8 @@ class KVStrataCollector:
         yield per_tier("spills", "Blocks copied down into a tier", s["spills"])
         yield per_tier("promotions", "Blocks promoted from a tier into the GPU pool", s["promotions"])
         yield per_tier("evictions", "Blocks evicted from a tier", s["evictions"])
+        yield per_tier("admissions_rejected", "Blocks offered to a tier that its second_hit admission did not take",
+                       s["admissions_rejected"])
         yield per_tier("dropped_spills", "Spills dropped (full queue, pinned slots, I/O error)", s["dropped_spills"])
         yield per_tier("corrupt_blocks", "Blocks a tier lost: failed verification, I/O error or a refused write "
                        "(counted as misses)", s["corrupt_blocks"])

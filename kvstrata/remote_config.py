@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvstrata.errors import ConfigError
-from kvstrata.values import check_keys, duration_s, integer, one_of, parse_size, path_or_none, short_repr
+from kvstrata.values import (check_keys, duration_s, integer, one_of, parse_size, path_or_none, short_repr,
+                             tier_admission)
 
 __all__ = ["RemoteConfig", "REMOTE_SCHEMES", "REMOTE_SECRET_ENV"]
 
@@ -87,11 +88,14 @@ class RemoteConfig:
     connect_timeout: float = 1.0
     queue_capacity: int = 256 * 1024**2
     batch_bytes: int = 8 * 1024**2
+    admission: str = "always"
+    ghost_keys: int | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "remote") -> "RemoteConfig":
         check_keys(d, ("url", "cluster", "capacity", "compression", "level", "timeout", "connect_timeout",
-                        "queue_capacity", "batch_bytes", "secret_file", "trust_server", "password_file"), p)
+                        "queue_capacity", "batch_bytes", "secret_file", "trust_server", "password_file",
+                        "admission", "ghost_keys"), p)
         cluster, trust = d.get("cluster", False), d.get("trust_server", False)
         for key, flag in (("cluster", cluster), ("trust_server", trust)):
             if not isinstance(flag, bool):
@@ -109,7 +113,7 @@ class RemoteConfig:
                    connect_timeout=duration_s(d.get("connect_timeout", cls.connect_timeout), f"{p}.connect_timeout",
                                             minimum=0.001, maximum=60),
                    queue_capacity=parse_size(d.get("queue_capacity", cls.queue_capacity), f"{p}.queue_capacity"),
-                   batch_bytes=batch)
+                   batch_bytes=batch, **tier_admission(d, p))
 
     @property
     def enabled(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping
 
 from kvstrata.errors import ConfigError
 
-__all__ = ["parse_size", "plural", "format_size", "short_repr", "short_key", "clip", "integer", "one_of", "duration_s",
+__all__ = ["ALWAYS", "SECOND_HIT", "TIER_ADMISSIONS", "tier_admission", "parse_size", "plural", "format_size", "short_repr", "short_key", "clip", "integer", "one_of", "duration_s",
            "check_keys", "path_or_none"]
 
 _UNITS = {
@@ -162,3 +162,14 @@ def path_or_none(d: Mapping[str, Any], key: str, p: str) -> str | None:
     if v is not None and (not isinstance(v, str) or not v.strip()):
         raise ConfigError(f"{p}.{key}: expected a path, got {short_repr(v)}")
     return v
+
+
+ALWAYS, SECOND_HIT = "always", "second_hit"
+TIER_ADMISSIONS = (ALWAYS, SECOND_HIT)  # what a lower tier takes of the blocks offered to it
+
+
+def tier_admission(d: Mapping[str, Any], p: str) -> dict[str, Any]:
+    """``admission`` and ``ghost_keys`` of a tier's section ``p``."""
+    ghost = d.get("ghost_keys")
+    return {"admission": one_of(d.get("admission", ALWAYS), f"{p}.admission", TIER_ADMISSIONS),
+            "ghost_keys": None if ghost is None else integer(ghost, f"{p}.ghost_keys", minimum=1)}

@@ -119,11 +119,26 @@ CASES = {  # trace, GPU blocks, CPU blocks, SSD blocks
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_replay_and_connector_agree(model: str, tmp_path: Path, case: str, admission: str,
                                    write_through: bool) -> None:
+    agree(model, tmp_path, case, {"spill.admission": admission, "spill.write_through": write_through})
+
+
+@pytest.mark.parametrize("write_through", [True, False])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_replay_and_connector_agree_with_second_hit_admission(model: str, tmp_path: Path, case: str,
+                                                              write_through: bool) -> None:
+    counts = agree(model, tmp_path, case, {"spill.write_through": write_through, "ssd.admission": "second_hit"},
+                   exercised=("gpu", "cpu"))
+    assert counts["rejected"]["ssd"] > 0 and counts["stored"]["ssd"] > 0  # the admission took some, not all
+
+
+def agree(model: str, tmp_path: Path, case: str, settings: dict[str, Any],
+          exercised: tuple[str, ...] = ("gpu", "cpu", "ssd")) -> dict[str, Any]:
+    """The case's prompts through vLLM's scheduler and through the replay: the same hits per
+    tier and the same policy counts; returns the counts."""
     make, gpu, cpu, ssd = CASES[case]
     prompts = make()
-    spill = {"spill.admission": admission, "spill.write_through": write_through}
     extra = {"cpu.capacity": cpu * NBYTES, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": ssd_capacity(ssd),
-             **spill}
+             **settings}
     vllm_hits, vllm_counts = through_vllm(model, prompts, gpu, extra)
 
     cfg = KVStrataConfig.from_dict({"block_size": BS, "model": {"block_nbytes": NBYTES}, "gpu": {"num_blocks": gpu}},
@@ -133,10 +148,11 @@ def test_replay_and_connector_agree(model: str, tmp_path: Path, case: str, admis
     assert result.rejected == 0 and result.forced_frees == 0
     counts = {k: {t: result.stats[s][t] for t in ("cpu", "ssd")}
               for k, s in (("stored", "spills"), ("hit", "promotions"), ("evicted", "evictions"),
-                           ("dropped", "dropped_spills"))}
+                           ("dropped", "dropped_spills"), ("rejected", "admissions_rejected"))}
     assert result.hit_blocks == vllm_hits
     assert counts == {k: vllm_counts[k] for k in counts}
-    assert all(vllm_hits[t] > 0 for t in ("gpu", "cpu", "ssd")), vllm_hits  # every tier is exercised
+    assert all(vllm_hits[t] > 0 for t in exercised), vllm_hits  # every tier is exercised
+    return counts
 
 
 # ---------------------------------------------------------------------------- the remote tier

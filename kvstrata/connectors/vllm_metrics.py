@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "kvstrata:"
 HIT_TIERS = tuple(KNOWN)  # the tiers below the GPU a hit is counted in
+ADMITTING = tuple(n for n, t in KNOWN.items() if not t.slab)  # the tiers with an admission of their own
 _COUNTERS, _GAUGES = "counters", "gauges"
 NO_LABEL = ""  # the label key of a series without a tier/direction label
 
@@ -89,6 +90,8 @@ SERIES: tuple[Series, ...] = (
     Series("prefix_cache_preempted_hits", "Tokens of requests resumed after a preemption loaded from a tier below "
            "the GPU", "tier", HIT_TIERS),
     Series("occupancy_blocks", "Blocks held per tier", "tier", LOWER_TIERS, gauge=True),
+    Series("admissions_rejected", "Blocks offered to a tier that its second_hit admission did not take (seen "
+           "once within its window)", "tier", ADMITTING),
     Series("kv_events", "KV-cache events sent for the tiers below the GPU, per kind (announced: the SSD "
            "tier's blocks after a restart; untagged: blocks that could not be described)", "kind", EVENT_COUNTS),
     # worker side (summed over workers)
@@ -140,6 +143,9 @@ def scheduler_sample(stats: Mapping[str, Any]) -> tuple[Sample, Sample]:
             counters["prefix_cache_hits", tier] = hits[tier]["tokens"]
             counters["prefix_cache_hits_blocks", tier] = hits[tier]["blocks"]
             counters["prefix_cache_preempted_hits", tier] = preempted["hits"][tier]["tokens"]
+    for tier, value in stats.get("admissions_rejected", {}).items():
+        if tier in ADMITTING:
+            counters["admissions_rejected", tier] = value
     for kind, value in stats.get("kv_events", {}).items():
         counters["kv_events", kind] = value
     gauges: Sample = {("occupancy_blocks", tier): occupancy[tier] for tier in LOWER_TIERS}

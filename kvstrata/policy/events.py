@@ -8,6 +8,8 @@ not held by the policy, so it has only ``stored`` (queued for it) and ``hit``
 * ``hit``: blocks a load reads from the tier;
 * ``evicted``: blocks the tier's LRU pushed out to make room;
 * ``dropped``: blocks offered for storing that found no room (every slot pinned);
+* ``rejected``: blocks offered that the tier's ``second_hit`` admission did not take
+  (seen for the first time within its window);
 * ``lost``: blocks the tier turned out not to hold (a failed copy, a corrupt or
   vanished record, an exclusive promotion that moved them up).
 
@@ -25,7 +27,7 @@ from kvstrata.policy.tiers import GPU, LOWER, REMOTE, SHARED
 
 __all__ = ["EVENT_KINDS", "LOWER_TIERS", "TIERS", "REMOTE", "EVENT_TIERS", "PolicyEvent", "Observer", "EventCounts"]
 
-EVENT_KINDS = ("stored", "hit", "evicted", "dropped", "lost")
+EVENT_KINDS = ("stored", "hit", "evicted", "dropped", "lost", "rejected")
 LOWER_TIERS = LOWER  # the tiers a policy places blocks in
 TIERS = (GPU, *LOWER_TIERS)  # every tier, as statistics and metrics name them
 EVENT_TIERS = (*LOWER_TIERS, *SHARED)  # the tiers events name

@@ -54,7 +54,8 @@ from kvstrata.policy.events import LOWER_TIERS, EventCounts, Observer, PolicyEve
 from kvstrata.policy.plans import COMPUTED, SHUTDOWN, FetchPlan, LoadPlan, StorePlan
 from kvstrata.policy.holdings import TOMBSTONE_PREFIX, Holdings
 from kvstrata.policy.spec import PolicySpec
-from kvstrata.policy.tiers import KNOWN
+from kvstrata.policy.ghost import Ghost
+from kvstrata.policy.tiers import KNOWN, SECOND_HIT
 
 __all__ = ["TierPolicy", "select_for_shutdown"]
 
@@ -104,6 +105,9 @@ class TierPolicy:
         self._cpu, self._ssd = self.holdings.held(self._c), self.holdings.held(self._s)  # for lookups
         self.counts = EventCounts((*LOWER_TIERS, *(t.name for t in shared)))
         self._cascades_to = slab.cascade if slab is not None else None
+        # second_hit admission: the keys each such tier saw once
+        self._ghost_s = Ghost(store.ghost_keys) if store is not None and store.admission == SECOND_HIT else None
+        self._ghost_r = Ghost(shared[0].ghost_keys) if shared and shared[0].admission == SECOND_HIT else None
         self._observers: list[Observer] = list(observers)
         self._events: list[PolicyEvent] | None = [] if record_events else None
         self._next_plan = 0
@@ -212,9 +216,29 @@ class TierPolicy:
         now = self.clock()
         self._emit("hit", self._c, from_cpu, now)
         self._emit("hit", self._s, from_ssd, now)
+        if from_cpu and self._ghost_s is not None:
+            self._admit_hits(plan, [k for k in from_cpu if k not in in_ssd], cpu_slot, now)
         if from_ssd and self.cpu is not None and self.spec.promotion == "inclusive":
             self._promote(plan, from_ssd, now)
         return plan
+
+    def _admit_hits(self, plan: LoadPlan, keys: list[bytes], cpu_slot: dict[bytes, int], now: float) -> None:
+        """``second_hit``: a CPU hit of a block the SSD tier lacks is a sighting; the second
+        one writes the block down from its (pinned) slab slot, a spill run before the load."""
+        placed = self._place_ssd(plan, self._second(self._ghost_s, self._s, keys, now), now)
+        plan.spills.extend((cpu_slot[k], k) for k in placed)
+
+    def _second(self, ghost: Ghost | None, tier: str, keys: list[bytes], now: float) -> list[bytes]:
+        """The ``keys`` a tier's admission takes: all of them (``always``), or those seen once
+        before within its ghost window (``second_hit``; the others are remembered and
+        reported ``rejected``)."""
+        if ghost is None or not keys:
+            return keys
+        taken = [k for k in keys if ghost.seen(k)]
+        if len(taken) < len(keys):
+            took = set(taken)
+            self._emit("rejected", tier, [k for k in keys if k not in took], now)
+        return taken
 
     def _promote(self, plan: LoadPlan, keys: list[bytes], now: float) -> None:
         """Give SSD hits pinned CPU slots (promote_slots), cascading what that evicts."""
@@ -276,10 +300,11 @@ class TierPolicy:
             present = []
         # New to this replica's lower tiers: the remote tier gets them (it is never asked first:
         # SET NX keeps what another replica stored)
-        fresh = {k for k in offered if k not in cpu_keys and k not in ssd_keys} if self.spec.remote else set()
+        fresh = set(self._second(self._ghost_r, self._r, [k for k in offered if k not in cpu_keys and k not in ssd_keys],
+                                 now)) if self.spec.remote else set()
         new = [k for k in offered if k not in cpu_keys] if cpu is not None else []
         slots = self._place_cpu(plan, new, now) if new else {}
-        to_ssd = self._ssd_wanted(offered, slots, set(present))
+        to_ssd = self._second(self._ghost_s, self._s, self._ssd_wanted(offered, slots, set(present)), now)
         placed_ssd = self._place_ssd(plan, to_ssd, now) if to_ssd else {}
         stored = [k for k in offered if k in slots or k in placed_ssd or k in fresh]
         plan.keys = stored
@@ -349,7 +374,8 @@ class TierPolicy:
         want = want[:n]
         to_ssd: dict[bytes, int] = {}
         if want and self.ssd is not None and self.spec.write_through:
-            to_ssd = self._place_ssd(plan, [k for k in want if k not in self._ssd], now)
+            wanted = self._second(self._ghost_s, self._s, [k for k in want if k not in self._ssd], now)
+            to_ssd = self._place_ssd(plan, wanted, now)
         plan.keys = want
         plan.cpu_slots = [slots[k] for k in want]
         plan.to_ssd = [k in to_ssd for k in want]
@@ -397,6 +423,9 @@ class TierPolicy:
         if self.ssd is None or self._cascades_to != self._s:
             return
         down = [(k, s) for k, s in evicted if k not in self._ssd]
+        if self._ghost_s is not None:
+            taken = set(self._second(self._ghost_s, self._s, [k for k, _ in down], now))
+            down = [(k, s) for k, s in down if k in taken]
         if not down:
             return
         placed = self._place_ssd(plan, [k for k, _ in down], now)

@@ -11,6 +11,7 @@ not change which blocks are kept, so every mode agrees on placement).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvstrata.config import ADMISSIONS, ON_COMPUTE, ON_EVICT, PROMOTIONS, KVStrataConfig, check_spill_rules
 from kvstrata.credentials import redact_url
@@ -84,7 +85,8 @@ class PolicySpec:
         spill = config.spill
         server = redact_url(config.remote.url) if config.remote.enabled and config.remote.url else None
         tiers = declare(cpu, ssd if config.ssd.enabled else None, write_through=spill.write_through,
-                        remote_server=server)
+                        remote_server=server, ssd_admission=(config.ssd.admission, ghost_keys(config.ssd, ssd)),
+                        remote_admission=(config.remote.admission, ghost_keys(config.remote, None)))
         lower = cpu > 0 or ssd > 0
         pageout = max(1, int(spill.watermark * gpu_blocks)) if spill.admission == ON_EVICT and lower else 0
         return cls(admission=spill.admission, promotion=spill.promotion, write_through=spill.write_through,
@@ -123,3 +125,15 @@ def ssd_blocks(config: "KVStrataConfig", block_nbytes: int) -> int:
     if not config.ssd.enabled:
         return 0
     return capacity_blocks(config.ssd.capacity, block_nbytes)
+
+
+#: the window ``second_hit`` admission remembers by default: as many keys as the tier holds
+#: blocks, at most this many (~24 MB of the scheduler's memory)
+DEFAULT_GHOST_KEYS = 1 << 20
+
+
+def ghost_keys(section: Any, tier_blocks: int | None) -> int:
+    """The ghost window of a tier's ``section`` (``ghost_keys``, else the default)."""
+    if section.ghost_keys is not None:
+        return int(section.ghost_keys)
+    return max(1, min(tier_blocks or DEFAULT_GHOST_KEYS, DEFAULT_GHOST_KEYS))

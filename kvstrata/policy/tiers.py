@@ -16,6 +16,9 @@ A declaration says what differs between tiers:
 * ``slab``: its blocks sit in slots of pinned host memory that copies to and from
   the device address directly (promotions and remote fetches land there);
 * ``cascade``: the tier its evicted blocks go down to (None: they are dropped);
+* ``admission``: what it takes of the blocks offered to it: ``always``, or
+  ``second_hit`` (a block the second time it is offered or hit above it within
+  the last ``ghost_keys`` keys seen once, :class:`~kvstrata.policy.ghost.Ghost`);
 * ``key``: the config section that declares it (errors name its keys);
 * ``label``, ``hint``, ``hit_source``: how reports name it, what an operator
   raises to grow it, and vLLM's ``CacheHitSource`` member a hit from it is.
@@ -31,8 +34,9 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from kvstrata.errors import ConfigError
+from kvstrata.values import ALWAYS, SECOND_HIT, TIER_ADMISSIONS
 
-__all__ = ["GPU", "CPU", "SSD", "REMOTE", "LOWER", "SHARED", "PERSISTENT", "Tier", "TierList", "KNOWN", "declare", "describe_tiers"]
+__all__ = ["ALWAYS", "SECOND_HIT", "GPU", "CPU", "SSD", "REMOTE", "LOWER", "SHARED", "PERSISTENT", "Tier", "TierList", "KNOWN", "declare", "describe_tiers"]
 
 GPU = "gpu"  # the device pool (owned by the driver, not declared here)
 CPU = "cpu"
@@ -51,6 +55,8 @@ class Tier:
     slab: bool = False
     cascade: str | None = None
     server: str | None = None
+    admission: str = ALWAYS
+    ghost_keys: int = 0
     key: str = ""
     label: str = ""
     hint: str = ""
@@ -130,20 +136,23 @@ class TierList:
 
 
 def declare(cpu_blocks: int, ssd_blocks: int | None, *, write_through: bool = True,
-            remote_server: str | None = None) -> TierList:
+            remote_server: str | None = None, ssd_admission: tuple[str, int] = (ALWAYS, 0),
+            remote_admission: tuple[str, int] = (ALWAYS, 0)) -> TierList:
     """The tiers of a deployment with these sizes. No CPU tier when ``cpu_blocks`` is 0; no SSD
     tier when ``ssd_blocks`` is 0 or None (None: not enabled; 0: enabled, holding no block,
     which is an error when the CPU tier cascades into it). The CPU tier's evictions cascade to
     the SSD tier unless every stored block is written through to it already; a remote tier is
-    declared when it has a server."""
+    declared when it has a server. ``*_admission``: ``(admission, ghost_keys)`` of that tier."""
     tiers = []
     if cpu_blocks:
         cascade = SSD if ssd_blocks is not None and not write_through else None
         tiers.append(dataclasses.replace(KNOWN[CPU], capacity=cpu_blocks, cascade=cascade))
     if ssd_blocks or (ssd_blocks == 0 and cpu_blocks and not write_through):
-        tiers.append(dataclasses.replace(KNOWN[SSD], capacity=ssd_blocks))
+        tiers.append(dataclasses.replace(KNOWN[SSD], capacity=ssd_blocks or 0, admission=ssd_admission[0],
+                                         ghost_keys=ssd_admission[1]))
     if remote_server is not None:
-        tiers.append(dataclasses.replace(KNOWN[REMOTE], server=remote_server))
+        tiers.append(dataclasses.replace(KNOWN[REMOTE], server=remote_server, admission=remote_admission[0],
+                                         ghost_keys=remote_admission[1]))
     return TierList(tuple(tiers))
 
 
@@ -178,6 +187,7 @@ def _check(tiers: tuple[Tier, ...]) -> None:
             raise ConfigError(f"{t.where()}.capacity: expected a non-negative number of blocks, got {t.capacity!r}")
         if t.shared and not t.server:
             raise ConfigError(f"{t.where()}.url: the shared tier {t.name!r} has no server")
+        _check_admission(t)
         if t.shared and t.capacity:
             raise ConfigError(f"{t.where()}.capacity: a shared tier's server evicts on its own; "
                               "it holds no blocks here")
@@ -217,6 +227,18 @@ def _check_cascade(t: Tier, by_name: dict[str, Tier], order: dict[str, int]) -> 
     if not target.capacity:
         raise ConfigError(f"{target.where()}.capacity: {t.name!r} cascades its evicted blocks into "
                           f"{target.name!r}, which holds no block")
+
+
+def _check_admission(t: Tier) -> None:
+    if t.admission not in TIER_ADMISSIONS:
+        raise ConfigError(f"{t.where()}.admission: expected one of {', '.join(TIER_ADMISSIONS)}; got {t.admission!r}")
+    if t.admission == SECOND_HIT and t.slab:
+        raise ConfigError(f"{t.where()}.admission: the {t.name!r} tier takes every block it is offered "
+                          f"(promotions and fetches land in it); {SECOND_HIT} is for the tiers below it")
+    if t.admission == SECOND_HIT and (isinstance(t.ghost_keys, bool) or not isinstance(t.ghost_keys, int)
+                                      or t.ghost_keys < 1):
+        raise ConfigError(f"{t.where()}.ghost_keys: {SECOND_HIT} remembers the keys seen once in a window of "
+                          f"at least 1 key; got {t.ghost_keys!r}")
 
 
 def _role(t: Tier) -> str:
