@@ -1,4 +1,5 @@
-"""Core benchmark: hash-chain throughput and BlockManager allocate+commit+free throughput.
+"""Core benchmark: hash-chain throughput, BlockManager allocate+commit+free throughput, and
+the per-operation cost of each tier eviction order (``lru``, ``s3fifo``, ``arc``) side by side.
 
 Prints kvstrata's figures next to vLLM's own code measured in the same run (when
 vLLM is importable): ``hash_block_tokens`` with sha256 for hashing, and vLLM's
@@ -137,6 +138,14 @@ def main() -> None:
     if vl is not None:
         qv = statistics.median(p[1] for p in pairs)
         print(f"                                  vLLM   {qv * 1e9:.0f} ns/op  (ratio vLLM/kvstrata time {qv / qt:.2f}x)")
+
+    from kvstrata.bench.compare import policy_ns_per_op
+    from kvstrata.values import EVICTIONS
+
+    print("tier eviction orders, SlotIndex of 65,536 slots, 200,000 skewed lookups (touch or place), best of 3:")
+    cost = {ev: min(policy_ns_per_op(ev, seed=r) for r in range(3)) for ev in EVICTIONS}
+    for ev, ns in cost.items():
+        print(f"  {ev:<7} {ns:6.0f} ns/op  ({ns / cost['lru']:.2f}x lru; target <= 2x)")
 
 
 if __name__ == "__main__":

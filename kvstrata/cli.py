@@ -181,6 +181,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             explain=args.explain, max_memory=args.max_memory)
     if args.replicas is not None:
         return _bench_replicas(args, config, options, progress)
+    if args.compare:
+        return _bench_compare(args, config, options, progress)
     trace = _load_trace(args, config, progress)
     t_load = time.perf_counter() - t0
     in_memory = args.trace is None  # a file is read (with its own progress) as the analysis goes
@@ -208,6 +210,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
         write_json(args.json, report)
     if not args.quiet and args.json != "-":
         sys.stdout.write(render_text(report))
+    return 0
+
+
+def _bench_compare(args: argparse.Namespace, config: Any, options: Any, progress: Progress) -> int:
+    """``kvstrata bench --compare``: :mod:`kvstrata.bench.compare`."""
+    from kvstrata.bench.compare import compare, render_compare
+    from kvstrata.bench.replay import ReplayError
+
+    for flag, given in (("--admission both", args.admission == "both"), ("--plot", args.plot),
+                        ("--payload", args.payload), ("--explain", args.explain)):
+        if given:
+            raise ReplayError(f"{flag}: not with --compare")
+    trace = _load_trace(args, config, progress)
+    try:
+        report = compare(trace, config, options,
+                         progress=progress.phase("replay", trace.num_requests) if args.trace is None else None)
+    finally:
+        progress.done()
+    if args.json:
+        write_json(args.json, {"compare": report["rows"], **{k: v for k, v in report.items() if k != "rows"}})
+    if not args.quiet and args.json != "-":
+        sys.stdout.write(render_compare(report))
     return 0
 
 
@@ -339,6 +363,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     cfg.add_argument("--decode-ms-per-token", type=finite(0, True), default=20.0,
                      help="a request holds its GPU blocks for output_length x this (default: 20)")
     cfg.add_argument("--payload", action="store_true", help="move real bytes through the CPU slab and the SSD tier")
+    cfg.add_argument("--compare", action="store_true",
+                     help="replay every eviction (cpu/ssd.eviction) x SSD admission at three capacities, side by side")
     cfg.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                      help="replay on N replicas sharing a remote tier of remote.capacity, with and without it")
     cfg.add_argument("--routing", choices=("round_robin", "prefix", "both"), default="both",

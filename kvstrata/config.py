@@ -18,7 +18,7 @@ from kvstrata.errors import ConfigError
 from kvstrata.values import (check_keys, clip, duration_s, format_size, integer, one_of, parse_size, path_or_none,
                              plural, short_key, short_repr)
 from kvstrata.remote_config import REMOTE_SCHEMES, RemoteConfig
-from kvstrata.values import ALWAYS, tier_admission
+from kvstrata.values import ALWAYS, LRU, eviction, tier_admission
 from kvstrata.yaml_file import YAMLLimitError, load_yaml, read_yaml
 
 __all__ = [
@@ -110,13 +110,14 @@ class CPUConfig:
 
     capacity: int = 8 * 1024**3
     pin_memory: str = "auto"
+    eviction: str = LRU
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "cpu") -> "CPUConfig":
-        check_keys(d, ("capacity", "pin_memory"), p)
+        check_keys(d, ("capacity", "pin_memory", "eviction"), p)
         cap = parse_size(d.get("capacity", cls.capacity), f"{p}.capacity")
         pin = one_of(d.get("pin_memory", "auto"), f"{p}.pin_memory", ("auto", "true", "false"))
-        return cls(capacity=cap, pin_memory=pin)
+        return cls(capacity=cap, pin_memory=pin, eviction=eviction(d, p))
 
     @property
     def pin(self) -> bool | None:
@@ -134,10 +135,12 @@ class SSDConfig:
     queue_capacity: int = 256 * 1024**2
     admission: str = ALWAYS
     ghost_keys: int | None = None
+    eviction: str = LRU
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "ssd") -> "SSDConfig":
-        check_keys(d, ("path", "capacity", "compression", "level", "queue_capacity", "admission", "ghost_keys"), p)
+        check_keys(d, ("path", "capacity", "compression", "level", "queue_capacity", "admission", "ghost_keys",
+                       "eviction"), p)
         path = d.get("path", cls.path)
         if path is not None and (not isinstance(path, str) or not path.strip()):
             raise ConfigError(f"{p}.path: expected a directory path or null, got {short_repr(path)}")
@@ -146,7 +149,7 @@ class SSDConfig:
         level = integer(d.get("level", 1), f"{p}.level", minimum=-7, maximum=22)
         qcap = parse_size(d.get("queue_capacity", cls.queue_capacity), f"{p}.queue_capacity")
         return cls(path=path, capacity=cap, compression=comp, level=level, queue_capacity=qcap,
-                   **tier_admission(d, p))
+                   eviction=eviction(d, p), **tier_admission(d, p))
 
     @property
     def enabled(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping
 
 from kvstrata.errors import ConfigError
 
-__all__ = ["ALWAYS", "SECOND_HIT", "TIER_ADMISSIONS", "tier_admission", "parse_size", "plural", "format_size", "short_repr", "short_key", "clip", "integer", "one_of", "duration_s",
+__all__ = ["ALWAYS", "SECOND_HIT", "TIER_ADMISSIONS", "tier_admission", "LRU", "S3FIFO", "ARC", "EVICTIONS", "eviction", "parse_size", "plural", "format_size", "short_repr", "short_key", "clip", "integer", "one_of", "duration_s",
            "check_keys", "path_or_none"]
 
 _UNITS = {
@@ -173,3 +173,12 @@ def tier_admission(d: Mapping[str, Any], p: str) -> dict[str, Any]:
     ghost = d.get("ghost_keys")
     return {"admission": one_of(d.get("admission", ALWAYS), f"{p}.admission", TIER_ADMISSIONS),
             "ghost_keys": None if ghost is None else integer(ghost, f"{p}.ghost_keys", minimum=1)}
+
+
+LRU, S3FIFO, ARC = "lru", "s3fifo", "arc"
+EVICTIONS = (LRU, S3FIFO, ARC)  # the eviction orders a lower tier runs (kvstrata.policy.eviction)
+
+
+def eviction(d: Mapping[str, Any], p: str) -> str:
+    """``eviction`` of a tier's section ``p``."""
+    return one_of(d.get("eviction", LRU), f"{p}.eviction", EVICTIONS)

@@ -131,6 +131,13 @@ def test_replay_and_connector_agree_with_second_hit_admission(model: str, tmp_pa
     assert counts["rejected"]["ssd"] > 0 and counts["stored"]["ssd"] > 0  # the admission took some, not all
 
 
+@pytest.mark.parametrize("eviction", ["s3fifo", "arc"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_replay_and_connector_agree_with_other_evictions(model: str, tmp_path: Path, case: str,
+                                                         eviction: str) -> None:
+    agree(model, tmp_path, case, {"spill.write_through": False, "cpu.eviction": eviction, "ssd.eviction": eviction})
+
+
 def agree(model: str, tmp_path: Path, case: str, settings: dict[str, Any],
           exercised: tuple[str, ...] = ("gpu", "cpu", "ssd")) -> dict[str, Any]:
     """The case's prompts through vLLM's scheduler and through the replay: the same hits per

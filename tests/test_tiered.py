@@ -473,3 +473,25 @@ def test_close_leaves_the_hot_set_most_recent_on_disk(tmp_path, monkeypatch, wri
     with TieredKVCache(config(tmp_path, gpu=24, cpu=1)) as fresh:
         on_disk = list(fresh.ssd.keys())
         assert set(system_keys) <= set(on_disk) and on_disk[-8:] == system_keys[::-1]  # the head is evicted last
+
+
+@pytest.mark.parametrize("eviction", ["s3fifo", "arc"])
+def test_a_tier_reopened_under_another_eviction_keeps_every_block(tmp_path, eviction):
+    """A real LMDB written under LRU, reopened with another order: nothing is dropped, and the
+    blocks are served from it byte for byte."""
+    toks = list(range(41))
+    with TieredKVCache(config(tmp_path)) as cache:
+        d = Driver(cache)
+        d.run("a", toks)
+        cache.free("a")
+        d.push_out(6, 30, 90_000)
+        cache.flush()
+        held = len(cache.policy.ssd)
+    base = config(tmp_path)
+    other = dataclasses.replace(base, cpu=dataclasses.replace(base.cpu, eviction=eviction),
+                                ssd=dataclasses.replace(base.ssd, eviction=eviction))
+    with TieredKVCache(other) as fresh:
+        assert len(fresh.policy.ssd) == held > 10
+        a = Driver(fresh).run("again", toks)
+        assert a.hit_blocks == {"gpu": 0, "cpu": 0, "ssd": 10}
+        fresh.policy.check()

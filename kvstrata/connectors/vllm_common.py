@@ -165,7 +165,8 @@ def check_index_memory(spec: PolicySpec, block_nbytes: int, total_bytes: int | N
     days later. ``total_bytes``: the machine's memory (read from /proc/meminfo)."""
     from kvstrata.policy.holdings import index_bytes
 
-    need = index_bytes(spec.ssd_slots)
+    store = spec.tiers.store() if spec.tiers is not None else None
+    need = index_bytes(spec.ssd_slots, eviction=store.eviction if store is not None else "lru")
     total = total_bytes if total_bytes is not None else _memory_total()
     if total and need > total // 2:
         raise ConfigError(

@@ -20,6 +20,7 @@ from typing import Container, Iterable
 from kvstrata.policy.compact_index import CompactIndex
 from kvstrata.policy.slot_index import SlotIndex
 from kvstrata.policy.tiers import Tier
+from kvstrata.values import LRU
 
 __all__ = ["Holdings", "TOMBSTONE_PREFIX", "COMPACT_ABOVE", "ssd_index", "index_bytes"]
 
@@ -30,20 +31,25 @@ TOMBSTONE_PREFIX = b"\x00kvstrata-tombstone:"  # + a counter: the key a forgotte
 COMPACT_ABOVE = 1 << 20
 
 
-def ssd_index(num_slots: int) -> SlotIndex | CompactIndex:
+def ssd_index(num_slots: int, eviction: str = LRU) -> SlotIndex | CompactIndex:
     """The SSD tier's index: a large disk of small blocks holds tens of millions of them, and
     a :class:`CompactIndex` costs ~50 bytes per key where a :class:`SlotIndex` costs ~165;
     below :data:`COMPACT_ABOVE` slots (at most ~170 MB either way) the dict-based index is
-    kept for its speed (lookups are ~2x faster: ``kvstrata bench`` replays millions)."""
-    return CompactIndex(num_slots) if num_slots > COMPACT_ABOVE else SlotIndex(num_slots)
+    kept for its speed (lookups are ~2x faster: ``kvstrata bench`` replays millions). The
+    compact index keeps LRU order only: another ``eviction`` takes the dict-based one."""
+    if num_slots > COMPACT_ABOVE and eviction == LRU:
+        return CompactIndex(num_slots)
+    return SlotIndex(num_slots, eviction)
 
 
-def index_bytes(ssd_slots: int, key_len: int = 32) -> int:
+def index_bytes(ssd_slots: int, key_len: int = 32, eviction: str = LRU) -> int:
     """What the SSD tier's index costs in memory once the tier is full (an upper estimate:
     the key, the LRU links, the hash table at its fullest; measured ~49 bytes for 32-byte
     keys), for the driver to check against the machine before it starts."""
-    if ssd_slots <= COMPACT_ABOVE:
-        return ssd_slots * (key_len + 140)
+    if ssd_slots <= COMPACT_ABOVE or eviction != LRU:
+        # another order keeps its own dicts and ghost keys (measured 316 and 523 bytes per block
+        # for arc and s3fifo at 100,000 blocks, keys aside)
+        return ssd_slots * (key_len + 140 if eviction == LRU else 2 * key_len + 560)
     return ssd_slots * (key_len + 20)
 
 
@@ -52,7 +58,7 @@ class Holdings:
 
     def __init__(self, tiers: Iterable[Tier]) -> None:
         self.indexes: dict[str, SlotIndex | CompactIndex] = {
-            t.name: SlotIndex(t.capacity) if t.slab else ssd_index(t.capacity)
+            t.name: SlotIndex(t.capacity, t.eviction) if t.slab else ssd_index(t.capacity, t.eviction)
             for t in tiers if not t.shared and t.capacity}
         self._pins: dict[int, dict[str, list[bytes]]] = {}  # plan -> tier -> keys it pinned there
         self._tombs: dict[str, set[bytes]] = {name: set() for name in self.indexes}

@@ -19,11 +19,11 @@ what 10 keys cost.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from itertools import islice
 from typing import Any, Collection, Iterable, Iterator, Sequence
 
 from kvstrata.errors import ConfigError
+from kvstrata.policy.eviction import LRU, EvictionOrder, make_order
 
 __all__ = ["SlotIndex", "SlotCounts", "PinnedError"]
 
@@ -82,11 +82,12 @@ class SlotCounts:
 
 
 class SlotIndex(SlotCounts):
-    """Key -> slot mapping with LRU order and pin counts over ``num_slots`` slots.
+    """Key -> slot mapping with an eviction order and pin counts over ``num_slots`` slots.
 
-    Unpinned entries live in an ordered dict (front = least recently used) so
-    that eviction is O(1) even when many entries are pinned; pinned entries are
-    kept aside with their counts until released. Iteration yields keys in
+    Unpinned entries live in an eviction order (:mod:`kvstrata.policy.eviction`;
+    ``lru`` by default: an ordered dict, front = least recently used) so that
+    eviction is O(1) even when many entries are pinned; pinned entries are
+    held aside with their counts until released. Iteration yields keys in
     eviction order: unpinned entries least recently used first, then pinned
     entries in the order they were pinned. Slots are handed out lowest first
     while never-used slots remain; freed slots are reused most recently freed
@@ -95,12 +96,12 @@ class SlotIndex(SlotCounts):
 
     __slots__ = ("num_slots", "_slot", "_lru", "_pins", "_free", "_unused")
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, eviction: str = LRU) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ConfigError(f"num_slots: expected a positive integer, got {num_slots!r}")
         self.num_slots = num_slots
         self._slot: dict[bytes, int] = {}
-        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self._lru: EvictionOrder = make_order(eviction, num_slots)
         self._pins: dict[bytes, int] = {}
         self._free: list[int] = []   # freed slots; pop() reuses the most recently freed
         self._unused = 0             # slots >= this were never handed out
@@ -133,19 +134,19 @@ class SlotIndex(SlotCounts):
     # ------------------------------------------------------------------ updates
 
     def touch(self, key: bytes) -> bool:
-        """Mark ``key`` most recently used; False if absent. Pinned keys become MRU on unpin."""
+        """Mark ``key`` used; False if absent. Pinned keys count the use on unpin."""
         if key in self._lru:
-            self._lru.move_to_end(key)
+            self._lru.access(key)
             return True
         return key in self._pins
 
     def touch_many(self, keys: Iterable[bytes]) -> None:
         """:meth:`touch` each key in turn (absent keys are skipped)."""
         lru = self._lru
-        move = lru.move_to_end
+        access = lru.access
         for key in keys:
             if key in lru:
-                move(key)
+                access(key)
 
     def _take_free_many(self, n: int) -> list[int]:
         """Up to ``n`` free slots, in the order :meth:`_take_free` would hand them out."""
@@ -180,12 +181,12 @@ class SlotIndex(SlotCounts):
         evicted = None
         slot = self._take_free()
         if slot is None:
-            if not self._lru:
+            evicted = self._lru.evict(key)
+            if evicted is None:
                 return None
-            evicted, _ = self._lru.popitem(last=False)
             slot = self._slot.pop(evicted)
         self._slot[key] = slot
-        self._lru[key] = None
+        self._lru.add(key)
         return slot, evicted
 
     def allocate_many(self, keys: Sequence[bytes], *, pin: bool = False
@@ -218,12 +219,10 @@ class SlotIndex(SlotCounts):
         """:meth:`allocate_many` for distinct keys that are all absent."""
         slots: list[int | None] = list(self._take_free_many(len(keys)))
         lru = self._lru
-        victims = list(islice(lru, min(len(keys) - len(slots), len(lru))))
+        evict, base = lru.evict, len(slots)
+        victims = [evict(keys[base + i]) for i in range(min(len(keys) - base, len(lru)))]
         slot_of = self._slot
-        freed = []
-        for key in victims:  # plain loops: faster than C-level tricks at these sizes
-            del lru[key]
-            freed.append(slot_of.pop(key))
+        freed = [slot_of.pop(key) for key in victims]  # type: ignore[arg-type]
         slots += freed
         placed = keys[:len(slots)]
         slot_of.update(zip(placed, slots))
@@ -232,10 +231,9 @@ class SlotIndex(SlotCounts):
             for key in placed:
                 pins[key] = 1
         else:
-            for key in placed:
-                lru[key] = None
+            lru.add_many(placed)  # type: ignore[arg-type]
         slots += [None] * (len(keys) - len(slots))
-        return slots, list(zip(victims, freed))
+        return slots, list(zip(victims, freed))  # type: ignore[arg-type]
 
     def _allocate_each(self, keys: Sequence[bytes]
                        ) -> tuple[list[int | None], list[tuple[bytes, int]]]:
@@ -247,23 +245,40 @@ class SlotIndex(SlotCounts):
             slot = self._slot.get(key)
             if slot is not None:
                 if key in self._lru:
-                    self._lru.move_to_end(key)
+                    self._lru.access(key)
                     placed.add(key)
                 slots.append(slot)
                 continue
             slot = self._take_free()
             if slot is None:
-                if len(self._lru) <= len(placed):
+                victim = self._evict_but(placed, key)
+                if victim is None:
                     slots.append(None)
                     continue
-                victim, _ = self._lru.popitem(last=False)
                 slot = self._slot.pop(victim)
                 evicted.append((victim, slot))
             self._slot[key] = slot
-            self._lru[key] = None
+            self._lru.add(key)
             placed.add(key)
             slots.append(slot)
         return slots, evicted
+
+    def _evict_but(self, placed: set[bytes], incoming: bytes) -> bytes | None:
+        """A victim that is not among ``placed`` (keys this call placed or used: held
+        until the victim is chosen, then returned as they were), or None."""
+        lru = self._lru
+        if len(lru) <= len(placed & lru.keys() if isinstance(lru, dict) else {k for k in placed if k in lru}):
+            return None
+        if isinstance(lru, dict):  # LRU: this call's keys sit at the most recent end, after every victim
+            return lru.evict(incoming)
+        kept = [k for k in placed if k in lru]
+        for k in kept:
+            lru.hold(k)
+        try:
+            return lru.evict(incoming)
+        finally:
+            for k in kept:
+                lru.release(k, use=False)
 
     def pop(self, key: bytes) -> int | None:
         """Remove ``key`` and free its slot; return the slot or None if absent.
@@ -276,7 +291,7 @@ class SlotIndex(SlotCounts):
         if key in self._pins:
             raise PinnedError(f"key {key.hex()[:16]}... is pinned; unpin it before popping")
         del self._slot[key]
-        del self._lru[key]
+        self._lru.discard(key)
         self._free.append(slot)
         return slot
 
@@ -287,9 +302,10 @@ class SlotIndex(SlotCounts):
         self._slot[new_key] = self._slot.pop(key)
         if key in self._pins:
             self._pins[new_key] = self._pins.pop(key)
+            self._lru.rename_held(key, new_key)
         else:
-            self._lru[new_key] = None  # most recently used: it is on its way out anyway
-            del self._lru[key]
+            self._lru.discard(key)
+            self._lru.add(new_key)  # it is on its way out anyway
 
     def pin(self, key: bytes) -> int:
         """Add one pin to ``key`` and return its slot; KeyError if absent."""
@@ -298,7 +314,7 @@ class SlotIndex(SlotCounts):
             raise KeyError(key)
         count = self._pins.get(key, 0)
         if count == 0:
-            del self._lru[key]
+            self._lru.hold(key)
         self._pins[key] = count + 1
         return slot
 
@@ -310,7 +326,7 @@ class SlotIndex(SlotCounts):
             slot = slot_of[key]
             count = pins.get(key, 0)
             if not count:
-                del lru[key]
+                lru.hold(key)
             pins[key] = count + 1
             out.append(slot)
         return out
@@ -322,7 +338,7 @@ class SlotIndex(SlotCounts):
             count = pins.get(key, 0)
             if count == 1:
                 del pins[key]
-                lru[key] = None
+                lru.release(key)
             elif count:
                 pins[key] = count - 1
             else:
@@ -335,7 +351,7 @@ class SlotIndex(SlotCounts):
             raise RuntimeError(f"unpin of key {key.hex()[:16]}... that holds no pin")
         if count == 1:
             del self._pins[key]
-            self._lru[key] = None
+            self._lru.release(key)
         else:
             self._pins[key] = count - 1
 

@@ -86,7 +86,8 @@ class PolicySpec:
         server = redact_url(config.remote.url) if config.remote.enabled and config.remote.url else None
         tiers = declare(cpu, ssd if config.ssd.enabled else None, write_through=spill.write_through,
                         remote_server=server, ssd_admission=(config.ssd.admission, ghost_keys(config.ssd, ssd)),
-                        remote_admission=(config.remote.admission, ghost_keys(config.remote, None)))
+                        remote_admission=(config.remote.admission, ghost_keys(config.remote, None)),
+                        cpu_eviction=config.cpu.eviction, ssd_eviction=config.ssd.eviction)
         lower = cpu > 0 or ssd > 0
         pageout = max(1, int(spill.watermark * gpu_blocks)) if spill.admission == ON_EVICT and lower else 0
         return cls(admission=spill.admission, promotion=spill.promotion, write_through=spill.write_through,

@@ -19,6 +19,8 @@ A declaration says what differs between tiers:
 * ``admission``: what it takes of the blocks offered to it: ``always``, or
   ``second_hit`` (a block the second time it is offered or hit above it within
   the last ``ghost_keys`` keys seen once, :class:`~kvstrata.policy.ghost.Ghost`);
+* ``eviction``: which unpinned block leaves when it needs room (``lru``,
+  ``s3fifo``, ``arc``: :mod:`kvstrata.policy.eviction`);
 * ``key``: the config section that declares it (errors name its keys);
 * ``label``, ``hint``, ``hit_source``: how reports name it, what an operator
   raises to grow it, and vLLM's ``CacheHitSource`` member a hit from it is.
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from kvstrata.errors import ConfigError
-from kvstrata.values import ALWAYS, SECOND_HIT, TIER_ADMISSIONS
+from kvstrata.values import ALWAYS, EVICTIONS, LRU, SECOND_HIT, TIER_ADMISSIONS
 
 __all__ = ["ALWAYS", "SECOND_HIT", "GPU", "CPU", "SSD", "REMOTE", "LOWER", "SHARED", "PERSISTENT", "Tier", "TierList", "KNOWN", "declare", "describe_tiers"]
 
@@ -57,6 +59,7 @@ class Tier:
     server: str | None = None
     admission: str = ALWAYS
     ghost_keys: int = 0
+    eviction: str = LRU
     key: str = ""
     label: str = ""
     hint: str = ""
@@ -137,7 +140,8 @@ class TierList:
 
 def declare(cpu_blocks: int, ssd_blocks: int | None, *, write_through: bool = True,
             remote_server: str | None = None, ssd_admission: tuple[str, int] = (ALWAYS, 0),
-            remote_admission: tuple[str, int] = (ALWAYS, 0)) -> TierList:
+            remote_admission: tuple[str, int] = (ALWAYS, 0), cpu_eviction: str = LRU,
+            ssd_eviction: str = LRU) -> TierList:
     """The tiers of a deployment with these sizes. No CPU tier when ``cpu_blocks`` is 0; no SSD
     tier when ``ssd_blocks`` is 0 or None (None: not enabled; 0: enabled, holding no block,
     which is an error when the CPU tier cascades into it). The CPU tier's evictions cascade to
@@ -146,10 +150,10 @@ def declare(cpu_blocks: int, ssd_blocks: int | None, *, write_through: bool = Tr
     tiers = []
     if cpu_blocks:
         cascade = SSD if ssd_blocks is not None and not write_through else None
-        tiers.append(dataclasses.replace(KNOWN[CPU], capacity=cpu_blocks, cascade=cascade))
+        tiers.append(dataclasses.replace(KNOWN[CPU], capacity=cpu_blocks, cascade=cascade, eviction=cpu_eviction))
     if ssd_blocks or (ssd_blocks == 0 and cpu_blocks and not write_through):
         tiers.append(dataclasses.replace(KNOWN[SSD], capacity=ssd_blocks or 0, admission=ssd_admission[0],
-                                         ghost_keys=ssd_admission[1]))
+                                         ghost_keys=ssd_admission[1], eviction=ssd_eviction))
     if remote_server is not None:
         tiers.append(dataclasses.replace(KNOWN[REMOTE], server=remote_server, admission=remote_admission[0],
                                          ghost_keys=remote_admission[1]))
@@ -230,6 +234,10 @@ def _check_cascade(t: Tier, by_name: dict[str, Tier], order: dict[str, int]) -> 
 
 
 def _check_admission(t: Tier) -> None:
+    if t.eviction not in EVICTIONS:
+        raise ConfigError(f"{t.where()}.eviction: expected one of {', '.join(EVICTIONS)}; got {t.eviction!r}")
+    if t.shared and t.eviction != LRU:
+        raise ConfigError(f"{t.where()}.eviction: a shared tier's server evicts on its own (maxmemory-policy)")
     if t.admission not in TIER_ADMISSIONS:
         raise ConfigError(f"{t.where()}.admission: expected one of {', '.join(TIER_ADMISSIONS)}; got {t.admission!r}")
     if t.admission == SECOND_HIT and t.slab:

@@ -1,0 +1,159 @@
+"""``kvstrata bench --compare``: every eviction order and SSD admission, at several capacities, on one trace.
+
+Each row is a full replay through the tier policy (the one the plugin and the
+library run) with ``cpu.eviction`` and ``ssd.eviction`` set to the row's order and
+``ssd.admission`` to its admission, at one pair of lower-tier capacities. All rows
+are replayed in one pass over the trace. A row's ``set`` are the ``--set`` values
+that give a plain ``kvstrata bench`` the same run: its hit rate is reproduced
+exactly.
+
+Capacity points, unless given: the SSD tier at 10%, 25% and 50% of the trace's
+working set (its distinct blocks), where capacity decides what is kept, with a
+CPU tier a quarter of that (write-through keeps the SSD tier a superset of it).
+
+``policy_ns_per_op`` is each order's own cost: a SlotIndex of 65,536 slots serving
+a skewed synthetic stream of 200,000 lookups (touch on a hit, a placement on a
+miss), in this process; the replay's wall time is shown beside it as context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+from kvstrata.bench.capacity import config_for_trace
+from kvstrata.bench.replay import ReplayOptions, ReplayResult, replaying, requests_of
+from kvstrata.policy.tiers import CPU, GPU, SSD
+from kvstrata.values import EVICTIONS, TIER_ADMISSIONS, format_size
+
+if TYPE_CHECKING:
+    from kvstrata.config import KVStrataConfig
+    from kvstrata.trace.reader import TraceReader
+    from kvstrata.trace.requests import Trace
+
+__all__ = ["FRACTIONS", "capacity_points", "compare", "render_compare", "policy_ns_per_op"]
+
+FRACTIONS = (0.10, 0.25, 0.50)  # of the working set: the SSD tier's capacity at each point
+_CPU_SHARE = 4                   # the CPU tier holds a quarter of the SSD tier's blocks
+
+
+def capacity_points(distinct_blocks: int, fractions: Sequence[float] = FRACTIONS) -> list[tuple[int, int]]:
+    """``(cpu_blocks, ssd_blocks)`` at ``fractions`` of a working set of ``distinct_blocks``."""
+    out = []
+    for f in fractions:
+        ssd = max(4, int(f * distinct_blocks))
+        out.append((max(1, ssd // _CPU_SHARE), ssd))
+    return list(dict.fromkeys(out))
+
+
+def _row_config(config: "KVStrataConfig", block_size: int, cpu: int, ssd: int, eviction: str,
+                admission: str) -> tuple["KVStrataConfig", list[str]]:
+    """The config of one row and the ``--set`` values that give it (capacities in bytes: the
+    same blocks of the trace's size whatever the config's block size)."""
+    from kvstrata.tiers.ssd.record import NS_LEN, record_footprint
+
+    nbytes = config_for_trace(config, block_size).block_nbytes()
+    sets = [f"cpu.capacity={cpu * nbytes}", f"ssd.capacity={ssd * record_footprint(NS_LEN + 32, nbytes)}",
+            f"cpu.eviction={eviction}", f"ssd.eviction={eviction}", f"ssd.admission={admission}"]
+    from kvstrata.config import KVStrataConfig
+
+    return KVStrataConfig.from_dict(config.to_dict(), sets), sets
+
+
+def compare(trace: "Trace | TraceReader", config: "KVStrataConfig", options: ReplayOptions = ReplayOptions(),
+            points: Sequence[tuple[int, int]] | None = None,
+            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Replay ``trace`` under every eviction x admission at each capacity point (in one pass)."""
+    requests = list(requests_of(trace))
+    distinct = 1 + max((max(r.blocks) for r in requests if len(r.blocks)), default=0)
+    points = list(points) if points else capacity_points(distinct)
+    rows = [(cpu, ssd, ev, adm) for cpu, ssd in points for ev in EVICTIONS for adm in TIER_ADMISSIONS]
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as opened:
+        made = [_row_config(config, trace.block_size, *row) for row in rows]
+        replayers = [opened.enter_context(replaying(cfg, trace.block_size, options)) for cfg, _ in made]
+        for n, r in enumerate(requests, 1):
+            for rp in replayers:
+                rp.step(r)
+            if progress is not None and n & 255 == 0:
+                progress(n)
+    wall = time.perf_counter() - t0
+    duration = (requests[-1].timestamp - requests[0].timestamp) if requests else 0.0
+    costs = {ev: policy_ns_per_op(ev) for ev in EVICTIONS}
+    out_rows = []
+    for (cpu, ssd, ev, adm), (_, sets), rp in zip(rows, made, replayers):
+        assert rp.result is not None
+        out_rows.append(_row(rp.result, cpu, ssd, ev, adm, sets, duration, trace.block_size, costs[ev]))
+    return {"trace": getattr(trace, "name", ""), "distinct_blocks": distinct, "requests": len(requests),
+            "duration_s": round(duration, 3), "gpu_blocks": out_rows[0]["gpu_blocks"] if out_rows else 0,
+            "wall_s": round(wall, 3), "rows": out_rows}
+
+
+def _row(res: ReplayResult, cpu: int, ssd: int, eviction: str, admission: str, sets: list[str], duration: float,
+         block_size: int, ns_per_op: float) -> dict[str, Any]:
+    rates = res.hit_rate()
+    written = res.ssd_bytes_written()
+    ssd_bytes = ssd * res.config.block_nbytes()
+    per_hour = written * 3600 / duration if duration > 0 else None
+    dwpd = written * 86400 / duration / ssd_bytes if duration > 0 and ssd_bytes else None
+    return {"eviction": eviction, "admission": admission, "cpu_blocks": res.capacity_blocks.get(CPU, cpu),
+            "ssd_blocks": res.capacity_blocks.get(SSD, ssd), "gpu_blocks": res.capacity_blocks.get(GPU, 0),
+            "set": sets, "hit_rate": round(rates["total"], 6),
+            "hit_rates": {t: round(v, 6) for t, v in rates.items() if t != "total"},
+            "prefill_tokens_saved": res.hits * block_size, "ssd_bytes_written": written,
+            "ssd_bytes_per_hour": round(per_hour) if per_hour is not None else None,
+            "drive_writes_per_day": round(dwpd, 4) if dwpd is not None else None,
+            "admissions_rejected": int(res.stats.get("admissions_rejected", {}).get(SSD, 0)),
+            "policy_ns_per_op": round(ns_per_op, 1), "replay_s": round(res.wall_s, 3)}
+
+
+def policy_ns_per_op(eviction: str, slots: int = 65_536, ops: int = 200_000, seed: int = 0) -> float:
+    """Nanoseconds per lookup-and-update of a SlotIndex under ``eviction`` (see the module docstring)."""
+    from kvstrata.policy.slot_index import SlotIndex
+
+    rng = random.Random(seed)
+    keys = [rng.getrandbits(256).to_bytes(32, "little") for _ in range(4 * slots)]
+    stream = [keys[min(int(rng.paretovariate(1.2)) - 1, len(keys) - 1)] if rng.random() < 0.7
+              else keys[rng.randrange(len(keys))] for _ in range(ops)]
+    index = SlotIndex(slots, eviction)
+    t0 = time.perf_counter()
+    for key in stream:
+        if key in index:
+            index.touch(key)
+        else:
+            index.try_allocate(key)
+    return (time.perf_counter() - t0) * 1e9 / ops
+
+
+def render_compare(report: dict[str, Any]) -> str:
+    """The comparison as text: a block of rows per capacity point."""
+    lines = [f"kvstrata bench --compare: {report['requests']:,} requests, {report['distinct_blocks']:,} distinct "
+             f"blocks, GPU pool {report['gpu_blocks']:,} blocks; {len(report['rows'])} replays in "
+             f"{report['wall_s']:.1f} s", ""]
+    head = (f"  {'eviction':<9}{'admission':<12}{'total':>8}{'GPU':>8}{'CPU':>8}{'SSD':>8}"
+            f"{'SSD writes/h':>14}{'DWPD':>8}{'ns/op':>8}")
+    for (cpu, ssd), rows in _by_point(report["rows"]):
+        lines += [f"CPU tier {cpu:,} blocks, SSD tier {ssd:,} blocks", head]
+        best = max(r["hit_rate"] for r in rows)
+        for r in rows:
+            h = r["hit_rates"]
+            mark = " *" if r["hit_rate"] == best else ""
+            per_hour = format_size(r["ssd_bytes_per_hour"]) if r["ssd_bytes_per_hour"] is not None else "-"
+            dwpd = f"{r['drive_writes_per_day']:.3g}" if r["drive_writes_per_day"] is not None else "-"
+            lines.append(f"  {r['eviction']:<9}{r['admission']:<12}{r['hit_rate']:>8.2%}{h.get(GPU, 0):>8.2%}"
+                         f"{h.get(CPU, 0):>8.2%}{h.get(SSD, 0):>8.2%}{per_hour:>14}{dwpd:>8}"
+                         f"{r['policy_ns_per_op']:>8.0f}{mark}")
+        lines.append("")
+    lines += ["Hit rate: blocks served from cache (prefix-contiguous) / blocks requested; * the best at that point.",
+              "A row's `set` in --json reproduces it: kvstrata bench --set KEY=VALUE ... (the same trace and flags).",
+              ""]
+    return "\n".join(lines)
+
+
+def _by_point(rows: Iterable[dict[str, Any]]) -> list[tuple[tuple[int, int], list[dict[str, Any]]]]:
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["cpu_blocks"], r["ssd_blocks"]), []).append(r)
+    return list(groups.items())

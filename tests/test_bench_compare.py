@@ -1,0 +1,70 @@
+"""``kvstrata bench --compare``: every eviction x admission at several capacities, reproducible row by row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvstrata.bench.compare import capacity_points, compare
+from kvstrata.bench.workloads import generate
+from kvstrata.cli import main
+from kvstrata.config import KVStrataConfig
+from kvstrata.values import EVICTIONS, TIER_ADMISSIONS
+
+SCALE = "0.3"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("compare") / "cmp.json"
+    assert main(["bench", "--compare", "--scale", SCALE, "--quiet", "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_every_eviction_and_admission_at_three_capacities(report: dict) -> None:
+    rows = report["compare"]
+    points = {(r["cpu_blocks"], r["ssd_blocks"]) for r in rows}
+    assert len(points) == 3
+    assert {(r["eviction"], r["admission"]) for r in rows} == {(e, a) for e in EVICTIONS for a in TIER_ADMISSIONS}
+    assert len(rows) == 3 * len(EVICTIONS) * len(TIER_ADMISSIONS)
+    for r in rows:
+        assert {"eviction", "admission", "cpu_blocks", "ssd_blocks", "set", "hit_rate", "ssd_bytes_written"} <= set(r)
+        assert 0 <= r["hit_rate"] <= 1 and r["policy_ns_per_op"] > 0
+    # second_hit writes less to the SSD tier than always, at the same point and eviction
+    by = {(r["cpu_blocks"], r["eviction"], r["admission"]): r for r in rows}
+    for (cpu, ev, adm), r in by.items():
+        if adm == "second_hit":
+            assert r["ssd_bytes_written"] < by[cpu, ev, "always"]["ssd_bytes_written"]
+
+
+@pytest.mark.parametrize("which", [0, 9, 17])
+def test_a_rows_set_reproduces_its_hit_rate_in_a_plain_run(report: dict, tmp_path: Path, which: int) -> None:
+    row = report["compare"][which]
+    out = tmp_path / "plain.json"
+    args = ["bench", "--scale", SCALE, "--quiet", "--json", str(out)]
+    for s in row["set"]:
+        args += ["--set", s]
+    assert main(args) == 0
+    plain = json.loads(out.read_text())
+    assert plain["hit_rate"]["total"] == pytest.approx(row["hit_rate"], abs=1e-6)
+
+
+def test_capacity_points_are_fractions_of_the_working_set() -> None:
+    assert capacity_points(1000) == [(25, 100), (62, 250), (125, 500)]
+    assert capacity_points(10) == [(1, 4), (1, 5)]  # a small trace: fewer, smaller points, none repeated
+
+
+def test_given_points_are_replayed_as_given() -> None:
+    trace = generate(scale=0.1)
+    cfg = KVStrataConfig.from_dict({})
+    got = compare(trace, cfg, points=[(8, 64)])
+    assert {(r["cpu_blocks"], r["ssd_blocks"]) for r in got["rows"]} == {(8, 64)}
+
+
+@pytest.mark.parametrize("flag", [["--plot", "x.png"], ["--admission", "both"], ["--payload"]])
+def test_compare_refuses_flags_it_does_not_run(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--compare", "--scale", "0.05", *flag]) != 0
+    err = capsys.readouterr().err
+    assert "not with --compare" in err and "Traceback" not in err
