@@ -218,8 +218,8 @@ def _bench_compare(args: argparse.Namespace, config: Any, options: Any, progress
     from kvstrata.bench.compare import compare, render_compare
     from kvstrata.bench.replay import ReplayError
 
-    for flag, given in (("--admission both", args.admission == "both"), ("--plot", args.plot),
-                        ("--payload", args.payload), ("--explain", args.explain)):
+    for flag, given in (("--admission both", args.admission == "both"), ("--payload", args.payload),
+                        ("--explain", args.explain)):
         if given:
             raise ReplayError(f"{flag}: not with --compare")
     trace = _load_trace(args, config, progress)
@@ -228,6 +228,10 @@ def _bench_compare(args: argparse.Namespace, config: Any, options: Any, progress
                          progress=progress.phase("replay", trace.num_requests) if args.trace is None else None)
     finally:
         progress.done()
+    if args.plot:
+        from kvstrata.bench.plot import plot_compare
+
+        plot_compare(report, args.plot)
     if args.json:
         write_json(args.json, {"compare": report["rows"], **{k: v for k, v in report.items() if k != "rows"}})
     if not args.quiet and args.json != "-":

@@ -6,8 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstrata.bench.compare import capacity_points, compare
+from kvstrata.bench.optimal import belady_hits
 from kvstrata.bench.workloads import generate
 from kvstrata.cli import main
 from kvstrata.config import KVStrataConfig
@@ -18,8 +21,10 @@ SCALE = "0.3"
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("compare") / "cmp.json"
-    assert main(["bench", "--compare", "--scale", SCALE, "--quiet", "--json", str(out)]) == 0
+    where = tmp_path_factory.mktemp("compare")
+    out, png = where / "cmp.json", where / "cmp.png"
+    assert main(["bench", "--compare", "--scale", SCALE, "--quiet", "--json", str(out), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot was drawn
     return json.loads(out.read_text())
 
 
@@ -27,13 +32,14 @@ def test_every_eviction_and_admission_at_three_capacities(report: dict) -> None:
     rows = report["compare"]
     points = {(r["cpu_blocks"], r["ssd_blocks"]) for r in rows}
     assert len(points) == 3
-    assert {(r["eviction"], r["admission"]) for r in rows} == {(e, a) for e in EVICTIONS for a in TIER_ADMISSIONS}
-    assert len(rows) == 3 * len(EVICTIONS) * len(TIER_ADMISSIONS)
+    policies = [r for r in rows if r["eviction"] != "optimal"]
+    assert {(r["eviction"], r["admission"]) for r in policies} == {(e, a) for e in EVICTIONS for a in TIER_ADMISSIONS}
+    assert len(policies) == 3 * len(EVICTIONS) * len(TIER_ADMISSIONS)
     for r in rows:
         assert {"eviction", "admission", "cpu_blocks", "ssd_blocks", "set", "hit_rate", "ssd_bytes_written"} <= set(r)
-        assert 0 <= r["hit_rate"] <= 1 and r["policy_ns_per_op"] > 0
+        assert 0 <= r["hit_rate"] <= 1
     # second_hit writes less to the SSD tier than always, at the same point and eviction
-    by = {(r["cpu_blocks"], r["eviction"], r["admission"]): r for r in rows}
+    by = {(r["cpu_blocks"], r["eviction"], r["admission"]): r for r in policies}
     for (cpu, ev, adm), r in by.items():
         if adm == "second_hit":
             assert r["ssd_bytes_written"] < by[cpu, ev, "always"]["ssd_bytes_written"]
@@ -41,7 +47,7 @@ def test_every_eviction_and_admission_at_three_capacities(report: dict) -> None:
 
 @pytest.mark.parametrize("which", [0, 9, 17])
 def test_a_rows_set_reproduces_its_hit_rate_in_a_plain_run(report: dict, tmp_path: Path, which: int) -> None:
-    row = report["compare"][which]
+    row = [r for r in report["compare"] if r["eviction"] != "optimal"][which]
     out = tmp_path / "plain.json"
     args = ["bench", "--scale", SCALE, "--quiet", "--json", str(out)]
     for s in row["set"]:
@@ -63,8 +69,45 @@ def test_given_points_are_replayed_as_given() -> None:
     assert {(r["cpu_blocks"], r["ssd_blocks"]) for r in got["rows"]} == {(8, 64)}
 
 
-@pytest.mark.parametrize("flag", [["--plot", "x.png"], ["--admission", "both"], ["--payload"]])
+@pytest.mark.parametrize("flag", [["--explain"], ["--admission", "both"], ["--payload"]])
 def test_compare_refuses_flags_it_does_not_run(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--compare", "--scale", "0.05", *flag]) != 0
     err = capsys.readouterr().err
     assert "not with --compare" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------- the optimum
+
+def brute_force_hits(accesses: list[int], capacity: int) -> int:
+    """The most hits any cache of ``capacity`` blocks gets: every admit/evict choice tried."""
+    from functools import lru_cache
+
+    @lru_cache(maxsize=None)
+    def best(i: int, cached: frozenset) -> int:
+        if i == len(accesses):
+            return 0
+        b = accesses[i]
+        if b in cached:
+            return 1 + best(i + 1, cached)
+        options = [best(i + 1, cached)]  # bypass
+        if len(cached) < capacity:
+            options.append(best(i + 1, cached | {b}))
+        else:
+            options += [best(i + 1, (cached - {v}) | {b}) for v in cached]
+        return max(options)
+
+    return best(0, frozenset())
+
+
+@settings(max_examples=150, deadline=None)
+@given(accesses=st.lists(st.integers(0, 6), max_size=12), capacity=st.integers(0, 4))
+def test_belady_is_the_optimum(accesses: list[int], capacity: int) -> None:
+    assert belady_hits(accesses, [capacity])[capacity] == brute_force_hits(accesses, capacity)
+
+
+def test_the_optimum_bounds_every_policy_at_every_point(report: dict) -> None:
+    rows = report["compare"]
+    optimal = {(r["cpu_blocks"], r["ssd_blocks"]): r["hit_rate"] for r in rows if r["eviction"] == "optimal"}
+    assert len(optimal) == 3
+    for r in rows:
+        assert r["hit_rate"] <= optimal[r["cpu_blocks"], r["ssd_blocks"]] + 1e-9, r

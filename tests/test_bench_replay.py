@@ -199,3 +199,21 @@ def test_making_room_for_a_resumed_request_finishes_a_request_that_holds_blocks(
     r = replay(b.build(), cfg(tmp_path, gpu=3))
     assert r.forced_frees == 1
     assert r.hit_blocks["gpu"] == 1  # A was resumed, ran and was freed: its first block is cached
+
+
+@pytest.mark.parametrize("eviction, admission", [("s3fifo", "always"), ("arc", "second_hit"), ("lru", "second_hit")])
+def test_payload_replay_agrees_with_the_metadata_replay_under_every_order(tmp_path: Path, eviction: str,
+                                                                          admission: str) -> None:
+    """The library's executor (real bytes, a real LMDB) and the bytes-free replay serve the same
+    hits per tier under a non-default eviction order and admission."""
+    from kvstrata.bench.workloads import generate
+
+    trace = generate("chat", 0, block_size=4, scale=0.05)
+    base = cfg(tmp_path, gpu=512, cpu=256, ssd=4000)
+    config = KVStrataConfig.from_dict(base.to_dict(), [f"cpu.eviction={eviction}", f"ssd.eviction={eviction}",
+                                                       f"ssd.admission={admission}", "spill.write_through=false"])
+    meta = replay(trace, config)
+    real = replay(trace, config, ReplayOptions(payload=True, payload_block_bytes=4096))
+    assert real.hit_blocks == meta.hit_blocks
+    assert meta.hit_blocks["cpu"] + meta.hit_blocks["ssd"] > 0  # the lower tiers served some
+    assert real.stats["admissions_rejected"] == meta.stats["admissions_rejected"]

@@ -131,11 +131,14 @@ def test_replay_and_connector_agree_with_second_hit_admission(model: str, tmp_pa
     assert counts["rejected"]["ssd"] > 0 and counts["stored"]["ssd"] > 0  # the admission took some, not all
 
 
+@pytest.mark.parametrize("admission", ["always", "second_hit"])
 @pytest.mark.parametrize("eviction", ["s3fifo", "arc"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_replay_and_connector_agree_with_other_evictions(model: str, tmp_path: Path, case: str,
-                                                         eviction: str) -> None:
-    agree(model, tmp_path, case, {"spill.write_through": False, "cpu.eviction": eviction, "ssd.eviction": eviction})
+                                                         eviction: str, admission: str) -> None:
+    agree(model, tmp_path, case, {"spill.write_through": False, "cpu.eviction": eviction, "ssd.eviction": eviction,
+                                  "ssd.admission": admission},
+          exercised=("gpu", "cpu", "ssd") if admission == "always" else ("gpu", "cpu"))
 
 
 def agree(model: str, tmp_path: Path, case: str, settings: dict[str, Any],

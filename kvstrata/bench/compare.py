@@ -31,9 +31,11 @@ from kvstrata.values import EVICTIONS, TIER_ADMISSIONS, format_size
 if TYPE_CHECKING:
     from kvstrata.config import KVStrataConfig
     from kvstrata.trace.reader import TraceReader
-    from kvstrata.trace.requests import Trace
+    from kvstrata.trace.requests import Request, Trace
 
-__all__ = ["FRACTIONS", "capacity_points", "compare", "render_compare", "policy_ns_per_op"]
+__all__ = ["FRACTIONS", "OPTIMAL", "capacity_points", "compare", "render_compare", "policy_ns_per_op"]
+
+OPTIMAL = "optimal"  # Belady's offline optimum (kvstrata.bench.optimal): the bound, not a policy
 
 FRACTIONS = (0.10, 0.25, 0.50)  # of the working set: the SSD tier's capacity at each point
 _CPU_SHARE = 4                   # the CPU tier holds a quarter of the SSD tier's blocks
@@ -86,6 +88,7 @@ def compare(trace: "Trace | TraceReader", config: "KVStrataConfig", options: Rep
     for (cpu, ssd, ev, adm), (_, sets), rp in zip(rows, made, replayers):
         assert rp.result is not None
         out_rows.append(_row(rp.result, cpu, ssd, ev, adm, sets, duration, trace.block_size, costs[ev]))
+    out_rows = _with_optimal(out_rows, requests, [rp.result for rp in replayers], trace.block_size)
     return {"trace": getattr(trace, "name", ""), "distinct_blocks": distinct, "requests": len(requests),
             "duration_s": round(duration, 3), "gpu_blocks": out_rows[0]["gpu_blocks"] if out_rows else 0,
             "wall_s": round(wall, 3), "rows": out_rows}
@@ -109,6 +112,31 @@ def _row(res: ReplayResult, cpu: int, ssd: int, eviction: str, admission: str, s
             "policy_ns_per_op": round(ns_per_op, 1), "replay_s": round(res.wall_s, 3)}
 
 
+def _with_optimal(rows: list[dict[str, Any]], requests: list["Request"], results: list[Any],
+                  block_size: int) -> list[dict[str, Any]]:
+    """``rows`` with, before each capacity point's rows, Belady's optimum for a cache of as many
+    blocks as that point's hierarchy holds (the policy's own rule: ``effective_blocks``)."""
+    from kvstrata.bench.optimal import belady_hits
+
+    accesses = [b for r in requests for b in r.blocks]
+    first: dict[tuple[int, int], tuple[dict[str, Any], Any]] = {}
+    for row, res in zip(rows, results):
+        first.setdefault((row["cpu_blocks"], row["ssd_blocks"]), (row, res))
+    sizes = {point: res.spec.effective_blocks(res.capacity_blocks.get(GPU, 0)) for point, (_, res) in first.items()}
+    hits = belady_hits(accesses, set(sizes.values()))
+    out = []
+    for point, (row, _) in first.items():
+        n = hits[sizes[point]]
+        out.append({"eviction": OPTIMAL, "admission": "always", "cpu_blocks": point[0], "ssd_blocks": point[1],
+                    "gpu_blocks": row["gpu_blocks"], "set": [s for s in row["set"] if "capacity" in s],
+                    "hit_rate": round(n / len(accesses), 6) if accesses else 0.0, "hit_rates": {},
+                    "cache_blocks": sizes[point], "prefill_tokens_saved": n * block_size,
+                    "ssd_bytes_written": None, "ssd_bytes_per_hour": None, "drive_writes_per_day": None,
+                    "admissions_rejected": 0, "policy_ns_per_op": None, "replay_s": None})
+        out += [r for r in rows if (r["cpu_blocks"], r["ssd_blocks"]) == point]
+    return out
+
+
 def policy_ns_per_op(eviction: str, slots: int = 65_536, ops: int = 200_000, seed: int = 0) -> float:
     """Nanoseconds per lookup-and-update of a SlotIndex under ``eviction`` (see the module docstring)."""
     from kvstrata.policy.slot_index import SlotIndex
@@ -130,14 +158,19 @@ def policy_ns_per_op(eviction: str, slots: int = 65_536, ops: int = 200_000, see
 def render_compare(report: dict[str, Any]) -> str:
     """The comparison as text: a block of rows per capacity point."""
     lines = [f"kvstrata bench --compare: {report['requests']:,} requests, {report['distinct_blocks']:,} distinct "
-             f"blocks, GPU pool {report['gpu_blocks']:,} blocks; {len(report['rows'])} replays in "
+             f"blocks, GPU pool {report['gpu_blocks']:,} blocks; "
+             f"{sum(r['eviction'] != OPTIMAL for r in report['rows'])} replays in "
              f"{report['wall_s']:.1f} s", ""]
     head = (f"  {'eviction':<9}{'admission':<12}{'total':>8}{'GPU':>8}{'CPU':>8}{'SSD':>8}"
             f"{'SSD writes/h':>14}{'DWPD':>8}{'ns/op':>8}")
     for (cpu, ssd), rows in _by_point(report["rows"]):
         lines += [f"CPU tier {cpu:,} blocks, SSD tier {ssd:,} blocks", head]
-        best = max(r["hit_rate"] for r in rows)
+        best = max(r["hit_rate"] for r in rows if r["eviction"] != OPTIMAL)
         for r in rows:
+            if r["eviction"] == OPTIMAL:
+                lines.append(f"  {'optimal':<9}{'(offline)':<12}{r['hit_rate']:>8.2%}   the bound: Belady's MIN "
+                             f"over {r['cache_blocks']:,} blocks, any block hit counted")
+                continue
             h = r["hit_rates"]
             mark = " *" if r["hit_rate"] == best else ""
             per_hour = format_size(r["ssd_bytes_per_hour"]) if r["ssd_bytes_per_hour"] is not None else "-"

@@ -12,7 +12,7 @@ from kvstrata.policy.tiers import CPU, GPU, SSD
 if TYPE_CHECKING:
     from kvstrata.bench.analysis import BenchResult
 
-__all__ = ["plot_report"]
+__all__ = ["plot_report", "plot_compare"]
 
 _COLORS = {GPU: "tab:green", CPU: "tab:blue", SSD: "tab:purple", "cache": "tab:red", "trace": "black"}
 
@@ -114,6 +114,47 @@ def plot_report(res: "BenchResult", report: dict[str, Any], path: str | Path) ->
         _lifecycle_panel(right, res)
         fig.suptitle(f"kvstrata bench: {report['trace']['name']} ({report['requests']:,} requests, "
                      f"{report['block_tokens']}-token blocks)")
+        fig.tight_layout()
+        out = Path(path)
+        fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
+    return out
+
+
+_ORDER_STYLE = {"lru": "tab:blue", "s3fifo": "tab:orange", "arc": "tab:green"}
+
+
+def plot_compare(report: dict[str, Any], path: str | Path) -> Path:
+    """``kvstrata bench --compare`` as a PNG: total hit rate (left) and SSD writes per hour
+    (right) against the SSD tier's capacity, a line per eviction x admission, and the optimum."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
+    try:
+        bound = sorted((r["ssd_blocks"], r["hit_rate"]) for r in rows if r["eviction"] == "optimal")
+        if bound:
+            left.plot(*zip(*[(x, 100 * y) for x, y in bound]), color="black", ls=":", label="optimal (Belady)")
+        for ev, color in _ORDER_STYLE.items():
+            for adm, style in (("always", "-"), ("second_hit", "--")):
+                pts = sorted((r["ssd_blocks"], r) for r in rows if r["eviction"] == ev and r["admission"] == adm)
+                if not pts:
+                    continue
+                xs = [x for x, _ in pts]
+                left.plot(xs, [100 * r["hit_rate"] for _, r in pts], color=color, ls=style, marker="o",
+                          label=f"{ev} / {adm}")
+                right.plot(xs, [(r["ssd_bytes_per_hour"] or 0) / 2**30 for _, r in pts], color=color, ls=style,
+                           marker="o", label=f"{ev} / {adm}")
+        left.set(xlabel="SSD tier (blocks)", ylabel="prefix hit rate (%)", title="hit rate")
+        right.set(xlabel="SSD tier (blocks)", ylabel="GiB written per hour", title="SSD writes")
+        left.legend(fontsize=8)
+        right.legend(fontsize=8)
+        fig.suptitle(f"kvstrata bench --compare: {report['requests']:,} requests, "
+                     f"{report['distinct_blocks']:,} distinct blocks")
         fig.tight_layout()
         out = Path(path)
         fig.savefig(out, dpi=110)
