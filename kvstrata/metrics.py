@@ -202,6 +202,8 @@ def policy_stats(policy: Any, *, gpu_evictions: int = 0, gpu_cached: int = 0, gp
         "dropped_spills": {**zero, **counts["dropped"]},
         "corrupt_blocks": {**zero, **counts["lost"]},
         "admissions_rejected": {**zero, **counts["rejected"]},
+        "tier_policies": {t.name: {"eviction": t.eviction, "admission": t.admission}
+                          for t in getattr(policy.spec, "tiers", ())},
         "occupancy": {GPU: gpu_cached, **policy.occupancy()},
         "capacity_blocks": {GPU: gpu_blocks, **policy.capacity()},
     }
