@@ -139,7 +139,7 @@ def main() -> None:
         qv = statistics.median(p[1] for p in pairs)
         print(f"                                  vLLM   {qv * 1e9:.0f} ns/op  (ratio vLLM/kvstrata time {qv / qt:.2f}x)")
 
-    from kvstrata.bench.compare import policy_ns_per_op
+    from kvstrata.policy.order_cost import policy_ns_per_op
     from kvstrata.values import EVICTIONS
 
     print("tier eviction orders, SlotIndex of 65,536 slots, 200,000 skewed lookups (touch or place), best of 3:")

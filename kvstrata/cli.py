@@ -213,15 +213,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse(mode: str, *flags: tuple[str, Any]) -> None:
+    """A ReplayError naming the first of ``flags`` (``(flag, given)``) given with ``mode``."""
+    from kvstrata.bench.replay import ReplayError
+
+    for flag, given in flags:
+        if given:
+            raise ReplayError(f"{flag}: not with {mode}")
+
+
 def _bench_compare(args: argparse.Namespace, config: Any, options: Any, progress: Progress) -> int:
     """``kvstrata bench --compare``: :mod:`kvstrata.bench.compare`."""
     from kvstrata.bench.compare import compare, render_compare
-    from kvstrata.bench.replay import ReplayError
 
-    for flag, given in (("--admission both", args.admission == "both"), ("--payload", args.payload),
-                        ("--explain", args.explain)):
-        if given:
-            raise ReplayError(f"{flag}: not with --compare")
+    _refuse("--compare", ("--admission both", args.admission == "both"), ("--payload", args.payload),
+            ("--explain", args.explain))
     trace = _load_trace(args, config, progress)
     try:
         report = compare(trace, config, options,
@@ -241,13 +247,10 @@ def _bench_compare(args: argparse.Namespace, config: Any, options: Any, progress
 
 def _bench_replicas(args: argparse.Namespace, config: Any, options: Any, progress: Progress) -> int:
     """``kvstrata bench --replicas N``: the fleets of :mod:`kvstrata.bench.replicas`."""
-    from kvstrata.bench.replay import ReplayError
     from kvstrata.bench.replicas import ROUTINGS, render_replicas, replay_replicas, replicas_report
 
-    for flag, given in (("--admission both", args.admission == "both"), ("--plot", args.plot),
-                        ("--payload", args.payload)):
-        if given:
-            raise ReplayError(f"{flag}: not with --replicas")
+    _refuse("--replicas", ("--admission both", args.admission == "both"), ("--plot", args.plot),
+            ("--payload", args.payload))
     trace = _load_trace(args, config, progress)
     routings = ROUTINGS if args.routing == "both" else (args.routing,)
     try:

@@ -19,12 +19,12 @@ miss), in this process; the replay's wall time is shown beside it as context.
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from kvstrata.bench.capacity import config_for_trace
 from kvstrata.bench.replay import ReplayOptions, ReplayResult, replaying, requests_of
+from kvstrata.policy.order_cost import policy_ns_per_op
 from kvstrata.policy.tiers import CPU, GPU, SSD
 from kvstrata.values import EVICTIONS, TIER_ADMISSIONS, format_size
 
@@ -135,24 +135,6 @@ def _with_optimal(rows: list[dict[str, Any]], requests: list["Request"], results
                     "admissions_rejected": 0, "policy_ns_per_op": None, "replay_s": None})
         out += [r for r in rows if (r["cpu_blocks"], r["ssd_blocks"]) == point]
     return out
-
-
-def policy_ns_per_op(eviction: str, slots: int = 65_536, ops: int = 200_000, seed: int = 0) -> float:
-    """Nanoseconds per lookup-and-update of a SlotIndex under ``eviction`` (see the module docstring)."""
-    from kvstrata.policy.slot_index import SlotIndex
-
-    rng = random.Random(seed)
-    keys = [rng.getrandbits(256).to_bytes(32, "little") for _ in range(4 * slots)]
-    stream = [keys[min(int(rng.paretovariate(1.2)) - 1, len(keys) - 1)] if rng.random() < 0.7
-              else keys[rng.randrange(len(keys))] for _ in range(ops)]
-    index = SlotIndex(slots, eviction)
-    t0 = time.perf_counter()
-    for key in stream:
-        if key in index:
-            index.touch(key)
-        else:
-            index.try_allocate(key)
-    return (time.perf_counter() - t0) * 1e9 / ops
 
 
 def render_compare(report: dict[str, Any]) -> str:

@@ -114,11 +114,15 @@ def plot_report(res: "BenchResult", report: dict[str, Any], path: str | Path) ->
         _lifecycle_panel(right, res)
         fig.suptitle(f"kvstrata bench: {report['trace']['name']} ({report['requests']:,} requests, "
                      f"{report['block_tokens']}-token blocks)")
-        fig.tight_layout()
-        out = Path(path)
-        fig.savefig(out, dpi=110)
+        return _save(fig, path)
     finally:
         plt.close(fig)
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
     return out
 
 
@@ -155,9 +159,6 @@ def plot_compare(report: dict[str, Any], path: str | Path) -> Path:
         right.legend(fontsize=8)
         fig.suptitle(f"kvstrata bench --compare: {report['requests']:,} requests, "
                      f"{report['distinct_blocks']:,} distinct blocks")
-        fig.tight_layout()
-        out = Path(path)
-        fig.savefig(out, dpi=110)
+        return _save(fig, path)
     finally:
         plt.close(fig)
-    return out
