@@ -168,11 +168,16 @@ ALWAYS, SECOND_HIT = "always", "second_hit"
 TIER_ADMISSIONS = (ALWAYS, SECOND_HIT)  # what a lower tier takes of the blocks offered to it
 
 
+#: the largest ``ghost_keys`` window: 2^26 keys, ~1.5 GB of the scheduler's memory at most
+MAX_GHOST_KEYS = 1 << 26
+
+
 def tier_admission(d: Mapping[str, Any], p: str) -> dict[str, Any]:
     """``admission`` and ``ghost_keys`` of a tier's section ``p``."""
     ghost = d.get("ghost_keys")
     return {"admission": one_of(d.get("admission", ALWAYS), f"{p}.admission", TIER_ADMISSIONS),
-            "ghost_keys": None if ghost is None else integer(ghost, f"{p}.ghost_keys", minimum=1)}
+            "ghost_keys": None if ghost is None else integer(ghost, f"{p}.ghost_keys", minimum=1,
+                                                              maximum=MAX_GHOST_KEYS)}
 
 
 LRU, S3FIFO, ARC = "lru", "s3fifo", "arc"

@@ -123,6 +123,7 @@ def test_the_remote_tier_gets_a_block_new_to_this_replica_on_its_second_offer() 
 @pytest.mark.parametrize("overrides, message", [
     ({"ssd.admission": "twice"}, r"^ssd.admission: expected one of always, second_hit; got 'twice'"),
     ({"ssd.ghost_keys": 0}, r"^ssd.ghost_keys: must be >= 1"),
+    ({"ssd.ghost_keys": 10**12}, r"^ssd.ghost_keys: must be <= 67108864"),
     ({"remote.admission": "lfu"}, r"^remote.admission: expected one of always, second_hit"),
 ])
 def test_bad_admission_settings_are_config_errors_naming_the_key(overrides, message) -> None:
