@@ -62,6 +62,16 @@ def test_capacity_points_are_fractions_of_the_working_set() -> None:
     assert capacity_points(10) == [(1, 4), (1, 5)]  # a small trace: fewer, smaller points, none repeated
 
 
+def test_forked_workers_replay_the_same_rows_as_one_process() -> None:
+    trace = generate(scale=0.1)
+    cfg = KVStrataConfig.from_dict({})
+    timing = ("policy_ns_per_op", "replay_s")
+    one, two = (compare(trace, cfg, workers=n) for n in (1, 2))
+    assert two["workers"] == 2
+    assert [{k: v for k, v in r.items() if k not in timing} for r in one["rows"]] == \
+        [{k: v for k, v in r.items() if k not in timing} for r in two["rows"]]
+
+
 def test_given_points_are_replayed_as_given() -> None:
     trace = generate(scale=0.1)
     cfg = KVStrataConfig.from_dict({})

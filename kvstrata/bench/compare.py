@@ -3,7 +3,8 @@
 Each row is a full replay through the tier policy (the one the plugin and the
 library run) with ``cpu.eviction`` and ``ssd.eviction`` set to the row's order and
 ``ssd.admission`` to its admission, at one pair of lower-tier capacities. All rows
-are replayed in one pass over the trace. A row's ``set`` are the ``--set`` values
+are replayed in one pass over the trace per process (the rows split across the
+spare cores, each a forked process). A row's ``set`` are the ``--set`` values
 that give a plain ``kvstrata bench`` the same run: its hit rate is reproduced
 exactly.
 
@@ -19,6 +20,7 @@ miss), in this process; the replay's wall time is shown beside it as context.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from kvstrata.trace.reader import TraceReader
     from kvstrata.trace.requests import Request, Trace
 
-__all__ = ["FRACTIONS", "OPTIMAL", "capacity_points", "compare", "render_compare", "policy_ns_per_op"]
+__all__ = ["FRACTIONS", "OPTIMAL", "capacity_points", "compare", "render_compare"]
 
 OPTIMAL = "optimal"  # Belady's offline optimum (kvstrata.bench.optimal): the bound, not a policy
 
@@ -66,32 +68,79 @@ def _row_config(config: "KVStrataConfig", block_size: int, cpu: int, ssd: int, e
 
 def compare(trace: "Trace | TraceReader", config: "KVStrataConfig", options: ReplayOptions = ReplayOptions(),
             points: Sequence[tuple[int, int]] | None = None,
-            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Replay ``trace`` under every eviction x admission at each capacity point (in one pass)."""
+            progress: Callable[[int], None] | None = None, workers: int | None = None) -> dict[str, Any]:
+    """Replay ``trace`` under every eviction x admission at each capacity point: in one pass per
+    process, the rows split across ``workers`` forked processes (default: one per spare core,
+    at most 4; progress is reported only with one)."""
     requests = list(requests_of(trace))
     distinct = 1 + max((max(r.blocks) for r in requests if len(r.blocks)), default=0)
     points = list(points) if points else capacity_points(distinct)
     rows = [(cpu, ssd, ev, adm) for cpu, ssd in points for ev in EVICTIONS for adm in TIER_ADMISSIONS]
+    duration = (requests[-1].timestamp - requests[0].timestamp) if requests else 0.0
+    costs = {ev: policy_ns_per_op(ev) for ev in EVICTIONS}
+    n = max(1, min(workers if workers is not None else _cores(), 4, len(rows)))
     t0 = time.perf_counter()
+    job = (requests, trace.block_size, config, options, [rows[i::n] for i in range(n)], duration, costs)
+    if n == 1:
+        out_rows = _replay_rows(job, 0, progress)
+    else:
+        out_rows = _forked(job, n)
+    wall = time.perf_counter() - t0
+    order = {row: i for i, row in enumerate(rows)}
+    out_rows.sort(key=lambda r: order.get((r["cpu_blocks"], r["ssd_blocks"], r["eviction"], r["admission"]),
+                                          len(order)))
+    out_rows = _with_optimal(out_rows, requests, trace.block_size)
+    return {"trace": getattr(trace, "name", ""), "distinct_blocks": distinct, "requests": len(requests),
+            "duration_s": round(duration, 3), "gpu_blocks": out_rows[0]["gpu_blocks"] if out_rows else 0,
+            "wall_s": round(wall, 3), "workers": n, "rows": out_rows}
+
+
+_JOB: Any = None  # the job a forked worker reads (set before the fork: nothing is pickled but its rows back)
+
+
+def _forked(job: Any, n: int) -> list[dict[str, Any]]:
+    """Chunks 1..n-1 in forked processes, chunk 0 here."""
+    import multiprocessing
+
+    global _JOB
+    _JOB = job
+    try:
+        with multiprocessing.get_context("fork").Pool(n - 1) as pool:
+            others = pool.map_async(_replay_chunk, range(1, n))
+            mine = _replay_rows(job, 0, None)
+            return mine + [r for chunk in others.get() for r in chunk]
+    finally:
+        _JOB = None
+
+
+def _replay_chunk(i: int) -> list[dict[str, Any]]:
+    return _replay_rows(_JOB, i, None)
+
+
+def _replay_rows(job: Any, chunk: int, progress: Callable[[int], None] | None) -> list[dict[str, Any]]:
+    """The rows of ``job``'s chunk, replayed together in one pass over its requests."""
+    requests, block_size, config, options, chunks, duration, costs = job
+    rows = chunks[chunk]
     with contextlib.ExitStack() as opened:
-        made = [_row_config(config, trace.block_size, *row) for row in rows]
-        replayers = [opened.enter_context(replaying(cfg, trace.block_size, options)) for cfg, _ in made]
+        made = [_row_config(config, block_size, *row) for row in rows]
+        replayers = [opened.enter_context(replaying(cfg, block_size, options)) for cfg, _ in made]
         for n, r in enumerate(requests, 1):
             for rp in replayers:
                 rp.step(r)
             if progress is not None and n & 255 == 0:
                 progress(n)
-    wall = time.perf_counter() - t0
-    duration = (requests[-1].timestamp - requests[0].timestamp) if requests else 0.0
-    costs = {ev: policy_ns_per_op(ev) for ev in EVICTIONS}
-    out_rows = []
+    out = []
     for (cpu, ssd, ev, adm), (_, sets), rp in zip(rows, made, replayers):
         assert rp.result is not None
-        out_rows.append(_row(rp.result, cpu, ssd, ev, adm, sets, duration, trace.block_size, costs[ev]))
-    out_rows = _with_optimal(out_rows, requests, [rp.result for rp in replayers], trace.block_size)
-    return {"trace": getattr(trace, "name", ""), "distinct_blocks": distinct, "requests": len(requests),
-            "duration_s": round(duration, 3), "gpu_blocks": out_rows[0]["gpu_blocks"] if out_rows else 0,
-            "wall_s": round(wall, 3), "rows": out_rows}
+        out.append(_row(rp.result, cpu, ssd, ev, adm, sets, duration, block_size, costs[ev]))
+    return out
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 def _row(res: ReplayResult, cpu: int, ssd: int, eviction: str, admission: str, sets: list[str], duration: float,
@@ -109,28 +158,28 @@ def _row(res: ReplayResult, cpu: int, ssd: int, eviction: str, admission: str, s
             "ssd_bytes_per_hour": round(per_hour) if per_hour is not None else None,
             "drive_writes_per_day": round(dwpd, 4) if dwpd is not None else None,
             "admissions_rejected": int(res.stats.get("admissions_rejected", {}).get(SSD, 0)),
-            "policy_ns_per_op": round(ns_per_op, 1), "replay_s": round(res.wall_s, 3)}
+            "policy_ns_per_op": round(ns_per_op, 1), "replay_s": round(res.wall_s, 3),
+            "cache_blocks": res.spec.effective_blocks(res.capacity_blocks.get(GPU, 0))}
 
 
-def _with_optimal(rows: list[dict[str, Any]], requests: list["Request"], results: list[Any],
-                  block_size: int) -> list[dict[str, Any]]:
+def _with_optimal(rows: list[dict[str, Any]], requests: list["Request"], block_size: int) -> list[dict[str, Any]]:
     """``rows`` with, before each capacity point's rows, Belady's optimum for a cache of as many
-    blocks as that point's hierarchy holds (the policy's own rule: ``effective_blocks``)."""
+    blocks as that point's hierarchy holds (``cache_blocks``: the policy's own rule,
+    ``effective_blocks``)."""
     from kvstrata.bench.optimal import belady_hits
 
     accesses = [b for r in requests for b in r.blocks]
-    first: dict[tuple[int, int], tuple[dict[str, Any], Any]] = {}
-    for row, res in zip(rows, results):
-        first.setdefault((row["cpu_blocks"], row["ssd_blocks"]), (row, res))
-    sizes = {point: res.spec.effective_blocks(res.capacity_blocks.get(GPU, 0)) for point, (_, res) in first.items()}
-    hits = belady_hits(accesses, set(sizes.values()))
+    first: dict[tuple[int, int], dict[str, Any]] = {}
+    for row in rows:
+        first.setdefault((row["cpu_blocks"], row["ssd_blocks"]), row)
+    hits = belady_hits(accesses, {row["cache_blocks"] for row in first.values()})
     out = []
-    for point, (row, _) in first.items():
-        n = hits[sizes[point]]
+    for point, row in first.items():
+        n = hits[row["cache_blocks"]]
         out.append({"eviction": OPTIMAL, "admission": "always", "cpu_blocks": point[0], "ssd_blocks": point[1],
                     "gpu_blocks": row["gpu_blocks"], "set": [s for s in row["set"] if "capacity" in s],
                     "hit_rate": round(n / len(accesses), 6) if accesses else 0.0, "hit_rates": {},
-                    "cache_blocks": sizes[point], "prefill_tokens_saved": n * block_size,
+                    "cache_blocks": row["cache_blocks"], "prefill_tokens_saved": n * block_size,
                     "ssd_bytes_written": None, "ssd_bytes_per_hour": None, "drive_writes_per_day": None,
                     "admissions_rejected": 0, "policy_ns_per_op": None, "replay_s": None})
         out += [r for r in rows if (r["cpu_blocks"], r["ssd_blocks"]) == point]
