@@ -121,3 +121,10 @@ def test_the_optimum_bounds_every_policy_at_every_point(report: dict) -> None:
     assert len(optimal) == 3
     for r in rows:
         assert r["hit_rate"] <= optimal[r["cpu_blocks"], r["ssd_blocks"]] + 1e-9, r
+
+
+def test_a_comparison_that_would_not_fit_the_memory_is_refused_before_it_starts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--compare", "--scale", "0.1", "--max-memory", "1MiB"]) != 0
+    err = capsys.readouterr().err
+    assert "--compare: replaying its 18 rows" in err and "more than --max-memory 1.0 MiB" in err
