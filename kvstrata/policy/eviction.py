@@ -133,8 +133,9 @@ class S3FIFOOrder:
             self.access(key)
 
     def rename_held(self, key: bytes, new_key: bytes) -> None:
-        self._held[new_key] = self._held.pop(key)
-        self._freq[new_key] = self._freq.pop(key)
+        if key in self._held:  # (a key pinned as it was placed was never added: nothing to rename)
+            self._held[new_key] = self._held.pop(key)
+            self._freq[new_key] = self._freq.pop(key)
 
     def discard(self, key: bytes) -> None:
         if key in self._small:
@@ -249,7 +250,8 @@ class ARCOrder:
             (self._t2 if use or in_t2 else self._t1)[key] = None  # a use moves it to T2
 
     def rename_held(self, key: bytes, new_key: bytes) -> None:
-        self._held[new_key] = self._held.pop(key)
+        if key in self._held:  # (a key pinned as it was placed was never added: nothing to rename)
+            self._held[new_key] = self._held.pop(key)
 
     def discard(self, key: bytes) -> None:
         if key in self._t1:
