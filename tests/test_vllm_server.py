@@ -451,3 +451,35 @@ def test_api_server_serves_from_the_tiers_and_exports_kvstratas_series(server: S
     _until("the server's processes exited", lambda: not server.group_alive(), 15, server.tail)
     # the workers ran kvstrata's shutdown (vLLM kills them at once with --shutdown-timeout 0)
     assert (server.ssd / "rank-0" / CLEAN).exists(), server.tail()
+
+
+def test_the_scheduler_exports_what_second_hit_admission_turned_away(model: str, tmp_path: Path) -> None:
+    """vLLM's real Scheduler with an SSD tier under ``second_hit``: the first sighting of each
+    block is not written there, and kvstrata:admissions_rejected{tier="ssd"} counts them."""
+    from vllm_sched import SchedulerHarness, block_nbytes
+
+    from kvstrata.connectors.vllm_metrics import KVStrataStats
+
+    prompt = random_token_prompt(6 * BLOCK + 1, seed=9)
+    h = SchedulerHarness(model, block_size=BLOCK, num_gpu_blocks=32,
+                         kv_connector_extra_config={"cpu.capacity": 64 * block_nbytes(BLOCK),
+                                                    "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": "64MiB",
+                                                    "ssd.admission": "second_hit"})
+    sent: list[dict[str, Any] | None] = []
+    update = h.scheduler.update_from_output
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        outputs = update(*args, **kwargs)
+        sent.extend(o.scheduler_stats.kv_connector_stats for o in outputs.values() if o.scheduler_stats)
+        return outputs
+
+    h.scheduler.update_from_output = recording  # type: ignore[method-assign]
+    try:
+        h.run_group([("first", prompt)])
+    finally:
+        h.close()
+    total = KVStrataStats()
+    for payload in sent:
+        total.aggregate(KVStrataStats.from_payload(payload))
+    got = total.reduce()
+    assert got["admissions_rejected_ssd"] == 6
