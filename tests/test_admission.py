@@ -139,3 +139,21 @@ def test_the_config_declares_the_admission_with_a_bounded_default_window() -> No
     assert ssd.admission == "second_hit" and ssd.ghost_keys == min(spec.ssd_slots, 1 << 20)
     explicit = KVStrataConfig.from_dict({}, {"ssd.admission": "second_hit", "ssd.ghost_keys": 7})
     assert PolicySpec.from_config(explicit, block_nbytes=4096, gpu_blocks=8).tiers[SSD].ghost_keys == 7
+
+
+def test_second_hit_on_an_ssd_tier_that_holds_no_block_is_inert() -> None:
+    tiers = TierList((dataclasses.replace(KNOWN[CPU], capacity=4),
+                      dataclasses.replace(KNOWN[SSD], capacity=0, admission="second_hit", ghost_keys=4)))
+    p = TierPolicy(PolicySpec(tiers=tiers))
+    for _ in range(3):  # store, hit, store again, hit again: no SSD index to place into, no crash
+        store(p, [K[0]])
+        p.complete_load(p.prepare_load("r", [K[0]], [1]))
+    p.check()
+
+
+def test_a_key_named_twice_in_one_load_is_one_sighting() -> None:
+    p = policy(cpu=4, ssd=4, write_through=False)
+    store(p, [K[0]])
+    load = p.prepare_load("r", [K[0], K[0]], [0, 1])
+    assert load.spills == []
+    p.complete_load(load)

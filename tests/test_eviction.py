@@ -225,3 +225,49 @@ def test_every_order_holds_what_the_policy_placed_and_keeps_its_invariants() -> 
 def test_an_unknown_eviction_is_a_config_error_naming_the_key_and_the_choices(key: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{key}: expected one of lru, s3fifo, arc; got 'lfu'"):
         KVStrataConfig.from_dict({}, {key: "lfu"})
+
+
+def test_arc_counts_a_ghost_hit_once_when_a_batch_places_several() -> None:
+    """A batch evicts for all its keys before it adds them: each ghost hit adapts ``p`` once."""
+    one, batch = SlotIndex(4, "arc"), SlotIndex(4, "arc")
+    for index in (one, batch):
+        index.allocate_many(K[:4])
+        index.touch_many(K[:2])            # K0, K1 to T2
+        index.allocate_many(K[4:6])        # K2, K3 leave T1 for B1
+    one.allocate_many([K[2]])
+    one.allocate_many([K[3]])
+    batch.allocate_many([K[2], K[3]])
+    assert batch._lru.p == one._lru.p == 2.0  # +1 per hit in B1 (|B2| = 0 < |B1|)
+    batch._lru.check()
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+@pytest.mark.parametrize("policy", ["s3fifo", "arc"])
+def test_renaming_to_a_key_the_order_remembers_as_a_ghost_leaves_one_entry(policy: str, pinned: bool) -> None:
+    index = SlotIndex(2, policy)
+    index.allocate(K[0])
+    index.touch(K[0])
+    index.allocate(K[1])
+    index.allocate(K[2])  # K1 leaves, remembered by the order's ghost
+    assert K[1] not in index
+    if pinned:
+        index.pin(K[2])
+    index.rename(K[2], K[1])
+    index._lru.check()
+    if pinned:
+        index.unpin(K[1])
+    index.check()
+    index._lru.check()
+    assert len(index._lru) == len(index) == 2
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "arc"])
+def test_a_batch_with_a_present_key_keeps_its_order_and_stays_linear(policy: str) -> None:
+    index = SlotIndex(8, policy)
+    old = [b"old%d" % i for i in range(8)]
+    index.allocate_many(old)
+    new = [b"new%d" % i for i in range(6)]
+    index.allocate_many([old[7], *new])
+    order = [k for k in index if k.startswith(b"new")]
+    assert order == new  # the batch's keys enter in the batch's order
+    index.check()

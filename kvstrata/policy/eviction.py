@@ -69,6 +69,10 @@ class LRUOrder(OrderedDict):  # type: ignore[type-arg]
     def rename_held(self, key: bytes, new_key: bytes) -> None:
         pass  # a held key has no state here
 
+    def rename(self, key: bytes, new_key: bytes) -> None:
+        del self[key]
+        self[new_key] = None  # most recently used: a renamed entry is on its way out anyway
+
     def discard(self, key: bytes) -> None:
         del self[key]
 
@@ -133,9 +137,18 @@ class S3FIFOOrder:
             self.access(key)
 
     def rename_held(self, key: bytes, new_key: bytes) -> None:
+        self._ghost.pop(new_key, None)
         if key in self._held:  # (a key pinned as it was placed was never added: nothing to rename)
             self._held[new_key] = self._held.pop(key)
             self._freq[new_key] = self._freq.pop(key)
+
+    def rename(self, key: bytes, new_key: bytes) -> None:
+        """An unpinned entry takes another key, at the tail of its FIFO with its count."""
+        self._ghost.pop(new_key, None)
+        fifo = self._main if key in self._main else self._small
+        del fifo[key]
+        fifo[new_key] = None
+        self._freq[new_key] = self._freq.pop(key)
 
     def discard(self, key: bytes) -> None:
         if key in self._small:
@@ -183,7 +196,7 @@ class ARCOrder:
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
         self._held: dict[bytes, bool] = {}  # held key -> was it in T2
-        self._adapted: bytes | None = None  # the ghost hit already adapted ``p`` (by evict)
+        self._ghost_hit: set[bytes] = set()  # incoming keys evict() took out of B1/B2 (``p`` adapted), not yet added
 
     def __contains__(self, key: object) -> bool:
         return key in self._t1 or key in self._t2
@@ -195,24 +208,25 @@ class ARCOrder:
         yield from list(self._t1)
         yield from list(self._t2)
 
-    def _adapt(self, key: bytes) -> None:
-        """A ghost hit moves ``p`` toward the list that would have kept it."""
-        if key == self._adapted:
-            return
+    def _take_ghost(self, key: bytes) -> bool:
+        """A ghost hit moves ``p`` toward the list that would have kept it, and takes the key
+        out of its ghost list (once: a key ``evict`` already took is not counted again)."""
         b1, b2 = len(self._b1), len(self._b2)
         if key in self._b1:
             self.p = min(float(self.c), self.p + max(b2 / b1, 1.0))
+            del self._b1[key]
         elif key in self._b2:
             self.p = max(0.0, self.p - max(b1 / b2, 1.0))
+            del self._b2[key]
         else:
-            return
-        self._adapted = key
+            return False
+        return True
 
     def add(self, key: bytes) -> None:
-        self._adapt(key)
-        self._adapted = None
-        if key in self._b1 or key in self._b2:
-            (self._b1 if key in self._b1 else self._b2).pop(key)
+        if key in self._ghost_hit:
+            self._ghost_hit.discard(key)
+            self._t2[key] = None
+        elif self._take_ghost(key):
             self._t2[key] = None
         else:
             self._t1[key] = None
@@ -250,8 +264,21 @@ class ARCOrder:
             (self._t2 if use or in_t2 else self._t1)[key] = None  # a use moves it to T2
 
     def rename_held(self, key: bytes, new_key: bytes) -> None:
+        self._b1.pop(new_key, None)
+        self._b2.pop(new_key, None)
         if key in self._held:  # (a key pinned as it was placed was never added: nothing to rename)
             self._held[new_key] = self._held.pop(key)
+        if key in self._ghost_hit:
+            self._ghost_hit.discard(key)
+            self._ghost_hit.add(new_key)
+
+    def rename(self, key: bytes, new_key: bytes) -> None:
+        """An unpinned entry takes another key, in its list at the most recent end."""
+        self._b1.pop(new_key, None)
+        self._b2.pop(new_key, None)
+        in_t2 = key in self._t2
+        del (self._t2 if in_t2 else self._t1)[key]
+        (self._t2 if in_t2 else self._t1)[new_key] = None
 
     def discard(self, key: bytes) -> None:
         if key in self._t1:
@@ -262,12 +289,12 @@ class ARCOrder:
     def evict(self, incoming: bytes | None = None) -> bytes | None:
         """ARC's REPLACE: T1's least recent when T1 is over its target (or at it, for a key
         ARC remembers from T2), else T2's; the victim's key goes to its list's ghost."""
-        if incoming is not None:
-            self._adapt(incoming)
         t1, t2 = self._t1, self._t2
         if not t1 and not t2:
             return None
         in_b2 = incoming is not None and incoming in self._b2
+        if incoming is not None and incoming not in self._ghost_hit and self._take_ghost(incoming):
+            self._ghost_hit.add(incoming)
         if t1 and (len(t1) > self.p or (in_b2 and len(t1) == int(self.p)) or not t2):
             key = t1.popitem(last=False)[0]
             self._b1[key] = None
@@ -278,7 +305,7 @@ class ARCOrder:
         return key
 
     def check(self) -> None:
-        lists = [set(self._t1), set(self._t2), set(self._b1), set(self._b2), set(self._held)]
+        lists = [set(self._t1), set(self._t2), set(self._b1), set(self._b2), set(self._held), self._ghost_hit]
         assert sum(map(len, lists)) == len(set().union(*lists)), "a key in two ARC lists"
 
 

@@ -106,7 +106,7 @@ class TierPolicy:
         self.counts = EventCounts((*LOWER_TIERS, *(t.name for t in shared)))
         self._cascades_to = slab.cascade if slab is not None else None
         # second_hit admission: the keys each such tier saw once
-        self._ghost_s = Ghost(store.ghost_keys) if store is not None and store.admission == SECOND_HIT else None
+        self._ghost_s = Ghost(store.ghost_keys) if self.ssd is not None and store.admission == SECOND_HIT else None
         self._ghost_r = Ghost(shared[0].ghost_keys) if shared and shared[0].admission == SECOND_HIT else None
         self._observers: list[Observer] = list(observers)
         self._events: list[PolicyEvent] | None = [] if record_events else None
@@ -225,6 +225,7 @@ class TierPolicy:
     def _admit_hits(self, plan: LoadPlan, keys: list[bytes], cpu_slot: dict[bytes, int], now: float) -> None:
         """``second_hit``: a CPU hit of a block the SSD tier lacks is a sighting; the second
         one writes the block down from its (pinned) slab slot, a spill run before the load."""
+        keys = list(dict.fromkeys(keys))  # a key named twice is one sighting
         placed = self._place_ssd(plan, self._second(self._ghost_s, self._s, keys, now), now)
         plan.spills.extend((cpu_slot[k], k) for k in placed)
 

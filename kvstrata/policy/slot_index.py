@@ -237,48 +237,48 @@ class SlotIndex(SlotCounts):
 
     def _allocate_each(self, keys: Sequence[bytes]
                        ) -> tuple[list[int | None], list[tuple[bytes, int]]]:
-        """:meth:`allocate_many` one key at a time (repeated or present keys)."""
+        """:meth:`allocate_many` one key at a time (repeated or present keys). Keys this call
+        places or uses are never evicted for a later one: under LRU they sit at the most
+        recent end, behind every victim; under another order they are held out of its reach
+        until the call ends, then returned in the call's order."""
+        order = self._lru
+        lru = isinstance(order, dict)
         slots: list[int | None] = []
         evicted: list[tuple[bytes, int]] = []
-        placed: set[bytes] = set()  # keys of this call in the LRU list, all behind the others
+        placed: set[bytes] = set()  # LRU: this call's keys in the order, all behind the others
+        held: list[bytes] = []
+        new: list[bytes] = []
         for key in keys:
             slot = self._slot.get(key)
             if slot is not None:
-                if key in self._lru:
-                    self._lru.access(key)
-                    placed.add(key)
+                if key in order:
+                    order.access(key)
+                    if lru:
+                        placed.add(key)
+                    else:
+                        order.hold(key)
+                        held.append(key)
                 slots.append(slot)
                 continue
             slot = self._take_free()
             if slot is None:
-                victim = self._evict_but(placed, key)
+                victim = order.evict(key) if len(order) > len(placed) else None
                 if victim is None:
                     slots.append(None)
                     continue
                 slot = self._slot.pop(victim)
                 evicted.append((victim, slot))
             self._slot[key] = slot
-            self._lru.add(key)
-            placed.add(key)
+            if lru:
+                order.add(key)
+                placed.add(key)
+            else:
+                new.append(key)
             slots.append(slot)
+        for key in held:
+            order.release(key, use=False)
+        order.add_many(new)
         return slots, evicted
-
-    def _evict_but(self, placed: set[bytes], incoming: bytes) -> bytes | None:
-        """A victim that is not among ``placed`` (keys this call placed or used: held
-        until the victim is chosen, then returned as they were), or None."""
-        lru = self._lru
-        if len(lru) <= len(placed & lru.keys() if isinstance(lru, dict) else {k for k in placed if k in lru}):
-            return None
-        if isinstance(lru, dict):  # LRU: this call's keys sit at the most recent end, after every victim
-            return lru.evict(incoming)
-        kept = [k for k in placed if k in lru]
-        for k in kept:
-            lru.hold(k)
-        try:
-            return lru.evict(incoming)
-        finally:
-            for k in kept:
-                lru.release(k, use=False)
 
     def pop(self, key: bytes) -> int | None:
         """Remove ``key`` and free its slot; return the slot or None if absent.
@@ -304,8 +304,7 @@ class SlotIndex(SlotCounts):
             self._pins[new_key] = self._pins.pop(key)
             self._lru.rename_held(key, new_key)
         else:
-            self._lru.discard(key)
-            self._lru.add(new_key)  # it is on its way out anyway
+            self._lru.rename(key, new_key)
 
     def pin(self, key: bytes) -> int:
         """Add one pin to ``key`` and return its slot; KeyError if absent."""
