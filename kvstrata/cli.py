@@ -147,12 +147,21 @@ def _file_size(path: str) -> int | None:
     return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
+PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")  # what matplotlib writes
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
     """Refuse an output path that cannot be written before any work (a replay of a large
     trace must not end with its report lost): its directory must exist, and it must not
     be a directory itself."""
     from kvstrata.errors import ConfigError
 
+    plot = getattr(args, "plot", None)
+    if plot:
+        suffix = Path(plot).suffix.lower().lstrip(".")
+        if suffix not in PLOT_FORMATS:
+            raise ConfigError(f"--plot: {plot}: unsupported format {suffix or '(none)'!r} "
+                              f"(expected one of {', '.join(PLOT_FORMATS)})")
     for flag in ("json", "plot"):
         path = getattr(args, flag, None)
         if not path or path == "-":
@@ -179,10 +188,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     options = ReplayOptions(decode_s_per_token=args.decode_ms_per_token / 1000.0, payload=args.payload,
                             payload_block_bytes=args.payload_block_bytes, admission=admission,
                             explain=args.explain, max_memory=args.max_memory)
+    if args.compare:
+        _refuse("--compare", ("--replicas", args.replicas is not None))
+        return _bench_compare(args, config, options, progress)
     if args.replicas is not None:
         return _bench_replicas(args, config, options, progress)
-    if args.compare:
-        return _bench_compare(args, config, options, progress)
     trace = _load_trace(args, config, progress)
     t_load = time.perf_counter() - t0
     in_memory = args.trace is None  # a file is read (with its own progress) as the analysis goes
@@ -203,7 +213,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvstrata.bench.plot import plot_report
 
         t_plot = time.perf_counter()
-        plot_report(res, report, args.plot)
+        _plot(plot_report, res, report, args.plot)
         report["timings_s"]["plot"] = round(time.perf_counter() - t_plot, 3)
     report["timings_s"]["total"] = round(time.perf_counter() - t0, 3)
     if args.json:
@@ -211,6 +221,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not args.quiet and args.json != "-":
         sys.stdout.write(render_text(report))
     return 0
+
+
+def _plot(draw: Any, *args: Any) -> None:
+    """Draw a plot to its path (the last argument); a path that cannot be written is an error naming --plot."""
+    from kvstrata.errors import ConfigError
+
+    try:
+        draw(*args)
+    except OSError as e:
+        raise ConfigError(f"--plot: {args[-1]}: {e.strerror or e}") from None
 
 
 def _refuse(mode: str, *flags: tuple[str, Any]) -> None:
@@ -234,10 +254,13 @@ def _bench_compare(args: argparse.Namespace, config: Any, options: Any, progress
                          progress=progress.phase("replay", trace.num_requests) if args.trace is None else None)
     finally:
         progress.done()
+    if report["skipped_lines"] and not args.quiet:
+        print(f"kvstrata: skipped {plural(report['skipped_lines'], 'bad line')} (first: {report['first_skipped']})",
+              file=sys.stderr)
     if args.plot:
         from kvstrata.bench.plot import plot_compare
 
-        plot_compare(report, args.plot)
+        _plot(plot_compare, report, args.plot)
     if args.json:
         write_json(args.json, {"compare": report["rows"], **{k: v for k, v in report.items() if k != "rows"}})
     if not args.quiet and args.json != "-":

@@ -128,3 +128,33 @@ def test_a_comparison_that_would_not_fit_the_memory_is_refused_before_it_starts(
     assert main(["bench", "--compare", "--scale", "0.1", "--max-memory", "1MiB"]) != 0
     err = capsys.readouterr().err
     assert "--compare: replaying its 18 rows" in err and "more than --max-memory 1.0 MiB" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "ssd.path=null"], "--compare: the SSD tier is off"),
+    (["--set", "remote.url=redis://127.0.0.1:1/0", "--set", "remote.capacity=1GiB"],
+     "--compare: compares this replica's own tiers"),
+    (["--replicas", "2"], "--replicas: not with --compare"),
+    (["--plot", "cmp.txt"], "--plot: cmp.txt: unsupported format 'txt'"),
+])
+def test_compare_refuses_what_it_cannot_compare(args: list[str], message: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--compare", "--scale", "0.05", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_rejected_requests_are_said_and_counted(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "c.json"
+    assert main(["bench", "--compare", "--scale", "0.05", "--set", "gpu.num_blocks=1", "--json", str(out)]) == 0
+    assert "rejected in every row (larger than the GPU pool)" in capsys.readouterr().out
+    assert json.loads(out.read_text())["rejected_requests"] > 0
+
+
+def test_a_trace_of_requests_without_blocks_counts_no_distinct_block(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 8, "output_length": 1, "hash_ids": []})
+                             + "\n" for i in range(3)))
+    out = tmp_path / "c.json"
+    assert main(["bench", "--compare", "--trace", str(trace), "--quiet", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["distinct_blocks"] == 0

@@ -72,36 +72,57 @@ def compare(trace: "Trace | TraceReader", config: "KVStrataConfig", options: Rep
     """Replay ``trace`` under every eviction x admission at each capacity point: in one pass per
     process, the rows split across ``workers`` forked processes (default: one per spare core,
     at most 4; progress is reported only with one)."""
+    _check_tiers(config)
     requests = list(requests_of(trace))
-    distinct = 1 + max((max(r.blocks) for r in requests if len(r.blocks)), default=0)
+    info = trace.info
+    distinct = info.num_distinct_blocks
     points = list(points) if points else capacity_points(distinct)
     rows = [(cpu, ssd, ev, adm) for cpu, ssd in points for ev in EVICTIONS for adm in TIER_ADMISSIONS]
-    _check_memory(config, trace.block_size, len(rows), distinct, options.max_memory)
+    _check_memory(config, trace.block_size, len(rows), distinct, options.max_memory,
+                  info.num_accesses * _BYTES_PER_ACCESS * n_workers(workers, len(rows)))
     duration = (requests[-1].timestamp - requests[0].timestamp) if requests else 0.0
     costs = {ev: policy_ns_per_op(ev) for ev in EVICTIONS}
-    n = max(1, min(workers if workers is not None else _cores(), 4, len(rows)))
+    n = n_workers(workers, len(rows))
     t0 = time.perf_counter()
-    job = (requests, trace.block_size, config, options, [rows[i::n] for i in range(n)], duration, costs)
+    indexed = list(enumerate(rows))
+    job = (requests, trace.block_size, config, options, [indexed[i::n] for i in range(n)], duration, costs)
     if n == 1:
         out_rows = _replay_rows(job, 0, progress)
     else:
         out_rows = _forked(job, n)
     wall = time.perf_counter() - t0
-    order = {row: i for i, row in enumerate(rows)}
-    out_rows.sort(key=lambda r: order.get((r["cpu_blocks"], r["ssd_blocks"], r["eviction"], r["admission"]),
-                                          len(order)))
+    out_rows.sort(key=lambda r: r.pop("_row"))
+    rejected = out_rows[0].pop("_rejected") if out_rows else 0
+    for r in out_rows:
+        r.pop("_rejected", None)
     out_rows = _with_optimal(out_rows, requests, trace.block_size)
-    return {"trace": getattr(trace, "name", ""), "distinct_blocks": distinct, "requests": len(requests),
+    return {"trace": info.name, "distinct_blocks": distinct, "requests": len(requests),
             "duration_s": round(duration, 3), "gpu_blocks": out_rows[0]["gpu_blocks"] if out_rows else 0,
+            "rejected_requests": rejected, "skipped_lines": info.skipped_lines, "first_skipped": info.first_skipped,
             "wall_s": round(wall, 3), "workers": n, "rows": out_rows}
+
+
+def _check_tiers(config: "KVStrataConfig") -> None:
+    """--compare weighs the SSD tier's admission and the local tiers' orders: it needs an SSD
+    tier, and a modelled remote tier would serve hits the bound does not count."""
+    from kvstrata.errors import ConfigError
+
+    if not config.ssd.enabled:
+        raise ConfigError("--compare: the SSD tier is off (ssd.path or ssd.capacity); it compares SSD admissions "
+                          "and tier orders, so it needs one")
+    if config.remote.enabled and config.remote.capacity:
+        raise ConfigError("--compare: compares this replica's own tiers; remote.url and remote.capacity model a "
+                          "shared tier (drop them, or size a fleet with --replicas)")
 
 
 #: a row's replay per distinct block of the trace: 151 bytes measured (18 rows of the Mooncake
 #: conversation trace, 182,790 distinct blocks: 500 MB above the interpreter), with headroom
-ROW_BYTES_PER_DISTINCT_BLOCK = 200
+ROW_BYTES_PER_DISTINCT_BLOCK = 250
+_BYTES_PER_ACCESS = 16  # each worker's view of the request list (block ids as written by the trace)
 
 
-def _check_memory(config: "KVStrataConfig", block_size: int, rows: int, distinct: int, limit: int | None) -> None:
+def _check_memory(config: "KVStrataConfig", block_size: int, rows: int, distinct: int, limit: int | None,
+                  shared: int = 0) -> None:
     """Refuse a comparison whose replays together would not fit ``limit`` (None: half the machine's)."""
     from kvstrata.bench.budget import deployment_bytes
     from kvstrata.bench.capacity import tier_capacities
@@ -111,9 +132,10 @@ def _check_memory(config: "KVStrataConfig", block_size: int, rows: int, distinct
     limit = limit if limit is not None else default_max_memory()
     per_row = distinct * ROW_BYTES_PER_DISTINCT_BLOCK + sum(
         deployment_bytes(tier_capacities(config_for_trace(config, block_size))).values())
-    if limit is not None and rows * per_row > limit:
+    need = rows * per_row + shared
+    if limit is not None and need > limit:
         raise ConfigError(f"--compare: replaying its {rows} rows of this trace ({distinct:,} distinct blocks) needs "
-                          f"~{format_size(rows * per_row)} of memory, more than --max-memory {format_size(limit)}; "
+                          f"~{format_size(need)} of memory, more than --max-memory {format_size(limit)}; "
                           f"raise --max-memory or compare a part of the trace")
 
 
@@ -121,18 +143,37 @@ _JOB: Any = None  # the job a forked worker reads (set before the fork: nothing 
 
 
 def _forked(job: Any, n: int) -> list[dict[str, Any]]:
-    """Chunks 1..n-1 in forked processes, chunk 0 here."""
+    """Chunks 1..n-1 in forked processes, chunk 0 here. A worker that dies (killed, out of
+    memory) is an error, not a wait; Ctrl-C is the parent's to report."""
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    from kvstrata.bench.replay import ReplayError
 
     global _JOB
     _JOB = job
+    pool = ProcessPoolExecutor(n - 1, mp_context=multiprocessing.get_context("fork"), initializer=_quiet_worker)
     try:
-        with multiprocessing.get_context("fork").Pool(n - 1) as pool:
-            others = pool.map_async(_replay_chunk, range(1, n))
-            mine = _replay_rows(job, 0, None)
-            return mine + [r for chunk in others.get() for r in chunk]
+        others = [pool.submit(_replay_chunk, i) for i in range(1, n)]
+        mine = _replay_rows(job, 0, None)
+        return mine + [r for f in others for r in f.result()]
+    except BrokenProcessPool:
+        raise ReplayError("--compare: a worker process died (killed, or out of memory?); "
+                          "compare a part of the trace, or free memory and rerun") from None
+    except BaseException:  # Ctrl-C or an error here: the workers stop now, not when their rows are done
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.terminate()
+        raise
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         _JOB = None
+
+
+def _quiet_worker() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _replay_chunk(i: int) -> list[dict[str, Any]]:
@@ -142,7 +183,8 @@ def _replay_chunk(i: int) -> list[dict[str, Any]]:
 def _replay_rows(job: Any, chunk: int, progress: Callable[[int], None] | None) -> list[dict[str, Any]]:
     """The rows of ``job``'s chunk, replayed together in one pass over its requests."""
     requests, block_size, config, options, chunks, duration, costs = job
-    rows = chunks[chunk]
+    indexed = chunks[chunk]
+    rows = [row for _, row in indexed]
     with contextlib.ExitStack() as opened:
         made = [_row_config(config, block_size, *row) for row in rows]
         replayers = [opened.enter_context(replaying(cfg, block_size, options)) for cfg, _ in made]
@@ -152,10 +194,16 @@ def _replay_rows(job: Any, chunk: int, progress: Callable[[int], None] | None) -
             if progress is not None and n & 255 == 0:
                 progress(n)
     out = []
-    for (cpu, ssd, ev, adm), (_, sets), rp in zip(rows, made, replayers):
+    for (i, (cpu, ssd, ev, adm)), (_, sets), rp in zip(indexed, made, replayers):
         assert rp.result is not None
-        out.append(_row(rp.result, cpu, ssd, ev, adm, sets, duration, block_size, costs[ev]))
+        row = _row(rp.result, cpu, ssd, ev, adm, sets, duration, block_size, costs[ev])
+        out.append({**row, "_row": i, "_rejected": rp.result.rejected})
     return out
+
+
+def n_workers(workers: int | None, rows: int) -> int:
+    """Processes a comparison of ``rows`` runs in: ``workers``, or one per core, at most 4."""
+    return max(1, min(workers if workers is not None else _cores(), 4, rows))
 
 
 def _cores() -> int:
@@ -210,32 +258,45 @@ def _with_optimal(rows: list[dict[str, Any]], requests: list["Request"], block_s
 
 def render_compare(report: dict[str, Any]) -> str:
     """The comparison as text: a block of rows per capacity point."""
-    lines = [f"kvstrata bench --compare: {report['requests']:,} requests, {report['distinct_blocks']:,} distinct "
-             f"blocks, GPU pool {report['gpu_blocks']:,} blocks; "
-             f"{sum(r['eviction'] != OPTIMAL for r in report['rows'])} replays in "
-             f"{report['wall_s']:.1f} s", ""]
+    from kvstrata.values import plural
+
+    lines = [f"kvstrata bench --compare: {plural(report['requests'], 'request')}, "
+             f"{plural(report['distinct_blocks'], 'distinct block')}, GPU pool "
+             f"{plural(report['gpu_blocks'], 'block')}; "
+             f"{sum(r['eviction'] != OPTIMAL for r in report['rows'])} replays in {report['wall_s']:.1f} s", ""]
+    if report.get("rejected_requests"):
+        lines[1:1] = [f"  {plural(report['rejected_requests'], 'request')} rejected in every row (larger than "
+                      "the GPU pool): raise gpu.num_blocks or gpu.capacity"]
     head = (f"  {'eviction':<9}{'admission':<12}{'total':>8}{'GPU':>8}{'CPU':>8}{'SSD':>8}"
-            f"{'SSD writes/h':>14}{'DWPD':>8}{'ns/op':>8}")
+            f"{'SSD writes/h':>14}{'DWPD':>10}{'ns/op':>8}")
+    same = True
     for (cpu, ssd), rows in _by_point(report["rows"]):
-        lines += [f"CPU tier {cpu:,} blocks, SSD tier {ssd:,} blocks", head]
-        best = max(r["hit_rate"] for r in rows if r["eviction"] != OPTIMAL)
+        lines += [f"CPU tier {plural(cpu, 'block')}, SSD tier {plural(ssd, 'block')}", head]
+        policies = [r for r in rows if r["eviction"] != OPTIMAL]
+        best = max((r["hit_rate"] for r in policies), default=0.0)
+        same = same and len({(r["hit_rate"], r["ssd_bytes_written"]) for r in policies}) <= 1
         for r in rows:
-            if r["eviction"] == OPTIMAL:
-                lines.append(f"  {'optimal':<9}{'(offline)':<12}{r['hit_rate']:>8.2%}   the bound: Belady's MIN "
-                             f"over {r['cache_blocks']:,} blocks, any block hit counted")
-                continue
-            h = r["hit_rates"]
-            mark = " *" if r["hit_rate"] == best else ""
-            per_hour = format_size(r["ssd_bytes_per_hour"]) if r["ssd_bytes_per_hour"] is not None else "-"
-            dwpd = f"{r['drive_writes_per_day']:.3g}" if r["drive_writes_per_day"] is not None else "-"
-            lines.append(f"  {r['eviction']:<9}{r['admission']:<12}{r['hit_rate']:>8.2%}{h.get(GPU, 0):>8.2%}"
-                         f"{h.get(CPU, 0):>8.2%}{h.get(SSD, 0):>8.2%}{per_hour:>14}{dwpd:>8}"
-                         f"{r['policy_ns_per_op']:>8.0f}{mark}")
+            lines.append(_render_row(r, best))
         lines.append("")
+    if same and report["rows"]:
+        lines.append("Every row is the same: the GPU pool holds what the tiers below would; lower gpu.num_blocks "
+                     "(or gpu.capacity) to compare them.")
     lines += ["Hit rate: blocks served from cache (prefix-contiguous) / blocks requested; * the best at that point.",
               "A row's `set` in --json reproduces it: kvstrata bench --set KEY=VALUE ... (the same trace and flags).",
               ""]
     return "\n".join(lines)
+
+
+def _render_row(r: dict[str, Any], best: float) -> str:
+    if r["eviction"] == OPTIMAL:
+        return (f"  {'optimal':<9}{'(offline)':<12}{r['hit_rate']:>8.2%}   the bound: Belady's MIN over "
+                f"{r['cache_blocks']:,} blocks, any block hit counted")
+    h = r["hit_rates"]
+    mark = " *" if r["hit_rate"] == best else ""
+    per_hour = format_size(r["ssd_bytes_per_hour"]) if r["ssd_bytes_per_hour"] is not None else "-"
+    dwpd = f"{r['drive_writes_per_day']:.3g}" if r["drive_writes_per_day"] is not None else "-"
+    return (f"  {r['eviction']:<9}{r['admission']:<12}{r['hit_rate']:>8.2%}{h.get(GPU, 0):>8.2%}"
+            f"{h.get(CPU, 0):>8.2%}{h.get(SSD, 0):>8.2%}{per_hour:>14}{dwpd:>10}{r['policy_ns_per_op']:>8.0f}{mark}")
 
 
 def _by_point(rows: Iterable[dict[str, Any]]) -> list[tuple[tuple[int, int], list[dict[str, Any]]]]:

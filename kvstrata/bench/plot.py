@@ -140,12 +140,14 @@ def plot_compare(report: dict[str, Any], path: str | Path) -> Path:
     rows = report["rows"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
     try:
-        bound = sorted((r["ssd_blocks"], r["hit_rate"]) for r in rows if r["eviction"] == "optimal")
+        bound = sorted(((r["ssd_blocks"], r["hit_rate"]) for r in rows if r["eviction"] == "optimal"),
+                       key=lambda t: t[0])
         if bound:
             left.plot(*zip(*[(x, 100 * y) for x, y in bound]), color="black", ls=":", label="optimal (Belady)")
         for ev, color in _ORDER_STYLE.items():
             for adm, style in (("always", "-"), ("second_hit", "--")):
-                pts = sorted((r["ssd_blocks"], r) for r in rows if r["eviction"] == ev and r["admission"] == adm)
+                pts = sorted(((r["ssd_blocks"], r) for r in rows if r["eviction"] == ev and r["admission"] == adm),
+                             key=lambda t: t[0])
                 if not pts:
                     continue
                 xs = [x for x, _ in pts]
