@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 from kvstrata.config import plural
 from kvstrata.cli_args import MAX_DISTINCT_HELP, MAX_SCALE, block_bytes, count, finite, positive_int
 from kvstrata.files import write_json
+from kvstrata.bench_modes import draw_plot
 from kvstrata.generate_command import cmd_generate
 from kvstrata.ssd_commands import cmd_ssd, cmd_ssd_purge, parse_duration
 from kvstrata.policy.spec import ADMISSIONS
@@ -188,11 +189,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     options = ReplayOptions(decode_s_per_token=args.decode_ms_per_token / 1000.0, payload=args.payload,
                             payload_block_bytes=args.payload_block_bytes, admission=admission,
                             explain=args.explain, max_memory=args.max_memory)
-    if args.compare:
-        _refuse("--compare", ("--replicas", args.replicas is not None))
-        return _bench_compare(args, config, options, progress)
-    if args.replicas is not None:
-        return _bench_replicas(args, config, options, progress)
+    if args.compare or args.replicas is not None:
+        from kvstrata.bench_modes import bench_compare, bench_replicas, refuse
+
+        mode = bench_compare if args.compare else bench_replicas
+        refuse("--compare" if args.compare else "--replicas", ("--replicas", args.compare and args.replicas is not None),
+               ("--admission both", args.admission == "both"), ("--payload", args.payload),
+               ("--explain", args.explain and args.compare), ("--plot", args.plot and not args.compare))
+        return mode(args, _load_trace(args, config, progress), config, options, progress)
     trace = _load_trace(args, config, progress)
     t_load = time.perf_counter() - t0
     in_memory = args.trace is None  # a file is read (with its own progress) as the analysis goes
@@ -213,79 +217,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvstrata.bench.plot import plot_report
 
         t_plot = time.perf_counter()
-        _plot(plot_report, res, report, args.plot)
+        draw_plot(plot_report, res, report, args.plot)
         report["timings_s"]["plot"] = round(time.perf_counter() - t_plot, 3)
     report["timings_s"]["total"] = round(time.perf_counter() - t0, 3)
     if args.json:
         write_json(args.json, report)
     if not args.quiet and args.json != "-":
         sys.stdout.write(render_text(report))
-    return 0
-
-
-def _plot(draw: Any, *args: Any) -> None:
-    """Draw a plot to its path (the last argument); a path that cannot be written is an error naming --plot."""
-    from kvstrata.errors import ConfigError
-
-    try:
-        draw(*args)
-    except OSError as e:
-        raise ConfigError(f"--plot: {args[-1]}: {e.strerror or e}") from None
-
-
-def _refuse(mode: str, *flags: tuple[str, Any]) -> None:
-    """A ReplayError naming the first of ``flags`` (``(flag, given)``) given with ``mode``."""
-    from kvstrata.bench.replay import ReplayError
-
-    for flag, given in flags:
-        if given:
-            raise ReplayError(f"{flag}: not with {mode}")
-
-
-def _bench_compare(args: argparse.Namespace, config: Any, options: Any, progress: Progress) -> int:
-    """``kvstrata bench --compare``: :mod:`kvstrata.bench.compare`."""
-    from kvstrata.bench.compare import compare, render_compare
-
-    _refuse("--compare", ("--admission both", args.admission == "both"), ("--payload", args.payload),
-            ("--explain", args.explain))
-    trace = _load_trace(args, config, progress)
-    try:
-        report = compare(trace, config, options,
-                         progress=progress.phase("replay", trace.num_requests) if args.trace is None else None)
-    finally:
-        progress.done()
-    if report["skipped_lines"] and not args.quiet:
-        print(f"kvstrata: skipped {plural(report['skipped_lines'], 'bad line')} (first: {report['first_skipped']})",
-              file=sys.stderr)
-    if args.plot:
-        from kvstrata.bench.plot import plot_compare
-
-        _plot(plot_compare, report, args.plot)
-    if args.json:
-        write_json(args.json, {"compare": report["rows"], **{k: v for k, v in report.items() if k != "rows"}})
-    if not args.quiet and args.json != "-":
-        sys.stdout.write(render_compare(report))
-    return 0
-
-
-def _bench_replicas(args: argparse.Namespace, config: Any, options: Any, progress: Progress) -> int:
-    """``kvstrata bench --replicas N``: the fleets of :mod:`kvstrata.bench.replicas`."""
-    from kvstrata.bench.replicas import ROUTINGS, render_replicas, replay_replicas, replicas_report
-
-    _refuse("--replicas", ("--admission both", args.admission == "both"), ("--plot", args.plot),
-            ("--payload", args.payload))
-    trace = _load_trace(args, config, progress)
-    routings = ROUTINGS if args.routing == "both" else (args.routing,)
-    try:
-        res = replay_replicas(trace, config, args.replicas, options, routings,
-                              progress=progress.phase("replay", trace.num_requests) if args.trace is None else None)
-    finally:
-        progress.done()
-    report = replicas_report(res)
-    if args.json:
-        write_json(args.json, report)
-    if not args.quiet and args.json != "-":
-        sys.stdout.write(render_replicas(report))
     return 0
 
 
