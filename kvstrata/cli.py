@@ -193,7 +193,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from kvstrata.bench_modes import bench_compare, bench_replicas, refuse
 
         mode = bench_compare if args.compare else bench_replicas
-        refuse("--compare" if args.compare else "--replicas", ("--replicas", args.compare and args.replicas is not None),
+        refuse("--compare" if args.compare else "--replicas",
+               ("--replicas", args.compare and args.replicas is not None),
                ("--admission both", args.admission == "both"), ("--payload", args.payload),
                ("--explain", args.explain and args.compare), ("--plot", args.plot and not args.compare))
         return mode(args, _load_trace(args, config, progress), config, options, progress)
