@@ -16,8 +16,8 @@ from typing import Any, Iterable, Mapping
 from kvstrata.errors import ConfigError
 
 __all__ = ["ALWAYS", "SECOND_HIT", "TIER_ADMISSIONS", "tier_admission", "LRU", "S3FIFO", "ARC", "EVICTIONS",
-           "eviction", "MAX_GHOST_KEYS", "parse_size", "plural", "format_size", "short_repr", "short_key", "clip", "integer", "one_of", "duration_s",
-           "check_keys", "path_or_none"]
+           "eviction", "MAX_GHOST_KEYS", "parse_size", "plural", "format_size", "short_repr", "short_key", "clip",
+           "integer", "one_of", "duration_s", "check_keys", "path_or_none"]
 
 _UNITS = {
     "": 1, "b": 1,
