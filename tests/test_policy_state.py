@@ -719,3 +719,22 @@ Test_order_s3fifo = _order_case("s3fifo", "always", False, "on_compute")
 Test_order_arc_second_hit = _order_case("arc", "second_hit", True, "on_compute")
 Test_order_s3fifo_second_hit_on_evict = _order_case("s3fifo", "second_hit", False, "on_evict")
 Test_order_lru_second_hit = _order_case("lru", "second_hit", False, "on_compute")
+
+
+def test_a_key_the_plan_evicted_from_the_ssd_tier_is_not_spilled_back_by_the_same_plan() -> None:
+    """A DRAM hit that second_hit writes down evicts from the SSD tier; the promotion of the
+    same load then evicts that key from the CPU tier: it must not cascade back, since spills
+    run before the plan's deletions (found by the machine above)."""
+    machine = type("M", (OrderMachine,), {"EVICTION": "s3fifo", "SSD_ADMISSION": "second_hit",
+                                          "WRITE_THROUGH": False, "ADMISSION": "on_evict"})
+    state = machine()
+    state.setup(cpu=3, ssd=3, seed=[], reseed=[b"CC"])
+    state.store_and_complete(keys=[b"EE"], reason="pageout")
+    state.load_and_complete(keys=[b"EE", b"CC"], stale=False)
+    state.store_and_complete(keys=[b"BB", b"FF", b"AA"], reason="shutdown")
+    state.forget(keys=[b"AA"], tier="cpu")
+    state.load_and_complete(keys=[b"BB", b"CC"], stale=False)
+    state.store_and_complete(keys=[b"CC"], reason="shutdown")
+    state.load_and_complete(keys=[b"BB", b"EE", b"FF"], stale=False)
+    state.agrees_with_the_model()
+    state.the_executor_holds_what_the_policy_holds()

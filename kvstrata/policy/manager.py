@@ -225,7 +225,8 @@ class TierPolicy:
     def _admit_hits(self, plan: LoadPlan, keys: list[bytes], cpu_slot: dict[bytes, int], now: float) -> None:
         """``second_hit``: a CPU hit of a block the SSD tier lacks is a sighting; the second
         one writes the block down from its (pinned) slab slot, a spill run before the load."""
-        keys = list(dict.fromkeys(keys))  # a key named twice is one sighting
+        gone = set(plan.ssd_evictions)  # (as in _cascade: a spill would run before their deletion)
+        keys = [k for k in dict.fromkeys(keys) if k not in gone]  # a key named twice is one sighting
         placed = self._place_ssd(plan, self._second(self._ghost_s, self._s, keys, now), now)
         plan.spills.extend((cpu_slot[k], k) for k in placed)
 
@@ -423,7 +424,10 @@ class TierPolicy:
         self._emit("evicted", self._c, [k for k, _ in evicted], now)
         if self.ssd is None or self._cascades_to != self._s:
             return
-        down = [(k, s) for k, s in evicted if k not in self._ssd]
+        # (a key this plan already evicted from the SSD tier does not come back by a spill: spills
+        # run before the plan's deletions, which would remove it again)
+        gone = set(plan.ssd_evictions)
+        down = [(k, s) for k, s in evicted if k not in self._ssd and k not in gone]
         if self._ghost_s is not None:
             taken = set(self._second(self._ghost_s, self._s, [k for k, _ in down], now))
             down = [(k, s) for k, s in down if k in taken]
