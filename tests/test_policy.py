@@ -16,7 +16,7 @@ import pytest
 from kvstrata.config import KVStrataConfig
 from kvstrata.errors import ConfigError
 from kvstrata.policy import LoadPlan, PolicySpec, StorePlan, TierPolicy
-from kvstrata.policy.manager import select_for_shutdown
+from kvstrata.policy.hot_set import select_for_shutdown
 from kvstrata.tiers.ssd import capacity_blocks
 
 from policy_sim import TOMBSTONE_PREFIX, SimExecutor

@@ -144,6 +144,20 @@ def test_every_worker_counter_has_a_series() -> None:
     assert all(label in values[name] for name, label in sample)
 
 
+def record_connector_stats(h: Any) -> list[dict[str, Any] | None]:
+    """The kv_connector_stats of every SchedulerStats the harness's scheduler ships, as they come."""
+    sent: list[dict[str, Any] | None] = []
+    update = h.scheduler.update_from_output
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        outputs = update(*args, **kwargs)
+        sent.extend(o.scheduler_stats.kv_connector_stats for o in outputs.values() if o.scheduler_stats)
+        return outputs
+
+    h.scheduler.update_from_output = recording
+    return sent
+
+
 def test_vllms_scheduler_ships_the_scheduler_halfs_stats(model: str) -> None:
     """vLLM's real Scheduler (workers emulated, tests/vllm_sched.py) puts the scheduler half's
     stats in its SchedulerStats: lookups, hits and occupancy move with the requests, and a
@@ -155,15 +169,7 @@ def test_vllms_scheduler_ships_the_scheduler_halfs_stats(model: str) -> None:
     prompt = random_token_prompt(10 * BLOCK + 1, seed=5)
     h = SchedulerHarness(model, block_size=BLOCK, num_gpu_blocks=32,
                          kv_connector_extra_config={"cpu.capacity": 64 * block_nbytes(BLOCK)})
-    sent: list[dict[str, Any] | None] = []
-    update = h.scheduler.update_from_output
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        outputs = update(*args, **kwargs)
-        sent.extend(o.scheduler_stats.kv_connector_stats for o in outputs.values() if o.scheduler_stats)
-        return outputs
-
-    h.scheduler.update_from_output = recording  # type: ignore[method-assign]
+    sent = record_connector_stats(h)
     try:
         h.run_group([("first", prompt)])
         assert h.reset_prefix_cache()
@@ -465,15 +471,7 @@ def test_the_scheduler_exports_what_second_hit_admission_turned_away(model: str,
                          kv_connector_extra_config={"cpu.capacity": 64 * block_nbytes(BLOCK),
                                                     "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": "64MiB",
                                                     "ssd.admission": "second_hit"})
-    sent: list[dict[str, Any] | None] = []
-    update = h.scheduler.update_from_output
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        outputs = update(*args, **kwargs)
-        sent.extend(o.scheduler_stats.kv_connector_stats for o in outputs.values() if o.scheduler_stats)
-        return outputs
-
-    h.scheduler.update_from_output = recording  # type: ignore[method-assign]
+    sent = record_connector_stats(h)
     try:
         h.run_group([("first", prompt)])
     finally:

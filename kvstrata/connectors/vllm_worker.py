@@ -47,7 +47,7 @@ from kvstrata.config import KVStrataConfig
 from kvstrata.copier import Copier, Finished
 from kvstrata.executor import Executor
 from kvstrata.policy import SHUTDOWN, FetchPlan, LoadPlan, StorePlan
-from kvstrata.policy.manager import select_for_shutdown
+from kvstrata.policy.hot_set import select_for_shutdown
 from kvstrata.tiers.host import HostSlab
 from kvstrata.errors import ConfigError
 from kvstrata.identity import Fingerprint

@@ -55,33 +55,10 @@ from kvstrata.policy.plans import COMPUTED, SHUTDOWN, FetchPlan, LoadPlan, Store
 from kvstrata.policy.holdings import TOMBSTONE_PREFIX, Holdings
 from kvstrata.policy.spec import PolicySpec
 from kvstrata.policy.ghost import Ghost
+from kvstrata.policy.hot_set import select_for_shutdown
 from kvstrata.policy.tiers import KNOWN, SECOND_HIT
 
-__all__ = ["TierPolicy", "select_for_shutdown"]
-
-
-def select_for_shutdown(offered_mru_first: Iterable[tuple[int, bytes]], persisted: Callable[[bytes], bool],
-                        limit: int) -> tuple[list[tuple[int, bytes]], list[bytes]]:
-    """The shutdown rule: the hot set is the ``limit`` most recently used device blocks
-    offered (most recent first). Returns ``(to store, already held)``: the hot blocks the
-    persistent tier lacks and the hot keys it holds, both least recently used first (so
-    that, stored or touched in that order, the most recent end up most recent)."""
-    store: list[tuple[int, bytes]] = []
-    held: list[bytes] = []
-    seen: set[bytes] = set()
-    for block, key in offered_mru_first:
-        if len(seen) >= limit:
-            break
-        if key in seen:
-            continue
-        seen.add(key)
-        if persisted(key):
-            held.append(key)
-        else:
-            store.append((block, key))
-    store.reverse()
-    held.reverse()
-    return store, held
+__all__ = ["TierPolicy"]
 
 
 class TierPolicy:
