@@ -265,31 +265,15 @@ def test_the_recording_secret_comes_from_a_file(tmp_path) -> None:
 
 def test_what_a_non_redis_server_sends_reaches_the_log_printable_and_bounded(caplog) -> None:
     """Regression: warnings printed whatever garbage a non-Redis server sent."""
-    import socket
-    import threading
+    from fake_server import answering
 
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
-
-    def answer() -> None:
-        while True:
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                return
-            conn.recv(1024)
-            conn.sendall(b"-ERR \x1b[31m\x00\x07" + b"A" * 5000 + b"\r\n")  # an error reply with control bytes
-            conn.close()
-
-    threading.Thread(target=answer, daemon=True).start()
     keys, rows = blocks(2)
-    with caplog.at_level(logging.WARNING, logger="kvstrata.tiers.remote.tier"):
-        t = RemoteTier(f"redis://127.0.0.1:{srv.getsockname()[1]}/0", PREFIX, NB, timeout=0.3)
+    with answering(b"-ERR \x1b[31m\x00\x07" + b"A" * 5000 + b"\r\n") as port, \
+            caplog.at_level(logging.WARNING, logger="kvstrata.tiers.remote.tier"):  # an error reply with control bytes
+        t = RemoteTier(f"redis://127.0.0.1:{port}/0", PREFIX, NB, timeout=0.3)
         for _ in range(4):
             t.get_into(keys, np.zeros_like(rows))
         t.close(timeout=1)
-    srv.close()
     lines = [r.getMessage() for r in caplog.records]
     assert lines
     assert all(line.isprintable() and len(line) < 600 for line in lines), lines

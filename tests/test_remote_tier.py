@@ -6,10 +6,8 @@ Every test starts its own server on a free loopback port: no persistence,
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -222,22 +220,10 @@ def test_no_server_and_a_wrong_protocol_server_are_misses_not_errors(caplog) -> 
     assert nobody.get_into(keys, out) == 0 and nobody.probe(keys) == 0
     nobody.put(keys[0], rows[0])
     nobody.close(timeout=2)
-    with socket.socket() as srv:  # speaks HTTP
-        srv.bind(("127.0.0.1", 0))
-        srv.listen()
+    from fake_server import answering
 
-        def answer() -> None:
-            while True:
-                try:
-                    conn, _ = srv.accept()
-                except OSError:
-                    return
-                conn.recv(1024)
-                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
-                conn.close()
-
-        threading.Thread(target=answer, daemon=True).start()
-        http = RemoteTier(f"redis://127.0.0.1:{srv.getsockname()[1]}/0", PREFIX, NB, timeout=0.3)
+    with answering(b"HTTP/1.1 400 Bad Request\r\n\r\n") as port:  # speaks HTTP
+        http = RemoteTier(f"redis://127.0.0.1:{port}/0", PREFIX, NB, timeout=0.3)
         start = time.monotonic()
         assert http.get_into(keys, out) == 0 and http.probe(keys) == 0
         assert time.monotonic() - start < 1.0

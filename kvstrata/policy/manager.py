@@ -403,7 +403,7 @@ class TierPolicy:
             return
         # (a key this plan already evicted from the SSD tier does not come back by a spill: spills
         # run before the plan's deletions, which would remove it again)
-        gone = set(plan.ssd_evictions)
+        gone = set(plan.ssd_evictions) if plan.ssd_evictions else ()
         down = [(k, s) for k, s in evicted if k not in self._ssd and k not in gone]
         if self._ghost_s is not None:
             taken = set(self._second(self._ghost_s, self._s, [k for k, _ in down], now))
