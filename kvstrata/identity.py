@@ -78,11 +78,16 @@ class Fingerprint:
     pp_size: int = 1
     variant: str = ""  # what the engine changes beyond the files (quantization, config overrides)
     kv_layout: str = ""  # the engine's physical KV layout (vLLM's KVCacheLayout name): a block's bytes depend on it
+    groups: str = ""  # the KV-cache groups when not one full-attention group (kvstrata.core.groups)
     format: int = FORMAT_VERSION
 
     def namespace(self) -> bytes:
-        """The hash-chain namespace: a canonical serialisation of every field."""
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        """The hash-chain namespace: a canonical serialisation of every field (``groups`` only
+        when there are groups, so one-group deployments keep their keys)."""
+        fields = asdict(self)
+        if not self.groups:
+            del fields["groups"]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     def tier_id(self, tp_rank: int = 0, pp_rank: int = 0) -> str:
         """The SSD tier's fingerprint for one worker's shard: its tensor-parallel rank and,
@@ -97,7 +102,8 @@ class Fingerprint:
     def describe(self) -> str:
         return (f"{self.model} {self.dtype}/{self.kv_dtype} block {self.block_size} tokens "
                 f"({self.block_nbytes} B) {self.layers}x{self.kv_heads}x{self.head_size} tp {self.tp_size}"
-                + (f" layout {self.kv_layout}" if self.kv_layout else ""))
+                + (f" layout {self.kv_layout}" if self.kv_layout else "")
+                + (f" groups {self.groups}" if self.groups else ""))
 
 
 def model_identity(model: str, revision: str | None = None, override: str | None = None) -> str:

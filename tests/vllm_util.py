@@ -291,6 +291,39 @@ def _time_worker_hooks() -> list[float]:
     return steps
 
 
+def _record_pages() -> dict[str, dict[str, str]]:
+    """Digests of the KV pages kvstrata's worker stores (read when the store is queued, before
+    any copy) and loads (read once the load finished whole), by block key (hex): what a
+    test compares byte for byte. In-process engines only."""
+    import hashlib
+
+    from kvstrata.connectors.vllm_worker import KVStrataWorker
+
+    pages: dict[str, dict[str, str]] = {"stored": {}, "loaded": {}}
+
+    def digests(worker: Any, block_ids: list[int], keys: list[bytes], into: dict[str, str]) -> None:
+        rows = worker.executor.device.read(block_ids)
+        for key, row in zip(keys, rows):
+            into[key.hex()] = hashlib.sha256(row.tobytes()).hexdigest()
+
+    queue_stores, collect = KVStrataWorker._queue_stores, KVStrataWorker._collect
+
+    def _queue_stores(self: Any, plans: list[Any]) -> None:
+        for plan in plans:
+            digests(self, plan.block_ids, plan.keys, pages["stored"])
+        queue_stores(self, plans)
+
+    def _collect(self: Any, done: Any) -> None:
+        for req_id, result in done.loads.items():
+            plan = self._inflight[req_id]
+            if result.loaded == len(plan):
+                digests(self, plan.block_ids, plan.keys, pages["loaded"])
+        collect(self, done)
+
+    KVStrataWorker._queue_stores, KVStrataWorker._collect = _queue_stores, _collect
+    return pages
+
+
 def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
     """Run ``spec["steps"]`` on one engine. Each step is ``{"prompts": [[ids...]], "salt": str|None}``
     or ``{"reset": true}`` (reset vLLM's prefix cache; with ``"connector": true`` kvstrata's
@@ -304,6 +337,7 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
     hook_steps = _time_worker_hooks() if spec.get("hook_timing") else []
+    pages = _record_pages() if spec.get("pages") else None
     def subscribe(at: int) -> EventSubscriber | None:  # a router connecting before step ``at``
         if spec.get("kv_events") and at == spec.get("events_from_step", -1):
             return EventSubscriber(spec["kv_events"], spec["kv_events"] + "-replay")
@@ -347,6 +381,7 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
     if events is not None:
         events.close()
     return {"steps": results, "events_replayed": replayed, "pid": os.getpid(), "engine_pids": _worker_pids(llm),
+            **({"pages": pages} if pages is not None else {}),
             "num_gpu_blocks": _num_gpu_blocks(llm),
             "executor": llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
             "threads": [dict(t) for t in llm.collective_rpc(_thread_binding)]}

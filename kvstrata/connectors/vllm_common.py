@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstrata.config import KVStrataConfig, first_under, key_paths, read_yaml
+from kvstrata.core.groups import CHUNKED, FULL, SLIDING, Group, KVGroups
 from kvstrata.errors import ConfigError
 from kvstrata.identity import Fingerprint, model_identity
 from kvstrata.policy import FetchPlan, LoadPlan, PolicySpec, StorePlan
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["load_config", "vllm_fingerprint", "policy_spec", "check_index_memory", "block_nbytes_of", "kv_layout_name", "layer_spec", "num_workers", "Rank",
-           "engine_ranks", "ssd_root", "ResidentDelta",
+__all__ = ["load_config", "vllm_fingerprint", "policy_spec", "check_index_memory", "block_nbytes_of", "kv_groups",
+           "kv_layout_name", "layer_spec", "num_workers", "Rank", "engine_ranks", "ssd_root", "ResidentDelta",
            "ResidentMap", "KVStrataMetadata", "KVStrataWorkerMetadata"]
 
 CONFIG_FILE_KEY = "config"
@@ -108,6 +109,41 @@ def block_nbytes_of(kv_cache_config: "KVCacheConfig") -> int:
     return sum(n for rs in runs.values() for _, n in union_runs(rs))
 
 
+_STORED = "full attention, sliding-window attention and chunked local attention"
+
+
+def kv_groups(kv_cache_config: "KVCacheConfig", block_size: int) -> KVGroups:
+    """vLLM's KV-cache groups in kvstrata's terms (:mod:`kvstrata.core.groups`). A group of a
+    kind kvstrata cannot store stops start-up: one line naming the layer and the kind."""
+    out: list[Group] = []
+    for group in kv_cache_config.kv_cache_groups:
+        kinds = {_group_of(layer, layer_spec(kv_cache_config, layer)) for layer in group.layer_names}
+        if len(kinds) != 1:
+            raise ConfigError(f"KV-cache group of layers {', '.join(group.layer_names)}: layers of kinds "
+                              f"{', '.join(sorted(k.describe() for k in kinds))}; kvstrata needs one kind per group")
+        out.append(kinds.pop())
+    return KVGroups(out, block_size)
+
+
+# Full-attention specs whose every block a hit needs (subclasses that drop blocks are refused).
+_FULL = ("FullAttentionSpec", "MLAAttentionSpec", "SinkFullAttentionSpec")
+
+
+def _group_of(layer: str, spec: Any) -> Group:
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+    name = type(spec).__name__
+    if isinstance(spec, SlidingWindowSpec):
+        return Group(SLIDING, int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0))
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return Group(CHUNKED, int(spec.attention_chunk_size))
+    if isinstance(spec, FullAttentionSpec) and name in _FULL:
+        return Group(FULL)
+    state = " (a state cache: its bytes at a position are not per-block pages)" if "Mamba" in name else ""
+    raise ConfigError(f"layer {layer}: a {name} layer{state}; kvstrata stores {_STORED} layers, not this kind: "
+                      "serve the model without the KV connector")
+
+
 def _resolved_layout(kv_cache_config: "KVCacheConfig") -> Any:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -137,13 +173,15 @@ def kv_layout_name(kv_cache_config: "KVCacheConfig") -> str:
 def vllm_fingerprint(cfg: KVStrataConfig, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> Fingerprint:
     """The fingerprint of the blocks this vLLM deployment computes (the same in every process)."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    groups = kv_groups(kv_cache_config, int(cc.block_size)).describe()  # refuses what cannot be stored, first
     return Fingerprint(
         model=model_identity(str(mc.model), mc.revision, cfg.model.id),
         dtype=str(mc.dtype), kv_dtype=str(cc.cache_dtype), block_size=int(cc.block_size),
         block_nbytes=block_nbytes_of(kv_cache_config), layers=int(mc.get_num_layers(pc)),
         kv_heads=int(mc.get_num_kv_heads(pc)), head_size=int(mc.get_head_size()), hash=cfg.hash,
         tp_size=int(pc.tensor_parallel_size), pp_size=int(pc.pipeline_parallel_size),
-        variant=_variant(mc), kv_layout=kv_layout_name(kv_cache_config))
+        variant=_variant(mc), kv_layout=kv_layout_name(kv_cache_config),
+        groups=groups)
 
 
 def _variant(mc: Any) -> str:

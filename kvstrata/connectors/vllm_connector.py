@@ -10,6 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -41,8 +42,9 @@ if TYPE_CHECKING:
 __all__ = ["KVStrataConnector"]
 
 
-class KVStrataConnector(KVConnectorBase_V1):
-    """Multi-tier (CPU DRAM -> SSD) prefix cache behind vLLM's own GPU cache."""
+class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
+    """Multi-tier (CPU DRAM -> SSD) prefix cache behind vLLM's own GPU cache. It keeps every
+    KV-cache group of a hybrid model (``SupportsHMA``: vLLM keeps its hybrid allocator on)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -126,6 +128,14 @@ class KVStrataConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's completion report: with several KV-cache groups a failed load fails its
+        request (``failed_recving``: block ids are not unique across groups, and a window
+        group cannot be truncated at a block), which vLLM then recomputes."""
+        results = super().get_transfer_results(finished_req_ids)
+        results.failed_recving |= self.worker.take_failed_requests()
+        return results
+
     def build_connector_worker_meta(self) -> "KVStrataWorkerMetadata | None":
         return self._worker.build_connector_worker_meta() if self._worker is not None else None
 
@@ -166,7 +176,11 @@ class KVStrataConnector(KVConnectorBase_V1):
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
+        return self.scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)
 
     def reset_cache(self) -> bool:
         return self.scheduler.reset_cache()

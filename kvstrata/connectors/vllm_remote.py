@@ -72,14 +72,14 @@ class RemoteLookups:
         if st.fetch is not None:
             return False
         if st.probe is None:
-            st.probe = (start, self.tier.probe_async(st.hashes[start:last]))
+            st.probe = (start, self.tier.probe_async(self.core.probe_keys(st, start, last)))
             return False
         begin, future = st.probe
         if not future.done():
             return False
         st.probe, st.remote_done = None, True
         try:
-            held = int(future.result())
+            held = self.core.probed(int(future.result()))
         except Exception:  # the probe thread never raises for the server; a bug must not stop the engine
             log.exception("kvstrata: a remote probe failed")
             held = 0

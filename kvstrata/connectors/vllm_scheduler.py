@@ -52,6 +52,7 @@ from kvstrata.connectors.vllm_common import (
     block_nbytes_of,
     check_index_memory,
     engine_ranks,
+    kv_groups,
     num_workers,
     policy_spec,
     vllm_fingerprint,
@@ -75,6 +76,7 @@ __all__ = ["KVStrataScheduler", "PoolObserver"]
 log = logging.getLogger(__name__)
 
 _SOURCES = {name: getattr(CacheHitSource, t.hit_source) for name, t in KNOWN.items()}
+_NULL = 0  # vLLM's null block: the padding of a window group's skipped blocks
 
 
 class _Req(RequestState):
@@ -118,7 +120,8 @@ class KVStrataScheduler:
         self.lifecycle = {t: Lifecycle(sample_every=lifecycle_sampling(n)) for t, n in spec.capacity().items()}
         check_index_memory(spec, self.block_nbytes)
         self.policy = TierPolicy(spec, observers=[LifecycleRecorder(self.lifecycle)])
-        self.core = DriverCore(self.policy, self.block_size)
+        self.groups = kv_groups(kv_cache_config, self.block_size)
+        self.core = DriverCore(self.policy, self.block_size, self.groups)
         self.num_workers = num_workers(vllm_config)
         self._stores = WorkerReports(self.num_workers)
         self._pool = PoolView(record=self.policy.ssd is not None)  # the workers' hot set mirrors follow it
@@ -234,16 +237,25 @@ class KVStrataScheduler:
         (first, hits), st.matched = st.matched, None
         external = num_external_tokens // self.block_size
         assert not external or hits == external, (hits, external)
-        block_ids = blocks.get_block_ids()[0]
+        block_ids = blocks.get_block_ids()
         if self._recording is not None:
             self._recording.resumed(st, request.num_tokens)
-        keys = st.hashes
-        self._pool.resident.add(block_ids[:first], keys[:first])
         if self._events is not None:
-            self._events.record(request, keys, 0, first + external)
+            self._events.record(request, st.hashes, 0, first + external)
         st.handled = max(st.handled, first + external)  # not computed now
-        self._pool.resident.used(block_ids[:first])
-        self.core.admit(st, first, block_ids, external, request.num_tokens, resumed=request.num_preemptions > 0)
+        on_device = self._group_blocks(st, block_ids, 0, first)
+        self._pool.resident.add([b for b, _ in on_device], [k for _, k in on_device])
+        self._pool.resident.used([b for b, _ in on_device])
+        self.core.admit(st, first, block_ids if self.core.groups is not None else block_ids[0], external,
+                        request.num_tokens, resumed=request.num_preemptions > 0)
+
+    def _group_blocks(self, st: _Req, block_ids: Sequence[Sequence[int]], lo: int, hi: int) -> list[tuple[int, bytes]]:
+        """``(device block, key)`` of blocks ``lo..hi`` of ``st`` in every KV-cache group,
+        but the null blocks vLLM pads a window group's skipped blocks with."""
+        out = []
+        for g, ids in enumerate(block_ids):
+            out.extend((ids[i], self.core.group_key(st, g, i)) for i in range(lo, min(hi, len(ids))) if ids[i] != _NULL)
+        return out
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         st = self.core.requests.get(request.request_id)
@@ -311,9 +323,8 @@ class KVStrataScheduler:
         if full <= st.handled:
             return
         assert self._manager is not None, "bind_kv_cache_manager was not called"
-        block_ids = self._manager.get_block_ids(req_id)[0]
         hashes = self._hashes(st, full)
-        new = list(zip(block_ids[st.handled:full], hashes[st.handled:full]))
+        new = self._group_blocks(st, self._manager.get_block_ids(req_id), st.handled, full)
         if self._events is not None:
             self._events.record(st.request, hashes, st.handled, full)
         out.extend(new)
@@ -344,11 +355,12 @@ class KVStrataScheduler:
             st, plan, loaded = finished
             if self._events is not None:
                 self._events.completed(plan, loaded)
-            self._pool.resident.add(plan.block_ids[:loaded], plan.keys[:loaded])
-            if loaded < len(plan) and isinstance(st, _Req):  # vLLM recomputes them: offered as computed then
+            arrived = loaded if self.core.groups is None else len(plan) if loaded else 0
+            self._pool.resident.add(plan.block_ids[:arrived], plan.keys[:arrived])
+            if loaded < len(st.sources) and isinstance(st, _Req):  # vLLM recomputes them: offered as computed then
                 st.handled = min(st.handled, st.gpu_hits + loaded)
 
-    def request_finished(self, request: "Request", block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         """Delay freeing only while a load into the request's blocks is in flight."""
         st, loading = self.core.finish(request.request_id)
         if self._recording is not None and isinstance(st, _Req):

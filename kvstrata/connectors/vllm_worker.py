@@ -29,7 +29,9 @@ stores and lost blocks to the scheduler half, whose policy keeps every slot a
 plan uses pinned until then (see :mod:`kvstrata.copier` for the ordering rules).
 A block that cannot be loaded is reported through
 ``get_block_ids_with_load_errors`` (with every later block of that request)
-and vLLM recomputes it when ``kv_load_failure_policy`` is ``"recompute"``.
+and vLLM recomputes it when ``kv_load_failure_policy`` is ``"recompute"``;
+with several KV-cache groups the request's load fails whole
+(``failed_recving``), as block ids do not name a group.
 Threads: vLLM's worker thread owns everything here; the copier's I/O thread
 runs the SSD work.
 """
@@ -65,6 +67,7 @@ from kvstrata.connectors.vllm_common import (
     KVStrataWorkerMetadata,
     block_nbytes_of,
     engine_ranks,
+    kv_groups,
     policy_spec,
     vllm_fingerprint,
 )
@@ -143,6 +146,8 @@ class KVStrataWorker:
         self._finished: set[str] = set()
         self._before_forward: Event | None = None  # the compute stream once this step's blocks were fenced
         self._errors: set[int] = set()
+        self._failed: set[str] = set()  # with groups: requests whose load failed (vLLM recomputes them)
+        self._grouped = not kv_groups(kv_cache_config, int(vllm_config.cache_config.block_size)).plain
         self._report = KVStrataWorkerMetadata()
         self._closed = False
         self._kv_caches: dict[str, torch.Tensor] | None = None
@@ -295,6 +300,11 @@ class KVStrataWorker:
         errors, self._errors = self._errors, set()
         return errors
 
+    def take_failed_requests(self) -> set[str]:
+        """With KV-cache groups: requests whose load did not arrive whole since the last call."""
+        failed, self._failed = self._failed, set()
+        return failed
+
     def build_connector_worker_meta(self) -> KVStrataWorkerMetadata | None:
         self._poll()
         if self.executor is not None:
@@ -320,7 +330,9 @@ class KVStrataWorker:
         self._lose(done.lost)
         for req_id, result in done.loads.items():
             plan = self._inflight.pop(req_id)
-            if result.loaded < len(plan):
+            if result.loaded < len(plan) and self._grouped:
+                self._failed.add(req_id)
+            elif result.loaded < len(plan):
                 self._errors.update(plan.block_ids[result.loaded:])
             if result.lost:
                 self._report.load_lost.setdefault(req_id, set()).update(result.lost)

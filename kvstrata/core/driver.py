@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
+from kvstrata.core.groups import KVGroups
 from kvstrata.core.hits import GPU, HitCounts, count_tiers, request_counts, served_from
 from kvstrata.core.request import RequestState
 from kvstrata.policy.plans import COMPUTED, EVICTED, PAGEOUT, SHUTDOWN, FetchPlan, LoadPlan, StorePlan
@@ -59,11 +60,18 @@ Lost = Iterable[tuple[str, bytes]]
 
 
 class DriverCore:
-    """The protocol of :mod:`kvstrata.core.driver` over one policy (``block_size`` tokens a block)."""
+    """The protocol of :mod:`kvstrata.core.driver` over one policy (``block_size`` tokens a block).
 
-    def __init__(self, policy: "TierPolicy", block_size: int) -> None:
+    ``groups``: the model's KV-cache groups when they are not one full-attention group
+    (:mod:`kvstrata.core.groups`). A request's blocks are then stored and loaded per group
+    under the group's keys (:meth:`group_key`), a hit is the longest prefix every group can
+    serve, device block ids are per group, and a load serves its hit whole or not at all.
+    """
+
+    def __init__(self, policy: "TierPolicy", block_size: int, groups: KVGroups | None = None) -> None:
         self.policy = policy
         self.block_size = block_size
+        self.groups = groups if groups is not None and not groups.plain else None
         self.remote = bool(policy.spec.remote)
         self.tiers = count_tiers(self.remote)
         self.counts = HitCounts(self.tiers)    # new requests: the hit rate
@@ -117,17 +125,52 @@ class DriverCore:
     # ------------------------------------------------------------------ lookups
 
     def held_below(self, st: RequestState, first: int, last: int) -> int:
-        """Blocks of ``st.hashes[first:last]``, from the first, that the tiers below hold. Pure."""
-        return len(self.policy.lookup(st.hashes[first:last]))
+        """Blocks of ``st.hashes[first:last]``, from the first, that the tiers below hold (with
+        groups: the longest such hit every group can serve). Pure."""
+        if self.groups is None:
+            return len(self.policy.lookup(st.hashes[first:last]))
+        holds = self.policy.holds
+        return self.groups.hit_end(first, last, lambda g, i: holds(self.group_key(st, g, i)) is not None) - first
+
+    def group_key(self, st: RequestState, g: int, i: int) -> bytes:
+        """The key of block ``i`` of ``st`` in KV-cache group ``g`` (the chain's for group 0)."""
+        if g == 0:
+            return st.hashes[i]
+        keys = st.group_keys.setdefault(g, [])
+        while len(keys) <= i:
+            keys.append(KVGroups.key(g, st.hashes[len(keys)]))
+        return keys[i]
+
+    def probe_keys(self, st: RequestState, start: int, last: int) -> list[bytes]:
+        """The keys to probe the remote tier for, for blocks ``start..last`` (with groups: every
+        group's key of each block, block by block; :meth:`probed` reads the answer)."""
+        return self._all_groups(st, start, last)
+
+    def _all_groups(self, st: RequestState, lo: int, hi: int) -> list[bytes]:
+        """Every group's key of blocks ``lo..hi``, block by block."""
+        if self.groups is None:
+            return st.hashes[lo:hi]
+        return [self.group_key(st, g, i) for i in range(lo, hi) for g in range(len(self.groups))]
+
+    def probed(self, held: int) -> int:
+        """Blocks the remote tier holds whole, from ``held`` consecutive keys of :meth:`probe_keys`."""
+        return held if self.groups is None else held // len(self.groups)
 
     def plan_fetch(self, st: RequestState, first: int, start: int, held: int) -> FetchPlan | None:
         """The remote tier holds ``held`` blocks from ``st.hashes[start]`` on, after the local
         prefix ``[first:start]``: touch that prefix (the fetch's placements must not evict it)
-        and plan fetching them into CPU slots. None when nothing can be fetched."""
+        and plan fetching them into CPU slots (with groups, what each group needs for a hit
+        at ``start + held``). None when nothing can be fetched."""
         if held <= 0 or not self.remote:
             return None
-        self.policy.touch(st.hashes[first:start])
-        plan = self.policy.prepare_fetch(st.hashes[start:start + held], st.req_id)
+        end = start + held
+        self.policy.touch(self._all_groups(st, first, start))
+        if self.groups is None:
+            keys = st.hashes[start:end]
+        else:
+            keys = [self.group_key(st, g, i) for i in range(start, end) for g in range(len(self.groups))
+                    if i >= self.groups.needed_from(g, end)]
+        plan = self.policy.prepare_fetch(keys, st.req_id)
         if not len(plan):
             self.policy.complete_fetch(plan, 0)
             return None
@@ -155,7 +198,7 @@ class DriverCore:
         start = first + held
         if not self.remote or start >= last:
             return held
-        plan = self.plan_fetch(st, first, start, executor.probe_remote(st.hashes[start:last]))
+        plan = self.plan_fetch(st, first, start, self.probed(executor.probe_remote(self.probe_keys(st, start, last))))
         if plan is None:
             return held
         self._planned.remove(plan)
@@ -165,16 +208,16 @@ class DriverCore:
 
     # ------------------------------------------------------------------ loads
 
-    def admit(self, st: RequestState, gpu_hits: int, block_ids: Sequence[int], num_external: int,
+    def admit(self, st: RequestState, gpu_hits: int, block_ids: Sequence[Any], num_external: int,
               num_tokens: int, resumed: bool = False) -> LoadPlan | None:
-        """The driver's pool allocated the request (``block_ids``): ``gpu_hits`` blocks from its
-        own prefix cache, then ``num_external`` blocks to load from below. Touches the device
-        hits in every tier below (before the load's promotions, whose cascades may evict),
-        counts the lookup and plans the load."""
+        """The driver's pool allocated the request (``block_ids``; with groups, one list per
+        group): ``gpu_hits`` blocks from its own prefix cache, then ``num_external`` blocks to
+        load from below. Touches the device hits in every tier below (before the load's
+        promotions, whose cascades may evict), counts the lookup and plans the load."""
         st.resumed, st.gpu_hits = resumed, gpu_hits
         st.hits = request_counts(gpu_hits, [], self.remote)
         st.load, st.load_lost, st.sources = None, set(), []
-        self.policy.touch(st.hashes[:gpu_hits])
+        self.policy.touch(self._all_groups(st, 0, gpu_hits))
         counts = self.resumed if resumed else self.counts
         counts.query(-(-num_tokens // self.block_size), num_tokens)
         counts.add(GPU, gpu_hits)
@@ -182,11 +225,33 @@ class DriverCore:
         if not num_external:
             return None
         end = gpu_hits + num_external
-        plan = self.policy.prepare_load(st.req_id, st.hashes[gpu_hits:end], block_ids[gpu_hits:end])
+        if self.groups is None:
+            plan = self.policy.prepare_load(st.req_id, st.hashes[gpu_hits:end], block_ids[gpu_hits:end])
+            st.sources = served_from(plan.tiers(), plan.keys, fetched)
+        else:
+            entries = self.groups.blocks(gpu_hits, end, block_ids)
+            plan = self.policy.prepare_load(st.req_id, [self.group_key(st, g, i) for i, g, _ in entries],
+                                            [b for _, _, b in entries])
+            st.sources = self._position_sources(gpu_hits, end, [i for i, _, _ in entries],
+                                                served_from(plan.tiers(), plan.keys, fetched))
         st.load = plan
-        st.sources = served_from(plan.tiers(), plan.keys, fetched)
         self._planned.append(plan)
         return plan
+
+    def _position_sources(self, first: int, end: int, positions: Sequence[int], tiers: Sequence[str]) -> list[str]:
+        """With groups, the tier each block position of a hit is served from: the slowest tier
+        any group reads it from; a position no group needs counts with the next one loaded."""
+        rank = {t: i for i, t in enumerate(self.tiers)}
+        slowest: dict[int, str] = {}
+        for i, tier in zip(positions, tiers):
+            if i not in slowest or rank.get(tier, len(rank)) > rank.get(slowest[i], len(rank)):
+                slowest[i] = tier
+        out: list[str] = []
+        fill = slowest.get(max(slowest), self.tiers[1]) if slowest else self.tiers[1]
+        for i in range(end - 1, first - 1, -1):
+            fill = slowest.get(i, fill)
+            out.append(fill)
+        return out[::-1]
 
     def take_planned(self) -> list[LoadPlan | FetchPlan]:
         """The loads and fetches prepared since the last call, in preparation order (the order
@@ -203,7 +268,8 @@ class DriverCore:
 
     def load_finished(self, req_id: str) -> tuple[RequestState, LoadPlan, int] | None:
         """Executors finished the running load of ``req_id`` (``load_lost``: what they could not
-        read). Returns its state, the plan and how many blocks arrived (hits, counted)."""
+        read). Returns its state, the plan and how many block positions arrived (hits, counted;
+        ``len(st.sources)`` were planned)."""
         st = self._loading.pop(req_id, None)
         if st is None or st.load is None:
             return None
@@ -216,6 +282,8 @@ class DriverCore:
         lost = list(lost)
         n = plan.loaded(lost) if loaded is None else loaded
         self.policy.complete_load(plan, lost, n)
+        if self.groups is not None:  # a hit every group serves, or none
+            n = len(st.sources) if n == len(plan) else 0
         counts = self.resumed if st.resumed else self.counts
         for tier in st.sources[:n]:
             counts.add(tier, 1)

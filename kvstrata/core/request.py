@@ -28,10 +28,11 @@ class RequestState:
     ``fetched``: keys fetched from the remote tier for it (remote hits, not CPU hits).
     ``sources``: the tier each block of its load is planned to come from.
     ``hits``: blocks per tier of its last lookup, complete once its load completed.
+    ``group_keys``: its keys in the KV-cache groups after the first (a driver with groups).
     """
 
     __slots__ = ("req_id", "hashes", "resumed", "gpu_hits", "load", "load_lost", "fetch", "fetched", "sources",
-                 "hits")
+                 "hits", "group_keys")
 
     def __init__(self, req_id: str, hashes: list[bytes] | None = None) -> None:
         self.req_id = req_id
@@ -44,6 +45,7 @@ class RequestState:
         self.fetched: set[bytes] = set()
         self.sources: list[str] = []
         self.hits: dict[str, int] = {}
+        self.group_keys: dict[int, list[bytes]] = {}
 
     def __repr__(self) -> str:
         return f"RequestState({self.req_id!r}, {len(self.hashes)} blocks, hits={self.hits})"

@@ -1,0 +1,141 @@
+"""KV-cache groups: what a prefix hit needs from each kind of attention layer.
+
+A hybrid model's layers fall into groups that keep different parts of a
+prefix (vLLM's hybrid allocator gives each group a block table of its own):
+
+* ``full`` attention keeps every block: a hit of ``n`` blocks needs blocks
+  ``0 .. n-1``;
+* ``sliding`` window attention (``tokens``: the window) needs only the blocks
+  holding the last ``window - 1`` tokens before the hit point;
+* ``chunked`` local attention (``tokens``: the chunk) needs only the blocks of
+  the chunk the hit point falls in.
+
+The rule is vLLM's ``get_num_skipped_tokens`` (its managers pad the skipped
+blocks of a request's table with the null block); ``tests/test_groups.py``
+checks it against vLLM's own managers. A hit of ``n`` blocks is only offered
+when every group holds what it needs at ``n`` (:meth:`KVGroups.hit_end`).
+
+Keys are per group: the same tokens give different bytes in different groups.
+Group 0 keeps the position's chain key; group ``g > 0`` hashes it with ``g``
+(:meth:`KVGroups.key`). The group structure is part of the fingerprint
+(:meth:`KVGroups.describe`), so keys of one structure never meet another's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+__all__ = ["FULL", "SLIDING", "CHUNKED", "KINDS", "Group", "KVGroups"]
+
+FULL = "full"
+SLIDING = "sliding"
+CHUNKED = "chunked"
+KINDS = (FULL, SLIDING, CHUNKED)
+
+
+@dataclass(frozen=True)
+class Group:
+    """One KV-cache group: its ``kind`` and, for the windowed kinds, the window or chunk
+    in ``tokens``."""
+
+    kind: str
+    tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"KV-cache group kind {self.kind!r}: expected one of {', '.join(KINDS)}")
+        if (self.kind != FULL) != (self.tokens > 0):
+            raise ValueError(f"KV-cache group {self.kind}: tokens {self.tokens} (a window or chunk size "
+                             "for sliding and chunked groups, none for full attention)")
+
+    def skipped_tokens(self, computed: int) -> int:
+        """Tokens before ``computed`` that the next token does not attend (vLLM's rule)."""
+        if self.kind == SLIDING:
+            return max(0, computed - self.tokens + 1)
+        if self.kind == CHUNKED:
+            return computed // self.tokens * self.tokens
+        return 0
+
+    def describe(self) -> str:
+        return self.kind if self.kind == FULL else f"{self.kind}:{self.tokens}"
+
+
+class KVGroups:
+    """The groups of one deployment, in the engine's order (``block_size`` tokens a block)."""
+
+    def __init__(self, groups: Sequence[Group], block_size: int) -> None:
+        if not groups:
+            raise ValueError("a model has at least one KV-cache group")
+        self.groups = tuple(groups)
+        self.block_size = int(block_size)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    @property
+    def plain(self) -> bool:
+        """One full-attention group: every block of a prefix is needed, keys are the chain's."""
+        return len(self.groups) == 1 and self.groups[0].kind == FULL
+
+    def describe(self) -> str:
+        """The structure as the fingerprint carries it ("" for one full-attention group)."""
+        return "" if self.plain else ",".join(g.describe() for g in self.groups)
+
+    def needed_from(self, g: int, n: int) -> int:
+        """The first block of group ``g`` a hit of ``n`` blocks needs (earlier ones are skipped)."""
+        return self.groups[g].skipped_tokens(n * self.block_size) // self.block_size
+
+    @staticmethod
+    def key(g: int, key: bytes) -> bytes:
+        """Group ``g``'s key for the block whose chain key is ``key``."""
+        if g == 0:
+            return key
+        return hashlib.blake2b(key, digest_size=len(key), person=b"kvstrata-group", salt=g.to_bytes(8, "little")
+                               ).digest()
+
+    def keys(self, g: int, chain: Sequence[bytes]) -> list[bytes]:
+        return list(chain) if g == 0 else [self.key(g, k) for k in chain]
+
+    def hit_end(self, first: int, last: int, held: Callable[[int, int], bool]) -> int:
+        """The longest hit ``n`` (``first <= n <= last`` blocks) such that every group holds
+        what it needs at ``n`` beyond the device prefix ``first``; ``held(g, i)``: the tiers
+        below hold block ``i`` of group ``g``. ``first`` when there is none."""
+        end = last
+        for g, group in enumerate(self.groups):  # full groups bound the hit from the start
+            if group.kind == FULL:
+                i = first
+                while i < end and held(g, i):
+                    i += 1
+                end = i
+        if end <= first:
+            return first
+        windowed = [g for g, group in enumerate(self.groups) if group.kind != FULL]
+        if not windowed:
+            return end
+        # misses[g][i - first]: the last block below i + 1 that group g lacks (first - 1: none)
+        misses = []
+        for g in windowed:
+            last_miss, row = first - 1, []
+            for i in range(first, end):
+                if not held(g, i):
+                    last_miss = i
+                row.append(last_miss)
+            misses.append(row)
+        for n in range(end, first, -1):
+            if all(row[n - 1 - first] < max(first, self.needed_from(g, n)) for g, row in zip(windowed, misses)):
+                return n
+        return first
+
+    def blocks(self, first: int, n: int, block_ids: Sequence[Sequence[int]], null: int = 0
+               ) -> list[tuple[int, int, int]]:
+        """``(position, group, device block)`` of a hit ``[first, n)`` that must be loaded:
+        every block the engine allocated (not its ``null`` block) from what each group needs,
+        in position order."""
+        out = []
+        for i in range(first, n):
+            for g, ids in enumerate(block_ids):
+                if i >= self.needed_from(g, n) and i < len(ids) and ids[i] != null:
+                    out.append((i, g, ids[i]))
+        return out

