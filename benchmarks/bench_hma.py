@@ -1,14 +1,17 @@
-"""What kvstrata costs a hybrid model: vLLM turns its hybrid memory allocator (HMA) off
-for a KV connector that does not declare ``SupportsHMA``, and kvstrata does not (yet).
+"""What kvstrata costs a hybrid model. vLLM turns its hybrid memory allocator (HMA) off
+for a KV connector that does not declare ``SupportsHMA``; kvstrata declares it, so
+vLLM keeps it on. The third engine shows what turning it off costs (as with a
+connector without ``SupportsHMA``: ``disable_hybrid_kv_cache_manager``).
 
 A tiny Gemma-3 text model (random weights, 5 of 6 layers with a 64-token sliding
-window) on vLLM's CPU engine with the same KV memory (``--kv-cache-memory-bytes``),
-without and with kvstrata. Eight 1,500-token prompts are submitted at once and the
-engine is stepped by hand: the figure is the most requests it ran at once (what the
-KV pool admits), with the KV cache groups and blocks vLLM built, and the engine's
-wall time for all eight. Greedy outputs must be identical.
+window) on vLLM's CPU engine with the same KV memory (``--kv-cache-memory-bytes``):
+vLLM alone, with kvstrata, and with kvstrata and the allocator off. Eight 1,500-token
+prompts are submitted at once and the engine is stepped by hand: the figure is the
+most requests it ran at once (what the KV pool admits), with the KV cache groups and
+blocks vLLM built, and the engine's wall time for all eight. Greedy outputs must be
+identical.
 
-    .venv/bin/python benchmarks/bench_hma.py [--kv-mib 16] [--prompts 8] [--tokens 1500]
+    .venv/bin/python benchmarks/bench_hma.py [--kv-mib 16] [--prompts 8] [--tokens 1500] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import json
 import os
 import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -40,24 +44,28 @@ def engine(spec: dict[str, Any]) -> dict[str, Any]:
         kw["kv_transfer_config"] = {"kv_connector": "KVStrataConnector", "kv_role": "kv_both",
                                     "kv_connector_module_path": "kvstrata.connectors.vllm",
                                     "kv_connector_extra_config": {"cpu.capacity": "64MiB", "ssd.capacity": 0}}
+    if spec.get("hma_off"):
+        kw["disable_hybrid_kv_cache_manager"] = True
     llm = LLM(**kw)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     cfg = scheduler.kv_cache_manager.kv_cache_config
     groups = [(type(g.kv_cache_spec).__name__, len(g.layer_names)) for g in cfg.kv_cache_groups]
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    for i in range(spec["prompts"]):
-        engine.add_request(str(i), {"prompt_token_ids": [(i * 37 + j * 11) % 500 + 2 for j in range(spec["tokens"])]},
-                           sp)
-    peak, outputs = 0, {}
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = list(out.outputs[0].token_ids)
-        peak = max(peak, len(scheduler.running))
-    return {"peak_running": peak, "seconds": time.perf_counter() - t0, "num_blocks": int(cfg.num_blocks),
-            "groups": groups, "outputs": [outputs[str(i)] for i in range(spec["prompts"])]}
+    peak, outputs, seconds = 0, {}, []
+    for r in range(spec["rounds"]):  # new prompts each round: nothing is a prefix hit
+        for i in range(spec["prompts"]):
+            tokens = [(r * 101 + i * 37 + j * 11) % 500 + 2 for j in range(spec["tokens"])]
+            engine.add_request(f"{r}-{i}", {"prompt_token_ids": tokens}, sp)
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+            peak = max(peak, len(scheduler.running))
+        seconds.append(time.perf_counter() - t0)
+    return {"peak_running": peak, "seconds": statistics.median(seconds), "num_blocks": int(cfg.num_blocks),
+            "groups": groups, "outputs": [outputs[k] for k in sorted(outputs)]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,14 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-mib", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1500)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of new prompts per engine (the median is shown)")
     args = ap.parse_args(argv)
     model = build_tiny_gemma3(Path(tempfile.mkdtemp(prefix="kvstrata-hma-")) / "gemma3")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
            "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     results = {}
-    for label, kvstrata in (("vLLM alone (HMA on)", False), ("with kvstrata (HMA off)", True)):
+    for label, kvstrata, hma_off in (("vLLM alone (HMA on)", False, False), ("with kvstrata (HMA on)", True, False),
+                                     ("with kvstrata, HMA off", True, True)):
         spec = {"model": str(model), "kvstrata": kvstrata, "kv_mib": args.kv_mib, "prompts": args.prompts,
-                "tokens": args.tokens}
+                "tokens": args.tokens, "hma_off": hma_off, "rounds": args.rounds}
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
                               text=True, env=env, cwd=ROOT)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -82,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         results[label] = json.loads(line[7:])
     base = results["vLLM alone (HMA on)"]
     print(f"tiny Gemma-3 (5 of 6 layers sliding, window 64), {args.kv_mib} MiB of KV, "
-          f"{args.prompts} prompts of {args.tokens} tokens at once")
+          f"{args.prompts} prompts of {args.tokens} tokens at once; median of {args.rounds} rounds")
     for label, r in results.items():
-        print(f"  {label:<22} KV groups {r['groups']}, {r['num_blocks']} blocks; at most {r['peak_running']} "
+        print(f"  {label:<24} KV groups {r['groups']}, {r['num_blocks']} blocks; at most {r['peak_running']} "
               f"request(s) at once; {r['seconds']:.2f} s  ({r['seconds'] / base['seconds']:.2f}x)")
     same = all(r["outputs"] == base["outputs"] for r in results.values())
     print(f"  outputs identical: {same}")

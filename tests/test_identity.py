@@ -517,3 +517,18 @@ def test_processes_identifying_one_checkpoint_read_it_once(tiny: Path, tmp_path:
     assert len(idents) == 1 and idents.pop().startswith("sha:")
     assert sorted(Path(line).name for line in log.read_text().splitlines()) == ["config.json", WEIGHTS]
     assert len(json.loads(digest_cache(home).read_text())) == 2
+
+
+def test_the_group_structure_is_part_of_the_fingerprint_only_when_there_are_groups() -> None:
+    """A hybrid model's keys never meet those of another group structure; a model with one
+    full-attention group keeps the namespace (and so the SSD records) it had before groups."""
+    base = Fingerprint(model="m", dtype="float16", kv_dtype="auto", block_size=16, block_nbytes=4096, layers=2,
+                       kv_heads=2, head_size=64)
+    assert b'"groups"' not in base.namespace()
+    fields = dataclasses.asdict(base)
+    del fields["groups"]
+    assert base.namespace() == json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    hybrid = dataclasses.replace(base, groups="sliding:64,full")
+    other = dataclasses.replace(base, groups="sliding:128,full")
+    assert len({base.namespace(), hybrid.namespace(), other.namespace()}) == 3
+    assert "groups sliding:64,full" in hybrid.describe()

@@ -7,14 +7,12 @@ is over the library holds what it verified, through the same seeding the vLLM
 scheduler uses."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 

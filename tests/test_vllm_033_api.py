@@ -28,8 +28,10 @@ from kvstrata.connectors.vllm_connector import KVStrataConnector
 
 B = base.KVConnectorBase_V1
 out = {"vllm": vllm.__file__, "base": inspect.getfile(B), "abstract": sorted(KVStrataConnector.__abstractmethods__),
-       "mismatch": [], "sleep": {}}
+       "mismatch": [], "sleep": {}, "hma": issubclass(KVStrataConnector, base.SupportsHMA)}
 for name, member in vars(KVStrataConnector).items():
+    B = next((c for c in (base.KVConnectorBase_V1, base.SupportsHMA) if inspect.getattr_static(c, name, None)),
+             base.KVConnectorBase_V1)
     theirs = inspect.getattr_static(B, name, None)
     if theirs is None or name.startswith("__") or not callable(getattr(B, name)):
         continue
@@ -50,6 +52,11 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request
 out["scheduler_output"] = {f.name for f in dataclasses.fields(SchedulerOutput)} >= {"preempted_req_ids"}
 out["request"] = "self.num_preemptions = 0" in inspect.getsource(Request.__init__)
+# what the hybrid path reads: the window and chunk of the group specs, request-level load failures
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+fields = lambda c: {f.name for f in dataclasses.fields(c)}
+out["groups"] = ("sliding_window" in fields(SlidingWindowSpec) and "attention_chunk_size" in fields(ChunkedLocalAttentionSpec)
+                 and "failed_recving" in fields(base.KVConnectorTransferResults))
 print("RESULT " + json.dumps(out))
 '''
 
@@ -77,6 +84,7 @@ def test_connector_fits_vllm_033_base_class() -> None:
     assert out["sleep"] == dict.fromkeys(("supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"), True)
     assert out["supports_sleep_mode"] is True
     assert out["scheduler_output"] and out["request"]
+    assert out["hma"] and out["groups"]  # a hybrid model keeps vLLM's hybrid allocator on under 0.33 too
 
 
 def test_package_metadata_states_the_vllm_versions() -> None:

@@ -198,3 +198,46 @@ def test_a_tag_that_does_not_hash_to_its_records_key_is_not_announced() -> None:
     assert restarted.counts["mismatched"] == 1
     _, honest, _ = setup(cpu=0, ssd=16)
     assert honest._rebuild(honest_tags) == ks and honest.counts["mismatched"] == 0
+
+
+def test_group_tags_rebuild_vllms_hash_and_are_checked_against_the_groups_key() -> None:
+    """With KV-cache groups a block has one key per group and one vLLM hash for all: a group's
+    tag rebuilds that hash along the chain after a restart and is announced under its group
+    index; a tag copied to another group's record does not hash to that record's key."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from kvstrata.core.groups import KVGroups
+    from kvstrata.policy.tiers import SSD
+
+    policy, events, computed = setup(cpu=0, ssd=16)
+    tokens = list(range(700, 712))
+    req = request(tokens)
+    ks = hasher().hash_blocks(tokens)
+    g1 = [KVGroups.key(1, k) for k in ks]
+    events.record(req, ks, 0, 3, lambda g, i: KVGroups.key(g, ks[i]), 2)
+    tags = events.ssd_tags([policy.prepare_store([0, 1, 2, 3, 4, 5], ks + g1, computed)])
+    assert set(tags) == set(ks + g1)
+    _, restarted, _ = setup(cpu=0, ssd=16)
+    rebuilt = restarted._rebuild(dict(tags))
+    assert set(rebuilt) == set(ks + g1) and restarted.counts["mismatched"] == 0
+    for key, vhash in zip(g1, req.block_hashes):
+        assert restarted.tags[key].group == 1 and restarted.tags[key].vhash == vhash
+    out = restarted._build([(True, SSD, restarted.tags[k]) for k in g1])
+    assert [(e.group_idx, e.block_hashes) for e in out] == [(1, [maybe_convert_block_hash(h) for h in req.block_hashes])]
+    moved = dict(tags)
+    moved[g1[0]] = tags[ks[0]]  # group 0's tag under group 1's key
+    _, checked, _ = setup(cpu=0, ssd=16)
+    checked._rebuild(moved)
+    assert checked.counts["mismatched"] == 1
+
+
+def test_tags_written_before_groups_still_read() -> None:
+    import msgpack
+
+    from kvstrata.connectors.vllm_events import BlockTag
+
+    old = msgpack.packb([2, None, bytes(16), None, None, None, b""], use_bin_type=True)
+    tag = BlockTag.unpack(old)
+    assert tag is not None and tag.group == 0
+    assert BlockTag.unpack(msgpack.packb([3, None, bytes(16), None, None, None, b"", -1], use_bin_type=True)) is None
+    assert BlockTag.unpack(msgpack.packb([2, None, bytes(16), None, None, None, b"", 1], use_bin_type=True)) is None

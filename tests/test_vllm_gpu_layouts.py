@@ -356,6 +356,35 @@ def test_a_state_cache_stops_start_up_naming_the_layer(vllm_config: Any) -> None
                            kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.mixer"], spec)], kv_cache_layout="LBHNC")
     with pytest.raises(ConfigError, match=r"model\.layers\.0\.mixer.*MambaSpec"):
         block_nbytes_of(config)
+    from kvstrata.connectors.vllm_common import kv_groups
+
+    # one line naming the layer, the kind and what kvstrata stores (never a silent partial store)
+    with pytest.raises(ConfigError, match=r"^layer model\.layers\.0\.mixer: a MambaSpec layer \(a state cache.*"
+                                          r"kvstrata stores full attention, sliding-window attention and chunked local "
+                                          r"attention layers"):
+        kv_groups(config, 16)
+
+
+def test_groups_of_a_hybrid_config_are_read_from_vllms_specs() -> None:
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvstrata.connectors.vllm_common import kv_groups
+
+    common = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    config = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_layout="LBHNC", kv_cache_groups=[
+        KVCacheGroupSpec(["a.0", "a.1"], FullAttentionSpec(**common)),
+        KVCacheGroupSpec(["b.0"], SlidingWindowSpec(**common, sliding_window=128)),
+        KVCacheGroupSpec(["c.0"], ChunkedLocalAttentionSpec(**common, attention_chunk_size=64))])
+    groups = kv_groups(config, 16)
+    assert groups.describe() == "full,sliding:128,chunked:64"
+    assert kv_groups(KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_layout="LBHNC", kv_cache_groups=[
+        KVCacheGroupSpec(["a.0"], FullAttentionSpec(**common))]), 16).plain
 
 
 def test_new_tensors_of_another_layout_reset_the_tiers(vllm_config: Any, tmp_path: Path,

@@ -111,3 +111,35 @@ def test_a_second_engine_serves_every_group_from_the_remote_tier(model: str, bas
     assert again["external_hits"] == 21 * BLOCK
     assert same(again, baseline["prompt"])
     pages_round_trip(out, 21 + 3 * 2 * 2, writer)
+
+
+def _pairs(events: list[dict[str, Any]], medium: str) -> set[tuple[int, Any]]:
+    """(group index, vLLM block hash) of every block stored on ``medium``."""
+    return {(e["group_idx"], h) for e in events if e["type"] == "BlockStored" and e["medium"] == medium
+            for h in e["block_hashes"]}
+
+
+@pytest.mark.long
+def test_events_of_every_group_carry_its_index_and_vllms_hashes(model: str, tmp_path: Path) -> None:
+    """As a router decodes them (vLLM's decoder): the DRAM and SSD tiers announce the blocks of
+    every group under the group's index and vLLM's own hash for that block, also after a restart."""
+    cfg = {"cpu.capacity": "16MiB", "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": "64MiB"}
+    spec = {"model": model, "kvstrata": cfg, "kv_bytes": KV_BYTES, "kv_events": f"ipc://{tmp_path}/events",
+            "steps": [{"prompts": [PROMPT]}, {"prompts": [random_token_prompt(40, seed=91)]}]}
+    events = [e for step in run_in_subprocess(spec)["steps"] for e in step["events"]]
+    gpu, cpu, ssd = _pairs(events, "GPU"), _pairs(events, "CPU"), _pairs(events, "STORAGE")
+    groups = {g for g, _ in gpu}
+    prompt = {h for _, h in gpu}  # vLLM's hash of a block is the same in every group
+    assert len(groups) >= 2 and len(prompt) == (len(PROMPT) + 8) // BLOCK + 1  # and the second prompt's one
+    for g in groups:
+        in_cpu = {h for g2, h in cpu if g2 == g}
+        # every block of every group went down (a window group's too: a hit at an earlier
+        # position needs them), announced under the group's index with vLLM's own hash ...
+        assert in_cpu == prompt, g
+        # ... including the ones vLLM announced for that group on the GPU
+        assert {h for g2, h in gpu if g2 == g} <= in_cpu
+    assert ssd == cpu  # write-through to the SSD tier
+    spec["steps"] = [{"prompts": [random_token_prompt(40, seed=92)]}]
+    spec["kv_events"] = f"ipc://{tmp_path}/events2"
+    again = [e for step in run_in_subprocess(spec)["steps"] for e in step["events"]]
+    assert ssd <= _pairs(again, "STORAGE")  # announced again after a restart, per group, with vLLM's hashes

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import msgpack
 
+from kvstrata.core.groups import KVGroups
 from kvstrata.policy.tiers import KNOWN, PERSISTENT
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ MEDIA = {name: t.medium for name, t in KNOWN.items() if t.medium}
 _TAGGED = frozenset(PERSISTENT)  # the tiers whose records keep the tags beside them
 EVENT_COUNTS = ("stored", "removed", "announced", "untagged", "mismatched")  # KVEvents.counts, per block
 ANNOUNCE_PER_STEP = 4096  # restart announcements per engine step (a step's batch stays small)
-_TAG_VERSION = 2  # 2: kvstrata's own extra bytes, to check the tag against the record's key
+_TAG_VERSION = 3  # 2: kvstrata's own extra bytes, to check the tag against the record's key; 3: the KV-cache group
 
 
 def events_enabled(vllm_config: Any) -> bool:
@@ -76,13 +77,17 @@ def events_enabled(vllm_config: Any) -> bool:
 class BlockTag:
     """What a block's events carry beyond its kvstrata key: vLLM's hash (None until rebuilt
     after a restart), its parent's, the token ids (int32), vLLM's extra keys for the block
-    (tagged, as vLLM hashes them), the LoRA fields, the parent's kvstrata key, and the media
-    announced as holding it."""
+    (tagged, as vLLM hashes them), the LoRA fields, the parent's kvstrata key (its chain key,
+    as group 0 has it), the KV-cache group (:mod:`kvstrata.core.groups`: vLLM's hash of a
+    block is the same in every group, kvstrata's key is not), and the media announced as
+    holding it."""
 
-    __slots__ = ("vhash", "parent_vhash", "tokens", "extra", "lora_id", "lora_name", "parent_key", "kextra", "media")
+    __slots__ = ("vhash", "parent_vhash", "tokens", "extra", "lora_id", "lora_name", "parent_key", "kextra", "group",
+                 "media")
 
     def __init__(self, vhash: bytes | None, parent_vhash: bytes | None, tokens: bytes, extra: Any,
-                 lora_id: int | None, lora_name: str | None, parent_key: bytes | None, kextra: bytes = b"") -> None:
+                 lora_id: int | None, lora_name: str | None, parent_key: bytes | None, kextra: bytes = b"",
+                 group: int = 0) -> None:
         self.vhash = vhash
         self.parent_vhash = parent_vhash
         self.tokens = tokens
@@ -91,25 +96,34 @@ class BlockTag:
         self.lora_name = lora_name
         self.parent_key = parent_key
         self.kextra = kextra  # what kvstrata's key of the block hashed beside parent and tokens
+        self.group = group
         self.media = 0  # bit per tier of MEDIA_BITS: announced as held there
 
     def pack(self) -> bytes:
         """The tag kept beside the block's SSD record (rebuilds this tag after a restart)."""
         return msgpack.packb([_TAG_VERSION, self.parent_key, self.tokens, self.extra, self.lora_id,
-                              self.lora_name, self.kextra], use_bin_type=True)
+                              self.lora_name, self.kextra, self.group], use_bin_type=True)
+
+    def in_group(self, group: int) -> "BlockTag":
+        """The tag of the same block position in KV-cache group ``group``."""
+        return BlockTag(self.vhash, self.parent_vhash, self.tokens, self.extra, self.lora_id, self.lora_name,
+                        self.parent_key, self.kextra, group)
 
     @classmethod
     def unpack(cls, data: bytes) -> "BlockTag | None":
         """A tag :meth:`pack` made (its hashes not yet rebuilt), or None for anything else."""
         try:
-            version, parent, tokens, extra, lora_id, lora_name, kextra = msgpack.unpackb(data, raw=False)
+            version, parent, tokens, extra, lora_id, lora_name, kextra, *rest = msgpack.unpackb(data, raw=False)
         except Exception:
             return None
-        if version != _TAG_VERSION or not isinstance(tokens, bytes) or len(tokens) % 4 or not isinstance(kextra, bytes):
+        group = rest[0] if version == _TAG_VERSION and len(rest) == 1 else 0 if version == 2 and not rest else None
+        if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < 1 << 16:
+            return None
+        if not isinstance(tokens, bytes) or len(tokens) % 4 or not isinstance(kextra, bytes):
             return None
         if parent is not None and not isinstance(parent, bytes):
             return None
-        return cls(None, None, tokens, _tuples(extra), lora_id, lora_name, parent, kextra)
+        return cls(None, None, tokens, _tuples(extra), lora_id, lora_name, parent, kextra, group)
 
     def token_ids(self) -> list[int]:
         return array("i", self.tokens).tolist()
@@ -148,9 +162,11 @@ class KVEvents:
 
     # ------------------------------------------------------------------ tags
 
-    def record(self, request: "Request", keys: Sequence[bytes], lo: int, hi: int) -> None:
+    def record(self, request: "Request", keys: Sequence[bytes], lo: int, hi: int,
+               group_key: Callable[[int, int], bytes] | None = None, groups: int = 1) -> None:
         """Tags of the request's blocks ``lo..hi`` (``keys``: its kvstrata hash chain), for
-        those that have none yet."""
+        those that have none yet; with ``groups`` KV-cache groups, in each group too
+        (``group_key(g, i)``: block ``i``'s key in group ``g``)."""
         tags = self.tags
         vhashes = request.block_hashes
         tokens = request.all_token_ids
@@ -166,12 +182,20 @@ class KVEvents:
             key = keys[i]
             if key in tags:
                 tags.move_to_end(key)
+                for g in range(1, groups):
+                    assert group_key is not None
+                    gkey = group_key(g, i)
+                    tags[gkey] = tags.get(gkey) or tags[key].in_group(g)
+                    tags.move_to_end(gkey)
                 continue
-            tags[key] = BlockTag(vhashes[i], vhashes[i - 1] if i else None,
-                                 array("i", tokens[i * bs:(i + 1) * bs]).tobytes(), _extra_keys(request, i, bs),
-                                 request.lora_request.adapter_id if request.lora_request else None,
-                                 request.lora_request.name if request.lora_request else None,
-                                 keys[i - 1] if i else None, self.extra_of(request, i))
+            tag = tags[key] = BlockTag(vhashes[i], vhashes[i - 1] if i else None,
+                                       array("i", tokens[i * bs:(i + 1) * bs]).tobytes(), _extra_keys(request, i, bs),
+                                       request.lora_request.adapter_id if request.lora_request else None,
+                                       request.lora_request.name if request.lora_request else None,
+                                       keys[i - 1] if i else None, self.extra_of(request, i))
+            for g in range(1, groups):
+                assert group_key is not None
+                tags[group_key(g, i)] = tag.in_group(g)
         while len(tags) > self.capacity:
             tags.popitem(last=False)
 
@@ -297,7 +321,7 @@ class KVEvents:
     def _matches(self, key: bytes, tag: BlockTag) -> bool:
         """Do the tag's parent, tokens and extra bytes hash to ``key`` (the record's own)?"""
         try:
-            return self.hasher.block_key(tag.parent_key, tag.token_ids(), tag.kextra) == key
+            return KVGroups.key(tag.group, self.hasher.block_key(tag.parent_key, tag.token_ids(), tag.kextra)) == key
         except (ValueError, TypeError):  # tokens of another block size, or not token ids
             return False
 
@@ -332,15 +356,15 @@ class KVEvents:
         for stored, tier, tag in changes:
             medium, vhash = MEDIA[tier], maybe_convert_block_hash(tag.vhash)
             if not stored:
-                if isinstance(last, self._removed) and last.medium == medium:
+                if isinstance(last, self._removed) and last.medium == medium and last.group_idx == tag.group:
                     last.block_hashes.append(vhash)
                 else:
-                    last = self._removed(block_hashes=[vhash], medium=medium, group_idx=0)
+                    last = self._removed(block_hashes=[vhash], medium=medium, group_idx=tag.group)
                     out.append(last)
                 continue
             extra = to_event_extra_keys([tag.extra])
             if (isinstance(last, self._stored) and last.medium == medium and prev is not None
-                    and tag.parent_vhash == prev.vhash and tag.lora_name == prev.lora_name):
+                    and tag.parent_vhash == prev.vhash and tag.lora_name == prev.lora_name and tag.group == prev.group):
                 last.block_hashes.append(vhash)
                 last.token_ids.extend(tag.token_ids())
                 last.extra_keys.extend(extra)
@@ -349,7 +373,7 @@ class KVEvents:
                     block_hashes=[vhash],
                     parent_block_hash=maybe_convert_block_hash(tag.parent_vhash) if tag.parent_vhash else None,
                     token_ids=tag.token_ids(), block_size=self.block_size, lora_id=tag.lora_id,
-                    medium=medium, lora_name=tag.lora_name, extra_keys=extra, group_idx=0)
+                    medium=medium, lora_name=tag.lora_name, extra_keys=extra, group_idx=tag.group)
                 out.append(last)
             prev = tag
         return out

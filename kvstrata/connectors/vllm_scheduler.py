@@ -241,13 +241,16 @@ class KVStrataScheduler:
         if self._recording is not None:
             self._recording.resumed(st, request.num_tokens)
         if self._events is not None:
-            self._events.record(request, st.hashes, 0, first + external)
+            self._events.record(request, st.hashes, 0, first + external, self._group_key(st), len(self.groups))
         st.handled = max(st.handled, first + external)  # not computed now
         on_device = self._group_blocks(st, block_ids, 0, first)
         self._pool.resident.add([b for b, _ in on_device], [k for _, k in on_device])
         self._pool.resident.used([b for b, _ in on_device])
         self.core.admit(st, first, block_ids if self.core.groups is not None else block_ids[0], external,
                         request.num_tokens, resumed=request.num_preemptions > 0)
+
+    def _group_key(self, st: _Req) -> Any:
+        return lambda g, i: self.core.group_key(st, g, i)
 
     def _group_blocks(self, st: _Req, block_ids: Sequence[Sequence[int]], lo: int, hi: int) -> list[tuple[int, bytes]]:
         """``(device block, key)`` of blocks ``lo..hi`` of ``st`` in every KV-cache group,
@@ -326,7 +329,7 @@ class KVStrataScheduler:
         hashes = self._hashes(st, full)
         new = self._group_blocks(st, self._manager.get_block_ids(req_id), st.handled, full)
         if self._events is not None:
-            self._events.record(st.request, hashes, st.handled, full)
+            self._events.record(st.request, hashes, st.handled, full, self._group_key(st), len(self.groups))
         out.extend(new)
         self._pool.resident.add([b for b, _ in new], [k for _, k in new])
         st.handled = full
