@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvstrata.bench.deployment import recorded_config, recorded_deployment
+from kvstrata.errors import ConfigError
 from kvstrata.trace.reader import TRACE_VERSION, TraceError, TraceReader, load_trace
 from kvstrata.config import KVStrataConfig, TraceConfig
 from kvstrata.trace.recorder import RecordedRequest, TraceRecorder, rekey
@@ -172,6 +173,13 @@ def test_recorded_config_replays_the_deployment_and_set_changes_one_thing() -> N
     bigger = recorded_config(dep, ["cpu.capacity=4MiB"])
     assert bigger.cpu.capacity == 4 * 1024**2 and bigger.ssd.capacity == cfg.ssd.capacity
     assert recorded_config(dep, ["gpu.capacity=1MiB"]).gpu.num_blocks is None
+
+
+def test_a_recording_of_a_hybrid_model_is_not_replayed_as_one_group() -> None:
+    dep = _deployment()
+    dep["engine"]["groups"] = "sliding:64,full"
+    with pytest.raises(ConfigError, match=r"hybrid model \(KV-cache groups 'sliding:64,full'\).*does not replay"):
+        recorded_config(dep)
 
 
 # ------------------------------------------------------------------ reading damaged recordings

@@ -8,6 +8,8 @@ are the pages stored, byte for byte, in every group."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +68,7 @@ def test_model_is_context_sensitive(baseline: dict[str, Any]) -> None:
 
 def test_hybrid_allocator_stays_on_and_dram_hits_match_recompute(model: str, baseline: dict[str, Any],
                                                                   tmp_path: Path) -> None:
-    cfg = {"cpu.capacity": "16MiB", "ssd.capacity": 0}
+    cfg = {"cpu.capacity": "16MiB", "ssd.capacity": 0, "trace.path": str(tmp_path / "rec"), "trace.insecure_hashes": True}
     steps = [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [SHIFTED]}, {"prompts": [PROMPT]}]
     out = run(model, cfg, steps)
     first, _, shifted, again = out["steps"]
@@ -80,6 +82,11 @@ def test_hybrid_allocator_stays_on_and_dram_hits_match_recompute(model: str, bas
     assert same(again, baseline["prompt"])
     # full attention: 21 blocks; each of the 3 window groups: the 2 blocks before each hit
     pages_round_trip(out, 21 + 3 * 2 * 2)
+    # the recording says what was served: the bench does not pass it off as one group
+    proc = subprocess.run([sys.executable, "-m", "kvstrata.cli", "bench", "--trace", str(tmp_path / "rec"), "--quiet"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "the recording is of a hybrid model (KV-cache groups 'sliding:64" in proc.stderr
 
 
 @pytest.mark.long

@@ -63,6 +63,12 @@ def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = ()) -
     base = deployment.get("config") if isinstance(deployment, dict) else None
     if not isinstance(base, dict):
         raise ConfigError("trace: the recording's header holds no deployment to replay; give --config")
+    engine = deployment.get("engine")
+    groups = engine.get("groups") if isinstance(engine, dict) else None
+    if groups:
+        raise ConfigError(f"trace: the recording is of a hybrid model (KV-cache groups {str(groups)[:200]!r}); "
+                          "kvstrata bench replays one full-attention group, so its hit rates and SSD bytes "
+                          "would not be what the plugin did: it does not replay this recording")
     overrides = list(overrides)
     base = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     try:

@@ -45,7 +45,8 @@ class SchedulerRecording:
             cfg, block_size=block_size, block_nbytes=block_nbytes, gpu_blocks=gpu_blocks,
             capacity_blocks={GPU: gpu_blocks, **spec.capacity()},
             engine={"name": "vllm", "version": vllm.__version__, "model": fingerprint.model,
-                    "tp_size": fingerprint.tp_size, "kv_layout": fingerprint.kv_layout})
+                    "tp_size": fingerprint.tp_size, "kv_layout": fingerprint.kv_layout,
+                    **({"groups": fingerprint.groups} if fingerprint.groups else {})})
         self.recorder = TraceRecorder(cfg.trace, block_size=block_size, deployment=deployment)
         self.block_size, self.block_nbytes = block_size, block_nbytes
         self._measured_at = 0.0
