@@ -11,7 +11,7 @@ most requests it ran at once (what the KV pool admits), with the KV cache groups
 blocks vLLM built, and the engine's wall time for all eight. Greedy outputs must be
 identical.
 
-    .venv/bin/python benchmarks/bench_hma.py [--kv-mib 16] [--prompts 8] [--tokens 1500] [--rounds 5]
+    .venv/bin/python benchmarks/bench_hma.py [--kv-mib 16] [--prompts 8] [--tokens 1500] [--rounds 15]
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-mib", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1500)
-    ap.add_argument("--rounds", type=int, default=5, help="rounds of new prompts per engine (the median is shown)")
+    ap.add_argument("--rounds", type=int, default=15, help="rounds of new prompts per engine (the median is shown)")
     args = ap.parse_args(argv)
     model = build_tiny_gemma3(Path(tempfile.mkdtemp(prefix="kvstrata-hma-")) / "gemma3")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",

@@ -153,8 +153,12 @@ class Lifecycle:
         born_pop, last_pop = self._born.pop, self._last.pop
         life, idle = self.lifetime, self.idle_before_evict
         if life.samples is None or idle.samples is None:
+            life_obs, idle_obs = life.observe, idle.observe
             for key in keys:
-                self.leave(key, now)
+                born = born_pop(key, None)
+                if born is not None:
+                    life_obs(now - born)
+                    idle_obs(now - last_pop(key))
             return
         life_add, idle_add = life.samples.append, idle.samples.append
         for key in keys:

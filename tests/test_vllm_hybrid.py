@@ -150,3 +150,27 @@ def test_events_of_every_group_carry_its_index_and_vllms_hashes(model: str, tmp_
     spec["kv_events"] = f"ipc://{tmp_path}/events2"
     again = [e for step in run_in_subprocess(spec)["steps"] for e in step["events"]]
     assert ssd <= _pairs(again, "STORAGE")  # announced again after a restart, per group, with vLLM's hashes
+
+
+@pytest.mark.long
+def test_a_corrupt_ssd_tier_costs_a_hybrid_model_only_recomputation(model: str, baseline: dict[str, Any],
+                                                                     tmp_path: Path) -> None:
+    """Blocks of some group fail their checksum: the request's load fails whole (vLLM is told
+    by request, as block ids do not name a group) and vLLM recomputes it, with the outputs of
+    recompute; what it recomputed is stored again and served next time."""
+    import random
+
+    cfg = {"cpu.capacity": "1MiB", "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": "64MiB"}
+    run(model, cfg, [{"prompts": [PROMPT]}])
+    data = tmp_path / "ssd" / "rank-0" / "blocks.dat"
+    raw, rng = bytearray(data.read_bytes()), random.Random(0)
+    for _ in range(400):
+        raw[rng.randrange(len(raw))] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    out = run(model, {**cfg, "cpu.capacity": "16MiB"}, [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}])
+    first, _, again = out["steps"]
+    assert same(first, baseline["prompt"])
+    assert first["external_hits"] == 0  # the whole hit was dropped, not a prefix of it
+    assert "corrupt" in out["log"] or first["cached"][0] == 0
+    assert again["external_hits"] == 21 * BLOCK and again["by_source"] == {"host": 21 * BLOCK}
+    assert same(again, baseline["prompt"])

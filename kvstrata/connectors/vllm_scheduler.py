@@ -256,8 +256,11 @@ class KVStrataScheduler:
         """``(device block, key)`` of blocks ``lo..hi`` of ``st`` in every KV-cache group,
         but the null blocks vLLM pads a window group's skipped blocks with."""
         out = []
+        key = self.core.group_key
         for g, ids in enumerate(block_ids):
-            out.extend((ids[i], self.core.group_key(st, g, i)) for i in range(lo, min(hi, len(ids))) if ids[i] != _NULL)
+            for i in range(lo, min(hi, len(ids))):
+                if ids[i] != _NULL:
+                    out.append((ids[i], key(st, g, i)))
         return out
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
