@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from kvstrata.core.groups import CHUNKED, FULL, SLIDING, Group, KVGroups
+from kvstrata.core.groups import CHUNKED, FULL, SLIDING, STATE, Group, KVGroups
 
 BS = 16
 
@@ -24,7 +24,7 @@ def brute_hit_end(groups: KVGroups, first: int, last: int, held: Callable[[int, 
     return first
 
 
-kinds = hst.one_of(hst.just(Group(FULL)), hst.builds(lambda t: Group(SLIDING, t), hst.integers(1, 100)),
+kinds = hst.one_of(hst.just(Group(FULL)), hst.just(Group(STATE)), hst.builds(lambda t: Group(SLIDING, t), hst.integers(1, 100)),
                    hst.builds(lambda t: Group(CHUNKED, t), hst.sampled_from([16, 32, 48, 64, 128])))
 
 
@@ -49,6 +49,16 @@ def test_blocks_loaded_are_what_each_group_needs_and_the_engine_allocated() -> N
     got = kv.blocks(1, 6, ids)
     assert got == [(1, 0, 11), (2, 0, 12), (3, 0, 13), (3, 1, 23), (4, 0, 14), (4, 1, 24), (5, 0, 15), (5, 1, 25)]
     assert kv.needed_from(1, 6) == 3  # tokens 96 - 40 + 1 = 57 skipped: 3 whole blocks
+
+
+def test_a_state_group_needs_the_state_at_the_hit_point_alone() -> None:
+    kv = KVGroups([Group(STATE), Group(FULL)], BS)
+    assert [kv.needed_from(0, n) for n in (1, 2, 7)] == [0, 1, 6]
+    assert kv.states == [0] and Group(STATE).describe() == "state"
+    held = {(0, 3), (0, 6), *((1, i) for i in range(8))}  # states cached after blocks 4 and 7 only
+    assert kv.hit_end(0, 8, lambda g, i: (g, i) in held) == 7
+    assert kv.hit_end(0, 6, lambda g, i: (g, i) in held) == 4  # the hit falls back to the last state held
+    assert kv.blocks(2, 4, ([0, 0, 0, 13], [20, 21, 22, 23])) == [(2, 1, 22), (3, 0, 13), (3, 1, 23)]
 
 
 def test_keys_are_per_group_and_group_zero_keeps_the_chain() -> None:

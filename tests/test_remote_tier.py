@@ -77,6 +77,9 @@ def test_a_prefix_stops_at_the_first_missing_block(server) -> None:
     assert t.probe(keys) == 4
     assert t.get_into(keys, out) == 4
     assert np.array_equal(out[:4], rows[:4])
+    # each key on its own (KV-cache groups need some keys of each position only)
+    assert t.probe_each(keys) == [True] * 4 + [False] + [True] * 5
+    assert t.probe_async(keys[3:6], each=True).result(timeout=10) == [True, False, True]
     t.close()
 
 

@@ -344,25 +344,29 @@ def test_the_layout_is_part_of_the_fingerprint(vllm_config: Any) -> None:
     assert len(set(seen.values())) == len(seen)
 
 
-def test_a_state_cache_stops_start_up_naming_the_layer(vllm_config: Any) -> None:
+def test_a_state_cache_is_a_group_only_in_the_aligned_mode(vllm_config: Any) -> None:
+    """A state layer keeps a state per block position only in vLLM's align mode (prefix
+    caching on): then its pages are stored like any block; otherwise start-up stops with one
+    line naming the layer, the mode and the vLLM option."""
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec
 
-    from kvstrata.connectors.vllm_common import block_nbytes_of
+    from kvstrata.connectors.vllm_common import block_nbytes_of, kv_groups
     from kvstrata.errors import ConfigError
 
-    spec = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
-    config = KVCacheConfig(num_blocks=4, kv_cache_tensors=[KVCacheTensor(size=4 * spec.page_size_bytes,
-                           layers=["model.layers.0.mixer"], layer_stride=0, block_stride=spec.page_size_bytes)],
-                           kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.mixer"], spec)], kv_cache_layout="LBHNC")
-    with pytest.raises(ConfigError, match=r"model\.layers\.0\.mixer.*MambaSpec"):
-        block_nbytes_of(config)
-    from kvstrata.connectors.vllm_common import kv_groups
+    def config(mode: str) -> Any:
+        spec = MambaSpec(block_size=16, shapes=((4, 8), (2, 8)), dtypes=(torch.float32, torch.float16),
+                         mamba_cache_mode=mode)
+        page = spec.page_size_bytes
+        return KVCacheConfig(num_blocks=4, kv_cache_tensors=[KVCacheTensor(
+            size=4 * page, layers=["model.layers.0.mixer"], layer_stride=page, block_stride=page)],
+            kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.mixer"], spec)], kv_cache_layout="LBHNC"), spec
 
-    # one line naming the layer, the kind and what kvstrata stores (never a silent partial store)
-    with pytest.raises(ConfigError, match=r"^layer model\.layers\.0\.mixer: a MambaSpec layer \(a state cache.*"
-                                          r"kvstrata stores full attention, sliding-window attention and chunked local "
-                                          r"attention layers"):
-        kv_groups(config, 16)
+    aligned, spec = config("align")
+    assert kv_groups(aligned, 16).describe() == "state"
+    assert block_nbytes_of(aligned) == 4 * 8 * 4 + 2 * 8 * 2 == spec.page_size_bytes  # the states, packed
+    with pytest.raises(ConfigError, match=r"^layer model\.layers\.0\.mixer: a state layer \(MambaSpec\) in "
+                                          r"vLLM's mamba_cache_mode 'none'.*--enable-prefix-caching"):
+        kv_groups(config("none")[0], 16)
 
 
 def test_groups_of_a_hybrid_config_are_read_from_vllms_specs() -> None:
@@ -385,6 +389,15 @@ def test_groups_of_a_hybrid_config_are_read_from_vllms_specs() -> None:
     assert groups.describe() == "full,sliding:128,chunked:64"
     assert kv_groups(KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_layout="LBHNC", kv_cache_groups=[
         KVCacheGroupSpec(["a.0"], FullAttentionSpec(**common))]), 16).plain
+    from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec
+
+    from kvstrata.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^layer e\.0: a layer of kind EncoderOnlyAttentionSpec; kvstrata stores full "
+                                          r"attention, sliding-window attention, chunked local attention and state"):
+        kv_groups(KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_layout="LBHNC", kv_cache_groups=[
+            KVCacheGroupSpec(["a.0"], FullAttentionSpec(**common)),
+            KVCacheGroupSpec(["e.0"], EncoderOnlyAttentionSpec(**common))]), 16)
 
 
 def test_new_tensors_of_another_layout_reset_the_tiers(vllm_config: Any, tmp_path: Path,

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstrata.config import KVStrataConfig, first_under, key_paths, read_yaml
-from kvstrata.core.groups import CHUNKED, FULL, SLIDING, Group, KVGroups
+from kvstrata.core.groups import CHUNKED, FULL, SLIDING, STATE, Group, KVGroups
 from kvstrata.errors import ConfigError
 from kvstrata.identity import Fingerprint, model_identity
 from kvstrata.policy import FetchPlan, LoadPlan, PolicySpec, StorePlan
@@ -87,7 +87,7 @@ def block_nbytes_of(kv_cache_config: "KVCacheConfig") -> int:
     allocator, layers sharing a KV cache) count once, padding between pages not at all.
     :class:`~kvstrata.connectors.kv_layout.KVLayout` finds the same bytes in the tensors
     themselves (the worker checks)."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, compute_layer_kv_cache_shape_bytes, compute_layout_strides
+    from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes, compute_layout_strides
 
     from kvstrata.connectors.kv_layout import block_runs, union_runs
 
@@ -96,9 +96,9 @@ def block_nbytes_of(kv_cache_config: "KVCacheConfig") -> int:
     runs: dict[int, list[tuple[int, int]]] = {}  # block stride -> block 0's bytes
     for tensor in kv_cache_config.kv_cache_tensors:
         spec = layer_spec(kv_cache_config, tensor.layers[0])  # a tensor's layers share one spec
-        if not (spec.has_layer_views and isinstance(spec, AttentionSpec)):
-            raise ConfigError(f"layer {tensor.layers[0]}: its {type(spec).__name__} is a state cache "
-                              "without per-block pages; kvstrata stores the KV of attention layers only")
+        if not spec.has_layer_views:
+            raise ConfigError(f"layer {tensor.layers[0]}: its {type(spec).__name__} cache has no per-block pages "
+                              "vLLM states the place of; kvstrata cannot store it")
         shape = compute_layer_kv_cache_shape_bytes(spec, nb)
         strides = compute_layout_strides(spec, nb, len(tensor.layers), layout,
                                          fixed_strides=(tensor.layer_stride, tensor.block_stride, None, None, None))
@@ -109,7 +109,8 @@ def block_nbytes_of(kv_cache_config: "KVCacheConfig") -> int:
     return sum(n for rs in runs.values() for _, n in union_runs(rs))
 
 
-_STORED = "full attention, sliding-window attention and chunked local attention"
+_STORED = ("full attention, sliding-window attention, chunked local attention and state (Mamba, linear "
+           "attention, in vLLM's align prefix-caching mode)")
 
 
 def kv_groups(kv_cache_config: "KVCacheConfig", block_size: int) -> KVGroups:
@@ -130,7 +131,7 @@ _FULL = ("FullAttentionSpec", "MLAAttentionSpec", "SinkFullAttentionSpec")
 
 
 def _group_of(layer: str, spec: Any) -> Group:
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     name = type(spec).__name__
     if isinstance(spec, SlidingWindowSpec):
@@ -139,8 +140,16 @@ def _group_of(layer: str, spec: Any) -> Group:
         return Group(CHUNKED, int(spec.attention_chunk_size))
     if isinstance(spec, FullAttentionSpec) and name in _FULL:
         return Group(FULL)
-    state = " (a state cache: its bytes at a position are not per-block pages)" if "Mamba" in name else ""
-    raise ConfigError(f"layer {layer}: a {name} layer{state}; kvstrata stores {_STORED} layers, not this kind: "
+    if isinstance(spec, MambaSpec):
+        mode = getattr(spec, "mamba_cache_mode", None)
+        if mode == "align":
+            return Group(STATE)
+        raise ConfigError(f"layer {layer}: a state layer ({name}) in vLLM's mamba_cache_mode {mode!r}, which keeps "
+                          "no state per block position, so no prefix of this model can be served from a lower "
+                          "tier: turn prefix caching on (--enable-prefix-caching, which selects "
+                          "--mamba-cache-mode align: a state copy per block of 'block_size' tokens), or serve "
+                          "the model without the KV connector")
+    raise ConfigError(f"layer {layer}: a layer of kind {name}; kvstrata stores {_STORED} layers, not this kind: "
                       "serve the model without the KV connector")
 
 

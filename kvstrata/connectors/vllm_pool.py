@@ -100,6 +100,15 @@ class PoolView:
         obs.evicted, obs.reassigned = [], []
         return evicted
 
+    def cached_as(self, block_id: int, group: int, vhash: Any) -> bool:
+        """Does vLLM hold block ``block_id`` cached as KV-cache group ``group``'s block whose
+        hash is ``vhash``? (A state group's block holds the state at its position only then.)"""
+        if self._pool is None:
+            return False
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        return self._pool.blocks[block_id].block_hash == make_block_hash_with_group_id(vhash, group)
+
     def free_window(self, n: int) -> list[tuple[int, bytes]]:
         """The hashed blocks among the ``n`` vLLM evicts next (the head of its free queue)."""
         if self._pool is None:

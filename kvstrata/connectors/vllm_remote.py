@@ -72,14 +72,15 @@ class RemoteLookups:
         if st.fetch is not None:
             return False
         if st.probe is None:
-            st.probe = (start, self.tier.probe_async(self.core.probe_keys(st, start, last)))
+            st.probe = (start, last, self.tier.probe_async(self.core.probe_keys(st, start, last),
+                                                           each=self.core.groups is not None))
             return False
-        begin, future = st.probe
+        begin, end, future = st.probe
         if not future.done():
             return False
         st.probe, st.remote_done = None, True
         try:
-            held = self.core.probed(int(future.result()))
+            held = self.core.probed(future.result(), begin, end)
         except Exception:  # the probe thread never raises for the server; a bug must not stop the engine
             log.exception("kvstrata: a remote probe failed")
             held = 0

@@ -92,7 +92,7 @@ class _Req(RequestState):
         self.request = request
         self.handled = 0
         self.matched: tuple[int, int] | None = None
-        self.probe: tuple[int, Any] | None = None
+        self.probe: tuple[int, int, Any] | None = None  # (first block probed, last, the future)
         self.remote_done = False
         self.preemptions: list[list[Any]] = []
 
@@ -121,6 +121,7 @@ class KVStrataScheduler:
         check_index_memory(spec, self.block_nbytes)
         self.policy = TierPolicy(spec, observers=[LifecycleRecorder(self.lifecycle)])
         self.groups = kv_groups(kv_cache_config, self.block_size)
+        self._states = frozenset(self.groups.states)
         self.core = DriverCore(self.policy, self.block_size, self.groups)
         self.num_workers = num_workers(vllm_config)
         self._stores = WorkerReports(self.num_workers)
@@ -254,12 +255,16 @@ class KVStrataScheduler:
 
     def _group_blocks(self, st: _Req, block_ids: Sequence[Sequence[int]], lo: int, hi: int) -> list[tuple[int, bytes]]:
         """``(device block, key)`` of blocks ``lo..hi`` of ``st`` in every KV-cache group,
-        but the null blocks vLLM pads a window group's skipped blocks with."""
+        but the null blocks vLLM pads a window group's skipped blocks with, and the blocks of
+        a state group vLLM did not cache as the state at their position (scratch states)."""
         out = []
         key = self.core.group_key
+        states = self._states
+        vhashes = st.request.block_hashes if states else ()
         for g, ids in enumerate(block_ids):
+            state = g in states
             for i in range(lo, min(hi, len(ids))):
-                if ids[i] != _NULL:
+                if ids[i] != _NULL and (not state or (i < len(vhashes) and self._pool.cached_as(ids[i], g, vhashes[i]))):
                     out.append((ids[i], key(st, g, i)))
         return out
 

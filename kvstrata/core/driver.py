@@ -152,9 +152,16 @@ class DriverCore:
             return st.hashes[lo:hi]
         return [self.group_key(st, g, i) for i in range(lo, hi) for g in range(len(self.groups))]
 
-    def probed(self, held: int) -> int:
-        """Blocks the remote tier holds whole, from ``held`` consecutive keys of :meth:`probe_keys`."""
-        return held if self.groups is None else held // len(self.groups)
+    def probed(self, answer: Any, start: int, last: int) -> int:
+        """Blocks from ``start`` a hit can take from the remote tier, from its answer to a probe
+        of :meth:`probe_keys`: how many leading keys it holds, or with groups whether it
+        holds each (the longest hit every group can then serve)."""
+        if self.groups is None:
+            return int(answer)
+        width = len(self.groups)
+        if len(answer) != width * (last - start):
+            return 0
+        return self.groups.hit_end(start, last, lambda g, i: bool(answer[(i - start) * width + g])) - start
 
     def plan_fetch(self, st: RequestState, first: int, start: int, held: int) -> FetchPlan | None:
         """The remote tier holds ``held`` blocks from ``st.hashes[start]`` on, after the local
@@ -198,7 +205,8 @@ class DriverCore:
         start = first + held
         if not self.remote or start >= last:
             return held
-        plan = self.plan_fetch(st, first, start, self.probed(executor.probe_remote(self.probe_keys(st, start, last))))
+        plan = self.plan_fetch(st, first, start,
+                               self.probed(executor.probe_remote(self.probe_keys(st, start, last)), start, last))
         if plan is None:
             return held
         self._planned.remove(plan)

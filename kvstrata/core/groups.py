@@ -8,7 +8,11 @@ prefix (vLLM's hybrid allocator gives each group a block table of its own):
 * ``sliding`` window attention (``tokens``: the window) needs only the blocks
   holding the last ``window - 1`` tokens before the hit point;
 * ``chunked`` local attention (``tokens``: the chunk) needs only the blocks of
-  the chunk the hit point falls in.
+  the chunk the hit point falls in;
+* ``state`` layers (Mamba, Gated DeltaNet, short convolutions in vLLM's
+  ``align`` prefix-caching mode) keep one state per block position: block
+  ``i`` holds the state after ``i + 1`` blocks, so a hit of ``n`` blocks needs
+  block ``n - 1`` alone. Only the blocks the engine cached as states hold one.
 
 The rule is vLLM's ``get_num_skipped_tokens`` (its managers pad the skipped
 blocks of a request's table with the null block); ``tests/test_groups.py``
@@ -27,12 +31,13 @@ import hashlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["FULL", "SLIDING", "CHUNKED", "KINDS", "Group", "KVGroups"]
+__all__ = ["FULL", "SLIDING", "CHUNKED", "STATE", "KINDS", "Group", "KVGroups"]
 
 FULL = "full"
 SLIDING = "sliding"
 CHUNKED = "chunked"
-KINDS = (FULL, SLIDING, CHUNKED)
+STATE = "state"
+KINDS = (FULL, SLIDING, CHUNKED, STATE)
 
 
 @dataclass(frozen=True)
@@ -46,9 +51,9 @@ class Group:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"KV-cache group kind {self.kind!r}: expected one of {', '.join(KINDS)}")
-        if (self.kind != FULL) != (self.tokens > 0):
+        if (self.kind in (SLIDING, CHUNKED)) != (self.tokens > 0):
             raise ValueError(f"KV-cache group {self.kind}: tokens {self.tokens} (a window or chunk size "
-                             "for sliding and chunked groups, none for full attention)")
+                             "for sliding and chunked groups, none for full attention and state groups)")
 
     def skipped_tokens(self, computed: int) -> int:
         """Tokens before ``computed`` that the next token does not attend (vLLM's rule)."""
@@ -59,7 +64,7 @@ class Group:
         return 0
 
     def describe(self) -> str:
-        return self.kind if self.kind == FULL else f"{self.kind}:{self.tokens}"
+        return f"{self.kind}:{self.tokens}" if self.tokens else self.kind
 
 
 class KVGroups:
@@ -85,7 +90,14 @@ class KVGroups:
 
     def needed_from(self, g: int, n: int) -> int:
         """The first block of group ``g`` a hit of ``n`` blocks needs (earlier ones are skipped)."""
+        if self.groups[g].kind == STATE:
+            return max(0, n - 1)
         return self.groups[g].skipped_tokens(n * self.block_size) // self.block_size
+
+    @property
+    def states(self) -> list[int]:
+        """The state groups: a block of theirs is stored only once the engine cached it as a state."""
+        return [g for g, group in enumerate(self.groups) if group.kind == STATE]
 
     @staticmethod
     def key(g: int, key: bytes) -> bytes:

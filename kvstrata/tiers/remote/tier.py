@@ -164,17 +164,35 @@ class RemoteTier:
         self.count("probe_hits", held)
         return held
 
-    def probe_async(self, keys: Sequence[bytes]) -> "cf.Future[int]":
-        """:meth:`probe` on a thread of its own: a caller that must never wait (a vLLM
-        scheduler) polls the future; it is done within the deadline of each batch."""
+    def probe_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of ``keys`` the server holds (in every probed shard), each on its own (for a
+        hit that needs some keys of each position only: KV-cache groups). Missing past the
+        first batch the server did not answer."""
+        out: list[bool] = []
+        width = len(self.probe_prefixes)
+        for lo in range(0, len(keys), _PROBE_BATCH):
+            batch = keys[lo:lo + _PROBE_BATCH]
+            answers = self._read("probe", self._exists, [p + k for k in batch for p in self.probe_prefixes])
+            if answers is None:
+                break
+            out += [all(a == 1 for a in answers[n * width:(n + 1) * width]) for n in range(len(batch))]
+        out += [False] * (len(keys) - len(out))
+        self.count("probes", len(keys))
+        self.count("probe_hits", sum(out))
+        return out
+
+    def probe_async(self, keys: Sequence[bytes], each: bool = False) -> "cf.Future[Any]":
+        """:meth:`probe` (or :meth:`probe_each`) on a thread of its own: a caller that must
+        never wait (a vLLM scheduler) polls the future; it is done within the deadline of
+        each batch."""
         with self._lock:
             if self._prober is None:
                 self._prober = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-probe")
         try:
-            return self._prober.submit(self.probe, list(keys))
+            return self._prober.submit(self.probe_each if each else self.probe, list(keys))
         except RuntimeError:  # closed
-            done: cf.Future[int] = cf.Future()
-            done.set_result(0)
+            done: cf.Future[Any] = cf.Future()
+            done.set_result([False] * len(keys) if each else 0)
             return done
 
     def get_into(self, keys: Sequence[bytes], rows: np.ndarray) -> int:
