@@ -472,3 +472,34 @@ def test_tensors_kvstrata_cannot_move_stop_start_up_in_one_line(vllm_config: Any
     assert "\n" not in message and f"layout {layout.name}" in message and ", ".join(SUPPORTED_LAYOUTS) in message
     assert "dimension 0" in message
     assert worker.copier is None and worker.executor is None
+
+
+def test_state_group_beside_full_attention(vllm_config: Any, tmp_path: Path) -> None:
+    """A Qwen3-Next-style model with prefix caching: a linear-attention layer (a Mamba-type
+    state, two tensors packed in a page: conv and SSM) in vLLM's align mode beside a
+    full-attention layer, their pages the same size and overlaid by the hybrid allocator.
+    A block is one page, whichever group owns it; every CUDA layout round-trips."""
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from kvstrata.connectors.vllm_common import block_nbytes_of, kv_groups
+
+    backend = _backend("FLASH_ATTN")
+    vllm_config.cache_config.block_size = 16
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    state = MambaSpec(block_size=16, shapes=((4, 512), (8, 128)), dtypes=(torch.float16, torch.float32),
+                      mamba_cache_mode="align")
+    assert state.page_size_bytes == full.page_size_bytes
+    names = ["model.layers.0.linear_attn", "model.layers.1.self_attn.attn"]
+    for layout in get_supported_kv_cache_layouts([backend])[:3]:
+        vllm_config.cache_config.kv_cache_layout = layout.name  # the grouping reads it
+        groups = get_kv_cache_groups(vllm_config, {names[0]: state, names[1]: full})
+        assert len(groups) == 2
+        kv_cache_config, kv_caches, _ = _engine_tensors(
+            vllm_config, layout, groups, [None if isinstance(g.kv_cache_spec, MambaSpec) else backend for g in groups],
+            NUM_BLOCKS)
+        assert sorted(kv_groups(kv_cache_config, 16).describe().split(",")) == ["full", "state"]
+        assert block_nbytes_of(kv_cache_config) == full.page_size_bytes, layout.name
+        _round_trip(vllm_config, kv_cache_config, kv_caches, tmp_path / layout.name)
