@@ -2,6 +2,8 @@
 
 A locally built Llama (random weights, default 8 layers, hidden 1024) so that
 prefill costs real compute; a ~3K-token prompt; greedy, one output token.
+``--model qwen3-next``: a state hybrid instead (Gated DeltaNet beside full
+attention, bf16), whose hits load the linear-attention state at the hit point.
 
 * recompute: an engine without kvstrata, after a warm-up request;
 * CPU tier: an engine with kvstrata serves the prompt once, ``reset_prefix_cache()``
@@ -56,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from benchutil import drop_page_cache  # noqa: E402
 from valkey_server import ValkeyServer, secret_file  # noqa: E402
-from vllm_util import build_tiny_llama, random_token_prompt, run_in_subprocess  # noqa: E402
+from vllm_util import build_tiny_llama, build_tiny_qwen3_next, random_token_prompt, run_in_subprocess  # noqa: E402
 
 
 # What decides a worker's compute threads (compared between engines).
@@ -114,6 +116,9 @@ class Engines:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("llama", "qwen3-next"), default="llama",
+                    help="llama (fp32, block 32) or a state hybrid: qwen3-next (Gated DeltaNet and full attention, "
+                         "bf16, vLLM's block size: its state page)")
     ap.add_argument("--tokens", type=int, default=3072)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -131,13 +136,23 @@ def main(argv: list[str] | None = None) -> int:
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kvstrata-bench-vllm-"))
     heads = args.hidden // 64
-    model = str(build_tiny_llama(work / f"llama-{args.layers}x{args.hidden}", layers=args.layers,
-                                 hidden=args.hidden, heads=heads, kv_heads=max(1, heads // 4),
-                                 intermediate=args.hidden * 11 // 4, vocab=2048, max_positions=8192))
+    common: dict[str, Any] = {"max_tokens": 1, "kv_bytes": 512 * 1024**2, "max_model_len": 8192}
+    if args.model == "qwen3-next":
+        model = str(build_tiny_qwen3_next(work / f"qwen3next-{args.layers}x{args.hidden}", layers=args.layers,
+                                          hidden=args.hidden, vocab=2048))
+        common["engine"] = {"dtype": "bfloat16", "block_size": None}
+        described = (f"tiny Qwen3-Next: {args.layers} layers (3 Gated DeltaNet to 1 full attention), hidden "
+                     f"{args.hidden}, bf16; prompt {args.tokens} tokens; vLLM's block (the state page)")
+    else:
+        model = str(build_tiny_llama(work / f"llama-{args.layers}x{args.hidden}", layers=args.layers,
+                                     hidden=args.hidden, heads=heads, kv_heads=max(1, heads // 4),
+                                     intermediate=args.hidden * 11 // 4, vocab=2048, max_positions=8192))
+        described = (f"{args.layers} layers, hidden {args.hidden}, {heads} heads, {max(1, heads // 4)} KV heads, "
+                     f"fp32; prompt {args.tokens} tokens; block 32")
+    common["model"] = model
     prompt = random_token_prompt(args.tokens, seed=1, vocab=2000)
     warm = random_token_prompt(64, seed=2, vocab=2000)
     warm_long = random_token_prompt(args.tokens, seed=3, vocab=2000)  # warms the long-sequence path
-    common = {"model": model, "max_tokens": 1, "kv_bytes": 512 * 1024**2, "max_model_len": 8192}
     ssd = work / "ssd"
     tier = {"cpu.capacity": "2GiB", "ssd.path": str(ssd), "ssd.capacity": "4GiB"}
 
@@ -172,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     hooks = None if args.multiprocessing else hook_times(engines, args, common, tier, warm)
     same = all(s["tokens"][0] == reference for s in [*cpu_steps, ssd_step, remote_step])
     same_threads = engines.same_threads()
-    print(f"model: {args.layers} layers, hidden {args.hidden}, {heads} heads, "
-          f"{max(1, heads // 4)} KV heads, fp32; prompt {args.tokens} tokens; block 32")
+    print(f"model: {described}")
     print(f"engines: {'multiprocessing (MP executor)' if args.multiprocessing else 'in-process'}, "
           f"environment of every engine: {engines.env}")
     print(f"compute threads, the same for every engine: {same_threads}")

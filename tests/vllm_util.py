@@ -99,8 +99,8 @@ def build_tiny_gemma3(path: str | os.PathLike[str], *, layers: int = 6, sliding:
 
 def build_tiny_qwen3_next(path: str | os.PathLike[str], *, layers: int = 4, hidden: int = 128, vocab: int = 512,
                           seed: int = 0) -> Path:
-    """A random-weight Qwen3-Next model (bfloat16): ``layers - 1`` Gated DeltaNet (linear
-    attention) layers, then one full-attention layer, a tiny mixture of experts; with the
+    """A random-weight Qwen3-Next model (bfloat16): three Gated DeltaNet (linear attention)
+    layers, then one full-attention layer, repeated, a tiny mixture of experts; with the
     tiny Llama's tokenizer. vLLM's CPU build runs it in bfloat16 only (its GDN kernel), with
     128-wide linear-attention heads. A state hybrid: with prefix caching vLLM keeps one state
     per block position of its linear-attention layers (``mamba_cache_mode`` align). Idempotent."""
@@ -119,11 +119,13 @@ def build_tiny_qwen3_next(path: str | os.PathLike[str], *, layers: int = 4, hidd
             shutil.copy(f, out / f.name)
     torch.manual_seed(seed)
     cfg = Qwen3NextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                          num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                          num_hidden_layers=layers, num_attention_heads=max(2, hidden // 64), num_key_value_heads=2,
+                          head_dim=64,
                           linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
                           linear_num_key_heads=1, linear_num_value_heads=1, num_experts=4, num_experts_per_tok=2,
-                          moe_intermediate_size=64, shared_expert_intermediate_size=64, max_position_embeddings=4096,
-                          layer_types=["linear_attention"] * (layers - 1) + ["full_attention"], bos_token_id=0,
+                          moe_intermediate_size=64, shared_expert_intermediate_size=64, max_position_embeddings=8192,
+                          layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+                          bos_token_id=0,
                           eos_token_id=1, pad_token_id=1, initializer_range=0.1, tie_word_embeddings=False)
     Qwen3NextForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     return out
