@@ -174,3 +174,21 @@ def test_a_corrupt_ssd_tier_costs_a_hybrid_model_only_recomputation(model: str, 
     assert first["cached"] == [0]  # ... and recomputed whole when some block of some group failed its checksum
     assert again["external_hits"] == 21 * BLOCK and again["by_source"] == {"host": 21 * BLOCK}
     assert same(again, baseline["prompt"])
+
+
+@pytest.mark.long
+def test_a_model_of_window_layers_only_loads_the_window(tmp_path_factory: pytest.TempPathFactory,
+                                                        tmp_path: Path) -> None:
+    """Every layer a sliding window (one KV-cache group, as Mistral 7B v0.1): vLLM pads the
+    blocks before the window with its null block; a hit loads the window alone, and the
+    outputs are those of recompute."""
+    model = str(build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3-swa") / "gemma3", layers=4, sliding=4))
+    ref = run_in_subprocess({"model": model, "kv_bytes": KV_BYTES, "steps": [{"prompts": [PROMPT]}]})["steps"][0]
+    out = run(model, {"cpu.capacity": "16MiB", "ssd.capacity": 0},
+              [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}])
+    first, _, again = out["steps"]
+    assert same(first, ref)
+    assert again["external_hits"] == 21 * BLOCK
+    assert same(again, ref)
+    assert len(out["pages"]["loaded"]) == 2  # the 64-token window before the hit: blocks 19 and 20
+    pages_round_trip(out, 2)

@@ -255,3 +255,54 @@ def test_lookups_after_a_preemption_are_counted_apart(make: MakeHarness) -> None
     again = stats["preempted"]
     assert again["queries"]["tokens"] > 0
     assert again["hits"]["cpu"]["blocks"] >= 2  # the resumed request's computed blocks, from DRAM
+
+
+def test_a_request_is_not_answered_while_its_remote_fetch_runs(make: MakeHarness, tmp_path: Path) -> None:
+    """Regression: once a fetch from the remote tier was planned, its blocks count as held in the
+    DRAM tier (their slots are placed), so a lookup in a later step, before the workers reported
+    the fetch, answered with a DRAM hit whose bytes were not there yet (a load racing the fetch,
+    and a remote hit counted as a DRAM one). The request is answered once the fetch completed.
+    A real valkey-server answers the probe; the worker (no bytes) reports the fetch two steps late."""
+    from collections import Counter
+
+    from valkey_server import ValkeyServer, secret_file
+
+    from kvstrata.connectors.vllm_common import KVStrataWorkerMetadata
+    from kvstrata.policy import FetchPlan, LoadPlan
+
+    events: list[tuple[str, int]] = []
+    pending: list[tuple[int, FetchPlan]] = []
+    step = [0]
+
+    def worker(meta: Any) -> tuple[set[str] | None, Any]:
+        step[0] += 1
+        if meta is None:
+            return None, None
+        report = KVStrataWorkerMetadata(stored=Counter(p.plan_id for p in [*meta.early_stores, *meta.stores]))
+        for plan in meta.loads:
+            if isinstance(plan, FetchPlan):
+                events.append(("fetch", step[0]))
+                pending.append((step[0] + 2, plan))
+            else:
+                events.append(("load", step[0]))
+        for due, plan in [p for p in pending if p[0] <= step[0]]:
+            pending.remove((due, plan))
+            report.fetched[plan.plan_id] = [len(plan)]
+            events.append(("fetched", step[0]))
+        loads = {p.req_id for p in meta.loads if isinstance(p, LoadPlan)}
+        return loads or None, report
+
+    with ValkeyServer() as server:
+        cfg = {"cpu.capacity": 64 * block_nbytes(BLOCK), "ssd.capacity": 0, "remote.url": server.url,
+               "remote.secret_file": secret_file(tmp_path, b"signing-secret-0123456789")}
+        h = make(extra=cfg, worker=worker)
+        sched = h.connector._scheduler  # type: ignore[union-attr]
+        keys = sched.hasher.hash_blocks(PROMPT[:FULL])
+        client = server.client()
+        for prefix in sched._remote.tier.probe_prefixes:  # the server holds the prompt's blocks (EXISTS only)
+            for key in keys:
+                client.set(prefix + key, b"x")
+        result = only(h.run_group([("r", PROMPT)]))
+    kinds = [k for k, _ in events]
+    assert kinds.index("fetched") < kinds.index("load"), events  # loaded only once the fetch completed
+    assert result.external_hit_tokens == {"external_unspecified": FULL}  # remote hits, not DRAM ones

@@ -218,6 +218,8 @@ class KVStrataScheduler:
         if not _cacheable(request):
             return 0, False
         st = self._state(request)
+        if st.fetch is not None:  # its blocks are on their way from the remote tier: held, but not local yet
+            return None, False  # type: ignore[return-value]  # vLLM asks again next step
         last = (request.num_tokens - 1) // self.block_size
         first = num_computed_tokens // self.block_size
         self._hashes(st, last)
