@@ -243,9 +243,18 @@ class KVStrataCollector:
                        {t: h["blocks"] for t, h in s["hits"].items()})
         yield per_tier("spills", "Blocks copied down into a tier", s["spills"])
         yield per_tier("promotions", "Blocks promoted from a tier into the GPU pool", s["promotions"])
-        yield per_tier("evictions", "Blocks evicted from a tier", s["evictions"])
-        yield per_tier("admissions_rejected", "Blocks offered to a tier that its second_hit admission did not take",
-                       s["admissions_rejected"])
+        policies = s.get("tier_policies", {})
+
+        def by_policy(name: str, doc: str, values: dict[str, int], which: str) -> Any:
+            fam = CounterMetricFamily(f"kvstrata:{name}", doc, labels=["tier", which])
+            for tier, v in values.items():
+                fam.add_metric([tier, str(policies.get(tier, {}).get(which) or "")], v)
+            return fam
+
+        yield by_policy("evictions", "Blocks evicted from a tier, by the tier's eviction order (the GPU pool's: "
+                        "its engine's)", s["evictions"], "eviction")
+        yield by_policy("admissions_rejected", "Blocks offered to a tier that its second_hit admission did not take",
+                        s["admissions_rejected"], "admission")
         yield per_tier("dropped_spills", "Spills dropped (full queue, pinned slots, I/O error)", s["dropped_spills"])
         yield per_tier("corrupt_blocks", "Blocks a tier lost: failed verification, I/O error or a refused write "
                        "(counted as misses)", s["corrupt_blocks"])

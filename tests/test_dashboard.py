@@ -56,3 +56,21 @@ def test_every_series_the_dashboard_queries_is_exported() -> None:
         cache.close()
     ours = {s for s in dashboard_series() if s.startswith("kvstrata:")}
     assert ours and not ours - exported, sorted(ours - exported)
+
+
+def test_evictions_and_rejections_are_labelled_with_each_tiers_policy() -> None:
+    from kvstrata import KVStrataConfig, TieredKVCache
+    from kvstrata.metrics import KVStrataCollector
+
+    cache = TieredKVCache(KVStrataConfig.from_dict({"block_size": 4, "model": {"block_nbytes": 1024},
+                                                  "gpu": {"num_blocks": 8, "device": "cpu"},
+                                                  "cpu": {"capacity": 8192, "eviction": "s3fifo"},
+                                                  "ssd": {"capacity": 0}}))
+    try:
+        families = {f.name: f for f in KVStrataCollector(cache.stats, cache.lifecycle).collect()}
+    finally:
+        cache.close()
+    evictions = {s.labels["tier"]: s.labels["eviction"] for s in families["kvstrata:evictions"].samples
+                 if s.name.endswith("_total")}
+    assert evictions["cpu"] == "s3fifo"
+    assert all("admission" in s.labels for s in families["kvstrata:admissions_rejected"].samples)
