@@ -68,6 +68,17 @@ def build_tiny_llama(path: str | os.PathLike[str], *, layers: int = 2, hidden: i
     return out
 
 
+def _tokenizer_into(out: Path, vocab: int) -> None:
+    """The tiny Llama's tokenizer files, copied into the model directory ``out``."""
+    import shutil
+
+    tokenizer = build_tiny_llama(out.parent / f"{out.name}-tokenizer", vocab=vocab)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tokenizer.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+
+
 def build_tiny_gemma3(path: str | os.PathLike[str], *, layers: int = 6, sliding: int = 5, window: int = 64,
                       hidden: int = 128, heads: int = 2, kv_heads: int = 2, head_dim: int = 64, vocab: int = 512,
                       seed: int = 0) -> Path:
@@ -77,16 +88,10 @@ def build_tiny_gemma3(path: str | os.PathLike[str], *, layers: int = 6, sliding:
     out = Path(path)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
-    import shutil
-
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    tokenizer = build_tiny_llama(out.parent / f"{out.name}-tokenizer", vocab=vocab)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in tokenizer.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out / f.name)
+    _tokenizer_into(out, vocab)
     torch.manual_seed(seed)
     cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -107,16 +112,10 @@ def build_tiny_qwen3_next(path: str | os.PathLike[str], *, layers: int = 4, hidd
     out = Path(path)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
-    import shutil
-
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    tokenizer = build_tiny_llama(out.parent / f"{out.name}-tokenizer", vocab=vocab)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in tokenizer.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out / f.name)
+    _tokenizer_into(out, vocab)
     torch.manual_seed(seed)
     cfg = Qwen3NextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                           num_hidden_layers=layers, num_attention_heads=max(2, hidden // 64), num_key_value_heads=2,
