@@ -124,20 +124,24 @@ class KVGroups:
         if end <= first:
             return first
         windowed = [g for g, group in enumerate(self.groups) if group.kind != FULL]
-        if not windowed:
-            return end
-        # misses[g][i - first]: the last block below i + 1 that group g lacks (first - 1: none)
-        misses = []
-        for g in windowed:
-            last_miss, row = first - 1, []
-            for i in range(first, end):
-                if not held(g, i):
-                    last_miss = i
-                row.append(last_miss)
-            misses.append(row)
-        for n in range(end, first, -1):
-            if all(row[n - 1 - first] < max(first, self.needed_from(g, n)) for g, row in zip(windowed, misses)):
+        # From the longest candidate down: a group missing block m in what n needs rules out
+        # every n' in (m, n] too (what they need starts no later), so the next candidate is m.
+        # Each block is asked about once: usually only the windows at the end are.
+        known: dict[tuple[int, int], bool] = {}
+        n = end
+        while n > first:
+            miss = -1
+            for g in windowed:
+                for i in range(n - 1, max(first, self.needed_from(g, n)) - 1, -1):
+                    ok = known.get((g, i))
+                    if ok is None:
+                        ok = known[(g, i)] = held(g, i)
+                    if not ok:
+                        miss = max(miss, i)
+                        break
+            if miss < 0:
                 return n
+            n = miss
         return first
 
     def blocks(self, first: int, n: int, block_ids: Sequence[Sequence[int]], null: int = 0
