@@ -267,6 +267,13 @@ class KVStrataCollector:
             secs.add_metric([direction], v["seconds"])
         yield moved
         yield secs
+        if s.get("load"):
+            dec = CounterMetricFamily("kvstrata:load_decisions", "Blocks of hits below the GPU loaded or left to "
+                                      "be computed (load.policy: measured), per tier", labels=["tier", "decision"])
+            for tier, counts in s["load"]["decisions"].items():
+                for decision, v in counts.items():
+                    dec.add_metric([tier, decision], v)
+            yield dec
         if s.get(REMOTE):
             yield from _remote_metrics(s[REMOTE])
         if s.get("kv_events"):

@@ -74,3 +74,23 @@ def test_evictions_and_rejections_are_labelled_with_each_tiers_policy() -> None:
                  if s.name.endswith("_total")}
     assert evictions["cpu"] == "s3fifo"
     assert all("admission" in s.labels for s in families["kvstrata:admissions_rejected"].samples)
+
+
+def test_load_decisions_are_exported_per_tier_and_decision() -> None:
+    from kvstrata import KVStrataConfig, TieredKVCache
+    from kvstrata.core.costs import LoadCosts
+    from kvstrata.metrics import KVStrataCollector
+
+    costs = LoadCosts(("cpu", "ssd"), policy="measured", block_seconds={"ssd": 1.0}, token_seconds=1e-3)
+    costs.count(["cpu", "ssd", "ssd"], costs.worth(["cpu", "ssd", "ssd"], 16))
+    cache = TieredKVCache(KVStrataConfig.from_dict({"block_size": 4, "model": {"block_nbytes": 1024},
+                                                  "gpu": {"num_blocks": 8, "device": "cpu"},
+                                                  "cpu": {"capacity": 8192}, "ssd": {"capacity": 0}}))
+    try:
+        stats = lambda: {**cache.stats(), "load": {**costs.estimates(), "decisions": costs.decisions}}  # noqa: E731
+        families = {f.name: f for f in KVStrataCollector(stats, cache.lifecycle).collect()}
+    finally:
+        cache.close()
+    got = {(s.labels["tier"], s.labels["decision"]): s.value for s in families["kvstrata:load_decisions"].samples
+           if s.name.endswith("_total")}
+    assert got[("cpu", "loaded")] == 1 and got[("ssd", "recomputed")] == 2 and got[("ssd", "loaded")] == 0

@@ -85,6 +85,7 @@ class RemoteLookups:
             log.exception("kvstrata: a remote probe failed")
             held = 0
         held = begin + held - start if start >= begin else 0  # the local prefix may have grown meanwhile
+        held = self.core.worth_fetching(st, first, start, held)  # what is cheaper fetched than computed
         if self.core.plan_fetch(st, first, start, held) is None:
             return True
         st.remote_done = False  # answered once the fetch completed

@@ -57,6 +57,7 @@ from kvstrata.connectors.vllm_common import (
     policy_spec,
     vllm_fingerprint,
 )
+from kvstrata.connectors.vllm_costs import TransferTiming, load_costs
 from kvstrata.connectors.vllm_pool import PoolObserver, PoolView
 from kvstrata.connectors.vllm_recording import SchedulerRecording
 from kvstrata.connectors.vllm_remote import RemoteLookups, WorkerReports
@@ -122,7 +123,9 @@ class KVStrataScheduler:
         self.policy = TierPolicy(spec, observers=[LifecycleRecorder(self.lifecycle)])
         self.groups = kv_groups(kv_cache_config, self.block_size)
         self._states = frozenset(self.groups.states)
-        self.core = DriverCore(self.policy, self.block_size, self.groups)
+        self.costs = load_costs(cfg.load, spec, self.block_nbytes)
+        self.core = DriverCore(self.policy, self.block_size, self.groups, self.costs)
+        self._timing = TransferTiming(self.costs, self.block_size)
         self.num_workers = num_workers(vllm_config)
         self._stores = WorkerReports(self.num_workers)
         self._pool = PoolView(record=self.policy.ssd is not None)  # the workers' hot set mirrors follow it
@@ -228,6 +231,7 @@ class KVStrataScheduler:
             if not self._remote.ready(st, first, first + below, last):
                 return None, False  # type: ignore[return-value]  # vLLM asks again next step
             below = self.core.held_below(st, first, last)
+        below = self.core.worth_loading(st, first, below)
         st.matched = (first, below)
         return (below * self.block_size, True) if below else (0, False)
 
@@ -306,6 +310,7 @@ class KVStrataScheduler:
                     self._recording.preempted(st)
         meta = KVStrataMetadata(loads=self.core.take_planned(), ssd_evictions=self._ssd_evictions,
                                 reset=self._reset_ssd)
+        self._timing.step(scheduler_output.total_num_scheduled_tokens, meta.loads)
         self._ssd_evictions, self._reset_ssd = [], False
         evicted = self._pool.take_changes(meta)
         computed = self._computed(scheduler_output)
@@ -355,6 +360,8 @@ class KVStrataScheduler:
                 if plan is not None:
                     self._events.completed(plan)
             fetched = self._remote.reported(meta.fetched) if self._remote is not None else []
+            for plan, got in fetched:
+                self._timing.fetched(plan, got)
             for plan, got in fetched if self._events is not None else ():
                 self._events.completed(plan, got)
             for req_id, lost in meta.load_lost.items():
@@ -366,6 +373,7 @@ class KVStrataScheduler:
             if finished is None:
                 continue
             st, plan, loaded = finished
+            self._timing.loaded(plan, loaded == len(st.sources))
             if self._events is not None:
                 self._events.completed(plan, loaded)
             arrived = loaded if self.core.groups is None else len(plan) if loaded else 0
@@ -383,7 +391,8 @@ class KVStrataScheduler:
     # ------------------------------------------------------------------ metrics
 
     def stats(self) -> dict[str, Any]:
-        out = {**self.core.stats(), **policy_stats(self.policy), "transfer": {}}
+        out = {**self.core.stats(), **policy_stats(self.policy), "transfer": {},
+               "load": {**self.costs.estimates(), "decisions": self.costs.decisions}}
         if self._remote is not None:
             out[REMOTE] = self._remote.stats()
         if self._events is not None:

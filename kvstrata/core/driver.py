@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
+from kvstrata.core.costs import LoadCosts
 from kvstrata.core.groups import KVGroups
 from kvstrata.core.hits import GPU, HitCounts, count_tiers, request_counts, served_from
 from kvstrata.core.request import RequestState
@@ -68,10 +69,12 @@ class DriverCore:
     serve, device block ids are per group, and a load serves its hit whole or not at all.
     """
 
-    def __init__(self, policy: "TierPolicy", block_size: int, groups: KVGroups | None = None) -> None:
+    def __init__(self, policy: "TierPolicy", block_size: int, groups: KVGroups | None = None,
+                 costs: LoadCosts | None = None) -> None:
         self.policy = policy
         self.block_size = block_size
         self.groups = groups if groups is not None and not groups.plain else None
+        self.costs = costs  # load or recompute (kvstrata.core.costs); None: every hit is loaded
         self.remote = bool(policy.spec.remote)
         self.tiers = count_tiers(self.remote)
         self.counts = HitCounts(self.tiers)    # new requests: the hit rate
@@ -131,6 +134,26 @@ class DriverCore:
             return len(self.policy.lookup(st.hashes[first:last]))
         holds = self.policy.holds
         return self.groups.hit_end(first, last, lambda g, i: holds(self.group_key(st, g, i)) is not None) - first
+
+    def worth_loading(self, st: RequestState, first: int, below: int) -> int:
+        """How many of the ``below`` blocks after ``first`` are worth loading rather than
+        computing (:meth:`LoadCosts.worth`); the decision is counted when the request is
+        admitted. With groups every hit is loaded."""
+        if self.costs is None or self.groups is not None or not below:
+            return below
+        tiers = self.policy.lookup(st.hashes[first:first + below])
+        k = self.costs.worth(tiers, self.block_size)
+        st.decision = (tiers, k)
+        return k
+
+    def worth_fetching(self, st: RequestState, first: int, start: int, held: int) -> int:
+        """How many of the ``held`` blocks the shared tier holds after the local prefix
+        ``[first:start]`` are worth fetching and loading rather than computing. Pure."""
+        if self.costs is None or self.groups is not None or held <= 0:
+            return held
+        k = self.costs.worth(self.policy.lookup(st.hashes[first:start]) + [self.costs.fetched or ""] * held,
+                             self.block_size)
+        return max(0, k - (start - first))
 
     def group_key(self, st: RequestState, g: int, i: int) -> bytes:
         """The key of block ``i`` of ``st`` in KV-cache group ``g`` (the chain's for group 0)."""
@@ -223,6 +246,10 @@ class DriverCore:
         load from below. Touches the device hits in every tier below (before the load's
         promotions, whose cascades may evict), counts the lookup and plans the load."""
         st.resumed, st.gpu_hits = resumed, gpu_hits
+        if st.decision is not None and self.costs is not None:
+            tiers, _ = st.decision
+            self.costs.count(tiers, num_external)
+        st.decision = None
         st.hits = request_counts(gpu_hits, [], self.remote)
         st.load, st.load_lost, st.sources = None, set(), []
         self.policy.touch(self._all_groups(st, 0, gpu_hits))

@@ -29,10 +29,11 @@ class RequestState:
     ``sources``: the tier each block of its load is planned to come from.
     ``hits``: blocks per tier of its last lookup, complete once its load completed.
     ``group_keys``: its keys in the KV-cache groups after the first (a driver with groups).
+    ``decision``: the tiers of its last lookup's hit and how many of them are worth loading.
     """
 
     __slots__ = ("req_id", "hashes", "resumed", "gpu_hits", "load", "load_lost", "fetch", "fetched", "sources",
-                 "hits", "group_keys")
+                 "hits", "group_keys", "decision")
 
     def __init__(self, req_id: str, hashes: list[bytes] | None = None) -> None:
         self.req_id = req_id
@@ -46,6 +47,7 @@ class RequestState:
         self.sources: list[str] = []
         self.hits: dict[str, int] = {}
         self.group_keys: dict[int, list[bytes]] = {}
+        self.decision: tuple[list[str], int] | None = None
 
     def __repr__(self) -> str:
         return f"RequestState({self.req_id!r}, {len(self.hashes)} blocks, hits={self.hits})"

@@ -1,0 +1,193 @@
+"""Load or recompute: a hit below the device pool is loaded only where loading it beats
+computing it again.
+
+What a block costs, measured where it happens, reaches the one place that decides (the
+scheduler half's :class:`~kvstrata.core.driver.DriverCore`):
+
+* **loading**: every completed load reports how many blocks it read from each lower
+  tier and how long it took from hand-over to completion (the time the request waits,
+  queueing included). The seconds per block of each tier are the least-squares fit of
+  ``seconds = sum over tiers of blocks x seconds per block`` over the loads seen, with
+  older loads weighted down by ``DECAY`` per load, so a change of a tier's speed shows
+  within a few loads. A fetch from the remote tier reports its blocks and seconds the
+  same way; a remote block then costs its fetch and its load from DRAM.
+* **computing**: the engine's steps report the tokens they computed and how long they
+  took; the seconds per token is their decayed ratio (steps of at least one block's
+  tokens only: decode steps say little about prefill).
+
+The decision (:meth:`LoadCosts.worth`): over the blocks of a hit in prefix order, the
+saving of loading the first ``k`` is ``sum(block_tokens x seconds per token -
+(1 + margin) x seconds per block of its tier)``; the hit is cut to the ``k`` of the
+largest saving (ties: the longer). A DRAM prefix can so be loaded while an SSD or
+remote tail is computed. Until a tier has ``warmup`` samples (or the compute rate
+has), its blocks are loaded (``always``); a measurement that is absent or absurd
+(not finite, negative) is ignored. ``overrides`` fix a tier's seconds per block (an
+operator's figure: ``load.<tier>_bandwidth``) or the compute rate.
+
+Threads: the driver's owner thread.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+__all__ = ["LoadCosts", "DECAY", "ALWAYS", "MEASURED", "POLICIES"]
+
+ALWAYS = "always"
+MEASURED = "measured"
+POLICIES = (MEASURED, ALWAYS)
+DECAY = 0.8  # weight of a sample once the next one arrived: about five samples carry the estimate
+
+
+@dataclass
+class _Fit:
+    """Decayed least squares of ``seconds = sum_t n_t x c_t`` over the tiers ``names``."""
+
+    names: tuple[str, ...]
+    xx: list[list[float]] = field(default_factory=list)
+    xy: list[float] = field(default_factory=list)
+    seen: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        self.xx = [[0.0] * n for _ in range(n)]
+        self.xy = [0.0] * n
+        self.seen = dict.fromkeys(self.names, 0)
+
+    def add(self, blocks: Mapping[str, int], seconds: float) -> None:
+        x = [float(blocks.get(t, 0)) for t in self.names]
+        for i in range(len(x)):
+            self.xy[i] = self.xy[i] * DECAY + x[i] * seconds
+            for j in range(len(x)):
+                self.xx[i][j] = self.xx[i][j] * DECAY + x[i] * x[j]
+        for t, v in zip(self.names, x):
+            if v > 0:
+                self.seen[t] += 1
+
+    def solve(self) -> dict[str, float]:
+        """Seconds per block of each tier seen (non-negative); tiers never seen are absent."""
+        idx = [i for i, t in enumerate(self.names) if self.seen[t]]
+        a = [[self.xx[i][j] for j in idx] for i in idx]
+        b = [self.xy[i] for i in idx]
+        sol = _solve(a, b)
+        if sol is None:  # collinear so far (every load mixed the tiers in one ratio): share alike
+            total = sum(self.xx[i][i] for i in idx)
+            rate = sum(b) / total if total > 0 else 0.0
+            sol = [rate] * len(idx)
+        return {self.names[i]: max(0.0, v) for i, v in zip(idx, sol)}
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when (nearly) singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    scale = max((abs(v) for row in a for v in row), default=0.0)
+    if scale == 0:
+        return None
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-12 * scale:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _sane(seconds: Any) -> bool:
+    return isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds) \
+        and seconds > 0
+
+
+class LoadCosts:
+    """The estimates and the decision of :mod:`kvstrata.core.costs`. ``tiers``: the lower
+    tiers a load reads (the slab tier first), ``fetched``: the tier fetched into the slab
+    tier before its load (the shared one), ``block_seconds``: fixed seconds per block of a
+    tier, ``token_seconds``: a fixed compute rate."""
+
+    def __init__(self, tiers: Sequence[str], fetched: str | None = None, *, policy: str = ALWAYS,
+                 margin: float = 0.1, warmup: int = 8, block_seconds: Mapping[str, float] | None = None,
+                 token_seconds: float | None = None) -> None:
+        self.tiers = tuple(tiers)
+        self.fetched = fetched
+        self.policy, self.margin, self.warmup = policy, float(margin), int(warmup)
+        self.fixed = dict(block_seconds or {})
+        self.fixed_token = token_seconds
+        self._loads = _Fit(self.tiers)
+        self._fetches = _Fit((fetched,)) if fetched else None
+        self._token = 0.0   # decayed seconds and tokens of the steps seen
+        self._tokens = 0.0
+        self._steps = 0
+        self.decisions = {t: {"loaded": 0, "recomputed": 0} for t in (*self.tiers, *((fetched,) if fetched else ()))}
+
+    # ------------------------------------------------------------------ measurements
+
+    def load_done(self, blocks: Mapping[str, int], seconds: float) -> None:
+        """A load read ``blocks[tier]`` blocks from each tier in ``seconds`` (hand-over to completion)."""
+        if _sane(seconds) and any(blocks.get(t, 0) > 0 for t in self.tiers):
+            self._loads.add(blocks, float(seconds))
+
+    def fetch_done(self, blocks: int, seconds: float) -> None:
+        """A fetch brought ``blocks`` blocks from the shared tier into the slab tier in ``seconds``."""
+        if self._fetches is not None and blocks > 0 and _sane(seconds):
+            self._fetches.add({self.fetched: blocks}, float(seconds))  # type: ignore[dict-item]
+
+    def step_done(self, tokens: int, seconds: float, block_tokens: int) -> None:
+        """An engine step computed ``tokens`` tokens in ``seconds``."""
+        if tokens >= block_tokens and _sane(seconds):
+            self._token = self._token * DECAY + seconds
+            self._tokens = self._tokens * DECAY + tokens
+            self._steps += 1
+
+    # ------------------------------------------------------------------ estimates
+
+    def token_seconds(self) -> float | None:
+        """Seconds to compute one token, or None until ``warmup`` steps were seen."""
+        if self.fixed_token is not None:
+            return self.fixed_token
+        return self._token / self._tokens if self._steps >= self.warmup and self._tokens > 0 else None
+
+    def block_seconds(self) -> dict[str, float]:
+        """Seconds to load one block from each tier with enough samples (or a fixed figure)."""
+        fit = self._loads.solve()
+        out = {t: fit[t] for t in self.tiers if t in fit and self._loads.seen[t] >= self.warmup}
+        if self._fetches is not None and self._fetches.seen[self.fetched] >= self.warmup and self.tiers:
+            slab = self.fixed.get(self.tiers[0], out.get(self.tiers[0]))
+            if slab is not None:
+                out[self.fetched] = self._fetches.solve()[self.fetched] + slab  # type: ignore[index]
+        out.update(self.fixed)
+        return out
+
+    def estimates(self) -> dict[str, Any]:
+        """What ``stats()`` shows: the policy, seconds per block of each tier, seconds per token."""
+        return {"policy": self.policy, "block_seconds": self.block_seconds(), "token_seconds": self.token_seconds()}
+
+    # ------------------------------------------------------------------ the decision
+
+    def worth(self, tiers: Sequence[str], block_tokens: int) -> int:
+        """How many leading blocks of a hit to load (``tiers[i]``: where block ``i`` is read
+        from); the rest are computed. Pure: nothing is counted (see :meth:`count`)."""
+        if self.policy == ALWAYS or not tiers:
+            return len(tiers)
+        per_token = self.token_seconds()
+        if per_token is None:
+            return len(tiers)
+        cost = self.block_seconds()
+        compute = block_tokens * per_token
+        best_k, best, total = 0, 0.0, 0.0
+        for k, tier in enumerate(tiers, 1):
+            total += compute - (1.0 + self.margin) * cost.get(tier, 0.0)
+            if total >= best:
+                best_k, best = k, total
+        return best_k
+
+    def count(self, tiers: Sequence[str], loaded: int) -> None:
+        """Count a decision: the first ``loaded`` of ``tiers`` are loaded, the rest computed."""
+        for i, tier in enumerate(tiers):
+            if tier in self.decisions:
+                self.decisions[tier]["loaded" if i < loaded else "recomputed"] += 1

@@ -1,0 +1,126 @@
+"""Load or recompute (kvstrata.core.costs): the decision on given measurements, the warm-up,
+the estimates following a change of a tier's speed, absurd measurements ignored, and the
+``load.*`` keys refused when out of range."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvstrata.config import KVStrataConfig
+from kvstrata.core.costs import ALWAYS, MEASURED, LoadCosts
+from kvstrata.errors import ConfigError
+
+BT = 16  # tokens per block
+
+
+def measured(cpu: float, ssd: float, token: float, *, margin: float = 0.0, warmup: int = 3,
+             remote: float | None = None) -> LoadCosts:
+    """Costs measured as ``cpu``/``ssd`` seconds per block and ``token`` seconds per token."""
+    costs = LoadCosts(("cpu", "ssd"), "remote" if remote is not None else None, policy=MEASURED, margin=margin,
+                      warmup=warmup)
+    for n in (1, 4, 2, 8, 3):
+        costs.load_done({"cpu": n}, n * cpu)
+        costs.load_done({"cpu": n, "ssd": 2 * n}, n * cpu + 2 * n * ssd)
+        costs.step_done(n * BT, n * BT * token, BT)
+        if remote is not None:
+            costs.fetch_done(n, n * remote)
+    return costs
+
+
+def test_every_block_is_loaded_when_loading_is_cheaper() -> None:
+    costs = measured(cpu=0.001, ssd=0.002, token=0.001)  # a block: 16 ms to compute, 1-2 ms to load
+    assert costs.worth(["cpu"] * 5 + ["ssd"] * 5, BT) == 10
+
+
+def test_nothing_is_loaded_when_computing_is_cheaper() -> None:
+    costs = measured(cpu=0.05, ssd=0.5, token=0.0001)  # 1.6 ms to compute a block
+    assert costs.worth(["cpu"] * 3 + ["ssd"] * 3, BT) == 0
+
+
+def test_a_dram_prefix_is_loaded_and_an_ssd_tail_computed() -> None:
+    costs = measured(cpu=0.001, ssd=0.1, token=0.001)  # DRAM 1 ms, SSD 100 ms, compute 16 ms a block
+    assert costs.worth(["cpu"] * 4 + ["ssd"] * 6, BT) == 4
+    # a short SSD run between DRAM blocks is worth loading when what follows pays for it
+    assert costs.worth(["cpu"] * 4 + ["ssd"] + ["cpu"] * 20, BT) == 25
+    est = costs.block_seconds()
+    assert math.isclose(est["cpu"], 0.001, rel_tol=1e-6) and math.isclose(est["ssd"], 0.1, rel_tol=1e-6)
+
+
+def test_the_margin_asks_a_load_to_be_that_much_cheaper() -> None:
+    assert measured(cpu=0.001, ssd=0.015, token=0.001).worth(["ssd"], BT) == 1  # 15 ms < 16 ms
+    assert measured(cpu=0.001, ssd=0.015, token=0.001, margin=0.1).worth(["ssd"], BT) == 0
+
+
+def test_warm_up_loads_everything_until_enough_samples() -> None:
+    costs = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=3)
+    for _ in range(2):
+        costs.load_done({"ssd": 1}, 10.0)
+        costs.step_done(BT, 0.0001, BT)
+    assert costs.worth(["ssd"] * 4, BT) == 4  # two samples of each: still warming up
+    costs.load_done({"ssd": 1}, 10.0)
+    assert costs.worth(["ssd"] * 4, BT) == 4  # the compute rate has two
+    costs.step_done(BT, 0.0001, BT)
+    assert costs.worth(["ssd"] * 4, BT) == 0
+    assert costs.worth(["cpu"] * 2, BT) == 2  # DRAM never measured: loaded
+
+
+def test_always_loads_everything() -> None:
+    costs = measured(cpu=1.0, ssd=1.0, token=1e-9)
+    costs.policy = ALWAYS
+    assert costs.worth(["ssd"] * 3, BT) == 3
+
+
+def test_the_estimate_follows_a_slower_tier_within_a_few_loads() -> None:
+    costs = measured(cpu=0.001, ssd=0.002, token=0.001)
+    assert costs.worth(["ssd"] * 4, BT) == 4
+    for _ in range(6):  # the disk became 50x slower
+        costs.load_done({"ssd": 4}, 4 * 0.1)
+    assert costs.block_seconds()["ssd"] > 0.05
+    assert costs.worth(["ssd"] * 4, BT) == 0
+
+
+def test_a_remote_block_costs_its_fetch_and_its_load_from_dram() -> None:
+    costs = measured(cpu=0.001, ssd=0.002, token=0.001, remote=0.03)
+    assert math.isclose(costs.block_seconds()["remote"], 0.031, rel_tol=1e-6)
+    assert costs.worth(["cpu", "cpu", "remote", "remote"], BT) == 2
+
+
+def test_absurd_measurements_are_ignored_and_fixed_figures_win() -> None:
+    costs = measured(cpu=0.001, ssd=0.002, token=0.001)
+    before = costs.block_seconds()
+    for bad in (float("nan"), float("inf"), -1.0, 0.0, True):
+        costs.load_done({"ssd": 1}, bad)  # type: ignore[arg-type]
+        costs.step_done(BT, bad, BT)  # type: ignore[arg-type]
+    assert costs.block_seconds() == before
+    fixed = LoadCosts(("cpu", "ssd"), policy=MEASURED, block_seconds={"ssd": 1.0}, token_seconds=1e-6)
+    assert fixed.worth(["cpu", "ssd"], BT) == 1  # no samples needed: the operator's figures decide
+
+
+def test_decisions_are_counted_per_tier() -> None:
+    costs = measured(cpu=0.001, ssd=0.1, token=0.001)
+    tiers = ["cpu"] * 2 + ["ssd"] * 3
+    costs.count(tiers, costs.worth(tiers, BT))
+    assert costs.decisions["cpu"] == {"loaded": 2, "recomputed": 0}
+    assert costs.decisions["ssd"] == {"loaded": 0, "recomputed": 3}
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("policy", "sometimes", r"load\.policy: expected one of measured, always"),
+    ("margin", -0.5, r"load\.margin: expected a fraction of 0 or more"),
+    ("warmup", 0, r"load\.warmup"),
+    ("ssd_bandwidth", 0, r"load\.ssd_bandwidth: expected bytes per second above 0"),
+    ("remote_bandwidth", "fast", r"load\.remote_bandwidth"),
+    ("prefill_tokens_per_s", float("nan"), r"load\.prefill_tokens_per_s: expected tokens per second above 0"),
+    ("deadline", 2, r"load\.deadline"),
+])
+def test_out_of_range_values_name_the_key(key: str, value: object, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        KVStrataConfig.from_dict({"load": {key: value}})
+
+
+def test_the_load_section_round_trips() -> None:
+    cfg = KVStrataConfig.from_dict({"load": {"policy": "measured", "ssd_bandwidth": "2GiB", "margin": 0.25}})
+    assert cfg.load.ssd_bandwidth == 2 << 30 and cfg.load.margin == 0.25
+    assert KVStrataConfig.from_dict(cfg.to_dict()) == cfg
