@@ -124,3 +124,22 @@ def test_the_load_section_round_trips() -> None:
     cfg = KVStrataConfig.from_dict({"load": {"policy": "measured", "ssd_bandwidth": "2GiB", "margin": 0.25}})
     assert cfg.load.ssd_bandwidth == 2 << 30 and cfg.load.margin == 0.25
     assert KVStrataConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_the_cut_is_the_largest_saving_over_every_prefix() -> None:
+    """Against the saving of every prefix, computed block by block."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as hst
+
+    @settings(max_examples=300, deadline=None)
+    @given(hst.lists(hst.sampled_from(["cpu", "ssd", "remote"]), max_size=40),
+           hst.floats(0.0001, 0.01), hst.floats(0.0, 0.03), hst.floats(0.0, 0.03), hst.floats(0.0, 0.05))
+    def check(tiers: list[str], token: float, cpu: float, ssd: float, remote: float) -> None:
+        costs = LoadCosts(("cpu", "ssd"), "remote", policy=MEASURED, margin=0.1, token_seconds=token / BT,
+                          block_seconds={"cpu": cpu, "ssd": ssd, "remote": remote})
+        gain = {t: token - 1.1 * c for t, c in (("cpu", cpu), ("ssd", ssd), ("remote", remote))}
+        savings = [sum(gain[t] for t in tiers[:k]) for k in range(len(tiers) + 1)]
+        got = costs.worth(tiers, BT)
+        assert savings[got] >= max(savings) - 1e-9, (got, savings)
+
+    check()

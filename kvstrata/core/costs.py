@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any, Mapping, Sequence
 
 __all__ = ["LoadCosts", "DECAY", "ALWAYS", "MEASURED", "POLICIES"]
@@ -119,6 +120,7 @@ class LoadCosts:
         self.fixed = dict(block_seconds or {})
         self.fixed_token = token_seconds
         self._loads = _Fit(self.tiers)
+        self._estimates: dict[str, float] | None = None  # block_seconds(), until the next sample
         self._fetches = _Fit((fetched,)) if fetched else None
         self._token = 0.0   # decayed seconds and tokens of the steps seen
         self._tokens = 0.0
@@ -131,11 +133,13 @@ class LoadCosts:
         """A load read ``blocks[tier]`` blocks from each tier in ``seconds`` (hand-over to completion)."""
         if _sane(seconds) and any(blocks.get(t, 0) > 0 for t in self.tiers):
             self._loads.add(blocks, float(seconds))
+            self._estimates = None
 
     def fetch_done(self, blocks: int, seconds: float) -> None:
         """A fetch brought ``blocks`` blocks from the shared tier into the slab tier in ``seconds``."""
         if self._fetches is not None and blocks > 0 and _sane(seconds):
             self._fetches.add({self.fetched: blocks}, float(seconds))  # type: ignore[dict-item]
+            self._estimates = None
 
     def step_done(self, tokens: int, seconds: float, block_tokens: int) -> None:
         """An engine step computed ``tokens`` tokens in ``seconds``."""
@@ -154,6 +158,11 @@ class LoadCosts:
 
     def block_seconds(self) -> dict[str, float]:
         """Seconds to load one block from each tier with enough samples (or a fixed figure)."""
+        if self._estimates is None:
+            self._estimates = self._block_seconds()
+        return self._estimates
+
+    def _block_seconds(self) -> dict[str, float]:
         fit = self._loads.solve()
         out = {t: fit[t] for t in self.tiers if t in fit and self._loads.seen[t] >= self.warmup}
         if self._fetches is not None and self._fetches.seen[self.fetched] >= self.warmup and self.tiers:
@@ -179,10 +188,14 @@ class LoadCosts:
             return len(tiers)
         cost = self.block_seconds()
         compute = block_tokens * per_token
-        best_k, best, total = 0, 0.0, 0.0
-        for k, tier in enumerate(tiers, 1):
-            total += compute - (1.0 + self.margin) * cost.get(tier, 0.0)
-            if total >= best:
+        margin = 1.0 + self.margin
+        best_k, best, total, k = 0, 0.0, 0.0, 0
+        for tier, run in groupby(tiers):  # the saving is linear along a run of one tier: its ends decide
+            n = len(list(run))
+            gain = compute - margin * cost.get(tier, 0.0)
+            total += n * gain
+            k += n
+            if gain >= 0 and total >= best:
                 best_k, best = k, total
         return best_k
 
