@@ -213,6 +213,33 @@ def policy_stats(policy: Any, *, gpu_evictions: int = 0, gpu_cached: int = 0, gp
     }
 
 
+def _policy_metrics(s: dict[str, Any]) -> Iterator[Any]:
+    """Evictions and rejected admissions per tier, labelled with the tier's policy."""
+    from prometheus_client.core import CounterMetricFamily
+
+    policies = s.get("tier_policies", {})
+    for name, doc, which in (
+            ("evictions", "Blocks evicted from a tier, by the tier's eviction order (the GPU pool's: its "
+             "engine's)", "eviction"),
+            ("admissions_rejected", "Blocks offered to a tier that its second_hit admission did not take",
+             "admission")):
+        fam = CounterMetricFamily(f"kvstrata:{name}", doc, labels=["tier", which])
+        for tier, v in s[name].items():
+            fam.add_metric([tier, str(policies.get(tier, {}).get(which) or "")], v)
+        yield fam
+
+
+def _load_decisions(decisions: dict[str, dict[str, int]]) -> Any:
+    from prometheus_client.core import CounterMetricFamily
+
+    fam = CounterMetricFamily("kvstrata:load_decisions", "Blocks of hits below the GPU loaded or left to be "
+                              "computed (load.policy: measured), per tier", labels=["tier", "decision"])
+    for tier, counts in decisions.items():
+        for decision, v in counts.items():
+            fam.add_metric([tier, decision], v)
+    return fam
+
+
 class KVStrataCollector:
     """Prometheus collector that renders ``snapshot()`` (a TieredKVCache.stats() dict)."""
 
@@ -243,18 +270,7 @@ class KVStrataCollector:
                        {t: h["blocks"] for t, h in s["hits"].items()})
         yield per_tier("spills", "Blocks copied down into a tier", s["spills"])
         yield per_tier("promotions", "Blocks promoted from a tier into the GPU pool", s["promotions"])
-        policies = s.get("tier_policies", {})
-
-        def by_policy(name: str, doc: str, values: dict[str, int], which: str) -> Any:
-            fam = CounterMetricFamily(f"kvstrata:{name}", doc, labels=["tier", which])
-            for tier, v in values.items():
-                fam.add_metric([tier, str(policies.get(tier, {}).get(which) or "")], v)
-            return fam
-
-        yield by_policy("evictions", "Blocks evicted from a tier, by the tier's eviction order (the GPU pool's: "
-                        "its engine's)", s["evictions"], "eviction")
-        yield by_policy("admissions_rejected", "Blocks offered to a tier that its second_hit admission did not take",
-                        s["admissions_rejected"], "admission")
+        yield from _policy_metrics(s)
         yield per_tier("dropped_spills", "Spills dropped (full queue, pinned slots, I/O error)", s["dropped_spills"])
         yield per_tier("corrupt_blocks", "Blocks a tier lost: failed verification, I/O error or a refused write "
                        "(counted as misses)", s["corrupt_blocks"])
@@ -268,12 +284,7 @@ class KVStrataCollector:
         yield moved
         yield secs
         if s.get("load"):
-            dec = CounterMetricFamily("kvstrata:load_decisions", "Blocks of hits below the GPU loaded or left to "
-                                      "be computed (load.policy: measured), per tier", labels=["tier", "decision"])
-            for tier, counts in s["load"]["decisions"].items():
-                for decision, v in counts.items():
-                    dec.add_metric([tier, decision], v)
-            yield dec
+            yield _load_decisions(s["load"]["decisions"])
         if s.get(REMOTE):
             yield from _remote_metrics(s[REMOTE])
         if s.get("kv_events"):

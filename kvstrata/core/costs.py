@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any, Mapping, Sequence
 
+from kvstrata.load_config import LOAD_POLICIES as POLICIES
+
 __all__ = ["LoadCosts", "DECAY", "ALWAYS", "MEASURED", "POLICIES"]
 
-ALWAYS = "always"
-MEASURED = "measured"
-POLICIES = (MEASURED, ALWAYS)
+MEASURED, ALWAYS = POLICIES  # (measured, always)
 DECAY = 0.8  # weight of a sample once the next one arrived: about five samples carry the estimate
 
 

@@ -1,0 +1,60 @@
+"""``load.*``: load or recompute a hit below the GPU (:mod:`kvstrata.core.costs`).
+
+Every error is a :class:`~kvstrata.errors.ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kvstrata.errors import ConfigError
+from kvstrata.values import check_keys, integer, one_of, parse_size, short_repr
+
+__all__ = ["LoadConfig", "LOAD_POLICIES"]
+
+LOAD_POLICIES = ("measured", "always")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Load or recompute (:mod:`kvstrata.core.costs`). ``policy``: ``always`` loads every hit
+    below the GPU; ``measured`` loads only the blocks whose load is measured to beat
+    computing them (by ``margin``, a fraction), ``always`` until ``warmup`` samples of a
+    tier exist. ``<tier>_bandwidth`` (bytes per second, as a size: ``2GiB``) fixes what a
+    tier's load costs; ``prefill_tokens_per_s`` fixes the compute rate."""
+
+    policy: str = "always"
+    margin: float = 0.1
+    warmup: int = 8
+    cpu_bandwidth: int | None = None
+    ssd_bandwidth: int | None = None
+    remote_bandwidth: int | None = None
+    prefill_tokens_per_s: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], p: str = "load") -> "LoadConfig":
+        keys = ("policy", "margin", "warmup", "cpu_bandwidth", "ssd_bandwidth", "remote_bandwidth",
+                "prefill_tokens_per_s")
+        check_keys(d, keys, p)
+        policy = one_of(d.get("policy", cls.policy), f"{p}.policy", LOAD_POLICIES)
+        margin = d.get("margin", cls.margin)
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin <= 100:
+            raise ConfigError(f"{p}.margin: expected a fraction of 0 or more (0.1: a load must be 10% cheaper "
+                              f"than computing), got {short_repr(margin)}")
+        warmup = integer(d.get("warmup", cls.warmup), f"{p}.warmup", minimum=1, maximum=1 << 20)
+        bandwidth = {}
+        for tier in ("cpu", "ssd", "remote"):
+            key = f"{tier}_bandwidth"
+            raw = d.get(key)
+            if raw is not None:
+                bandwidth[key] = parse_size(raw, f"{p}.{key}")
+                if bandwidth[key] <= 0:
+                    raise ConfigError(f"{p}.{key}: expected bytes per second above 0 (as a size: 2GiB), "
+                                      f"got {short_repr(raw)}")
+        rate = d.get("prefill_tokens_per_s")
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                                 or not 0 < rate < float("inf")):
+            raise ConfigError(f"{p}.prefill_tokens_per_s: expected tokens per second above 0, got {short_repr(rate)}")
+        return cls(policy=policy, margin=float(margin), warmup=warmup, **bandwidth,
+                   prefill_tokens_per_s=float(rate) if rate is not None else None)
