@@ -22,7 +22,7 @@ class LoadConfig:
     below the GPU; ``measured`` loads only the blocks whose load is measured to beat
     computing them (by ``margin``, a fraction), ``always`` until ``warmup`` samples of a
     tier exist. ``<tier>_bandwidth`` (bytes per second, as a size: ``2GiB``) fixes what a
-    tier's load costs; ``prefill_tokens_per_s`` fixes the compute rate."""
+    tier's load costs; ``prefill_rate`` fixes the compute rate."""
 
     policy: str = "always"
     margin: float = 0.1
@@ -30,12 +30,12 @@ class LoadConfig:
     cpu_bandwidth: int | None = None
     ssd_bandwidth: int | None = None
     remote_bandwidth: int | None = None
-    prefill_tokens_per_s: float | None = None
+    prefill_rate: float | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "load") -> "LoadConfig":
         keys = ("policy", "margin", "warmup", "cpu_bandwidth", "ssd_bandwidth", "remote_bandwidth",
-                "prefill_tokens_per_s")
+                "prefill_rate")
         check_keys(d, keys, p)
         policy = one_of(d.get("policy", cls.policy), f"{p}.policy", LOAD_POLICIES)
         margin = d.get("margin", cls.margin)
@@ -52,9 +52,9 @@ class LoadConfig:
                 if bandwidth[key] <= 0:
                     raise ConfigError(f"{p}.{key}: expected bytes per second above 0 (as a size: 2GiB), "
                                       f"got {short_repr(raw)}")
-        rate = d.get("prefill_tokens_per_s")
+        rate = d.get("prefill_rate")
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
                                  or not 0 < rate < float("inf")):
-            raise ConfigError(f"{p}.prefill_tokens_per_s: expected tokens per second above 0, got {short_repr(rate)}")
+            raise ConfigError(f"{p}.prefill_rate: expected tokens per second above 0, got {short_repr(rate)}")
         return cls(policy=policy, margin=float(margin), warmup=warmup, **bandwidth,
-                   prefill_tokens_per_s=float(rate) if rate is not None else None)
+                   prefill_rate=float(rate) if rate is not None else None)

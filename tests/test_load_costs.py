@@ -112,7 +112,7 @@ def test_decisions_are_counted_per_tier() -> None:
     ("warmup", 0, r"load\.warmup"),
     ("ssd_bandwidth", 0, r"load\.ssd_bandwidth: expected bytes per second above 0"),
     ("remote_bandwidth", "fast", r"load\.remote_bandwidth"),
-    ("prefill_tokens_per_s", float("nan"), r"load\.prefill_tokens_per_s: expected tokens per second above 0"),
+    ("prefill_rate", float("nan"), r"load\.prefill_rate: expected tokens per second above 0"),
     ("deadline", 2, r"load\.deadline"),
 ])
 def test_out_of_range_values_name_the_key(key: str, value: object, match: str) -> None:

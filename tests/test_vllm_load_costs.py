@@ -31,7 +31,7 @@ def test_a_tier_slower_than_recompute_is_not_loaded(model: str, baseline: dict[s
     run_in_subprocess({"model": model, "kvstrata": cfg, "steps": [{"prompts": [PROMPT]}]})
     # a new engine: only the SSD tier holds the prompt; a block (64 KiB) takes 64 s to read
     # at 1 KiB/s, and 32 ms to compute at 1,000 tokens/s
-    slow = {**cfg, "load.policy": "measured", "load.ssd_bandwidth": "1KiB", "load.prefill_tokens_per_s": 1000}
+    slow = {**cfg, "load.policy": "measured", "load.ssd_bandwidth": "1KiB", "load.prefill_rate": 1000}
     step = run_in_subprocess({"model": model, "kvstrata": slow, "steps": [{"prompts": [PROMPT]}]})["steps"][0]
     assert step["external_hits"] == 0 and step["cached"] == [0]
     assert same(step, baseline)

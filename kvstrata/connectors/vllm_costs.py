@@ -36,7 +36,7 @@ def load_costs(cfg: "LoadConfig", spec: "PolicySpec", block_nbytes: int) -> Load
     tiers = (*LOWER, *((shared,) if shared else ()))
     fixed = {tier: block_nbytes / bw for tier in tiers if (bw := getattr(cfg, f"{tier}_bandwidth", None))}
     return LoadCosts(LOWER, shared, policy=cfg.policy, margin=cfg.margin, warmup=cfg.warmup, block_seconds=fixed,
-                     token_seconds=1.0 / cfg.prefill_tokens_per_s if cfg.prefill_tokens_per_s else None)
+                     token_seconds=1.0 / cfg.prefill_rate if cfg.prefill_rate else None)
 
 
 class TransferTiming:
