@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
@@ -48,7 +49,7 @@ MAX_TAGS = 1 << 16             # SSD record tags waiting for their puts
 COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu", "blocks_stored_ssd", "blocks_spilled",
             "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures", "stores_dropped",
             "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d", "blocks_stored_remote", "store_failures_remote",
-            "blocks_fetched_remote", "fetch_misses_remote")
+            "blocks_fetched_remote", "fetch_misses_remote", "bytes_ssd_read", "seconds_ssd_read")
 
 
 class DeviceRows(Protocol):
@@ -293,9 +294,12 @@ class Executor:
         if not idx:
             return []
         unverified = self.ssd is not None and bool(self._safely("recovering", self.ssd.recovering))
+        started = time.perf_counter()
         hits = self._safely("get_into", self.ssd.get_into, [plan.keys[i] for i in idx],
                             [rows[i] for i in idx]) if self.ssd is not None else None
         hits = hits or [False] * len(idx)
+        self.count("seconds_ssd_read", time.perf_counter() - started)  # storage to host memory
+        self.count("bytes_ssd_read", sum(map(bool, hits)) * rows.shape[1])
         lost: Lost = []
         promote: list[int] = []
         for i, hit in zip(idx, hits):

@@ -101,6 +101,10 @@ SERIES: tuple[Series, ...] = (
            "direction", DIRECTIONS),
     Series("transfer_seconds", "Seconds spent copying between the GPU pool and host memory (d2h: stores, "
            "h2d: loads), summed over workers", "direction", DIRECTIONS),
+    Series("storage_read_bytes", "Bytes read from the SSD tier into host memory for loads (per worker shard; "
+           "the host-to-device copy after it is in transfer_bytes)"),
+    Series("storage_read_seconds", "Seconds spent reading loads' blocks from the SSD tier into host memory, "
+           "summed over workers"),
     Series("load_failures", "Blocks a tier could not deliver (recomputed by vLLM)", "tier", LOWER_TIERS),
     Series("store_failures", "Blocks a tier refused to store", "tier", PERSISTENT),
     Series("spill_failures", "Blocks that could not be moved from the CPU tier down to the SSD tier"),
@@ -121,6 +125,8 @@ WORKER_SERIES: dict[str, tuple[str, str]] = {
     "bytes_h2d": ("transfer_bytes", "h2d"),
     "seconds_d2h": ("transfer_seconds", "d2h"),
     "seconds_h2d": ("transfer_seconds", "h2d"),
+    "bytes_ssd_read": ("storage_read_bytes", NO_LABEL),
+    "seconds_ssd_read": ("storage_read_seconds", NO_LABEL),
     **{f"load_failures_{t}": ("load_failures", t) for t in LOWER_TIERS},
     **{f"store_failures_{t}": ("store_failures", t) for t in PERSISTENT},
     "spill_failures": ("spill_failures", NO_LABEL),

@@ -88,6 +88,7 @@ _POLL_S = 0.002
 WORKER_COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu", "blocks_stored_ssd",
                    "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures",
                    "stores_dropped", "corrupt_blocks", "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d",
+                   "bytes_ssd_read", "seconds_ssd_read",
                    *(f"remote_{o}" for o in REMOTE_OUTCOMES), *(f"remote_bytes_{d}" for d in REMOTE_DIRECTIONS))
 
 
