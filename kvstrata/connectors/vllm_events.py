@@ -180,22 +180,21 @@ class KVEvents:
         hi = min(hi, len(keys), len(vhashes))
         for i in range(lo, hi):
             key = keys[i]
-            if key in tags:
+            tag = tags.get(key)
+            if tag is not None:
                 tags.move_to_end(key)
-                for g in range(1, groups):
-                    assert group_key is not None
-                    gkey = group_key(g, i)
-                    tags[gkey] = tags.get(gkey) or tags[key].in_group(g)
-                    tags.move_to_end(gkey)
-                continue
-            tag = tags[key] = BlockTag(vhashes[i], vhashes[i - 1] if i else None,
-                                       array("i", tokens[i * bs:(i + 1) * bs]).tobytes(), _extra_keys(request, i, bs),
-                                       request.lora_request.adapter_id if request.lora_request else None,
-                                       request.lora_request.name if request.lora_request else None,
-                                       keys[i - 1] if i else None, self.extra_of(request, i))
-            for g in range(1, groups):
+            else:
+                tag = tags[key] = BlockTag(vhashes[i], vhashes[i - 1] if i else None,
+                                           array("i", tokens[i * bs:(i + 1) * bs]).tobytes(),
+                                           _extra_keys(request, i, bs),
+                                           request.lora_request.adapter_id if request.lora_request else None,
+                                           request.lora_request.name if request.lora_request else None,
+                                           keys[i - 1] if i else None, self.extra_of(request, i))
+            for g in range(1, groups):  # the same position in the other groups
                 assert group_key is not None
-                tags[group_key(g, i)] = tag.in_group(g)
+                gkey = group_key(g, i)
+                tags[gkey] = tags.get(gkey) or tag.in_group(g)
+                tags.move_to_end(gkey)
         while len(tags) > self.capacity:
             tags.popitem(last=False)
 

@@ -72,7 +72,7 @@ class RemoteLookups:
         if st.fetch is not None:
             return False
         if st.probe is None:
-            st.probe = (start, last, self.tier.probe_async(self.core.probe_keys(st, start, last),
+            st.probe = (start, last, self.tier.probe_async(self.core.all_group_keys(st, start, last),
                                                            each=self.core.groups is not None))
             return False
         begin, end, future = st.probe

@@ -376,7 +376,7 @@ class KVStrataScheduler:
             self._timing.loaded(plan, loaded == len(st.sources))
             if self._events is not None:
                 self._events.completed(plan, loaded)
-            arrived = loaded if self.core.groups is None else len(plan) if loaded else 0
+            arrived = self.core.arrived(plan, loaded)
             self._pool.resident.add(plan.block_ids[:arrived], plan.keys[:arrived])
             if loaded < len(st.sources) and isinstance(st, _Req):  # vLLM recomputes them: offered as computed then
                 st.handled = min(st.handled, st.gpu_hits + loaded)

@@ -127,6 +127,11 @@ class LoadCosts:
         self._steps = 0
         self.decisions = {t: {"loaded": 0, "recomputed": 0} for t in (*self.tiers, *((fetched,) if fetched else ()))}
 
+    @property
+    def deciding(self) -> bool:
+        """Whether hits are weighed at all (``always`` loads them without looking)."""
+        return self.policy != ALWAYS
+
     # ------------------------------------------------------------------ measurements
 
     def load_done(self, blocks: Mapping[str, int], seconds: float) -> None:
@@ -181,7 +186,7 @@ class LoadCosts:
     def worth(self, tiers: Sequence[str], block_tokens: int) -> int:
         """How many leading blocks of a hit to load (``tiers[i]``: where block ``i`` is read
         from); the rest are computed. Pure: nothing is counted (see :meth:`count`)."""
-        if self.policy == ALWAYS or not tiers:
+        if not self.deciding or not tiers:
             return len(tiers)
         per_token = self.token_seconds()
         if per_token is None:

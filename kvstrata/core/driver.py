@@ -139,7 +139,7 @@ class DriverCore:
         """How many of the ``below`` blocks after ``first`` are worth loading rather than
         computing (:meth:`LoadCosts.worth`); the decision is counted when the request is
         admitted. With groups every hit is loaded."""
-        if self.costs is None or self.groups is not None or not below:
+        if self.costs is None or not self.costs.deciding or self.groups is not None or not below:
             return below
         tiers = self.policy.lookup(st.hashes[first:first + below])
         k = self.costs.worth(tiers, self.block_size)
@@ -149,7 +149,7 @@ class DriverCore:
     def worth_fetching(self, st: RequestState, first: int, start: int, held: int) -> int:
         """How many of the ``held`` blocks the shared tier holds after the local prefix
         ``[first:start]`` are worth fetching and loading rather than computing. Pure."""
-        if self.costs is None or self.groups is not None or held <= 0:
+        if self.costs is None or not self.costs.deciding or self.groups is not None or held <= 0:
             return held
         k = self.costs.worth(self.policy.lookup(st.hashes[first:start]) + [self.costs.fetched or ""] * held,
                              self.block_size)
@@ -164,20 +164,16 @@ class DriverCore:
             keys.append(KVGroups.key(g, st.hashes[len(keys)]))
         return keys[i]
 
-    def probe_keys(self, st: RequestState, start: int, last: int) -> list[bytes]:
-        """The keys to probe the remote tier for, for blocks ``start..last`` (with groups: every
-        group's key of each block, block by block; :meth:`probed` reads the answer)."""
-        return self._all_groups(st, start, last)
-
-    def _all_groups(self, st: RequestState, lo: int, hi: int) -> list[bytes]:
-        """Every group's key of blocks ``lo..hi``, block by block."""
+    def all_group_keys(self, st: RequestState, lo: int, hi: int) -> list[bytes]:
+        """Every group's key of blocks ``lo..hi``, block by block (what the remote tier is
+        probed for: :meth:`probed` reads the answer)."""
         if self.groups is None:
             return st.hashes[lo:hi]
         return [self.group_key(st, g, i) for i in range(lo, hi) for g in range(len(self.groups))]
 
     def probed(self, answer: Any, start: int, last: int) -> int:
         """Blocks from ``start`` a hit can take from the remote tier, from its answer to a probe
-        of :meth:`probe_keys`: how many leading keys it holds, or with groups whether it
+        of :meth:`all_group_keys`: how many leading keys it holds, or with groups whether it
         holds each (the longest hit every group can then serve)."""
         if self.groups is None:
             return int(answer)
@@ -194,7 +190,7 @@ class DriverCore:
         if held <= 0 or not self.remote:
             return None
         end = start + held
-        self.policy.touch(self._all_groups(st, first, start))
+        self.policy.touch(self.all_group_keys(st, first, start))
         if self.groups is None:
             keys = st.hashes[start:end]
         else:
@@ -229,7 +225,7 @@ class DriverCore:
         if not self.remote or start >= last:
             return held
         plan = self.plan_fetch(st, first, start,
-                               self.probed(executor.probe_remote(self.probe_keys(st, start, last)), start, last))
+                               self.probed(executor.probe_remote(self.all_group_keys(st, start, last)), start, last))
         if plan is None:
             return held
         self._planned.remove(plan)
@@ -252,7 +248,7 @@ class DriverCore:
         st.decision = None
         st.hits = request_counts(gpu_hits, [], self.remote)
         st.load, st.load_lost, st.sources = None, set(), []
-        self.policy.touch(self._all_groups(st, 0, gpu_hits))
+        self.policy.touch(self.all_group_keys(st, 0, gpu_hits))
         counts = self.resumed if resumed else self.counts
         counts.query(-(-num_tokens // self.block_size), num_tokens)
         counts.add(GPU, gpu_hits)
@@ -310,6 +306,11 @@ class DriverCore:
             return None
         plan = st.load
         return st, plan, self._complete_load(st, st.load_lost)
+
+    def arrived(self, plan: LoadPlan, loaded: int) -> int:
+        """Entries of ``plan`` in the device pool once ``loaded`` positions arrived (with groups
+        a load arrives whole or not at all)."""
+        return loaded if self.groups is None else len(plan) if loaded else 0
 
     def _complete_load(self, st: RequestState, lost: Lost, loaded: int | None = None) -> int:
         plan = st.load

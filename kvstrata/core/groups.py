@@ -107,9 +107,6 @@ class KVGroups:
         return hashlib.blake2b(key, digest_size=len(key), person=b"kvstrata-group", salt=g.to_bytes(8, "little")
                                ).digest()
 
-    def keys(self, g: int, chain: Sequence[bytes]) -> list[bytes]:
-        return list(chain) if g == 0 else [self.key(g, k) for k in chain]
-
     def hit_end(self, first: int, last: int, held: Callable[[int, int], bool]) -> int:
         """The longest hit ``n`` (``first <= n <= last`` blocks) such that every group holds
         what it needs at ``n`` beyond the device prefix ``first``; ``held(g, i)``: the tiers
