@@ -18,6 +18,7 @@ from kvstrata.errors import ConfigError
 from kvstrata.values import (check_keys, clip, duration_s, format_size, integer, one_of, parse_size, path_or_none,
                              plural, short_key, short_repr)
 from kvstrata.load_config import LoadConfig
+from kvstrata.model_config import ModelConfig
 from kvstrata.remote_config import REMOTE_SCHEMES, RemoteConfig
 from kvstrata.values import ALWAYS, LRU, eviction, tier_admission
 from kvstrata.yaml_file import YAMLLimitError, load_yaml, read_yaml
@@ -45,8 +46,6 @@ __all__ = [
 ]
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxh3_128")
-KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2,
-                  "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 @dataclass(frozen=True)
@@ -163,58 +162,6 @@ class SSDConfig:
 
 #: the ``ssd.*`` key each :class:`~kvstrata.tiers.ssd.SSDTier` argument comes from (for its errors)
 SSD_TIER_KEYS = {"path": "ssd.path", "capacity_bytes": "ssd.capacity", "queue_capacity_bytes": "ssd.queue_capacity"}
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The model: its identity and KV layout (the layout sizes one block when no engine
-    hands kvstrata its tensors).
-
-    ``id`` overrides the model's identity in every fingerprint: blocks are
-    shared exactly between deployments with equal ids (and layouts). Without
-    it the library uses ``name``, and the vLLM connector derives the identity
-    from the checkpoint's weight files. ``block_nbytes`` overrides the value
-    derived from the layout (``2 * layers * kv_heads * head_size * dtype bytes
-    * block_size``).
-    """
-
-    name: str = "default"
-    id: str | None = None
-    layers: int = 32
-    kv_heads: int = 8
-    head_size: int = 128
-    kv_dtype: str = "fp16"
-    block_nbytes: int | None = None
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], p: str = "model") -> "ModelConfig":
-        check_keys(d, ("name", "id", "layers", "kv_heads", "head_size", "kv_dtype", "block_nbytes"), p)
-        name = d.get("name", cls.name)
-        if not isinstance(name, str):
-            raise ConfigError(f"{p}.name: expected a string, got {short_repr(name)}")
-        ident = d.get("id")
-        if ident is not None and (not isinstance(ident, str) or not ident.strip()):
-            raise ConfigError(f"{p}.id: expected a non-empty string, got {short_repr(ident)}")
-        bn = d.get("block_nbytes")
-        return cls(
-            name=name,
-            id=ident,
-            layers=integer(d.get("layers", cls.layers), f"{p}.layers", minimum=1),
-            kv_heads=integer(d.get("kv_heads", cls.kv_heads), f"{p}.kv_heads", minimum=1),
-            head_size=integer(d.get("head_size", cls.head_size), f"{p}.head_size", minimum=1),
-            kv_dtype=one_of(d.get("kv_dtype", cls.kv_dtype), f"{p}.kv_dtype", KV_DTYPE_BYTES),
-            block_nbytes=_block_nbytes(bn, f"{p}.block_nbytes") if bn is not None else None,
-        )
-
-    def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_size * KV_DTYPE_BYTES[self.kv_dtype]
-
-
-def _block_nbytes(value: Any, path: str) -> int:
-    nbytes = parse_size(value, path)
-    if nbytes < 1:
-        raise ConfigError(f"{path}: expected a positive size, got {short_repr(value)}")
-    return nbytes
 
 
 # The spill rules (``spill.admission``, ``spill.promotion``): the choices and which combine.

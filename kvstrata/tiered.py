@@ -43,7 +43,7 @@ from kvstrata.block_pool import BlockManager
 from kvstrata.config import SSD_TIER_KEYS, KVStrataConfig
 from kvstrata.core.driver import DriverCore
 from kvstrata.core.request import RequestState
-from kvstrata.errors import config_keys
+from kvstrata.errors import ConfigError, config_keys
 from kvstrata.executor import Executor, PoolRows
 from kvstrata.hashing import BlockHasher
 from kvstrata.identity import Fingerprint
@@ -107,6 +107,9 @@ class TieredKVCache:
                  record_samples: bool = False, fingerprint: Fingerprint | None = None) -> None:
         from kvstrata.transfer import TransferEngine
 
+        if config.model.groups:
+            raise ConfigError(f"model.groups: {config.model.groups!r}: the library's pool has one full-attention "
+                              "group (kvstrata bench replays hybrid models; under vLLM the connector reads them)")
         transfer = TransferEngine(kv_pool) if kv_pool is not None else None
         if transfer is not None:
             config.check_kv_pool(int(transfer.pool.shape[0]), transfer.block_nbytes, str(transfer.pool.device))

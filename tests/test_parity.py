@@ -78,17 +78,18 @@ def write_trace(path: Path, prompts: list[list[int]]) -> Path:
     return path
 
 
-def ssd_capacity(blocks: int) -> int:
-    cap = blocks * NBYTES
-    while capacity_blocks(cap, NBYTES) < blocks:
+def ssd_capacity(blocks: int, nbytes: int = NBYTES) -> int:
+    cap = blocks * nbytes
+    while capacity_blocks(cap, nbytes) < blocks:
         cap += 4096
-    assert capacity_blocks(cap, NBYTES) == blocks
+    assert capacity_blocks(cap, nbytes) == blocks
     return cap
 
 
-def through_vllm(model: str, prompts: list[list[int]], gpu: int, extra: dict[str, Any]) -> tuple[dict[str, int], Any]:
+def through_vllm(model: str, prompts: list[list[int]], gpu: int, extra: dict[str, Any],
+                 window: int | None = None) -> tuple[dict[str, int], Any]:
     h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=gpu, kv_connector_extra_config=extra,
-                         worker=complete_every_plan)
+                         worker=complete_every_plan, sliding_window=window)
     hits = {"gpu": 0, "cpu": 0, "ssd": 0}
     try:
         for i, toks in enumerate(prompts):
@@ -142,17 +143,21 @@ def test_replay_and_connector_agree_with_other_evictions(model: str, tmp_path: P
 
 
 def agree(model: str, tmp_path: Path, case: str, settings: dict[str, Any],
-          exercised: tuple[str, ...] = ("gpu", "cpu", "ssd")) -> dict[str, Any]:
+          exercised: tuple[str, ...] = ("gpu", "cpu", "ssd"), window: int | None = None) -> dict[str, Any]:
     """The case's prompts through vLLM's scheduler and through the replay: the same hits per
-    tier and the same policy counts; returns the counts."""
+    tier and the same policy counts; returns the counts. ``window``: a hybrid model (full
+    attention and a sliding window of that many tokens, :func:`hybrid_kv_cache_config`)."""
     make, gpu, cpu, ssd = CASES[case]
     prompts = make()
-    extra = {"cpu.capacity": cpu * NBYTES, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": ssd_capacity(ssd),
+    nbytes = NBYTES if window is None else NBYTES // 2  # a hybrid's block: one layer's page
+    gpu = gpu if window is None else 2 * gpu  # a hybrid's prompt takes a block of each group
+    extra = {"cpu.capacity": cpu * nbytes, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": ssd_capacity(ssd, nbytes),
              **settings}
-    vllm_hits, vllm_counts = through_vllm(model, prompts, gpu, extra)
+    vllm_hits, vllm_counts = through_vllm(model, prompts, gpu, extra, window)
 
-    cfg = KVStrataConfig.from_dict({"block_size": BS, "model": {"block_nbytes": NBYTES}, "gpu": {"num_blocks": gpu}},
-                                 {**extra, "ssd.path": str(tmp_path / "unused")})
+    model_cfg = {"block_nbytes": nbytes, **({"groups": f"full,sliding:{window}"} if window else {})}
+    cfg = KVStrataConfig.from_dict({"block_size": BS, "model": model_cfg, "gpu": {"num_blocks": gpu}},
+                                   {**extra, "ssd.path": str(tmp_path / "unused")})
     trace = load_trace(write_trace(tmp_path / "trace.jsonl", prompts), block_size=BS)
     result = replay(trace, cfg, ReplayOptions(decode_s_per_token=0.0))
     assert result.rejected == 0 and result.forced_frees == 0
@@ -163,6 +168,45 @@ def agree(model: str, tmp_path: Path, case: str, settings: dict[str, Any],
     assert counts == {k: vllm_counts[k] for k in counts}
     assert all(vllm_hits[t] > 0 for t in exercised), vllm_hits  # every tier is exercised
     return counts
+
+
+HYBRID_SETTINGS = {
+    "on_compute": {"spill.admission": "on_compute", "spill.write_through": False},
+    "on_evict": {"spill.admission": "on_evict", "spill.write_through": False},
+    "arc-second_hit": {"spill.write_through": False, "cpu.eviction": "arc", "ssd.eviction": "arc",
+                       "ssd.admission": "second_hit"},
+}
+
+
+@pytest.mark.parametrize("settings", sorted(HYBRID_SETTINGS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_replay_and_connector_agree_on_a_hybrid_model(model: str, tmp_path: Path, case: str, settings: str) -> None:
+    """vLLM's hybrid allocator (a full-attention group and a 3-block sliding window, each
+    with its own block table over one pool; the window's blocks cached only where a later
+    hit can use them) against the replay's model of it: the same hits per tier, the same
+    blocks of both groups stored, evicted and dropped per tier, the same SSD bytes."""
+    counts = agree(model, tmp_path, case, HYBRID_SETTINGS[settings], window=3 * BS,
+                   exercised=("gpu", "cpu") if "second_hit" in settings else ("gpu", "cpu", "ssd"))
+    assert counts["stored"]["cpu"] > 0
+
+
+def test_the_hybrid_harness_is_vllms_layout(model: str) -> None:
+    """The hybrid KV cache the parity test drives: two groups over blocks of one layer's page
+    each (vLLM overlays the groups), which the connector reads as ``full,sliding:48``."""
+    from vllm_sched import hybrid_kv_cache_config
+
+    from kvstrata.connectors.vllm_common import block_nbytes_of, kv_groups
+
+    h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=8, kv_connector_extra_config={"cpu.capacity": 0},
+                         sliding_window=3 * BS)
+    try:
+        config = h.kv_cache_config
+        assert type(h.scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
+        assert block_nbytes_of(config) == NBYTES // 2
+        assert kv_groups(config, BS).describe() == "full,sliding:48"
+        assert hybrid_kv_cache_config is not None
+    finally:
+        h.close()
 
 
 # ---------------------------------------------------------------------------- the remote tier

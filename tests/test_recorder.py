@@ -175,11 +175,21 @@ def test_recorded_config_replays_the_deployment_and_set_changes_one_thing() -> N
     assert recorded_config(dep, ["gpu.capacity=1MiB"]).gpu.num_blocks is None
 
 
-def test_a_recording_of_a_hybrid_model_is_not_replayed_as_one_group() -> None:
+def test_a_recording_of_a_hybrid_model_replays_as_its_groups() -> None:
+    """The header's KV-cache groups become ``model.groups``; a forged value is a config
+    error naming the key; a state hybrid is refused by the replay, naming why."""
+    from kvstrata.bench.replay import ReplayError, replaying
+
     dep = _deployment()
     dep["engine"]["groups"] = "sliding:64,full"
-    with pytest.raises(ConfigError, match=r"hybrid model \(KV-cache groups 'sliding:64,full'\).*does not replay"):
+    assert recorded_config(dep).model.groups == "sliding:64,full"
+    dep["engine"]["groups"] = "window:3"
+    with pytest.raises(ConfigError, match=r"^trace: the recorded deployment: model\.groups\[0\]: 'window:3'"):
         recorded_config(dep)
+    dep["engine"]["groups"] = "state,full"
+    with pytest.raises(ReplayError, match=r"^model\.groups: 'state,full': the replay models attention groups"):
+        with replaying(recorded_config(dep), 16):
+            pass
 
 
 # ------------------------------------------------------------------ reading damaged recordings

@@ -49,18 +49,21 @@ def chats(users: int, turns: int, seed: int = 0) -> list[tuple[int, list[int]]]:
 
 
 def serve(model: str, tmp: Path, cpu_blocks: int, name: str, *, secret: str | None = None,
-          trace_path: Path | None = None, hits: dict[str, Any] | None = None) -> Path:
+          trace_path: Path | None = None, hits: dict[str, Any] | None = None, window: int | None = None,
+          gpu_blocks: int = 48) -> Path:
     """Run the chats through vLLM's scheduler with the recorder on (into ``trace_path``,
     default ``tmp/name``); return the recording's directory. ``hits``: filled with what
-    the plugin counted."""
+    the plugin counted. ``window``: a hybrid model (full attention and a sliding window of
+    that many tokens; a block is then one layer's page)."""
     system = [random.Random(1).randrange(2, 500) for _ in range(3 * BS)]
-    extra: dict[str, Any] = {"cpu.capacity": cpu_blocks * NBYTES, "ssd.path": str(tmp / f"ssd-{name}"),
+    nbytes = NBYTES if window is None else NBYTES // 2
+    extra: dict[str, Any] = {"cpu.capacity": cpu_blocks * nbytes, "ssd.path": str(tmp / f"ssd-{name}"),
                              "ssd.capacity": "4MiB", "trace.path": str(trace_path or tmp / name),
                              "trace.insecure_hashes": True}
     if secret:
         extra["trace.secret"] = secret
-    h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=48, kv_connector_extra_config=extra,
-                         worker=complete_every_plan)
+    h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=gpu_blocks, kv_connector_extra_config=extra,
+                         worker=complete_every_plan, sliding_window=window)
     convo: dict[int, list[int]] = {}
     try:
         for i, (user, words) in enumerate(chats(8, 6)):
@@ -87,6 +90,19 @@ def test_a_recording_replays_to_exactly_what_the_plugin_measured(model: str, tmp
     assert all(measured["hit_rate"][t] > 0 for t in ("gpu", "cpu", "ssd")), measured  # every tier served
     assert measured["ssd_bytes_written"] == predicted["ssd_bytes_written"] > 0
     assert rec["difference_pp"] == {t: 0.0 for t in measured["hit_rate"]}
+
+
+def test_a_recording_of_a_hybrid_model_replays_to_exactly_what_the_plugin_measured(model: str,
+                                                                                  tmp_path: Path) -> None:
+    """vLLM's hybrid allocator (full attention and a 3-block window): the recording carries
+    the groups, and the replay of it (the windows' blocks freed as decode moves on, only the
+    reachable ones cached on the device) predicts every tier's hits and the SSD bytes."""
+    rec = bench("--trace", str(serve(model, tmp_path, 40, "hybrid", window=3 * BS, gpu_blocks=96)))
+    assert rec["capacity"]["groups"] == rec["recording"]["engine"]["groups"] == "full,sliding:48"
+    measured, predicted = rec["recording"]["measured"], rec["recording"]["predicted"]
+    assert measured["hit_rate"] == predicted["hit_rate"], rec["recording"]
+    assert all(measured["hit_rate"][t] > 0 for t in ("gpu", "cpu", "ssd")), measured
+    assert measured["ssd_bytes_written"] == predicted["ssd_bytes_written"] > 0
 
 
 def test_a_larger_cpu_tier_predicts_what_a_run_with_it_measures(model: str, tmp_path: Path) -> None:

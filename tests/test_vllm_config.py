@@ -59,6 +59,7 @@ VLLM_OWNED = [
     ("model.head_size", 64, "taken from the model vLLM serves"),
     ("model.kv_dtype", "fp8", "--kv-cache-dtype"),
     ("model.block_nbytes", 4096, "vLLM's KV cache tensors"),
+    ("model.groups", "full,sliding:64", "vLLM's KV-cache groups"),
 ]
 
 

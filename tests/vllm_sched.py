@@ -137,6 +137,9 @@ class SchedulerHarness:
     in the GPU pool, or a worker hook that never reports its loads).
     ``before_scheduler(vllm_config, kv_cache_config)`` runs once the configs are
     built and before the scheduler is: where ``EngineCore`` builds its workers.
+    ``sliding_window`` (tokens): a hybrid model's KV cache instead, as vLLM's hybrid
+    allocator lays it out: layer 0 full attention, layer 1 a sliding window, each a
+    KV-cache group of its own over the same blocks.
     """
 
     def __init__(self, model_dir: str, *, block_size: int, num_gpu_blocks: int,
@@ -144,7 +147,8 @@ class SchedulerHarness:
                  max_num_batched_tokens: int = 1 << 16, max_num_seqs: int = 256,
                  max_model_len: int = 1 << 15, worker: Worker | None = None,
                  stall_timeout_s: float = 30.0,
-                 before_scheduler: Callable[[Any, Any], None] | None = None) -> None:
+                 before_scheduler: Callable[[Any, Any], None] | None = None,
+                 sliding_window: int | None = None) -> None:
         if num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}")
         from vllm_util import build_tiny_llama
@@ -161,7 +165,11 @@ class SchedulerHarness:
             self.vllm_config = _vllm_config(model_dir, block_size, kv_connector_extra_config,
                                             max_num_batched_tokens, max_num_seqs, max_model_len)
             # vLLM's BlockPool reserves block 0 as its null block.
-            self.kv_cache_config = _kv_cache_config(block_size, num_gpu_blocks + 1)
+            if sliding_window is None:
+                self.kv_cache_config = _kv_cache_config(block_size, num_gpu_blocks + 1)
+            else:
+                self.kv_cache_config = hybrid_kv_cache_config(self.vllm_config, block_size, num_gpu_blocks + 1,
+                                                              sliding_window)
             self.vllm_config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
             if before_scheduler is not None:
                 before_scheduler(self.vllm_config, self.kv_cache_config)
@@ -349,3 +357,25 @@ def _kv_cache_config(block_size: int, num_blocks: int) -> "KVCacheConfig":
                          kv_cache_groups=[KVCacheGroupSpec(names, spec)],
                          hash_block_size=block_size, cache_hit_alignment_tokens=block_size,
                          kv_cache_layout="LBHNC")  # the CPU backend's only layout
+
+
+def hybrid_kv_cache_config(vllm_config: "VllmConfig", block_size: int, num_blocks: int,
+                           sliding_window: int) -> "KVCacheConfig":
+    """The tiny model's layers as a hybrid: layer 0 full attention, layer 1 a sliding window
+    of ``sliding_window`` tokens; vLLM's own grouping and placement (one KV-cache group each,
+    overlaying the same blocks)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    common = dict(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE)
+    names = layer_names()
+    specs = {names[0]: FullAttentionSpec(**common), names[1]: SlidingWindowSpec(**common, sliding_window=sliding_window)}
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"  # the CPU backend's only layout
+    groups = get_kv_cache_groups(vllm_config, specs)
+    assert len(groups) == 2, groups
+    config = get_kv_cache_config_from_groups(vllm_config, groups, 1 << 34)
+    config.kv_cache_layout = "LBHNC"
+    assert config.num_blocks == num_blocks
+    return config

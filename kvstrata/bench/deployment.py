@@ -65,12 +65,10 @@ def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = ()) -
         raise ConfigError("trace: the recording's header holds no deployment to replay; give --config")
     engine = deployment.get("engine")
     groups = engine.get("groups") if isinstance(engine, dict) else None
-    if groups:
-        raise ConfigError(f"trace: the recording is of a hybrid model (KV-cache groups {str(groups)[:200]!r}); "
-                          "kvstrata bench replays one full-attention group, so its hit rates and SSD bytes "
-                          "would not be what the plugin did: it does not replay this recording")
     overrides = list(overrides)
     base = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    if groups and isinstance(base.get("model", {}), dict):  # a hybrid model: its KV-cache groups, as the engine had them
+        base["model"] = {**base.get("model", {}), "groups": groups}
     try:
         KVStrataConfig.from_dict(base)  # checked as a whole first: a section that is not a mapping is named
     except ConfigError as exc:

@@ -50,26 +50,27 @@ import heapq
 import itertools
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from kvstrata.block_pool import BlockManager, Prompt
+from kvstrata.group_pool import GroupedBlockManager
+from kvstrata.core.groups import STATE, KVGroups, parse_groups
 from kvstrata.config import KVStrataConfig
 from kvstrata.errors import ConfigError, OutOfBlocksError
 from kvstrata.executor import Executor, NullExecutor
 from kvstrata.bench.lifelog import LifecycleLog
+from kvstrata.bench.replay_result import ReplayError, ReplayOptions, ReplayResult
 from kvstrata.bench.budget import check_memory
 from kvstrata.bench.capacity import config_for_trace, policy_spec, tier_capacities
 from kvstrata.bench.payload import payload_config, payload_executor
 from kvstrata.bench.misses import MISS_REASONS, Tracker, classify, first_reason
-from kvstrata.bench.stats import Quantiles
 from kvstrata.metrics import TIERS, LifecycleRecorder, policy_stats
-from kvstrata.policy import LOWER_TIERS, PolicySpec, TierPolicy
+from kvstrata.policy import LOWER_TIERS, TierPolicy
 from kvstrata.bench.remote import SharedRemoteExecutor
 from kvstrata.core.driver import DriverCore
 from kvstrata.core.request import RequestState
 from kvstrata.policy.events import REMOTE
-from kvstrata.policy.tiers import GPU, SSD
+from kvstrata.policy.tiers import GPU
 
 if TYPE_CHECKING:
     from kvstrata.bench.remote import SharedRemote
@@ -77,71 +78,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TIERS", "MISS_REASONS", "ReplayError", "ReplayOptions", "ReplayResult", "Replayer", "config_for_trace",
            "tier_capacities", "policy_spec", "replay", "replaying", "requests_of"]
-
-
-class ReplayError(ValueError):
-    """The configuration cannot replay this trace."""
-
-
-@dataclass(frozen=True)
-class ReplayOptions:
-    """How requests are timed, whether bytes move, and which admission runs."""
-
-    decode_s_per_token: float = 0.02
-    payload: bool = False
-    payload_block_bytes: int = 16 * 1024
-    admission: str | None = None   # None: the config's spill.admission
-    record_requests: bool = False  # keep each request's hits per tier (ReplayResult.request_hits)
-    explain: bool = False          # keep why each request's first missed block missed (ReplayResult.misses)
-    max_memory: int | None = None  # bytes the deployment may cost to replay (None: half the machine's memory)
-
-
-@dataclass
-class ReplayResult:
-    """Counts from one replay (block counts are of the trace's block size)."""
-
-    config: KVStrataConfig
-    spec: PolicySpec
-    capacity_blocks: dict[str, int]
-    requests: int
-    accesses: int
-    hit_blocks: dict[str, int]
-    miss_reasons: dict[str, int]
-    forced_frees: int
-    peak_running: int
-    wall_s: float
-    stats: dict[str, Any]
-    rejected: int = 0
-    rejected_max_blocks: int = 0
-    admit_hint: str | None = None
-    request_hits: list[dict[str, int]] = field(default_factory=list)
-    cache_lifetime_s: Quantiles = field(default_factory=Quantiles)
-    cache_idle_before_evict_s: Quantiles = field(default_factory=Quantiles)
-    payload_block_bytes: int | None = None
-    config_block_size: int = 0  # the block size of the config as given (its capacities' unit)
-    prompt_tokens: int = 0      # of every request replayed
-    misses: list[dict[str, Any]] = field(default_factory=list)
-    preempted_hit_blocks: dict[str, int] = field(default_factory=dict)  # on resuming (recorded preemptions)
-
-    def ssd_bytes_written(self) -> int:
-        """Bytes the replay stored to the SSD tier (blocks x the block's bytes, before compression)."""
-        return int(self.stats.get("spills", {}).get(SSD, 0)) * self.config.block_nbytes()
-
-    @property
-    def hits(self) -> int:
-        return sum(self.hit_blocks.values())
-
-    def hit_rate(self) -> dict[str, float]:
-        """Per tier (the remote tier too when it was modelled) and in total."""
-        n = self.accesses or 1
-        rates = {t: self.hit_blocks[t] / n for t in (*TIERS, REMOTE) if t in self.hit_blocks}
-        rates["total"] = self.hits / n
-        return rates
-
-    def lifecycle(self, tier: str, what: str) -> Quantiles:
-        """Samples ``what`` (lifetime_s | idle_before_evict_s | reuse_gap_s) of ``tier``."""
-        got = self.stats.get("lifecycle", {}).get(tier, {}).get(what)
-        return got if got is not None else Quantiles()
 
 
 class Replayer:
@@ -163,12 +99,15 @@ class Replayer:
         self.lifecycle = {t: LifecycleLog() for t in TIERS}
         self._left: list[tuple[list[bytes], str]] = []
         self.gpu_blocks = cfg.gpu.resolve_num_blocks(cfg.block_nbytes())
-        self.manager = BlockManager(self.gpu_blocks, block_size, track_evictions=True)
+        groups = KVGroups(parse_groups(cfg.model.groups, "model.groups"), block_size)
+        self.groups = None if groups.plain else groups
+        self.manager: Any = BlockManager(self.gpu_blocks, block_size, track_evictions=True) if self.groups is None \
+            else GroupedBlockManager(self.gpu_blocks, groups, track_evictions=True)
         self.policy = TierPolicy(self.spec, clock=lambda: self.now,
                                  observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS}),
                                             self._observe])
         self.executor = SharedRemoteExecutor(remote) if remote is not None else executor
-        self.core = DriverCore(self.policy, block_size)
+        self.core = DriverCore(self.policy, block_size, self.groups)
         self.running: list[tuple[float, int]] = []
         # recorded preemptions still to replay: (time, order, request, tokens; 0 = preempted)
         self.preempting: list[tuple[float, int, int, int]] = []
@@ -286,11 +225,14 @@ class Replayer:
                 self.misses.append(self._miss(r, rid, 0, "rejected"))
             return
         before = bytes(map(self.tracker.state.__getitem__, r.blocks))
-        hits = self._schedule(str(rid), prompt)
+        prefill = r.input_length if r.token_based else len(r.blocks) * self.block_size
+        hits = self._schedule(str(rid), prompt, prefill=prefill)
         classify(before, hits, r.hittable, self.reasons)
         if self.misses is not None and hits < r.hittable:
             self.misses.append(self._miss(r, rid, hits, first_reason(before, hits)))
         self.tracker.touch([*r.blocks, *r.output_blocks], self.now)
+        if self.groups is not None and r.output_length > 1:
+            self._decode(str(rid), prefill)
         held = r.duration if r.duration >= 0 else r.output_length * self.opts.decode_s_per_token
         heapq.heappush(self.running, (r.timestamp + held, rid))
         if r.preemptions:
@@ -323,29 +265,36 @@ class Replayer:
     def held_prefix(self, prompt: Prompt) -> int:
         """Blocks of ``prompt``'s prefix this replica holds, in its pool or below (what a
         prefix-aware router reads from its KV-cache events). Pure."""
-        gpu = self.manager.lookup(prompt)
-        return gpu + len(self.policy.lookup(prompt.hashes[gpu:prompt.cap]))
+        if self.groups is None:
+            gpu = self.manager.lookup(prompt)
+            return gpu + len(self.policy.lookup(prompt.hashes[gpu:prompt.cap]))
+        st = RequestState("", prompt.hashes)
+        gpu = self.manager.lookup(prompt, self._key(st))
+        return self.core.held_below(st, gpu, prompt.cap)
 
-    def _schedule(self, rid: str, prompt: Prompt, resumed: bool = False) -> int:
+    def _schedule(self, rid: str, prompt: Prompt, resumed: bool = False, prefill: int | None = None) -> int:
         """Steps A (prefix + loads) and B (the rest, computed); returns the blocks served from
         cache. ``resumed``: a preempted request looked up again, counted apart."""
         manager, core = self.manager, self.core
         st = RequestState(rid, prompt.hashes)
-        gpu_hits = manager.lookup(prompt)
+        keyed: dict[str, Any] = {} if self.groups is None else {"key": self._key(st)}
+        gpu_hits = manager.lookup(prompt, **keyed)
+        if self.groups is not None:
+            keyed["prefill"] = prefill
         below = core.lookup_now(st, self.executor, gpu_hits, prompt.cap)
         if below:
             alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, num_external=below,
-                                                        num_blocks=gpu_hits + below))
+                                                        num_blocks=gpu_hits + below, **keyed))
         else:
-            alloc = self._room(lambda: manager.allocate(rid, prompt=prompt))
+            alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, **keyed))
         core.admit(st, gpu_hits, alloc.block_ids, below, prompt.num_tokens, resumed)
-        self._gpu_hits(prompt.hashes[:gpu_hits])
+        self._gpu_hits(core.all_group_keys(st, 0, gpu_hits))
         loaded = 0
         if below:
             loaded = self._end_step([], st)
             if loaded < below:
                 manager.invalidate(rid, gpu_hits + loaded)
-            self.lifecycle[GPU].enter_many(prompt.hashes[gpu_hits:gpu_hits + loaded], self.now)
+            self.lifecycle[GPU].enter_many([k for i, _, k in alloc.external if i < gpu_hits + loaded], self.now)
             self._room(lambda: manager.grow(rid))
         computed = manager.commit(rid)
         self._note_computed(computed)
@@ -353,6 +302,21 @@ class Replayer:
         if self.request_hits is not None and not resumed:
             self.request_hits.append(st.hits)
         return gpu_hits + loaded
+
+    def _decode(self, rid: str, prefill: int) -> None:
+        """With groups, the decode steps that change the pool, each a step of its own: those of a
+        recording's output, else the first (the windows move past the prompt)."""
+        manager = self.manager
+        if rid not in manager.requests:
+            return
+        for t in manager.decode_steps(rid) or [prefill]:
+            computed = self._room(lambda: manager.decode(rid, t))  # noqa: B023 (called at once)
+            self._note_computed(computed)
+            self._end_step(computed)
+
+    def _key(self, st: RequestState) -> Callable[[int, int], bytes]:
+        """Group ``g``'s key of ``st``'s block ``i`` (the core's, cached in ``st``)."""
+        return lambda g, i: self.core.group_key(st, g, i)
 
     def _end_step(self, computed: list[tuple[int, bytes]], st: RequestState | None = None) -> int:
         """End a step: its store offers and the load of ``st``, run and completed at once."""
@@ -380,7 +344,10 @@ class Replayer:
         held = self.policy.holds
         cached, now = self.manager.cached, self.now
         leave = self.tracker.left_many
+        top = len(self.tracker.state) if self.groups is not None else 0
         for keys, tier in [*left, (gpu_evicted, GPU)]:  # a lower tier first: it held the block last
+            if top:  # the tracker follows a position by its chain key (group 0's): other groups' keys
+                keys = [k for k in keys if int.from_bytes(k, "little") < top]  # are hashes (1 in 2**64/top names a block)
             gone = [k for k in keys if k not in cached and held(k) is None]
             if gone:
                 leave(gone, tier, now)
@@ -401,9 +368,14 @@ class Replayer:
 def _checked(config: KVStrataConfig, block_size: int, admission: str | None) -> tuple[KVStrataConfig, dict[str, int]]:
     try:
         cfg = config_for_trace(config, block_size, admission)
-        return cfg, tier_capacities(cfg)
+        caps = tier_capacities(cfg)
     except ConfigError as exc:
         raise ReplayError(str(exc)) from None
+    if STATE in {g.kind for g in parse_groups(cfg.model.groups, "model.groups")}:
+        raise ReplayError(f"model.groups: {cfg.model.groups!r}: the replay models attention groups (full, sliding, "
+                          "chunked); which positions vLLM keeps a state group's block for depends on how it chunks "
+                          "each prefill, which a trace does not say")
+    return cfg, caps
 
 
 @contextlib.contextmanager

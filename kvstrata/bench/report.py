@@ -67,6 +67,8 @@ def _capacity(res: "BenchResult") -> dict[str, Any]:
     cap["effective_total_tokens"] = diagnose.effective_capacity_blocks(rp.spec, rp.capacity_blocks) * bs
     cap["bytes_per_token"] = nbytes / bs
     cap["config_block_tokens"] = rp.config_block_size or bs  # the config's own unit (--set gpu.num_blocks)
+    if rp.config.model.groups:
+        cap["groups"] = rp.config.model.groups
     return cap
 
 
@@ -365,6 +367,9 @@ def render_text(r: dict[str, Any]) -> str:
     if notes:
         out += ["Skipped while reading"] + [f"  {n}" for n in notes] + [""]
     out += ["Hit rate by tier"]
+    if r["capacity"].get("groups"):
+        out += [f"  a hybrid model, KV-cache groups {r['capacity']['groups']}: a block is one group's, a hit is of "
+                "positions every group serves; tokens = blocks x block size, the miss-ratio curve counts positions"]
     out += _table(["tier", "blocks", "tokens", "bytes", "hit rate", "hits"], _tier_rows(r))
     out += _ssd_lines(r["ssd_writes"])
     if r.get("recording"):

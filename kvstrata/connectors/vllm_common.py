@@ -49,6 +49,7 @@ _VLLM_OWNS = (
     ("model.head_size", "taken from the model vLLM serves"),
     ("model.kv_dtype", "vLLM's --kv-cache-dtype sets it"),
     ("model.block_nbytes", "taken from vLLM's KV cache tensors"),
+    ("model.groups", "taken from vLLM's KV-cache groups"),
 )
 
 

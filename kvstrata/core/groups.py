@@ -31,7 +31,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["FULL", "SLIDING", "CHUNKED", "STATE", "KINDS", "Group", "KVGroups"]
+__all__ = ["FULL", "SLIDING", "CHUNKED", "STATE", "KINDS", "Group", "KVGroups", "parse_groups"]
 
 FULL = "full"
 SLIDING = "sliding"
@@ -152,3 +152,24 @@ class KVGroups:
                 if i >= self.needed_from(g, n) and i < len(ids) and ids[i] != null:
                     out.append((i, g, ids[i]))
         return out
+
+
+def parse_groups(value: object, path: str) -> tuple[Group, ...]:
+    """Groups as a config gives them: ``"full,sliding:1024"`` or ``["full", "sliding:1024"]``
+    (kinds, in the engine's order, a window or chunk in tokens after a colon); ``""`` or
+    none: one full-attention group. Raises ``ValueError`` naming ``path``."""
+    if value is None or value == "" or value == []:
+        return (Group(FULL),)
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) for x in items):
+        raise ValueError(f"{path}: expected a list of group kinds or a comma-separated string, got {value!r:.100}")
+    out = []
+    for n, item in enumerate(items):
+        kind, _, tokens = item.strip().partition(":")
+        if tokens and not tokens.strip().isdigit():
+            raise ValueError(f"{path}[{n}]: {item!r:.60}: expected a window or chunk in tokens after the colon")
+        try:
+            out.append(Group(kind, int(tokens) if tokens else 0))
+        except ValueError as exc:
+            raise ValueError(f"{path}[{n}]: {item!r:.60}: {exc}") from None
+    return tuple(out)

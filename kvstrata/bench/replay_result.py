@@ -1,0 +1,80 @@
+"""What a replay is asked to do (:class:`ReplayOptions`) and what it counted (:class:`ReplayResult`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstrata.bench.stats import Quantiles
+from kvstrata.config import KVStrataConfig
+from kvstrata.metrics import TIERS
+from kvstrata.policy import PolicySpec
+from kvstrata.policy.events import REMOTE
+from kvstrata.policy.tiers import SSD
+
+__all__ = ["ReplayError", "ReplayOptions", "ReplayResult"]
+
+
+class ReplayError(ValueError):
+    """The configuration cannot replay this trace."""
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How requests are timed, whether bytes move, and which admission runs."""
+
+    decode_s_per_token: float = 0.02
+    payload: bool = False
+    payload_block_bytes: int = 16 * 1024
+    admission: str | None = None   # None: the config's spill.admission
+    record_requests: bool = False  # keep each request's hits per tier (ReplayResult.request_hits)
+    explain: bool = False          # keep why each request's first missed block missed (ReplayResult.misses)
+    max_memory: int | None = None  # bytes the deployment may cost to replay (None: half the machine's memory)
+
+
+@dataclass
+class ReplayResult:
+    """Counts from one replay (block counts are of the trace's block size)."""
+
+    config: KVStrataConfig
+    spec: PolicySpec
+    capacity_blocks: dict[str, int]
+    requests: int
+    accesses: int
+    hit_blocks: dict[str, int]
+    miss_reasons: dict[str, int]
+    forced_frees: int
+    peak_running: int
+    wall_s: float
+    stats: dict[str, Any]
+    rejected: int = 0
+    rejected_max_blocks: int = 0
+    admit_hint: str | None = None
+    request_hits: list[dict[str, int]] = field(default_factory=list)
+    cache_lifetime_s: Quantiles = field(default_factory=Quantiles)
+    cache_idle_before_evict_s: Quantiles = field(default_factory=Quantiles)
+    payload_block_bytes: int | None = None
+    config_block_size: int = 0  # the block size of the config as given (its capacities' unit)
+    prompt_tokens: int = 0      # of every request replayed
+    misses: list[dict[str, Any]] = field(default_factory=list)
+    preempted_hit_blocks: dict[str, int] = field(default_factory=dict)  # on resuming (recorded preemptions)
+
+    def ssd_bytes_written(self) -> int:
+        """Bytes the replay stored to the SSD tier (blocks x the block's bytes, before compression)."""
+        return int(self.stats.get("spills", {}).get(SSD, 0)) * self.config.block_nbytes()
+
+    @property
+    def hits(self) -> int:
+        return sum(self.hit_blocks.values())
+
+    def hit_rate(self) -> dict[str, float]:
+        """Per tier (the remote tier too when it was modelled) and in total."""
+        n = self.accesses or 1
+        rates = {t: self.hit_blocks[t] / n for t in (*TIERS, REMOTE) if t in self.hit_blocks}
+        rates["total"] = self.hits / n
+        return rates
+
+    def lifecycle(self, tier: str, what: str) -> Quantiles:
+        """Samples ``what`` (lifetime_s | idle_before_evict_s | reuse_gap_s) of ``tier``."""
+        got = self.stats.get("lifecycle", {}).get(tier, {}).get(what)
+        return got if got is not None else Quantiles()

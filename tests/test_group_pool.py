@@ -1,0 +1,121 @@
+"""The grouped block pool (kvstrata.group_pool), the replay's model of vLLM's hybrid
+allocator, on hand-made sequences; ``tests/test_parity.py`` and
+``tests/test_recorder_vllm.py`` check it against vLLM's real scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.block_pool import Prompt
+from kvstrata.config import ConfigError, KVStrataConfig
+from kvstrata.core.groups import FULL, SLIDING, STATE, Group, KVGroups
+from kvstrata.errors import OutOfBlocksError
+from kvstrata.group_pool import GroupedBlockManager
+
+BS = 4
+GROUPS = KVGroups([Group(FULL), Group(SLIDING, 2 * BS)], BS)  # a hit needs the 2 blocks before it
+
+
+def key(g: int, i: int) -> bytes:
+    return bytes([g, i])
+
+
+def prompt(blocks: int, extra: int = 1) -> Prompt:
+    n = blocks * BS + extra
+    return Prompt([bytes([0, i]) for i in range(blocks)], n, min((n - 1) // BS, blocks))
+
+
+def test_a_window_caches_only_the_blocks_a_later_hit_can_use() -> None:
+    pool = GroupedBlockManager(32, GROUPS)
+    pool.allocate("a", prompt=prompt(6), key=key)
+    computed = pool.commit("a")
+    assert [k for _, k in computed] == [key(g, i) for g in (0, 1) for i in range(6)]  # every block is offered
+    pool.free("a")
+    # full attention keeps all 6, the window only the 2 before the prompt's last hit point
+    assert sorted(pool.cached) == sorted([key(0, i) for i in range(6)] + [key(1, 4), key(1, 5)])
+    assert pool.lookup(prompt(6), key) == 6
+    assert pool.lookup(prompt(4), key) == 0  # full attention holds 4 blocks, the window before 4 is gone
+
+
+def test_a_junction_the_full_groups_hold_keeps_its_window_and_a_key_may_name_two_rows() -> None:
+    pool = GroupedBlockManager(32, GROUPS)
+    pool.allocate("a", prompt=prompt(6), key=key)
+    pool.commit("a")
+    pool.free("a")
+    # a prompt sharing 4 blocks: the device can serve none of it (no window before 4), so
+    # the 4 blocks come from below, into new rows that cache the junction's window too
+    alloc = pool.allocate("b", prompt=prompt(4, extra=3), key=key, num_external=4)
+    assert alloc.num_gpu_hit_blocks == 0 and alloc.block_ids[1][:2] == [0, 0]  # the window skips 2 blocks
+    assert len(pool.cached[key(0, 0)]) == 2  # the loaded copy beside the old one
+    assert key(1, 2) in pool.cached and key(1, 3) in pool.cached
+    pool.free("b")
+    assert pool.lookup(prompt(4, extra=3), key) == 4
+
+
+def test_rows_go_back_in_vllms_order_and_evictions_are_reported() -> None:
+    pool = GroupedBlockManager(12, GROUPS, track_evictions=True)
+    pool.allocate("a", prompt=prompt(5, extra=2), key=key)
+    pool.commit("a")
+    pool.free("a")
+    queue = [b.block_hash for b in pool.free_queue]
+    # unhashed first (each group's partial block; the window's blocks no hit can use, freed
+    # when the request finished), then full attention's blocks last first, then the window's
+    # kept ones last first
+    assert queue[:5] == [None] * 5
+    assert queue[5:] == [key(0, i) for i in (4, 3, 2, 1, 0)] + [key(1, i) for i in (4, 3)]
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate("big", prompt=prompt(6, extra=1), key=lambda g, i: bytes([g, 200 + i]))  # 14 rows
+    assert [b.block_hash for b in pool.free_queue] == queue
+    pool.allocate("b", prompt=prompt(3, extra=1), key=lambda g, i: bytes([g, 100 + i]))  # 8 rows
+    assert [k for _, k in pool.take_evicted()] == [key(0, 4), key(0, 3), key(0, 2)]
+    assert pool.lookup(prompt(2), key) == 0 and key(0, 1) in pool.cached
+
+
+def test_decode_frees_what_the_window_left_behind_and_takes_new_rows() -> None:
+    pool = GroupedBlockManager(32, GROUPS)
+    p = Prompt([bytes([0, i]) for i in range(4)], 4 * BS + 3, 4)  # a prompt of 9 tokens, 10 more decoded
+    pool.allocate("a", prompt=p, key=key, prefill=2 * BS + 1)
+    assert [len(t) for t in pool.requests["a"].tables] == [3, 3]
+    pool.commit("a")
+    steps = pool.decode_steps("a")
+    assert steps[0] == 2 * BS + 1 and steps[-1] < p.num_tokens
+    for t in steps:
+        pool.decode("a", t)
+    ids = pool.block_ids("a")
+    assert 0 not in ids[0] and ids[1][:2] == [0, 0]  # the window freed blocks 0 and 1 as decode went on
+    assert len(ids[0]) == len(ids[1]) == 5  # 19 tokens
+    assert sorted(k for k in pool.cached if k[0] == 0) == [key(0, i) for i in range(4)]
+
+
+def test_state_groups_are_not_modelled() -> None:
+    with pytest.raises(ValueError, match="state groups"):
+        GroupedBlockManager(8, KVGroups([Group(FULL), Group(STATE)], BS))
+
+
+@pytest.mark.parametrize("value, error", [
+    ("full,window:3", r"model\.groups\[1\]: 'window:3': KV-cache group kind 'window'"),
+    ("sliding", r"model\.groups\[0\]: 'sliding': .*tokens 0"),
+    ("sliding:x", r"model\.groups\[0\]: 'sliding:x': expected a window or chunk in tokens after the colon"),
+    (["full", 3], r"model\.groups: expected a list of group kinds"),
+])
+def test_model_groups_name_what_is_wrong(value: object, error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        KVStrataConfig.from_dict({"model": {"groups": value}})
+
+
+def test_model_groups_are_normalised_and_size_a_row() -> None:
+    plain = KVStrataConfig.from_dict({"model": {"layers": 6}})
+    hybrid = KVStrataConfig.from_dict({"model": {"layers": 6, "groups": ["full", "sliding:512", "sliding:512"]}})
+    assert hybrid.model.groups == "full,sliding:512,sliding:512"
+    assert KVStrataConfig.from_dict({"model": {"groups": "full"}}).model.groups == ""
+    # vLLM's hybrid allocator: a row holds one group's share of the layers
+    assert hybrid.block_nbytes() * 3 == plain.block_nbytes()
+
+
+def test_the_library_refuses_groups_it_does_not_have() -> None:
+    from kvstrata.tiered import TieredKVCache
+
+    cfg = KVStrataConfig.from_dict({"model": {"groups": "full,sliding:64"}, "gpu": {"num_blocks": 8},
+                                    "cpu": {"capacity": 0}})
+    with pytest.raises(ConfigError, match=r"^model\.groups: 'full,sliding:64': the library's pool has one"):
+        TieredKVCache(cfg)
