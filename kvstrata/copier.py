@@ -270,16 +270,24 @@ class Copier:
             else:  # never filled or overwritten: refused, never copied
                 lost.append((CPU, plan.keys[i]))
         self.ex.count("load_failures_cpu", len(lost))
-        io = None
+        job = PendingLoad(plan, staging, ok, lost, None, waits, started=time.perf_counter())
         if any(f and s < 0 for f, s in zip(plan.from_ssd, plan.cpu_slots)):
-            io = self._io.submit(self.ex.read_ssd, plan, staging, ok, changes=False)
+            job.io = self._io.submit(_timed, job.io_s, self.ex.read_ssd, plan, staging, ok, job.cut.is_set,
+                                     changes=False)
             for slot, key in zip(plan.promote_slots, plan.keys):
                 if slot >= 0 and slab is not None:
                     slab.keys[slot] = key  # later loads of it wait for ``io`` and check again (rule 3)
-                    self._slot_io[slot] = io
-        after = after if after is not None else self.streams.current().record()
-        self._loads.append(PendingLoad(plan, staging, ok, lost, io, waits, after, started=time.perf_counter()))
+                    self._slot_io[slot] = job.io
+        job.after = after if after is not None else self.streams.current().record()
+        self._loads.append(job)
         self._advance_loads()
+
+    def cut(self, req_id: str) -> None:
+        """The load of ``req_id`` reads no more SSD blocks (past its deadline): the blocks read
+        so far are copied in, the rest are reported not loaded, for the engine to compute."""
+        for job in self._loads:
+            if job.plan.req_id == req_id:
+                job.cut.set()
 
     def _advance_loads(self) -> None:
         """Submit the scatter of every load whose host-side work is done (rule 3)."""
@@ -318,12 +326,14 @@ class Copier:
             if plan.cpu_slots[i] >= 0:
                 self._wait_slot(plan.cpu_slots[i], stream)
         slab = self.ex.slab
+        t0 = time.perf_counter()
         if cpu:
             assert slab is not None
             stream.submit(lambda: self.rows.scatter(slab.array, [plan.cpu_slots[i] for i in cpu],
                                                     [plan.block_ids[i] for i in cpu]))
         if ssd:
             stream.submit(lambda: self.rows.scatter(job.staging, ssd, [plan.block_ids[i] for i in ssd]))
+        job.scatter_s = time.perf_counter() - t0  # the copies themselves on inline streams, their queuing on a GPU
         job.scattered = stream.record()
         self.ex.count("blocks_loaded_cpu", len(cpu))
 
@@ -401,7 +411,8 @@ class Copier:
         remaining = []
         for job in self._loads:
             if job.scattered is not None and job.scattered.query():
-                out.loads[job.plan.req_id] = LoadResult(job.loaded, job.lost)
+                out.loads[job.plan.req_id] = LoadResult(job.loaded, job.lost, read=_moved(job),
+                                                        seconds=job.io_s[0] + job.scatter_s)
                 self.ex.count("bytes_h2d", job.loaded * self.rows.block_nbytes)
                 self.ex.count("seconds_h2d", now - job.started)
                 self._release_slots(job)
@@ -484,3 +495,24 @@ class Copier:
 
     def close(self) -> None:
         self._io.shutdown()
+
+
+def _timed(seconds: list[float], fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, its wall time in ``seconds[0]``."""
+    t0 = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        seconds[0] = time.perf_counter() - t0
+
+
+def _moved(job: PendingLoad) -> dict[str, int]:
+    """Blocks a load moved, per tier it read them from: those copied in from the slab, and
+    every SSD block read (a block read after the first miss cost its read too)."""
+    plan = job.plan
+    out: dict[str, int] = {}
+    for i, tier in enumerate(plan.tiers()):
+        slab = plan.cpu_slots[i] >= 0
+        if tier and ((slab and i < job.loaded) or (not slab and job.ok[i])):
+            out[tier] = out.get(tier, 0) + 1
+    return out

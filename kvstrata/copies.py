@@ -9,6 +9,7 @@ Threads: the copier's owner thread.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
@@ -77,3 +78,6 @@ class PendingLoad:
     scattered: Event | None = None
     loaded: int = 0
     started: float = 0.0
+    cut: threading.Event = field(default_factory=threading.Event)  # read no more SSD blocks
+    io_s: list[float] = field(default_factory=lambda: [0.0])     # the SSD reads' seconds (set by them)
+    scatter_s: float = 0.0             # the copies into the device blocks (inline streams: their time)

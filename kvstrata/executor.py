@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -49,7 +49,8 @@ MAX_TAGS = 1 << 16             # SSD record tags waiting for their puts
 COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu", "blocks_stored_ssd", "blocks_spilled",
             "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures", "stores_dropped",
             "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d", "blocks_stored_remote", "store_failures_remote",
-            "blocks_fetched_remote", "fetch_misses_remote", "bytes_ssd_read", "seconds_ssd_read")
+            "blocks_fetched_remote", "fetch_misses_remote", "bytes_ssd_read", "seconds_ssd_read", "blocks_cut_ssd")
+READ_BATCH = 8                 # SSD blocks a load reads between two checks of its deadline
 
 
 class DeviceRows(Protocol):
@@ -98,11 +99,14 @@ def host_rows(n: int, block_nbytes: int, *, pinned: bool) -> np.ndarray:
 @dataclass
 class LoadResult:
     """``loaded``: leading blocks of the plan now in (or on their way to) their device
-    blocks; ``event``: wait on it before reading them (None: done)."""
+    blocks; ``event``: wait on it before reading them (None: done). ``read``: blocks moved
+    per tier and ``seconds`` the copies took (for the load-or-recompute estimates)."""
 
     loaded: int
     lost: Lost = field(default_factory=list)
     event: Any = None
+    read: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
 
 
 class Executor:
@@ -284,24 +288,39 @@ class Executor:
         self.count("load_failures_cpu", len(lost))
         return lost
 
-    def read_ssd(self, plan: LoadPlan, rows: np.ndarray, ok: list[bool]) -> Lost:
+    def read_ssd(self, plan: LoadPlan, rows: np.ndarray, ok: list[bool],
+                 stop: Callable[[], bool] | None = None) -> Lost:
         """Read the plan's SSD blocks (those without a CPU slot) into ``rows`` (row i for
         block i), set ``ok[i]`` for each that verified, and write promoted ones into their
         slab slots. Returns what could not be read, except the SSD blocks missed while the
         tier was still verifying its records in the background: that miss says nothing of
-        the record (the recovery reports the ones it drops)."""
+        the record (the recovery reports the ones it drops). ``stop()`` true before a batch
+        of ``READ_BATCH`` blocks: the rest are not read (the load was cut; the tier keeps
+        them, their promotion slots receive nothing)."""
         idx = [i for i, f in enumerate(plan.from_ssd) if f and plan.cpu_slots[i] < 0]
         if not idx:
             return []
         unverified = self.ssd is not None and bool(self._safely("recovering", self.ssd.recovering))
         started = time.perf_counter()
-        hits = self._safely("get_into", self.ssd.get_into, [plan.keys[i] for i in idx],
-                            [rows[i] for i in idx]) if self.ssd is not None else None
-        hits = hits or [False] * len(idx)
+        hits: list[bool] = []
+        for lo in range(0, len(idx), READ_BATCH):
+            if stop is not None and stop():
+                break
+            part = idx[lo:lo + READ_BATCH]
+            got = self._safely("get_into", self.ssd.get_into, [plan.keys[i] for i in part],
+                               [rows[i] for i in part]) if self.ssd is not None else None
+            hits += got or [False] * len(part)
+        cut = idx[len(hits):]
+        idx = idx[:len(hits)]
         self.count("seconds_ssd_read", time.perf_counter() - started)  # storage to host memory
         self.count("bytes_ssd_read", sum(map(bool, hits)) * rows.shape[1])
         lost: Lost = []
         promote: list[int] = []
+        for i in cut:  # not read: the SSD tier still holds it; its promotion slot stays empty
+            if plan.promote_slots[i] >= 0:
+                lost.append((CPU, plan.keys[i]))
+                if self.slab is not None:
+                    self.slab.forget(plan.promote_slots[i])
         for i, hit in zip(idx, hits):
             slot = plan.promote_slots[i]
             if hit:
@@ -319,6 +338,7 @@ class Executor:
             self.slab.write([plan.promote_slots[i] for i in promote], [plan.keys[i] for i in promote], rows, promote)
         self.count("blocks_loaded_ssd", sum(map(bool, hits)))
         self.count("load_failures_ssd", len(idx) - sum(map(bool, hits)))
+        self.count("blocks_cut_ssd", len(cut))
         return lost
 
     # ------------------------------------------------------------------ SSD upkeep

@@ -22,11 +22,14 @@ class LoadConfig:
     below the GPU; ``measured`` loads only the blocks whose load is measured to beat
     computing them (by ``margin``, a fraction), ``always`` until ``warmup`` samples of a
     tier exist. ``<tier>_bandwidth`` (bytes per second, as a size: ``2GiB``) fixes what a
-    tier's load costs; ``prefill_rate`` fixes the compute rate."""
+    tier's load costs; ``prefill_rate`` fixes the compute rate. ``deadline``: under
+    ``measured``, a load running this many times its estimate, or longer than computing its
+    blocks, reads no more (0: never cut)."""
 
-    policy: str = "always"
+    policy: str = "measured"
     margin: float = 0.1
-    warmup: int = 8
+    warmup: int = 1
+    deadline: float = 2.0
     cpu_bandwidth: int | None = None
     ssd_bandwidth: int | None = None
     remote_bandwidth: int | None = None
@@ -34,7 +37,7 @@ class LoadConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "load") -> "LoadConfig":
-        keys = ("policy", "margin", "warmup", "cpu_bandwidth", "ssd_bandwidth", "remote_bandwidth",
+        keys = ("policy", "margin", "warmup", "deadline", "cpu_bandwidth", "ssd_bandwidth", "remote_bandwidth",
                 "prefill_rate")
         check_keys(d, keys, p)
         policy = one_of(d.get("policy", cls.policy), f"{p}.policy", LOAD_POLICIES)
@@ -43,6 +46,11 @@ class LoadConfig:
             raise ConfigError(f"{p}.margin: expected a fraction of 0 or more (0.1: a load must be 10% cheaper "
                               f"than computing), got {short_repr(margin)}")
         warmup = integer(d.get("warmup", cls.warmup), f"{p}.warmup", minimum=1, maximum=1 << 20)
+        deadline = d.get("deadline", cls.deadline)
+        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not (
+                deadline == 0 or 1 <= deadline <= 1000):
+            raise ConfigError(f"{p}.deadline: expected 0 (never cut a load) or a factor from 1 to 1000 of a load's "
+                              f"estimate, got {short_repr(deadline)}")
         bandwidth = {}
         for tier in ("cpu", "ssd", "remote"):
             key = f"{tier}_bandwidth"
@@ -56,5 +64,5 @@ class LoadConfig:
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
                                  or not 0 < rate < float("inf")):
             raise ConfigError(f"{p}.prefill_rate: expected tokens per second above 0, got {short_repr(rate)}")
-        return cls(policy=policy, margin=float(margin), warmup=warmup, **bandwidth,
+        return cls(policy=policy, margin=float(margin), warmup=warmup, deadline=float(deadline), **bandwidth,
                    prefill_rate=float(rate) if rate is not None else None)

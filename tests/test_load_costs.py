@@ -113,7 +113,7 @@ def test_decisions_are_counted_per_tier() -> None:
     ("ssd_bandwidth", 0, r"load\.ssd_bandwidth: expected bytes per second above 0"),
     ("remote_bandwidth", "fast", r"load\.remote_bandwidth"),
     ("prefill_rate", float("nan"), r"load\.prefill_rate: expected tokens per second above 0"),
-    ("deadline", 2, r"load\.deadline"),
+    ("deadline", 0.5, r"load\.deadline: expected 0 \(never cut a load\) or a factor from 1 to 1000"),
 ])
 def test_out_of_range_values_name_the_key(key: str, value: object, match: str) -> None:
     with pytest.raises(ConfigError, match=match):

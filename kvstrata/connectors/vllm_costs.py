@@ -1,19 +1,21 @@
 """What the scheduler half measures for load or recompute (:mod:`kvstrata.core.costs`).
 
-Everything is timed in the scheduler's own process, from what vLLM's connector API
-reports there (no channel beside it): a load from the step that handed it to the
-workers to the step whose output reports it finished (the time its request waits), a
-fetch from the shared tier the same way, and the engine's steps as the time between
-two consecutive ``build_connector_meta`` calls with the tokens the earlier one
-scheduled (with vLLM's synchronous scheduling, a step's compute lies in between).
+Nothing travels beside vLLM's connector API: a load's copies are timed by the workers,
+which report the blocks moved per tier and the seconds in the connector's worker
+metadata (``loads_done``); a fetch from the shared tier is timed here from the step that
+handed it over to the step whose output reports it, and the engine's steps as the time
+between two consecutive ``build_connector_meta`` calls with the tokens the earlier one
+scheduled (with vLLM's synchronous scheduling, a step's compute lies in between). A
+load still running past its deadline (:meth:`LoadCosts.deadline`, from its hand-over)
+is named in the next step's metadata (``cut``): the workers read no more of it.
 
 Threads: vLLM's scheduler thread.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections import Counter
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kvstrata.core.costs import LoadCosts
@@ -36,7 +38,7 @@ def load_costs(cfg: "LoadConfig", spec: "PolicySpec", block_nbytes: int) -> Load
     tiers = (*LOWER, *((shared,) if shared else ()))
     fixed = {tier: block_nbytes / bw for tier in tiers if (bw := getattr(cfg, f"{tier}_bandwidth", None))}
     return LoadCosts(LOWER, shared, policy=cfg.policy, margin=cfg.margin, warmup=cfg.warmup, block_seconds=fixed,
-                     token_seconds=1.0 / cfg.prefill_rate if cfg.prefill_rate else None)
+                     token_seconds=1.0 / cfg.prefill_rate if cfg.prefill_rate else None, deadline=cfg.deadline)
 
 
 class TransferTiming:
@@ -47,31 +49,39 @@ class TransferTiming:
         self.block_size = block_size
         self.clock = clock
         self._step: tuple[float, int] | None = None  # (when, tokens scheduled) of the last step
-        self._loads: dict[int, tuple[float, dict[str, int]]] = {}  # plan id -> (handed over, blocks per tier)
+        self._loads: dict[int, tuple[str, float]] = {}  # plan id -> (request, when it is cut)
         self._fetches: dict[int, float] = {}
 
-    def step(self, tokens: int, handed: Sequence[LoadPlan | FetchPlan]) -> None:
-        """A step was scheduled (``tokens`` to compute) and ``handed`` plans go to the workers."""
+    def step(self, tokens: int, handed: Sequence[LoadPlan | FetchPlan]) -> list[str]:
+        """A step was scheduled (``tokens`` to compute) and ``handed`` plans go to the workers;
+        returns the requests whose loads are past their deadlines (each named once)."""
         now = self.clock()
         if self._step is not None:
             when, last = self._step
             if last and now - when < IDLE_S:
                 self.costs.step_done(last, now - when, self.block_size)
         self._step = (now, int(tokens))
+        cut = [req for plan_id, (req, at) in self._loads.items() if at <= now]
+        for plan_id in [p for p, (_, at) in self._loads.items() if at <= now]:
+            self._loads[plan_id] = (self._loads[plan_id][0], math.inf)
         for plan in handed:
             if isinstance(plan, LoadPlan):
-                self._loads[plan.plan_id] = (now, dict(Counter(t for t in plan.tiers() if t)))
+                limit = self.costs.deadline([t for t in plan.tiers() if t], self.block_size)
+                self._loads[plan.plan_id] = (plan.req_id, math.inf if limit is None else now + limit)
             else:
                 self._fetches[plan.plan_id] = now
         for pending in (self._loads, self._fetches):  # plans whose completion never came (their request ended)
             while len(pending) > _PENDING:
                 del pending[next(iter(pending))]
+        return cut
 
-    def loaded(self, plan: LoadPlan, whole: bool) -> None:
-        """A load finished (``whole``: every block arrived; only those are timed)."""
-        started = self._loads.pop(plan.plan_id, None)
-        if started is not None and whole:
-            self.costs.load_done(started[1], self.clock() - started[0])
+    def reported(self, read: dict[str, int], seconds: float) -> None:
+        """The workers finished a load that moved ``read`` blocks per tier in ``seconds``."""
+        self.costs.load_done(read, seconds)
+
+    def loaded(self, plan: LoadPlan) -> None:
+        """A load finished (its deadline no longer runs)."""
+        self._loads.pop(plan.plan_id, None)
 
     def fetched(self, plan: FetchPlan, got: int) -> None:
         started = self._fetches.pop(plan.plan_id, None)

@@ -310,7 +310,7 @@ class KVStrataScheduler:
                     self._recording.preempted(st)
         meta = KVStrataMetadata(loads=self.core.take_planned(), ssd_evictions=self._ssd_evictions,
                                 reset=self._reset_ssd)
-        self._timing.step(scheduler_output.total_num_scheduled_tokens, meta.loads)
+        meta.cut = self._timing.step(scheduler_output.total_num_scheduled_tokens, meta.loads)
         self._ssd_evictions, self._reset_ssd = [], False
         evicted = self._pool.take_changes(meta)
         computed = self._computed(scheduler_output)
@@ -368,12 +368,15 @@ class KVStrataScheduler:
                 st = self.core.loading(req_id)
                 if st is not None:
                     st.load_lost.update(lost)
+            for _, read, seconds in meta.loads_done.values():
+                self._timing.reported(read, seconds)
+        done = meta.loads_done if isinstance(meta, KVStrataWorkerMetadata) else {}
         for req_id in output.finished_recving or ():
-            finished = self.core.load_finished(req_id)
+            finished = self.core.load_finished(req_id, done[req_id][0] if req_id in done else None)
             if finished is None:
                 continue
             st, plan, loaded = finished
-            self._timing.loaded(plan, loaded == len(st.sources))
+            self._timing.loaded(plan)
             if self._events is not None:
                 self._events.completed(plan, loaded)
             arrived = self.core.arrived(plan, loaded)

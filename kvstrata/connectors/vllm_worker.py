@@ -88,7 +88,7 @@ _POLL_S = 0.002
 WORKER_COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu", "blocks_stored_ssd",
                    "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures",
                    "stores_dropped", "corrupt_blocks", "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d",
-                   "bytes_ssd_read", "seconds_ssd_read",
+                   "bytes_ssd_read", "seconds_ssd_read", "blocks_cut_ssd",
                    *(f"remote_{o}" for o in REMOTE_OUTCOMES), *(f"remote_bytes_{d}" for d in REMOTE_DIRECTIONS))
 
 
@@ -289,6 +289,8 @@ class KVStrataWorker:
             if isinstance(plan, LoadPlan):
                 copier.load(plan, self._before_forward)
                 self._inflight[plan.req_id] = plan
+        for req_id in meta.cut:
+            copier.cut(req_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if (self._inflight or self._fetching()) and self.copier is not None:
@@ -311,7 +313,8 @@ class KVStrataWorker:
         if self.executor is not None:
             self._lose(self.executor.take_lost())
         report, self._report = self._report, KVStrataWorkerMetadata()
-        return report if (report.stored or report.lost or report.load_lost or report.fetched) else None
+        return report if (report.stored or report.lost or report.load_lost or report.fetched
+                          or report.loads_done) else None
 
     def _fetching(self) -> bool:
         return self.copier is not None and self.copier.fetching
@@ -337,6 +340,7 @@ class KVStrataWorker:
                 self._errors.update(plan.block_ids[result.loaded:])
             if result.lost:
                 self._report.load_lost.setdefault(req_id, set()).update(result.lost)
+            self._report.loads_done[req_id] = (result.loaded, result.read, result.seconds)
             self._finished.add(req_id)
 
     # ------------------------------------------------------------------ stores

@@ -4,9 +4,9 @@ computing it again.
 What a block costs, measured where it happens, reaches the one place that decides (the
 scheduler half's :class:`~kvstrata.core.driver.DriverCore`):
 
-* **loading**: every completed load reports how many blocks it read from each lower
-  tier and how long it took from hand-over to completion (the time the request waits,
-  queueing included). The seconds per block of each tier are the least-squares fit of
+* **loading**: every load the workers finish reports how many blocks it moved from each
+  lower tier and how long the copies took (storage to host memory, then into the device
+  blocks), a load cut at its deadline too. The seconds per block of each tier are the least-squares fit of
   ``seconds = sum over tiers of blocks x seconds per block`` over the loads seen, with
   older loads weighted down by ``DECAY`` per load, so a change of a tier's speed shows
   within a few loads. A fetch from the remote tier reports its blocks and seconds the
@@ -24,22 +24,36 @@ has), its blocks are loaded (``always``); a measurement that is absent or absurd
 (not finite, negative) is ignored. ``overrides`` fix a tier's seconds per block (an
 operator's figure: ``load.<tier>_bandwidth``) or the compute rate.
 
+A tier judged slower than computing is not read again, so it could never be seen to
+recover: when a hit would compute a tier's blocks and that tier's last sample is older
+than ``PROBE_S``, the hit is loaded once more (a probe, bounded by its deadline), and
+the estimates start again from what the probe measured.
+
+The deadline (:meth:`LoadCosts.deadline`): a load still running ``deadline`` times its
+estimate after it was handed over, or longer than computing its blocks would take
+(during a tier's warm-up, the only bound), reads no more; the blocks not yet in are
+computed. It is never shorter than two of the engine's recent steps (a load waits for
+the step it was handed over in). A slow tier then holds a request at most about as
+long as computing its blocks, and the cut load still reports what it read.
+
 Threads: the driver's owner thread.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kvstrata.load_config import LOAD_POLICIES as POLICIES
 
-__all__ = ["LoadCosts", "DECAY", "ALWAYS", "MEASURED", "POLICIES"]
+__all__ = ["LoadCosts", "DECAY", "ALWAYS", "MEASURED", "POLICIES", "PROBE_S"]
 
 MEASURED, ALWAYS = POLICIES  # (measured, always)
 DECAY = 0.8  # weight of a sample once the next one arrived: about five samples carry the estimate
+PROBE_S = 60.0  # a tier not read for this long is read once more before it is judged again
 
 
 @dataclass
@@ -112,11 +126,16 @@ class LoadCosts:
     tier, ``token_seconds``: a fixed compute rate."""
 
     def __init__(self, tiers: Sequence[str], fetched: str | None = None, *, policy: str = ALWAYS,
-                 margin: float = 0.1, warmup: int = 8, block_seconds: Mapping[str, float] | None = None,
-                 token_seconds: float | None = None) -> None:
+                 margin: float = 0.1, warmup: int = 1, block_seconds: Mapping[str, float] | None = None,
+                 token_seconds: float | None = None, deadline: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.tiers = tuple(tiers)
         self.fetched = fetched
         self.policy, self.margin, self.warmup = policy, float(margin), int(warmup)
+        self.deadline_factor = float(deadline)
+        self.clock = clock
+        self._sampled: dict[str, float] = {}  # tier -> when it was last measured (or probed)
+        self._probing: set[str] = set()        # tiers whose probe has not reported yet
         self.fixed = dict(block_seconds or {})
         self.fixed_token = token_seconds
         self._loads = _Fit(self.tiers)
@@ -125,6 +144,8 @@ class LoadCosts:
         self._token = 0.0   # decayed seconds and tokens of the steps seen
         self._tokens = 0.0
         self._steps = 0
+        self._step_s = 0.0  # decayed seconds and count of every step
+        self._step_n = 0.0
         self.decisions = {t: {"loaded": 0, "recomputed": 0} for t in (*self.tiers, *((fetched,) if fetched else ()))}
 
     @property
@@ -137,17 +158,27 @@ class LoadCosts:
     def load_done(self, blocks: Mapping[str, int], seconds: float) -> None:
         """A load read ``blocks[tier]`` blocks from each tier in ``seconds`` (hand-over to completion)."""
         if _sane(seconds) and any(blocks.get(t, 0) > 0 for t in self.tiers):
+            probed = {t for t in self._probing if blocks.get(t, 0) > 0}
+            if probed:  # a fresh look: what the tier did before the probe no longer counts
+                self._probing -= probed
+                self._loads = _Fit(self.tiers)
             self._loads.add(blocks, float(seconds))
             self._estimates = None
+            now = self.clock()
+            self._sampled.update((t, now) for t in self.tiers if blocks.get(t, 0) > 0)
 
     def fetch_done(self, blocks: int, seconds: float) -> None:
         """A fetch brought ``blocks`` blocks from the shared tier into the slab tier in ``seconds``."""
         if self._fetches is not None and blocks > 0 and _sane(seconds):
             self._fetches.add({self.fetched: blocks}, float(seconds))  # type: ignore[dict-item]
             self._estimates = None
+            self._sampled[self.fetched] = self.clock()  # type: ignore[index]
 
     def step_done(self, tokens: int, seconds: float, block_tokens: int) -> None:
         """An engine step computed ``tokens`` tokens in ``seconds``."""
+        if _sane(seconds):
+            self._step_s = self._step_s * DECAY + seconds
+            self._step_n = self._step_n * DECAY + 1
         if tokens >= block_tokens and _sane(seconds):
             self._token = self._token * DECAY + seconds
             self._tokens = self._tokens * DECAY + tokens
@@ -185,7 +216,8 @@ class LoadCosts:
 
     def worth(self, tiers: Sequence[str], block_tokens: int) -> int:
         """How many leading blocks of a hit to load (``tiers[i]``: where block ``i`` is read
-        from); the rest are computed. Pure: nothing is counted (see :meth:`count`)."""
+        from); the rest are computed. Nothing is counted (see :meth:`count`); a tier due for
+        a probe (``PROBE_S``) is loaded, and its probe is then taken."""
         if not self.deciding or not tiers:
             return len(tiers)
         per_token = self.token_seconds()
@@ -194,15 +226,34 @@ class LoadCosts:
         cost = self.block_seconds()
         compute = block_tokens * per_token
         margin = 1.0 + self.margin
+        now = self.clock()
+        probe = {t for t in set(tiers) if t in cost and t not in self.fixed
+                 and compute < margin * cost[t] and now - self._sampled.get(t, now) > PROBE_S}
+        for t in probe:
+            self._sampled[t] = now  # one request probes; its sample (or the next probe) decides
+        self._probing |= probe
         best_k, best, total, k = 0, 0.0, 0.0, 0
         for tier, run in groupby(tiers):  # the saving is linear along a run of one tier: its ends decide
             n = len(list(run))
-            gain = compute - margin * cost.get(tier, 0.0)
+            gain = compute - margin * cost.get(tier, 0.0) if tier not in probe else 0.0
             total += n * gain
             k += n
             if gain >= 0 and total >= best:
                 best_k, best = k, total
         return best_k
+
+    def deadline(self, tiers: Sequence[str], block_tokens: int) -> float | None:
+        """Seconds after its hand-over at which a load of blocks read from ``tiers`` reads no
+        more (None: it runs to the end: ``always``, no deadline factor, no compute rate yet)."""
+        per_token = self.token_seconds()
+        if not self.deciding or self.deadline_factor <= 0 or per_token is None or not tiers:
+            return None
+        limit = len(tiers) * block_tokens * per_token
+        cost = self.block_seconds()
+        if all(t in cost for t in tiers):
+            limit = min(limit, self.deadline_factor * sum(cost[t] for t in tiers))
+        step = self._step_s / self._step_n if self._step_n else 0.0
+        return max(limit, 2 * step)
 
     def count(self, tiers: Sequence[str], loaded: int) -> None:
         """Count a decision: the first ``loaded`` of ``tiers`` are loaded, the rest computed."""

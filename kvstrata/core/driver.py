@@ -297,15 +297,16 @@ class DriverCore:
         """The state of a request whose load is running (also once the request finished)."""
         return self._loading.get(req_id)
 
-    def load_finished(self, req_id: str) -> tuple[RequestState, LoadPlan, int] | None:
+    def load_finished(self, req_id: str, delivered: int | None = None) -> tuple[RequestState, LoadPlan, int] | None:
         """Executors finished the running load of ``req_id`` (``load_lost``: what they could not
-        read). Returns its state, the plan and how many block positions arrived (hits, counted;
-        ``len(st.sources)`` were planned)."""
+        read; ``delivered``: entries they copied in, when they say, e.g. of a load cut at its
+        deadline). Returns its state, the plan and how many block positions arrived (hits,
+        counted; ``len(st.sources)`` were planned)."""
         st = self._loading.pop(req_id, None)
         if st is None or st.load is None:
             return None
         plan = st.load
-        return st, plan, self._complete_load(st, st.load_lost)
+        return st, plan, self._complete_load(st, st.load_lost, delivered)
 
     def arrived(self, plan: LoadPlan, loaded: int) -> int:
         """Entries of ``plan`` in the device pool once ``loaded`` positions arrived (with groups

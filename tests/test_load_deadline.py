@@ -1,0 +1,110 @@
+"""Deadlines of loads (kvstrata.core.costs, the copier, the executor): when a load is cut,
+what a cut load still delivers and reports, and that nothing the SSD tier holds is lost by
+a cut. The real engine over a throttled disk: ``benchmarks/bench_load_policy.py`` and
+``tests/test_vllm_load_throttled.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstrata.connectors.kv_layout import KVLayout, LayoutRows
+from kvstrata.copier import Copier
+from kvstrata.core.costs import ALWAYS, MEASURED, PROBE_S, LoadCosts
+from kvstrata.executor import READ_BATCH, Executor
+from kvstrata.policy import LoadPlan
+from kvstrata.policy.tiers import CPU
+from kvstrata.streams import InlineStreams
+from kvstrata.tiers.host import HostSlab
+from kvstrata.tiers.ssd import SSDTier
+
+BT = 16
+
+
+def costs(**kw: object) -> LoadCosts:
+    c = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=2, **kw)  # type: ignore[arg-type]
+    for _ in range(3):
+        c.step_done(2 * BT, 2 * BT * 0.001, BT)  # 1 ms a token: 16 ms a block, 32 ms a step
+    return c
+
+
+def test_a_deadline_is_a_factor_of_the_estimate_at_most_the_compute_and_at_least_two_steps() -> None:
+    c = costs()
+    # warm-up (no SSD estimate yet): computing the 20 blocks bounds it, 0.32 s
+    assert abs(c.deadline(["ssd"] * 20, BT) - 0.32) < 1e-9
+    # short hits: never under two steps (a load waits for the step it was handed over in)
+    assert abs(c.deadline(["ssd"], BT) - 0.064) < 1e-9
+    for _ in range(3):
+        c.load_done({"ssd": 10}, 10 * 0.004)  # 4 ms a block
+    assert abs(c.deadline(["ssd"] * 20, BT) - 2 * 20 * 0.004) < 1e-9  # 2x its estimate: 0.16 s
+    for _ in range(3):
+        c.load_done({"ssd": 10}, 10 * 0.1)    # the disk slowed to 100 ms a block
+    assert abs(c.deadline(["ssd"] * 20, BT) - 0.32) < 0.01  # computing them is the bound again
+    assert LoadCosts(("cpu",), policy=ALWAYS).deadline(["cpu"], BT) is None
+    assert costs(deadline=0.0).deadline(["ssd"], BT) is None
+    assert LoadCosts(("cpu",), policy=MEASURED).deadline(["cpu"], BT) is None  # no compute rate yet
+
+
+def _tiers(tmp_path: Path, n: int) -> tuple[Executor, Copier, SSDTier, dict[str, torch.Tensor], list[bytes]]:
+    kv = {f"layer.{i}": torch.zeros(n, 2, 16, 8) for i in range(2)}
+    layout = KVLayout(kv, n)
+    rows = LayoutRows(layout)
+    ssd = SSDTier(tmp_path / "ssd", capacity_bytes=16 * 1024**2, block_nbytes=layout.block_nbytes,
+                  fingerprint="fp", compression="none")
+    keys = [bytes([i]) * 16 for i in range(n)]
+    for i, k in enumerate(keys):
+        assert ssd.put(k, np.full(layout.block_nbytes, i, np.uint8))
+    ssd.flush()
+    ex = Executor(rows, HostSlab(n, layout.block_nbytes, pin_memory=False), ssd)
+    return ex, Copier(ex, rows, InlineStreams()), ssd, kv, keys
+
+
+def test_a_cut_read_stops_between_batches_and_loses_nothing_the_tier_holds(tmp_path: Path) -> None:
+    n = 3 * READ_BATCH
+    ex, _, ssd, _, keys = _tiers(tmp_path, n)
+    promote = [i if i % 2 else -1 for i in range(n)]
+    plan = LoadPlan(1, "r", list(range(n)), keys, [-1] * n, [True] * n, promote)
+    rows = np.zeros((n, ssd.block_nbytes), np.uint8)
+    ok = [False] * n
+    checks = iter([False, True])  # read the first batch, then the deadline passed
+    lost = ex.read_ssd(plan, rows, ok, stop=lambda: next(checks))
+    assert ok == [True] * READ_BATCH + [False] * (n - READ_BATCH)
+    assert all((rows[i] == i).all() for i in range(READ_BATCH))
+    # no SSD block is lost; the promotions that received nothing are (the CPU tier must forget them)
+    assert lost == [(CPU, keys[i]) for i in range(READ_BATCH, n) if promote[i] >= 0]
+    assert ex.stats()["blocks_cut_ssd"] == n - READ_BATCH
+    assert all(ssd.get(k) is not None for k in keys)
+
+
+def test_the_copier_cuts_the_load_of_the_request_named_and_reports_what_moved(tmp_path: Path) -> None:
+    n = 2 * READ_BATCH
+    ex, copier, ssd, kv, keys = _tiers(tmp_path, n)
+    plan = LoadPlan(1, "r", list(range(n)), keys, [-1] * n, [True] * n, [-1] * n)
+    other = LoadPlan(2, "s", list(range(n)), keys, [-1] * n, [True] * n, [-1] * n)
+    copier.cut("r")  # nothing queued yet: a no-op
+    copier.load(other)
+    copier.load(plan)
+    copier.cut("r")
+    assert [j.cut.is_set() for j in copier._loads] == [False, True]  # noqa: SLF001
+    done = copier.drain()
+    assert done.loads["s"].loaded == n and done.loads["s"].read == {"ssd": n}
+    assert done.loads["s"].seconds > 0
+    got = done.loads["r"]
+    assert got.loaded == sum(got.read.values()) < n or got.loaded == n  # cut before or after its reads ran
+    copier.close()
+
+
+def test_a_tier_judged_slow_is_probed_again_once_its_sample_is_old() -> None:
+    now = [0.0]
+    c = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1, clock=lambda: now[0])
+    c.step_done(BT, BT * 0.001, BT)
+    c.load_done({"ssd": 4}, 4 * 1.0)  # 1 s a block against 16 ms to compute it
+    assert c.worth(["ssd"] * 4, BT) == 0
+    now[0] = PROBE_S + 1
+    assert c.worth(["ssd"] * 4, BT) == 4  # a probe: loaded (its deadline bounds what it costs)
+    assert c.worth(["ssd"] * 4, BT) == 0  # one request probes
+    c.load_done({"ssd": 4}, 4 * 0.0001)   # the probe found the disk fast again
+    c.load_done({"ssd": 4}, 4 * 0.0001)
+    assert c.worth(["ssd"] * 4, BT) == 4
