@@ -50,6 +50,7 @@ policy pinned for that plan), and its results travel back through futures.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Executor as FuturesExecutor
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -134,7 +135,7 @@ class Copier:
         self._slot_event: dict[int, Event] = {}     # slab slot -> gather writing it
         self._slot_io: dict[int, Future[Any]] = {}  # slab slot -> promotion writing it
         self._spills: list[tuple[Future[Any], int]] = []  # SSD deletions and spills, staging bytes held
-        self._fetches: list[tuple[FetchPlan, Future[int]]] = []
+        self._fetches: list[tuple[FetchPlan, Future[int], threading.Event]] = []
         self._lost: Lost = []
 
     # ------------------------------------------------------------------ SSD work, in plan order
@@ -240,13 +241,14 @@ class Copier:
         after the SSD work queued before it (its spills run first, copied now). Loads of
         those slots wait for it (rule 3); :meth:`poll` reports how many blocks arrived."""
         self.evict(plan.spills, plan.ssd_evictions)
-        io: Future[int] = self._io.submit(lambda: self.ex.fetch(plan, evict=False), changes=False)
+        cut = threading.Event()
+        io: Future[int] = self._io.submit(lambda: self.ex.fetch(plan, evict=False, stop=cut.is_set), changes=False)
         slab = self.ex.slab
         if slab is not None:
             for slot, key in zip(plan.cpu_slots, plan.keys):
                 slab.keys[slot] = key  # later loads of it wait for ``io`` and check again (rule 3)
                 self._slot_io[slot] = io
-        self._fetches.append((plan, io))
+        self._fetches.append((plan, io, cut))
 
     # ------------------------------------------------------------------ loads
 
@@ -283,11 +285,15 @@ class Copier:
         self._advance_loads()
 
     def cut(self, req_id: str) -> None:
-        """The load of ``req_id`` reads no more SSD blocks (past its deadline): the blocks read
-        so far are copied in, the rest are reported not loaded, for the engine to compute."""
+        """The load or fetch of ``req_id`` reads no more (past its deadline): a load copies in
+        the blocks read so far and reports the rest not loaded, for the engine to compute; a
+        fetch reports the blocks that arrived."""
         for job in self._loads:
             if job.plan.req_id == req_id:
                 job.cut.set()
+        for plan, _, cut in self._fetches:
+            if plan.req_id == req_id:
+                cut.set()
 
     def _advance_loads(self) -> None:
         """Submit the scatter of every load whose host-side work is done (rule 3)."""
@@ -420,7 +426,7 @@ class Copier:
                 remaining.append(job)
         self._loads = remaining
         while self._fetches and self._fetches[0][1].done():
-            plan, fut = self._fetches.pop(0)
+            plan, fut, _ = self._fetches.pop(0)
             try:
                 out.fetched[plan.plan_id] = int(fut.result())
             except Exception:
@@ -454,7 +460,7 @@ class Copier:
         """Wait up to ``timeout_s`` for the SSD reads of a pending load (host work only, no
         device wait): an engine with nothing but loads to wait for would otherwise spin."""
         pending = [job.io for job in self._loads if job.io is not None and not job.io.done()]
-        pending += [fut for _, fut in self._fetches if not fut.done()]
+        pending += [fut for _, fut, _ in self._fetches if not fut.done()]
         if pending:
             wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
 

@@ -50,7 +50,7 @@ COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu", "bloc
             "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures", "stores_dropped",
             "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d", "blocks_stored_remote", "store_failures_remote",
             "blocks_fetched_remote", "fetch_misses_remote", "bytes_ssd_read", "seconds_ssd_read", "blocks_cut_ssd")
-READ_BATCH = 8                 # SSD blocks a load reads between two checks of its deadline
+READ_BATCH_BYTES = 1024**2     # what a load or fetch reads (at least a block) between two checks of its deadline
 
 
 class DeviceRows(Protocol):
@@ -220,19 +220,21 @@ class Executor:
             return 0
         return int(self._safely("remote probe", self.remote.probe, keys) or 0)
 
-    def fetch(self, plan: FetchPlan, *, evict: bool = True) -> int:
+    def fetch(self, plan: FetchPlan, *, evict: bool = True, stop: Callable[[], bool] | None = None) -> int:
         """Run a fetch plan: read its blocks from the remote tier into their slab slots, in
         chunks of at most 64 MiB, up to the first that does not arrive, and queue the
         fetched ones the plan sends to the SSD tier. Returns how many arrived; slots of the
         others are cleared (they never hold another block's bytes). ``evict=False``: the
-        caller already ran the plan's spills and evictions."""
+        caller already ran the plan's spills and evictions. ``stop()`` true before a chunk
+        (of ``READ_BATCH_BYTES`` then): the rest are not fetched (past the deadline)."""
         if evict:
             self.evict(plan.spills, plan.ssd_evictions)
         got = 0
         try:
             if self.remote is not None and self.slab is not None:
                 step = max(1, _CHUNK_BYTES // max(1, self.block_nbytes))
-                while got < len(plan):
+                step = step if stop is None else min(step, self.read_batch)
+                while got < len(plan) and not (stop is not None and stop()):
                     n = min(step, len(plan) - got)
                     rows = np.empty((n, self.block_nbytes), dtype=np.uint8)
                     ok = int(self._safely("remote get", self.remote.get_into, plan.keys[got:got + n], rows) or 0)
@@ -295,7 +297,7 @@ class Executor:
         slab slots. Returns what could not be read, except the SSD blocks missed while the
         tier was still verifying its records in the background: that miss says nothing of
         the record (the recovery reports the ones it drops). ``stop()`` true before a batch
-        of ``READ_BATCH`` blocks: the rest are not read (the load was cut; the tier keeps
+        (``READ_BATCH_BYTES``): the rest are not read (the load was cut; the tier keeps
         them, their promotion slots receive nothing)."""
         idx = [i for i, f in enumerate(plan.from_ssd) if f and plan.cpu_slots[i] < 0]
         if not idx:
@@ -303,10 +305,11 @@ class Executor:
         unverified = self.ssd is not None and bool(self._safely("recovering", self.ssd.recovering))
         started = time.perf_counter()
         hits: list[bool] = []
-        for lo in range(0, len(idx), READ_BATCH):
+        batch = len(idx) if stop is None else self.read_batch
+        for lo in range(0, len(idx), batch):
             if stop is not None and stop():
                 break
-            part = idx[lo:lo + READ_BATCH]
+            part = idx[lo:lo + batch]
             got = self._safely("get_into", self.ssd.get_into, [plan.keys[i] for i in part],
                                [rows[i] for i in part]) if self.ssd is not None else None
             hits += got or [False] * len(part)
@@ -366,6 +369,11 @@ class Executor:
                 log.exception("%s failed; counted as a miss or a dropped store",
                               what if what.startswith("remote") else f"SSD tier: {what}")
             return None
+
+    @property
+    def read_batch(self) -> int:
+        """Blocks read between two checks of a deadline."""
+        return max(1, READ_BATCH_BYTES // max(1, self.block_nbytes))
 
     def count(self, name: str, n: int = 1) -> None:
         if n:

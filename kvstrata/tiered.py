@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kvstrata.block_pool import BlockManager
 from kvstrata.config import SSD_TIER_KEYS, KVStrataConfig
+from kvstrata.core.costs import fixed_costs
 from kvstrata.core.driver import DriverCore
 from kvstrata.core.request import RequestState
 from kvstrata.errors import ConfigError, config_keys
@@ -129,7 +130,7 @@ class TieredKVCache:
                                        lifecycle_sampling(capacity[t])) for t in TIERS}
         self.policy = TierPolicy(spec, clock=self.clock,
                                  observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS})])
-        self.core = DriverCore(self.policy, self.block_size)
+        self.core = DriverCore(self.policy, self.block_size, costs=fixed_costs(config.load, spec, self.block_nbytes))
         self._pending: dict[int, Any] = {}  # device row -> event of an unfinished load copy
         self._metrics_server: Any = None
         self._seeding: SSDSeeding | None = None

@@ -143,3 +143,15 @@ def test_the_cut_is_the_largest_saving_over_every_prefix() -> None:
         assert savings[got] >= max(savings) - 1e-9, (got, savings)
 
     check()
+
+
+def test_the_compute_rate_leaves_out_what_every_step_costs() -> None:
+    """Steps cost 50 ms whatever they compute, plus 0.5 ms a token: a block of a hit costs
+    its tokens' part (a one-block step alone would say 25x that)."""
+    costs = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1)
+    for tokens in (1, 1, 32, 1, 1024, 1, 64):
+        costs.step_done(tokens, 0.05 + tokens * 0.0005, BT)
+    assert costs.token_seconds() == pytest.approx(0.0005)
+    alone = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1)
+    alone.step_done(32, 0.05 + 32 * 0.0005, BT)  # one size seen: the ratio stands in
+    assert alone.token_seconds() == pytest.approx((0.05 + 32 * 0.0005) / 32)

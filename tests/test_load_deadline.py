@@ -8,12 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from kvstrata.connectors.kv_layout import KVLayout, LayoutRows
 from kvstrata.copier import Copier
 from kvstrata.core.costs import ALWAYS, MEASURED, PROBE_S, LoadCosts
-from kvstrata.executor import READ_BATCH, Executor
+from kvstrata.executor import READ_BATCH_BYTES, Executor
 from kvstrata.policy import LoadPlan
 from kvstrata.policy.tiers import CPU
 from kvstrata.streams import InlineStreams
@@ -48,7 +49,7 @@ def test_a_deadline_is_a_factor_of_the_estimate_at_most_the_compute_and_at_least
 
 
 def _tiers(tmp_path: Path, n: int) -> tuple[Executor, Copier, SSDTier, dict[str, torch.Tensor], list[bytes]]:
-    kv = {f"layer.{i}": torch.zeros(n, 2, 16, 8) for i in range(2)}
+    kv = {f"layer.{i}": torch.zeros(n, 2, 64, 64) for i in range(2)}  # 64 KiB a block
     layout = KVLayout(kv, n)
     rows = LayoutRows(layout)
     ssd = SSDTier(tmp_path / "ssd", capacity_bytes=16 * 1024**2, block_nbytes=layout.block_nbytes,
@@ -62,25 +63,27 @@ def _tiers(tmp_path: Path, n: int) -> tuple[Executor, Copier, SSDTier, dict[str,
 
 
 def test_a_cut_read_stops_between_batches_and_loses_nothing_the_tier_holds(tmp_path: Path) -> None:
-    n = 3 * READ_BATCH
-    ex, _, ssd, _, keys = _tiers(tmp_path, n)
+    ex, _, ssd, _, keys = _tiers(tmp_path, 48)
+    batch = ex.read_batch
+    assert batch == READ_BATCH_BYTES // ssd.block_nbytes and 48 >= 3 * batch
+    n = 3 * batch
     promote = [i if i % 2 else -1 for i in range(n)]
     plan = LoadPlan(1, "r", list(range(n)), keys, [-1] * n, [True] * n, promote)
     rows = np.zeros((n, ssd.block_nbytes), np.uint8)
     ok = [False] * n
     checks = iter([False, True])  # read the first batch, then the deadline passed
     lost = ex.read_ssd(plan, rows, ok, stop=lambda: next(checks))
-    assert ok == [True] * READ_BATCH + [False] * (n - READ_BATCH)
-    assert all((rows[i] == i).all() for i in range(READ_BATCH))
+    assert ok == [True] * batch + [False] * (n - batch)
+    assert all((rows[i] == i).all() for i in range(batch))
     # no SSD block is lost; the promotions that received nothing are (the CPU tier must forget them)
-    assert lost == [(CPU, keys[i]) for i in range(READ_BATCH, n) if promote[i] >= 0]
-    assert ex.stats()["blocks_cut_ssd"] == n - READ_BATCH
+    assert lost == [(CPU, keys[i]) for i in range(batch, n) if promote[i] >= 0]
+    assert ex.stats()["blocks_cut_ssd"] == n - batch
     assert all(ssd.get(k) is not None for k in keys)
 
 
 def test_the_copier_cuts_the_load_of_the_request_named_and_reports_what_moved(tmp_path: Path) -> None:
-    n = 2 * READ_BATCH
-    ex, copier, ssd, kv, keys = _tiers(tmp_path, n)
+    ex, copier, ssd, kv, keys = _tiers(tmp_path, 48)
+    n = 2 * ex.read_batch
     plan = LoadPlan(1, "r", list(range(n)), keys, [-1] * n, [True] * n, [-1] * n)
     other = LoadPlan(2, "s", list(range(n)), keys, [-1] * n, [True] * n, [-1] * n)
     copier.cut("r")  # nothing queued yet: a no-op
@@ -108,3 +111,58 @@ def test_a_tier_judged_slow_is_probed_again_once_its_sample_is_old() -> None:
     c.load_done({"ssd": 4}, 4 * 0.0001)   # the probe found the disk fast again
     c.load_done({"ssd": 4}, 4 * 0.0001)
     assert c.worth(["ssd"] * 4, BT) == 4
+
+
+def test_a_fetch_from_a_slow_server_stops_between_chunks(tmp_path: Path) -> None:
+    """A real Valkey server behind a proxy that delivers 2 MiB/s: a fetch told to stop after
+    its first chunk brings that chunk alone, and the slots of the rest hold nothing."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from slow_proxy import SlowProxy
+    from valkey_server import ValkeyServer
+
+    from kvstrata.policy import FetchPlan
+    from kvstrata.tiers.remote import RemoteTier, key_prefix
+
+    nb = 256 * 1024
+    n = 3 * (READ_BATCH_BYTES // nb)
+    keys = [bytes([i]) * 32 for i in range(n)]
+    rows = np.random.default_rng(0).integers(0, 256, (n, nb), dtype=np.uint8)
+    with ValkeyServer() as server:
+        writer = RemoteTier(server.url, key_prefix("fp"), nb, timeout=5.0)
+        for k, r in zip(keys, rows):
+            assert writer.put(k, r)
+        assert writer.flush(30)
+        writer.close()
+        with SlowProxy(server.port, bps=2 << 20) as proxy:
+            remote = RemoteTier(f"redis://127.0.0.1:{proxy.port}/0", key_prefix("fp"), nb, timeout=30.0)
+            slab = HostSlab(n, nb, pin_memory=False)
+            ex = Executor(None, slab, None, remote=remote)
+            plan = FetchPlan(1, req_id="r", keys=keys, cpu_slots=list(range(n)), to_ssd=[False] * n)
+            checks = iter([False, True])
+            got = ex.fetch(plan, stop=lambda: next(checks, True))
+            assert got == ex.read_batch == READ_BATCH_BYTES // nb
+            assert all(slab.holds(i, keys[i]) for i in range(got))
+            assert not any(slab.holds(i, keys[i]) for i in range(got, n))
+            remote.close()
+
+
+def test_the_scheduler_names_a_fetch_past_its_deadline_once() -> None:
+    from kvstrata.connectors.vllm_costs import TransferTiming
+    from kvstrata.policy import FetchPlan
+
+    now = [0.0]
+    c = LoadCosts(("cpu", "ssd"), "remote", policy=MEASURED, warmup=1, token_seconds=0.001,
+                  block_seconds={"cpu": 0.001})
+    timing = TransferTiming(c, BT, clock=lambda: now[0])
+    plan = FetchPlan(7, req_id="r", keys=[b"k"] * 4, cpu_slots=[0, 1, 2, 3], to_ssd=[False] * 4)
+    assert timing.step(0, [plan]) == []       # computing 4 blocks: 64 ms, the fetch's deadline
+    now[0] = 0.05
+    assert timing.step(0, []) == []
+    now[0] = 0.07
+    assert timing.step(0, []) == ["r"]
+    now[0] = 0.2
+    assert timing.step(0, []) == []           # named once
+    timing.fetched(plan, 1)                   # what arrived is still a sample
+    assert c.block_seconds()["remote"] == pytest.approx(0.2 + 0.001)  # its fetch, then its load from DRAM

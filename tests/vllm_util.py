@@ -419,6 +419,7 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
             "by_source": {k: v for k, v in by_source.items() if v},
             "seconds": elapsed,
             "hook_seconds": list(hook_steps),
+            **({"load": _load_stats(llm)} if spec.get("load_stats") else {}),
             **({"events": _jsonable(events.take())} if events is not None else {}),
         })
     replayed = events.replayed if events is not None else 0

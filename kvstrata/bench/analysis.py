@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from kvstrata.bench.mrc import BATCH_ACCESSES, CurvePass, RequestBatch, StackPass
 from kvstrata.bench.replay import ReplayError, ReplayOptions, ReplayResult, Replayer, replaying, requests_of
+from kvstrata.load_config import LOAD_POLICIES
 from kvstrata.policy.spec import ADMISSIONS
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class BenchResult:
     options: ReplayOptions
     timings_s: dict[str, float] = field(default_factory=dict)
     comparison: dict[str, ReplayResult] = field(default_factory=dict)  # admission mode -> replay
+    load_comparison: dict[str, ReplayResult] = field(default_factory=dict)  # load.policy -> replay (with figures)
 
 
 def run_bench(trace: "Trace | TraceReader", config: "KVStrataConfig", options: ReplayOptions = ReplayOptions(),
@@ -55,16 +57,18 @@ def run_bench(trace: "Trace | TraceReader", config: "KVStrataConfig", options: R
               parallel: bool = True) -> BenchResult:
     """Compute the exact LRU curve of ``trace`` and replay it through the tier policy, in one
     pass; with ``compare_admissions`` also replay it under every other admission mode in the
-    same pass. ``progress(requests done)`` is called every 256 requests; ``parallel=False``
-    keeps the miss-ratio pass in this process."""
+    same pass. With ``load.prefill_rate`` given, also replay it under the other ``load.policy``
+    (the TTFT each estimates from ``load.*``'s figures). ``progress(requests done)`` is
+    called every 256 requests; ``parallel=False`` keeps the miss-ratio pass in this process."""
     t0 = time.perf_counter()
     requests = requests_of(trace)
     first = next(requests, None)
     block_size = trace.block_size
     curve = _CurveFeed(block_size, parallel)
     with contextlib.ExitStack() as opened:
-        replayers = [opened.enter_context(replaying(config, block_size, opts))
-                     for opts in _modes(config, options, compare_admissions)]
+        modes = _modes(config, options, compare_admissions)
+        loads = _load_modes(config, options)
+        replayers = [opened.enter_context(replaying(config, block_size, opts)) for opts in [*modes, *loads]]
         try:
             _pass(itertools.chain(() if first is None else (first,), requests), replayers, curve, progress)
             stack = curve.result()
@@ -73,7 +77,10 @@ def run_bench(trace: "Trace | TraceReader", config: "KVStrataConfig", options: R
     results = [rp.result for rp in replayers if rp.result is not None]
     res = BenchResult(trace.info, stack, results[0], options, _timings(time.perf_counter() - t0, results, curve))
     if compare_admissions:
-        res.comparison = {r.spec.admission: r for r in results}
+        res.comparison = {r.spec.admission: r for r in results[:len(modes)]}
+    if loads and results[0].ttft_s is not None:
+        res.load_comparison = {options.load_policy or config.load.policy: results[0],
+                               **{o.load_policy: r for o, r in zip(loads, results[len(modes):])}}
     return res
 
 
@@ -82,6 +89,14 @@ def _modes(config: "KVStrataConfig", options: ReplayOptions, compare: bool) -> l
     first = options.admission or config.spill.admission
     others = [m for m in ADMISSIONS if compare and m != first]
     return [options, *(dataclasses.replace(options, admission=m) for m in others)]
+
+
+def _load_modes(config: "KVStrataConfig", options: ReplayOptions) -> list[ReplayOptions]:
+    """With figures to decide from (``load.prefill_rate``), ``options`` under the other ``load.policy``."""
+    if config.load.prefill_rate is None:
+        return []
+    first = options.load_policy or config.load.policy
+    return [dataclasses.replace(options, load_policy=p) for p in LOAD_POLICIES if p != first]
 
 
 def _pass(requests: Iterator["Request"], replayers: list[Replayer], curve: "_CurveFeed",

@@ -67,6 +67,8 @@ from kvstrata.bench.misses import MISS_REASONS, Tracker, classify, first_reason
 from kvstrata.metrics import TIERS, LifecycleRecorder, policy_stats
 from kvstrata.policy import LOWER_TIERS, TierPolicy
 from kvstrata.bench.remote import SharedRemoteExecutor
+from kvstrata.bench.stats import Quantiles
+from kvstrata.core.costs import fixed_costs
 from kvstrata.core.driver import DriverCore
 from kvstrata.core.request import RequestState
 from kvstrata.policy.events import REMOTE
@@ -107,7 +109,10 @@ class Replayer:
                                  observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS}),
                                             self._observe])
         self.executor = SharedRemoteExecutor(remote) if remote is not None else executor
-        self.core = DriverCore(self.policy, block_size, self.groups)
+        self.costs = fixed_costs(cfg.load, self.spec, cfg.block_nbytes(), opts.load_policy)
+        self.core = DriverCore(self.policy, block_size, self.groups, self.costs)
+        self.ttft = Quantiles() if self.costs is not None else None
+        self.ttft_total = 0.0
         self.running: list[tuple[float, int]] = []
         # recorded preemptions still to replay: (time, order, request, tokens; 0 = preempted)
         self.preempting: list[tuple[float, int, int, int]] = []
@@ -301,7 +306,19 @@ class Replayer:
         self._end_step(computed)
         if self.request_hits is not None and not resumed:
             self.request_hits.append(st.hits)
+        if self.ttft is not None and not resumed:
+            ttft = self._ttft(st, prompt.num_tokens - (gpu_hits + loaded) * self.block_size)
+            self.ttft.add([ttft])
+            self.ttft_total += ttft
         return gpu_hits + loaded
+
+    def _ttft(self, st: RequestState, computed_tokens: int) -> float:
+        """What the figures of ``load.*`` make of a request's TTFT alone on the engine: its
+        loads, block by block from each tier, then its computed tokens."""
+        assert self.costs is not None and self.costs.fixed_token is not None
+        cost = self.costs.block_seconds()
+        return sum(n * cost.get(t, 0.0) for t, n in st.hits.items() if t != GPU) + \
+            max(0, computed_tokens) * self.costs.fixed_token
 
     def _decode(self, rid: str, prefill: int) -> None:
         """With groups, the decode steps that change the pool, each a step of its own: those of a
@@ -429,7 +446,9 @@ def _result(rp: Replayer, config: KVStrataConfig, cfg: KVStrataConfig, caps: dic
                         _admit_hint(config, rp.rejected_max * rp.block_size) if rp.rejected else None,
                         rp.request_hits or [], rp.tracker.lifetime, rp.tracker.idle,
                         opts.payload_block_bytes if opts.payload else None, config.block_size,
-                        rp.prompt_tokens, rp.misses or [], rp.core.resumed.hits)
+                        rp.prompt_tokens, rp.misses or [], rp.core.resumed.hits, rp.ttft,
+                        None if rp.costs is None else {**rp.costs.estimates(), "decisions": rp.costs.decisions,
+                                                       "mean_ttft_s": rp.ttft_total / max(1, rp.requests)})
 
 
 def requests_of(trace: "Trace | TraceReader | Iterable[Request]") -> Iterator["Request"]:

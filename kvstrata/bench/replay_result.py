@@ -27,6 +27,7 @@ class ReplayOptions:
     payload: bool = False
     payload_block_bytes: int = 16 * 1024
     admission: str | None = None   # None: the config's spill.admission
+    load_policy: str | None = None  # None: the config's load.policy (decided only from load.* figures)
     record_requests: bool = False  # keep each request's hits per tier (ReplayResult.request_hits)
     explain: bool = False          # keep why each request's first missed block missed (ReplayResult.misses)
     max_memory: int | None = None  # bytes the deployment may cost to replay (None: half the machine's memory)
@@ -58,6 +59,8 @@ class ReplayResult:
     prompt_tokens: int = 0      # of every request replayed
     misses: list[dict[str, Any]] = field(default_factory=list)
     preempted_hit_blocks: dict[str, int] = field(default_factory=dict)  # on resuming (recorded preemptions)
+    ttft_s: Quantiles | None = None  # each request's TTFT as load.* figures estimate it (None: no figures)
+    load: dict[str, Any] | None = None  # the load-or-recompute policy, figures and decisions (with figures)
 
     def ssd_bytes_written(self) -> int:
         """Bytes the replay stored to the SSD tier (blocks x the block's bytes, before compression)."""

@@ -122,6 +122,7 @@ def build_report(res: "BenchResult") -> dict[str, Any]:
         "policy": {"admission": rp.spec.admission, "promotion": rp.spec.promotion,
                    "write_through": rp.spec.write_through, "pageout_blocks": rp.spec.pageout_blocks},
         "admission_comparison": {mode: _comparison(r, tr.duration_s) for mode, r in res.comparison.items()},
+        "load_comparison": {p: _load_row(r) for p, r in res.load_comparison.items()},
         "replay": {"decode_s_per_token": res.options.decode_s_per_token, "payload": res.options.payload,
                    "payload_block_bytes": rp.payload_block_bytes, "forced_frees": rp.forced_frees,
                    "rejected": _rejected(rp),
@@ -286,6 +287,22 @@ def _mrc_rows(r: dict[str, Any], rows: int = 12) -> list[list[str]]:
     return [[f"{tok:,}", format_size(tok * per_token), _pct(rate)] for tok, rate in pts]
 
 
+def _load_row(r: "ReplayResult") -> dict[str, Any]:
+    """A ``load.policy``'s replay: its estimated TTFT and its decisions per tier."""
+    assert r.load is not None and r.ttft_s is not None
+    return {"mean_ttft_s": round(r.load["mean_ttft_s"], 6), "ttft_s": r.ttft_s.summary(),
+            "hit_rate": {k: round(v, 6) for k, v in r.hit_rate().items()},
+            "decisions": r.load["decisions"], "block_seconds": r.load["block_seconds"],
+            "token_seconds": r.load["token_seconds"]}
+
+
+def _load_text_row(policy: str, c: dict[str, Any]) -> list[str]:
+    ms = lambda s: "-" if s is None else f"{s * 1e3:,.1f} ms"  # noqa: E731
+    decided = ", ".join(f"{t} {d['loaded']:,} ({d['recomputed']:,})" for t, d in c["decisions"].items()
+                        if d["loaded"] or d["recomputed"])
+    return [policy, ms(c["mean_ttft_s"]), ms(c["ttft_s"]["p50"]), ms(c["ttft_s"]["p99"]), decided or "-"]
+
+
 def _comparison_row(mode: str, c: dict[str, Any]) -> list[str]:
     per_hit = c["ssd_bytes_written_per_hit"]
     return [mode, *(_pct(c["hit_rate"][t]) for t in (*TIERS, "total")),
@@ -397,6 +414,10 @@ def render_text(r: dict[str, Any]) -> str:
         out += ["", "Admission modes (the same trace and capacities)"]
         out += _table(["admission", *(_label(t) for t in TIERS), "total", "SSD writes", "SSD writes per hit (any tier)"],
                       [_comparison_row(m, c) for m, c in r["admission_comparison"].items()])
+    if r.get("load_comparison"):
+        out += ["", "Load or recompute: TTFT per request as the load.* figures estimate it (each request alone)"]
+        out += _table(["load.policy", "mean", "P50", "P99", "hits loaded (recomputed) per tier"],
+                      [_load_text_row(p, c) for p, c in r["load_comparison"].items()])
     if r.get("misses") is not None:
         out += ["", *_miss_lines(r["misses"])]
     out += _replay_lines(r)

@@ -5,7 +5,8 @@ which report the blocks moved per tier and the seconds in the connector's worker
 metadata (``loads_done``); a fetch from the shared tier is timed here from the step that
 handed it over to the step whose output reports it, and the engine's steps as the time
 between two consecutive ``build_connector_meta`` calls with the tokens the earlier one
-scheduled (with vLLM's synchronous scheduling, a step's compute lies in between). A
+scheduled (with vLLM's synchronous scheduling, a step's compute lies in between; the
+engine's first step that computes anything is left out: it carries one-time start-up work). A
 load still running past its deadline (:meth:`LoadCosts.deadline`, from its hand-over)
 is named in the next step's metadata (``cut``): the workers read no more of it.
 
@@ -16,29 +17,15 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
-from kvstrata.core.costs import LoadCosts
+from kvstrata.core.costs import LoadCosts, load_costs
 from kvstrata.policy import FetchPlan, LoadPlan
-from kvstrata.policy.tiers import LOWER, SHARED
-
-if TYPE_CHECKING:
-    from kvstrata.config import LoadConfig
-    from kvstrata.policy import PolicySpec
 
 __all__ = ["TransferTiming", "load_costs", "IDLE_S"]
 
 IDLE_S = 5.0  # a gap between two steps longer than this is an idle engine, not a step
 _PENDING = 1 << 14  # plans timed at most at once
-
-
-def load_costs(cfg: "LoadConfig", spec: "PolicySpec", block_nbytes: int) -> LoadCosts:
-    """The cost model ``load.*`` describes for this deployment's tiers."""
-    shared = SHARED[0] if spec.remote else None
-    tiers = (*LOWER, *((shared,) if shared else ()))
-    fixed = {tier: block_nbytes / bw for tier in tiers if (bw := getattr(cfg, f"{tier}_bandwidth", None))}
-    return LoadCosts(LOWER, shared, policy=cfg.policy, margin=cfg.margin, warmup=cfg.warmup, block_seconds=fixed,
-                     token_seconds=1.0 / cfg.prefill_rate if cfg.prefill_rate else None, deadline=cfg.deadline)
 
 
 class TransferTiming:
@@ -49,8 +36,10 @@ class TransferTiming:
         self.block_size = block_size
         self.clock = clock
         self._step: tuple[float, int] | None = None  # (when, tokens scheduled) of the last step
+        self._computed = False  # a step that computed anything was seen (the first is not timed)
         self._loads: dict[int, tuple[str, float]] = {}  # plan id -> (request, when it is cut)
-        self._fetches: dict[int, float] = {}
+        self._fetches: dict[int, float] = {}  # plan id -> handed over
+        self._cut_at: dict[int, tuple[str, float]] = {}  # fetch plan id -> (request, when it is cut)
 
     def step(self, tokens: int, handed: Sequence[LoadPlan | FetchPlan]) -> list[str]:
         """A step was scheduled (``tokens`` to compute) and ``handed`` plans go to the workers;
@@ -58,19 +47,27 @@ class TransferTiming:
         now = self.clock()
         if self._step is not None:
             when, last = self._step
-            if last and now - when < IDLE_S:
+            if last and now - when < IDLE_S and self._computed:
                 self.costs.step_done(last, now - when, self.block_size)
+            self._computed = self._computed or bool(last)
         self._step = (now, int(tokens))
         cut = [req for plan_id, (req, at) in self._loads.items() if at <= now]
         for plan_id in [p for p, (_, at) in self._loads.items() if at <= now]:
             self._loads[plan_id] = (self._loads[plan_id][0], math.inf)
+        for plan_id, (req, at) in list(self._cut_at.items()):
+            if at <= now:
+                cut.append(req)
+                del self._cut_at[plan_id]
         for plan in handed:
             if isinstance(plan, LoadPlan):
                 limit = self.costs.deadline([t for t in plan.tiers() if t], self.block_size)
                 self._loads[plan.plan_id] = (plan.req_id, math.inf if limit is None else now + limit)
             else:
                 self._fetches[plan.plan_id] = now
-        for pending in (self._loads, self._fetches):  # plans whose completion never came (their request ended)
+                limit = self.costs.deadline([self.costs.fetched or ""] * len(plan), self.block_size)
+                if limit is not None:
+                    self._cut_at[plan.plan_id] = (plan.req_id, now + limit)
+        for pending in (self._loads, self._fetches, self._cut_at):  # plans whose completion never came
             while len(pending) > _PENDING:
                 del pending[next(iter(pending))]
         return cut
@@ -84,6 +81,8 @@ class TransferTiming:
         self._loads.pop(plan.plan_id, None)
 
     def fetched(self, plan: FetchPlan, got: int) -> None:
+        """A fetch reported ``got`` blocks (a cut one too: what arrived in the time it took)."""
         started = self._fetches.pop(plan.plan_id, None)
-        if started is not None and got == len(plan):
+        self._cut_at.pop(plan.plan_id, None)
+        if started is not None and got > 0:
             self.costs.fetch_done(got, self.clock() - started)

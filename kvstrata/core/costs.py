@@ -12,8 +12,12 @@ scheduler half's :class:`~kvstrata.core.driver.DriverCore`):
   within a few loads. A fetch from the remote tier reports its blocks and seconds the
   same way; a remote block then costs its fetch and its load from DRAM.
 * **computing**: the engine's steps report the tokens they computed and how long they
-  took; the seconds per token is their decayed ratio (steps of at least one block's
-  tokens only: decode steps say little about prefill).
+  took. A step costs a fixed part (scheduling, the launch of every layer, sampling) and a
+  part per token: the decayed least-squares line ``seconds = fixed + tokens x per token``
+  through them (decode steps anchor the fixed part). Computing a hit's blocks instead of
+  loading them adds their tokens to a step the request takes anyway, so the per-token
+  part is what a block costs to compute (while the steps seen are all of one size, their
+  ratio stands in: it counts the fixed part too, which favours loading).
 
 The decision (:meth:`LoadCosts.worth`): over the blocks of a hit in prefix order, the
 saving of loading the first ``k`` is ``sum(block_tokens x seconds per token -
@@ -45,11 +49,16 @@ import math
 import time
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from kvstrata.load_config import LOAD_POLICIES as POLICIES
+from kvstrata.policy.tiers import LOWER, SHARED
 
-__all__ = ["LoadCosts", "DECAY", "ALWAYS", "MEASURED", "POLICIES", "PROBE_S"]
+if TYPE_CHECKING:
+    from kvstrata.load_config import LoadConfig
+    from kvstrata.policy import PolicySpec
+
+__all__ = ["LoadCosts", "DECAY", "ALWAYS", "MEASURED", "POLICIES", "PROBE_S", "load_costs", "fixed_costs"]
 
 MEASURED, ALWAYS = POLICIES  # (measured, always)
 DECAY = 0.8  # weight of a sample once the next one arrived: about five samples carry the estimate
@@ -141,9 +150,8 @@ class LoadCosts:
         self._loads = _Fit(self.tiers)
         self._estimates: dict[str, float] | None = None  # block_seconds(), until the next sample
         self._fetches = _Fit((fetched,)) if fetched else None
-        self._token = 0.0   # decayed seconds and tokens of the steps seen
-        self._tokens = 0.0
-        self._steps = 0
+        self._line = [0.0] * 5  # decayed sums over steps: 1, tokens, tokens^2, seconds, tokens x seconds
+        self._steps = 0         # steps of at least a block's tokens seen
         self._step_s = 0.0  # decayed seconds and count of every step
         self._step_n = 0.0
         self.decisions = {t: {"loaded": 0, "recomputed": 0} for t in (*self.tiers, *((fetched,) if fetched else ()))}
@@ -179,10 +187,10 @@ class LoadCosts:
         if _sane(seconds):
             self._step_s = self._step_s * DECAY + seconds
             self._step_n = self._step_n * DECAY + 1
-        if tokens >= block_tokens and _sane(seconds):
-            self._token = self._token * DECAY + seconds
-            self._tokens = self._tokens * DECAY + tokens
-            self._steps += 1
+        if tokens >= 1 and _sane(seconds):
+            t = float(tokens)
+            self._line = [v * DECAY + x for v, x in zip(self._line, (1.0, t, t * t, seconds, t * seconds))]
+            self._steps += tokens >= block_tokens
 
     # ------------------------------------------------------------------ estimates
 
@@ -190,7 +198,12 @@ class LoadCosts:
         """Seconds to compute one token, or None until ``warmup`` steps were seen."""
         if self.fixed_token is not None:
             return self.fixed_token
-        return self._token / self._tokens if self._steps >= self.warmup and self._tokens > 0 else None
+        if self._steps < self.warmup:
+            return None
+        n, t, tt, y, ty = self._line
+        det = n * tt - t * t
+        slope = (n * ty - t * y) / det if det > 1e-9 * n * tt else 0.0
+        return slope if slope > 0 else (y / t if t > 0 else None)
 
     def block_seconds(self) -> dict[str, float]:
         """Seconds to load one block from each tier with enough samples (or a fixed figure)."""
@@ -260,3 +273,26 @@ class LoadCosts:
         for i, tier in enumerate(tiers):
             if tier in self.decisions:
                 self.decisions[tier]["loaded" if i < loaded else "recomputed"] += 1
+
+
+def load_costs(cfg: "LoadConfig", spec: "PolicySpec", block_nbytes: int, policy: str | None = None) -> LoadCosts:
+    """The cost model ``load.*`` describes for this deployment's tiers (``policy``: instead
+    of ``load.policy``)."""
+    shared = SHARED[0] if spec.remote else None
+    tiers = (*LOWER, *((shared,) if shared else ()))
+    fixed = {tier: block_nbytes / bw for tier in tiers if (bw := getattr(cfg, f"{tier}_bandwidth", None))}
+    return LoadCosts(LOWER, shared, policy=policy or cfg.policy, margin=cfg.margin, warmup=cfg.warmup,
+                     block_seconds=fixed, token_seconds=1.0 / cfg.prefill_rate if cfg.prefill_rate else None,
+                     deadline=cfg.deadline)
+
+
+def fixed_costs(cfg: "LoadConfig", spec: "PolicySpec", block_nbytes: int, policy: str | None = None
+                ) -> LoadCosts | None:
+    """:func:`load_costs` when ``load.*`` fixes every figure this deployment's tiers need
+    (``prefill_rate``, and the bandwidth of each lower tier it has), for drivers that measure
+    nothing (the replay); None otherwise."""
+    costs = load_costs(cfg, spec, block_nbytes, policy)
+    have = [t for t, n in (("cpu", spec.cpu_slots), ("ssd", spec.ssd_slots)) if n] + ([costs.fetched] if costs.fetched else [])
+    if costs.fixed_token is None or any(t not in costs.fixed for t in have):
+        return None
+    return costs

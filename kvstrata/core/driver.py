@@ -219,19 +219,19 @@ class DriverCore:
 
     def lookup_now(self, st: RequestState, executor: "Executor", first: int, last: int) -> int:
         """Synchronous drivers: :meth:`held_below`, after fetching what the remote tier holds
-        right after the local prefix (probed, fetched and completed at once)."""
+        right after the local prefix (probed, fetched and completed at once), cut to what is
+        worth loading (:meth:`worth_fetching`, :meth:`worth_loading`), as the scheduler half."""
         held = self.held_below(st, first, last)
         start = first + held
-        if not self.remote or start >= last:
-            return held
-        plan = self.plan_fetch(st, first, start,
-                               self.probed(executor.probe_remote(self.all_group_keys(st, start, last)), start, last))
-        if plan is None:
-            return held
-        self._planned.remove(plan)
-        fetched = executor.fetch(plan)
-        self.fetch_done(plan.plan_id, fetched)
-        return self.held_below(st, first, last) if fetched else held
+        if self.remote and start < last:
+            remote = self.probed(executor.probe_remote(self.all_group_keys(st, start, last)), start, last)
+            plan = self.plan_fetch(st, first, start, self.worth_fetching(st, first, start, remote))
+            if plan is not None:
+                self._planned.remove(plan)
+                fetched = executor.fetch(plan)
+                self.fetch_done(plan.plan_id, fetched)
+                held = self.held_below(st, first, last) if fetched else held
+        return self.worth_loading(st, first, held)
 
     # ------------------------------------------------------------------ loads
 
