@@ -14,7 +14,10 @@ block), ``--prompts`` distinct prompts of ``--tokens`` tokens, one at a time, on
 token each: TTFT is the time of each request.
 
 * a writer engine with kvstrata stores every prompt to the SSD tier (unthrottled);
-* vLLM alone serves the prompts (it recomputes them: a new engine, no prefix cache yet);
+* vLLM alone serves the prompts (it recomputes them: a new engine, no prefix cache yet),
+  first and last (this machine's drift);
+* kvstrata with nothing below to hit (a DRAM tier that starts empty): what recomputing
+  costs with kvstrata attached, storing what it computes;
 * at the disk's real speed: a new engine with kvstrata, ``always``, then ``measured``;
 * throttled to ``--read-mib`` MiB/s: the same two engines again;
 * the remote tier: a writer engine stores every prompt to a real ``valkey-server`` on
@@ -73,6 +76,8 @@ def measure(args: argparse.Namespace, work: Path, real_speed: bool = True, ssd: 
     out: dict[str, Any] = {}
     reference = run(common)
     out["vllm alone"] = summary(reference)
+    out["kvstrata, nothing to hit"] = summary(run({**common, "kvstrata": {"cpu.capacity": "1GiB", "ssd.capacity": 0}}),
+                                              reference)
     if ssd:
         _ssd(args, work, common, reference, real_speed, out)
     if remote:

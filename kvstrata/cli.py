@@ -9,6 +9,7 @@ not a tier), reported as one ``kvstrata: error: ...`` line on stderr; 130 on Ctr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import stat
 import sys
@@ -237,7 +238,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.model_config:
         shape = shape_from_hf_config(args.model_config)
         if args.dtype:
-            shape = ModelShape(shape.layers, shape.kv_heads, shape.head_dim, args.dtype, shape.name)
+            shape = dataclasses.replace(shape, dtype=args.dtype)
     else:
         missing = [f for f in ("layers", "kv_heads", "head_dim") if getattr(args, f) is None]
         if missing:
@@ -245,7 +246,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         shape = ModelShape(args.layers, args.kv_heads, args.head_dim, args.dtype or "fp16", "model")
     pool = kv_pool_bytes(kv_pool_gib=args.kv_pool_gib, gpu_mem_gib=args.gpu_mem_gib,
                          weights_gib=args.weights_gib, util=args.util)
-    plan = make_plan(shape, pool, args.max_model_len, args.block_size)
+    plan = make_plan(shape, pool, args.max_model_len, args.block_size, args.max_num_batched_tokens)
     if args.json:
         write_json(args.json, plan.to_dict())
     if not args.quiet and args.json != "-":
@@ -382,6 +383,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--util", type=finite(0, False, 1), default=0.9, help="gpu_memory_utilization (default: 0.9)")
     p.add_argument("--max-model-len", type=positive_int, default=8192, help="tokens per request (default: 8192)")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default: 16)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
+                   help="vLLM's token budget per step: what a sliding window holds beyond the window (default: 8192)")
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON ('-' for stdout)")
     p.add_argument("--quiet", action="store_true", help="print only errors")
 

@@ -155,3 +155,22 @@ def test_the_compute_rate_leaves_out_what_every_step_costs() -> None:
     alone = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1)
     alone.step_done(32, 0.05 + 32 * 0.0005, BT)  # one size seen: the ratio stands in
     assert alone.token_seconds() == pytest.approx((0.05 + 32 * 0.0005) / 32)
+
+
+def test_later_blocks_of_a_long_prompt_cost_more_to_compute() -> None:
+    """Steps cost 20 ms, 0.5 ms a token and 1 us a token for each context token it attends:
+    the fit tells the three apart, and a hit deep into a prompt is worth loading where the
+    same blocks at its start are not."""
+    costs = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1, margin=0.0)
+    for tokens, before in ((1, 4000), (512, 0), (1, 200), (256, 3000), (1024, 1024), (64, 8000), (1, 9000)):
+        att = tokens * (before + tokens / 2)
+        costs.step_done(tokens, 0.02 + tokens * 0.0005 + att * 1e-6, BT, att)
+    per_token, per_attended = costs.compute_rates()
+    assert per_token == pytest.approx(0.0005, rel=1e-6) and per_attended == pytest.approx(1e-6, rel=1e-6)
+    assert costs.compute_seconds(0, BT) == pytest.approx(BT * 0.0005 + 1e-6 * BT * BT / 2)
+    block = BT * 0.0005  # a block's weights part: 8 ms; its attention adds 16 ms per 1,000 tokens before it
+    for _ in range(3):
+        costs.load_done({"ssd": 4}, 4 * (block + 0.001))  # a block loads in 9 ms
+    assert costs.worth(["ssd"] * 4, BT) == 0                 # at the start of a prompt: computed
+    assert costs.worth(["ssd"] * 4, BT, first=1000) == 4     # 16,000 tokens in: loaded
+    assert costs.compute_seconds(1000 * BT, 4 * BT) > 10 * costs.compute_seconds(0, 4 * BT)

@@ -5,7 +5,7 @@ which report the blocks moved per tier and the seconds in the connector's worker
 metadata (``loads_done``); a fetch from the shared tier is timed here from the step that
 handed it over to the step whose output reports it, and the engine's steps as the time
 between two consecutive ``build_connector_meta`` calls with the tokens the earlier one
-scheduled (with vLLM's synchronous scheduling, a step's compute lies in between; the
+scheduled and the context they attended (with vLLM's synchronous scheduling, a step's compute lies in between; the
 engine's first step that computes anything is left out: it carries one-time start-up work). A
 load still running past its deadline (:meth:`LoadCosts.deadline`, from its hand-over)
 is named in the next step's metadata (``cut``): the workers read no more of it.
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvstrata.core.costs import LoadCosts, load_costs
 from kvstrata.policy import FetchPlan, LoadPlan
 
-__all__ = ["TransferTiming", "load_costs", "IDLE_S"]
+__all__ = ["TransferTiming", "load_costs", "attended", "IDLE_S"]
 
 IDLE_S = 5.0  # a gap between two steps longer than this is an idle engine, not a step
 _PENDING = 1 << 14  # plans timed at most at once
@@ -31,26 +31,29 @@ _PENDING = 1 << 14  # plans timed at most at once
 class TransferTiming:
     """Feeds a :class:`LoadCosts` with the timings of :mod:`kvstrata.connectors.vllm_costs`."""
 
-    def __init__(self, costs: LoadCosts, block_size: int, clock: Any = time.monotonic) -> None:
+    def __init__(self, costs: LoadCosts, block_size: int, clock: Any = time.monotonic,
+                 first_of: Callable[[str], int] = lambda req_id: 0) -> None:
         self.costs = costs
         self.block_size = block_size
         self.clock = clock
-        self._step: tuple[float, int] | None = None  # (when, tokens scheduled) of the last step
+        self.first_of = first_of  # request -> blocks before its hit (where its load starts)
+        self._step: tuple[float, int, float] | None = None  # (when, tokens scheduled, attended) of the last step
         self._computed = False  # a step that computed anything was seen (the first is not timed)
         self._loads: dict[int, tuple[str, float]] = {}  # plan id -> (request, when it is cut)
         self._fetches: dict[int, float] = {}  # plan id -> handed over
         self._cut_at: dict[int, tuple[str, float]] = {}  # fetch plan id -> (request, when it is cut)
 
-    def step(self, tokens: int, handed: Sequence[LoadPlan | FetchPlan]) -> list[str]:
-        """A step was scheduled (``tokens`` to compute) and ``handed`` plans go to the workers;
-        returns the requests whose loads are past their deadlines (each named once)."""
+    def step(self, tokens: int, handed: Sequence[LoadPlan | FetchPlan], attended: float = 0.0) -> list[str]:
+        """A step was scheduled (``tokens`` to compute, attending ``attended``: see
+        :mod:`kvstrata.core.costs`) and ``handed`` plans go to the workers; returns the
+        requests whose loads are past their deadlines (each named once)."""
         now = self.clock()
         if self._step is not None:
-            when, last = self._step
+            when, last, att = self._step
             if last and now - when < IDLE_S and self._computed:
-                self.costs.step_done(last, now - when, self.block_size)
+                self.costs.step_done(last, now - when, self.block_size, att)
             self._computed = self._computed or bool(last)
-        self._step = (now, int(tokens))
+        self._step = (now, int(tokens), float(attended))
         cut = [req for plan_id, (req, at) in self._loads.items() if at <= now]
         for plan_id in [p for p, (_, at) in self._loads.items() if at <= now]:
             self._loads[plan_id] = (self._loads[plan_id][0], math.inf)
@@ -60,11 +63,12 @@ class TransferTiming:
                 del self._cut_at[plan_id]
         for plan in handed:
             if isinstance(plan, LoadPlan):
-                limit = self.costs.deadline([t for t in plan.tiers() if t], self.block_size)
+                limit = self.costs.deadline([t for t in plan.tiers() if t], self.block_size, self.first_of(plan.req_id))
                 self._loads[plan.plan_id] = (plan.req_id, math.inf if limit is None else now + limit)
             else:
                 self._fetches[plan.plan_id] = now
-                limit = self.costs.deadline([self.costs.fetched or ""] * len(plan), self.block_size)
+                limit = self.costs.deadline([self.costs.fetched or ""] * len(plan), self.block_size,
+                                            self.first_of(plan.req_id))
                 if limit is not None:
                     self._cut_at[plan.plan_id] = (plan.req_id, now + limit)
         for pending in (self._loads, self._fetches, self._cut_at):  # plans whose completion never came
@@ -86,3 +90,17 @@ class TransferTiming:
         self._cut_at.pop(plan.plan_id, None)
         if started is not None and got > 0:
             self.costs.fetch_done(got, self.clock() - started)
+
+
+def attended(scheduler_output: Any) -> float:
+    """What a step's tokens attend: over its requests, ``tokens x (computed before + tokens / 2)``."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    out = 0.0
+    for new in scheduler_output.scheduled_new_reqs:
+        t = scheduled.get(new.req_id, 0)
+        out += t * (new.num_computed_tokens + t / 2)
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, done in zip(cached.req_ids, cached.num_computed_tokens):
+        t = scheduled.get(req_id, 0)
+        out += t * (done + t / 2)
+    return out

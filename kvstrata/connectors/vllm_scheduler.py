@@ -57,7 +57,7 @@ from kvstrata.connectors.vllm_common import (
     policy_spec,
     vllm_fingerprint,
 )
-from kvstrata.connectors.vllm_costs import TransferTiming, load_costs
+from kvstrata.connectors.vllm_costs import TransferTiming, attended, load_costs
 from kvstrata.connectors.vllm_pool import PoolObserver, PoolView
 from kvstrata.connectors.vllm_recording import SchedulerRecording
 from kvstrata.connectors.vllm_remote import RemoteLookups, WorkerReports
@@ -125,7 +125,8 @@ class KVStrataScheduler:
         self._states = frozenset(self.groups.states)
         self.costs = load_costs(cfg.load, spec, self.block_nbytes)
         self.core = DriverCore(self.policy, self.block_size, self.groups, self.costs)
-        self._timing = TransferTiming(self.costs, self.block_size)
+        self._timing = TransferTiming(self.costs, self.block_size,
+                                      first_of=lambda req_id: getattr(self.core.requests.get(req_id), "gpu_hits", 0))
         self.num_workers = num_workers(vllm_config)
         self._stores = WorkerReports(self.num_workers)
         self._pool = PoolView(record=self.policy.ssd is not None)  # the workers' hot set mirrors follow it
@@ -310,7 +311,7 @@ class KVStrataScheduler:
                     self._recording.preempted(st)
         meta = KVStrataMetadata(loads=self.core.take_planned(), ssd_evictions=self._ssd_evictions,
                                 reset=self._reset_ssd)
-        meta.cut = self._timing.step(scheduler_output.total_num_scheduled_tokens, meta.loads)
+        meta.cut = self._timing.step(scheduler_output.total_num_scheduled_tokens, meta.loads, attended(scheduler_output))
         self._ssd_evictions, self._reset_ssd = [], False
         evicted = self._pool.take_changes(meta)
         computed = self._computed(scheduler_output)

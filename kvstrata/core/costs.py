@@ -11,18 +11,22 @@ scheduler half's :class:`~kvstrata.core.driver.DriverCore`):
   older loads weighted down by ``DECAY`` per load, so a change of a tier's speed shows
   within a few loads. A fetch from the remote tier reports its blocks and seconds the
   same way; a remote block then costs its fetch and its load from DRAM.
-* **computing**: the engine's steps report the tokens they computed and how long they
-  took. A step costs a fixed part (scheduling, the launch of every layer, sampling) and a
-  part per token: the decayed least-squares line ``seconds = fixed + tokens x per token``
-  through them (decode steps anchor the fixed part). Computing a hit's blocks instead of
-  loading them adds their tokens to a step the request takes anyway, so the per-token
-  part is what a block costs to compute (while the steps seen are all of one size, their
-  ratio stands in: it counts the fixed part too, which favours loading).
+* **computing**: the engine's steps report the tokens they computed, the context those
+  tokens attended (``sum over requests of tokens x (tokens before them + tokens / 2)``)
+  and how long they took. A step costs a fixed part (scheduling, the launch of every
+  layer, sampling), a part per token (the weights) and a part per token and context
+  token attended: the decayed least-squares fit of ``seconds = fixed + tokens x per
+  token + attended x per attended`` (decode steps anchor the fixed part). Computing a
+  hit's blocks instead of loading them adds their tokens to a step the request takes
+  anyway, so a block's compute is its tokens' parts: later blocks of a long prompt cost
+  more. While the steps do not tell the parts apart, the line without the attended part
+  stands in, then their ratio (it counts the fixed part too, which favours loading).
 
 The decision (:meth:`LoadCosts.worth`): over the blocks of a hit in prefix order, the
-saving of loading the first ``k`` is ``sum(block_tokens x seconds per token -
-(1 + margin) x seconds per block of its tier)``; the hit is cut to the ``k`` of the
-largest saving (ties: the longer). A DRAM prefix can so be loaded while an SSD or
+saving of loading the first ``k`` is ``sum(the block's compute - (1 + margin) x seconds
+per block of its tier)``; the hit is cut to the ``k`` of the largest saving (ties: the
+longer). Along a run of blocks of one tier the saving per block grows with the position,
+so the partial sums are convex and only a run's ends can hold the largest. A DRAM prefix can so be loaded while an SSD or
 remote tail is computed. Until a tier has ``warmup`` samples (or the compute rate
 has), its blocks are loaded (``always``); a measurement that is absent or absurd
 (not finite, negative) is ignored. ``overrides`` fix a tier's seconds per block (an
@@ -47,8 +51,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from itertools import groupby
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from kvstrata.load_config import LOAD_POLICIES as POLICIES
@@ -150,7 +154,9 @@ class LoadCosts:
         self._loads = _Fit(self.tiers)
         self._estimates: dict[str, float] | None = None  # block_seconds(), until the next sample
         self._fetches = _Fit((fetched,)) if fetched else None
-        self._line = [0.0] * 5  # decayed sums over steps: 1, tokens, tokens^2, seconds, tokens x seconds
+        self._xx = [[0.0] * 3 for _ in range(3)]  # decayed normal equations over (1, tokens, attended)
+        self._xy = [0.0] * 3
+        self._rates: tuple[float, float] | None = None  # (per token, per attended), until the next step
         self._steps = 0         # steps of at least a block's tokens seen
         self._step_s = 0.0  # decayed seconds and count of every step
         self._step_n = 0.0
@@ -182,28 +188,56 @@ class LoadCosts:
             self._estimates = None
             self._sampled[self.fetched] = self.clock()  # type: ignore[index]
 
-    def step_done(self, tokens: int, seconds: float, block_tokens: int) -> None:
-        """An engine step computed ``tokens`` tokens in ``seconds``."""
+    def step_done(self, tokens: int, seconds: float, block_tokens: int, attended: float = 0.0) -> None:
+        """An engine step computed ``tokens`` tokens, which attended ``attended`` (see the
+        module docstring), in ``seconds``."""
         if _sane(seconds):
             self._step_s = self._step_s * DECAY + seconds
             self._step_n = self._step_n * DECAY + 1
-        if tokens >= 1 and _sane(seconds):
-            t = float(tokens)
-            self._line = [v * DECAY + x for v, x in zip(self._line, (1.0, t, t * t, seconds, t * seconds))]
+        if tokens >= 1 and _sane(seconds) and math.isfinite(attended) and attended >= 0:
+            x = (1.0, float(tokens), float(attended))
+            for i in range(3):
+                self._xy[i] = self._xy[i] * DECAY + x[i] * seconds
+                for j in range(3):
+                    self._xx[i][j] = self._xx[i][j] * DECAY + x[i] * x[j]
+            self._rates = None
             self._steps += tokens >= block_tokens
 
     # ------------------------------------------------------------------ estimates
 
     def token_seconds(self) -> float | None:
-        """Seconds to compute one token, or None until ``warmup`` steps were seen."""
+        """Seconds to compute one token (its weights' part), or None until ``warmup`` steps."""
+        rates = self.compute_rates()
+        return None if rates is None else rates[0]
+
+    def compute_rates(self) -> tuple[float, float] | None:
+        """(seconds per token, seconds per token and context token attended), or None until
+        ``warmup`` steps were seen (a fixed ``token_seconds`` attends for free)."""
         if self.fixed_token is not None:
-            return self.fixed_token
+            return self.fixed_token, 0.0
         if self._steps < self.warmup:
             return None
-        n, t, tt, y, ty = self._line
-        det = n * tt - t * t
-        slope = (n * ty - t * y) / det if det > 1e-9 * n * tt else 0.0
-        return slope if slope > 0 else (y / t if t > 0 else None)
+        if self._rates is None:
+            self._rates = self._fit_rates()
+        return self._rates if self._rates[0] > 0 else None
+
+    def _fit_rates(self) -> tuple[float, float]:
+        xx, xy = self._xx, self._xy
+        full = _solve(xx, xy)
+        if full is not None and full[1] > 0 and full[2] >= 0:
+            return full[1], full[2]
+        line = _solve([row[:2] for row in xx[:2]], xy[:2])
+        if line is not None and line[1] > 0:
+            return line[1], 0.0
+        return (xy[0] / xx[0][1] if xx[0][1] > 0 else 0.0), 0.0
+
+    def compute_seconds(self, first: int, tokens: int) -> float | None:
+        """Seconds to compute ``tokens`` tokens after ``first`` others (None: not known yet)."""
+        rates = self.compute_rates()
+        if rates is None:
+            return None
+        per_token, per_attended = rates
+        return tokens * per_token + per_attended * tokens * (first + tokens / 2)
 
     def block_seconds(self) -> dict[str, float]:
         """Seconds to load one block from each tier with enough samples (or a fixed figure)."""
@@ -223,45 +257,53 @@ class LoadCosts:
 
     def estimates(self) -> dict[str, Any]:
         """What ``stats()`` shows: the policy, seconds per block of each tier, seconds per token."""
-        return {"policy": self.policy, "block_seconds": self.block_seconds(), "token_seconds": self.token_seconds()}
+        rates = self.compute_rates()
+        return {"policy": self.policy, "block_seconds": self.block_seconds(),
+                "token_seconds": None if rates is None else rates[0],
+                "attended_seconds": None if rates is None else rates[1]}
 
     # ------------------------------------------------------------------ the decision
 
-    def worth(self, tiers: Sequence[str], block_tokens: int) -> int:
-        """How many leading blocks of a hit to load (``tiers[i]``: where block ``i`` is read
-        from); the rest are computed. Nothing is counted (see :meth:`count`); a tier due for
-        a probe (``PROBE_S``) is loaded, and its probe is then taken."""
+    def worth(self, tiers: Sequence[str], block_tokens: int, first: int = 0) -> int:
+        """How many leading blocks of a hit to load (``tiers[i]``: where block ``first + i``
+        of the prompt is read from); the rest are computed. Nothing is counted (see
+        :meth:`count`); a tier due for a probe (``PROBE_S``) is loaded, and its probe is then
+        taken."""
         if not self.deciding or not tiers:
             return len(tiers)
-        per_token = self.token_seconds()
-        if per_token is None:
+        rates = self.compute_rates()
+        if rates is None:
             return len(tiers)
+        per_token, per_attended = rates
+        bt = block_tokens
         cost = self.block_seconds()
-        compute = block_tokens * per_token
         margin = 1.0 + self.margin
         now = self.clock()
-        probe = {t for t in set(tiers) if t in cost and t not in self.fixed
-                 and compute < margin * cost[t] and now - self._sampled.get(t, now) > PROBE_S}
+        last = bt * per_token + per_attended * bt * bt * (first + len(tiers) - 0.5)  # the costliest block
+        runs = [(t, len(list(run))) for t, run in groupby(tiers)]
+        probe = {t for t, _ in runs if t in cost and t not in self.fixed
+                 and last < margin * cost[t] and now - self._sampled.get(t, now) > PROBE_S}
         for t in probe:
             self._sampled[t] = now  # one request probes; its sample (or the next probe) decides
         self._probing |= probe
         best_k, best, total, k = 0, 0.0, 0.0, 0
-        for tier, run in groupby(tiers):  # the saving is linear along a run of one tier: its ends decide
-            n = len(list(run))
-            gain = compute - margin * cost.get(tier, 0.0) if tier not in probe else 0.0
-            total += n * gain
+        for tier, n in runs:  # along a run the saving per block grows: its ends decide
+            if tier not in probe:  # blocks first+k .. first+k+n-1: sum of (position + 1/2) is n(p0) + n^2/2
+                p0 = first + k
+                total += n * bt * per_token + per_attended * bt * bt * (n * p0 + n * n / 2) \
+                    - n * margin * cost.get(tier, 0.0)
             k += n
-            if gain >= 0 and total >= best:
+            if total >= best:
                 best_k, best = k, total
         return best_k
 
-    def deadline(self, tiers: Sequence[str], block_tokens: int) -> float | None:
-        """Seconds after its hand-over at which a load of blocks read from ``tiers`` reads no
-        more (None: it runs to the end: ``always``, no deadline factor, no compute rate yet)."""
-        per_token = self.token_seconds()
-        if not self.deciding or self.deadline_factor <= 0 or per_token is None or not tiers:
+    def deadline(self, tiers: Sequence[str], block_tokens: int, first: int = 0) -> float | None:
+        """Seconds after its hand-over at which a load of blocks read from ``tiers`` (blocks
+        ``first ..`` of the prompt) reads no more (None: it runs to the end: ``always``, no
+        deadline factor, no compute rate yet)."""
+        limit = self.compute_seconds(first * block_tokens, len(tiers) * block_tokens) if tiers else None
+        if not self.deciding or self.deadline_factor <= 0 or limit is None:
             return None
-        limit = len(tiers) * block_tokens * per_token
         cost = self.block_seconds()
         if all(t in cost for t in tiers):
             limit = min(limit, self.deadline_factor * sum(cost[t] for t in tiers))

@@ -142,7 +142,7 @@ class DriverCore:
         if self.costs is None or not self.costs.deciding or self.groups is not None or not below:
             return below
         tiers = self.policy.lookup(st.hashes[first:first + below])
-        k = self.costs.worth(tiers, self.block_size)
+        k = self.costs.worth(tiers, self.block_size, first)
         st.decision = (tiers, k)
         return k
 
@@ -152,7 +152,7 @@ class DriverCore:
         if self.costs is None or not self.costs.deciding or self.groups is not None or held <= 0:
             return held
         k = self.costs.worth(self.policy.lookup(st.hashes[first:start]) + [self.costs.fetched or ""] * held,
-                             self.block_size)
+                             self.block_size, first)
         return max(0, k - (start - first))
 
     def group_key(self, st: RequestState, g: int, i: int) -> bytes:
