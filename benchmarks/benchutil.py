@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import os
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-def drop_page_cache(path: str | os.PathLike[str]) -> None:
-    """Write back and evict a file's pages (every file of a directory) for a cold read."""
-    p = Path(path)
-    for f in ([p] if p.is_file() else [c for c in p.iterdir() if c.is_file()]):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+from throttled_disk import drop_page_cache  # noqa: E402
+
+__all__ = ["drop_page_cache"]

@@ -355,13 +355,7 @@ class BlockManager:
 
     def free_window(self, n: int) -> list[tuple[int, bytes]]:
         """``(block_id, hash)`` of the hashed blocks among the ``n`` next to be evicted."""
-        out = []
-        for i, b in enumerate(self.free_queue):
-            if i >= n:
-                break
-            if b.block_hash is not None:
-                out.append((b.block_id, b.block_hash))
-        return out
+        return self.free_queue.hashed_head(n)
 
     def resident(self) -> list[tuple[int, bytes]]:
         """``(block_id, hash)`` of every hashed block, most recently used first: blocks in

@@ -53,13 +53,14 @@ import logging
 import threading
 import time
 from concurrent.futures import Executor as FuturesExecutor
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FuturesTimeout
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from kvstrata.copies import CopyRows, Finished, PendingLoad, PendingStore
+from kvstrata.io_queue import IOQueue, timed
 from kvstrata.executor import Executor, LoadResult, Lost
 from kvstrata.policy.plans import FetchPlan, LoadPlan, StorePlan
 from kvstrata.streams import Event, InlineStreams, Stream, Streams
@@ -81,39 +82,6 @@ def evict_and_spill(ex: Executor, evictions: list[bytes], copies: list[tuple[byt
             ex.count("spill_failures")
             lost.append((SSD, key))
     return lost
-
-
-class IOQueue:
-    """SSD work in plan order (rule 4): one thread, or at once on inline streams."""
-
-    def __init__(self, io: "FuturesExecutor | None", inline: bool) -> None:
-        # one thread: SSD work runs in plan order (tests pass a fake that runs it in a seeded order)
-        self._io = io if io is not None else ThreadPoolExecutor(1, thread_name_prefix="kvstrata-io")
-        self._inline = inline
-        self.last: Future[Any] | None = None  # the I/O thread's latest job
-        self._last_change: Future[Any] | None = None  # ... and its latest change of the SSD tier
-
-    def submit(self, fn: Callable[..., Any], *args: Any, changes: bool = True) -> "Future[Any]":
-        """Run SSD work after the work queued before it. ``changes`` (puts, deletions,
-        touches) runs at once when the device copies it depends on run when submitted
-        (the CPU backend: the tier's ``put`` only queues; plans then take effect in the
-        step that made them, as they did before copies could be asynchronous). Reads of
-        the SSD tier always go to the I/O thread: they wait on the disk."""
-        if changes and self._inline and (self._last_change is None or self._last_change.done()):
-            fut: Future[Any] = Future()
-            try:
-                fut.set_result(fn(*args))
-            except Exception as exc:  # reported where the result is read, as from the thread
-                fut.set_exception(exc)
-            return fut
-        fut = self._io.submit(fn, *args)
-        self.last = fut
-        if changes:
-            self._last_change = fut
-        return fut
-
-    def shutdown(self) -> None:
-        self._io.shutdown(wait=True)
 
 
 class Copier:
@@ -274,7 +242,7 @@ class Copier:
         self.ex.count("load_failures_cpu", len(lost))
         job = PendingLoad(plan, staging, ok, lost, None, waits, started=time.perf_counter())
         if any(f and s < 0 for f, s in zip(plan.from_ssd, plan.cpu_slots)):
-            job.io = self._io.submit(_timed, job.io_s, self.ex.read_ssd, plan, staging, ok, job.cut.is_set,
+            job.io = self._io.submit(timed, job.io_s, self.ex.read_ssd, plan, staging, ok, job.cut.is_set,
                                      changes=False)
             for slot, key in zip(plan.promote_slots, plan.keys):
                 if slot >= 0 and slab is not None:
@@ -501,15 +469,6 @@ class Copier:
 
     def close(self) -> None:
         self._io.shutdown()
-
-
-def _timed(seconds: list[float], fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, its wall time in ``seconds[0]``."""
-    t0 = time.perf_counter()
-    try:
-        return fn(*args)
-    finally:
-        seconds[0] = time.perf_counter() - t0
 
 
 def _moved(job: PendingLoad) -> dict[str, int]:

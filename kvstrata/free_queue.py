@@ -87,6 +87,17 @@ class FreeBlockQueue:
             yield block
             block = block.prev_free
 
+    def hashed_head(self, n: int) -> list[tuple[int, bytes]]:
+        """``(block_id, hash)`` of the hashed blocks among the ``n`` next to be reused (the
+        page-out window)."""
+        out = []
+        for i, b in enumerate(self):
+            if i >= n:
+                break
+            if b.block_hash is not None:
+                out.append((b.block_id, b.block_hash))
+        return out
+
     def peek(self) -> Block | None:
         block = self._head.next_free
         return None if block is self._tail else block

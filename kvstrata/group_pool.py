@@ -260,15 +260,7 @@ class GroupedBlockManager:
 
     def free_window(self, n: int) -> list[tuple[int, bytes]]:
         """``(row, key)`` of the hashed blocks among the ``n`` next to be evicted."""
-        out = []
-        for i, b in enumerate(self.free_queue):
-            if i >= n:
-                break
-            if b.block_hash is not None:
-                out.append((b.block_id, b.block_hash))
-        return out
-
-    # --------------------------------------------------------------- internals
+        return self.free_queue.hashed_head(n)
 
     def _request(self, request_id: str) -> _Request:
         req = self.requests.get(request_id)

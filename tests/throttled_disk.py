@@ -21,7 +21,7 @@ from typing import Iterator
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
 
-__all__ = ["ThrottledDisk", "unavailable"]
+__all__ = ["ThrottledDisk", "drop_page_cache", "unavailable"]
 
 
 def unavailable() -> str | None:
@@ -86,14 +86,8 @@ class ThrottledDisk:
         them reach the device (the rest of the machine's cache, the engine's libraries and
         weights included, stays warm)."""
         os.sync()
-        for f in self.mount.rglob("*"):
-            if f.is_file():
-                fd = os.open(f, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+        for d in [self.mount, *(p for p in self.mount.rglob("*") if p.is_dir())]:
+            drop_page_cache(d)
 
     def close(self) -> None:
         if self.device is not None:
@@ -105,6 +99,18 @@ class ThrottledDisk:
                 (BLKIO / "cgroup.procs").write_text(str(os.getpid()))
                 self.cgroup.rmdir()
         self.image.unlink(missing_ok=True)
+
+
+def drop_page_cache(path: "str | os.PathLike[str]") -> None:
+    """Write back and evict a file's pages (every file of a directory) for a cold read."""
+    p = Path(path)
+    for f in ([p] if p.is_file() else [c for c in p.iterdir() if c.is_file()]):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _run(*cmd: str) -> str:
