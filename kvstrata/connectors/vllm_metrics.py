@@ -106,6 +106,8 @@ SERIES: tuple[Series, ...] = (
     Series("storage_read_seconds", "Seconds spent reading loads' blocks from the SSD tier into host memory, "
            "summed over workers"),
     Series("load_failures", "Blocks a tier could not deliver (recomputed by vLLM)", "tier", LOWER_TIERS),
+    Series("load_blocks_cut", "SSD blocks of loads past their deadline that were not read (recomputed by vLLM; "
+           "the tier keeps them; per worker shard)"),
     Series("store_failures", "Blocks a tier refused to store", "tier", PERSISTENT),
     Series("spill_failures", "Blocks that could not be moved from the CPU tier down to the SSD tier"),
     Series("stores_dropped", "Stores dropped before reaching a tier (full write queue, pinned slots)"),
@@ -127,6 +129,7 @@ WORKER_SERIES: dict[str, tuple[str, str]] = {
     "seconds_h2d": ("transfer_seconds", "h2d"),
     "bytes_ssd_read": ("storage_read_bytes", NO_LABEL),
     "seconds_ssd_read": ("storage_read_seconds", NO_LABEL),
+    "blocks_cut_ssd": ("load_blocks_cut", NO_LABEL),
     **{f"load_failures_{t}": ("load_failures", t) for t in LOWER_TIERS},
     **{f"store_failures_{t}": ("store_failures", t) for t in PERSISTENT},
     "spill_failures": ("spill_failures", NO_LABEL),
