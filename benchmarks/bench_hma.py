@@ -43,7 +43,8 @@ def engine(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["kvstrata"]:
         kw["kv_transfer_config"] = {"kv_connector": "KVStrataConnector", "kv_role": "kv_both",
                                     "kv_connector_module_path": "kvstrata.connectors.vllm",
-                                    "kv_connector_extra_config": {"cpu.capacity": "64MiB", "ssd.capacity": 0}}
+                                    "kv_connector_extra_config": {"cpu.capacity": "64MiB", "ssd.capacity": 0,
+                                                                  "load.policy": spec.get("load_policy", "measured")}}
     if spec.get("hma_off"):
         kw["disable_hybrid_kv_cache_manager"] = True
     llm = LLM(**kw)
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1500)
     ap.add_argument("--rounds", type=int, default=15, help="rounds of new prompts per engine (the median is shown)")
+    ap.add_argument("--load-policy", choices=("measured", "always"), default="measured", help="kvstrata's load.policy")
     args = ap.parse_args(argv)
     model = build_tiny_gemma3(Path(tempfile.mkdtemp(prefix="kvstrata-hma-")) / "gemma3")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, kvstrata, hma_off in (("vLLM alone (HMA on)", False, False), ("with kvstrata (HMA on)", True, False),
                                      ("with kvstrata, HMA off", True, True)):
         spec = {"model": str(model), "kvstrata": kvstrata, "kv_mib": args.kv_mib, "prompts": args.prompts,
-                "tokens": args.tokens, "hma_off": hma_off, "rounds": args.rounds}
+                "tokens": args.tokens, "hma_off": hma_off, "rounds": args.rounds, "load_policy": args.load_policy}
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
                               text=True, env=env, cwd=ROOT)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label:<24} KV groups {r['groups']}, {r['num_blocks']} blocks; at most {r['peak_running']} "
               f"request(s) at once; {r['seconds']:.2f} s  ({r['seconds'] / base['seconds']:.2f}x)")
     same = all(r["outputs"] == base["outputs"] for r in results.values())
-    print(f"  outputs identical: {same}")
+    print(f"  outputs identical: {same}" + ("" if same else " (differ: " + ", ".join(
+        label for label, r in results.items() if r["outputs"] != base["outputs"]) + ")"))
     return 0 if same else 1
 
 
