@@ -15,7 +15,6 @@ Threads: vLLM's scheduler thread.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -39,9 +38,8 @@ class TransferTiming:
         self.first_of = first_of  # request -> blocks before its hit (where its load starts)
         self._step: tuple[float, int, float] | None = None  # (when, tokens scheduled, attended) of the last step
         self._computed = False  # a step that computed anything was seen (the first is not timed)
-        self._loads: dict[int, tuple[str, float]] = {}  # plan id -> (request, when it is cut)
-        self._fetches: dict[int, float] = {}  # plan id -> handed over
-        self._cut_at: dict[int, tuple[str, float]] = {}  # fetch plan id -> (request, when it is cut)
+        self._cut_at: dict[int, tuple[str, float]] = {}  # load or fetch plan id -> (request, when it is cut)
+        self._fetches: dict[int, float] = {}  # fetch plan id -> handed over
 
     def step(self, tokens: int, handed: Sequence[LoadPlan | FetchPlan], attended: float = 0.0) -> list[str]:
         """A step was scheduled (``tokens`` to compute, attending ``attended``: see
@@ -54,24 +52,18 @@ class TransferTiming:
                 self.costs.step_done(last, now - when, self.block_size, att)
             self._computed = self._computed or bool(last)
         self._step = (now, int(tokens), float(attended))
-        cut = [req for plan_id, (req, at) in self._loads.items() if at <= now]
-        for plan_id in [p for p, (_, at) in self._loads.items() if at <= now]:
-            self._loads[plan_id] = (self._loads[plan_id][0], math.inf)
-        for plan_id, (req, at) in list(self._cut_at.items()):
-            if at <= now:
-                cut.append(req)
-                del self._cut_at[plan_id]
+        due = [plan_id for plan_id, (_, at) in self._cut_at.items() if at <= now]
+        cut = [self._cut_at.pop(plan_id)[0] for plan_id in due]  # each named once
         for plan in handed:
             if isinstance(plan, LoadPlan):
-                limit = self.costs.deadline([t for t in plan.tiers() if t], self.block_size, self.first_of(plan.req_id))
-                self._loads[plan.plan_id] = (plan.req_id, math.inf if limit is None else now + limit)
+                tiers = [t for t in plan.tiers() if t]
             else:
                 self._fetches[plan.plan_id] = now
-                limit = self.costs.deadline([self.costs.fetched or ""] * len(plan), self.block_size,
-                                            self.first_of(plan.req_id))
-                if limit is not None:
-                    self._cut_at[plan.plan_id] = (plan.req_id, now + limit)
-        for pending in (self._loads, self._fetches, self._cut_at):  # plans whose completion never came
+                tiers = [self.costs.fetched or ""] * len(plan)
+            limit = self.costs.deadline(tiers, self.block_size, self.first_of(plan.req_id))
+            if limit is not None:
+                self._cut_at[plan.plan_id] = (plan.req_id, now + limit)
+        for pending in (self._cut_at, self._fetches):  # plans whose completion never came
             while len(pending) > _PENDING:
                 del pending[next(iter(pending))]
         return cut
@@ -82,7 +74,7 @@ class TransferTiming:
 
     def loaded(self, plan: LoadPlan) -> None:
         """A load finished (its deadline no longer runs)."""
-        self._loads.pop(plan.plan_id, None)
+        self._cut_at.pop(plan.plan_id, None)
 
     def fetched(self, plan: FetchPlan, got: int) -> None:
         """A fetch reported ``got`` blocks (a cut one too: what arrived in the time it took)."""
