@@ -101,8 +101,9 @@ def _load_config(args: argparse.Namespace) -> Any:
     deployment = _recorded_deployment(args)
     if deployment is not None:  # a recording replays the deployment that served it
         from kvstrata.bench.deployment import recorded_config
+        from kvstrata.trace.recording import trace_measurements
 
-        return recorded_config(deployment, overrides)
+        return recorded_config(deployment, overrides, trace_measurements(Path(args.trace)))
     return default_config(overrides)
 
 

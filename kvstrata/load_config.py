@@ -24,7 +24,9 @@ class LoadConfig:
     tier exist. ``<tier>_bandwidth`` (bytes per second, as a size: ``2GiB``) fixes what a
     tier's load costs; ``prefill_rate`` fixes the compute rate. ``deadline``: under
     ``measured``, a load running this many times its estimate, or longer than computing its
-    blocks, reads no more (0: never cut)."""
+    blocks, reads no more (0: never cut). ``attention_rate`` fixes the part of the compute that
+    grows with the context: token pairs attended per second (a token computed after ``c``
+    others attends ``c``); absent, with ``prefill_rate`` given, attention is free."""
 
     policy: str = "measured"
     margin: float = 0.1
@@ -34,11 +36,12 @@ class LoadConfig:
     ssd_bandwidth: int | None = None
     remote_bandwidth: int | None = None
     prefill_rate: float | None = None
+    attention_rate: float | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "load") -> "LoadConfig":
         keys = ("policy", "margin", "warmup", "deadline", "cpu_bandwidth", "ssd_bandwidth", "remote_bandwidth",
-                "prefill_rate")
+                "prefill_rate", "attention_rate")
         check_keys(d, keys, p)
         policy = one_of(d.get("policy", cls.policy), f"{p}.policy", LOAD_POLICIES)
         margin = d.get("margin", cls.margin)
@@ -60,9 +63,18 @@ class LoadConfig:
                 if bandwidth[key] <= 0:
                     raise ConfigError(f"{p}.{key}: expected bytes per second above 0 (as a size: 2GiB), "
                                       f"got {short_repr(raw)}")
-        rate = d.get("prefill_rate")
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
-                                 or not 0 < rate < float("inf")):
-            raise ConfigError(f"{p}.prefill_rate: expected tokens per second above 0, got {short_repr(rate)}")
+        rate = _rate(d, "prefill_rate", p, "tokens per second")
+        attention = _rate(d, "attention_rate", p, "token pairs attended per second")
+        if attention is not None and rate is None:
+            raise ConfigError(f"{p}.attention_rate: given without {p}.prefill_rate (the compute rate it is part of)")
         return cls(policy=policy, margin=float(margin), warmup=warmup, deadline=float(deadline), **bandwidth,
-                   prefill_rate=float(rate) if rate is not None else None)
+                   prefill_rate=rate, attention_rate=attention)
+
+
+def _rate(d: Mapping[str, Any], key: str, p: str, unit: str) -> float | None:
+    """``d[key]``: a finite rate above 0, or None when absent."""
+    rate = d.get(key)
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                             or not 0 < rate < float("inf")):
+        raise ConfigError(f"{p}.{key}: expected {unit} above 0, got {short_repr(rate)}")
+    return None if rate is None else float(rate)

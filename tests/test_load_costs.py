@@ -9,8 +9,9 @@ import math
 import pytest
 
 from kvstrata.config import KVStrataConfig
-from kvstrata.core.costs import ALWAYS, MEASURED, LoadCosts
+from kvstrata.core.costs import ALWAYS, MEASURED, LoadCosts, load_costs
 from kvstrata.errors import ConfigError
+from kvstrata.policy import PolicySpec
 
 BT = 16  # tokens per block
 
@@ -114,10 +115,20 @@ def test_decisions_are_counted_per_tier() -> None:
     ("remote_bandwidth", "fast", r"load\.remote_bandwidth"),
     ("prefill_rate", float("nan"), r"load\.prefill_rate: expected tokens per second above 0"),
     ("deadline", 0.5, r"load\.deadline: expected 0 \(never cut a load\) or a factor from 1 to 1000"),
+    ("attention_rate", -1, r"load\.attention_rate: expected token pairs attended per second above 0"),
 ])
 def test_out_of_range_values_name_the_key(key: str, value: object, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         KVStrataConfig.from_dict({"load": {key: value}})
+
+
+def test_an_attention_rate_needs_the_prefill_rate_it_is_part_of() -> None:
+    with pytest.raises(ConfigError, match=r"load\.attention_rate: given without load\.prefill_rate"):
+        KVStrataConfig.from_dict({"load": {"attention_rate": 1e9}})
+    cfg = KVStrataConfig.from_dict({"load": {"prefill_rate": 1000, "attention_rate": 1e6}})
+    costs = load_costs(cfg.load, PolicySpec.from_config(cfg, block_nbytes=4096, gpu_blocks=16), 4096)
+    # a block of 16 tokens after 1,024 others: 16 ms for the tokens, 16 x (1,024 + 8) us attending
+    assert costs.compute_seconds(1024, 16) == pytest.approx(0.016 + 16 * 1032e-6)
 
 
 def test_the_load_section_round_trips() -> None:

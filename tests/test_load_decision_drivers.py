@@ -5,6 +5,7 @@ figures, or ``always``, every hit is."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -13,9 +14,13 @@ import pytest
 
 from kvstrata import KVStrataConfig, TieredKVCache
 from kvstrata.bench.analysis import run_bench
+from kvstrata.bench.deployment import recorded_config, recorded_deployment, recorded_load
 from kvstrata.bench.replay import ReplayOptions
 from kvstrata.cli import main
+from kvstrata.config import TraceConfig
+from kvstrata.policy import PolicySpec
 from kvstrata.trace.reader import load_trace
+from kvstrata.trace.recorder import RecordedRequest, TraceRecorder
 
 BS = 16
 NBYTES = 4096
@@ -88,3 +93,68 @@ def test_the_library_computes_what_a_slow_tier_would_load(tmp_path: Path) -> Non
             got.wait()
             assert got.num_cached_tokens == expected, bandwidth
             cache.free("b")
+
+
+def recording(tmp: Path, load: object) -> Path:
+    """A recording of the chat trace by the recorder itself, its measurements carrying the
+    plugin's cost estimates ``load`` (as ``stats()["load"]`` gives them)."""
+    tmp.mkdir()
+    cfg = config(tmp)
+    deployment = recorded_deployment(cfg, block_size=BS, block_nbytes=NBYTES, gpu_blocks=16,
+                                     capacity_blocks={"gpu": 16, **PolicySpec.from_config(
+                                         cfg, block_nbytes=NBYTES, gpu_blocks=16).capacity()},
+                                     engine={"name": "test", "version": "0"})
+    rec = TraceRecorder(TraceConfig.from_dict({"path": str(tmp / "rec"), "insecure_hashes": True}), block_size=BS,
+                        deployment=deployment)
+    for i, line in enumerate(chat_trace(tmp / "t.jsonl").read_text().splitlines()):
+        toks = json.loads(line)["token_ids"]
+        keys = [hashlib.sha256(repr(toks[:(b + 1) * BS]).encode()).digest() for b in range(len(toks) // BS)]
+        rec.admitted(str(i))
+        rec.finished(str(i), RecordedRequest(arrival=rec.started + i, finish=rec.started + i + 0.5,
+                                             input_length=len(toks), output_length=1, keys=keys, output_keys=[]))
+    rec.measured({"block_size": BS, "block_nbytes": NBYTES, "load": load})
+    rec.close()
+    return tmp / "rec"
+
+
+def test_a_recording_replays_both_policies_from_the_costs_the_plugin_measured(tmp_path: Path) -> None:
+    """The plugin's estimates in a recording's measurements are the replay's figures: an SSD
+    block measured at 100 ms against 16 ms to compute is recomputed under ``measured``; a
+    ``--set`` figure overrides the recorded one; forged estimates leave the replay without
+    figures, never stop it."""
+    load = {"policy": "measured", "block_seconds": {"cpu": 1e-5, "ssd": 0.1}, "token_seconds": 1e-3,
+            "attended_seconds": 1e-9, "decisions": {}}
+    trace = recording(tmp_path / "slow", load)
+
+    def bench(trace: Path, *sets: str) -> dict:
+        out = trace.parent / "r.json"
+        assert main(["bench", "--trace", str(trace), "--json", str(out), "--quiet",
+                     *(a for s in sets for a in ("--set", s))]) == 0
+        return json.loads(out.read_text())
+
+    report = bench(trace)["load_comparison"]
+    assert report["measured"]["block_seconds"]["ssd"] == pytest.approx(0.1, rel=1e-6)
+    assert report["measured"]["token_seconds"] == pytest.approx(1e-3)
+    assert report["always"]["hit_rate"]["ssd"] > 0 and report["measured"]["decisions"]["ssd"]["loaded"] == 0
+    assert report["measured"]["decisions"]["ssd"]["recomputed"] > 0
+    assert report["measured"]["mean_ttft_s"] < report["always"]["mean_ttft_s"]
+    fast = bench(trace, "load.ssd_bandwidth=1GiB")["load_comparison"]  # the operator's figure wins
+    assert fast["measured"]["decisions"]["ssd"]["recomputed"] == 0
+    for forged in ({"block_seconds": "x", "token_seconds": True}, {"block_seconds": {"ssd": -1.0}},
+                   {"block_seconds": {"cpu": 1e-5, "ssd": 0.1}, "token_seconds": float("nan")}, "load"):
+        got = bench(recording(tmp_path / f"forged-{len(str(forged))}", forged))
+        assert got["load_comparison"] == {} and got["hit_rate"]["ssd"] > 0
+
+
+def test_recorded_estimates_become_the_load_figures_the_deployment_did_not_fix() -> None:
+    measured = {"block_nbytes": NBYTES, "load": {"block_seconds": {"cpu": 1e-5, "ssd": 0.1, "remote": 0.0},
+                                                 "token_seconds": 1e-3, "attended_seconds": 1e-9}}
+    assert recorded_load(measured) == {"cpu_bandwidth": int(NBYTES / 1e-5), "ssd_bandwidth": int(NBYTES / 0.1),
+                                       "prefill_rate": pytest.approx(1e3), "attention_rate": pytest.approx(1e9)}
+    deployment = recorded_deployment(config(Path("/nonexistent"), **{"load.ssd_bandwidth": "1GiB"}), block_size=BS,
+                                     block_nbytes=NBYTES, gpu_blocks=16, capacity_blocks={},
+                                     engine={"name": "test", "version": "0"})
+    cfg = recorded_config(deployment, ["load.prefill_rate=500"], measured)
+    assert cfg.load.ssd_bandwidth == 1 << 30  # fixed while recording: kept
+    assert cfg.load.cpu_bandwidth == int(NBYTES / 1e-5) and cfg.load.prefill_rate == 500  # --set wins
+    assert recorded_load({"block_nbytes": NBYTES, "load": {"attended_seconds": 1e-9}}) == {}  # no rate to be part of

@@ -388,3 +388,23 @@ def test_an_inline_recording_secret_is_warned_about_and_never_logged(tmp_path: P
     lines = [r.getMessage() for r in caplog.records]
     assert any("trace.secret_file" in line for line in lines)
     assert not any("an-inline-recording-secret" in line for line in lines)
+
+
+def test_forged_measurements_are_read_as_absent_counters_not_a_crash(tmp_path: Path) -> None:
+    """The measurements file sits in a directory the deployment writes: a value of the wrong
+    kind in it (another tenant's, a hand edit) is a zero counter in the report, never a
+    traceback."""
+    from kvstrata.cli import main
+
+    rec = _recorder(tmp_path, rotate_bytes="4KiB")
+    for i in range(20):
+        rec.admitted(str(i))
+        rec.finished(str(i), _req(rec.started + i, [i % 5, 50 + i]))
+    rec.measured({"queries": 5, "hits": {"gpu": [], "cpu": {"tokens": "7"}}, "spills": "x", "block_nbytes": -3,
+                  "preempted": {"hits": {"gpu": None}}, "load": {"block_seconds": [1]}})
+    rec.close()
+    out = tmp_path / "r.json"
+    assert main(["bench", "--trace", str(tmp_path / "rec"), "--json", str(out), "--quiet"]) == 0
+    measured = json.loads(out.read_text())["recording"]["measured"]
+    assert measured["prompt_tokens"] == 0 and measured["ssd_bytes_written"] == 0
+    assert measured["preempted_hit_tokens"] == 0

@@ -49,12 +49,14 @@ def chats(users: int, turns: int, seed: int = 0) -> list[tuple[int, list[int]]]:
 
 
 def serve(model: str, tmp: Path, cpu_blocks: int, name: str, *, secret: str | None = None,
-          trace_path: Path | None = None, hits: dict[str, Any] | None = None, window: int | None = None,
+          trace_path: Path | None = None, hits: dict[str, Any] | None = None, load: dict[str, Any] | None = None,
+          window: int | None = None,
           gpu_blocks: int = 48) -> Path:
     """Run the chats through vLLM's scheduler with the recorder on (into ``trace_path``,
     default ``tmp/name``); return the recording's directory. ``hits``: filled with what
     the plugin counted. ``window``: a hybrid model (full attention and a sliding window of
-    that many tokens; a block is then one layer's page)."""
+    that many tokens; a block is then one layer's page). ``load``: filled with the plugin's
+    cost estimates."""
     system = [random.Random(1).randrange(2, 500) for _ in range(3 * BS)]
     nbytes = NBYTES if window is None else NBYTES // 2
     extra: dict[str, Any] = {"cpu.capacity": cpu_blocks * nbytes, "ssd.path": str(tmp / f"ssd-{name}"),
@@ -72,6 +74,8 @@ def serve(model: str, tmp: Path, cpu_blocks: int, name: str, *, secret: str | No
             convo[user] = prompt + [SAMPLED_TOKEN] * OUT
         if hits is not None:
             hits.update(h.connector._scheduler.stats()["hits"])  # type: ignore[union-attr]
+        if load is not None:
+            load.update(h.connector._scheduler.stats()["load"])  # type: ignore[union-attr]
     finally:
         h.close()  # the scheduler's shutdown: the recorder writes its last measurements
     return tmp / name
@@ -84,8 +88,12 @@ def bench(*args: str) -> dict[str, Any]:
 
 
 def test_a_recording_replays_to_exactly_what_the_plugin_measured(model: str, tmp_path: Path) -> None:
-    rec = bench("--trace", str(serve(model, tmp_path, 40, "small")), "--explain")["recording"]
+    load: dict[str, Any] = {}
+    recording = serve(model, tmp_path, 40, "small", load=load)
+    rec = bench("--trace", str(recording), "--explain")["recording"]
     measured, predicted = rec["measured"], rec["predicted"]
+    sidecar = json.loads(next(recording.glob("*.measured.json")).read_text())["measured"]
+    assert sidecar["load"] == load and set(load) >= {"block_seconds", "token_seconds"}  # the bench's cost model
     assert measured["hit_rate"] == predicted["hit_rate"], rec
     assert all(measured["hit_rate"][t] > 0 for t in ("gpu", "cpu", "ssd")), measured  # every tier served
     assert measured["ssd_bytes_written"] == predicted["ssd_bytes_written"] > 0

@@ -9,11 +9,12 @@ gpu.num_blocks`` replaces the pool's capacity).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
 from kvstrata.config import KVStrataConfig
 
-__all__ = ["DEFAULT_DEPLOYMENT", "default_config", "recorded_config", "recorded_deployment"]
+__all__ = ["DEFAULT_DEPLOYMENT", "default_config", "recorded_config", "recorded_deployment", "recorded_load"]
 
 DEFAULT_DEPLOYMENT: dict[str, Any] = {
     "model": {"name": "llama-3-8b", "layers": 32, "kv_heads": 8, "head_size": 128, "kv_dtype": "fp16"},
@@ -56,8 +57,11 @@ def recorded_deployment(cfg: KVStrataConfig, *, block_size: int, block_nbytes: i
     return {"config": d, "capacity_blocks": dict(capacity_blocks), "engine": engine}
 
 
-def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = ()) -> KVStrataConfig:
-    """The config a recording's deployment ran, with ``--set`` style overrides applied."""
+def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = (),
+                    measured: dict[str, Any] | None = None) -> KVStrataConfig:
+    """The config a recording's deployment ran, with ``--set`` style overrides applied.
+    ``measured``: what the plugin measured over the recording; the costs it estimated fill
+    the ``load.*`` figures the deployment did not fix (:func:`recorded_load`)."""
     from kvstrata.errors import ConfigError
 
     base = deployment.get("config") if isinstance(deployment, dict) else None
@@ -69,6 +73,9 @@ def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = ()) -
     base = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     if groups and isinstance(base.get("model", {}), dict):  # a hybrid model: its KV-cache groups, as the engine had them
         base["model"] = {**base.get("model", {}), "groups": groups}
+    if isinstance(base.get("load", {}), dict):
+        fixed = base.get("load", {})
+        base["load"] = {**fixed, **{k: v for k, v in recorded_load(measured).items() if fixed.get(k) is None}}
     try:
         KVStrataConfig.from_dict(base)  # checked as a whole first: a section that is not a mapping is named
     except ConfigError as exc:
@@ -76,3 +83,30 @@ def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = ()) -
     if any(isinstance(o, str) and o.split("=", 1)[0].strip() == "gpu.capacity" for o in overrides):
         base.get("gpu", {}).pop("num_blocks", None)  # one pool size: num_blocks and capacity are exclusive
     return KVStrataConfig.from_dict(base, overrides)
+
+
+def recorded_load(measured: dict[str, Any] | None) -> dict[str, float]:
+    """The ``load.*`` figures the plugin estimated over a recording (``measured["load"]``,
+    as :meth:`~kvstrata.core.costs.LoadCosts.estimates` gives them): each tier's bandwidth
+    from its seconds per block, the compute rates from the seconds per token and per token
+    pair attended. A figure that is not a positive, finite number (absent, forged) is left
+    out, so the replay then decides as if it had not been measured."""
+    load = measured.get("load") if isinstance(measured, dict) else None
+    nbytes = measured.get("block_nbytes") if isinstance(measured, dict) else None
+    if not isinstance(load, dict) or not _positive(nbytes):
+        return {}
+    out: dict[str, float] = {}
+    per_block = load.get("block_seconds")
+    for tier in ("cpu", "ssd", "remote"):
+        seconds = per_block.get(tier) if isinstance(per_block, dict) else None
+        if _positive(seconds) and _positive(nbytes / seconds) and nbytes / seconds < 2**60:
+            out[f"{tier}_bandwidth"] = int(nbytes / seconds)
+    for key, rate in (("token_seconds", "prefill_rate"), ("attended_seconds", "attention_rate")):
+        seconds = load.get(key)
+        if _positive(seconds) and _positive(1.0 / seconds) and (rate == "prefill_rate" or "prefill_rate" in out):
+            out[rate] = 1.0 / seconds
+    return out
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0

@@ -173,18 +173,33 @@ def _recording(res: "BenchResult") -> dict[str, Any] | None:
                                  "sidecar is)"
         return out
     m = body["measured"]
-    tokens = m.get("queries", {}).get("tokens", 0)
-    hits = {t: m.get("hits", {}).get(t, {}).get("tokens", 0) for t in rp.hit_blocks if t in m.get("hits", {})}
+    tokens = _count(m, "queries", "tokens")
+    hits = {t: _count(m, "hits", t, "tokens") for t in rp.hit_blocks if t in _part(m, "hits")}
     rates = {t: v / tokens if tokens else 0.0 for t, v in hits.items()}
     rates["total"] = sum(rates.values())
-    ssd = int(m.get("spills", {}).get(SSD, 0)) * int(m.get("block_nbytes", rp.config.block_nbytes()))
-    again = m.get("preempted", {}).get("hits", {})
+    nbytes = _count(m, "block_nbytes") or rp.config.block_nbytes()
+    ssd = _count(m, "spills", SSD) * nbytes
+    again = _part(m, "preempted", "hits")
     out["measured"] = {"hit_rate": {k: round(v, 6) for k, v in rates.items()}, "prompt_tokens": tokens,
-                       "ssd_bytes_written": ssd, "recorder": body.get("recorder", {}),
-                       "preempted_hit_tokens": sum(v.get("tokens", 0) for v in again.values())}
+                       "ssd_bytes_written": ssd, "recorder": _part(body, "recorder"),
+                       "preempted_hit_tokens": sum(_count(again, t, "tokens") for t in again)}
     out["difference_pp"] = {t: round(100 * (predicted.get(t, 0.0) - rates[t]), 2) for t in rates}
     out["ssd_bytes_ratio"] = round(rp.ssd_bytes_written() / ssd, 4) if ssd else None
     return out
+
+
+def _part(d: Any, *path: str) -> dict[str, Any]:
+    """``d[path[0]][path[1]]...`` of a recording's measurements, {} where it is not a mapping
+    (the file is another tenant's to write: nothing in it is trusted)."""
+    for key in path:
+        d = d.get(key) if isinstance(d, dict) else None
+    return d if isinstance(d, dict) else {}
+
+
+def _count(d: Any, *path: str) -> int:
+    """A counter of a recording's measurements, 0 where it is not a non-negative integer."""
+    v = _part(d, *path[:-1]).get(path[-1])
+    return v if type(v) is int and 0 <= v < 1 << 62 else 0
 
 
 def _peak_rss(res: "BenchResult") -> dict[str, int | None]:
@@ -293,7 +308,7 @@ def _load_row(r: "ReplayResult") -> dict[str, Any]:
     return {"mean_ttft_s": round(r.load["mean_ttft_s"], 6), "ttft_s": r.ttft_s.summary(),
             "hit_rate": {k: round(v, 6) for k, v in r.hit_rate().items()},
             "decisions": r.load["decisions"], "block_seconds": r.load["block_seconds"],
-            "token_seconds": r.load["token_seconds"]}
+            "token_seconds": r.load["token_seconds"], "block_nbytes": r.config.block_nbytes()}
 
 
 def _load_text_row(policy: str, c: dict[str, Any]) -> list[str]:
@@ -301,6 +316,12 @@ def _load_text_row(policy: str, c: dict[str, Any]) -> list[str]:
     decided = ", ".join(f"{t} {d['loaded']:,} ({d['recomputed']:,})" for t, d in c["decisions"].items()
                         if d["loaded"] or d["recomputed"])
     return [policy, ms(c["mean_ttft_s"]), ms(c["ttft_s"]["p50"]), ms(c["ttft_s"]["p99"]), decided or "-"]
+
+
+def _load_figures(c: dict[str, Any]) -> str:
+    """The figures a load comparison estimated from (``load.*``, or a recording's measurements)."""
+    tiers = ", ".join(f"{_label(t)} {format_size(int(c['block_nbytes'] / s))}/s" for t, s in c["block_seconds"].items() if s > 0)
+    return f"Figures: {tiers}; compute {1 / c['token_seconds']:,.0f} tokens/s"
 
 
 def _comparison_row(mode: str, c: dict[str, Any]) -> list[str]:
@@ -418,6 +439,7 @@ def render_text(r: dict[str, Any]) -> str:
         out += ["", "Load or recompute: TTFT per request as the load.* figures estimate it (each request alone)"]
         out += _table(["load.policy", "mean", "P50", "P99", "hits loaded (recomputed) per tier"],
                       [_load_text_row(p, c) for p, c in r["load_comparison"].items()])
+        out.append("  " + _load_figures(next(iter(r["load_comparison"].values()))))
     if r.get("misses") is not None:
         out += ["", *_miss_lines(r["misses"])]
     out += _replay_lines(r)

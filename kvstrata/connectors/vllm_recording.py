@@ -28,7 +28,7 @@ __all__ = ["SchedulerRecording", "MEASURE_S"]
 
 MEASURE_S = 5.0  # how often the recorder's copy of the measured counters is refreshed
 _MEASURED = ("queries", "hits", "preempted", "spills", "promotions", "evictions", "dropped_spills", "corrupt_blocks",
-             "capacity_blocks")
+             "capacity_blocks", "load")
 
 
 class SchedulerRecording:

@@ -136,11 +136,12 @@ class LoadCosts:
     """The estimates and the decision of :mod:`kvstrata.core.costs`. ``tiers``: the lower
     tiers a load reads (the slab tier first), ``fetched``: the tier fetched into the slab
     tier before its load (the shared one), ``block_seconds``: fixed seconds per block of a
-    tier, ``token_seconds``: a fixed compute rate."""
+    tier, ``token_seconds`` and ``attended_seconds``: a fixed compute rate (seconds per
+    token, and per token and context token it attends)."""
 
     def __init__(self, tiers: Sequence[str], fetched: str | None = None, *, policy: str = ALWAYS,
                  margin: float = 0.1, warmup: int = 1, block_seconds: Mapping[str, float] | None = None,
-                 token_seconds: float | None = None, deadline: float = 2.0,
+                 token_seconds: float | None = None, attended_seconds: float = 0.0, deadline: float = 2.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.tiers = tuple(tiers)
         self.fetched = fetched
@@ -151,6 +152,7 @@ class LoadCosts:
         self._probing: set[str] = set()        # tiers whose probe has not reported yet
         self.fixed = dict(block_seconds or {})
         self.fixed_token = token_seconds
+        self.fixed_attended = float(attended_seconds)
         self._loads = _Fit(self.tiers)
         self._estimates: dict[str, float] | None = None  # block_seconds(), until the next sample
         self._fetches = _Fit((fetched,)) if fetched else None
@@ -212,9 +214,9 @@ class LoadCosts:
 
     def compute_rates(self) -> tuple[float, float] | None:
         """(seconds per token, seconds per token and context token attended), or None until
-        ``warmup`` steps were seen (a fixed ``token_seconds`` attends for free)."""
+        ``warmup`` steps were seen (a fixed ``token_seconds`` comes with its ``attended_seconds``)."""
         if self.fixed_token is not None:
-            return self.fixed_token, 0.0
+            return self.fixed_token, self.fixed_attended
         if self._steps < self.warmup:
             return None
         if self._rates is None:
@@ -325,7 +327,7 @@ def load_costs(cfg: "LoadConfig", spec: "PolicySpec", block_nbytes: int, policy:
     fixed = {tier: block_nbytes / bw for tier in tiers if (bw := getattr(cfg, f"{tier}_bandwidth", None))}
     return LoadCosts(LOWER, shared, policy=policy or cfg.policy, margin=cfg.margin, warmup=cfg.warmup,
                      block_seconds=fixed, token_seconds=1.0 / cfg.prefill_rate if cfg.prefill_rate else None,
-                     deadline=cfg.deadline)
+                     attended_seconds=1.0 / cfg.attention_rate if cfg.attention_rate else 0.0, deadline=cfg.deadline)
 
 
 def fixed_costs(cfg: "LoadConfig", spec: "PolicySpec", block_nbytes: int, policy: str | None = None

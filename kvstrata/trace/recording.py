@@ -23,7 +23,7 @@ from kvstrata.config import plural
 from kvstrata.files import NotRegular, open_regular, read_bounded
 from kvstrata.trace.format import MEASURED_SUFFIX, TRACE_VERSION, TraceError, header_version, is_header
 
-__all__ = ["recording_parts", "measured_of", "trace_header"]
+__all__ = ["recording_parts", "measured_of", "trace_header", "trace_measurements"]
 
 
 def _first_header(path: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -118,6 +118,20 @@ def _read_measured(path: Path, rid: str) -> dict[str, Any] | None:
     if not isinstance(body, dict) or body.get("recording") != rid or not isinstance(body.get("measured"), dict):
         return None
     return body
+
+
+def trace_measurements(path: Path) -> dict[str, Any] | None:
+    """What the plugin measured over the recording at ``path`` (a file or a directory), None
+    when there is none or it is not the whole recording's."""
+    if path.is_dir():
+        try:
+            return (recording_parts(path)[2] or {}).get("measured")
+        except TraceError:
+            return None
+    if not path.is_file():
+        return None
+    body = measured_of(path, _first_header(path)[0])
+    return None if body is None else body["measured"]
 
 
 def trace_header(path: Path) -> dict[str, Any] | None:
