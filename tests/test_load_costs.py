@@ -185,3 +185,25 @@ def test_later_blocks_of_a_long_prompt_cost_more_to_compute() -> None:
     assert costs.worth(["ssd"] * 4, BT) == 0                 # at the start of a prompt: computed
     assert costs.worth(["ssd"] * 4, BT, first=1000) == 4     # 16,000 tokens in: loaded
     assert costs.compute_seconds(1000 * BT, 4 * BT) > 10 * costs.compute_seconds(0, 4 * BT)
+
+
+def test_runs_of_a_hit_are_groupbys_for_every_shape() -> None:
+    """The galloping search for a hit's runs (``_runs``) against ``itertools.groupby``: long
+    contiguous runs, interleaved tiers past the gallop threshold, and tuples."""
+    import random
+    from itertools import groupby
+
+    from kvstrata.core.costs import _runs
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.choice([1, 5, 127, 128, 129, 300, 700])
+        tiers = [rng.choice(["cpu", "ssd", "remote"]) for _ in range(n)]
+        shape = rng.randrange(3)
+        if shape == 0:
+            tiers.sort()
+        elif shape == 1:  # long runs with one stray block inside
+            tiers = sorted(tiers)
+            tiers[rng.randrange(n)] = "ssd"
+        expected = [(t, len(list(r))) for t, r in groupby(tiers)]
+        assert _runs(tiers) == expected and _runs(tuple(tiers)) == expected

