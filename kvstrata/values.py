@@ -15,7 +15,8 @@ from typing import Any, Iterable, Mapping
 
 from kvstrata.errors import ConfigError
 
-__all__ = ["ALWAYS", "SECOND_HIT", "TIER_ADMISSIONS", "tier_admission", "LRU", "S3FIFO", "ARC", "EVICTIONS",
+__all__ = ["ALWAYS", "SECOND_HIT", "TIER_ADMISSIONS", "tier_admission", "LRU", "S3FIFO", "ARC", "COST", "EVICTIONS",
+           "COST_ALPHA", "eviction_alpha", "eviction_name",
            "eviction", "MAX_GHOST_KEYS", "parse_size", "plural", "format_size", "short_repr", "short_key", "clip",
            "integer", "one_of", "duration_s", "check_keys", "path_or_none"]
 
@@ -181,10 +182,39 @@ def tier_admission(d: Mapping[str, Any], p: str) -> dict[str, Any]:
                                                               maximum=MAX_GHOST_KEYS)}
 
 
-LRU, S3FIFO, ARC = "lru", "s3fifo", "arc"
-EVICTIONS = (LRU, S3FIFO, ARC)  # the eviction orders a lower tier runs (kvstrata.policy.eviction)
+LRU, S3FIFO, ARC, COST = "lru", "s3fifo", "arc", "cost"
+EVICTIONS = (LRU, S3FIFO, ARC, COST)  # the eviction orders a lower tier runs (kvstrata.policy.eviction)
+COST_ALPHA = 0.5  # ``cost`` alone: the weight of a block's compute against its recency (kvstrata.policy.cost_order)
+MAX_COST_ALPHA = 100.0
 
 
 def eviction(d: Mapping[str, Any], p: str) -> str:
-    """``eviction`` of a tier's section ``p``."""
-    return one_of(d.get("eviction", LRU), f"{p}.eviction", EVICTIONS)
+    """``eviction`` of a tier's section ``p``: an order of :data:`EVICTIONS`, or ``cost:<alpha>``."""
+    value = d.get("eviction", LRU)
+    if isinstance(value, str) and value.strip().startswith(f"{COST}:"):
+        eviction_alpha(value, f"{p}.eviction")
+        return value.strip()
+    return one_of(value, f"{p}.eviction", EVICTIONS)
+
+
+def eviction_alpha(value: str, where: str = "eviction") -> float | None:
+    """The weight ``alpha`` of a ``cost`` order (``cost``: :data:`COST_ALPHA`; ``cost:0.25``),
+    None for the other orders. A malformed weight is a :class:`ConfigError` naming ``where``."""
+    name, _, alpha = value.partition(":")
+    if name != COST:
+        return None
+    if not _:
+        return COST_ALPHA
+    try:
+        weight = float(alpha)
+    except ValueError:
+        weight = -1.0
+    if not 0 <= weight <= MAX_COST_ALPHA:  # (NaN fails too)
+        raise ConfigError(f"{where}: expected cost or cost:<weight from 0 to {MAX_COST_ALPHA:g}> "
+                          f"(cost:0.5), got {short_repr(value)}")
+    return weight
+
+
+def eviction_name(value: str) -> str:
+    """The order an ``eviction`` value names (``cost:0.25``: ``cost``)."""
+    return value.partition(":")[0]

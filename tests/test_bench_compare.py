@@ -127,7 +127,7 @@ def test_a_comparison_that_would_not_fit_the_memory_is_refused_before_it_starts(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--compare", "--scale", "0.1", "--max-memory", "1MiB"]) != 0
     err = capsys.readouterr().err
-    assert "--compare: replaying its 18 rows" in err and "more than --max-memory 1.0 MiB" in err
+    assert "--compare: replaying its 24 rows" in err and "more than --max-memory 1.0 MiB" in err
 
 
 @pytest.mark.parametrize("args, message", [

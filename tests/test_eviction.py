@@ -223,7 +223,7 @@ def test_every_order_holds_what_the_policy_placed_and_keeps_its_invariants() -> 
 
 @pytest.mark.parametrize("key", ["cpu.eviction", "ssd.eviction"])
 def test_an_unknown_eviction_is_a_config_error_naming_the_key_and_the_choices(key: str) -> None:
-    with pytest.raises(ConfigError, match=rf"^{key}: expected one of lru, s3fifo, arc; got 'lfu'"):
+    with pytest.raises(ConfigError, match=rf"^{key}: expected one of lru, s3fifo, arc, cost; got 'lfu'"):
         KVStrataConfig.from_dict({}, {key: "lfu"})
 
 

@@ -132,13 +132,18 @@ def test_replay_and_connector_agree_with_second_hit_admission(model: str, tmp_pa
     assert counts["rejected"]["ssd"] > 0 and counts["stored"]["ssd"] > 0  # the admission took some, not all
 
 
+# the cost order weighs a block by its position with the attention's share of the compute, which
+# the connector measures from the engine's steps: fixed here (and so in both), as load.* fixes it
+COST_RATES = {"load.prefill_rate": 1000, "load.attention_rate": 200_000, "load.policy": "always"}
+
+
 @pytest.mark.parametrize("admission", ["always", "second_hit"])
-@pytest.mark.parametrize("eviction", ["s3fifo", "arc"])
+@pytest.mark.parametrize("eviction", ["s3fifo", "arc", "cost:2"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_replay_and_connector_agree_with_other_evictions(model: str, tmp_path: Path, case: str,
                                                          eviction: str, admission: str) -> None:
     agree(model, tmp_path, case, {"spill.write_through": False, "cpu.eviction": eviction, "ssd.eviction": eviction,
-                                  "ssd.admission": admission},
+                                  "ssd.admission": admission, **(COST_RATES if eviction.startswith("cost") else {})},
           exercised=("gpu", "cpu", "ssd") if admission == "always" else ("gpu", "cpu"))
 
 

@@ -8,6 +8,10 @@ spare cores, each a forked process). A row's ``set`` are the ``--set`` values
 that give a plain ``kvstrata bench`` the same run: its hit rate is reproduced
 exactly.
 
+A ``cost`` row's weight ``alpha`` is chosen per capacity point as Marconi
+chooses it: of :data:`ALPHAS`, the one whose replay of the trace's first quarter
+(recent traffic, as a deployment would have it) saves the most prefill FLOPs.
+
 Capacity points, unless given: the SSD tier at 10%, 25% and 50% of the trace's
 working set (its distinct blocks), where capacity decides what is kept, with a
 CPU tier a quarter of that (write-through keeps the SSD tier a superset of it).
@@ -28,7 +32,7 @@ from kvstrata.bench.capacity import config_for_trace
 from kvstrata.bench.replay import ReplayOptions, ReplayResult, replaying, requests_of
 from kvstrata.policy.order_cost import policy_ns_per_op
 from kvstrata.policy.tiers import CPU, GPU, SSD
-from kvstrata.values import EVICTIONS, TIER_ADMISSIONS, format_size
+from kvstrata.values import ALWAYS, COST, EVICTIONS, TIER_ADMISSIONS, eviction_alpha, eviction_name, format_size
 
 if TYPE_CHECKING:
     from kvstrata.config import KVStrataConfig
@@ -40,6 +44,8 @@ __all__ = ["FRACTIONS", "OPTIMAL", "capacity_points", "compare", "render_compare
 OPTIMAL = "optimal"  # Belady's offline optimum (kvstrata.bench.optimal): the bound, not a policy
 
 FRACTIONS = (0.10, 0.25, 0.50)  # of the working set: the SSD tier's capacity at each point
+ALPHAS = (0.25, 0.5, 1.0, 2.0, 4.0)  # the ``cost`` order's weights tried at each point
+TUNE_SHARE = 4                       # ... on the trace's first quarter
 _CPU_SHARE = 4                   # the CPU tier holds a quarter of the SSD tier's blocks
 
 
@@ -77,9 +83,13 @@ def compare(trace: "Trace | TraceReader", config: "KVStrataConfig", options: Rep
     info = trace.info
     distinct = info.num_distinct_blocks
     points = list(points) if points else capacity_points(distinct)
-    rows = [(cpu, ssd, ev, adm) for cpu, ssd in points for ev in EVICTIONS for adm in TIER_ADMISSIONS]
-    _check_memory(config, trace.block_size, len(rows), distinct, options.max_memory,
-                  info.num_accesses * _BYTES_PER_ACCESS * n_workers(workers, len(rows)))
+    n_rows = len(points) * len(EVICTIONS) * len(TIER_ADMISSIONS)
+    _check_memory(config, trace.block_size, n_rows, distinct, options.max_memory,
+                  info.num_accesses * _BYTES_PER_ACCESS * n_workers(workers, n_rows))
+    alphas = {point: tune_alpha(requests[:len(requests) // TUNE_SHARE], trace.block_size, config, options, point)
+              for point in points}
+    rows = [(cpu, ssd, f"{COST}:{alphas[(cpu, ssd)]:g}" if ev == COST else ev, adm)
+            for cpu, ssd in points for ev in EVICTIONS for adm in TIER_ADMISSIONS]
     duration = (requests[-1].timestamp - requests[0].timestamp) if requests else 0.0
     costs = {ev: policy_ns_per_op(ev) for ev in EVICTIONS}
     n = n_workers(workers, len(rows))
@@ -196,7 +206,7 @@ def _replay_rows(job: Any, chunk: int, progress: Callable[[int], None] | None) -
     out = []
     for (i, (cpu, ssd, ev, adm)), (_, sets), rp in zip(indexed, made, replayers):
         assert rp.result is not None
-        row = _row(rp.result, cpu, ssd, ev, adm, sets, duration, block_size, costs[ev])
+        row = _row(rp.result, cpu, ssd, ev, adm, sets, duration, block_size, costs[eviction_name(ev)])
         out.append({**row, "_row": i, "_rejected": rp.result.rejected})
     return out
 
@@ -220,16 +230,34 @@ def _row(res: ReplayResult, cpu: int, ssd: int, eviction: str, admission: str, s
     ssd_bytes = ssd * res.config.block_nbytes()
     per_hour = written * 3600 / duration if duration > 0 else None
     dwpd = written * 86400 / duration / ssd_bytes if duration > 0 and ssd_bytes else None
-    return {"eviction": eviction, "admission": admission, "cpu_blocks": res.capacity_blocks.get(CPU, cpu),
+    return {"eviction": eviction_name(eviction), "alpha": eviction_alpha(eviction), "admission": admission,
+            "cpu_blocks": res.capacity_blocks.get(CPU, cpu),
             "ssd_blocks": res.capacity_blocks.get(SSD, ssd), "gpu_blocks": res.capacity_blocks.get(GPU, 0),
             "set": sets, "hit_rate": round(rates["total"], 6),
             "hit_rates": {t: round(v, 6) for t, v in rates.items() if t != "total"},
-            "prefill_tokens_saved": res.hits * block_size, "ssd_bytes_written": written,
+            "prefill_tokens_saved": res.hits * block_size, "prefill_flops_saved": res.flops_saved(),
+            "ssd_bytes_written": written,
             "ssd_bytes_per_hour": round(per_hour) if per_hour is not None else None,
             "drive_writes_per_day": round(dwpd, 4) if dwpd is not None else None,
             "admissions_rejected": int(res.stats.get("admissions_rejected", {}).get(SSD, 0)),
             "policy_ns_per_op": round(ns_per_op, 1), "replay_s": round(res.wall_s, 3),
             "cache_blocks": res.spec.effective_blocks(res.capacity_blocks.get(GPU, 0))}
+
+
+def tune_alpha(requests: Sequence["Request"], block_size: int, config: "KVStrataConfig", options: ReplayOptions,
+               point: tuple[int, int]) -> float:
+    """The ``cost`` order's weight for one capacity point, chosen as Marconi chooses it: the
+    weight of :data:`ALPHAS` whose replay of recent traffic (``requests``: the trace's first
+    :data:`TUNE_SHARE`-th) saves the most prefill FLOPs; ties go to the smaller weight, the
+    one closer to LRU."""
+    with contextlib.ExitStack() as opened:
+        made = [_row_config(config, block_size, *point, f"{COST}:{a:g}", ALWAYS)[0] for a in ALPHAS]
+        replayers = [opened.enter_context(replaying(cfg, block_size, options)) for cfg in made]
+        for r in requests:
+            for rp in replayers:
+                rp.step(r)
+    saved = [rp.result.compute_saved if rp.result is not None else 0.0 for rp in replayers]
+    return ALPHAS[max(range(len(ALPHAS)), key=lambda i: (saved[i], -i))]
 
 
 def _with_optimal(rows: list[dict[str, Any]], requests: list["Request"], block_size: int) -> list[dict[str, Any]]:
@@ -250,6 +278,7 @@ def _with_optimal(rows: list[dict[str, Any]], requests: list["Request"], block_s
                     "gpu_blocks": row["gpu_blocks"], "set": [s for s in row["set"] if "capacity" in s],
                     "hit_rate": round(n / len(accesses), 6) if accesses else 0.0, "hit_rates": {},
                     "cache_blocks": row["cache_blocks"], "prefill_tokens_saved": n * block_size,
+                    "prefill_flops_saved": None, "alpha": None,
                     "ssd_bytes_written": None, "ssd_bytes_per_hour": None, "drive_writes_per_day": None,
                     "admissions_rejected": 0, "policy_ns_per_op": None, "replay_s": None})
         out += [r for r in rows if (r["cpu_blocks"], r["ssd_blocks"]) == point]
@@ -267,7 +296,7 @@ def render_compare(report: dict[str, Any]) -> str:
     if report.get("rejected_requests"):
         lines[1:1] = [f"  {plural(report['rejected_requests'], 'request')} rejected in every row (larger than "
                       "the GPU pool): raise gpu.num_blocks or gpu.capacity"]
-    head = (f"  {'eviction':<9}{'admission':<12}{'total':>8}{'GPU':>8}{'CPU':>8}{'SSD':>8}"
+    head = (f"  {'eviction':<10}{'admission':<12}{'total':>8}{'GPU':>8}{'CPU':>8}{'SSD':>8}{'FLOPs saved':>13}"
             f"{'SSD writes/h':>14}{'DWPD':>10}{'ns/op':>8}")
     same = True
     for (cpu, ssd), rows in _by_point(report["rows"]):
@@ -282,6 +311,8 @@ def render_compare(report: dict[str, Any]) -> str:
         lines.append("Every row is the same: the GPU pool holds what the tiers below would; lower gpu.num_blocks "
                      "(or gpu.capacity) to compare them.")
     lines += ["Hit rate: blocks served from cache (prefix-contiguous) / blocks requested; * the best at that point.",
+              "FLOPs saved: the hits' prefill compute, a later block costing more (its attention), estimated "
+              "from model.*; cost:<alpha> was chosen by replaying the trace's first quarter.",
               "A row's `set` in --json reproduces it: kvstrata bench --set KEY=VALUE ... (the same trace and flags).",
               ""]
     return "\n".join(lines)
@@ -289,14 +320,16 @@ def render_compare(report: dict[str, Any]) -> str:
 
 def _render_row(r: dict[str, Any], best: float) -> str:
     if r["eviction"] == OPTIMAL:
-        return (f"  {'optimal':<9}{'(offline)':<12}{r['hit_rate']:>8.2%}   the bound: Belady's MIN over "
+        return (f"  {'optimal':<10}{'(offline)':<12}{r['hit_rate']:>8.2%}   the bound: Belady's MIN over "
                 f"{r['cache_blocks']:,} blocks, any block hit counted")
     h = r["hit_rates"]
     mark = " *" if r["hit_rate"] == best else ""
     per_hour = format_size(r["ssd_bytes_per_hour"]) if r["ssd_bytes_per_hour"] is not None else "-"
     dwpd = f"{r['drive_writes_per_day']:.3g}" if r["drive_writes_per_day"] is not None else "-"
-    return (f"  {r['eviction']:<9}{r['admission']:<12}{r['hit_rate']:>8.2%}{h.get(GPU, 0):>8.2%}"
-            f"{h.get(CPU, 0):>8.2%}{h.get(SSD, 0):>8.2%}{per_hour:>14}{dwpd:>10}{r['policy_ns_per_op']:>8.0f}{mark}")
+    eviction = r["eviction"] + (f":{r['alpha']:g}" if r.get("alpha") is not None else "")
+    return (f"  {eviction:<10}{r['admission']:<12}{r['hit_rate']:>8.2%}{h.get(GPU, 0):>8.2%}"
+            f"{h.get(CPU, 0):>8.2%}{h.get(SSD, 0):>8.2%}{r['prefill_flops_saved']:>13.3g}{per_hour:>14}{dwpd:>10}"
+            f"{r['policy_ns_per_op']:>8.0f}{mark}")
 
 
 def _by_point(rows: Iterable[dict[str, Any]]) -> list[tuple[tuple[int, int], list[dict[str, Any]]]]:

@@ -72,6 +72,7 @@ from kvstrata.core.costs import fixed_costs
 from kvstrata.core.driver import DriverCore
 from kvstrata.core.request import RequestState
 from kvstrata.policy.events import REMOTE
+from kvstrata.policy.positions import prefix_weight
 from kvstrata.policy.tiers import GPU
 
 if TYPE_CHECKING:
@@ -122,6 +123,7 @@ class Replayer:
         self.forced = self.peak = self.rejected = self.rejected_max = 0
         self.request_hits: list[dict[str, int]] | None = [] if opts.record_requests else None
         self.requests = self.accesses = self.prompt_tokens = 0
+        self.compute_saved = 0.0  # the hits' compute, in blocks without context (kvstrata.policy.positions)
         self.misses: list[dict[str, Any]] | None = [] if opts.explain else None
         self.wall_s = 0.0
         self.result: ReplayResult | None = None
@@ -232,6 +234,7 @@ class Replayer:
         before = bytes(map(self.tracker.state.__getitem__, r.blocks))
         prefill = r.input_length if r.token_based else len(r.blocks) * self.block_size
         hits = self._schedule(str(rid), prompt, prefill=prefill)
+        self.compute_saved += prefix_weight(hits, self.spec.attention_share, self.block_size)
         classify(before, hits, r.hittable, self.reasons)
         if self.misses is not None and hits < r.hittable:
             self.misses.append(self._miss(r, rid, hits, first_reason(before, hits)))
@@ -448,7 +451,8 @@ def _result(rp: Replayer, config: KVStrataConfig, cfg: KVStrataConfig, caps: dic
                         opts.payload_block_bytes if opts.payload else None, config.block_size,
                         rp.prompt_tokens, rp.misses or [], rp.core.resumed.hits, rp.ttft,
                         None if rp.costs is None else {**rp.costs.estimates(), "decisions": rp.costs.decisions,
-                                                       "mean_ttft_s": rp.ttft_total / max(1, rp.requests)})
+                                                       "mean_ttft_s": rp.ttft_total / max(1, rp.requests)},
+                        rp.compute_saved)
 
 
 def requests_of(trace: "Trace | TraceReader | Iterable[Request]") -> Iterator["Request"]:

@@ -10,6 +10,7 @@ from kvstrata.config import KVStrataConfig
 from kvstrata.metrics import TIERS
 from kvstrata.policy import PolicySpec
 from kvstrata.policy.events import REMOTE
+from kvstrata.policy.positions import flops_per_token
 from kvstrata.policy.tiers import SSD
 
 __all__ = ["ReplayError", "ReplayOptions", "ReplayResult"]
@@ -61,6 +62,13 @@ class ReplayResult:
     preempted_hit_blocks: dict[str, int] = field(default_factory=dict)  # on resuming (recorded preemptions)
     ttft_s: Quantiles | None = None  # each request's TTFT as load.* figures estimate it (None: no figures)
     load: dict[str, Any] | None = None  # the load-or-recompute policy, figures and decisions (with figures)
+    compute_saved: float = 0.0  # the hits' prefill compute, in blocks without context (policy.positions)
+
+    def flops_saved(self) -> float:
+        """The prefill FLOPs the hits saved, estimated from the model's KV layout and the
+        attention's share (:mod:`kvstrata.policy.positions`)."""
+        m = self.config.model
+        return flops_per_token(m.layers, m.kv_heads, m.head_size) * self.config.block_size * self.compute_saved
 
     def ssd_bytes_written(self) -> int:
         """Bytes the replay stored to the SSD tier (blocks x the block's bytes, before compression)."""

@@ -30,6 +30,9 @@ Policies (``cpu.eviction``, ``ssd.eviction``):
 * ``arc``: ARC (Megiddo and Modha, FAST'03): a recency list T1 and a frequency
   list T2, their ghosts B1 and B2, and a target size ``p`` for T1 that a hit in
   B1 raises and a hit in B2 lowers.
+* ``cost`` (``cost:<alpha>``): recency plus ``alpha`` times what recomputing the
+  block costs for its bytes, which grows with its position in the prompt
+  (:mod:`kvstrata.policy.cost_order`, after Marconi, MLSys'25).
 
 A released entry goes back to the end its policy gives a use (LRU: most recent;
 S3-FIFO: the tail of its FIFO with its count raised; ARC: T2's most recent end).
@@ -40,10 +43,14 @@ Threading: owned by the index's owner thread.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator, Union
 
 from kvstrata.errors import ConfigError
-from kvstrata.values import ARC, EVICTIONS, LRU, S3FIFO
+from kvstrata.values import ARC, EVICTIONS, LRU, S3FIFO, eviction_alpha
+
+if TYPE_CHECKING:
+    from kvstrata.policy.cost_order import CostOrder
+    from kvstrata.policy.positions import Positions
 
 __all__ = ["EVICTIONS", "LRU", "S3FIFO", "ARC", "LRUOrder", "S3FIFOOrder", "ARCOrder", "EvictionOrder",
            "make_order"]
@@ -309,15 +316,23 @@ class ARCOrder:
         assert sum(map(len, lists)) == len(set().union(*lists)), "a key in two ARC lists"
 
 
-EvictionOrder = LRUOrder | S3FIFOOrder | ARCOrder
+EvictionOrder = Union[LRUOrder, S3FIFOOrder, ARCOrder, "CostOrder"]
 
 
-def make_order(policy: str, num_slots: int, where: str = "eviction") -> EvictionOrder:
-    """The eviction order ``policy`` names, over ``num_slots`` slots."""
+def make_order(policy: str, num_slots: int, where: str = "eviction",
+               positions: "Positions | None" = None) -> EvictionOrder:
+    """The eviction order ``policy`` names, over ``num_slots`` slots (``cost``: weighed by
+    the positions ``positions`` knows; without it, every block alike)."""
     if policy == LRU:
         return LRUOrder()
     if policy == S3FIFO:
         return S3FIFOOrder(num_slots)
     if policy == ARC:
         return ARCOrder(num_slots)
+    alpha = eviction_alpha(policy, where) if isinstance(policy, str) else None
+    if alpha is not None:
+        from kvstrata.policy.cost_order import CostOrder
+        from kvstrata.policy.positions import Positions
+
+        return CostOrder(positions if positions is not None else Positions(1, 0.0), alpha)
     raise ConfigError(f"{where}: expected one of {', '.join(EVICTIONS)}; got {policy!r}")

@@ -20,10 +20,13 @@ what 10 keys cost.
 from __future__ import annotations
 
 from itertools import islice
-from typing import Any, Collection, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Iterator, Sequence
 
 from kvstrata.errors import ConfigError
 from kvstrata.policy.eviction import LRU, EvictionOrder, make_order
+
+if TYPE_CHECKING:
+    from kvstrata.policy.positions import Positions
 
 __all__ = ["SlotIndex", "SlotCounts", "PinnedError"]
 
@@ -96,12 +99,12 @@ class SlotIndex(SlotCounts):
 
     __slots__ = ("num_slots", "_slot", "_lru", "_pins", "_free", "_unused")
 
-    def __init__(self, num_slots: int, eviction: str = LRU) -> None:
+    def __init__(self, num_slots: int, eviction: str = LRU, positions: "Positions | None" = None) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ConfigError(f"num_slots: expected a positive integer, got {num_slots!r}")
         self.num_slots = num_slots
         self._slot: dict[bytes, int] = {}
-        self._lru: EvictionOrder = make_order(eviction, num_slots)
+        self._lru: EvictionOrder = make_order(eviction, num_slots, positions=positions)
         self._pins: dict[bytes, int] = {}
         self._free: list[int] = []   # freed slots; pop() reuses the most recently freed
         self._unused = 0             # slots >= this were never handed out

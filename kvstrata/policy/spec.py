@@ -17,11 +17,13 @@ from kvstrata.config import ADMISSIONS, ON_COMPUTE, ON_EVICT, PROMOTIONS, KVStra
 from kvstrata.credentials import redact_url
 from kvstrata.errors import ConfigError
 from kvstrata.policy.plans import COMPUTED, EVICTED, PAGEOUT, SHUTDOWN
+from kvstrata.policy.positions import default_rho
 from kvstrata.policy.tiers import LOWER, TierList, declare
 from kvstrata.tiers.ssd.footprint import capacity_blocks
 
 __all__ = ["PolicySpec", "ADMISSIONS", "PROMOTIONS", "ON_COMPUTE", "ON_EVICT", "check_spill_rules"]
 
+DEFAULT_RHO = default_rho(8, 128)  # an 8B model's layout (Llama-3-8B: 8 KV heads of 128)
 _ADMITTED = {ON_COMPUTE: (COMPUTED, SHUTDOWN), ON_EVICT: (PAGEOUT, EVICTED, SHUTDOWN)}
 
 
@@ -43,6 +45,9 @@ class PolicySpec:
     ``tiers``: the declarations (:mod:`kvstrata.policy.tiers`); by default those of
     ``cpu_slots``, ``ssd_slots``, ``write_through`` and ``remote``. When given, the
     sizes are read from it.
+    ``attention_share``: attention's share of a token's compute per context token
+    (``rho`` of :mod:`kvstrata.policy.positions`), which a ``cost`` eviction order
+    weighs positions by until the driver measures it.
     """
 
     cpu_slots: int = 0
@@ -53,6 +58,7 @@ class PolicySpec:
     pageout_blocks: int = 0
     remote: bool = False
     tiers: TierList | None = None
+    attention_share: float = DEFAULT_RHO
 
     def __post_init__(self) -> None:
         check_spill_rules(self.admission, self.promotion)
@@ -90,8 +96,11 @@ class PolicySpec:
                         cpu_eviction=config.cpu.eviction, ssd_eviction=config.ssd.eviction)
         lower = cpu > 0 or ssd > 0
         pageout = max(1, int(spill.watermark * gpu_blocks)) if spill.admission == ON_EVICT and lower else 0
+        load, model = config.load, config.model
+        rho = load.prefill_rate / load.attention_rate if load.prefill_rate and load.attention_rate \
+            else default_rho(model.kv_heads, model.head_size)
         return cls(admission=spill.admission, promotion=spill.promotion, write_through=spill.write_through,
-                   pageout_blocks=pageout, tiers=tiers)
+                   pageout_blocks=pageout, tiers=tiers, attention_share=rho)
 
     def admits(self, reason: str) -> bool:
         """Does admission take blocks offered for ``reason``?"""

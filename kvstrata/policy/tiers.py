@@ -20,7 +20,7 @@ A declaration says what differs between tiers:
   ``second_hit`` (a block the second time it is offered or hit above it within
   the last ``ghost_keys`` keys seen once, :class:`~kvstrata.policy.ghost.Ghost`);
 * ``eviction``: which unpinned block leaves when it needs room (``lru``,
-  ``s3fifo``, ``arc``: :mod:`kvstrata.policy.eviction`);
+  ``s3fifo``, ``arc``, ``cost[:<alpha>]``: :mod:`kvstrata.policy.eviction`);
 * ``key``: the config section that declares it (errors name its keys);
 * ``label``, ``hint``, ``hit_source``: how reports name it, what an operator
   raises to grow it, and vLLM's ``CacheHitSource`` member a hit from it is.
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from kvstrata.errors import ConfigError
-from kvstrata.values import ALWAYS, EVICTIONS, LRU, SECOND_HIT, TIER_ADMISSIONS
+from kvstrata.values import ALWAYS, EVICTIONS, LRU, SECOND_HIT, TIER_ADMISSIONS, eviction_alpha, eviction_name
 
 __all__ = ["ALWAYS", "SECOND_HIT", "GPU", "CPU", "SSD", "REMOTE", "LOWER", "SHARED", "PERSISTENT", "Tier", "TierList", "KNOWN", "declare", "describe_tiers"]
 
@@ -234,7 +234,8 @@ def _check_cascade(t: Tier, by_name: dict[str, Tier], order: dict[str, int]) -> 
 
 
 def _check_admission(t: Tier) -> None:
-    if t.eviction not in EVICTIONS:
+    if eviction_name(t.eviction) not in EVICTIONS or (eviction_name(t.eviction) != t.eviction
+                                                        and eviction_alpha(t.eviction, f"{t.where()}.eviction") is None):
         raise ConfigError(f"{t.where()}.eviction: expected one of {', '.join(EVICTIONS)}; got {t.eviction!r}")
     if t.shared and t.eviction != LRU:
         raise ConfigError(f"{t.where()}.eviction: a shared tier's server evicts on its own (maxmemory-policy)")
