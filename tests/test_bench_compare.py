@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.bench.compare import capacity_points, compare
+from kvstrata.bench.compare import ALPHAS, capacity_points, compare
 from kvstrata.bench.optimal import belady_hits
 from kvstrata.bench.workloads import generate
 from kvstrata.cli import main
@@ -45,7 +45,17 @@ def test_every_eviction_and_admission_at_three_capacities(report: dict) -> None:
             assert r["ssd_bytes_written"] < by[cpu, ev, "always"]["ssd_bytes_written"]
 
 
-@pytest.mark.parametrize("which", [0, 9, 17])
+def test_cost_rows_name_the_weight_replaying_the_first_quarter_chose(report: dict) -> None:
+    cost = [r for r in report["compare"] if r["eviction"] == "cost"]
+    assert len(cost) == 3 * len(TIER_ADMISSIONS)
+    for r in cost:
+        assert r["alpha"] in ALPHAS and f"cpu.eviction=cost:{r['alpha']:g}" in r["set"]
+        assert r["prefill_flops_saved"] > 0
+    others = [r for r in report["compare"] if r["eviction"] not in ("cost", "optimal")]
+    assert all(r["alpha"] is None and r["prefill_flops_saved"] > 0 for r in others)
+
+
+@pytest.mark.parametrize("which", [0, 6, 15, 23])  # lru, and cost at each end
 def test_a_rows_set_reproduces_its_hit_rate_in_a_plain_run(report: dict, tmp_path: Path, which: int) -> None:
     row = [r for r in report["compare"] if r["eviction"] != "optimal"][which]
     out = tmp_path / "plain.json"
