@@ -1,7 +1,7 @@
 """The bench replay and the vLLM connector run the same placement, and agree.
 
-One trace (a slice of the shared Mooncake conversation trace, and a generated
-multi-turn chat) is replayed by ``kvstrata bench``'s replay and driven through
+One trace (a slice of the shared Mooncake conversation trace, a generated
+multi-turn chat, two of ``kvstrata bench``'s built-in workloads) is replayed by ``kvstrata bench``'s replay and driven through
 vLLM's real v1 ``Scheduler`` with the connector's scheduler half
 (``tests/vllm_sched.py``; the worker side is a null executor that reports
 every plan done in the step that issued it, since no model runs here). Both
@@ -109,9 +109,24 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
 
+def workload_prompts(name: str) -> list[list[int]]:
+    """A built-in workload of ``kvstrata bench`` (scale 0.05) as token prompts, as
+    :func:`mooncake_prompts` makes them of block ids."""
+    from kvstrata.bench.workloads import generate
+
+    out = []
+    for r in generate(name, 0, block_size=BS, scale=0.05).requests:
+        out.append([t for b in r.blocks for t in (2 + b % 500, 2 + b // 500 % 500, *range(2, 2 + BS - 2))] + [7])
+    return out
+
+
 CASES = {  # trace, GPU blocks, CPU blocks, SSD blocks
     "mooncake": (lambda: mooncake_prompts(700), 260, 1000, 2000),
     "chat": (lambda: chat_prompts(12, 8), 40, 100, 300),
+}
+WORKLOADS = {  # kvstrata bench's built-in workloads, replayed under every eviction x admission
+    "builtin-chat": (lambda: workload_prompts("chat"), 200, 300, 400),
+    "builtin-rag": (lambda: workload_prompts("rag"), 200, 400, 1200),
 }
 
 
@@ -147,12 +162,22 @@ def test_replay_and_connector_agree_with_other_evictions(model: str, tmp_path: P
           exercised=("gpu", "cpu", "ssd") if admission == "always" else ("gpu", "cpu"))
 
 
+@pytest.mark.parametrize("admission", ["always", "second_hit"])
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo", "arc", "cost:2"])
+@pytest.mark.parametrize("case", sorted(WORKLOADS))
+def test_replay_and_connector_agree_on_the_built_in_workloads(model: str, tmp_path: Path, case: str, eviction: str,
+                                                              admission: str) -> None:
+    agree(model, tmp_path, case, {"spill.write_through": False, "cpu.eviction": eviction, "ssd.eviction": eviction,
+                                  "ssd.admission": admission, **(COST_RATES if eviction.startswith("cost") else {})},
+          exercised=("gpu", "cpu", "ssd") if admission == "always" else ("gpu", "cpu"))
+
+
 def agree(model: str, tmp_path: Path, case: str, settings: dict[str, Any],
           exercised: tuple[str, ...] = ("gpu", "cpu", "ssd"), window: int | None = None) -> dict[str, Any]:
     """The case's prompts through vLLM's scheduler and through the replay: the same hits per
     tier and the same policy counts; returns the counts. ``window``: a hybrid model (full
     attention and a sliding window of that many tokens, :func:`hybrid_kv_cache_config`)."""
-    make, gpu, cpu, ssd = CASES[case]
+    make, gpu, cpu, ssd = {**CASES, **WORKLOADS}[case]
     prompts = make()
     nbytes = NBYTES if window is None else NBYTES // 2  # a hybrid's block: one layer's page
     gpu = gpu if window is None else 2 * gpu  # a hybrid's prompt takes a block of each group
