@@ -9,7 +9,9 @@ vLLM alone, with kvstrata, and with kvstrata and the allocator off. Eight 1,500-
 prompts are submitted at once and the engine is stepped by hand: the figure is the
 most requests it ran at once (what the KV pool admits), with the KV cache groups and
 blocks vLLM built, and the engine's wall time for all eight. Greedy outputs must be
-identical.
+identical; where an engine's differ, the script says where they first differ and how
+close the two best tokens were there (random weights make near ties, which a
+different batch composition or summation order flips).
 
     .venv/bin/python benchmarks/bench_hma.py [--kv-mib 16] [--prompts 8] [--tokens 1500] [--rounds 15]
 """
@@ -52,8 +54,8 @@ def engine(spec: dict[str, Any]) -> dict[str, Any]:
     scheduler = engine.engine_core.engine_core.scheduler
     cfg = scheduler.kv_cache_manager.kv_cache_config
     groups = [(type(g.kv_cache_spec).__name__, len(g.layer_names)) for g in cfg.kv_cache_groups]
-    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    peak, outputs, seconds = 0, {}, []
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    peak, outputs, margins, seconds = 0, {}, {}, []
     for r in range(spec["rounds"]):  # new prompts each round: nothing is a prefix hit
         for i in range(spec["prompts"]):
             tokens = [(r * 101 + i * 37 + j * 11) % 500 + 2 for j in range(spec["tokens"])]
@@ -63,10 +65,34 @@ def engine(spec: dict[str, Any]) -> dict[str, Any]:
             for out in engine.step():
                 if out.finished:
                     outputs[out.request_id] = list(out.outputs[0].token_ids)
+                    margins[out.request_id] = [_margin(lp) for lp in out.outputs[0].logprobs or []]
             peak = max(peak, len(scheduler.running))
         seconds.append(time.perf_counter() - t0)
     return {"peak_running": peak, "seconds": statistics.median(seconds), "num_blocks": int(cfg.num_blocks),
-            "groups": groups, "outputs": [outputs[k] for k in sorted(outputs)]}
+            "groups": groups, "outputs": [outputs[k] for k in sorted(outputs)],
+            "margins": [margins[k] for k in sorted(outputs)]}
+
+
+def _margin(logprobs: dict[int, Any]) -> float:
+    """How far the greedy token's log-probability is above the runner-up's at one step."""
+    top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
+def divergence(base: dict[str, Any], other: dict[str, Any]) -> str:
+    """Where ``other``'s greedy outputs first leave ``base``'s, and how close the choice was
+    there (the log-probability margin between the two best tokens in each engine): a
+    near tie (a margin of about 1e-3 or less) flips on a different summation order."""
+    found = []
+    for i, (a, b) in enumerate(zip(base["outputs"], other["outputs"])):
+        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if pos is not None:
+            found.append((i, pos, base["margins"][i][pos], other["margins"][i][pos]))
+    if not found:
+        return "the same"
+    worst = max(found, key=lambda f: min(f[2], f[3]))
+    return (f"{len(found)} of {len(base['outputs'])} requests differ; the widest margin at a first difference "
+            f"(request {worst[0]}, token {worst[1]}): {worst[2]:.2e} here, {worst[3]:.2e} there")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label:<24} KV groups {r['groups']}, {r['num_blocks']} blocks; at most {r['peak_running']} "
               f"request(s) at once; {r['seconds']:.2f} s  ({r['seconds'] / base['seconds']:.2f}x)")
     same = all(r["outputs"] == base["outputs"] for r in results.values())
-    print(f"  outputs identical: {same}" + ("" if same else " (differ: " + ", ".join(
-        label for label, r in results.items() if r["outputs"] != base["outputs"]) + ")"))
+    print(f"  outputs identical: {same}")
+    for label, r in results.items():
+        if r["outputs"] != base["outputs"]:
+            print(f"    {label}: {divergence(base, r)}")
     return 0 if same else 1
 
 

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from kvstrata.config import KVStrataConfig
-from kvstrata.core.costs import ALWAYS, MEASURED, LoadCosts, load_costs
+from kvstrata.core.costs import ALWAYS, MEASURED, PROBE_S, LoadCosts, load_costs
 from kvstrata.errors import ConfigError
 from kvstrata.policy import PolicySpec
 
@@ -207,3 +207,26 @@ def test_runs_of_a_hit_are_groupbys_for_every_shape() -> None:
             tiers[rng.randrange(n)] = "ssd"
         expected = [(t, len(list(r))) for t, r in groupby(tiers)]
         assert _runs(tiers) == expected and _runs(tuple(tiers)) == expected
+
+
+def test_a_hit_loaded_whole_is_loaded_when_reading_every_entry_beats_computing_it() -> None:
+    """A hybrid hit: 4 positions of 16 tokens (64 ms to compute at 1 ms a token), its entries
+    every group's blocks: 4 of the full group and 2 of a window from the SSD tier."""
+    costs = measured(cpu=0.001, ssd=0.01, token=0.001)
+    assert costs.worth_whole(["ssd"] * 6, 4, BT) is True          # 60 ms of reads < 64 ms
+    assert costs.worth_whole(["ssd"] * 7, 4, BT) is False         # 70 ms > 64 ms
+    assert costs.worth_whole(["cpu"] * 4 + ["ssd"] * 2, 4, BT) is True
+    with_margin = measured(cpu=0.001, ssd=0.01, token=0.001, margin=0.1)
+    assert with_margin.worth_whole(["ssd"] * 6, 4, BT) is False   # 66 ms with the margin
+    assert measured(cpu=0.001, ssd=0.01, token=0.001, warmup=10 ** 6).worth_whole(["ssd"] * 7, 4, BT) is True
+
+
+def test_a_slow_tier_is_probed_by_a_hit_loaded_whole_once_a_minute() -> None:
+    now = [1000.0]
+    costs = measured(cpu=0.001, ssd=0.5, token=0.001)
+    costs.clock = lambda: now[0]
+    costs._sampled["ssd"] = now[0]
+    assert costs.worth_whole(["ssd"] * 4, 4, BT) is False
+    now[0] += PROBE_S + 1
+    assert costs.worth_whole(["ssd"] * 4, 4, BT) is True   # the probe
+    assert costs.worth_whole(["ssd"] * 4, 4, BT) is False  # taken: the next one is computed

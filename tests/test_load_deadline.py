@@ -166,3 +166,20 @@ def test_the_scheduler_names_a_fetch_past_its_deadline_once() -> None:
     assert timing.step(0, []) == []           # named once
     timing.fetched(plan, 1)                   # what arrived is still a sample
     assert c.block_seconds()["remote"] == pytest.approx(0.2 + 0.001)  # its fetch, then its load from DRAM
+
+
+def test_a_grouped_load_is_bounded_by_computing_its_positions_not_its_entries() -> None:
+    """A hybrid's load moves every group's blocks: 12 entries over 4 positions. Its deadline
+    is what computing the 4 positions takes (64 ms), not 12 (192 ms)."""
+    from kvstrata.connectors.vllm_costs import TransferTiming
+
+    now = [0.0]
+    c = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1, token_seconds=0.001)
+    plan = LoadPlan(3, req_id="r", block_ids=list(range(12)), keys=[bytes([i]) * 16 for i in range(12)],
+                    cpu_slots=[-1] * 12, from_ssd=[True] * 12, promote_slots=[-1] * 12)
+    timing = TransferTiming(c, BT, clock=lambda: now[0], span_of=lambda p: 4)
+    assert timing.step(0, [plan]) == []
+    now[0] = 0.07
+    assert timing.step(0, []) == ["r"]
+    assert abs(c.deadline(["ssd"] * 12, BT, 0, blocks=4) - 0.064) < 1e-9
+    assert abs(c.deadline(["ssd"] * 12, BT) - 0.192) < 1e-9

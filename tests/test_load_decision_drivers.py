@@ -158,3 +158,19 @@ def test_recorded_estimates_become_the_load_figures_the_deployment_did_not_fix()
     assert cfg.load.ssd_bandwidth == 1 << 30  # fixed while recording: kept
     assert cfg.load.cpu_bandwidth == int(NBYTES / 1e-5) and cfg.load.prefill_rate == 500  # --set wins
     assert recorded_load({"block_nbytes": NBYTES, "load": {"attended_seconds": 1e-9}}) == {}  # no rate to be part of
+
+
+def test_a_hybrid_hit_is_loaded_whole_or_computed_whole(tmp_path: Path) -> None:
+    """A full-attention group and a 2-block window (``model.groups``): the replay weighs a
+    hit's blocks of both groups together; from the slow SSD tier it computes the whole hit,
+    from a fast one it loads it, as ``always`` does."""
+    trace = load_trace(chat_trace(tmp_path / "t.jsonl"), block_size=BS)
+    hybrid = {"model.groups": f"full,sliding:{2 * BS}"}
+    slow = run_bench(trace, config(tmp_path, **figures("40KiB"), **hybrid), ReplayOptions(decode_s_per_token=0.0))
+    measured, always = slow.load_comparison["measured"], slow.load_comparison["always"]
+    assert always.hit_blocks["ssd"] > 0 and measured.hit_blocks["ssd"] == 0
+    decided = measured.load["decisions"]["ssd"]
+    assert decided["loaded"] == 0 and decided["recomputed"] > always.hit_blocks["ssd"]  # every group's blocks
+    fast = run_bench(trace, config(tmp_path, **figures("1GiB"), **hybrid), ReplayOptions(decode_s_per_token=0.0))
+    assert fast.load_comparison["measured"].hit_blocks == fast.load_comparison["always"].hit_blocks
+    assert fast.load_comparison["measured"].hit_blocks["ssd"] > 0

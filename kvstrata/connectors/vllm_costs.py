@@ -31,11 +31,13 @@ class TransferTiming:
     """Feeds a :class:`LoadCosts` with the timings of :mod:`kvstrata.connectors.vllm_costs`."""
 
     def __init__(self, costs: LoadCosts, block_size: int, clock: Any = time.monotonic,
-                 first_of: Callable[[str], int] = lambda req_id: 0) -> None:
+                 first_of: Callable[[str], int] = lambda req_id: 0,
+                 span_of: Callable[[LoadPlan], int] = len) -> None:
         self.costs = costs
         self.block_size = block_size
         self.clock = clock
         self.first_of = first_of  # request -> blocks before its hit (where its load starts)
+        self.span_of = span_of    # load plan -> the block positions it covers (with groups, fewer than its entries)
         self._step: tuple[float, int, float] | None = None  # (when, tokens scheduled, attended) of the last step
         self._computed = False  # a step that computed anything was seen (the first is not timed)
         self._cut_at: dict[int, tuple[str, float]] = {}  # load or fetch plan id -> (request, when it is cut)
@@ -57,10 +59,12 @@ class TransferTiming:
         for plan in handed:
             if isinstance(plan, LoadPlan):
                 tiers = [t for t in plan.tiers() if t]
+                span = self.span_of(plan)
             else:
                 self._fetches[plan.plan_id] = now
                 tiers = [self.costs.fetched or ""] * len(plan)
-            limit = self.costs.deadline(tiers, self.block_size, self.first_of(plan.req_id))
+                span = len(plan)
+            limit = self.costs.deadline(tiers, self.block_size, self.first_of(plan.req_id), span)
             if limit is not None:
                 self._cut_at[plan.plan_id] = (plan.req_id, now + limit)
         for pending in (self._cut_at, self._fetches):  # plans whose completion never came

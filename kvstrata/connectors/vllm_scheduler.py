@@ -42,6 +42,7 @@ from kvstrata.core.request import RequestState
 from kvstrata.hashing import BlockHasher
 from kvstrata.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampling, policy_stats
 from kvstrata.policy import TierPolicy
+from kvstrata.policy.plans import LoadPlan
 from kvstrata.policy.tiers import KNOWN, REMOTE, describe_tiers
 from kvstrata.policy.seeding import SSDSeeding
 
@@ -126,7 +127,8 @@ class KVStrataScheduler:
         self.costs = load_costs(cfg.load, spec, self.block_nbytes)
         self.core = DriverCore(self.policy, self.block_size, self.groups, self.costs)
         self._timing = TransferTiming(self.costs, self.block_size,
-                                      first_of=lambda req_id: getattr(self.core.requests.get(req_id), "gpu_hits", 0))
+                                      first_of=lambda req_id: getattr(self.core.requests.get(req_id), "gpu_hits", 0),
+                                      span_of=self._span)
         self.num_workers = num_workers(vllm_config)
         self._stores = WorkerReports(self.num_workers)
         self._pool = PoolView(record=self.policy.ssd is not None)  # the workers' hot set mirrors follow it
@@ -201,6 +203,11 @@ class KVStrataScheduler:
             st = self.core.open(_Req(request))
         assert isinstance(st, _Req)
         return st
+
+    def _span(self, plan: LoadPlan) -> int:
+        """The block positions a load covers (with groups, fewer than its entries)."""
+        st = self.core.loading(plan.req_id) or self.core.requests.get(plan.req_id)
+        return len(st.sources) if st is not None and st.sources else len(plan)
 
     def _hashes(self, st: _Req, num_blocks: int) -> list[bytes]:
         if len(st.hashes) < num_blocks:

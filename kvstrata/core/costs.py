@@ -332,11 +332,36 @@ class LoadCosts:
                 best_k, best = k, total
         return best_k
 
-    def deadline(self, tiers: Sequence[str], block_tokens: int, first: int = 0) -> float | None:
+    def worth_whole(self, tiers: Sequence[str], blocks: int, block_tokens: int, first: int = 0) -> bool:
+        """Whether a hit that is loaded whole or not at all (a hybrid model's: its groups'
+        blocks arrive together) is worth loading: ``tiers`` are where each of its entries is
+        read from (every group's blocks), ``blocks`` the positions it covers from block
+        ``first``. It is when reading every entry, by ``margin``, takes no longer than
+        computing the positions; a tier due for a probe, or not yet measured, is loaded."""
+        if not self.deciding or not tiers or blocks <= 0:
+            return True
+        compute = self.compute_seconds(first * block_tokens, blocks * block_tokens)
+        if compute is None:
+            return True
+        cost = self.block_seconds()
+        now = self.clock()
+        due = [t for t in dict.fromkeys(tiers) if t in cost and t not in self.fixed
+               and now - self._sampled.get(t, now) > PROBE_S]
+        load = (1.0 + self.margin) * sum(cost.get(t, 0.0) for t in tiers)
+        if due and load > compute:  # a probe: this hit is loaded, its sample decides again
+            for t in due:
+                self._sampled[t] = now
+            self._probing.update(due)
+            return True
+        return load <= compute
+
+    def deadline(self, tiers: Sequence[str], block_tokens: int, first: int = 0,
+                 blocks: int | None = None) -> float | None:
         """Seconds after its hand-over at which a load of blocks read from ``tiers`` (blocks
-        ``first ..`` of the prompt) reads no more (None: it runs to the end: ``always``, no
-        deadline factor, no compute rate yet)."""
-        limit = self.compute_seconds(first * block_tokens, len(tiers) * block_tokens) if tiers else None
+        ``first ..`` of the prompt; ``blocks`` positions, default one per tier entry) reads no
+        more (None: it runs to the end: ``always``, no deadline factor, no compute rate yet)."""
+        span = len(tiers) if blocks is None else blocks
+        limit = self.compute_seconds(first * block_tokens, span * block_tokens) if tiers else None
         if not self.deciding or self.deadline_factor <= 0 or limit is None:
             return None
         cost = self.block_seconds()

@@ -153,13 +153,26 @@ class DriverCore:
     def worth_loading(self, st: RequestState, first: int, below: int) -> int:
         """How many of the ``below`` blocks after ``first`` are worth loading rather than
         computing (:meth:`LoadCosts.worth`); the decision is counted when the request is
-        admitted. With groups every hit is loaded."""
-        if self.costs is None or not self.costs.deciding or self.groups is not None or not below:
+        admitted. With groups a hit is loaded whole or not at all
+        (:meth:`LoadCosts.worth_whole` over every group's blocks it needs)."""
+        if self.costs is None or not self.costs.deciding or not below:
             return below
+        if self.groups is not None:
+            tiers = self._group_tiers(st, first, first + below)
+            k = below if self.costs.worth_whole(tiers, below, self.block_size, first) else 0
+            st.decision = (tiers, len(tiers) if k else 0)
+            return k
         tiers = self.policy.lookup(st.hashes[first:first + below])
         k = self.costs.worth(tiers, self.block_size, first)
         st.decision = (tiers, k)
         return k
+
+    def _group_tiers(self, st: RequestState, first: int, end: int) -> list[str]:
+        """Where each block a grouped hit ``[first, end)`` needs is read from, group by group."""
+        groups, holds = self.groups, self.policy.holds
+        assert groups is not None
+        return [holds(self.group_key(st, g, i)) or "" for g in range(len(groups.groups))
+                for i in range(max(first, groups.needed_from(g, end)), end)]
 
     def worth_fetching(self, st: RequestState, first: int, start: int, held: int) -> int:
         """How many of the ``held`` blocks the shared tier holds after the local prefix
@@ -258,8 +271,8 @@ class DriverCore:
         promotions, whose cascades may evict), counts the lookup and plans the load."""
         st.resumed, st.gpu_hits = resumed, gpu_hits
         if st.decision is not None and self.costs is not None:
-            tiers, _ = st.decision
-            self.costs.count(tiers, num_external)
+            tiers, loaded = st.decision
+            self.costs.count(tiers, num_external if self.groups is None else loaded if num_external else 0)
         st.decision = None
         st.hits = request_counts(gpu_hits, [], self.remote)
         st.load, st.load_lost, st.sources = None, set(), []
