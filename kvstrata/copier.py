@@ -63,7 +63,7 @@ from kvstrata.copies import CopyRows, Finished, PendingLoad, PendingStore
 from kvstrata.io_queue import IOQueue, timed
 from kvstrata.executor import Executor, LoadResult, Lost
 from kvstrata.policy.plans import FetchPlan, LoadPlan, StorePlan
-from kvstrata.streams import Event, InlineStreams, Stream, Streams
+from kvstrata.streams import Event, InlineStreams, Stream, Streams, elapsed_s
 from kvstrata.policy.tiers import CPU, SSD
 
 __all__ = ["CopyRows", "Copier", "Finished", "IOQueue"]
@@ -300,6 +300,7 @@ class Copier:
             if plan.cpu_slots[i] >= 0:
                 self._wait_slot(plan.cpu_slots[i], stream)
         slab = self.ex.slab
+        job.scatter_start = stream.record(timed=True)  # after the waits: the copies alone are timed
         t0 = time.perf_counter()
         if cpu:
             assert slab is not None
@@ -307,8 +308,8 @@ class Copier:
                                                     [plan.block_ids[i] for i in cpu]))
         if ssd:
             stream.submit(lambda: self.rows.scatter(job.staging, ssd, [plan.block_ids[i] for i in ssd]))
-        job.scatter_s = time.perf_counter() - t0  # the copies themselves on inline streams, their queuing on a GPU
-        job.scattered = stream.record()
+        job.scatter_s = time.perf_counter() - t0  # the copies themselves on inline streams (a GPU: see poll)
+        job.scattered = stream.record(timed=True)
         self.ex.count("blocks_loaded_cpu", len(cpu))
 
     # The waits, one method per ordering rule (the tests remove each in turn).
@@ -385,8 +386,10 @@ class Copier:
         remaining = []
         for job in self._loads:
             if job.scattered is not None and job.scattered.query():
+                device_s = elapsed_s(job.scatter_start, job.scattered) if job.scatter_start is not None else None
                 out.loads[job.plan.req_id] = LoadResult(job.loaded, job.lost, read=_moved(job),
-                                                        seconds=job.io_s[0] + job.scatter_s)
+                                                        seconds=job.io_s[0] + (job.scatter_s if device_s is None
+                                                                               else device_s))
                 self.ex.count("bytes_h2d", job.loaded * self.rows.block_nbytes)
                 self.ex.count("seconds_h2d", now - job.started)
                 self._release_slots(job)

@@ -81,3 +81,4 @@ class PendingLoad:
     cut: threading.Event = field(default_factory=threading.Event)  # read no more SSD blocks
     io_s: list[float] = field(default_factory=lambda: [0.0])     # the SSD reads' seconds (set by them)
     scatter_s: float = 0.0             # the copies into the device blocks (inline streams: their time)
+    scatter_start: Event | None = None  # a timed event before them (a device that keeps times measures them)

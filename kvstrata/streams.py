@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-__all__ = ["Event", "Stream", "Streams", "InlineStreams", "CudaStreams", "streams_for", "to_device", "copy_priority"]
+__all__ = ["Event", "Stream", "Streams", "InlineStreams", "CudaStreams", "streams_for", "to_device", "copy_priority",
+           "elapsed_s"]
 
 
 class Event(Protocol):
@@ -36,8 +37,9 @@ class Stream(Protocol):
     def submit(self, fn: Callable[[], None]) -> None:
         """Queue ``fn``'s device work on this stream, after everything submitted before."""
 
-    def record(self) -> Event:
-        """An event that completes when the work submitted so far has run."""
+    def record(self, timed: bool = False) -> Event:
+        """An event that completes when the work submitted so far has run (``timed``: one that
+        :func:`elapsed_s` can measure from, where the device keeps times)."""
 
     def wait(self, event: Event) -> None:
         """Later work on this stream starts only after ``event`` completed (the host does not wait)."""
@@ -68,7 +70,7 @@ class _InlineStream:
     def submit(self, fn: Callable[[], None]) -> None:
         fn()
 
-    def record(self) -> Event:
+    def record(self, timed: bool = False) -> Event:
         return _DONE
 
     def wait(self, event: Event) -> None:
@@ -100,12 +102,12 @@ class _CudaStream:
         with torch.cuda.stream(self.torch_stream):
             fn()
 
-    def record(self) -> Event:
+    def record(self, timed: bool = False) -> Event:
         import torch
 
         # blocking: the I/O thread's synchronize() sleeps until the copy ran instead of
         # spinning a core (query(), all the step thread calls, is the same either way)
-        event = torch.cuda.Event(blocking=True)
+        event = torch.cuda.Event(blocking=True, enable_timing=timed)
         event.record(self.torch_stream)
         return event
 
@@ -132,6 +134,19 @@ class CudaStreams:
         compute = torch.cuda.current_stream(self.device).priority
         priority = copy_priority(least, compute, low_priority=low_priority)
         return _CudaStream(torch.cuda.Stream(device=self.device, priority=priority))
+
+
+def elapsed_s(start: Event, end: Event) -> float | None:
+    """Device seconds between two completed timed events of one stream (CUDA's own clock:
+    the work between them, not the time it waited in the queue before ``start``); None
+    where the device keeps no times (inline work: time it on the host instead)."""
+    measure = getattr(start, "elapsed_time", None)
+    if measure is None or not end.query():
+        return None
+    try:
+        return float(measure(end)) / 1e3
+    except RuntimeError:  # an event recorded without timing
+        return None
 
 
 def copy_priority(least: int, compute: int, *, low_priority: bool) -> int:

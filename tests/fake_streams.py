@@ -59,7 +59,7 @@ class FakeStream:
         with self.device.lock:
             self.ops.append(("run", fn))
 
-    def record(self) -> FakeEvent:
+    def record(self, timed: bool = False) -> FakeEvent:
         event = FakeEvent(self.device)
         with self.device.lock:
             self.ops.append(("record", event))

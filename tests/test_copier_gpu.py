@@ -119,6 +119,27 @@ def test_queueing_a_copy_behind_a_busy_forward_does_not_block_the_host(tmp_path)
     ssd.close()
 
 
+def test_a_load_reports_the_device_time_of_its_copies_not_its_wait_in_the_queue(tmp_path) -> None:
+    """The load stream is busy for ~0.2 s (a GPU sleep queued on it) when a load from the slab
+    is queued: the load completes after that, but the seconds it reports are its copies' own,
+    between two timed events on the load stream."""
+    kv, layout, slab, ssd, copier = _engine(tmp_path)
+    keys = [bytes([3, i]) * 16 for i in range(4)]
+    plan = StorePlan(1, COMPUTED, [1, 2, 3, 4], keys, [0, 1, 2, 3], [False] * 4)
+    copier.store(plan, copier.streams.current().record())
+    _until(lambda: copier.poll().stored, "the store")
+    copier.load_stream.submit(lambda: torch.cuda._sleep(400_000_000))
+    t0 = time.perf_counter()
+    copier.load(LoadPlan(2, "r", [8, 9, 10, 11], keys, [0, 1, 2, 3], [False] * 4, [-1] * 4))
+    result = _until(lambda: copier.poll().loads.get("r"), "the load")
+    waited = time.perf_counter() - t0
+    assert result.loaded == 4
+    assert waited > 0.1, f"the load stream was not busy ({waited:.3f} s): nothing measured"
+    assert 0 < result.seconds < waited / 4, (result.seconds, waited)
+    copier.close()
+    ssd.close()
+
+
 def test_copy_streams_never_outrank_the_compute_stream() -> None:
     least, greatest = torch.cuda.Stream.priority_range()
     compute = torch.cuda.current_stream().priority

@@ -5,6 +5,7 @@ a cut. The real engine over a throttled disk: ``benchmarks/bench_load_policy.py`
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -183,3 +184,52 @@ def test_a_grouped_load_is_bounded_by_computing_its_positions_not_its_entries() 
     assert timing.step(0, []) == ["r"]
     assert abs(c.deadline(["ssd"] * 12, BT, 0, blocks=4) - 0.064) < 1e-9
     assert abs(c.deadline(["ssd"] * 12, BT) - 0.192) < 1e-9
+
+
+class _TimedEvent:
+    """Stands in for a CUDA event recorded with timing (there is no GPU here; the real one is
+    checked by tests/test_copier_gpu.py on a device): complete, and 250 ms after any start."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: "_TimedEvent") -> float:
+        return 250.0  # milliseconds, as torch.cuda.Event.elapsed_time gives them
+
+
+class _TimedStream:
+    def submit(self, fn) -> None:
+        fn()
+
+    def record(self, timed: bool = False) -> object:
+        return _TimedEvent()
+
+    def wait(self, event: object) -> None:
+        return None
+
+
+class _TimedStreams(InlineStreams):
+    def __init__(self) -> None:
+        self._stream = _TimedStream()
+
+
+def test_a_device_that_times_its_copies_reports_their_device_time(tmp_path: Path) -> None:
+    """Where the copy into the device blocks is asynchronous (a GPU), the load's seconds are
+    the SSD reads plus the device's own time for the copies, between two timed events on the
+    load stream, not the host's time to queue them."""
+    ex, _, ssd, _, keys = _tiers(tmp_path, 4)
+    copier = Copier(ex, ex.device, _TimedStreams())
+    plan = LoadPlan(1, "r", [0, 1], keys[:2], [-1, -1], [True, True], [-1, -1])
+    copier.load(plan)
+    deadline = time.monotonic() + 10
+    result = None
+    while result is None and time.monotonic() < deadline:
+        result = copier.poll().loads.get("r")
+        time.sleep(0.001)
+    assert result is not None and result.loaded == 2
+    assert 0.25 <= result.seconds < 0.25 + 5, result.seconds  # the reads (ms here) + 250 ms of device time
+    copier.close()
+    ssd.close()
