@@ -155,3 +155,12 @@ def test_the_library_teaches_the_order_the_reach_of_what_it_looks_up(tmp_path) -
 def test_a_malformed_weight_is_a_config_error_naming_the_key(value: str) -> None:
     with pytest.raises(ConfigError, match=r"^ssd\.eviction: expected cost or cost:<weight from 0 to 100>"):
         KVStrataConfig.from_dict({}, {"ssd.eviction": value})
+
+
+def test_an_absurd_attention_share_is_ignored() -> None:
+    positions = Positions(4, RHO)
+    for absurd in (float("inf"), float("nan"), -1.0, 1e300):
+        positions.rho = absurd
+        assert positions.rho == RHO
+    positions.note(K[:3])
+    assert positions.klass(K[0])[1] == 2

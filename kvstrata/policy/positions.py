@@ -96,7 +96,8 @@ class Positions:
 
     @rho.setter
     def rho(self, value: float) -> None:
-        if value != self._rho:
+        """A share that is not finite and non-negative (an absurd measurement) is ignored."""
+        if value != self._rho and math.isfinite(value) and 0 <= value < 1e6:
             self._rho, self._classes = float(value), {}
 
     @property
