@@ -63,7 +63,7 @@ from kvstrata.copies import CopyRows, Finished, PendingLoad, PendingStore
 from kvstrata.io_queue import IOQueue, timed
 from kvstrata.executor import Executor, LoadResult, Lost
 from kvstrata.policy.plans import FetchPlan, LoadPlan, StorePlan
-from kvstrata.streams import Event, InlineStreams, Stream, Streams, elapsed_s
+from kvstrata.streams import Event, InlineStreams, Stream, Streams
 from kvstrata.policy.tiers import CPU, SSD
 
 __all__ = ["CopyRows", "Copier", "Finished", "IOQueue"]
@@ -386,10 +386,7 @@ class Copier:
         remaining = []
         for job in self._loads:
             if job.scattered is not None and job.scattered.query():
-                device_s = elapsed_s(job.scatter_start, job.scattered) if job.scatter_start is not None else None
-                out.loads[job.plan.req_id] = LoadResult(job.loaded, job.lost, read=_moved(job),
-                                                        seconds=job.io_s[0] + (job.scatter_s if device_s is None
-                                                                               else device_s))
+                out.loads[job.plan.req_id] = LoadResult(job.loaded, job.lost, read=_moved(job), seconds=job.seconds())
                 self.ex.count("bytes_h2d", job.loaded * self.rows.block_nbytes)
                 self.ex.count("seconds_h2d", now - job.started)
                 self._release_slots(job)

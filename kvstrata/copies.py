@@ -18,7 +18,7 @@ import numpy as np
 
 from kvstrata.executor import LoadResult, Lost
 from kvstrata.policy.plans import LoadPlan, StorePlan
-from kvstrata.streams import Event
+from kvstrata.streams import Event, elapsed_s
 
 __all__ = ["CopyRows", "Finished", "PendingStore", "PendingLoad"]
 
@@ -82,3 +82,10 @@ class PendingLoad:
     io_s: list[float] = field(default_factory=lambda: [0.0])     # the SSD reads' seconds (set by them)
     scatter_s: float = 0.0             # the copies into the device blocks (inline streams: their time)
     scatter_start: Event | None = None  # a timed event before them (a device that keeps times measures them)
+
+    def seconds(self) -> float:
+        """What the load took once it is done: its SSD reads, then its copies into the device
+        blocks (the device's own time between two timed events where it keeps times)."""
+        device_s = elapsed_s(self.scatter_start, self.scattered) \
+            if self.scatter_start is not None and self.scattered is not None else None
+        return self.io_s[0] + (self.scatter_s if device_s is None else device_s)
