@@ -230,3 +230,30 @@ def test_a_slow_tier_is_probed_by_a_hit_loaded_whole_once_a_minute() -> None:
     now[0] += PROBE_S + 1
     assert costs.worth_whole(["ssd"] * 4, 4, BT) is True   # the probe
     assert costs.worth_whole(["ssd"] * 4, 4, BT) is False  # taken: the next one is computed
+
+
+def test_reads_queued_ahead_are_paid_by_the_next_hit_that_reads_behind_them() -> None:
+    """An SSD block: 2 ms to read, 16 ms to compute. Alone, a 10-block SSD hit is loaded; with
+    a 100-block load handed over just before (0.2 s of reads ahead on the I/O thread) it is
+    computed; a DRAM hit never waits for them; once the I/O thread has worked them off, or
+    the load finished, the hit is loaded again."""
+    now = [100.0]
+    costs = measured(cpu=0.001, ssd=0.002, token=0.001)
+    costs.clock = lambda: now[0]
+    hit = ["ssd"] * 10
+    assert costs.worth(hit, BT) == 10
+    costs.handed(7, {"ssd": 100})
+    assert costs.queued() == pytest.approx(0.2)
+    assert costs.worth(hit, BT) == 0
+    assert costs.worth(["cpu"] * 10, BT) == 10
+    assert costs.deadline(hit, BT) == pytest.approx(0.16)  # computing the 10 blocks bounds it
+    now[0] += 0.15  # 50 ms of reads left: 10 blocks save 160 - 20 - 50 ms
+    assert costs.worth(hit, BT) == 10
+    costs.finished(7)
+    assert costs.queued() == 0.0
+    costs.handed(9, {"ssd": 25})  # 50 ms ahead: in the estimate the deadline is twice of, 2 x (20 + 50) ms
+    assert costs.deadline(hit, BT) == pytest.approx(0.14)
+    costs.finished(9)
+    costs.handed(8, {"ssd": 100})
+    now[0] += 3600  # never reported: stale, behind no one
+    assert costs.queued() == 0.0 and costs.worth(hit, BT) == 10

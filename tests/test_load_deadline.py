@@ -233,3 +233,18 @@ def test_a_device_that_times_its_copies_reports_their_device_time(tmp_path: Path
     assert 0.25 <= result.seconds < 0.25 + 5, result.seconds  # the reads (ms here) + 250 ms of device time
     copier.close()
     ssd.close()
+
+
+def test_the_scheduler_keeps_each_load_in_the_read_queue_from_hand_over_to_its_end() -> None:
+    from kvstrata.connectors.vllm_costs import TransferTiming
+
+    now = [0.0]
+    c = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1, token_seconds=0.001,
+                  block_seconds={"cpu": 0.001, "ssd": 0.01}, clock=lambda: now[0])
+    timing = TransferTiming(c, BT, clock=lambda: now[0])
+    ssd = LoadPlan(4, "r", list(range(6)), [bytes([i]) * 16 for i in range(6)], [0, 1, -1, -1, -1, -1],
+                   [False, False, True, True, True, True], [-1] * 6)
+    timing.step(0, [ssd])
+    assert c.queued() == pytest.approx(0.04)  # 4 SSD blocks at 10 ms; the 2 DRAM ones queue on nothing
+    timing.loaded(ssd)
+    assert c.queued() == 0.0

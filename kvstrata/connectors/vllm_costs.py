@@ -16,6 +16,7 @@ Threads: vLLM's scheduler thread.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any, Callable, Sequence
 
 from kvstrata.core.costs import LoadCosts, load_costs
@@ -65,6 +66,8 @@ class TransferTiming:
                 tiers = [self.costs.fetched or ""] * len(plan)
                 span = len(plan)
             limit = self.costs.deadline(tiers, self.block_size, self.first_of(plan.req_id), span)
+            if isinstance(plan, LoadPlan):
+                self.costs.handed(plan.plan_id, Counter(tiers))  # behind the reads of the loads before it
             if limit is not None:
                 self._cut_at[plan.plan_id] = (plan.req_id, now + limit)
         for pending in (self._cut_at, self._fetches):  # plans whose completion never came
@@ -77,8 +80,9 @@ class TransferTiming:
         self.costs.load_done(read, seconds)
 
     def loaded(self, plan: LoadPlan) -> None:
-        """A load finished (its deadline no longer runs)."""
+        """A load finished (its deadline no longer runs, its reads are ahead of nothing)."""
         self._cut_at.pop(plan.plan_id, None)
+        self.costs.finished(plan.plan_id)
 
     def fetched(self, plan: FetchPlan, got: int) -> None:
         """A fetch reported ``got`` blocks (a cut one too: what arrived in the time it took)."""

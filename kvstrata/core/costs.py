@@ -37,6 +37,16 @@ recover: when a hit would compute a tier's blocks and that tier's last sample is
 than ``PROBE_S``, the hit is loaded once more (a probe, bounded by its deadline), and
 the estimates start again from what the probe measured.
 
+**Queued reads.** The reads of the tiers behind the slab tier (the SSD tier's) run on
+one I/O thread, in order: a load handed over behind others waits for their reads. The
+estimate of every load in flight is kept from its hand-over (:meth:`LoadCosts.handed`)
+to its end (:meth:`LoadCosts.finished`), and what is still ahead (their estimated
+reads less the time since the oldest was handed over) is charged once to a hit that
+reads such a tier, and added to its deadline's estimate. Under a burst of hits on a
+slow disk, the later ones are then computed rather than queued. (Fetches from the
+shared tier are timed from hand-over, so their estimate already holds their queue;
+the library and the replay load one request at a time: nothing is ahead.)
+
 The deadline (:meth:`LoadCosts.deadline`): a load still running ``deadline`` times its
 estimate after it was handed over, or longer than computing its blocks would take
 (during a tier's warm-up, the only bound), reads no more; the blocks not yet in are
@@ -67,6 +77,8 @@ __all__ = ["LoadCosts", "DECAY", "ALWAYS", "MEASURED", "POLICIES", "PROBE_S", "l
 MEASURED, ALWAYS = POLICIES  # (measured, always)
 DECAY = 0.8  # weight of a sample once the next one arrived: about five samples carry the estimate
 PROBE_S = 60.0  # a tier not read for this long is read once more before it is judged again
+_QUEUE_MAX = 4096  # loads followed in flight at most
+_STALE_S = 60.0    # a load in flight longer than this (and than 10x its estimate) is dropped from the queue
 
 
 @dataclass
@@ -196,6 +208,7 @@ class LoadCosts:
         self._step_s = 0.0  # decayed seconds and count of every step
         self._step_n = 0.0
         self.decisions = {t: {"loaded": 0, "recomputed": 0} for t in (*self.tiers, *((fetched,) if fetched else ()))}
+        self._queue: dict[int, tuple[float, float]] = {}  # load plan -> (handed over, estimated reads)
 
     @property
     def deciding(self) -> bool:
@@ -215,6 +228,34 @@ class LoadCosts:
             self._estimates = None
             now = self.clock()
             self._sampled.update((t, now) for t in self.tiers if blocks.get(t, 0) > 0)
+
+    def handed(self, plan_id: int, blocks: Mapping[str, int]) -> None:
+        """A load reading ``blocks[tier]`` blocks per tier went to the workers: the reads of
+        the tiers behind the slab tier queue on one I/O thread until :meth:`finished`."""
+        cost = self.block_seconds()
+        reads = sum(n * cost.get(t, 0.0) for t, n in blocks.items() if t in self.tiers[1:])
+        if reads > 0:
+            self._queue[plan_id] = (self.clock(), reads)
+            while len(self._queue) > _QUEUE_MAX:  # finishes that never came
+                del self._queue[next(iter(self._queue))]
+
+    def finished(self, plan_id: int) -> None:
+        """The load's reads are no longer ahead of anything."""
+        self._queue.pop(plan_id, None)
+
+    def queued(self) -> float:
+        """Seconds of reads still ahead of a new load's: the estimated reads of the loads in
+        flight, less the time the I/O thread has worked since the oldest was handed over."""
+        if not self._queue:
+            return 0.0
+        now = self.clock()
+        stale = [p for p, (at, reads) in self._queue.items() if now - at > max(_STALE_S, 10 * reads)]
+        for plan_id in stale:  # a load whose end was never reported is behind no one for ever
+            del self._queue[plan_id]
+        if not self._queue:
+            return 0.0
+        first = min(at for at, _ in self._queue.values())
+        return max(0.0, sum(r for _, r in self._queue.values()) - (now - first))
 
     def fetch_done(self, blocks: int, seconds: float) -> None:
         """A fetch brought ``blocks`` blocks from the shared tier into the slab tier in ``seconds``."""
@@ -322,7 +363,11 @@ class LoadCosts:
             self._sampled[t] = now  # one request probes; its sample (or the next probe) decides
         self._probing |= probe
         best_k, best, total, k = 0, 0.0, 0.0, 0
+        wait = self.queued() if self._queue else 0.0  # paid once, by the first block read on the I/O thread
         for tier, n in runs:  # along a run the saving per block grows: its ends decide
+            if wait and tier in self.tiers[1:]:
+                total -= margin * wait
+                wait = 0.0
             if tier not in probe:  # blocks first+k .. first+k+n-1: sum of (position + 1/2) is n(p0) + n^2/2
                 p0 = first + k
                 total += n * bt * per_token + per_attended * bt * bt * (n * p0 + n * n / 2) \
@@ -366,7 +411,8 @@ class LoadCosts:
             return None
         cost = self.block_seconds()
         if all(t in cost for t in tiers):
-            limit = min(limit, self.deadline_factor * sum(cost[t] for t in tiers))
+            ahead = self.queued() if any(t in self.tiers[1:] for t in tiers) else 0.0
+            limit = min(limit, self.deadline_factor * (sum(cost[t] for t in tiers) + ahead))
         step = self._step_s / self._step_n if self._step_n else 0.0
         return max(limit, 2 * step)
 
