@@ -371,7 +371,7 @@ def _record_pages() -> dict[str, dict[str, str]]:
 def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
     """Run ``spec["steps"]`` on one engine. Each step is ``{"prompts": [[ids...]], "salt": str|None}``
     or ``{"reset": true}`` (reset vLLM's prefix cache; with ``"connector": true`` kvstrata's
-    tiers too). ``spec["hook_timing"]``: each step also reports ``hook_seconds``, the time
+    tiers too) or ``{"idle": seconds}`` (the engine does nothing that long). ``spec["hook_timing"]``: each step also reports ``hook_seconds``, the time
     every engine step of it spent inside kvstrata's worker-side hooks. ``spec["kv_events"]``
     (an ``ipc://`` endpoint): KV-cache events on, each step reports the ``events`` a router
     subscribed from before the engine started received, or, with ``events_from_step: i``,
@@ -399,6 +399,10 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
             continue
         if step.get("sleep"):
             results.append(_sleep_cycle(llm))
+            continue
+        if step.get("idle"):
+            time.sleep(float(step["idle"]))
+            results.append({"idle": float(step["idle"])})
             continue
         prompts = [{"prompt_token_ids": p} for p in step["prompts"]]
         if step.get("salt") is not None:
