@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 from kvstrata.errors import ConfigError
 
 __all__ = ["ALWAYS", "SECOND_HIT", "TIER_ADMISSIONS", "tier_admission", "LRU", "S3FIFO", "ARC", "COST", "EVICTIONS",
-           "COST_ALPHA", "eviction_alpha", "eviction_name",
+           "COST_ALPHA", "check_eviction", "eviction_alpha", "eviction_name",
            "eviction", "MAX_GHOST_KEYS", "parse_size", "plural", "format_size", "short_repr", "short_key", "clip",
            "integer", "one_of", "duration_s", "check_keys", "path_or_none"]
 
@@ -189,12 +189,17 @@ MAX_COST_ALPHA = 100.0
 
 
 def eviction(d: Mapping[str, Any], p: str) -> str:
-    """``eviction`` of a tier's section ``p``: an order of :data:`EVICTIONS`, or ``cost:<alpha>``."""
-    value = d.get("eviction", LRU)
+    """``eviction`` of a tier's section ``p`` (:func:`check_eviction`)."""
+    return check_eviction(d.get("eviction", LRU), f"{p}.eviction")
+
+
+def check_eviction(value: Any, where: str) -> str:
+    """An eviction order: one of :data:`EVICTIONS`, or ``cost:<alpha>``; anything else is a
+    :class:`ConfigError` naming ``where``."""
     if isinstance(value, str) and value.strip().startswith(f"{COST}:"):
-        eviction_alpha(value, f"{p}.eviction")
+        eviction_alpha(value, where)
         return value.strip()
-    return one_of(value, f"{p}.eviction", EVICTIONS)
+    return one_of(value, where, EVICTIONS)
 
 
 def eviction_alpha(value: str, where: str = "eviction") -> float | None:

@@ -209,6 +209,7 @@ class LoadCosts:
         self._step_n = 0.0
         self.decisions = {t: {"loaded": 0, "recomputed": 0} for t in (*self.tiers, *((fetched,) if fetched else ()))}
         self._queue: dict[int, tuple[float, float]] = {}  # load plan -> (handed over, estimated reads)
+        self._queued_tiers = frozenset(self.tiers[1:])  # read on the I/O thread: behind the slab tier
 
     @property
     def deciding(self) -> bool:
@@ -232,8 +233,10 @@ class LoadCosts:
     def handed(self, plan_id: int, blocks: Mapping[str, int]) -> None:
         """A load reading ``blocks[tier]`` blocks per tier went to the workers: the reads of
         the tiers behind the slab tier queue on one I/O thread until :meth:`finished`."""
+        if not self.deciding:
+            return
         cost = self.block_seconds()
-        reads = sum(n * cost.get(t, 0.0) for t, n in blocks.items() if t in self.tiers[1:])
+        reads = sum(n * cost.get(t, 0.0) for t, n in blocks.items() if t in self._queued_tiers)
         if reads > 0:
             self._queue[plan_id] = (self.clock(), reads)
             while len(self._queue) > _QUEUE_MAX:  # finishes that never came
@@ -357,15 +360,12 @@ class LoadCosts:
         now = self.clock()
         last = bt * per_token + per_attended * bt * bt * (first + len(tiers) - 0.5)  # the costliest block
         runs = _runs(tiers)
-        probe = {t for t, _ in runs if t in cost and t not in self.fixed
-                 and last < margin * cost[t] and now - self._sampled.get(t, now) > PROBE_S}
-        for t in probe:
-            self._sampled[t] = now  # one request probes; its sample (or the next probe) decides
-        self._probing |= probe
+        probe = {t for t, _ in runs if self._due(t, cost, now) and last < margin * cost[t]}
+        self._take_probes(probe, now)
         best_k, best, total, k = 0, 0.0, 0.0, 0
-        wait = self.queued() if self._queue else 0.0  # paid once, by the first block read on the I/O thread
+        wait = self.queued()  # paid once, by the first block read on the I/O thread
         for tier, n in runs:  # along a run the saving per block grows: its ends decide
-            if wait and tier in self.tiers[1:]:
+            if wait and tier in self._queued_tiers:
                 total -= margin * wait
                 wait = 0.0
             if tier not in probe:  # blocks first+k .. first+k+n-1: sum of (position + 1/2) is n(p0) + n^2/2
@@ -390,15 +390,22 @@ class LoadCosts:
             return True
         cost = self.block_seconds()
         now = self.clock()
-        due = [t for t in dict.fromkeys(tiers) if t in cost and t not in self.fixed
-               and now - self._sampled.get(t, now) > PROBE_S]
+        due = {t for t in tiers if self._due(t, cost, now)}
         load = (1.0 + self.margin) * sum(cost.get(t, 0.0) for t in tiers)
         if due and load > compute:  # a probe: this hit is loaded, its sample decides again
-            for t in due:
-                self._sampled[t] = now
-            self._probing.update(due)
+            self._take_probes(due, now)
             return True
         return load <= compute
+
+    def _due(self, tier: str, cost: Mapping[str, float], now: float) -> bool:
+        """A measured tier whose last sample is older than ``PROBE_S``."""
+        return tier in cost and tier not in self.fixed and now - self._sampled.get(tier, now) > PROBE_S
+
+    def _take_probes(self, tiers: set[str], now: float) -> None:
+        """``tiers`` are read once more: one request probes; its sample (or the next probe) decides."""
+        for t in tiers:
+            self._sampled[t] = now
+        self._probing |= tiers
 
     def deadline(self, tiers: Sequence[str], block_tokens: int, first: int = 0,
                  blocks: int | None = None) -> float | None:
@@ -411,7 +418,7 @@ class LoadCosts:
             return None
         cost = self.block_seconds()
         if all(t in cost for t in tiers):
-            ahead = self.queued() if any(t in self.tiers[1:] for t in tiers) else 0.0
+            ahead = self.queued() if self._queued_tiers.intersection(tiers) else 0.0
             limit = min(limit, self.deadline_factor * (sum(cost[t] for t in tiers) + ahead))
         step = self._step_s / self._step_n if self._step_n else 0.0
         return max(limit, 2 * step)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from kvstrata.errors import ConfigError
-from kvstrata.values import ALWAYS, EVICTIONS, LRU, SECOND_HIT, TIER_ADMISSIONS, eviction_alpha, eviction_name
+from kvstrata.values import ALWAYS, LRU, SECOND_HIT, TIER_ADMISSIONS, check_eviction
 
 __all__ = ["ALWAYS", "SECOND_HIT", "GPU", "CPU", "SSD", "REMOTE", "LOWER", "SHARED", "PERSISTENT", "Tier", "TierList", "KNOWN", "declare", "describe_tiers"]
 
@@ -234,9 +234,7 @@ def _check_cascade(t: Tier, by_name: dict[str, Tier], order: dict[str, int]) -> 
 
 
 def _check_admission(t: Tier) -> None:
-    if eviction_name(t.eviction) not in EVICTIONS or (eviction_name(t.eviction) != t.eviction
-                                                        and eviction_alpha(t.eviction, f"{t.where()}.eviction") is None):
-        raise ConfigError(f"{t.where()}.eviction: expected one of {', '.join(EVICTIONS)}; got {t.eviction!r}")
+    check_eviction(t.eviction, f"{t.where()}.eviction")
     if t.shared and t.eviction != LRU:
         raise ConfigError(f"{t.where()}.eviction: a shared tier's server evicts on its own (maxmemory-policy)")
     if t.admission not in TIER_ADMISSIONS:
