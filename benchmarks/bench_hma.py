@@ -8,12 +8,19 @@ window) on vLLM's CPU engine with the same KV memory (``--kv-cache-memory-bytes`
 vLLM alone, with kvstrata, and with kvstrata and the allocator off. Eight 1,500-token
 prompts are submitted at once and the engine is stepped by hand: the figure is the
 most requests it ran at once (what the KV pool admits), with the KV cache groups and
-blocks vLLM built, and the engine's wall time for all eight. Greedy outputs must be
-identical; where an engine's differ, the script says where they first differ and how
+blocks vLLM built, and the engine's wall time for all eight.
+
+The three engines run at the same time, each in its own process, and take turns: every
+round, each engine in turn serves eight new prompts while the others wait (an order that
+rotates from round to round, after a pause that lets the last engine's compute threads
+go idle). A round's time is compared with vLLM alone's time for the same round, so this
+machine's drift over minutes, which moved separate runs of the same engine by a third,
+falls on both sides of each ratio. Each engine's first round is its warm-up, not timed; the median of those ratios and its quartiles are shown.
+Greedy outputs must be identical; where an engine's differ, the script says where they first differ and how
 close the two best tokens were there (random weights make near ties, which a
 different batch composition or summation order flips).
 
-    .venv/bin/python benchmarks/bench_hma.py [--kv-mib 16] [--prompts 8] [--tokens 1500] [--rounds 15]
+    .venv/bin/python benchmarks/bench_hma.py [--kv-mib 16] [--prompts 8] [--tokens 1500] [--rounds 15] [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,9 +42,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from vllm_util import build_tiny_gemma3  # noqa: E402
 
 
-def engine(spec: dict[str, Any]) -> dict[str, Any]:
+def build(spec: dict[str, Any]) -> Any:
     """One engine, in this process (run by :func:`main` in a child)."""
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     kw: dict[str, Any] = dict(model=spec["model"], dtype="float32", block_size=32, enforce_eager=True, seed=0,
                               kv_cache_memory_bytes=spec["kv_mib"] * 1024**2, max_model_len=2048,
@@ -49,28 +56,41 @@ def engine(spec: dict[str, Any]) -> dict[str, Any]:
                                                                   "load.policy": spec.get("load_policy", "measured")}}
     if spec.get("hma_off"):
         kw["disable_hybrid_kv_cache_manager"] = True
-    llm = LLM(**kw)
-    engine = llm.llm_engine
+    return LLM(**kw).llm_engine
+
+
+def run_round(engine: Any, spec: dict[str, Any], r: int) -> dict[str, Any]:
+    """Round ``r``: ``spec["prompts"]`` new prompts at once (nothing is a prefix hit), the
+    engine stepped until they finish."""
+    from vllm import SamplingParams
+
     scheduler = engine.engine_core.engine_core.scheduler
-    cfg = scheduler.kv_cache_manager.kv_cache_config
-    groups = [(type(g.kv_cache_spec).__name__, len(g.layer_names)) for g in cfg.kv_cache_groups]
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
-    peak, outputs, margins, seconds = 0, {}, {}, []
-    for r in range(spec["rounds"]):  # new prompts each round: nothing is a prefix hit
-        for i in range(spec["prompts"]):
-            tokens = [(r * 101 + i * 37 + j * 11) % 500 + 2 for j in range(spec["tokens"])]
-            engine.add_request(f"{r}-{i}", {"prompt_token_ids": tokens}, sp)
-        t0 = time.perf_counter()
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    outputs[out.request_id] = list(out.outputs[0].token_ids)
-                    margins[out.request_id] = [_margin(lp) for lp in out.outputs[0].logprobs or []]
-            peak = max(peak, len(scheduler.running))
-        seconds.append(time.perf_counter() - t0)
-    return {"peak_running": peak, "seconds": statistics.median(seconds), "num_blocks": int(cfg.num_blocks),
-            "groups": groups, "outputs": [outputs[k] for k in sorted(outputs)],
+    peak, outputs, margins = 0, {}, {}
+    for i in range(spec["prompts"]):
+        tokens = [(r * 101 + i * 37 + j * 11) % 500 + 2 for j in range(spec["tokens"])]
+        engine.add_request(f"{r}-{i}", {"prompt_token_ids": tokens}, sp)
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+                margins[out.request_id] = [_margin(lp) for lp in out.outputs[0].logprobs or []]
+        peak = max(peak, len(scheduler.running))
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "peak_running": peak, "outputs": [outputs[k] for k in sorted(outputs)],
             "margins": [margins[k] for k in sorted(outputs)]}
+
+
+def serve(spec: dict[str, Any]) -> None:
+    """The child: build the engine, say what vLLM built, then run each round asked for on
+    stdin (one line, its number) until stdin closes."""
+    engine = build(spec)
+    cfg = engine.engine_core.engine_core.scheduler.kv_cache_manager.kv_cache_config
+    groups = [(type(g.kv_cache_spec).__name__, len(g.layer_names)) for g in cfg.kv_cache_groups]
+    print("READY " + json.dumps({"num_blocks": int(cfg.num_blocks), "groups": groups}), flush=True)
+    for line in sys.stdin:
+        print("ROUND " + json.dumps(run_round(engine, spec, int(line))), flush=True)
 
 
 def _margin(logprobs: dict[int, Any]) -> float:
@@ -95,45 +115,102 @@ def divergence(base: dict[str, Any], other: dict[str, Any]) -> str:
             f"(request {worst[0]}, token {worst[1]}): {worst[2]:.2e} here, {worst[3]:.2e} there")
 
 
+ENGINES = (("vLLM alone (HMA on)", False, False), ("with kvstrata (HMA on)", True, False),
+           ("with kvstrata, HMA off", True, True))
+WARM_UP = 1  # rounds each engine serves first, not timed (its first steps run slower, kvstrata or not)
+PAUSE_S = 0.5  # before each engine's turn: the engine before it has stopped (its compute threads idle)
+
+
+class Child:
+    """One engine in a child process, asked for rounds one at a time."""
+
+    def __init__(self, spec: dict[str, Any], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env, cwd=ROOT)
+        self.built = self._answer("READY ")
+
+    def round(self, r: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{r}\n")
+        self.proc.stdin.flush()
+        return self._answer("ROUND ")
+
+    def _answer(self, tag: str) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(tag):
+                return json.loads(line[len(tag):])
+        raise RuntimeError(f"the engine stopped; its log: {self.log}\n{self.log.read_text()[-3000:]}")
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv-mib", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1500)
-    ap.add_argument("--rounds", type=int, default=15, help="rounds of new prompts per engine (the median is shown)")
+    ap.add_argument("--rounds", type=int, default=15, help="rounds of new prompts, each engine in turn")
     ap.add_argument("--load-policy", choices=("measured", "always"), default="measured", help="kvstrata's load.policy")
+    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    model = build_tiny_gemma3(Path(tempfile.mkdtemp(prefix="kvstrata-hma-")) / "gemma3")
+    work = Path(tempfile.mkdtemp(prefix="kvstrata-hma-"))
+    model = build_tiny_gemma3(work / "gemma3")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
            "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    results = {}
-    for label, kvstrata, hma_off in (("vLLM alone (HMA on)", False, False), ("with kvstrata (HMA on)", True, False),
-                                     ("with kvstrata, HMA off", True, True)):
-        spec = {"model": str(model), "kvstrata": kvstrata, "kv_mib": args.kv_mib, "prompts": args.prompts,
-                "tokens": args.tokens, "hma_off": hma_off, "rounds": args.rounds, "load_policy": args.load_policy}
-        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
-                              text=True, env=env, cwd=ROOT)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            print(proc.stdout[-3000:], proc.stderr[-3000:])
-            return 1
-        results[label] = json.loads(line[7:])
-    base = results["vLLM alone (HMA on)"]
+    children: dict[str, Child] = {}
+    try:
+        for n, (label, kvstrata, hma_off) in enumerate(ENGINES):  # one start at a time
+            spec = {"model": str(model), "kvstrata": kvstrata, "kv_mib": args.kv_mib, "prompts": args.prompts,
+                    "tokens": args.tokens, "hma_off": hma_off, "load_policy": args.load_policy}
+            children[label] = Child(spec, env, work / f"engine-{n}.log")
+        rounds: dict[str, list[dict[str, Any]]] = {label: [] for label in children}
+        labels = list(children)
+        for r in range(WARM_UP + args.rounds):  # the engines take turns, in an order that rotates each round
+            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+                time.sleep(PAUSE_S)
+                rounds[label].append(children[label].round(r))
+    finally:
+        for child in children.values():
+            child.close()
+    results = {label: summarise(children[label].built, rounds[label][WARM_UP:]) for label in children}
+    base_label = ENGINES[0][0]
+    base = results[base_label]
     print(f"tiny Gemma-3 (5 of 6 layers sliding, window 64), {args.kv_mib} MiB of KV, "
-          f"{args.prompts} prompts of {args.tokens} tokens at once; median of {args.rounds} rounds")
-    for label, r in results.items():
-        print(f"  {label:<24} KV groups {r['groups']}, {r['num_blocks']} blocks; at most {r['peak_running']} "
-              f"request(s) at once; {r['seconds']:.2f} s  ({r['seconds'] / base['seconds']:.2f}x)")
+          f"{args.prompts} prompts of {args.tokens} tokens at once; {args.rounds} rounds, the engines in turn")
+    for label, res in results.items():
+        ratios = sorted(a / b for a, b in zip(res["round_seconds"], base["round_seconds"]))
+        res["ratio"] = {"median": statistics.median(ratios), "q1": ratios[len(ratios) // 4],
+                        "q3": ratios[(3 * len(ratios)) // 4], "rounds": ratios}
+        print(f"  {label:<24} KV groups {res['groups']}, {res['num_blocks']} blocks; at most {res['peak_running']} "
+              f"request(s) at once; median round {res['seconds']:.3f} s; round by round vs vLLM alone: median "
+              f"{res['ratio']['median']:.2f}x (quartiles {res['ratio']['q1']:.2f}x-{res['ratio']['q3']:.2f}x)")
     same = all(r["outputs"] == base["outputs"] for r in results.values())
     print(f"  outputs identical: {same}")
-    for label, r in results.items():
-        if r["outputs"] != base["outputs"]:
-            print(f"    {label}: {divergence(base, r)}")
+    for label, res in results.items():
+        if res["outputs"] != base["outputs"]:
+            print(f"    {label}: {divergence(base, res)}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"argv": sys.argv[1:] if argv is None else list(argv),
+                                         "results": {k: {**v, "outputs": None, "margins": None}
+                                                     for k, v in results.items()}}, indent=2) + "\n")
     return 0 if same else 1
+
+
+def summarise(built: dict[str, Any], rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine over its rounds: what vLLM built, its median round, its outputs in order."""
+    return {**built, "seconds": statistics.median(r["seconds"] for r in rounds),
+            "round_seconds": [r["seconds"] for r in rounds],
+            "peak_running": max(r["peak_running"] for r in rounds),
+            "outputs": [o for r in rounds for o in r["outputs"]], "margins": [m for r in rounds for m in r["margins"]]}
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        print("RESULT " + json.dumps(engine(json.loads(sys.argv[2]))), flush=True)
+        serve(json.loads(sys.argv[2]))
     else:
         sys.exit(main())
