@@ -48,14 +48,16 @@ from kvstrata.free_queue import Block, FreeBlockQueue
 __all__ = ["GroupedBlockManager", "Key"]
 
 Key = Callable[[int, int], bytes]  # (group, position) -> the group's key of that block
+Stored = Callable[[int, int], bool]  # (group, position) -> do the tiers below keep that block
 
 
 class _Request:
-    __slots__ = ("prompt", "key", "tables", "committed", "ends", "computed")
+    __slots__ = ("prompt", "key", "tables", "committed", "ends", "computed", "stored")
 
     def __init__(self, prompt: Prompt, key: Key, tables: list[list[Block]], committed: int,
-                 ends: tuple[int, ...], computed: int) -> None:
+                 ends: tuple[int, ...], computed: int, stored: Stored | None) -> None:
         self.prompt, self.key, self.tables, self.committed = prompt, key, tables, committed
+        self.stored = stored  # which computed blocks are offered to the tiers below (None: all)
         self.ends = ends  # positions a later hit of this prompt can end at (sliding groups keep their windows)
         self.computed = computed  # tokens the prefill computes; decode steps take it to prompt.num_tokens
 
@@ -108,12 +110,15 @@ class GroupedBlockManager:
     # ---------------------------------------------------------------- requests
 
     def allocate(self, request_id: str, *, prompt: Prompt, key: Key, num_external: int = 0,
-                 num_blocks: int | None = None, prefill: int | None = None) -> Allocation:
+                 num_blocks: int | None = None, prefill: int | None = None, stored: Stored | None = None
+                 ) -> Allocation:
         """The request's block tables: the pool's hit (:meth:`lookup`), then ``num_external``
         blocks from a lower tier (registered under their keys, to be loaded), then new blocks up
         to ``num_blocks`` positions (all of the prefill when None). A group's blocks that the
         prefix ``hit + num_external`` skips are null. ``prefill``: the tokens the prefill
         computes (the prompt's; by default all of ``prompt``), the rest by :meth:`decode`.
+        ``stored``: which of its computed blocks :meth:`commit` offers to the tiers below (the
+        driver core's :meth:`~kvstrata.core.driver.DriverCore.stored`; all by default).
         Raises :class:`OutOfBlocksError` with nothing changed."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already allocated")
@@ -148,7 +153,7 @@ class GroupedBlockManager:
                     self._register(table[i], key(g, i))
         for table in tables:
             table.extend(self._pop_many(total - len(table)))
-        self.requests[request_id] = _Request(prompt, key, tables, prefix, ends, prefill)
+        self.requests[request_id] = _Request(prompt, key, tables, prefix, ends, prefill, stored)
         return Allocation([[b.block_id for b in t] for t in tables], prefix * self.block_size, hit, external)
 
     def grow(self, request_id: str) -> list[int]:
@@ -167,13 +172,15 @@ class GroupedBlockManager:
 
     def commit(self, request_id: str) -> list[tuple[int, bytes]]:
         """The prompt's KV is written: registers its full blocks, group by group, and returns
-        ``(row, key)`` of each one computed since the last commit (not the null ones)."""
+        ``(row, key)`` of each one computed since the last commit that the tiers below keep
+        (not the null ones)."""
         req = self._request(request_id)
         full = min(req.computed // self.block_size, len(req.prompt.hashes))
         lo = req.committed
         if full <= lo:
             return []
         out = []
+        stored = req.stored
         for g, table in enumerate(req.tables):
             for i in range(lo, min(full, len(table))):
                 b = table[i]
@@ -181,7 +188,8 @@ class GroupedBlockManager:
                     k = req.key(g, i)
                     if self._kept(g, i, req.ends):
                         self._register(b, k)
-                    out.append((b.block_id, k))
+                    if stored is None or stored(g, i):
+                        out.append((b.block_id, k))
         req.committed = full
         return out
 

@@ -31,6 +31,13 @@ class ModelConfig:
     (:func:`~kvstrata.core.groups.parse_groups`; ``"full,sliding:1024"``), as
     ``kvstrata bench`` replays them; "" for one full-attention group. With
     vLLM the connector reads them from the engine instead.
+
+    ``retention_interval``: vLLM's ``prefix_cache_retention_interval``, which
+    window blocks a hybrid's prefix cache and the tiers below keep
+    (:meth:`~kvstrata.core.groups.KVGroups.stored`): 0 (vLLM's default) the
+    windows before each prompt's end and shared-prefix junctions, ``N`` tokens
+    also before every ``N``-token boundary, ``dense`` (or null) all of them.
+    With vLLM the connector reads it from the engine.
     """
 
     name: str = "default"
@@ -41,10 +48,12 @@ class ModelConfig:
     kv_dtype: str = "fp16"
     block_nbytes: int | None = None
     groups: str = ""
+    retention_interval: int | None = 0
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "model") -> "ModelConfig":
-        check_keys(d, ("name", "id", "layers", "kv_heads", "head_size", "kv_dtype", "block_nbytes", "groups"), p)
+        check_keys(d, ("name", "id", "layers", "kv_heads", "head_size", "kv_dtype", "block_nbytes", "groups",
+                       "retention_interval"), p)
         name = d.get("name", cls.name)
         if not isinstance(name, str):
             raise ConfigError(f"{p}.name: expected a string, got {short_repr(name)}")
@@ -61,6 +70,7 @@ class ModelConfig:
             kv_dtype=one_of(d.get("kv_dtype", cls.kv_dtype), f"{p}.kv_dtype", KV_DTYPE_BYTES),
             block_nbytes=_block_nbytes(bn, f"{p}.block_nbytes") if bn is not None else None,
             groups=_groups(d.get("groups"), f"{p}.groups"),
+            retention_interval=_retention(d, f"{p}.retention_interval"),
         )
 
     def bytes_per_token(self) -> int:
@@ -76,6 +86,15 @@ def _block_nbytes(value: Any, path: str) -> int:
     if nbytes < 1:
         raise ConfigError(f"{path}: expected a positive size, got {short_repr(value)}")
     return nbytes
+
+
+def _retention(d: Mapping[str, Any], path: str) -> int | None:
+    if "retention_interval" not in d:
+        return 0
+    value = d["retention_interval"]
+    if value is None or value == "dense":
+        return None
+    return integer(value, path, minimum=0)
 
 
 def _groups(value: Any, path: str) -> str:

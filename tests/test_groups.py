@@ -155,3 +155,57 @@ def test_a_grouped_load_reads_each_groups_blocks_and_counts_hits_per_position_wh
     _, _, loaded = core.load_finished("b")
     assert loaded == 0 and core.counts.hits["cpu"] == 6  # the hit is whole or none
     assert core.policy.holds(plan.keys[-1]) is None  # and the block is forgotten
+
+
+@settings(max_examples=200, deadline=None)
+@given(hst.lists(kinds, min_size=1, max_size=4), hst.lists(hst.integers(0, 30), max_size=3),
+       hst.sampled_from([None, 0, BS, 3 * BS, 5 * BS]))
+def test_what_the_tiers_keep_is_what_a_hit_at_a_kept_end_needs(groups: list[Group], ends: list[int],
+                                                               retention: int | None) -> None:
+    """Of a window group, a block is kept exactly when some hit it can serve ends at one of the
+    request's ends or, with a retention interval, at one of its boundaries; dense keeps all."""
+    g_ = KVGroups(groups, BS, retention)
+    every = [] if not retention else list(range(retention // BS, 40, retention // BS))
+    for g, group in enumerate(groups):
+        for i in range(32):
+            kept = g_.stored(g, i, tuple(ends))
+            if retention is None or not ends or group.kind not in (SLIDING, CHUNKED):
+                assert kept
+            else:
+                assert kept == any(g_.needed_from(g, e) <= i < e for e in [*ends, *every]), (g, i)
+
+
+def test_the_tiers_keep_a_windows_blocks_before_the_prompts_end_and_its_junction() -> None:
+    """A second prompt that leaves a stored one at block 4 finds no window there and keeps its
+    window before that junction; a third prompt leaving at block 4 then hits 4 blocks."""
+    from kvstrata.core.request import RequestState
+
+    core = _core()
+    chain = [bytes([i]) * 32 for i in range(8)]
+    a = core.open(RequestState("a", chain))
+    assert core.held_below(a, 0, 7) == 0 and a.ends == (7, 0)
+    kept = [(g, i) for g in range(2) for i in range(8) if core.stored(a, g, i)]
+    # every full-attention block; of the 40-token window, the blocks a hit at 7 needs (4..6)
+    assert kept == [(0, i) for i in range(8)] + [(1, 4), (1, 5), (1, 6)]
+    _stored_only(core, a, 8)
+    b = core.open(RequestState("b", chain[:4] + [bytes([100 + i]) * 32 for i in range(4)]))
+    assert core.held_below(b, 0, 7) == 0  # no window before block 4 was kept
+    assert b.ends == (7, 4)  # its full-attention prefix reached block 4: a junction
+    assert [i for i in range(8) if core.stored(b, 1, i)] == [1, 2, 3, 4, 5, 6]
+    _stored_only(core, b, 8)
+    c = core.open(RequestState("c", chain[:4] + [bytes([200 + i]) * 32 for i in range(4)]))
+    assert core.held_below(c, 0, 7) == 4
+
+
+def _stored_only(core, st, blocks: int) -> None:  # type: ignore[no-untyped-def]
+    """``st``'s blocks 0..blocks-1 computed: those the tiers keep stored."""
+    computed = [(100 * (g + 1) + i, core.group_key(st, g, i)) for i in range(blocks) for g in range(2)
+                if core.stored(st, g, i)]
+    _, late = core.end_step([], computed)
+    for plan in late:
+        core.store_done(plan.plan_id)
+
+
+def test_a_retention_interval_is_checked() -> None:
+    with pytest.raises(ValueError, match="retention"):
+        KVGroups([Group(FULL)], BS, -1)

@@ -72,7 +72,8 @@ def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = (),
     overrides = list(overrides)
     base = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     if groups and isinstance(base.get("model", {}), dict):  # a hybrid model: its KV-cache groups, as the engine had them
-        base["model"] = {**base.get("model", {}), "groups": groups}
+        base["model"] = {**base.get("model", {}), "groups": groups,
+                         "retention_interval": engine.get("retention_interval", 0)}
     if isinstance(base.get("load", {}), dict):
         fixed = base.get("load", {})
         base["load"] = {**fixed, **{k: v for k, v in recorded_load(measured).items() if fixed.get(k) is None}}

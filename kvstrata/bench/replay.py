@@ -102,7 +102,7 @@ class Replayer:
         self.lifecycle = {t: LifecycleLog() for t in TIERS}
         self._left: list[tuple[list[bytes], str]] = []
         self.gpu_blocks = cfg.gpu.resolve_num_blocks(cfg.block_nbytes())
-        groups = KVGroups(parse_groups(cfg.model.groups, "model.groups"), block_size)
+        groups = KVGroups(parse_groups(cfg.model.groups, "model.groups"), block_size, cfg.model.retention_interval)
         self.groups = None if groups.plain else groups
         self.manager: Any = BlockManager(self.gpu_blocks, block_size, track_evictions=True) if self.groups is None \
             else GroupedBlockManager(self.gpu_blocks, groups, track_evictions=True)
@@ -289,6 +289,7 @@ class Replayer:
         gpu_hits = manager.lookup(prompt, **keyed)
         if self.groups is not None:
             keyed["prefill"] = prefill
+            keyed["stored"] = lambda g, i: core.stored(st, g, i)
         below = core.lookup_now(st, self.executor, gpu_hits, prompt.cap)
         if below:
             alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, num_external=below,

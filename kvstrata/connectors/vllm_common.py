@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["load_config", "vllm_fingerprint", "policy_spec", "check_index_memory", "block_nbytes_of", "kv_groups",
+__all__ = ["load_config", "vllm_fingerprint", "policy_spec", "check_index_memory", "block_nbytes_of", "kv_groups", "retention_of",
            "kv_layout_name", "layer_spec", "num_workers", "Rank", "engine_ranks", "ssd_root", "ResidentDelta",
            "ResidentMap", "KVStrataMetadata", "KVStrataWorkerMetadata"]
 
@@ -114,9 +114,10 @@ _STORED = ("full attention, sliding-window attention, chunked local attention an
            "attention, in vLLM's align prefix-caching mode)")
 
 
-def kv_groups(kv_cache_config: "KVCacheConfig", block_size: int) -> KVGroups:
-    """vLLM's KV-cache groups in kvstrata's terms (:mod:`kvstrata.core.groups`). A group of a
-    kind kvstrata cannot store stops start-up: one line naming the layer and the kind."""
+def kv_groups(kv_cache_config: "KVCacheConfig", block_size: int, retention: int | None = 0) -> KVGroups:
+    """vLLM's KV-cache groups in kvstrata's terms (:mod:`kvstrata.core.groups`), ``retention``
+    its ``prefix_cache_retention_interval`` (:func:`retention_of`). A group of a kind kvstrata
+    cannot store stops start-up: one line naming the layer and the kind."""
     out: list[Group] = []
     for group in kv_cache_config.kv_cache_groups:
         kinds = {_group_of(layer, layer_spec(kv_cache_config, layer)) for layer in group.layer_names}
@@ -124,7 +125,15 @@ def kv_groups(kv_cache_config: "KVCacheConfig", block_size: int) -> KVGroups:
             raise ConfigError(f"KV-cache group of layers {', '.join(group.layer_names)}: layers of kinds "
                               f"{', '.join(sorted(k.describe() for k in kinds))}; kvstrata needs one kind per group")
         out.append(kinds.pop())
-    return KVGroups(out, block_size)
+    return KVGroups(out, block_size, retention)
+
+
+def retention_of(vllm_config: "VllmConfig") -> int | None:
+    """vLLM's ``prefix_cache_retention_interval``: which window blocks its prefix cache keeps,
+    and so the tiers below (:meth:`KVGroups.stored`). An engine without the setting keeps
+    them all (None: dense)."""
+    value = getattr(vllm_config.cache_config, "prefix_cache_retention_interval", None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 # Full-attention specs whose every block a hit needs (subclasses that drop blocks are refused).

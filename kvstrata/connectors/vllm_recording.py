@@ -39,6 +39,7 @@ class SchedulerRecording:
         import vllm
 
         from kvstrata.bench.deployment import recorded_deployment
+        from kvstrata.connectors.vllm_common import retention_of
         from kvstrata.trace.recorder import TraceRecorder
 
         deployment = recorded_deployment(
@@ -46,7 +47,8 @@ class SchedulerRecording:
             capacity_blocks={GPU: gpu_blocks, **spec.capacity()},
             engine={"name": "vllm", "version": vllm.__version__, "model": fingerprint.model,
                     "tp_size": fingerprint.tp_size, "kv_layout": fingerprint.kv_layout,
-                    **({"groups": fingerprint.groups} if fingerprint.groups else {})})
+                    **({"groups": fingerprint.groups, "retention_interval": retention_of(vllm_config)}
+                       if fingerprint.groups else {})})
         self.recorder = TraceRecorder(cfg.trace, block_size=block_size, deployment=deployment)
         self.block_size, self.block_nbytes = block_size, block_nbytes
         self._measured_at = 0.0

@@ -80,7 +80,7 @@ class RemoteLookups:
             return False
         st.probe, st.remote_done = None, True
         try:
-            held = self.core.probed(future.result(), begin, end)
+            held = self.core.probed(future.result(), begin, end, st)
         except Exception:  # the probe thread never raises for the server; a bug must not stop the engine
             log.exception("kvstrata: a remote probe failed")
             held = 0

@@ -56,6 +56,7 @@ from kvstrata.connectors.vllm_common import (
     kv_groups,
     num_workers,
     policy_spec,
+    retention_of,
     vllm_fingerprint,
 )
 from kvstrata.connectors.vllm_costs import TransferTiming, attended, load_costs
@@ -122,7 +123,7 @@ class KVStrataScheduler:
         self.lifecycle = {t: Lifecycle(sample_every=lifecycle_sampling(n)) for t, n in spec.capacity().items()}
         check_index_memory(spec, self.block_nbytes)
         self.policy = TierPolicy(spec, observers=[LifecycleRecorder(self.lifecycle)])
-        self.groups = kv_groups(kv_cache_config, self.block_size)
+        self.groups = kv_groups(kv_cache_config, self.block_size, retention_of(vllm_config))
         self._states = frozenset(self.groups.states)
         self.costs = load_costs(cfg.load, spec, self.block_nbytes)
         self.core = DriverCore(self.policy, self.block_size, self.groups, self.costs)
@@ -267,12 +268,16 @@ class KVStrataScheduler:
     def _group_key(self, st: _Req) -> Any:
         return lambda g, i: self.core.group_key(st, g, i)
 
-    def _group_blocks(self, st: _Req, block_ids: Sequence[Sequence[int]], lo: int, hi: int) -> list[tuple[int, bytes]]:
+    def _group_blocks(self, st: _Req, block_ids: Sequence[Sequence[int]], lo: int, hi: int,
+                      offered: list[tuple[int, bytes]] | None = None) -> list[tuple[int, bytes]]:
         """``(device block, key)`` of blocks ``lo..hi`` of ``st`` in every KV-cache group,
         but the null blocks vLLM pads a window group's skipped blocks with, and the blocks of
-        a state group vLLM did not cache as the state at their position (scratch states)."""
+        a state group vLLM did not cache as the state at their position (scratch states).
+        ``offered``: gets those of them the tiers below keep once computed (not the blocks of
+        a window group that no later hit can use: :meth:`DriverCore.stored`); the rest are
+        stored only if vLLM caches them and then evicts them."""
         out = []
-        key = self.core.group_key
+        key, stored = self.core.group_key, self.core.stored
         states = self._states
         vhashes = st.request.block_hashes if states else ()
         for g, ids in enumerate(block_ids):
@@ -280,6 +285,8 @@ class KVStrataScheduler:
             for i in range(lo, min(hi, len(ids))):
                 if ids[i] != _NULL and (not state or (i < len(vhashes) and self._pool.cached_as(ids[i], g, vhashes[i]))):
                     out.append((ids[i], key(st, g, i)))
+                    if offered is not None and stored(st, g, i):
+                        offered.append(out[-1])
         return out
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -350,10 +357,9 @@ class KVStrataScheduler:
             return
         assert self._manager is not None, "bind_kv_cache_manager was not called"
         hashes = self._hashes(st, full)
-        new = self._group_blocks(st, self._manager.get_block_ids(req_id), st.handled, full)
+        new = self._group_blocks(st, self._manager.get_block_ids(req_id), st.handled, full, out)
         if self._events is not None:
             self._events.record(st.request, hashes, st.handled, full, self._group_key(st), len(self.groups))
-        out.extend(new)
         self._pool.resident.add([b for b, _ in new], [k for _, k in new])
         st.handled = full
 

@@ -138,7 +138,20 @@ class DriverCore:
         if self.groups is None:
             return len(self.policy.lookup(st.hashes[first:last]))
         holds = self.policy.holds
-        return self.groups.hit_end(first, last, lambda g, i: holds(self.group_key(st, g, i)) is not None) - first
+
+        def held(g: int, i: int) -> bool:
+            return holds(self.group_key(st, g, i)) is not None
+
+        reach = self.groups.full_end(first, last, held)
+        self._reached(st, last, reach)
+        return self.groups.window_end(first, reach, held) - first
+
+    @staticmethod
+    def _reached(st: RequestState, last: int, reach: int) -> None:
+        """``st``'s full-attention prefix is held below up to ``reach`` (a shared prefix's junction,
+        kept once seen): with the prompt's end ``last``, where later hits of its blocks can end."""
+        junction = max(reach, st.ends[1] if len(st.ends) > 1 else 0)
+        st.ends = (last, junction) if junction < last else (last,)
 
     def _note(self, st: RequestState, last: int) -> None:
         """``st``'s first ``last`` keys, which reach block ``last - 1``, and the compute's attention
@@ -192,6 +205,11 @@ class DriverCore:
             keys.append(KVGroups.key(g, st.hashes[len(keys)]))
         return keys[i]
 
+    def stored(self, st: RequestState, g: int, i: int) -> bool:
+        """Do the tiers below keep block ``i`` of ``st`` in group ``g`` (:meth:`KVGroups.stored`
+        at the ends its last lookup found)?"""
+        return self.groups is None or self.groups.stored(g, i, st.ends)
+
     def all_group_keys(self, st: RequestState, lo: int, hi: int) -> list[bytes]:
         """Every group's key of blocks ``lo..hi``, block by block (what the remote tier is
         probed for: :meth:`probed` reads the answer)."""
@@ -199,16 +217,25 @@ class DriverCore:
             return st.hashes[lo:hi]
         return [self.group_key(st, g, i) for i in range(lo, hi) for g in range(len(self.groups))]
 
-    def probed(self, answer: Any, start: int, last: int) -> int:
+    def probed(self, answer: Any, start: int, last: int, st: RequestState | None = None) -> int:
         """Blocks from ``start`` a hit can take from the remote tier, from its answer to a probe
         of :meth:`all_group_keys`: how many leading keys it holds, or with groups whether it
-        holds each (the longest hit every group can then serve)."""
+        holds each (the longest hit every group can then serve; ``st``: how far its
+        full-attention prefix reaches in the remote tier and the local ones together is noted)."""
         if self.groups is None:
             return int(answer)
         width = len(self.groups)
         if len(answer) != width * (last - start):
             return 0
-        return self.groups.hit_end(start, last, lambda g, i: bool(answer[(i - start) * width + g])) - start
+
+        def remote(g: int, i: int) -> bool:
+            return bool(answer[(i - start) * width + g])
+
+        if st is not None:
+            holds = self.policy.holds
+            self._reached(st, last, self.groups.full_end(
+                start, last, lambda g, i: remote(g, i) or holds(self.group_key(st, g, i)) is not None))
+        return self.groups.hit_end(start, last, remote) - start
 
     def plan_fetch(self, st: RequestState, first: int, start: int, held: int) -> FetchPlan | None:
         """The remote tier holds ``held`` blocks from ``st.hashes[start]`` on, after the local
@@ -252,7 +279,7 @@ class DriverCore:
         held = self.held_below(st, first, last)
         start = first + held
         if self.remote and start < last:
-            remote = self.probed(executor.probe_remote(self.all_group_keys(st, start, last)), start, last)
+            remote = self.probed(executor.probe_remote(self.all_group_keys(st, start, last)), start, last, st)
             plan = self.plan_fetch(st, first, start, self.worth_fetching(st, first, start, remote))
             if plan is not None:
                 self._planned.remove(plan)

@@ -19,6 +19,18 @@ blocks of a request's table with the null block); ``tests/test_groups.py``
 checks it against vLLM's own managers. A hit of ``n`` blocks is only offered
 when every group holds what it needs at ``n`` (:meth:`KVGroups.hit_end`).
 
+What the tiers below keep of a windowed group follows vLLM's
+``prefix_cache_retention_interval`` (``retention``, in tokens; vLLM's default 0):
+a later hit can only end where the window before it was kept, so a sliding or
+chunked group's block is stored only when it lies in what a hit at one of the
+request's reachable ends needs (:meth:`KVGroups.stored`): the prompt's last hit
+point, how far its full-attention prefix reaches (a shared-prefix junction),
+and with ``retention > 0`` every ``retention``-token boundary. ``None`` keeps
+every block (dense). Full-attention blocks are all kept; so is every state the
+engine cached. For a model whose layers are mostly sliding (Gemma 3: five in
+six) this stores a prompt's windowed groups in a few blocks each instead of
+all of them.
+
 Keys are per group: the same tokens give different bytes in different groups.
 Group 0 keeps the position's chain key; group ``g > 0`` hashes it with ``g``
 (:meth:`KVGroups.key`). The group structure is part of the fingerprint
@@ -70,11 +82,17 @@ class Group:
 class KVGroups:
     """The groups of one deployment, in the engine's order (``block_size`` tokens a block)."""
 
-    def __init__(self, groups: Sequence[Group], block_size: int) -> None:
+    def __init__(self, groups: Sequence[Group], block_size: int, retention: int | None = 0) -> None:
         if not groups:
             raise ValueError("a model has at least one KV-cache group")
+        if retention is not None and (isinstance(retention, bool) or not isinstance(retention, int) or retention < 0):
+            raise ValueError(f"retention: {retention!r}: expected None (dense), 0 (the reachable ends only) or "
+                             "an interval in tokens")
         self.groups = tuple(groups)
         self.block_size = int(block_size)
+        self.retention = retention
+        self._every = max(1, retention // self.block_size) if retention else 0  # blocks between kept ends
+        self._sparse = retention is not None and any(g.kind in (SLIDING, CHUNKED) for g in self.groups)
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -94,6 +112,23 @@ class KVGroups:
             return max(0, n - 1)
         return self.groups[g].skipped_tokens(n * self.block_size) // self.block_size
 
+    def stored(self, g: int, i: int, ends: Sequence[int]) -> bool:
+        """Do the tiers below keep block ``i`` of group ``g`` of a request whose later hits can
+        end at ``ends`` (block counts)? Every block of a full-attention or state group; of a
+        windowed group, the blocks a hit at one of ``ends`` needs (with ``retention``, also
+        at every retention boundary); every block when ``ends`` is empty (not looked up) or
+        the retention is dense."""
+        if not self._sparse or not ends or self.groups[g].kind not in (SLIDING, CHUNKED):
+            return True
+        for end in ends:
+            if self.needed_from(g, end) <= i < end:
+                return True
+        every = self._every
+        if every:  # the next boundary after i, if a hit there needs i
+            end = (i // every + 1) * every
+            return self.needed_from(g, end) <= i
+        return False
+
     @property
     def states(self) -> list[int]:
         """The state groups: a block of theirs is stored only once the engine cached it as a state."""
@@ -111,13 +146,23 @@ class KVGroups:
         """The longest hit ``n`` (``first <= n <= last`` blocks) such that every group holds
         what it needs at ``n`` beyond the device prefix ``first``; ``held(g, i)``: the tiers
         below hold block ``i`` of group ``g``. ``first`` when there is none."""
+        return self.window_end(first, self.full_end(first, last, held), held)
+
+    def full_end(self, first: int, last: int, held: Callable[[int, int], bool]) -> int:
+        """How far (``<= last``) every full-attention group holds every block from ``first``:
+        the hit before the windows cut it, ``last`` without full-attention groups."""
         end = last
-        for g, group in enumerate(self.groups):  # full groups bound the hit from the start
+        for g, group in enumerate(self.groups):
             if group.kind == FULL:
                 i = first
                 while i < end and held(g, i):
                     i += 1
                 end = i
+        return end
+
+    def window_end(self, first: int, end: int, held: Callable[[int, int], bool]) -> int:
+        """The longest hit ``n`` (``first <= n <= end``) at which every windowed group holds
+        what it needs, ``end`` being what the full-attention groups hold (:meth:`full_end`)."""
         if end <= first:
             return first
         windowed = [g for g, group in enumerate(self.groups) if group.kind != FULL]

@@ -30,10 +30,12 @@ class RequestState:
     ``hits``: blocks per tier of its last lookup, complete once its load completed.
     ``group_keys``: its keys in the KV-cache groups after the first (a driver with groups).
     ``decision``: the tiers of its last lookup's hit and how many of them are worth loading.
+    ``ends``: where a later hit of its blocks can end (with groups: its last lookup's last
+    hit point and how far its full-attention prefix reached; :meth:`KVGroups.stored`).
     """
 
     __slots__ = ("req_id", "hashes", "resumed", "gpu_hits", "load", "load_lost", "fetch", "fetched", "sources",
-                 "hits", "group_keys", "decision")
+                 "hits", "group_keys", "decision", "ends")
 
     def __init__(self, req_id: str, hashes: list[bytes] | None = None) -> None:
         self.req_id = req_id
@@ -48,6 +50,7 @@ class RequestState:
         self.hits: dict[str, int] = {}
         self.group_keys: dict[int, list[bytes]] = {}
         self.decision: tuple[list[str], int] | None = None
+        self.ends: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         return f"RequestState({self.req_id!r}, {len(self.hashes)} blocks, hits={self.hits})"
