@@ -119,3 +119,19 @@ def test_the_library_refuses_groups_it_does_not_have() -> None:
                                     "cpu": {"capacity": 0}})
     with pytest.raises(ConfigError, match=r"^model\.groups: 'full,sliding:64': the library's pool has one"):
         TieredKVCache(cfg)
+
+
+@pytest.mark.parametrize("value, error", [
+    (-16, r"model\.retention_interval"),
+    ("often", r"model\.retention_interval"),
+    (True, r"model\.retention_interval"),
+])
+def test_model_retention_interval_names_what_is_wrong(value: object, error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        KVStrataConfig.from_dict({"model": {"groups": "full,sliding:64", "retention_interval": value}})
+
+
+def test_model_retention_interval_is_vllms_setting() -> None:
+    of = lambda v: KVStrataConfig.from_dict({"model": {"retention_interval": v}}).model.retention_interval  # noqa: E731
+    assert KVStrataConfig.from_dict({}).model.retention_interval == 0  # vLLM's default
+    assert of("dense") is None and of(None) is None and of(256) == 256
