@@ -14,8 +14,9 @@ hands out blocks in vLLM's order:
   the window before the prompt's last hit point, and before the shared-prefix
   junction (the full-attention hit, when it ran past the reconciled one).
   This is vLLM's sparse retention (``prefix_cache_retention_interval: 0``,
-  its default; ``reachable_block_mask``). Its other blocks are computed (and
-  offered to the tiers below), never hit on the device, and reused first;
+  its default; ``reachable_block_mask``). Its other blocks are computed, never
+  hit on the device, and reused first; which computed blocks the tiers below
+  keep is the driver core's rule (``stored``, :meth:`allocate`);
 * allocation touches every group's hit blocks first, then takes new blocks
   group by group, each from the free queue's head (evicting what it held);
 * a request's blocks are freed group by group, each group's last block first;
