@@ -282,34 +282,42 @@ class KVEvents:
         self._announce = later or None
 
     def _rebuild(self, packed: dict[bytes, bytes]) -> list[bytes]:
-        """Tags from the SSD tier, vLLM's hashes rebuilt along each chain (a block whose
-        parent is not on the SSD tier cannot be hashed, nor reached by a prefix: skipped);
-        returns their keys, parents first."""
+        """Tags from the SSD tier, vLLM's hashes rebuilt along each chain; returns their keys,
+        parents first. A chain runs by position: vLLM's hash of a block is the same in every
+        KV-cache group, so a position is hashed from whichever group's block the SSD tier holds
+        there (a window group keeps only some positions; a full-attention group, all). A block
+        whose parent position is held in no group cannot be hashed, nor reached by a prefix:
+        skipped."""
         from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
         tags = {k: t for k, t in ((k, BlockTag.unpack(v)) for k, v in packed.items()) if t is not None}
-        true = {k: t for k, t in tags.items() if self._matches(k, t)}
-        self.counts["mismatched"] += len(tags) - len(true)
-        tags = true
+        at: dict[bytes, list[bytes]] = {}  # a position's chain key -> its tags' keys, in every group
+        for k, t in tags.items():
+            chain_key = self._chain_key(k, t)
+            if chain_key is not None:
+                at.setdefault(chain_key, []).append(k)
+        self.counts["mismatched"] += len(tags) - sum(map(len, at.values()))
+        vhash: dict[bytes, bytes] = {}  # chain key -> vLLM's hash (b"": unreachable)
         order: list[bytes] = []
-        for key in tags:
+        for start in at:
             chain: list[bytes] = []
             on_chain: set[bytes] = set()  # (damaged tags may form a cycle)
-            k: bytes | None = key
-            while k is not None and k in tags and tags[k].vhash is None and k not in on_chain:
-                chain.append(k)
-                on_chain.add(k)
-                k = tags[k].parent_key
-            parent = tags[k].vhash if k is not None and k in tags else None
-            if k is not None and not parent:  # (b"": a block already found unreachable)
-                for c in chain:  # an orphan chain (or a cycle): unreachable
-                    tags[c].vhash = b""
+            c: bytes | None = start
+            while c is not None and c in at and c not in vhash and c not in on_chain:
+                chain.append(c)
+                on_chain.add(c)
+                c = tags[at[c][0]].parent_key
+            parent = vhash.get(c) if c is not None else None
+            if c is not None and not parent:  # an orphan chain (or a cycle): unreachable
+                vhash.update(dict.fromkeys(chain, b""))
                 continue
             for c in reversed(chain):
-                tag = tags[c]
-                tag.parent_vhash = parent
-                tag.vhash = parent = hash_block_tokens(self.hash_fn, parent, tag.token_ids(), tag.extra)
-                order.append(c)
+                first = tags[at[c][0]]
+                vhash[c] = h = hash_block_tokens(self.hash_fn, parent, first.token_ids(), first.extra)
+                for k in at[c]:
+                    tags[k].parent_vhash, tags[k].vhash = parent, h
+                    order.append(k)
+                parent = h
         for key in order:
             if key not in self.tags:
                 self.tags[key] = tags[key]
@@ -317,12 +325,14 @@ class KVEvents:
             self.tags.popitem(last=False)
         return [k for k in order if k in self.tags]
 
-    def _matches(self, key: bytes, tag: BlockTag) -> bool:
-        """Do the tag's parent, tokens and extra bytes hash to ``key`` (the record's own)?"""
+    def _chain_key(self, key: bytes, tag: BlockTag) -> bytes | None:
+        """The chain key of the tag's position, if its parent, tokens and extra bytes hash to
+        ``key`` (the record's own, in the tag's group); None when they do not."""
         try:
-            return KVGroups.key(tag.group, self.hasher.block_key(tag.parent_key, tag.token_ids(), tag.kextra)) == key
+            chain_key = self.hasher.block_key(tag.parent_key, tag.token_ids(), tag.kextra)
         except (ValueError, TypeError):  # tokens of another block size, or not token ids
-            return False
+            return None
+        return chain_key if KVGroups.key(tag.group, chain_key) == key else None
 
     # ------------------------------------------------------------------ vLLM's hook
 

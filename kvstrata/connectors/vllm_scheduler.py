@@ -39,6 +39,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvstrata.config import KVStrataConfig
 from kvstrata.core.driver import DriverCore
 from kvstrata.core.request import RequestState
+from kvstrata.core.groups import FULL, STATE
 from kvstrata.hashing import BlockHasher
 from kvstrata.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampling, policy_stats
 from kvstrata.policy import TierPolicy
@@ -124,7 +125,8 @@ class KVStrataScheduler:
         check_index_memory(spec, self.block_nbytes)
         self.policy = TierPolicy(spec, observers=[LifecycleRecorder(self.lifecycle)])
         self.groups = kv_groups(kv_cache_config, self.block_size, retention_of(vllm_config))
-        self._states = frozenset(self.groups.states)
+        self._kinds = [group.kind for group in self.groups.groups]
+        self._sparse = any(k != FULL for k in self._kinds)  # reads vLLM's block hashes
         self.costs = load_costs(cfg.load, spec, self.block_nbytes)
         self.core = DriverCore(self.policy, self.block_size, self.groups, self.costs)
         self._timing = TransferTiming(self.costs, self.block_size,
@@ -270,23 +272,33 @@ class KVStrataScheduler:
 
     def _group_blocks(self, st: _Req, block_ids: Sequence[Sequence[int]], lo: int, hi: int,
                       offered: list[tuple[int, bytes]] | None = None) -> list[tuple[int, bytes]]:
-        """``(device block, key)`` of blocks ``lo..hi`` of ``st`` in every KV-cache group,
-        but the null blocks vLLM pads a window group's skipped blocks with, and the blocks of
-        a state group vLLM did not cache as the state at their position (scratch states).
-        ``offered``: gets those of them the tiers below keep once computed (not the blocks of
-        a window group that no later hit can use: :meth:`DriverCore.stored`); the rest are
-        stored only if vLLM caches them and then evicts them."""
+        """``(device block, key)`` of blocks ``lo..hi`` of ``st`` that kvstrata follows on the
+        device, in every KV-cache group: every block of a full-attention group; of a state
+        group, the blocks vLLM cached as the state at their position (not scratch states); of
+        a window group, those the tiers below keep (:meth:`DriverCore.stored`) and those vLLM
+        caches (it keeps them where its own hits can end), not its null blocks.
+        ``offered``: gets those of them the tiers below keep once computed; the rest are
+        stored only if vLLM evicts them from its cache."""
         out = []
-        key, stored = self.core.group_key, self.core.stored
-        states = self._states
-        vhashes = st.request.block_hashes if states else ()
+        key, stored, cached_as = self.core.group_key, self.core.stored, self._pool.cached_as
+        kinds = self._kinds
+        vhashes = st.request.block_hashes if self._sparse else ()
         for g, ids in enumerate(block_ids):
-            state = g in states
+            kind = kinds[g]
             for i in range(lo, min(hi, len(ids))):
-                if ids[i] != _NULL and (not state or (i < len(vhashes) and self._pool.cached_as(ids[i], g, vhashes[i]))):
-                    out.append((ids[i], key(st, g, i)))
-                    if offered is not None and stored(st, g, i):
-                        offered.append(out[-1])
+                if ids[i] == _NULL:
+                    continue
+                if kind == STATE:
+                    keep = i < len(vhashes) and cached_as(ids[i], g, vhashes[i])
+                    if not keep:
+                        continue
+                else:
+                    keep = kind == FULL or stored(st, g, i)
+                    if not keep and not (i < len(vhashes) and cached_as(ids[i], g, vhashes[i])):
+                        continue
+                out.append((ids[i], key(st, g, i)))
+                if offered is not None and keep:
+                    offered.append(out[-1])
         return out
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
