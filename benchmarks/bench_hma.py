@@ -10,12 +10,14 @@ prompts are submitted at once and the engine is stepped by hand: the figure is t
 most requests it ran at once (what the KV pool admits), with the KV cache groups and
 blocks vLLM built, and the engine's wall time for all eight.
 
-The three engines run at the same time, each in its own process, and take turns: every
+The engines run at the same time, each in its own process, and take turns: every
 round, each engine in turn serves eight new prompts while the others wait (an order that
 rotates from round to round, after a pause that lets the last engine's compute threads
 go idle). A round's time is compared with vLLM alone's time for the same round, so this
 machine's drift over minutes, which moved separate runs of the same engine by a third,
-falls on both sides of each ratio. Each engine's first round is its warm-up, not timed; the median of those ratios and its quartiles are shown.
+falls on both sides of each ratio. A second vLLM alone, in a process of its own, is the
+control: how far two identical engines differ here. Each engine's first round is its
+warm-up, not timed; the median of those ratios and its quartiles are shown.
 Greedy outputs must be identical; where an engine's differ, the script says where they first differ and how
 close the two best tokens were there (random weights make near ties, which a
 different batch composition or summation order flips).
@@ -115,8 +117,8 @@ def divergence(base: dict[str, Any], other: dict[str, Any]) -> str:
             f"(request {worst[0]}, token {worst[1]}): {worst[2]:.2e} here, {worst[3]:.2e} there")
 
 
-ENGINES = (("vLLM alone (HMA on)", False, False), ("with kvstrata (HMA on)", True, False),
-           ("with kvstrata, HMA off", True, True))
+ENGINES = (("vLLM alone (HMA on)", False, False), ("vLLM alone, a second process", False, False),
+           ("with kvstrata (HMA on)", True, False), ("with kvstrata, HMA off", True, True))
 WARM_UP = 1  # rounds each engine serves first, not timed (its first steps run slower, kvstrata or not)
 PAUSE_S = 0.5  # before each engine's turn: the engine before it has stopped (its compute threads idle)
 
