@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import statistics
 import sys
 import tempfile
@@ -41,7 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from vllm_util import build_tiny_gemma3  # noqa: E402
+from vllm_util import EngineProcess, build_tiny_gemma3, take_turns  # noqa: E402
 
 
 def build(spec: dict[str, Any]) -> Any:
@@ -123,34 +121,6 @@ WARM_UP = 1  # rounds each engine serves first, not timed (its first steps run s
 PAUSE_S = 0.5  # before each engine's turn: the engine before it has stopped (its compute threads idle)
 
 
-class Child:
-    """One engine in a child process, asked for rounds one at a time."""
-
-    def __init__(self, spec: dict[str, Any], env: dict[str, str], log: Path) -> None:
-        self.log = log
-        self.proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env, cwd=ROOT)
-        self.built = self._answer("READY ")
-
-    def round(self, r: int) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{r}\n")
-        self.proc.stdin.flush()
-        return self._answer("ROUND ")
-
-    def _answer(self, tag: str) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(tag):
-                return json.loads(line[len(tag):])
-        raise RuntimeError(f"the engine stopped; its log: {self.log}\n{self.log.read_text()[-3000:]}")
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=120)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv-mib", type=int, default=16)
@@ -162,24 +132,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kvstrata-hma-"))
     model = build_tiny_gemma3(work / "gemma3")
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    children: dict[str, Child] = {}
+    children: dict[str, EngineProcess] = {}
     try:
         for n, (label, kvstrata, hma_off) in enumerate(ENGINES):  # one start at a time
             spec = {"model": str(model), "kvstrata": kvstrata, "kv_mib": args.kv_mib, "prompts": args.prompts,
                     "tokens": args.tokens, "hma_off": hma_off, "load_policy": args.load_policy}
-            children[label] = Child(spec, env, work / f"engine-{n}.log")
-        rounds: dict[str, list[dict[str, Any]]] = {label: [] for label in children}
-        labels = list(children)
-        for r in range(WARM_UP + args.rounds):  # the engines take turns, in an order that rotates each round
-            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
-                time.sleep(PAUSE_S)
-                rounds[label].append(children[label].round(r))
+            children[label] = EngineProcess(spec, work / f"engine-{n}.log",
+                                            cmd=[sys.executable, __file__, "--child", json.dumps(spec)])
+        rounds = take_turns(children, list(range(WARM_UP + args.rounds)), tag="ROUND", pause_s=PAUSE_S)
     finally:
         for child in children.values():
             child.close()
-    results = {label: summarise(children[label].built, rounds[label][WARM_UP:]) for label in children}
+    results = {label: summarise(children[label].ready, rounds[label][WARM_UP:]) for label in children}
     base_label = ENGINES[0][0]
     base = results[base_label]
     print(f"tiny Gemma-3 (5 of 6 layers sliding, window 64), {args.kv_mib} MiB of KV, "

@@ -257,3 +257,23 @@ def test_reads_queued_ahead_are_paid_by_the_next_hit_that_reads_behind_them() ->
     costs.handed(8, {"ssd": 100})
     now[0] += 3600  # never reported: stale, behind no one
     assert costs.queued() == 0.0 and costs.worth(hit, BT) == 10
+
+
+def test_the_shared_tier_s_decisions_are_counted_once_per_probe() -> None:
+    """A remote hit not worth fetching is counted as the remote tier's recomputed blocks
+    (the fetch decision is taken once per probe of the server; the local prefix's decision
+    is counted when the request is admitted)."""
+    from kvstrata.core.driver import DriverCore
+    from kvstrata.core.request import RequestState
+    from kvstrata.policy import TierPolicy
+
+    costs = measured(cpu=0.001, ssd=0.002, token=0.001, remote=1.0)  # a block from the server: 1 s
+    core = DriverCore(TierPolicy(PolicySpec(cpu_slots=8, remote=True)), BT, costs=costs)
+    st = core.open(RequestState("r", [bytes([i]) * 32 for i in range(6)]))
+    assert core.worth_fetching(st, 0, 0, 6) == 0
+    assert costs.decisions["remote"] == {"loaded": 0, "recomputed": 6}
+    fast = measured(cpu=0.001, ssd=0.002, token=0.001, remote=0.0001)
+    core = DriverCore(TierPolicy(PolicySpec(cpu_slots=8, remote=True)), BT, costs=fast)
+    st = core.open(RequestState("r", [bytes([i]) * 32 for i in range(6)]))
+    assert core.worth_fetching(st, 0, 0, 6) == 6
+    assert fast.decisions["remote"] == {"loaded": 6, "recomputed": 0}

@@ -14,8 +14,10 @@ import torch
 
 from kvstrata.connectors.kv_layout import KVLayout, LayoutRows
 from kvstrata.copier import Copier
-from kvstrata.core.costs import ALWAYS, MEASURED, PROBE_S, LoadCosts
+from kvstrata.config import KVStrataConfig
+from kvstrata.core.costs import ALWAYS, MEASURED, PROBE_BYTES, PROBE_S, LoadCosts, load_costs
 from kvstrata.executor import READ_BATCH_BYTES, Executor
+from kvstrata.policy import PolicySpec
 from kvstrata.policy import LoadPlan
 from kvstrata.policy.tiers import CPU
 from kvstrata.streams import InlineStreams
@@ -107,11 +109,32 @@ def test_a_tier_judged_slow_is_probed_again_once_its_sample_is_old() -> None:
     c.load_done({"ssd": 4}, 4 * 1.0)  # 1 s a block against 16 ms to compute it
     assert c.worth(["ssd"] * 4, BT) == 0
     now[0] = PROBE_S + 1
-    assert c.worth(["ssd"] * 4, BT) == 4  # a probe: loaded (its deadline bounds what it costs)
+    assert c.worth(["ssd"] * 4, BT) == 1  # a probe: its first block is loaded, the rest computed
     assert c.worth(["ssd"] * 4, BT) == 0  # one request probes
-    c.load_done({"ssd": 4}, 4 * 0.0001)   # the probe found the disk fast again
-    c.load_done({"ssd": 4}, 4 * 0.0001)
+    c.load_done({"ssd": 1}, 0.0001)       # the probe found the disk fast again
     assert c.worth(["ssd"] * 4, BT) == 4
+
+
+def test_a_probe_reads_a_few_blocks_of_its_tier_after_what_is_worth_loading() -> None:
+    """A DRAM prefix, then a slow SSD tail due for a probe: the prefix and the probe's
+    blocks (``probe_blocks``, from ``PROBE_BYTES``) are loaded, the rest of the tail is
+    computed. A probe that read the whole tail cost a request its whole read (at 6 MiB/s,
+    2.6 s against 0.5 s to compute, on the CPU engine)."""
+    now = [0.0]
+    c = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1, probe_blocks=2, clock=lambda: now[0])
+    c.step_done(BT, BT * 0.001, BT)
+    c.load_done({"cpu": 4}, 4 * 0.0001)
+    c.load_done({"ssd": 4}, 4 * 1.0)
+    assert c.worth(["cpu"] * 3 + ["ssd"] * 8, BT) == 3
+    now[0] = PROBE_S + 1
+    assert c.worth(["cpu"] * 3 + ["ssd"] * 8, BT) == 5
+    assert c.worth(["ssd"] * 1, BT) == 0  # probed
+    now[0] = 2 * PROBE_S + 2
+    assert c.worth(["ssd"] * 1, BT) == 1  # a hit shorter than a probe: all of it
+    cfg = KVStrataConfig.from_dict({})
+    spec = PolicySpec.from_config(cfg, block_nbytes=4096, gpu_blocks=16)
+    assert load_costs(cfg.load, spec, 512 * 1024).probe_blocks == PROBE_BYTES // (512 * 1024) == 2
+    assert load_costs(cfg.load, spec, 4 << 20).probe_blocks == 1
 
 
 def test_a_fetch_from_a_slow_server_stops_between_chunks(tmp_path: Path) -> None:
@@ -167,6 +190,40 @@ def test_the_scheduler_names_a_fetch_past_its_deadline_once() -> None:
     assert timing.step(0, []) == []           # named once
     timing.fetched(plan, 1)                   # what arrived is still a sample
     assert c.block_seconds()["remote"] == pytest.approx(0.2 + 0.001)  # its fetch, then its load from DRAM
+
+
+def _serve_one_at_a_time(timing, now: list[float], idle_s: float) -> None:
+    """Six prompts of 1-6 blocks, one at a time: each computed in one step (1 ms a token),
+    its output, then the engine idles until the next arrives (``idle_s`` times 1 to 4: how
+    long other clients take)."""
+    for k in range(7):  # the first computing step is not timed
+        tokens = BT * (k % 6 + 1)
+        timing.step(tokens, [])
+        now[0] += 0.001 * tokens
+        timing.ended()                        # vLLM's take_events, with the step's output
+        timing.ended()                        # a finished request of it: the first mark counts
+        now[0] += idle_s * (1 + (k * 3) % 4)
+    timing.step(0, [])
+
+
+def test_a_step_is_timed_to_its_output_not_through_the_idle_engine_after_it() -> None:
+    """An engine serving one request at a time waits between them; that wait is not
+    compute (timing it as such made every hit look worth loading)."""
+    from kvstrata.connectors.vllm_costs import TransferTiming
+
+    now = [0.0]
+    c = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1)
+    _serve_one_at_a_time(TransferTiming(c, BT, clock=lambda: now[0]), now, idle_s=2.0)
+    assert c.token_seconds() == pytest.approx(0.001, rel=1e-6)
+
+    now = [0.0]  # asynchronous scheduling: outputs come after the next step, steps run back to back
+    c = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1)
+    _serve_one_at_a_time(TransferTiming(c, BT, clock=lambda: now[0], async_scheduling=True), now, idle_s=0.0)
+    assert c.token_seconds() == pytest.approx(0.001, rel=1e-6)
+    now = [0.0]  # ... whose marks are not used: an idle engine's wait would be counted
+    c = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1)
+    _serve_one_at_a_time(TransferTiming(c, BT, clock=lambda: now[0], async_scheduling=True), now, idle_s=2.0)
+    assert c.token_seconds() != pytest.approx(0.001, rel=0.5)
 
 
 def test_a_grouped_load_is_bounded_by_computing_its_positions_not_its_entries() -> None:

@@ -375,7 +375,10 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
     every engine step of it spent inside kvstrata's worker-side hooks. ``spec["kv_events"]``
     (an ``ipc://`` endpoint): KV-cache events on, each step reports the ``events`` a router
     subscribed from before the engine started received, or, with ``events_from_step: i``,
-    one that connected before step ``i`` (the batches before it come from the replay socket)."""
+    one that connected before step ``i`` (the batches before it come from the replay socket).
+    ``spec["stdin_steps"]``: after ``spec["steps"]``, the engine says ``READY`` and runs
+    each step it then reads from stdin (one JSON line), answering each with ``STEP {...}``
+    (its result), until stdin closes (:class:`EngineProcess`)."""
     import time
 
     from vllm import SamplingParams
@@ -391,7 +394,7 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
     llm = _make_llm(spec)
     sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True, logprobs=0)
     results: list[Any] = []
-    for i, step in enumerate(spec["steps"]):
+    for i, step in enumerate(_steps(spec, results)):
         events = events or subscribe(i)
         if step.get("reset"):
             ok = llm.reset_prefix_cache(reset_connector=bool(step.get("connector")))
@@ -435,6 +438,85 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
             "num_gpu_blocks": _num_gpu_blocks(llm),
             "executor": llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
             "threads": [dict(t) for t in llm.collective_rpc(_thread_binding)]}
+
+
+def _steps(spec: dict[str, Any], results: list[Any]) -> Any:
+    """The steps of a scenario: ``spec["steps"]``, then (``stdin_steps``) those read from
+    stdin, each answered with its result once it has run."""
+    yield from spec["steps"]
+    if not spec.get("stdin_steps"):
+        return
+    print("READY", flush=True)
+    for line in sys.stdin:
+        yield json.loads(line)
+        print("STEP " + json.dumps(results[-1]), flush=True)
+
+
+class EngineProcess:
+    """One engine in a child process (``python tests/vllm_util.py``, or ``cmd``) that stays
+    up between steps, so that several engines can take turns: :meth:`step` sends one step
+    and returns its result. The child inherits this process's cgroups as they are when it
+    starts. Its stderr goes to ``log``."""
+
+    def __init__(self, spec: dict[str, Any], log: Path, *, env: dict[str, str] | None = None,
+                 cmd: list[str] | None = None, ready: str = "READY") -> None:
+        self.log = Path(log)
+        argv = cmd or [sys.executable, __file__, json.dumps({**spec, "stdin_steps": True})]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log.open("w"), text=True, env=engine_env(env=env), cwd=str(REPO))
+        self.ready = self.answer(ready)
+
+    def step(self, step: Any, tag: str = "STEP") -> Any:
+        """Send one step (a JSON value, on one line) and wait for the answer tagged ``tag``."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(step) + "\n")
+        self.proc.stdin.flush()
+        return self.answer(tag)
+
+    def answer(self, tag: str) -> Any:
+        """The JSON after the next stdout line starting with ``tag`` (None for a bare tag)."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.rstrip("\n") == tag:
+                return None
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1:])
+        self.proc.wait(timeout=60)
+        raise RuntimeError(f"the engine stopped (rc={self.proc.returncode}); its log, {self.log}:\n"
+                           f"{self.log.read_text()[-4000:]}")
+
+    def close(self) -> Any:
+        """Close its stdin; the engine's final ``RESULT`` (None from another command)."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            return self.answer("RESULT")
+        except RuntimeError:
+            return None
+        finally:
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def take_turns(engines: dict[str, EngineProcess], steps: list[Any], *, tag: str = "STEP", pause_s: float = 0.5,
+               first: int = 0) -> dict[str, list[Any]]:
+    """Each step to every engine in turn, one engine running at a time, each after a pause
+    that lets the one before it go idle (its compute threads, its background copies), in an
+    order that rotates from step to step (``first``: the rotation of the first step).
+    This machine's drift over minutes then falls on every engine alike."""
+    import time
+
+    labels = list(engines)
+    out: dict[str, list[Any]] = {label: [] for label in labels}
+    for n, step in enumerate(steps):
+        k = (first + n) % len(labels)
+        for label in labels[k:] + labels[:k]:
+            time.sleep(pause_s)
+            out[label].append(engines[label].step(step, tag))
+    return out
 
 
 def _jsonable(value: Any) -> Any:
@@ -519,13 +601,7 @@ def _worker_pids(llm: Any) -> list[int]:
 def run_in_subprocess(spec: dict[str, Any], *, multiprocessing: bool = False, timeout: float = 600,
                       env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one scenario in a fresh Python process; returns its result or raises with its log tail."""
-    full_env = dict(os.environ)
-    full_env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-                     "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
-                     "OMP_NUM_THREADS": full_env.get("OMP_NUM_THREADS", "2"),
-                     "TOKENIZERS_PARALLELISM": "false",
-                     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # collective_rpc(_getpid) in tests only
-    full_env.update(env or {})
+    full_env = engine_env(multiprocessing=multiprocessing, env=env)
     proc = subprocess.run([sys.executable, __file__, json.dumps(spec)], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=str(REPO))
     for line in proc.stdout.splitlines():
@@ -535,6 +611,19 @@ def run_in_subprocess(spec: dict[str, Any], *, multiprocessing: bool = False, ti
             result["log"] = proc.stdout + proc.stderr
             return result
     raise RuntimeError(f"engine process failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+
+
+def engine_env(*, multiprocessing: bool = False, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment every engine process of the tests and benchmarks starts with
+    (offline, quiet, the same compute threads), ``env`` on top."""
+    full_env = dict(os.environ)
+    full_env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+                     "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
+                     "OMP_NUM_THREADS": full_env.get("OMP_NUM_THREADS", "2"),
+                     "TOKENIZERS_PARALLELISM": "false",
+                     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # collective_rpc(_getpid) in tests only
+    full_env.update(env or {})
+    return full_env
 
 
 def omp_binding_log(log: str) -> list[str]:

@@ -3,10 +3,16 @@
 Nothing travels beside vLLM's connector API: a load's copies are timed by the workers,
 which report the blocks moved per tier and the seconds in the connector's worker
 metadata (``loads_done``); a fetch from the shared tier is timed here from the step that
-handed it over to the step whose output reports it, and the engine's steps as the time
-between two consecutive ``build_connector_meta`` calls with the tokens the earlier one
-scheduled and the context they attended (with vLLM's synchronous scheduling, a step's compute lies in between; the
-engine's first step that computes anything is left out: it carries one-time start-up work). A
+handed it over to the step whose output reports it. An engine step is timed from its
+``build_connector_meta`` to its output: the first scheduler-side call that comes from it
+(:meth:`TransferTiming.ended`: vLLM's ``take_events``, which it makes for every output, or
+a finished request), else the next step's ``build_connector_meta``; with the tokens it
+scheduled and the context they attended. With vLLM's synchronous scheduling the step's
+compute lies in between, and an engine that then waits for requests does not count its
+wait as compute. With asynchronous scheduling the next step is scheduled before the
+output of this one arrives, so steps are timed from one ``build_connector_meta`` to the
+next (the engine's cadence while busy). The engine's first step that computes anything
+is left out: it carries one-time start-up work. A
 load still running past its deadline (:meth:`LoadCosts.deadline`, from its hand-over)
 is named in the next step's metadata (``cut``): the workers read no more of it.
 
@@ -24,7 +30,7 @@ from kvstrata.policy import FetchPlan, LoadPlan
 
 __all__ = ["TransferTiming", "load_costs", "attended", "IDLE_S"]
 
-IDLE_S = 5.0  # a gap between two steps longer than this is an idle engine, not a step
+IDLE_S = 5.0  # a step that took longer than this was an idle engine (its output unseen), not a step
 _PENDING = 1 << 14  # plans timed at most at once
 
 
@@ -33,13 +39,15 @@ class TransferTiming:
 
     def __init__(self, costs: LoadCosts, block_size: int, clock: Any = time.monotonic,
                  first_of: Callable[[str], int] = lambda req_id: 0,
-                 span_of: Callable[[LoadPlan], int] = len) -> None:
+                 span_of: Callable[[LoadPlan], int] = len, async_scheduling: bool = False) -> None:
         self.costs = costs
         self.block_size = block_size
         self.clock = clock
         self.first_of = first_of  # request -> blocks before its hit (where its load starts)
         self.span_of = span_of    # load plan -> the block positions it covers (with groups, fewer than its entries)
         self._step: tuple[float, int, float] | None = None  # (when, tokens scheduled, attended) of the last step
+        self._ended: float | None = None  # when the last step's output arrived (None: not yet seen)
+        self._marks = not async_scheduling  # an output arrives before the next step is scheduled
         self._computed = False  # a step that computed anything was seen (the first is not timed)
         self._cut_at: dict[int, tuple[str, float]] = {}  # load or fetch plan id -> (request, when it is cut)
         self._fetches: dict[int, float] = {}  # fetch plan id -> handed over
@@ -51,10 +59,11 @@ class TransferTiming:
         now = self.clock()
         if self._step is not None:
             when, last, att = self._step
-            if last and now - when < IDLE_S and self._computed:
-                self.costs.step_done(last, now - when, self.block_size, att)
+            took = (self._ended if self._ended is not None else now) - when
+            if last and took < IDLE_S and self._computed:
+                self.costs.step_done(last, took, self.block_size, att)
             self._computed = self._computed or bool(last)
-        self._step = (now, int(tokens), float(attended))
+        self._step, self._ended = (now, int(tokens), float(attended)), None
         due = [plan_id for plan_id, (_, at) in self._cut_at.items() if at <= now]
         cut = [self._cut_at.pop(plan_id)[0] for plan_id in due]  # each named once
         for plan in handed:
@@ -74,6 +83,11 @@ class TransferTiming:
             while len(pending) > _PENDING:
                 del pending[next(iter(pending))]
         return cut
+
+    def ended(self) -> None:
+        """The last step's output arrived (the first call counts; see the module docstring)."""
+        if self._marks and self._ended is None and self._step is not None:
+            self._ended = self.clock()
 
     def reported(self, read: dict[str, int], seconds: float) -> None:
         """The workers finished a load that moved ``read`` blocks per tier in ``seconds``."""

@@ -131,7 +131,8 @@ class KVStrataScheduler:
         self.core = DriverCore(self.policy, self.block_size, self.groups, self.costs)
         self._timing = TransferTiming(self.costs, self.block_size,
                                       first_of=lambda req_id: getattr(self.core.requests.get(req_id), "gpu_hits", 0),
-                                      span_of=self._span)
+                                      span_of=self._span,
+                                      async_scheduling=bool(vllm_config.scheduler_config.async_scheduling))
         self.num_workers = num_workers(vllm_config)
         self._stores = WorkerReports(self.num_workers)
         self._pool = PoolView(record=self.policy.ssd is not None)  # the workers' hot set mirrors follow it
@@ -172,7 +173,9 @@ class KVStrataScheduler:
         return events
 
     def take_events(self) -> list[Any]:
-        """KV-cache events of the tiers below (vLLM's ``take_events`` hook)."""
+        """KV-cache events of the tiers below (vLLM's ``take_events`` hook, which it calls
+        with every step's output: that step has ended)."""
+        self._timing.ended()
         if self._events is None:
             return []
         return self._events.take(self._seeding is not None and self._seeding.pending)
@@ -412,6 +415,7 @@ class KVStrataScheduler:
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         """Delay freeing only while a load into the request's blocks is in flight."""
+        self._timing.ended()  # with the step's output (or between steps: an abort)
         st, loading = self.core.finish(request.request_id)
         if self._recording is not None and isinstance(st, _Req):
             self._recording.finished(st, self._hashes, _cacheable(st.request))

@@ -34,8 +34,10 @@ operator's figure: ``load.<tier>_bandwidth``) or the compute rate.
 
 A tier judged slower than computing is not read again, so it could never be seen to
 recover: when a hit would compute a tier's blocks and that tier's last sample is older
-than ``PROBE_S``, the hit is loaded once more (a probe, bounded by its deadline), and
-the estimates start again from what the probe measured.
+than ``PROBE_S``, the first ``probe_blocks`` of them (``PROBE_BYTES``, at least one block)
+are loaded once more (a probe, bounded by its deadline; the rest of the hit is decided
+as usual), and the estimates start again from what the probe measured. A probe so costs
+a request at most the time its few blocks take to read, not a whole hit's.
 
 **Queued reads.** The reads of the tiers behind the slab tier (the SSD tier's) run on
 one I/O thread, in order: a load handed over behind others waits for their reads. The
@@ -72,11 +74,12 @@ if TYPE_CHECKING:
     from kvstrata.load_config import LoadConfig
     from kvstrata.policy import PolicySpec
 
-__all__ = ["LoadCosts", "DECAY", "ALWAYS", "MEASURED", "POLICIES", "PROBE_S", "load_costs", "fixed_costs"]
+__all__ = ["LoadCosts", "DECAY", "ALWAYS", "MEASURED", "POLICIES", "PROBE_S", "PROBE_BYTES", "load_costs", "fixed_costs"]
 
 MEASURED, ALWAYS = POLICIES  # (measured, always)
 DECAY = 0.8  # weight of a sample once the next one arrived: about five samples carry the estimate
 PROBE_S = 60.0  # a tier not read for this long is read once more before it is judged again
+PROBE_BYTES = 1 << 20  # what a probe reads of its tier (at least one block)
 _QUEUE_MAX = 4096  # loads followed in flight at most
 _STALE_S = 60.0    # a load in flight longer than this (and than 10x its estimate) is dropped from the queue
 
@@ -187,8 +190,9 @@ class LoadCosts:
     def __init__(self, tiers: Sequence[str], fetched: str | None = None, *, policy: str = ALWAYS,
                  margin: float = 0.1, warmup: int = 1, block_seconds: Mapping[str, float] | None = None,
                  token_seconds: float | None = None, attended_seconds: float = 0.0, deadline: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 probe_blocks: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         self.tiers = tuple(tiers)
+        self.probe_blocks = max(1, int(probe_blocks))
         self.fetched = fetched
         self.policy, self.margin, self.warmup = policy, float(margin), int(warmup)
         self.deadline_factor = float(deadline)
@@ -346,8 +350,8 @@ class LoadCosts:
     def worth(self, tiers: Sequence[str], block_tokens: int, first: int = 0) -> int:
         """How many leading blocks of a hit to load (``tiers[i]``: where block ``first + i``
         of the prompt is read from); the rest are computed. Nothing is counted (see
-        :meth:`count`); a tier due for a probe (``PROBE_S``) is loaded, and its probe is then
-        taken."""
+        :meth:`count`); of a tier due for a probe (``PROBE_S``) the first ``probe_blocks``
+        are loaded whatever they cost, and its probe is then taken."""
         if not self.deciding or not tiers:
             return len(tiers)
         rates = self.compute_rates()
@@ -361,20 +365,26 @@ class LoadCosts:
         last = bt * per_token + per_attended * bt * bt * (first + len(tiers) - 0.5)  # the costliest block
         runs = _runs(tiers)
         probe = {t for t, _ in runs if self._due(t, cost, now) and last < margin * cost[t]}
-        self._take_probes(probe, now)
+        self._take_probes(set(probe), now)
         best_k, best, total, k = 0, 0.0, 0.0, 0
         wait = self.queued()  # paid once, by the first block read on the I/O thread
         for tier, n in runs:  # along a run the saving per block grows: its ends decide
             if wait and tier in self._queued_tiers:
                 total -= margin * wait
                 wait = 0.0
-            if tier not in probe:  # blocks first+k .. first+k+n-1: sum of (position + 1/2) is n(p0) + n^2/2
+            if tier in probe:  # the probe's blocks are read whatever they cost (its first run's)
+                probe.discard(tier)
+                free = min(n, self.probe_blocks)
+                k, n = k + free, n - free
+                if total >= best:
+                    best_k, best = k, total
+            if n:  # blocks first+k .. first+k+n-1: sum of (position + 1/2) is n(p0) + n^2/2
                 p0 = first + k
                 total += n * bt * per_token + per_attended * bt * bt * (n * p0 + n * n / 2) \
                     - n * margin * cost.get(tier, 0.0)
-            k += n
-            if total >= best:
-                best_k, best = k, total
+                k += n
+                if total >= best:
+                    best_k, best = k, total
         return best_k
 
     def worth_whole(self, tiers: Sequence[str], blocks: int, block_tokens: int, first: int = 0) -> bool:
@@ -438,7 +448,8 @@ def load_costs(cfg: "LoadConfig", spec: "PolicySpec", block_nbytes: int, policy:
     fixed = {tier: block_nbytes / bw for tier in tiers if (bw := getattr(cfg, f"{tier}_bandwidth", None))}
     return LoadCosts(LOWER, shared, policy=policy or cfg.policy, margin=cfg.margin, warmup=cfg.warmup,
                      block_seconds=fixed, token_seconds=1.0 / cfg.prefill_rate if cfg.prefill_rate else None,
-                     attended_seconds=1.0 / cfg.attention_rate if cfg.attention_rate else 0.0, deadline=cfg.deadline)
+                     attended_seconds=1.0 / cfg.attention_rate if cfg.attention_rate else 0.0, deadline=cfg.deadline,
+                     probe_blocks=PROBE_BYTES // max(1, block_nbytes))
 
 
 def fixed_costs(cfg: "LoadConfig", spec: "PolicySpec", block_nbytes: int, policy: str | None = None

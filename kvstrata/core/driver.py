@@ -189,12 +189,16 @@ class DriverCore:
 
     def worth_fetching(self, st: RequestState, first: int, start: int, held: int) -> int:
         """How many of the ``held`` blocks the shared tier holds after the local prefix
-        ``[first:start]`` are worth fetching and loading rather than computing. Pure."""
+        ``[first:start]`` are worth fetching and loading rather than computing; counted as the
+        shared tier's decisions (the local prefix's are counted when the request is admitted).
+        Called once per probe of the shared tier."""
         if self.costs is None or not self.costs.deciding or self.groups is not None or held <= 0:
             return held
-        k = self.costs.worth(self.policy.lookup(st.hashes[first:start]) + [self.costs.fetched or ""] * held,
-                             self.block_size, first)
-        return max(0, k - (start - first))
+        shared = [self.costs.fetched or ""] * held
+        k = max(0, self.costs.worth(self.policy.lookup(st.hashes[first:start]) + shared, self.block_size, first)
+                - (start - first))
+        self.costs.count(shared, k)
+        return k
 
     def group_key(self, st: RequestState, g: int, i: int) -> bytes:
         """The key of block ``i`` of ``st`` in KV-cache group ``g`` (the chain's for group 0)."""
