@@ -37,8 +37,8 @@ figures per engine:
 * its mean TTFT over the stored prompts against vLLM alone's for the same prompts (the
   mean of its three processes, prompt by prompt); vLLM alone's own processes show what
   is noise between processes;
-* against itself: after each stored prompt every engine serves a fresh one (which no
-  tier holds, so every engine computes it), and its mean TTFT over the stored prompts is
+* against itself: after each stored prompt every engine serves a fresh one of its own
+  (which no tier holds, so every engine computes it), and its mean TTFT over the stored prompts is
   divided by its own over the fresh ones. That removes the process's own speed: vLLM
   alone, and any engine that computes what it could load, shows about 1.00x; it does
   not show what kvstrata costs when it computes, which the first figure of "kvstrata,
@@ -93,12 +93,20 @@ def scenario(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     model = str(build_tiny_llama(work / "llama-8x1024", layers=8, hidden=1024, heads=16, kv_heads=4,
                                  intermediate=2816, vocab=2048, max_positions=8192))
     prompts = [random_token_prompt(args.tokens, seed=100 + i, vocab=2000) for i in range(args.prompts)]
-    fresh = [random_token_prompt(args.tokens, seed=500 + i, vocab=2000) for i in range(args.prompts)]
     warm = [random_token_prompt(n, seed=2 + i, vocab=2000) for i, n in enumerate(WARM_UP)]
     return {"engine": {"model": model, "max_tokens": 1, "kv_bytes": 256 * 1024**2, "max_model_len": 8192,
                        "load_stats": True, "steps": []},
             "warm_up": [{"prompts": [w]} for w in warm], "timed": [{"prompts": [p]} for p in prompts],
-            "fresh": [{"prompts": [p]} for p in fresh]}
+            "fresh": [{"fresh": i, "tokens": args.tokens} for i in range(args.prompts)]}
+
+
+def fresh_prompt(label: str, step: dict[str, Any]) -> dict[str, Any]:
+    """What engine ``label`` serves for a step: a ``fresh`` one is a prompt of its own, which
+    no engine stored (engines of a phase share the remote server: one another's would hit)."""
+    if "fresh" not in step:
+        return step
+    seed = 10_000 + 1_000 * (sum(map(ord, label)) % 997) + step["fresh"]
+    return {"prompts": [random_token_prompt(step["tokens"], seed=seed, vocab=2000)]}
 
 
 def measure(args: argparse.Namespace, work: Path, real_speed: bool = True, ssd: bool = True,
@@ -179,7 +187,7 @@ class _Engines:
         if before_timed is not None:
             before_timed()
         both = [step for pair in zip(self.common["timed"], self.common["fresh"]) for step in pair]
-        ran = take_turns(self.running, both, pause_s=PAUSE_S, first=len(self.common["warm_up"]))
+        ran = take_turns(self.running, both, pause_s=PAUSE_S, first=len(self.common["warm_up"]), each=fresh_prompt)
         timed = {label: steps[0::2] for label, steps in ran.items()}
         alone = [statistics.fmean(s["seconds"] for s in steps) for steps in zip(*(timed[a] for a in ALONES))]
         return {label: {**summary(steps, alone, timed[ALONES[0]]), **own(steps, ran[label][1::2])}

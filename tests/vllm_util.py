@@ -502,11 +502,12 @@ class EngineProcess:
 
 
 def take_turns(engines: dict[str, EngineProcess], steps: list[Any], *, tag: str = "STEP", pause_s: float = 0.5,
-               first: int = 0) -> dict[str, list[Any]]:
+               first: int = 0, each: Any = None) -> dict[str, list[Any]]:
     """Each step to every engine in turn, one engine running at a time, each after a pause
     that lets the one before it go idle (its compute threads, its background copies), in an
     order that rotates from step to step (``first``: the rotation of the first step).
-    This machine's drift over minutes then falls on every engine alike."""
+    This machine's drift over minutes then falls on every engine alike. ``each(label, step)``:
+    what engine ``label`` is sent for ``step`` (default: the step itself)."""
     import time
 
     labels = list(engines)
@@ -515,7 +516,7 @@ def take_turns(engines: dict[str, EngineProcess], steps: list[Any], *, tag: str 
         k = (first + n) % len(labels)
         for label in labels[k:] + labels[:k]:
             time.sleep(pause_s)
-            out[label].append(engines[label].step(step, tag))
+            out[label].append(engines[label].step(step if each is None else each(label, step), tag))
     return out
 
 
