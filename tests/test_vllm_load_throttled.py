@@ -33,8 +33,9 @@ def test_measured_serves_a_slow_disk_as_fast_as_recompute_and_always_waits_for_i
     assert all(r["outputs_identical"] for r in out.values())
     assert always["loaded_tokens"] > 0 and always["mean_ratio"] > 2  # the disk is slower than recompute
     # the timed hits are computed (the warm-up's loads gave the disk's first samples), but for
-    # a probe of the disk once a minute: 1 MiB of a hit, 2 blocks of 32 tokens here
-    assert measured["loaded_tokens"] <= 2 * 64 and measured["load"]["decisions"]["ssd"]["recomputed"] > 0
+    # a probe of the disk once a minute: 1 MiB of a hit (2 blocks of 32 tokens here)
+    assert 0 < measured["load"]["decisions"]["ssd"]["recomputed"]
+    assert measured["loaded_tokens"] % 64 == 0 and measured["loaded_tokens"] <= always["loaded_tokens"] // 10
     # a hit it computes costs what a prompt no tier holds costs the same engine
     assert measured["own_ratio"] < 1.25, (measured["ttft_s"], measured["fresh_ttft_s"])
     assert always["own_ratio"] > 2
