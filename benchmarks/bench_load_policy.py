@@ -66,7 +66,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -132,7 +132,7 @@ def _ssd(args: argparse.Namespace, work: Path, common: dict[str, Any], real_spee
         writer = {**tier, "ssd.path": str(disk.mount / "ssd"), "load.policy": "always"}
         run_in_subprocess({**common["engine"], "steps": common["warm_up"] + common["timed"], "kvstrata": writer},
                           env=ENV, timeout=1800)
-        with _engines(work, common) as engines:
+        with _Engines(work, common) as engines:
             engines.start_alone()
             engines.start("kvstrata, nothing to hit", {**DRAM, "ssd.capacity": 0})
             for speed in _speeds(args, real_speed):
@@ -153,7 +153,7 @@ def _remote(args: argparse.Namespace, work: Path, common: dict[str, Any], real_s
         run_in_subprocess({**common["engine"], "steps": common["warm_up"] + common["timed"],
                            "kvstrata": {**tier, "remote.url": server.url, "load.policy": "always"}},
                           env=ENV, timeout=1800)
-        with SlowProxy(server.port, bps=args.read_mib << 20) as proxy, _engines(work, common) as engines:
+        with SlowProxy(server.port, bps=args.read_mib << 20) as proxy, _Engines(work, common) as engines:
             engines.start_alone()
             slow = f"redis://127.0.0.1:{proxy.port}/0"
             for speed in _speeds(args, real_speed):
@@ -164,15 +164,22 @@ def _remote(args: argparse.Namespace, work: Path, common: dict[str, Any], real_s
 
 
 class _Engines:
-    """The engines of one phase, started one at a time, then run side by side."""
+    """The engines of one phase, started one at a time, then run side by side; closed on exit."""
 
     def __init__(self, work: Path, common: dict[str, Any]) -> None:
         self.work, self.common = work, common
         self.running: dict[str, EngineProcess] = {}
 
+    def __enter__(self) -> "_Engines":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for engine in self.running.values():
+            engine.close()
+
     def start(self, label: str, kvstrata: dict[str, Any] | None = None) -> None:
         spec = {**self.common["engine"], **({"kvstrata": kvstrata} if kvstrata is not None else {})}
-        log = self.work / f"engine-{len(list(self.work.glob('engine-*.log')))}.log"
+        log = self.work / f"engine-{len(list(self.work.glob('engine-*.log')))}.log"  # across phases
         self.running[label] = EngineProcess(spec, log, env=ENV)
 
     def start_alone(self) -> None:
@@ -192,19 +199,6 @@ class _Engines:
         alone = [statistics.fmean(s["seconds"] for s in steps) for steps in zip(*(timed[a] for a in ALONES))]
         return {label: {**summary(steps, alone, timed[ALONES[0]]), **own(steps, ran[label][1::2])}
                 for label, steps in timed.items()}
-
-    def close(self) -> None:
-        for engine in self.running.values():
-            engine.close()
-
-
-@contextlib.contextmanager
-def _engines(work: Path, common: dict[str, Any]) -> Iterator[_Engines]:
-    engines = _Engines(work, common)
-    try:
-        yield engines
-    finally:
-        engines.close()
 
 
 def summary(steps: list[dict[str, Any]], base: list[float], reference: list[dict[str, Any]]) -> dict[str, Any]:

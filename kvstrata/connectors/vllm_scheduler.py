@@ -292,13 +292,12 @@ class KVStrataScheduler:
                 if ids[i] == _NULL:
                     continue
                 if kind == STATE:
-                    keep = i < len(vhashes) and cached_as(ids[i], g, vhashes[i])
-                    if not keep:
-                        continue
+                    keep = follow = i < len(vhashes) and cached_as(ids[i], g, vhashes[i])
                 else:
                     keep = kind == FULL or stored(st, g, i)
-                    if not keep and not (i < len(vhashes) and cached_as(ids[i], g, vhashes[i])):
-                        continue
+                    follow = keep or (i < len(vhashes) and cached_as(ids[i], g, vhashes[i]))
+                if not follow:
+                    continue
                 out.append((ids[i], key(st, g, i)))
                 if offered is not None and keep:
                     offered.append(out[-1])
