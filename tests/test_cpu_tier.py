@@ -700,10 +700,38 @@ def test_a_failed_chunk_releases_the_others_and_leaves_a_pageable_slab(fake_cuda
     assert ("out of memory (error 2)" if "fail_at" in failure else "driver gone") in warnings[0].getMessage()
     assert not slab.pinned
     assert sorted(rt.unregistered) == [ptr for ptr, _ in rt.registered]  # nothing stays locked
+    assert resident_bytes(slab.array) >= slab.array.nbytes  # faulted in, as a pageable slab is
     slab.write([1], [k(1)], np.stack([block(1, 1_000_000)]))
     assert bytes(slab.view(1)) == bytes(block(1, 1_000_000))
     del slab
     assert sorted(rt.unregistered) == [ptr for ptr, _ in rt.registered]  # and nothing is released twice
+
+
+def resident_bytes(array: np.ndarray) -> int:
+    """Bytes of the mapping that holds ``array`` that are in memory (its ``Rss`` in
+    /proc/self/smaps)."""
+    address, inside = array.ctypes.data, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the array")
+
+
+def test_a_pageable_slab_is_in_memory_before_its_first_store():
+    """A store into the slab must be a copy, not a page fault per 4 KiB page on the
+    engine's critical path (measured: a 16 MiB store into fresh pages took 50-90 ms
+    inside a CPU engine's step, against ~1 ms into resident ones)."""
+    from kvstrata.tiers.host import HostSlab
+
+    slab = HostSlab(48, 1 << 20, pin_memory=False)
+    assert not slab.pinned
+    assert resident_bytes(slab.array) >= 48 << 20
+    assert not slab.array.any()  # and it reads as zeros, as fresh memory does
 
 
 def test_pinning_turned_off_never_touches_cuda(fake_cuda):
