@@ -183,8 +183,8 @@ class RemoteTier:
 
     def probe_async(self, keys: Sequence[bytes], each: bool = False) -> "cf.Future[Any]":
         """:meth:`probe` (or :meth:`probe_each`) on a thread of its own: a caller that must
-        never wait (a vLLM scheduler) polls the future; it is done within the deadline of
-        each batch."""
+        not wait long (a vLLM scheduler) polls the future, or waits for it briefly; it is done
+        within the deadline of each batch."""
         with self._lock:
             if self._prober is None:
                 self._prober = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-probe")
