@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["available_memory_bytes", "default_max_memory"]
+__all__ = ["available_memory_bytes", "default_max_memory", "total_memory_bytes"]
 
 
 def available_memory_bytes() -> int | None:
@@ -18,11 +18,17 @@ def available_memory_bytes() -> int | None:
     return min(got) if got else None
 
 
-def default_max_memory() -> int | None:
-    """Half of the machine's memory (or of this process's cgroup limit, when lower); None
-    when neither can be read."""
+def total_memory_bytes() -> int | None:
+    """The machine's memory, or this process's cgroup limit when lower; None when neither
+    can be read."""
     got = [n for n in (_meminfo("MemTotal"), _cgroup("memory.max")) if n is not None]
-    return min(got) // 2 if got else None
+    return min(got) if got else None
+
+
+def default_max_memory() -> int | None:
+    """Half of :func:`total_memory_bytes`; None when it cannot be read."""
+    total = total_memory_bytes()
+    return total // 2 if total is not None else None
 
 
 def _meminfo(field: str) -> int | None:

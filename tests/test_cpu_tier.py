@@ -734,6 +734,22 @@ def test_a_pageable_slab_is_in_memory_before_its_first_store():
     assert not slab.array.any()  # and it reads as zeros, as fresh memory does
 
 
+@pytest.mark.parametrize("pin_memory", [False, True])
+def test_a_slab_larger_than_the_memory_available_is_refused_at_start(monkeypatch, fake_cuda, pin_memory):
+    """Every byte of a slab is resident from the start, so one larger than the memory
+    available would be killed at start-up (or squeeze the engine): a ConfigError naming
+    the key instead. The available memory is mocked (this machine has what it has)."""
+    import kvstrata.machine
+    from kvstrata.tiers.host import HostSlab
+
+    rt = fake_cuda(FakePinRuntime())
+    monkeypatch.setattr(kvstrata.machine, "available_memory_bytes", lambda: 3 << 20)
+    with pytest.raises(ConfigError, match=r"cpu\.capacity: .*0\.00 GiB of memory available"):
+        HostSlab(4, 1 << 20, pin_memory=pin_memory)
+    assert rt.registered == []
+    assert HostSlab(3, 1 << 20, pin_memory=pin_memory).num_slots == 3  # what fits is made
+
+
 def test_pinning_turned_off_never_touches_cuda(fake_cuda):
     from kvstrata.tiers.host import HostSlab
 

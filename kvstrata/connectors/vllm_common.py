@@ -219,28 +219,22 @@ def _variant(mc: Any) -> str:
 def check_index_memory(spec: PolicySpec, block_nbytes: int, total_bytes: int | None = None) -> None:
     """Refuse an SSD tier whose index would not fit the scheduler's machine once full
     (more than half its memory): a clear error at start-up, not an out-of-memory kill
-    days later. ``total_bytes``: the machine's memory (read from /proc/meminfo)."""
+    days later. ``total_bytes``: the machine's memory (by default
+    :func:`~kvstrata.machine.total_memory_bytes`)."""
     from kvstrata.policy.holdings import index_bytes
 
     store = spec.tiers.store() if spec.tiers is not None else None
     need = index_bytes(spec.ssd_slots, eviction=store.eviction if store is not None else "lru")
-    total = total_bytes if total_bytes is not None else _memory_total()
+    if total_bytes is None:
+        from kvstrata.machine import total_memory_bytes
+
+        total_bytes = total_memory_bytes()
+    total = total_bytes or 0
     if total and need > total // 2:
         raise ConfigError(
             f"ssd.capacity: {spec.ssd_slots:,} blocks of {block_nbytes:,} bytes; indexing them takes "
             f"~{need / 2**30:.1f} GiB of the scheduler's memory, more than half of this machine's "
             f"{total / 2**30:.1f} GiB: use a smaller ssd.capacity or larger blocks (--block-size)")
-
-
-def _memory_total() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def policy_spec(cfg: KVStrataConfig, kv_cache_config: "KVCacheConfig") -> PolicySpec:
