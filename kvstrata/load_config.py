@@ -22,7 +22,8 @@ class LoadConfig:
     below the GPU; ``measured`` loads only the blocks whose load is measured to beat
     computing them (by ``margin``, a fraction), ``always`` until ``warmup`` samples of a
     tier exist. ``<tier>_bandwidth`` (bytes per second, as a size: ``2GiB``) fixes what a
-    tier's load costs; ``prefill_rate`` fixes the compute rate. ``deadline``: under
+    tier's load costs, and ``<tier>_latency`` (seconds, 0 by default) what each load of it
+    pays once on top; ``prefill_rate`` fixes the compute rate. ``deadline``: under
     ``measured``, a load running this many times its estimate, or longer than computing its
     blocks, reads no more (0: never cut). ``attention_rate`` fixes the part of the compute that
     grows with the context: token pairs attended per second (a token computed after ``c``
@@ -35,13 +36,16 @@ class LoadConfig:
     cpu_bandwidth: int | None = None
     ssd_bandwidth: int | None = None
     remote_bandwidth: int | None = None
+    cpu_latency: float | None = None
+    ssd_latency: float | None = None
+    remote_latency: float | None = None
     prefill_rate: float | None = None
     attention_rate: float | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "load") -> "LoadConfig":
         keys = ("policy", "margin", "warmup", "deadline", "cpu_bandwidth", "ssd_bandwidth", "remote_bandwidth",
-                "prefill_rate", "attention_rate")
+                "cpu_latency", "ssd_latency", "remote_latency", "prefill_rate", "attention_rate")
         check_keys(d, keys, p)
         policy = one_of(d.get("policy", cls.policy), f"{p}.policy", LOAD_POLICIES)
         margin = d.get("margin", cls.margin)
@@ -63,12 +67,24 @@ class LoadConfig:
                 if bandwidth[key] <= 0:
                     raise ConfigError(f"{p}.{key}: expected bytes per second above 0 (as a size: 2GiB), "
                                       f"got {short_repr(raw)}")
+        latency = {}
+        for tier in ("cpu", "ssd", "remote"):
+            key = f"{tier}_latency"
+            raw = d.get(key)
+            if raw is None:
+                continue
+            if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 <= raw <= 60:
+                raise ConfigError(f"{p}.{key}: expected seconds from 0 to 60 that each load of the tier pays once, "
+                                  f"got {short_repr(raw)}")
+            if f"{tier}_bandwidth" not in bandwidth:
+                raise ConfigError(f"{p}.{key}: given without {p}.{tier}_bandwidth (the tier's figure it is part of)")
+            latency[key] = float(raw)
         rate = _rate(d, "prefill_rate", p, "tokens per second")
         attention = _rate(d, "attention_rate", p, "token pairs attended per second")
         if attention is not None and rate is None:
             raise ConfigError(f"{p}.attention_rate: given without {p}.prefill_rate (the compute rate it is part of)")
         return cls(policy=policy, margin=float(margin), warmup=warmup, deadline=float(deadline), **bandwidth,
-                   prefill_rate=rate, attention_rate=attention)
+                   **latency, prefill_rate=rate, attention_rate=attention)
 
 
 def _rate(d: Mapping[str, Any], key: str, p: str, unit: str) -> float | None:

@@ -116,6 +116,8 @@ def test_decisions_are_counted_per_tier() -> None:
     ("prefill_rate", float("nan"), r"load\.prefill_rate: expected tokens per second above 0"),
     ("deadline", 0.5, r"load\.deadline: expected 0 \(never cut a load\) or a factor from 1 to 1000"),
     ("attention_rate", -1, r"load\.attention_rate: expected token pairs attended per second above 0"),
+    ("ssd_latency", -0.001, r"load\.ssd_latency: expected seconds from 0 to 60"),
+    ("remote_latency", "1ms", r"load\.remote_latency: expected seconds from 0 to 60"),
 ])
 def test_out_of_range_values_name_the_key(key: str, value: object, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -132,9 +134,54 @@ def test_an_attention_rate_needs_the_prefill_rate_it_is_part_of() -> None:
 
 
 def test_the_load_section_round_trips() -> None:
-    cfg = KVStrataConfig.from_dict({"load": {"policy": "measured", "ssd_bandwidth": "2GiB", "margin": 0.25}})
-    assert cfg.load.ssd_bandwidth == 2 << 30 and cfg.load.margin == 0.25
+    cfg = KVStrataConfig.from_dict({"load": {"policy": "measured", "ssd_bandwidth": "2GiB", "margin": 0.25,
+                                             "ssd_latency": 0.0005}})
+    assert cfg.load.ssd_bandwidth == 2 << 30 and cfg.load.margin == 0.25 and cfg.load.ssd_latency == 0.0005
     assert KVStrataConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_latency_needs_the_bandwidth_it_is_part_of() -> None:
+    with pytest.raises(ConfigError, match=r"load\.ssd_latency: given without load\.ssd_bandwidth"):
+        KVStrataConfig.from_dict({"load": {"ssd_latency": 0.001}})
+    cfg = KVStrataConfig.from_dict({"load": {"ssd_bandwidth": "4MiB", "ssd_latency": 0.002, "prefill_rate": 1000}})
+    costs = load_costs(cfg.load, PolicySpec.from_config(cfg, block_nbytes=4096, gpu_blocks=16), 4096)
+    assert costs.latency()["ssd"] == 0.002 and costs.block_seconds()["ssd"] == pytest.approx(4096 / (4 << 20))
+
+
+def test_a_tiers_latency_is_told_apart_once_its_loads_differ_in_size() -> None:
+    """A tier costing 2 ms a load and 1 ms a block: loads of one size say nothing of the
+    split (the fit goes through the origin, latency 0); a probe's 2 blocks beside whole
+    hits of 30 do, and the fit recovers both; an SSD tail's latency is its own."""
+    costs = LoadCosts(("cpu", "ssd"), policy=MEASURED)
+    for _ in range(3):
+        costs.load_done({"ssd": 30}, 0.002 + 30 * 0.001)
+    assert costs.latency() == {"ssd": 0.0}
+    assert costs.block_seconds()["ssd"] == pytest.approx(0.032 / 30)
+    costs.load_done({"ssd": 2}, 0.002 + 2 * 0.001)
+    assert costs.latency()["ssd"] == pytest.approx(0.002, rel=1e-6)
+    assert costs.block_seconds()["ssd"] == pytest.approx(0.001, rel=1e-6)
+    for n in (3, 7, 1, 12):  # mixed loads: each tier read pays its own latency once
+        costs.load_done({"cpu": n}, 0.0001 + n * 0.00001)
+        costs.load_done({"cpu": n, "ssd": n}, 0.0001 + n * 0.00001 + 0.002 + n * 0.001)
+    assert costs.latency()["cpu"] == pytest.approx(0.0001, rel=1e-4)
+    assert costs.latency()["ssd"] == pytest.approx(0.002, rel=1e-4)
+    assert costs.estimates()["latency_seconds"] == costs.latency()
+
+
+def test_a_short_hit_from_a_tier_with_a_long_latency_is_computed() -> None:
+    """A block computes in 1.6 ms and loads in 1 ms once the tier's 10 ms latency is paid:
+    4 blocks are cheaper computed (6.4 ms against 14 ms), 40 loaded (64 ms against 50 ms);
+    the deadline of a load counts the latency too."""
+    costs = LoadCosts(("cpu", "ssd"), policy=MEASURED, margin=0.0, block_seconds={"cpu": 1e-5, "ssd": 0.001},
+                      latency_seconds={"ssd": 0.01}, token_seconds=0.0001, deadline=1.0)
+    assert costs.worth(["ssd"] * 4, BT) == 0
+    assert costs.worth(["ssd"] * 40, BT) == 40
+    assert costs.worth(["cpu"] * 3 + ["ssd"] * 4, BT) == 3  # the DRAM prefix still loads
+    assert costs.worth_whole(["ssd"] * 4, 4, BT) is False and costs.worth_whole(["ssd"] * 40, 40, BT) is True
+    assert costs.deadline(["ssd"] * 40, BT) == pytest.approx(0.01 + 40 * 0.001)  # under computing them: 64 ms
+    without = LoadCosts(("cpu", "ssd"), policy=MEASURED, margin=0.0, block_seconds={"cpu": 1e-5, "ssd": 0.001},
+                        token_seconds=0.0001)
+    assert without.worth(["ssd"] * 4, BT) == 4  # what the same tier gets when its latency is left out
 
 
 def test_the_cut_is_the_largest_saving_over_every_prefix() -> None:

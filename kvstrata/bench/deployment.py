@@ -61,7 +61,8 @@ def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = (),
                     measured: dict[str, Any] | None = None) -> KVStrataConfig:
     """The config a recording's deployment ran, with ``--set`` style overrides applied.
     ``measured``: what the plugin measured over the recording; the costs it estimated fill
-    the ``load.*`` figures the deployment did not fix (:func:`recorded_load`)."""
+    the ``load.*`` figures the deployment did not fix (:func:`recorded_load`); a tier whose
+    bandwidth it fixed keeps the latency it fixed with it (0 when none), as the plugin did."""
     from kvstrata.errors import ConfigError
 
     base = deployment.get("config") if isinstance(deployment, dict) else None
@@ -76,7 +77,8 @@ def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = (),
                          "retention_interval": engine.get("retention_interval", 0)}
     if isinstance(base.get("load", {}), dict):
         fixed = base.get("load", {})
-        base["load"] = {**fixed, **{k: v for k, v in recorded_load(measured).items() if fixed.get(k) is None}}
+        base["load"] = {**fixed, **{k: v for k, v in recorded_load(measured).items() if fixed.get(k) is None
+                                    and fixed.get(k.replace("_latency", "_bandwidth")) is None}}
     try:
         KVStrataConfig.from_dict(base)  # checked as a whole first: a section that is not a mapping is named
     except ConfigError as exc:
@@ -89,7 +91,7 @@ def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = (),
 def recorded_load(measured: dict[str, Any] | None) -> dict[str, float]:
     """The ``load.*`` figures the plugin estimated over a recording (``measured["load"]``,
     as :meth:`~kvstrata.core.costs.LoadCosts.estimates` gives them): each tier's bandwidth
-    from its seconds per block, the compute rates from the seconds per token and per token
+    from its seconds per block and its latency per load, the compute rates from the seconds per token and per token
     pair attended. A figure that is not a positive, finite number (absent, forged) is left
     out, so the replay then decides as if it had not been measured."""
     load = measured.get("load") if isinstance(measured, dict) else None
@@ -97,11 +99,14 @@ def recorded_load(measured: dict[str, Any] | None) -> dict[str, float]:
     if not isinstance(load, dict) or not _positive(nbytes):
         return {}
     out: dict[str, float] = {}
-    per_block = load.get("block_seconds")
+    per_block, per_load = load.get("block_seconds"), load.get("latency_seconds")
     for tier in ("cpu", "ssd", "remote"):
         seconds = per_block.get(tier) if isinstance(per_block, dict) else None
         if _positive(seconds) and _positive(nbytes / seconds) and nbytes / seconds < 2**60:
             out[f"{tier}_bandwidth"] = int(nbytes / seconds)
+            latency = per_load.get(tier) if isinstance(per_load, dict) else None
+            if _positive(latency) and latency <= 60:
+                out[f"{tier}_latency"] = float(latency)
     for key, rate in (("token_seconds", "prefill_rate"), ("attended_seconds", "attention_rate")):
         seconds = load.get(key)
         if _positive(seconds) and _positive(1.0 / seconds) and (rate == "prefill_rate" or "prefill_rate" in out):

@@ -318,10 +318,11 @@ class Replayer:
 
     def _ttft(self, st: RequestState, computed_tokens: int) -> float:
         """What the figures of ``load.*`` make of a request's TTFT alone on the engine: its
-        loads, block by block from each tier, then its computed tokens."""
+        loads, block by block from each tier (and each tier's latency once), then its computed
+        tokens."""
         assert self.costs is not None and self.costs.fixed_token is not None
-        cost = self.costs.block_seconds()
-        return sum(n * cost.get(t, 0.0) for t, n in st.hits.items() if t != GPU) + \
+        cost, latency = self.costs.block_seconds(), self.costs.latency()
+        return sum(n * cost.get(t, 0.0) + latency.get(t, 0.0) for t, n in st.hits.items() if t != GPU and n > 0) + \
             max(0, computed_tokens) * self.costs.fixed_token
 
     def _decode(self, rid: str, prefill: int) -> None:

@@ -308,6 +308,7 @@ def _load_row(r: "ReplayResult") -> dict[str, Any]:
     return {"mean_ttft_s": round(r.load["mean_ttft_s"], 6), "ttft_s": r.ttft_s.summary(),
             "hit_rate": {k: round(v, 6) for k, v in r.hit_rate().items()},
             "decisions": r.load["decisions"], "block_seconds": r.load["block_seconds"],
+            "latency_seconds": r.load.get("latency_seconds", {}),
             "token_seconds": r.load["token_seconds"], "block_nbytes": r.config.block_nbytes()}
 
 
@@ -320,7 +321,10 @@ def _load_text_row(policy: str, c: dict[str, Any]) -> list[str]:
 
 def _load_figures(c: dict[str, Any]) -> str:
     """The figures a load comparison estimated from (``load.*``, or a recording's measurements)."""
-    tiers = ", ".join(f"{_label(t)} {format_size(int(c['block_nbytes'] / s))}/s" for t, s in c["block_seconds"].items() if s > 0)
+    lat = c.get("latency_seconds", {})
+    tiers = ", ".join(f"{_label(t)} {format_size(int(c['block_nbytes'] / s))}/s"
+                      + (f" + {lat[t] * 1e3:,.2f} ms a load" if lat.get(t) else "")
+                      for t, s in c["block_seconds"].items() if s > 0)
     return f"Figures: {tiers}; compute {1 / c['token_seconds']:,.0f} tokens/s"
 
 

@@ -6,11 +6,15 @@ scheduler half's :class:`~kvstrata.core.driver.DriverCore`):
 
 * **loading**: every load the workers finish reports how many blocks it moved from each
   lower tier and how long the copies took (storage to host memory, then into the device
-  blocks), a load cut at its deadline too. The seconds per block of each tier are the least-squares fit of
-  ``seconds = sum over tiers of blocks x seconds per block`` over the loads seen, with
-  older loads weighted down by ``DECAY`` per load, so a change of a tier's speed shows
-  within a few loads. A fetch from the remote tier reports its blocks and seconds the
-  same way; a remote block then costs its fetch and its load from DRAM.
+  blocks), a load cut at its deadline too. Each tier's seconds per block and fixed
+  latency per load (a seek, a round trip) are the least-squares fit of ``seconds = sum
+  over the tiers read of (blocks x seconds per block + latency)`` over the loads seen,
+  with older loads weighted down by ``DECAY`` per load, so a change of a tier's speed
+  shows within a few loads. A latency is told apart once a tier's loads differ in size
+  (the largest at least twice the smallest: a probe's few blocks and a whole hit); until
+  then it is 0 and the fit goes through the origin. A fetch from the remote tier reports
+  its blocks and seconds the same way; a remote block then costs its fetch and its load
+  from DRAM.
 * **computing**: the engine's steps report the tokens they computed, the context those
   tokens attended (``sum over requests of tokens x (tokens before them + tokens / 2)``)
   and how long they took. A step costs a fixed part (scheduling, the launch of every
@@ -24,7 +28,7 @@ scheduler half's :class:`~kvstrata.core.driver.DriverCore`):
 
 The decision (:meth:`LoadCosts.worth`): over the blocks of a hit in prefix order, the
 saving of loading the first ``k`` is ``sum(the block's compute - (1 + margin) x seconds
-per block of its tier)``; the hit is cut to the ``k`` of the largest saving (ties: the
+per block of its tier)``, less ``(1 + margin) x`` the latency of each tier they read; the hit is cut to the ``k`` of the largest saving (ties: the
 longer). Along a run of blocks of one tier the saving per block grows with the position,
 so the partial sums are convex and only a run's ends can hold the largest. A DRAM prefix can so be loaded while an SSD or
 remote tail is computed. Until a tier has ``warmup`` samples (or the compute rate
@@ -86,32 +90,51 @@ _STALE_S = 60.0    # a load in flight longer than this (and than 10x its estimat
 
 @dataclass
 class _Fit:
-    """Decayed least squares of ``seconds = sum_t n_t x c_t`` over the tiers ``names``."""
+    """Decayed least squares of ``seconds = sum_t (n_t x c_t + [n_t > 0] x l_t)`` over the
+    tiers ``names``: ``c_t`` seconds per block, ``l_t`` a fixed latency per load that reads
+    the tier (a seek, a round trip)."""
 
     names: tuple[str, ...]
     xx: list[list[float]] = field(default_factory=list)
     xy: list[float] = field(default_factory=list)
     seen: dict[str, int] = field(default_factory=dict)
+    sizes: dict[str, tuple[float, float]] = field(default_factory=dict)  # tier -> fewest, most blocks read
 
     def __post_init__(self) -> None:
-        n = len(self.names)
+        n = 2 * len(self.names)  # each tier's blocks, then whether the load read it
         self.xx = [[0.0] * n for _ in range(n)]
         self.xy = [0.0] * n
         self.seen = dict.fromkeys(self.names, 0)
 
     def add(self, blocks: Mapping[str, int], seconds: float) -> None:
-        x = [float(blocks.get(t, 0)) for t in self.names]
+        counts = [float(blocks.get(t, 0)) for t in self.names]
+        x = counts + [1.0 if c > 0 else 0.0 for c in counts]
         for i in range(len(x)):
             self.xy[i] = self.xy[i] * DECAY + x[i] * seconds
             for j in range(len(x)):
                 self.xx[i][j] = self.xx[i][j] * DECAY + x[i] * x[j]
-        for t, v in zip(self.names, x):
+        for t, v in zip(self.names, counts):
             if v > 0:
                 self.seen[t] += 1
+                lo, hi = self.sizes.get(t, (v, v))
+                self.sizes[t] = (min(lo, v), max(hi, v))
 
-    def solve(self) -> dict[str, float]:
-        """Seconds per block of each tier seen (non-negative); tiers never seen are absent."""
+    def solve(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Seconds per block and latency of each tier seen (non-negative); tiers never seen
+        are absent. While the loads do not tell a tier's latency from its blocks (all of one
+        size so far: the largest under twice the smallest), or the fit makes one negative, its
+        latency is 0 and the seconds per block a fit through the origin."""
         idx = [i for i, t in enumerate(self.names) if self.seen[t]]
+        spread = [i for i in idx if self.sizes[self.names[i]][1] >= 2 * self.sizes[self.names[i]][0]]
+        both = idx + [len(self.names) + i for i in spread]
+        sol = _solve([[self.xx[i][j] for j in both] for i in both], [self.xy[i] for i in both]) if spread else None
+        latency = dict.fromkeys((self.names[i] for i in idx), 0.0)
+        if sol is not None and min(sol) >= 0:
+            latency.update((self.names[i], v) for i, v in zip(spread, sol[len(idx):]))
+            return {self.names[i]: v for i, v in zip(idx, sol)}, latency
+        return self._through_origin(idx), latency
+
+    def _through_origin(self, idx: list[int]) -> dict[str, float]:
         a = [[self.xx[i][j] for j in idx] for i in idx]
         b = [self.xy[i] for i in idx]
         sol = _solve(a, b)
@@ -184,12 +207,13 @@ class LoadCosts:
     """The estimates and the decision of :mod:`kvstrata.core.costs`. ``tiers``: the lower
     tiers a load reads (the slab tier first), ``fetched``: the tier fetched into the slab
     tier before its load (the shared one), ``block_seconds``: fixed seconds per block of a
-    tier, ``token_seconds`` and ``attended_seconds``: a fixed compute rate (seconds per
-    token, and per token and context token it attends)."""
+    tier, ``latency_seconds``: a fixed latency per load of such a tier (0 by default),
+    ``token_seconds`` and ``attended_seconds``: a fixed compute rate (seconds per token,
+    and per token and context token it attends)."""
 
     def __init__(self, tiers: Sequence[str], fetched: str | None = None, *, policy: str = ALWAYS,
                  margin: float = 0.1, warmup: int = 1, block_seconds: Mapping[str, float] | None = None,
-                 token_seconds: float | None = None, attended_seconds: float = 0.0, deadline: float = 2.0,
+                 latency_seconds: Mapping[str, float] | None = None, token_seconds: float | None = None, attended_seconds: float = 0.0, deadline: float = 2.0,
                  probe_blocks: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         self.tiers = tuple(tiers)
         self.probe_blocks = max(1, int(probe_blocks))
@@ -200,10 +224,11 @@ class LoadCosts:
         self._sampled: dict[str, float] = {}  # tier -> when it was last measured (or probed)
         self._probing: set[str] = set()        # tiers whose probe has not reported yet
         self.fixed = dict(block_seconds or {})
+        self.fixed_latency = {t: float((latency_seconds or {}).get(t, 0.0)) for t in self.fixed}
         self.fixed_token = token_seconds
         self.fixed_attended = float(attended_seconds)
         self._loads = _Fit(self.tiers)
-        self._estimates: dict[str, float] | None = None  # block_seconds(), until the next sample
+        self._estimates: tuple[dict[str, float], dict[str, float]] | None = None  # until the next sample
         self._fetches = _Fit((fetched,)) if fetched else None
         self._xx = [[0.0] * 3 for _ in range(3)]  # decayed normal equations over (1, tokens, attended)
         self._xy = [0.0] * 3
@@ -239,8 +264,9 @@ class LoadCosts:
         the tiers behind the slab tier queue on one I/O thread until :meth:`finished`."""
         if not self.deciding:
             return
-        cost = self.block_seconds()
-        reads = sum(n * cost.get(t, 0.0) for t, n in blocks.items() if t in self._queued_tiers)
+        cost, latency = self._fitted()
+        reads = sum(n * cost.get(t, 0.0) + latency.get(t, 0.0) for t, n in blocks.items()
+                    if t in self._queued_tiers and n > 0)
         if reads > 0:
             self._queue[plan_id] = (self.clock(), reads)
             while len(self._queue) > _QUEUE_MAX:  # finishes that never came
@@ -324,24 +350,37 @@ class LoadCosts:
 
     def block_seconds(self) -> dict[str, float]:
         """Seconds to load one block from each tier with enough samples (or a fixed figure)."""
+        return self._fitted()[0]
+
+    def latency(self) -> dict[str, float]:
+        """Fixed seconds a load pays once per tier it reads (a seek, a round trip), for the
+        tiers of :meth:`block_seconds`: 0 while its loads do not tell it apart."""
+        return self._fitted()[1]
+
+    def _fitted(self) -> tuple[dict[str, float], dict[str, float]]:
         if self._estimates is None:
-            self._estimates = self._block_seconds()
+            self._estimates = self._fit_loads()
         return self._estimates
 
-    def _block_seconds(self) -> dict[str, float]:
-        fit = self._loads.solve()
-        out = {t: fit[t] for t in self.tiers if t in fit and self._loads.seen[t] >= self.warmup}
+    def _fit_loads(self) -> tuple[dict[str, float], dict[str, float]]:
+        per_block, latency = self._loads.solve()
+        out = {t: per_block[t] for t in self.tiers if t in per_block and self._loads.seen[t] >= self.warmup}
+        lat = {t: latency[t] for t in out}
         if self._fetches is not None and self._fetches.seen[self.fetched] >= self.warmup and self.tiers:
             slab = self.fixed.get(self.tiers[0], out.get(self.tiers[0]))
-            if slab is not None:
-                out[self.fetched] = self._fetches.solve()[self.fetched] + slab  # type: ignore[index]
+            if slab is not None:  # a fetched block is then loaded from the slab tier
+                f_block, f_latency = self._fetches.solve()
+                out[self.fetched] = f_block[self.fetched] + slab  # type: ignore[index]
+                lat[self.fetched] = f_latency[self.fetched] + self.fixed_latency.get(  # type: ignore[index]
+                    self.tiers[0], lat.get(self.tiers[0], 0.0))
         out.update(self.fixed)
-        return out
+        lat.update(self.fixed_latency)
+        return out, lat
 
     def estimates(self) -> dict[str, Any]:
         """What ``stats()`` shows: the policy, seconds per block of each tier, seconds per token."""
         rates = self.compute_rates()
-        return {"policy": self.policy, "block_seconds": self.block_seconds(),
+        return {"policy": self.policy, "block_seconds": self.block_seconds(), "latency_seconds": self.latency(),
                 "token_seconds": None if rates is None else rates[0],
                 "attended_seconds": None if rates is None else rates[1]}
 
@@ -359,7 +398,7 @@ class LoadCosts:
             return len(tiers)
         per_token, per_attended = rates
         bt = block_tokens
-        cost = self.block_seconds()
+        cost, latency = self._fitted()
         margin = 1.0 + self.margin
         now = self.clock()
         last = bt * per_token + per_attended * bt * bt * (first + len(tiers) - 0.5)  # the costliest block
@@ -368,10 +407,14 @@ class LoadCosts:
         self._take_probes(set(probe), now)
         best_k, best, total, k = 0, 0.0, 0.0, 0
         wait = self.queued()  # paid once, by the first block read on the I/O thread
+        paid: set[str] = set()  # tiers whose latency the load already pays
         for tier, n in runs:  # along a run the saving per block grows: its ends decide
             if wait and tier in self._queued_tiers:
                 total -= margin * wait
                 wait = 0.0
+            if tier not in paid:
+                paid.add(tier)
+                total -= margin * latency.get(tier, 0.0)
             if tier in probe:  # the probe's blocks are read whatever they cost (its first run's)
                 probe.discard(tier)
                 free = min(n, self.probe_blocks)
@@ -398,10 +441,10 @@ class LoadCosts:
         compute = self.compute_seconds(first * block_tokens, blocks * block_tokens)
         if compute is None:
             return True
-        cost = self.block_seconds()
+        cost, latency = self._fitted()
         now = self.clock()
         due = {t for t in tiers if self._due(t, cost, now)}
-        load = (1.0 + self.margin) * sum(cost.get(t, 0.0) for t in tiers)
+        load = (1.0 + self.margin) * (sum(cost.get(t, 0.0) for t in tiers) + sum(latency.get(t, 0.0) for t in set(tiers)))
         if due and load > compute:  # a probe: this hit is loaded, its sample decides again
             self._take_probes(due, now)
             return True
@@ -426,10 +469,11 @@ class LoadCosts:
         limit = self.compute_seconds(first * block_tokens, span * block_tokens) if tiers else None
         if not self.deciding or self.deadline_factor <= 0 or limit is None:
             return None
-        cost = self.block_seconds()
+        cost, latency = self._fitted()
         if all(t in cost for t in tiers):
             ahead = self.queued() if self._queued_tiers.intersection(tiers) else 0.0
-            limit = min(limit, self.deadline_factor * (sum(cost[t] for t in tiers) + ahead))
+            fixed = sum(latency.get(t, 0.0) for t in set(tiers))
+            limit = min(limit, self.deadline_factor * (sum(cost[t] for t in tiers) + fixed + ahead))
         step = self._step_s / self._step_n if self._step_n else 0.0
         return max(limit, 2 * step)
 
@@ -446,8 +490,9 @@ def load_costs(cfg: "LoadConfig", spec: "PolicySpec", block_nbytes: int, policy:
     shared = SHARED[0] if spec.remote else None
     tiers = (*LOWER, *((shared,) if shared else ()))
     fixed = {tier: block_nbytes / bw for tier in tiers if (bw := getattr(cfg, f"{tier}_bandwidth", None))}
+    latency = {tier: lat for tier in fixed if (lat := getattr(cfg, f"{tier}_latency", None))}
     return LoadCosts(LOWER, shared, policy=policy or cfg.policy, margin=cfg.margin, warmup=cfg.warmup,
-                     block_seconds=fixed, token_seconds=1.0 / cfg.prefill_rate if cfg.prefill_rate else None,
+                     block_seconds=fixed, latency_seconds=latency, token_seconds=1.0 / cfg.prefill_rate if cfg.prefill_rate else None,
                      attended_seconds=1.0 / cfg.attention_rate if cfg.attention_rate else 0.0, deadline=cfg.deadline,
                      probe_blocks=PROBE_BYTES // max(1, block_nbytes))
 
