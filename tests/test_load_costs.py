@@ -166,6 +166,10 @@ def test_a_tiers_latency_is_told_apart_once_its_loads_differ_in_size() -> None:
     assert costs.latency()["cpu"] == pytest.approx(0.0001, rel=1e-4)
     assert costs.latency()["ssd"] == pytest.approx(0.002, rel=1e-4)
     assert costs.estimates()["latency_seconds"] == costs.latency()
+    for i in range(40):  # then loads of one size only, a little noisy: the old sizes no longer tell the split
+        costs.load_done({"ssd": 30}, (0.002 + 30 * 0.001) * (1 + 0.01 * (-1) ** i))
+    assert costs.latency()["ssd"] == 0.0
+    assert costs.block_seconds()["ssd"] == pytest.approx(0.032 / 30, rel=0.02)
 
 
 def test_a_short_hit_from_a_tier_with_a_long_latency_is_computed() -> None:

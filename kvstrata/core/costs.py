@@ -10,9 +10,10 @@ scheduler half's :class:`~kvstrata.core.driver.DriverCore`):
   latency per load (a seek, a round trip) are the least-squares fit of ``seconds = sum
   over the tiers read of (blocks x seconds per block + latency)`` over the loads seen,
   with older loads weighted down by ``DECAY`` per load, so a change of a tier's speed
-  shows within a few loads. A latency is told apart once a tier's loads differ in size
-  (the largest at least twice the smallest: a probe's few blocks and a whole hit); until
-  then it is 0 and the fit goes through the origin. A fetch from the remote tier reports
+  shows within a few loads. A latency is told apart while a tier's recent loads differ
+  in size (by ``_SPREAD`` of their mean, weighted as the fit weighs them: hits of many
+  lengths, or a probe's few blocks beside whole hits); otherwise it is 0 and the fit goes
+  through the origin. A fetch from the remote tier reports
   its blocks and seconds the same way; a remote block then costs its fetch and its load
   from DRAM.
 * **computing**: the engine's steps report the tokens they computed, the context those
@@ -82,6 +83,7 @@ __all__ = ["LoadCosts", "DECAY", "ALWAYS", "MEASURED", "POLICIES", "PROBE_S", "P
 
 MEASURED, ALWAYS = POLICIES  # (measured, always)
 DECAY = 0.8  # weight of a sample once the next one arrived: about five samples carry the estimate
+_SPREAD = 0.25  # a tier's latency is fitted once its loads' sizes vary by this much of their mean (std)
 PROBE_S = 60.0  # a tier not read for this long is read once more before it is judged again
 PROBE_BYTES = 1 << 20  # what a probe reads of its tier (at least one block)
 _QUEUE_MAX = 4096  # loads followed in flight at most
@@ -98,7 +100,6 @@ class _Fit:
     xx: list[list[float]] = field(default_factory=list)
     xy: list[float] = field(default_factory=list)
     seen: dict[str, int] = field(default_factory=dict)
-    sizes: dict[str, tuple[float, float]] = field(default_factory=dict)  # tier -> fewest, most blocks read
 
     def __post_init__(self) -> None:
         n = 2 * len(self.names)  # each tier's blocks, then whether the load read it
@@ -116,16 +117,15 @@ class _Fit:
         for t, v in zip(self.names, counts):
             if v > 0:
                 self.seen[t] += 1
-                lo, hi = self.sizes.get(t, (v, v))
-                self.sizes[t] = (min(lo, v), max(hi, v))
 
     def solve(self) -> tuple[dict[str, float], dict[str, float]]:
         """Seconds per block and latency of each tier seen (non-negative); tiers never seen
-        are absent. While the loads do not tell a tier's latency from its blocks (all of one
-        size so far: the largest under twice the smallest), or the fit makes one negative, its
-        latency is 0 and the seconds per block a fit through the origin."""
+        are absent. While the loads do not tell a tier's latency from its blocks (their sizes,
+        weighted as the fit weighs them, vary by less than :data:`_SPREAD` of their mean), or
+        the fit makes one negative, its latency is 0 and the seconds per block a fit through
+        the origin."""
         idx = [i for i, t in enumerate(self.names) if self.seen[t]]
-        spread = [i for i in idx if self.sizes[self.names[i]][1] >= 2 * self.sizes[self.names[i]][0]]
+        spread = [i for i in idx if self._varied(i)]
         both = idx + [len(self.names) + i for i in spread]
         sol = _solve([[self.xx[i][j] for j in both] for i in both], [self.xy[i] for i in both]) if spread else None
         latency = dict.fromkeys((self.names[i] for i in idx), 0.0)
@@ -133,6 +133,15 @@ class _Fit:
             latency.update((self.names[i], v) for i, v in zip(spread, sol[len(idx):]))
             return {self.names[i]: v for i, v in zip(idx, sol)}, latency
         return self._through_origin(idx), latency
+
+    def _varied(self, i: int) -> bool:
+        """Do the decayed sizes of the loads that read tier ``i`` vary enough to fit its latency?"""
+        j = len(self.names) + i  # the tier's "the load read it" feature
+        loads, blocks, squares = self.xx[j][j], self.xx[j][i], self.xx[i][i]
+        if loads <= 0 or blocks <= 0:
+            return False
+        mean = blocks / loads
+        return squares / loads - mean * mean >= (_SPREAD * mean) ** 2
 
     def _through_origin(self, idx: list[int]) -> dict[str, float]:
         a = [[self.xx[i][j] for j in idx] for i in idx]
