@@ -131,6 +131,14 @@ def test_a_probe_reads_a_few_blocks_of_its_tier_after_what_is_worth_loading() ->
     assert c.worth(["ssd"] * 1, BT) == 0  # probed
     now[0] = 2 * PROBE_S + 2
     assert c.worth(["ssd"] * 1, BT) == 1  # a hit shorter than a probe: all of it
+    # a tier with a latency (its loads differ in size) is still probed: what the probe pays
+    # for its latency does not cut the probe's blocks off
+    now[0] = 3 * PROBE_S + 3
+    c.load_done({"ssd": 1}, 0.5 + 1.0)  # the probe's sample (a fresh fit), then a longer load
+    c.load_done({"ssd": 4}, 0.5 + 4.0)
+    assert c.latency()["ssd"] == pytest.approx(0.5)
+    now[0] = 4 * PROBE_S + 4
+    assert c.worth(["cpu"] * 3 + ["ssd"] * 8, BT) == 5
     cfg = KVStrataConfig.from_dict({})
     spec = PolicySpec.from_config(cfg, block_nbytes=4096, gpu_blocks=16)
     assert load_costs(cfg.load, spec, 512 * 1024).probe_blocks == PROBE_BYTES // (512 * 1024) == 2

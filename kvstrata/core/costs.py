@@ -424,12 +424,11 @@ class LoadCosts:
             if tier not in paid:
                 paid.add(tier)
                 total -= margin * latency.get(tier, 0.0)
-            if tier in probe:  # the probe's blocks are read whatever they cost (its first run's)
-                probe.discard(tier)
+            if tier in probe:  # the probe's blocks are read whatever they cost (its first run's), and so
+                probe.discard(tier)  # is every block before them: the cut is never shorter than the probe
                 free = min(n, self.probe_blocks)
                 k, n = k + free, n - free
-                if total >= best:
-                    best_k, best = k, total
+                best_k, best = k, total
             if n:  # blocks first+k .. first+k+n-1: sum of (position + 1/2) is n(p0) + n^2/2
                 p0 = first + k
                 total += n * bt * per_token + per_attended * bt * bt * (n * p0 + n * n / 2) \
