@@ -91,8 +91,8 @@ def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = (),
 def recorded_load(measured: dict[str, Any] | None) -> dict[str, float]:
     """The ``load.*`` figures the plugin estimated over a recording (``measured["load"]``,
     as :meth:`~kvstrata.core.costs.LoadCosts.estimates` gives them): each tier's bandwidth
-    from its seconds per block and its latency per load, the compute rates from the seconds per token and per token
-    pair attended. A figure that is not a positive, finite number (absent, forged) is left
+    from its seconds per block and its latency per load, the compute rates from the seconds
+    per token and per token pair attended. A figure that is not a positive, finite number (absent, forged) is left
     out, so the replay then decides as if it had not been measured."""
     load = measured.get("load") if isinstance(measured, dict) else None
     nbytes = measured.get("block_nbytes") if isinstance(measured, dict) else None

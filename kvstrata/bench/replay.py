@@ -321,8 +321,7 @@ class Replayer:
         loads, block by block from each tier (and each tier's latency once), then its computed
         tokens."""
         assert self.costs is not None and self.costs.fixed_token is not None
-        cost, latency = self.costs.block_seconds(), self.costs.latency()
-        return sum(n * cost.get(t, 0.0) + latency.get(t, 0.0) for t, n in st.hits.items() if t != GPU and n > 0) + \
+        return self.costs.load_seconds({t: n for t, n in st.hits.items() if t != GPU}) + \
             max(0, computed_tokens) * self.costs.fixed_token
 
     def _decode(self, rid: str, prefill: int) -> None:

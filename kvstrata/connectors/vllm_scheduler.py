@@ -3,7 +3,8 @@
 vLLM owns the GPU pool; this half tells the :class:`~kvstrata.core.driver.DriverCore`
 what vLLM's scheduler did and sends the plans it gets back to the workers as
 connector metadata, where they complete a step later. It never waits on disk or
-device; for a remote server's answer, a step waits 2 ms at most. The step protocol is the core's (the one ``kvstrata bench`` replays):
+device; for a remote server's answer, a step waits 2 ms at most. The step protocol is
+the core's (the one ``kvstrata bench`` replays):
 
 * ``get_num_new_matched_tokens``: the tiers' pure lookup after vLLM's GPU prefix
   (whole blocks, never the last prompt token). With a remote tier, what follows

@@ -29,8 +29,8 @@ scheduler half's :class:`~kvstrata.core.driver.DriverCore`):
 
 The decision (:meth:`LoadCosts.worth`): over the blocks of a hit in prefix order, the
 saving of loading the first ``k`` is ``sum(the block's compute - (1 + margin) x seconds
-per block of its tier)``, less ``(1 + margin) x`` the latency of each tier they read; the hit is cut to the ``k`` of the largest saving (ties: the
-longer). Along a run of blocks of one tier the saving per block grows with the position,
+per block of its tier)``, less ``(1 + margin) x`` the latency of each tier they read;
+the hit is cut to the ``k`` of the largest saving (ties: the longer). Along a run of blocks of one tier the saving per block grows with the position,
 so the partial sums are convex and only a run's ends can hold the largest. A DRAM prefix can so be loaded while an SSD or
 remote tail is computed. Until a tier has ``warmup`` samples (or the compute rate
 has), its blocks are loaded (``always``); a measurement that is absent or absurd
@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from itertools import groupby
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
@@ -222,8 +223,9 @@ class LoadCosts:
 
     def __init__(self, tiers: Sequence[str], fetched: str | None = None, *, policy: str = ALWAYS,
                  margin: float = 0.1, warmup: int = 1, block_seconds: Mapping[str, float] | None = None,
-                 latency_seconds: Mapping[str, float] | None = None, token_seconds: float | None = None, attended_seconds: float = 0.0, deadline: float = 2.0,
-                 probe_blocks: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+                 latency_seconds: Mapping[str, float] | None = None, token_seconds: float | None = None,
+                 attended_seconds: float = 0.0, deadline: float = 2.0, probe_blocks: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.tiers = tuple(tiers)
         self.probe_blocks = max(1, int(probe_blocks))
         self.fetched = fetched
@@ -273,9 +275,7 @@ class LoadCosts:
         the tiers behind the slab tier queue on one I/O thread until :meth:`finished`."""
         if not self.deciding:
             return
-        cost, latency = self._fitted()
-        reads = sum(n * cost.get(t, 0.0) + latency.get(t, 0.0) for t, n in blocks.items()
-                    if t in self._queued_tiers and n > 0)
+        reads = self.load_seconds({t: n for t, n in blocks.items() if t in self._queued_tiers})
         if reads > 0:
             self._queue[plan_id] = (self.clock(), reads)
             while len(self._queue) > _QUEUE_MAX:  # finishes that never came
@@ -366,6 +366,12 @@ class LoadCosts:
         tiers of :meth:`block_seconds`: 0 while its loads do not tell it apart."""
         return self._fitted()[1]
 
+    def load_seconds(self, blocks: Mapping[str, int]) -> float:
+        """Seconds a load of ``blocks[tier]`` blocks from each tier takes: every block's
+        seconds, and each tier's latency once (a tier without an estimate costs nothing)."""
+        cost, latency = self._fitted()
+        return sum(n * cost.get(t, 0.0) + latency.get(t, 0.0) for t, n in blocks.items() if n > 0)
+
     def _fitted(self) -> tuple[dict[str, float], dict[str, float]]:
         if self._estimates is None:
             self._estimates = self._fit_loads()
@@ -449,10 +455,10 @@ class LoadCosts:
         compute = self.compute_seconds(first * block_tokens, blocks * block_tokens)
         if compute is None:
             return True
-        cost, latency = self._fitted()
+        cost = self.block_seconds()
         now = self.clock()
         due = {t for t in tiers if self._due(t, cost, now)}
-        load = (1.0 + self.margin) * (sum(cost.get(t, 0.0) for t in tiers) + sum(latency.get(t, 0.0) for t in set(tiers)))
+        load = (1.0 + self.margin) * self.load_seconds(Counter(tiers))
         if due and load > compute:  # a probe: this hit is loaded, its sample decides again
             self._take_probes(due, now)
             return True
@@ -477,11 +483,9 @@ class LoadCosts:
         limit = self.compute_seconds(first * block_tokens, span * block_tokens) if tiers else None
         if not self.deciding or self.deadline_factor <= 0 or limit is None:
             return None
-        cost, latency = self._fitted()
-        if all(t in cost for t in tiers):
+        if all(t in self.block_seconds() for t in tiers):
             ahead = self.queued() if self._queued_tiers.intersection(tiers) else 0.0
-            fixed = sum(latency.get(t, 0.0) for t in set(tiers))
-            limit = min(limit, self.deadline_factor * (sum(cost[t] for t in tiers) + fixed + ahead))
+            limit = min(limit, self.deadline_factor * (self.load_seconds(Counter(tiers)) + ahead))
         step = self._step_s / self._step_n if self._step_n else 0.0
         return max(limit, 2 * step)
 
