@@ -23,7 +23,16 @@ hands out blocks in vLLM's order:
   blocks without a hash go to the head of the free queue, hashed ones to its tail;
 * once a request decodes past its prompt, and when it finishes (before the rest,
   as vLLM does before it hands the block table to a KV connector), a window
-  group frees the blocks its window left behind (:meth:`release_skipped`).
+  group frees the blocks its window left behind (:meth:`release_skipped`);
+* a state group (vLLM's ``align`` mode, ``MambaManager``) holds one row per
+  state, at the position whose state it is, null rows between: a step that
+  takes the request into a new block takes one row, at that block, for the
+  running state; the step after it frees the state before (what precedes the
+  last computed token is skipped), and the request's hit state once it moved
+  on. The engine caches a state only where a later hit can end
+  (:meth:`KVGroups.state_cached`), and computes one there only because its
+  prefill chunks end there: the prefill of a model with state groups runs in
+  the chunks :meth:`KVGroups.chunk_ends` gives, a step each (:meth:`advance`).
 
 As in vLLM, a key may name several rows (a block loaded from below while the
 device still held it under the same key, which a window's hit could not use):
@@ -33,8 +42,9 @@ Keys are per group: ``key(g, i)`` gives group ``g``'s key for position ``i``
 of a request (the driver core's :meth:`~kvstrata.core.driver.DriverCore.group_key`).
 Rows are ``1 .. num_blocks``; row 0 is the null block and never cached.
 
-State groups are not modelled (which positions vLLM's ``align`` mode keeps a
-state for depends on how the engine chunks each prefill).
+Chunks that a token budget smaller than a prompt cuts (``max_num_batched_tokens``)
+are not modelled, for any model: the replay computes a prefill in the chunks
+its model needs, each whole.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from kvstrata.block_pool import Allocation, Prompt
-from kvstrata.core.groups import FULL, SLIDING, KVGroups
+from kvstrata.core.groups import FULL, SLIDING, STATE, KVGroups
 from kvstrata.errors import OutOfBlocksError
 from kvstrata.free_queue import Block, FreeBlockQueue
 
@@ -53,14 +63,18 @@ Stored = Callable[[int, int], bool]  # (group, position) -> do the tiers below k
 
 
 class _Request:
-    __slots__ = ("prompt", "key", "tables", "committed", "ends", "computed", "stored")
+    __slots__ = ("prompt", "key", "tables", "committed", "ends", "computed", "stored", "prefill", "junction",
+                 "retired")
 
     def __init__(self, prompt: Prompt, key: Key, tables: list[list[Block]], committed: int,
-                 ends: tuple[int, ...], computed: int, stored: Stored | None) -> None:
+                 ends: tuple[int, ...], computed: int, stored: Stored | None, prefill: int, junction: int) -> None:
         self.prompt, self.key, self.tables, self.committed = prompt, key, tables, committed
         self.stored = stored  # which computed blocks are offered to the tiers below (None: all)
         self.ends = ends  # positions a later hit of this prompt can end at (sliding groups keep their windows)
-        self.computed = computed  # tokens the prefill computes; decode steps take it to prompt.num_tokens
+        self.computed = computed  # tokens computed once the current step ran; decode steps take it to num_tokens
+        self.prefill = prefill  # tokens the prefill computes (the prompt's)
+        self.junction = junction  # tokens of the shared-prefix junction (0: none), where a chunk ends
+        self.retired = [0] * len(tables)  # per group: positions below this are freed (or null)
 
 
 class GroupedBlockManager:
@@ -69,13 +83,12 @@ class GroupedBlockManager:
     def __init__(self, num_blocks: int, groups: KVGroups, *, track_evictions: bool = False) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks: expected a positive integer, got {num_blocks!r}")
-        if groups.states:
-            raise ValueError("state groups: the grouped pool does not model vLLM's align-mode state blocks")
         self.groups = groups
         self.block_size = groups.block_size
         # per group: blocks of the window before a hit point (sliding), 0 when every block is kept
         self._window = [-(-(g.tokens - 1) // self.block_size) if g.kind == SLIDING else 0 for g in groups.groups]
         self._full = [g for g, group in enumerate(groups.groups) if group.kind == FULL]
+        self._state = [group.kind == STATE for group in groups.groups]
         self.blocks = [Block(i) for i in range(num_blocks + 1)]
         self.null = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
@@ -104,9 +117,10 @@ class GroupedBlockManager:
         return self.groups.hit_end(0, prompt.cap, lambda g, i: key(g, i) in cached)
 
     def blocks_needed(self, prompt: Prompt) -> int:
-        """Rows the prompt takes without a hit: every group holds its whole prompt until the
-        prefill is done."""
-        return len(self.groups) * -(-prompt.num_tokens // self.block_size)
+        """Rows the prompt takes without a hit: every attention group holds its whole prompt
+        until the prefill is done, a state group two states at most (the last and the running)."""
+        n = -(-prompt.num_tokens // self.block_size)
+        return sum(min(2, n) if state else n for state in self._state)
 
     # ---------------------------------------------------------------- requests
 
@@ -129,11 +143,16 @@ class GroupedBlockManager:
         junction = self._full_hit(prompt, key)
         last = min(max(prefill - 1, 0) // self.block_size, len(prompt.hashes))  # the prompt's last hit point
         ends = (last, junction) if junction > hit else (last,)
-        total = -(-prefill // self.block_size) if num_blocks is None else max(num_blocks, prefix)
+        junction = junction * self.block_size if junction > hit else 0
+        computed = self.groups.chunk_ends(prefix * self.block_size, prefill, junction)[0]
+        if num_blocks is None:  # the first chunk is computed now
+            total = -(-computed // self.block_size)
+        else:  # loaded first: the rest is computed by grow and advance
+            total, computed = max(num_blocks, prefix), prefix * self.block_size
         skips = [min(self.groups.needed_from(g, prefix), prefix) for g in range(len(self.groups))]
         touched = [[next(iter(self.cached[key(g, i)].values())) for i in range(skip, hit)]
                    for g, skip in enumerate(skips)]
-        new = sum(total - max(skip, hit) for skip in skips)
+        new = sum(prefix - max(skip, hit) + self._need(g, prefix, total) for g, skip in enumerate(skips))
         reusable = sum(1 for table in touched for b in table if b.ref_cnt == 0)
         if new > self.free_queue.num_free - reusable:
             raise OutOfBlocksError(f"request {request_id!r} needs {new} new blocks, "
@@ -152,23 +171,41 @@ class GroupedBlockManager:
                 external.append((i, table[i].block_id, key(g, i)))
                 if self._kept(g, i, ends):
                     self._register(table[i], key(g, i))
-        for table in tables:
-            table.extend(self._pop_many(total - len(table)))
-        self.requests[request_id] = _Request(prompt, key, tables, prefix, ends, prefill, stored)
+        for g, table in enumerate(tables):
+            self._fill(g, table, total)
+        self.requests[request_id] = _Request(prompt, key, tables, prefix, ends, computed, stored, prefill, junction)
         return Allocation([[b.block_id for b in t] for t in tables], prefix * self.block_size, hit, external)
 
     def grow(self, request_id: str) -> list[int]:
-        """Every group's blocks up to the whole prompt; returns the new rows."""
+        """After a load: every group's blocks for the prefill's first chunk computed (the whole
+        prompt, but with state groups); returns the new rows."""
         req = self._request(request_id)
-        n = -(-req.computed // self.block_size)
-        need = sum(max(0, n - len(t)) for t in req.tables)
+        return self._step(request_id, self.groups.chunk_ends(req.committed * self.block_size, req.prefill,
+                                                             req.junction)[0])
+
+    def advance(self, request_id: str) -> bool:
+        """The prefill's next chunk (:meth:`KVGroups.chunk_ends`), as a step of its own: False
+        when the prefill is done. Raises :class:`OutOfBlocksError` with only what the states
+        left behind freed."""
+        req = self._request(request_id)
+        if req.computed >= req.prefill:
+            return False
+        self._step(request_id, self.groups.chunk_ends(req.computed, req.prefill, req.junction)[0])
+        return True
+
+    def _step(self, request_id: str, end: int) -> list[int]:
+        """A step computing the request's tokens up to ``end``: vLLM's ``allocate_slots`` frees
+        what the tokens computed before skip, then gives every group its rows for ``end``."""
+        req = self._request(request_id)
+        self.release_skipped(request_id, req.computed)
+        n = -(-end // self.block_size)
+        need = sum(self._need(g, len(t), n) for g, t in enumerate(req.tables))
         if need > self.free_queue.num_free:
             raise OutOfBlocksError(f"request {request_id!r} needs {need} new blocks, {self.free_queue.num_free} free")
         out = []
-        for table in req.tables:
-            new = self._pop_many(max(0, n - len(table)))
-            table.extend(new)
-            out.extend(b.block_id for b in new)
+        for g, table in enumerate(req.tables):
+            out.extend(b.block_id for b in self._fill(g, table, n))
+        req.computed = end
         return out
 
     def commit(self, request_id: str) -> list[tuple[int, bytes]]:
@@ -183,13 +220,15 @@ class GroupedBlockManager:
         out = []
         stored = req.stored
         for g, table in enumerate(req.tables):
+            state = self._state[g]
             for i in range(lo, min(full, len(table))):
                 b = table[i]
                 if b is not self.null:
                     k = req.key(g, i)
-                    if self._kept(g, i, req.ends):
+                    kept = self._kept(g, i, req.ends)
+                    if kept:
                         self._register(b, k)
-                    if stored is None or stored(g, i):
+                    if kept if state else stored is None or stored(g, i):  # a state is stored once cached
                         out.append((b.block_id, k))
         req.committed = full
         return out
@@ -217,14 +256,8 @@ class GroupedBlockManager:
         for ``t``, and caches the blocks that are full with it. Returns those, as :meth:`commit`.
         Raises :class:`OutOfBlocksError` with only the windows' blocks freed."""
         req = self._request(request_id)
-        self.release_skipped(request_id, t)
-        n = t // self.block_size + 1
-        need = sum(max(0, n - len(table)) for table in req.tables)
-        if need > self.free_queue.num_free:
-            raise OutOfBlocksError(f"request {request_id!r} needs {need} new blocks, {self.free_queue.num_free} free")
-        for table in req.tables:
-            table.extend(self._pop_many(n - len(table)))
-        req.computed = t + 1
+        req.computed = t
+        self._step(request_id, t + 1)
         return self.commit(request_id)
 
     def release_skipped(self, request_id: str, num_tokens: int) -> None:
@@ -233,12 +266,16 @@ class GroupedBlockManager:
         req = self._request(request_id)
         for g, table in enumerate(req.tables):
             skip = min(self.groups.groups[g].skipped_tokens(num_tokens) // self.block_size, len(table))
+            state = self._state[g]
             freed = []
-            for i in range(skip - 1, -1, -1):
+            for i in range(skip - 1, req.retired[g] - 1, -1):
                 if table[i] is self.null:
+                    if state:  # a state group's rows have null gaps between states
+                        continue
                     break
                 freed.append(table[i])
                 table[i] = self.null
+            req.retired[g] = max(req.retired[g], skip)
             self._release(freed)
 
     def free(self, request_id: str) -> None:
@@ -286,9 +323,29 @@ class GroupedBlockManager:
         return n if self._full else 0
 
     def _kept(self, g: int, i: int, ends: tuple[int, ...]) -> bool:
-        """Does group ``g`` cache its block ``i`` (a window before one of ``ends``)?"""
+        """Does group ``g`` cache its block ``i`` (a window before one of ``ends``, a state
+        where a hit can end)?"""
+        if self._state[g]:
+            return self.groups.state_cached(i, ends)
         w = self._window[g]
         return not w or any(end - w <= i < end for end in ends)
+
+    def _need(self, g: int, length: int, n: int) -> int:
+        """New rows group ``g`` takes to cover ``n`` positions, holding ``length``."""
+        if n <= length:
+            return 0
+        return 1 if self._state[g] else n - length
+
+    def _fill(self, g: int, table: list[Block], n: int) -> list[Block]:
+        """Group ``g``'s rows up to ``n`` positions: every position of an attention group; of a
+        state group, one row for the running state at the last, null rows before it."""
+        if n <= len(table):
+            return []
+        if self._state[g]:
+            table.extend([self.null] * (n - 1 - len(table)))
+        new = self._pop_many(self._need(g, len(table), n))
+        table.extend(new)
+        return new
 
     def _release(self, ordered: Sequence[Block]) -> None:
         """vLLM's ``free_blocks``: unhashed rows to the head (first of them first), hashed

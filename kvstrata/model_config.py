@@ -28,14 +28,16 @@ class ModelConfig:
     * block_size``).
 
     ``groups``: the KV-cache groups of a hybrid model, in the engine's order
-    (:func:`~kvstrata.core.groups.parse_groups`; ``"full,sliding:1024"``), as
-    ``kvstrata bench`` replays them; "" for one full-attention group. With
-    vLLM the connector reads them from the engine instead.
+    (:func:`~kvstrata.core.groups.parse_groups`; ``"full,sliding:1024"``,
+    ``"full,state"``), as ``kvstrata bench`` replays them; "" for one
+    full-attention group. With vLLM the connector reads them from the engine
+    instead.
 
     ``retention_interval``: vLLM's ``prefix_cache_retention_interval``, which
-    window blocks a hybrid's prefix cache and the tiers below keep
-    (:meth:`~kvstrata.core.groups.KVGroups.stored`): 0 (vLLM's default) the
-    windows before each prompt's end and shared-prefix junctions, ``N`` tokens
+    window blocks and states a hybrid's prefix cache and the tiers below keep
+    (:meth:`~kvstrata.core.groups.KVGroups.stored`,
+    :meth:`~kvstrata.core.groups.KVGroups.state_cached`): 0 (vLLM's default)
+    those before each prompt's end and shared-prefix junctions, ``N`` tokens
     also before every ``N``-token boundary, ``dense`` (or null) all of them.
     With vLLM the connector reads it from the engine.
     """

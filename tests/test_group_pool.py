@@ -87,9 +87,91 @@ def test_decode_frees_what_the_window_left_behind_and_takes_new_rows() -> None:
     assert sorted(k for k in pool.cached if k[0] == 0) == [key(0, i) for i in range(4)]
 
 
-def test_state_groups_are_not_modelled() -> None:
-    with pytest.raises(ValueError, match="state groups"):
-        GroupedBlockManager(8, KVGroups([Group(FULL), Group(STATE)], BS))
+STATES = KVGroups([Group(FULL), Group(STATE)], BS)  # vLLM's align mode: a state per block position
+
+
+def test_a_state_group_prefills_in_chunks_that_end_where_a_hit_can_and_caches_the_state_there() -> None:
+    """As vLLM's scheduler runs a 6-block prompt (plus 3 tokens) alone: a first chunk of 6 blocks,
+    the state after it in a row at position 5 (null rows before), then the last tokens, whose
+    running state takes the next position; only the state at 5 is cached (and offered)."""
+    pool = GroupedBlockManager(32, STATES)
+    p = prompt(6, extra=3)
+    pool.allocate("a", prompt=p, key=key)
+    ids = pool.block_ids("a")
+    assert len(ids[0]) == 6 and ids[1][:5] == [0] * 5 and ids[1][5] != 0
+    assert [k for _, k in pool.commit("a")] == [key(0, i) for i in range(6)] + [key(1, 5)]
+    assert pool.advance("a") and not pool.advance("a")
+    ids = pool.block_ids("a")
+    assert len(ids[0]) == 7 and ids[1][:5] == [0] * 5 and 0 not in ids[1][5:]  # the last state and the running one
+    assert pool.commit("a") == []
+    pool.free("a")
+    assert sorted(pool.cached) == sorted([key(0, i) for i in range(6)] + [key(1, 5)])
+    assert pool.lookup(p, key) == 6
+    assert pool.lookup(prompt(4, extra=3), key) == 0  # full attention holds 4 blocks, no state after 4
+    again = pool.allocate("b", prompt=prompt(8, extra=1), key=key)  # a longer prompt: hit 6, chunk to 8 blocks
+    assert again.num_gpu_hit_blocks == 6
+    ids = pool.block_ids("b")
+    assert ids[1][:5] == [0] * 5 and ids[1][5] != 0 and ids[1][6] == 0 and ids[1][7] != 0
+
+
+def test_a_shared_prefix_junction_ends_a_chunk_and_its_state_is_cached() -> None:
+    """A prompt sharing 2 blocks with a cached one that holds no state there: no hit, but the
+    prefill stops at the junction, so the state after 2 blocks is cached for its siblings; the
+    state before is freed (hashed: to the free queue's tail) once the next chunk ran."""
+    pool = GroupedBlockManager(32, STATES)
+    pool.allocate("a", prompt=prompt(6, extra=3), key=key)
+    pool.commit("a")
+    pool.free("a")
+
+    def other(g: int, i: int) -> bytes:
+        return key(g, i) if i < 2 else bytes([g, 100 + i])
+
+    p = Prompt([other(0, i) for i in range(4)], 4 * BS + 2, 4)
+    assert pool.lookup(p, other) == 0
+    pool.allocate("b", prompt=p, key=other)
+    assert [len(t) for t in pool.requests["b"].tables] == [2, 2]  # the first chunk ends at the junction
+    assert [k for _, k in pool.commit("b")] == [other(0, 0), other(0, 1), other(1, 1)]
+    junction_row = pool.block_ids("b")[1][1]
+    assert pool.advance("b")  # to the last block boundary before the last token
+    assert [k for _, k in pool.commit("b")] == [other(0, 2), other(0, 3), other(1, 3)]
+    assert pool.advance("b")  # the last tokens: the state at the junction is freed now
+    assert pool.block_ids("b")[1][1] == 0 and pool.blocks[junction_row].ref_cnt == 0
+    assert [b.block_id for b in pool.free_queue][-1] == junction_row  # cached: at the tail
+    pool.free("b")
+    sibling = Prompt([other(0, 0), other(0, 1), bytes([0, 200])], 3 * BS + 1, 3)
+    assert pool.lookup(sibling, lambda g, i: other(g, i) if i < 2 else bytes([g, 200])) == 2
+
+
+@pytest.mark.parametrize("retention, cached", [(0, [2]), (None, [2, 3, 4]), (3 * BS, [2])])
+def test_decode_moves_the_running_state_on_and_caches_it_as_the_retention_says(retention: int | None,
+                                                                              cached: list[int]) -> None:
+    """Decode takes a row for each block it enters and frees the one before; with vLLM's
+    default retention (0) no decode state is cached, dense retention caches each, an
+    interval the states ending one (positions 2, 5, ...)."""
+    pool = GroupedBlockManager(32, KVGroups([Group(FULL), Group(STATE)], BS, retention))
+    p = Prompt([bytes([0, i]) for i in range(5)], 5 * BS + 1, 3)  # 13 tokens of prompt, 8 more decoded
+    pool.allocate("a", prompt=p, key=key, prefill=3 * BS + 1)
+    pool.commit("a")
+    while pool.advance("a"):
+        pool.commit("a")
+    for t in pool.decode_steps("a"):
+        pool.decode("a", t)
+    ids = pool.block_ids("a")  # 21 tokens: the state after 4 blocks, and the running one at 5
+    assert [i for i, b in enumerate(ids[1]) if b] == [4, 5]
+    pool.free("a")
+    assert sorted(i for g, i in pool.cached if g == 1) == cached
+
+
+def test_a_loaded_state_takes_one_row_at_the_hit_point() -> None:
+    pool = GroupedBlockManager(32, STATES)
+    alloc = pool.allocate("a", prompt=prompt(6, extra=3), key=key, num_external=4, num_blocks=4)
+    assert alloc.block_ids[1] == [0, 0, 0, alloc.block_ids[1][3]] and alloc.block_ids[1][3] != 0
+    assert [(i, k) for i, _, k in alloc.external] == [(i, key(0, i)) for i in range(4)] + [(3, key(1, 3))]
+    assert key(1, 3) not in pool.cached  # a hit cannot end there later: not cached
+    pool.grow("a")  # the first chunk computed after the load: to block 6
+    ids = pool.block_ids("a")
+    assert len(ids[0]) == 6 and ids[1][3] != 0 and ids[1][4] == 0 and ids[1][5] != 0
+    assert [k for _, k in pool.commit("a")] == [key(0, 4), key(0, 5), key(1, 5)]
 
 
 @pytest.mark.parametrize("value, error", [

@@ -87,9 +87,9 @@ def ssd_capacity(blocks: int, nbytes: int = NBYTES) -> int:
 
 
 def through_vllm(model: str, prompts: list[list[int]], gpu: int, extra: dict[str, Any],
-                 window: int | None = None) -> tuple[dict[str, int], Any]:
+                 hybrid: list[str] | None = None) -> tuple[dict[str, int], Any]:
     h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=gpu, kv_connector_extra_config=extra,
-                         worker=complete_every_plan, sliding_window=window)
+                         worker=complete_every_plan, hybrid=hybrid)
     hits = {"gpu": 0, "cpu": 0, "ssd": 0}
     try:
         for i, toks in enumerate(prompts):
@@ -173,19 +173,19 @@ def test_replay_and_connector_agree_on_the_built_in_workloads(model: str, tmp_pa
 
 
 def agree(model: str, tmp_path: Path, case: str, settings: dict[str, Any],
-          exercised: tuple[str, ...] = ("gpu", "cpu", "ssd"), window: int | None = None) -> dict[str, Any]:
+          exercised: tuple[str, ...] = ("gpu", "cpu", "ssd"), hybrid: list[str] | None = None) -> dict[str, Any]:
     """The case's prompts through vLLM's scheduler and through the replay: the same hits per
-    tier and the same policy counts; returns the counts. ``window``: a hybrid model (full
-    attention and a sliding window of that many tokens, :func:`hybrid_kv_cache_config`)."""
+    tier and the same policy counts; returns the counts. ``hybrid``: a hybrid model (full
+    attention, then a group of each kind, :func:`hybrid_kv_cache_config`)."""
     make, gpu, cpu, ssd = {**CASES, **WORKLOADS}[case]
     prompts = make()
-    nbytes = NBYTES if window is None else NBYTES // 2  # a hybrid's block: one layer's page
-    gpu = gpu if window is None else 2 * gpu  # a hybrid's prompt takes a block of each group
+    nbytes = NBYTES if hybrid is None else NBYTES // 2  # a hybrid's block: one layer's page
+    gpu = gpu if hybrid is None else 2 * gpu  # a hybrid's prompt takes a block of each group
     extra = {"cpu.capacity": cpu * nbytes, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": ssd_capacity(ssd, nbytes),
              **settings}
-    vllm_hits, vllm_counts = through_vllm(model, prompts, gpu, extra, window)
+    vllm_hits, vllm_counts = through_vllm(model, prompts, gpu, extra, hybrid)
 
-    model_cfg = {"block_nbytes": nbytes, **({"groups": f"full,sliding:{window}"} if window else {})}
+    model_cfg = {"block_nbytes": nbytes, **({"groups": ",".join(["full", *hybrid])} if hybrid else {})}
     cfg = KVStrataConfig.from_dict({"block_size": BS, "model": model_cfg, "gpu": {"num_blocks": gpu}},
                                    {**extra, "ssd.path": str(tmp_path / "unused")})
     trace = load_trace(write_trace(tmp_path / "trace.jsonl", prompts), block_size=BS)
@@ -208,37 +208,45 @@ HYBRID_SETTINGS = {
 }
 
 
+HYBRIDS = {"sliding": [f"sliding:{3 * BS}"], "state": ["state"], "sliding-state": [f"sliding:{3 * BS}", "state"]}
+
+
+@pytest.mark.parametrize("hybrid", sorted(HYBRIDS))
 @pytest.mark.parametrize("settings", sorted(HYBRID_SETTINGS))
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_replay_and_connector_agree_on_a_hybrid_model(model: str, tmp_path: Path, case: str, settings: str) -> None:
-    """vLLM's hybrid allocator (a full-attention group and a 3-block sliding window, each
-    with its own block table over one pool; the window's blocks cached only where a later
-    hit can use them) against the replay's model of it: the same hits per tier, the same
-    blocks of both groups stored, evicted and dropped per tier, the same SSD bytes."""
-    # The windows are stored only before each prompt's end and a shared-prefix junction
-    # (vLLM's default retention): the Mooncake prompts' hits below come from the SSD tier,
-    # where their full-attention blocks went long before the windows a hit needs arrived
+def test_replay_and_connector_agree_on_a_hybrid_model(model: str, tmp_path: Path, case: str, settings: str,
+                                                      hybrid: str) -> None:
+    """vLLM's hybrid allocator (a full-attention group beside a 3-block sliding window, a
+    Mamba state in vLLM's align mode, or both, each with its own block table over one pool;
+    the window's blocks cached only where a later hit can use them, a state only where a
+    prefill chunk ended and a later hit can end) against the replay's model of it: the same
+    hits per tier, the same blocks of every group stored, evicted and dropped per tier, the
+    same SSD bytes."""
+    # The windows and states are stored only before each prompt's end and a shared-prefix
+    # junction (vLLM's default retention): the Mooncake prompts' hits below come from the SSD
+    # tier, where their full-attention blocks went long before the windows a hit needs arrived
     exercised = ("gpu", "ssd") if case == "mooncake" else ("gpu", "cpu") if "second_hit" in settings \
         else ("gpu", "cpu", "ssd")
-    counts = agree(model, tmp_path, case, HYBRID_SETTINGS[settings], window=3 * BS, exercised=exercised)
+    counts = agree(model, tmp_path, case, HYBRID_SETTINGS[settings], hybrid=HYBRIDS[hybrid], exercised=exercised)
     assert counts["stored"]["cpu"] > 0
 
 
-def test_the_hybrid_harness_is_vllms_layout(model: str) -> None:
-    """The hybrid KV cache the parity test drives: two groups over blocks of one layer's page
-    each (vLLM overlays the groups), which the connector reads as ``full,sliding:48``."""
-    from vllm_sched import hybrid_kv_cache_config
-
+@pytest.mark.parametrize("hybrid", sorted(HYBRIDS))
+def test_the_hybrid_harness_is_vllms_layout(model: str, hybrid: str) -> None:
+    """The hybrid KV cache the parity test drives: groups over blocks of one layer's page
+    each (vLLM overlays the groups, and pads a state to the attention page), which the
+    connector reads as the replay's ``model.groups``; a state group puts vLLM's scheduler in
+    its aligned-split mode."""
     from kvstrata.connectors.vllm_common import block_nbytes_of, kv_groups
 
     h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=8, kv_connector_extra_config={"cpu.capacity": 0},
-                         sliding_window=3 * BS)
+                         hybrid=HYBRIDS[hybrid])
     try:
         config = h.kv_cache_config
         assert type(h.scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
         assert block_nbytes_of(config) == NBYTES // 2
-        assert kv_groups(config, BS).describe() == "full,sliding:48"
-        assert hybrid_kv_cache_config is not None
+        assert kv_groups(config, BS).describe() == ",".join(["full", *HYBRIDS[hybrid]])
+        assert h.scheduler.need_mamba_block_aligned_split == ("state" in hybrid)
     finally:
         h.close()
 

@@ -177,8 +177,9 @@ def test_recorded_config_replays_the_deployment_and_set_changes_one_thing() -> N
 
 def test_a_recording_of_a_hybrid_model_replays_as_its_groups() -> None:
     """The header's KV-cache groups become ``model.groups``; a forged value is a config
-    error naming the key; a state hybrid is refused by the replay, naming why."""
-    from kvstrata.bench.replay import ReplayError, replaying
+    error naming the key; a state hybrid is replayed as one."""
+    from kvstrata.bench.replay import replaying
+    from kvstrata.core.groups import STATE
 
     dep = _deployment()
     dep["engine"]["groups"] = "sliding:64,full"
@@ -187,9 +188,8 @@ def test_a_recording_of_a_hybrid_model_replays_as_its_groups() -> None:
     with pytest.raises(ConfigError, match=r"^trace: the recorded deployment: model\.groups\[0\]: 'window:3'"):
         recorded_config(dep)
     dep["engine"]["groups"] = "state,full"
-    with pytest.raises(ReplayError, match=r"^model\.groups: 'state,full': the replay models attention groups"):
-        with replaying(recorded_config(dep), 16):
-            pass
+    with replaying(recorded_config(dep), 16) as rp:
+        assert [g.kind for g in rp.manager.groups.groups] == [STATE, "full"]
 
 
 # ------------------------------------------------------------------ reading damaged recordings

@@ -50,22 +50,22 @@ def chats(users: int, turns: int, seed: int = 0) -> list[tuple[int, list[int]]]:
 
 def serve(model: str, tmp: Path, cpu_blocks: int, name: str, *, secret: str | None = None,
           trace_path: Path | None = None, hits: dict[str, Any] | None = None, load: dict[str, Any] | None = None,
-          window: int | None = None,
+          hybrid: list[str] | None = None,
           gpu_blocks: int = 48) -> Path:
     """Run the chats through vLLM's scheduler with the recorder on (into ``trace_path``,
     default ``tmp/name``); return the recording's directory. ``hits``: filled with what
-    the plugin counted. ``window``: a hybrid model (full attention and a sliding window of
-    that many tokens; a block is then one layer's page). ``load``: filled with the plugin's
+    the plugin counted. ``hybrid``: a hybrid model (full attention and a group of each kind,
+    ``tests/vllm_sched.py``; a block is then one layer's page). ``load``: filled with the plugin's
     cost estimates."""
     system = [random.Random(1).randrange(2, 500) for _ in range(3 * BS)]
-    nbytes = NBYTES if window is None else NBYTES // 2
+    nbytes = NBYTES if hybrid is None else NBYTES // 2
     extra: dict[str, Any] = {"cpu.capacity": cpu_blocks * nbytes, "ssd.path": str(tmp / f"ssd-{name}"),
                              "ssd.capacity": "4MiB", "trace.path": str(trace_path or tmp / name),
                              "trace.insecure_hashes": True}
     if secret:
         extra["trace.secret"] = secret
     h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=gpu_blocks, kv_connector_extra_config=extra,
-                         worker=complete_every_plan, sliding_window=window)
+                         worker=complete_every_plan, hybrid=hybrid)
     convo: dict[int, list[int]] = {}
     try:
         for i, (user, words) in enumerate(chats(8, 6)):
@@ -100,13 +100,17 @@ def test_a_recording_replays_to_exactly_what_the_plugin_measured(model: str, tmp
     assert rec["difference_pp"] == {t: 0.0 for t in measured["hit_rate"]}
 
 
-def test_a_recording_of_a_hybrid_model_replays_to_exactly_what_the_plugin_measured(model: str,
-                                                                                  tmp_path: Path) -> None:
-    """vLLM's hybrid allocator (full attention and a 3-block window): the recording carries
-    the groups, and the replay of it (the windows' blocks freed as decode moves on, only the
-    reachable ones cached on the device) predicts every tier's hits and the SSD bytes."""
-    rec = bench("--trace", str(serve(model, tmp_path, 40, "hybrid", window=3 * BS, gpu_blocks=96)))
-    assert rec["capacity"]["groups"] == rec["recording"]["engine"]["groups"] == "full,sliding:48"
+@pytest.mark.parametrize("hybrid", [["sliding:48"], ["sliding:48", "state"]])
+def test_a_recording_of_a_hybrid_model_replays_to_exactly_what_the_plugin_measured(model: str, tmp_path: Path,
+                                                                                  hybrid: list[str]) -> None:
+    """vLLM's hybrid allocator (full attention, a 3-block window, a Mamba state in vLLM's
+    align mode): the recording carries the groups, and the replay of it (the windows' blocks
+    freed as decode moves on, only the reachable ones cached on the device; a state's prefill
+    chunks, its running state moved on as decode goes) predicts every tier's hits and the SSD
+    bytes."""
+    rec = bench("--trace", str(serve(model, tmp_path, 40, "hybrid", hybrid=hybrid, gpu_blocks=96)))
+    groups = ",".join(["full", *hybrid])
+    assert rec["capacity"]["groups"] == rec["recording"]["engine"]["groups"] == groups
     measured, predicted = rec["recording"]["measured"], rec["recording"]["predicted"]
     assert measured["hit_rate"] == predicted["hit_rate"], rec["recording"]
     assert all(measured["hit_rate"][t] > 0 for t in ("gpu", "cpu", "ssd")), measured

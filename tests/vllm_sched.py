@@ -137,9 +137,11 @@ class SchedulerHarness:
     in the GPU pool, or a worker hook that never reports its loads).
     ``before_scheduler(vllm_config, kv_cache_config)`` runs once the configs are
     built and before the scheduler is: where ``EngineCore`` builds its workers.
-    ``sliding_window`` (tokens): a hybrid model's KV cache instead, as vLLM's hybrid
-    allocator lays it out: layer 0 full attention, layer 1 a sliding window, each a
-    KV-cache group of its own over the same blocks.
+    ``hybrid``: a hybrid model's KV cache instead, as vLLM's hybrid allocator lays it
+    out: layer 0 full attention, then a layer of each kind given (``"sliding:<tokens>"``,
+    ``"state"``: Mamba2 in vLLM's ``align`` prefix-caching mode), each a KV-cache group of
+    its own over the same blocks (:func:`hybrid_kv_cache_config`). ``sliding_window``
+    (tokens): ``hybrid=[f"sliding:{sliding_window}"]``.
     """
 
     def __init__(self, model_dir: str, *, block_size: int, num_gpu_blocks: int,
@@ -148,7 +150,7 @@ class SchedulerHarness:
                  max_model_len: int = 1 << 15, worker: Worker | None = None,
                  stall_timeout_s: float = 30.0,
                  before_scheduler: Callable[[Any, Any], None] | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, hybrid: list[str] | None = None) -> None:
         if num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}")
         from vllm_util import build_tiny_llama
@@ -165,11 +167,13 @@ class SchedulerHarness:
             self.vllm_config = _vllm_config(model_dir, block_size, kv_connector_extra_config,
                                             max_num_batched_tokens, max_num_seqs, max_model_len)
             # vLLM's BlockPool reserves block 0 as its null block.
-            if sliding_window is None:
+            if sliding_window is not None:
+                hybrid = [f"sliding:{sliding_window}"]
+            if hybrid is None:
                 self.kv_cache_config = _kv_cache_config(block_size, num_gpu_blocks + 1)
             else:
                 self.kv_cache_config = hybrid_kv_cache_config(self.vllm_config, block_size, num_gpu_blocks + 1,
-                                                              sliding_window)
+                                                              hybrid)
             self.vllm_config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
             if before_scheduler is not None:
                 before_scheduler(self.vllm_config, self.kv_cache_config)
@@ -362,21 +366,32 @@ def _kv_cache_config(block_size: int, num_blocks: int) -> "KVCacheConfig":
 
 
 def hybrid_kv_cache_config(vllm_config: "VllmConfig", block_size: int, num_blocks: int,
-                           sliding_window: int) -> "KVCacheConfig":
-    """The tiny model's layers as a hybrid: layer 0 full attention, layer 1 a sliding window
-    of ``sliding_window`` tokens; vLLM's own grouping and placement (one KV-cache group each,
-    overlaying the same blocks)."""
+                           kinds: list[str]) -> "KVCacheConfig":
+    """The tiny model's layers as a hybrid: layer 0 full attention, then one layer of each of
+    ``kinds`` (``"sliding:<tokens>"``, a sliding window; ``"state"``, a Mamba2 layer whose state
+    vLLM keeps per block in its ``align`` prefix-caching mode, padded to the attention page as
+    vLLM pads it); vLLM's own grouping and placement (one KV-cache group each, overlaying the
+    same blocks)."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     common = dict(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE)
-    names = layer_names()
-    specs = {names[0]: FullAttentionSpec(**common), names[1]: SlidingWindowSpec(**common, sliding_window=sliding_window)}
+    full = FullAttentionSpec(**common)
+    names = layer_names(1 + len(kinds))
+    specs: dict[str, Any] = {names[0]: full}
+    for name, kind in zip(names[1:], kinds):
+        if kind == "state":  # a conv state and an SSM state, as a Mamba2 layer keeps them
+            specs[name] = MambaSpec(block_size=block_size, shapes=((3, 4 * KV_HEADS), (KV_HEADS, HEAD_SIZE // 4, 16)),
+                                    dtypes=(DTYPE, DTYPE), page_size_padded=full.page_size_bytes,
+                                    mamba_cache_mode="align")
+            vllm_config.cache_config.mamba_cache_mode = "align"
+        else:
+            specs[name] = SlidingWindowSpec(**common, sliding_window=int(kind.removeprefix("sliding:")))
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     vllm_config.cache_config.num_gpu_blocks_override = num_blocks
     vllm_config.cache_config.kv_cache_layout = "LBHNC"  # the CPU backend's only layout
     groups = get_kv_cache_groups(vllm_config, specs)
-    assert len(groups) == 2, groups
+    assert len(groups) == len(specs), groups
     config = get_kv_cache_config_from_groups(vllm_config, groups, 1 << 34)
     config.kv_cache_layout = "LBHNC"
     assert config.num_blocks == num_blocks

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from kvstrata.block_pool import BlockManager, Prompt
 from kvstrata.group_pool import GroupedBlockManager
-from kvstrata.core.groups import STATE, KVGroups, parse_groups
+from kvstrata.core.groups import KVGroups, parse_groups
 from kvstrata.config import KVStrataConfig
 from kvstrata.errors import ConfigError, OutOfBlocksError
 from kvstrata.executor import Executor, NullExecutor
@@ -308,6 +308,10 @@ class Replayer:
         computed = manager.commit(rid)
         self._note_computed(computed)
         self._end_step(computed)
+        while self.groups is not None and self._room(lambda: manager.advance(rid)):  # a state model's chunks
+            computed = manager.commit(rid)
+            self._note_computed(computed)
+            self._end_step(computed)
         if self.request_hits is not None and not resumed:
             self.request_hits.append(st.hits)
         if self.ttft is not None and not resumed:
@@ -392,10 +396,6 @@ def _checked(config: KVStrataConfig, block_size: int, admission: str | None) -> 
         caps = tier_capacities(cfg)
     except ConfigError as exc:
         raise ReplayError(str(exc)) from None
-    if STATE in {g.kind for g in parse_groups(cfg.model.groups, "model.groups")}:
-        raise ReplayError(f"model.groups: {cfg.model.groups!r}: the replay models attention groups (full, sliding, "
-                          "chunked); which positions vLLM keeps a state group's block for depends on how it chunks "
-                          "each prefill, which a trace does not say")
     return cfg, caps
 
 

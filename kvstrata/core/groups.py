@@ -68,11 +68,14 @@ class Group:
                              "for sliding and chunked groups, none for full attention and state groups)")
 
     def skipped_tokens(self, computed: int) -> int:
-        """Tokens before ``computed`` that the next token does not attend (vLLM's rule)."""
+        """Tokens before ``computed`` that the next token does not need (vLLM's
+        ``get_num_skipped_tokens``): a state layer needs only the state after the last one."""
         if self.kind == SLIDING:
             return max(0, computed - self.tokens + 1)
         if self.kind == CHUNKED:
             return computed // self.tokens * self.tokens
+        if self.kind == STATE:
+            return max(0, computed - 1)
         return 0
 
     def describe(self) -> str:
@@ -108,8 +111,6 @@ class KVGroups:
 
     def needed_from(self, g: int, n: int) -> int:
         """The first block of group ``g`` a hit of ``n`` blocks needs (earlier ones are skipped)."""
-        if self.groups[g].kind == STATE:
-            return max(0, n - 1)
         return self.groups[g].skipped_tokens(n * self.block_size) // self.block_size
 
     def stored(self, g: int, i: int, ends: Sequence[int]) -> bool:
@@ -128,6 +129,28 @@ class KVGroups:
             end = (i // every + 1) * every
             return self.needed_from(g, end) <= i
         return False
+
+    def state_cached(self, i: int, ends: Sequence[int]) -> bool:
+        """Does the engine cache the state a state group holds at block ``i`` (the state after
+        ``i + 1`` blocks) of a request whose later hits can end at ``ends``? vLLM's
+        ``reachable_block_mask`` for Mamba: every state when the retention is dense, else the
+        states a hit at one of ``ends`` needs, and with ``retention > 0`` those ending a
+        retention interval. Only a state the engine computed there is cached: one at a chunk's
+        end (:meth:`chunk_ends`), or the running state of a decode step."""
+        every = self._every
+        return self.retention is None or every == 1 or (i + 1) in ends or bool(every and (i + 1) % every == 0)
+
+    def chunk_ends(self, start: int, prefill: int, junction: int) -> list[int]:
+        """Where vLLM ends the prefill chunks of a prompt of ``prefill`` tokens computed from
+        token ``start`` (block-aligned), for a model with state groups: the state is written
+        at a chunk's end, so its ``align`` mode stops a chunk at the shared-prefix ``junction``
+        (tokens, 0 for none) and at the prompt's last block boundary before its last token
+        (``_mamba_block_aligned_split``, a token budget as large as the prompt). Without
+        state groups the prefill is one chunk."""
+        if not self.states:
+            return [prefill]
+        last = max(prefill - 1, 0) // self.block_size * self.block_size
+        return sorted({s for s in (junction, last) if start < s < prefill} | {prefill})
 
     @property
     def states(self) -> list[int]:
