@@ -15,14 +15,23 @@ kind padded), a block holds one group's layers for ``block_size`` tokens, and a
 request holds every block in a full-attention group but in a sliding one only its
 window and the tokens in flight (a chunked prefill's batch of ``max_num_batched_tokens``,
 freed as the window moves on), plus one block: vLLM's own admission bound. Its
-concurrency is pool blocks / the blocks one ``max_model_len`` request holds. Layers that keep a state (linear attention,
-Mamba) are sized by vLLM from their state shapes, which a plan does not model.
+concurrency is pool blocks / the blocks one ``max_model_len`` request holds.
+
+Layers that keep a state instead (Gated DeltaNet linear attention: Qwen3-Next,
+Qwen3.5; Mamba2: Granite 4, Bamba) are planned as vLLM keeps them in the
+``align`` prefix-caching mode kvstrata needs: a layer's state (a convolution
+state and a recurrent state, shapes from the model config, the recurrent one in
+``mamba_ssm_dtype`` when the config names one) takes one page; vLLM raises the
+block size until an attention page (one layer's block) holds it, in multiples of
+the block size (``--block-size``: the attention kernel's block, 16 for
+FlashAttention), and pads the state to that page; its groups hold two states of
+a request at a time (the last one cached and the running one).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +53,34 @@ class ModelShape:
     name: str = "model"
     sliding_layers: int = 0   # of ``layers``, those with a sliding window of ``window`` tokens
     window: int = 0
+    state_layers: int = 0     # of ``layers``, those keeping a state of ``state_bytes`` (a ``state_kind`` layer)
+    state_bytes: int = 0
+    state_kind: str = ""
 
     def bytes_per_token(self, dtype: str | None = None) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * DTYPE_BYTES[dtype or self.dtype]
+        """KV bytes of a token over the attention layers."""
+        return 2 * (self.layers - self.state_layers) * self.kv_heads * self.head_dim * DTYPE_BYTES[dtype or self.dtype]
 
-    def groups(self) -> tuple[int, int, int]:
-        """vLLM's hybrid allocator: (layers per group, full-attention groups, sliding groups)."""
-        full, sliding = self.layers - self.sliding_layers, self.sliding_layers
-        kinds = [n for n in (full, sliding) if n]
+    def groups(self) -> tuple[int, int, int, int]:
+        """vLLM's hybrid allocator: (layers per group, full-attention groups, sliding groups,
+        state groups)."""
+        full, sliding, state = self.layers - self.sliding_layers - self.state_layers, self.sliding_layers, \
+            self.state_layers
+        kinds = [n for n in (full, sliding, state) if n]
         size = min(kinds)
         if max(kinds) < 1.5 * size:
             size = max(kinds)
-        return size, -(-full // size), -(-sliding // size)
+        return size, -(-full // size), -(-sliding // size), -(-state // size)
+
+    def block_size(self, block_size: int, dtype: str | None = None) -> int:
+        """The block size vLLM runs a state hybrid at: the smallest multiple of ``block_size``
+        (at least 16, the attention kernel's block) whose attention page (one layer's block)
+        holds a state (``_align_hybrid_block_size``); ``block_size`` without state layers."""
+        if not self.state_layers:
+            return block_size
+        align = max(16, block_size)
+        per_token = 2 * self.kv_heads * self.head_dim * DTYPE_BYTES[dtype or self.dtype]
+        return max(block_size, align * -(-self.state_bytes // (align * per_token)))
 
 
 @dataclass(frozen=True)
@@ -110,11 +135,64 @@ def shape_from_hf_config(path: str | Path) -> ModelShape:
     head_dim = _positive(head_dim, f"{p}: head_dim")
     dtype = _HF_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16"), "fp16")
     name = cfg.get("_name_or_path") or (cfg.get("architectures") or [p.parent.name])[0]
+    state_kind, state_layers = _state_layers(cfg, layers, p)
     sliding, window = _sliding_layers(cfg, layers, p)
-    return ModelShape(layers, kv_heads, head_dim, dtype, str(name), sliding, window)
+    shape = ModelShape(layers, kv_heads, head_dim, dtype, str(name), sliding, window)
+    if not state_layers:
+        return shape
+    return replace(shape, state_layers=state_layers, state_kind=state_kind,
+                   state_bytes=_state_bytes(cfg, state_kind, dtype, p))
 
 
 _STATE_KINDS = ("linear_attention", "mamba", "mamba2", "conv", "short_conv", "recurrent")
+_STATE_SHAPES = {  # a layer kind -> the config keys its state shapes come from (vLLM's MambaStateShapeCalculator)
+    "linear_attention": ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                         "linear_value_head_dim", "linear_conv_kernel_dim"),
+    "mamba": ("hidden_size", "mamba_expand", "mamba_n_groups", "mamba_n_heads", "mamba_d_head", "mamba_d_state",
+              "mamba_d_conv"),
+}
+
+
+def _state_layers(cfg: dict[str, Any], layers: int, p: Path) -> tuple[str, int]:
+    """(the state layers' kind, how many) from ``layer_types``, or a Qwen3-Next config's
+    ``full_attention_interval`` (every n-th layer full attention, the others Gated DeltaNet)."""
+    types = cfg.get("layer_types")
+    if not isinstance(types, list) or not types:
+        interval = cfg.get("full_attention_interval")
+        if "linear_num_value_heads" not in cfg or not isinstance(interval, int) or isinstance(interval, bool) \
+                or interval < 1:
+            return "", 0
+        return "linear_attention", layers - layers // interval
+    state = [t for t in types if t in _STATE_KINDS]
+    if not state:
+        return "", 0
+    kind = "mamba" if state[0] == "mamba2" else state[0]
+    if kind not in _STATE_SHAPES or any(("mamba" if t == "mamba2" else t) != kind for t in state):
+        raise ConfigError(f"{p}: {len(state)} of its {layers} layers keep a state ({', '.join(sorted(set(state)))}): "
+                          f"kvstrata plan knows the state shapes of {' and '.join(_STATE_SHAPES)} layers; plan its "
+                          f"{layers - len(state)} attention layers with --layers")
+    return kind, len(state)
+
+
+def _state_bytes(cfg: dict[str, Any], kind: str, dtype: str, p: Path) -> int:
+    """One state layer's state, in bytes: a convolution state over the layer's projected
+    channels (``kernel - 1`` positions) in the model's dtype, and the recurrent state in
+    ``mamba_ssm_dtype`` (``mamba_ssm_cache_dtype``) when the config names one, else the
+    model's (vLLM's defaults for these layers, one GPU)."""
+    v = {k: _positive(cfg.get(k), f"{p}: {k}") for k in _STATE_SHAPES[kind]}
+    if kind == "linear_attention":  # Gated DeltaNet: MambaStateShapeCalculator.gated_delta_net_state_shape
+        conv = (v["linear_key_head_dim"] * v["linear_num_key_heads"] * 2
+                + v["linear_value_head_dim"] * v["linear_num_value_heads"]) * (v["linear_conv_kernel_dim"] - 1)
+        ssm = v["linear_num_value_heads"] * v["linear_value_head_dim"] * v["linear_key_head_dim"]
+    else:  # Mamba2: MambaStateShapeCalculator.mamba2_state_shape
+        conv = (v["mamba_expand"] * v["hidden_size"] + 2 * v["mamba_n_groups"] * v["mamba_d_state"]) \
+            * (v["mamba_d_conv"] - 1)
+        ssm = v["mamba_n_heads"] * v["mamba_d_head"] * v["mamba_d_state"]
+    named = cfg.get("mamba_ssm_dtype") or cfg.get("mamba_ssm_cache_dtype")
+    if named is not None and str(named) not in _HF_DTYPES:
+        raise ConfigError(f"{p}: mamba_ssm_dtype: {named!r:.40}: expected one of {', '.join(_HF_DTYPES)}")
+    ssm_dtype = _HF_DTYPES[str(named)] if named is not None else dtype
+    return conv * DTYPE_BYTES[dtype] + ssm * DTYPE_BYTES[ssm_dtype]
 
 
 def _sliding_layers(cfg: dict[str, Any], layers: int, p: Path) -> tuple[int, int]:
@@ -125,11 +203,6 @@ def _sliding_layers(cfg: dict[str, Any], layers: int, p: Path) -> tuple[int, int
         if len(types) != layers or not all(isinstance(t, str) for t in types):
             raise ConfigError(f"{p}: layer_types: expected {layers} layer kinds (num_hidden_layers), "
                               f"got {str(types)[:100]}")
-        state = [t for t in types if t in _STATE_KINDS]
-        if state:
-            raise ConfigError(f"{p}: {len(state)} of its {layers} layers keep a state ({state[0]}): vLLM sizes "
-                              "their pages from the state shapes, which kvstrata plan does not model; plan its "
-                              f"{layers - len(state)} attention layers with --layers")
         sliding = sum(1 for t in types if "sliding" in t or "local" in t)
     elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 1:
         sliding = layers - layers // pattern  # every pattern-th layer is global
@@ -170,7 +243,7 @@ def make_plan(shape: ModelShape, pool_bytes: int, max_model_len: int, block_size
         return blocks, blocks * block_size
 
     bpt, fp8 = shape.bytes_per_token(), shape.bytes_per_token("fp8")
-    if shape.sliding_layers:
+    if shape.sliding_layers or shape.state_layers:
         return _hybrid_plan(shape, pool_bytes, max_model_len, block_size, _positive(max_num_batched_tokens,
                                                                                      "--max-num-batched-tokens"))
     blocks, toks = tokens(bpt)
@@ -180,22 +253,29 @@ def make_plan(shape: ModelShape, pool_bytes: int, max_model_len: int, block_size
 
 
 def _hybrid_plan(shape: ModelShape, pool_bytes: int, max_model_len: int, block_size: int, in_flight: int) -> Plan:
-    """A sliding-window hybrid under vLLM's hybrid allocator (see the module docstring)."""
-    size, full, sliding = shape.groups()
-    window = min(shape.window - 1 + in_flight, max_model_len)
-    per_request = full * -(-max_model_len // block_size) + sliding * (-(-window // block_size) + 1)
+    """A hybrid under vLLM's hybrid allocator (see the module docstring)."""
+    size, full, sliding, state = shape.groups()
 
-    def pool(dtype: str) -> tuple[int, int, float]:
-        row = 2 * size * shape.kv_heads * shape.head_dim * DTYPE_BYTES[dtype] * block_size
+    def pool(dtype: str) -> tuple[int, int, float, int, int]:
+        bs = shape.block_size(block_size, dtype)
+        window = min(shape.window - 1 + in_flight, max_model_len)
+        per_request = full * -(-max_model_len // bs) + sliding * (-(-window // bs) + 1) + state * 2
+        row = 2 * size * shape.kv_heads * shape.head_dim * DTYPE_BYTES[dtype] * bs
         blocks = pool_bytes // row
-        per_token = row * (full + sliding) // block_size  # a block of every group
-        return per_token, blocks, blocks / per_request
+        per_token = row * (full + sliding) // bs  # a block of every attention group
+        return per_token, blocks, blocks / per_request, bs, per_request
 
-    bpt, blocks, conc = pool(shape.dtype)
-    fp8, fp8_blocks, fp8_conc = pool("fp8")
-    groups = f"full x{full}, sliding:{shape.window} x{sliding} ({size} layer{'s' if size > 1 else ''} each)"
+    bpt, blocks, conc, bs, per_request = pool(shape.dtype)
+    fp8, _, fp8_conc, _, _ = pool("fp8")
+    kinds = [f"full x{full}"] + [f"sliding:{shape.window} x{sliding}"] * bool(sliding) + \
+        [f"state ({shape.state_kind}) x{state}"] * bool(state)
+    groups = f"{', '.join(kinds)} ({size} layer{'s' if size > 1 else ''} each)"
+    if state:
+        page = bs * 2 * shape.kv_heads * shape.head_dim * DTYPE_BYTES[shape.dtype]
+        groups += (f"; a state of {shape.state_bytes:,} bytes per layer raises the block to {bs} tokens and is "
+                   f"padded to its {page:,}-byte page (+{100 * (page - shape.state_bytes) / shape.state_bytes:.1f}%)")
     # vLLM's own "KV cache size" of a hybrid: the tokens of the requests it holds at once
-    return Plan(shape.name, shape.dtype, shape.layers, shape.kv_heads, shape.head_dim, block_size, max_model_len,
+    return Plan(shape.name, shape.dtype, shape.layers, shape.kv_heads, shape.head_dim, bs, max_model_len,
                 pool_bytes, bpt, blocks, int(conc * max_model_len), conc, fp8, int(fp8_conc * max_model_len),
                 fp8_conc, groups, per_request)
 
@@ -215,12 +295,13 @@ def render_plan(plan: Plan) -> str:
     """The plan as vLLM-style start-up lines plus the seed's decision."""
     p = plan
     hybrid = [f"INFO Hybrid KV-cache groups (vLLM's hybrid allocator, kept on with kvstrata): {p.groups}; "
-              f"a {p.max_model_len:,}-token request holds {p.blocks_per_request:,} blocks, its windows only "
-              f"the last window's; the pool's {p.pool_blocks:,} blocks are shared by every group"] if p.groups else []
+              f"a {p.max_model_len:,}-token request holds {p.blocks_per_request:,} blocks (of a window only the "
+              f"last window's, of a state group 2 states); the pool's {p.pool_blocks:,} blocks are shared by every "
+              "group"] if p.groups else []
     return "\n".join([
         f"INFO KV cache layout: {p.layers} layers x {p.kv_heads} KV heads x {p.head_dim} head dim x 2 (K, V) x "
         f"{DTYPE_BYTES[p.dtype]} bytes ({p.dtype}) = {p.bytes_per_token:,} bytes per token"
-        + (" (every group's block, padding layers included)" if p.groups else ""), *hybrid,
+        + (" (a block of every attention group, padding layers included)" if p.groups else ""), *hybrid,
         f"INFO Available KV cache memory: {p.kv_pool_bytes / GIB:.2f} GiB",
         f"INFO GPU KV cache size: {p.pool_tokens:,} tokens ({p.pool_blocks:,} blocks of {p.block_size})",
         f"INFO Maximum concurrency for {p.max_model_len:,} tokens per request: {p.max_concurrency:.2f}x",
