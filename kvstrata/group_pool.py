@@ -32,7 +32,7 @@ hands out blocks in vLLM's order:
   on. The engine caches a state only where a later hit can end
   (:meth:`KVGroups.state_cached`), and computes one there only because its
   prefill chunks end there: the prefill of a model with state groups runs in
-  the chunks :meth:`KVGroups.chunk_ends` gives, a step each (:meth:`advance`).
+  the chunks :meth:`KVGroups.chunk_end` gives, a step each (:meth:`advance`).
 
 As in vLLM, a key may name several rows (a block loaded from below while the
 device still held it under the same key, which a window's hit could not use):
@@ -144,7 +144,7 @@ class GroupedBlockManager:
         last = min(max(prefill - 1, 0) // self.block_size, len(prompt.hashes))  # the prompt's last hit point
         ends = (last, junction) if junction > hit else (last,)
         junction = junction * self.block_size if junction > hit else 0
-        computed = self.groups.chunk_ends(prefix * self.block_size, prefill, junction)[0]
+        computed = self.groups.chunk_end(prefix * self.block_size, prefill, junction)
         if num_blocks is None:  # the first chunk is computed now
             total = -(-computed // self.block_size)
         else:  # loaded first: the rest is computed by grow and advance
@@ -180,17 +180,17 @@ class GroupedBlockManager:
         """After a load: every group's blocks for the prefill's first chunk computed (the whole
         prompt, but with state groups); returns the new rows."""
         req = self._request(request_id)
-        return self._step(request_id, self.groups.chunk_ends(req.committed * self.block_size, req.prefill,
-                                                             req.junction)[0])
+        return self._step(request_id, self.groups.chunk_end(req.committed * self.block_size, req.prefill,
+                                                            req.junction))
 
     def advance(self, request_id: str) -> bool:
-        """The prefill's next chunk (:meth:`KVGroups.chunk_ends`), as a step of its own: False
+        """The prefill's next chunk (:meth:`KVGroups.chunk_end`), as a step of its own: False
         when the prefill is done. Raises :class:`OutOfBlocksError` with only what the states
         left behind freed."""
         req = self._request(request_id)
         if req.computed >= req.prefill:
             return False
-        self._step(request_id, self.groups.chunk_ends(req.computed, req.prefill, req.junction)[0])
+        self._step(request_id, self.groups.chunk_end(req.computed, req.prefill, req.junction))
         return True
 
     def _step(self, request_id: str, end: int) -> list[int]:

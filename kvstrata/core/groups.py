@@ -136,21 +136,21 @@ class KVGroups:
         ``reachable_block_mask`` for Mamba: every state when the retention is dense, else the
         states a hit at one of ``ends`` needs, and with ``retention > 0`` those ending a
         retention interval. Only a state the engine computed there is cached: one at a chunk's
-        end (:meth:`chunk_ends`), or the running state of a decode step."""
+        end (:meth:`chunk_end`), or the running state of a decode step."""
         every = self._every
         return self.retention is None or every == 1 or (i + 1) in ends or bool(every and (i + 1) % every == 0)
 
-    def chunk_ends(self, start: int, prefill: int, junction: int) -> list[int]:
-        """Where vLLM ends the prefill chunks of a prompt of ``prefill`` tokens computed from
-        token ``start`` (block-aligned), for a model with state groups: the state is written
-        at a chunk's end, so its ``align`` mode stops a chunk at the shared-prefix ``junction``
-        (tokens, 0 for none) and at the prompt's last block boundary before its last token
-        (``_mamba_block_aligned_split``, a token budget as large as the prompt). Without
+    def chunk_end(self, start: int, prefill: int, junction: int) -> int:
+        """Where vLLM ends the prefill chunk that starts at token ``start`` (block-aligned) of a
+        prompt of ``prefill`` tokens: with state groups the state is written at a chunk's end,
+        so vLLM's ``align`` mode stops a chunk at the shared-prefix ``junction`` (tokens, 0 for
+        none) and at the prompt's last block boundary before its last token
+        (``_mamba_block_aligned_split``, under a token budget as large as the prompt). Without
         state groups the prefill is one chunk."""
         if not self.states:
-            return [prefill]
+            return prefill
         last = max(prefill - 1, 0) // self.block_size * self.block_size
-        return sorted({s for s in (junction, last) if start < s < prefill} | {prefill})
+        return min((s for s in (junction, last) if start < s < prefill), default=prefill)
 
     @property
     def states(self) -> list[int]:
