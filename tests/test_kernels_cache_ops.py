@@ -22,7 +22,7 @@ def _setup(dtype: torch.dtype, cache_dtype: torch.dtype, num_tokens: int = 20, n
 
 def _expected_slot(kc: torch.Tensor, vc: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token at ``slot`` read back by plain indexing: K [h, d], V [h, d]."""
-    bs, x = kc.shape[3], kc.shape[4]
+    bs = kc.shape[3]
     b, off = divmod(slot, bs)
     return kc[b, :, :, off, :].reshape(kc.shape[1], -1), vc[b, :, :, off]
 

@@ -39,7 +39,7 @@ def test_offsets_match_strides_and_views(dtype: torch.dtype) -> None:
 def test_one_token_key_is_16_byte_chunks_block_size_apart() -> None:
     # consecutive chunks of one token's key are block_size * 16 bytes apart;
     # the x elements inside a chunk are contiguous
-    nb, h, d, bs, x = 2, 1, 64, 16, 8
+    h, d, bs, x = 1, 64, 16, 8
     kw = dict(num_kv_heads=h, head_size=d, block_size=bs, x=x)
     assert k_offset(0, 0, 1, 5, **kw) - k_offset(0, 0, 0, 5, **kw) == 1
     assert k_offset(0, 0, x, 5, **kw) - k_offset(0, 0, 0, 5, **kw) == bs * x
