@@ -225,11 +225,13 @@ class BlockManager:
         self.requests[request_id] = _Request(prompt, blocks, cached_blocks)
         return Allocation([b.block_id for b in blocks], cached_blocks * self.block_size, len(hits), external)
 
-    def grow(self, request_id: str) -> list[int]:
-        """Add the blocks a request allocated with ``num_blocks`` still lacks; returns their ids.
-        Raises :class:`OutOfBlocksError` with nothing changed."""
+    def grow(self, request_id: str, num_tokens: int | None = None) -> list[int]:
+        """Add the blocks a request allocated with ``num_blocks`` still lacks for its first
+        ``num_tokens`` tokens (all when None); returns their ids. Raises
+        :class:`OutOfBlocksError` with nothing changed."""
         req = self._request(request_id)
-        need = -(-req.num_tokens // self.block_size) - len(req.blocks)
+        n = req.num_tokens if num_tokens is None else min(num_tokens, req.num_tokens)
+        need = -(-n // self.block_size) - len(req.blocks)
         if need > self.free_queue.num_free:
             raise OutOfBlocksError(f"request {request_id!r} needs {need} new blocks, {self.free_queue.num_free} free")
         new = self._pop_many(max(0, need))

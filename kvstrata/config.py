@@ -50,15 +50,21 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "xxh3_128")
 
 @dataclass(frozen=True)
 class GPUConfig:
-    """The device block pool: ``num_blocks`` rows, or ``capacity`` bytes (one of them)."""
+    """The device block pool: ``num_blocks`` rows, or ``capacity`` bytes (one of them).
+
+    ``max_num_batched_tokens``: the engine's tokens per step (vLLM's setting of that
+    name), in which ``kvstrata bench`` computes a prompt's prefill, a chunk a step; None
+    (the default): a prefill in one step. A recording carries the engine's. With vLLM the
+    connector follows the engine's steps instead."""
 
     num_blocks: int | None = 1024
     capacity: int | None = None
     device: str = "auto"
+    max_num_batched_tokens: int | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], p: str = "gpu") -> "GPUConfig":
-        check_keys(d, ("num_blocks", "capacity", "device"), p)
+        check_keys(d, ("num_blocks", "capacity", "device", "max_num_batched_tokens"), p)
         num_blocks = integer(d.get("num_blocks"), f"{p}.num_blocks", minimum=1, optional=True)
         capacity = parse_size(d["capacity"], f"{p}.capacity") if d.get("capacity") is not None else None
         if num_blocks is not None and capacity is not None:
@@ -68,7 +74,8 @@ class GPUConfig:
         device = d.get("device", "auto")
         if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
             raise ConfigError(f"{p}.device: expected auto, cpu, cuda or cuda:N; got {short_repr(device)}")
-        return cls(num_blocks=num_blocks, capacity=capacity, device=device)
+        budget = integer(d.get("max_num_batched_tokens"), f"{p}.max_num_batched_tokens", minimum=1, optional=True)
+        return cls(num_blocks=num_blocks, capacity=capacity, device=device, max_num_batched_tokens=budget)
 
     def resolve_num_blocks(self, block_nbytes: int) -> int:
         if self.num_blocks is not None:

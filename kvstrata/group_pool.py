@@ -31,8 +31,7 @@ hands out blocks in vLLM's order:
   last computed token is skipped), and the request's hit state once it moved
   on. The engine caches a state only where a later hit can end
   (:meth:`KVGroups.state_cached`), and computes one there only because its
-  prefill chunks end there: the prefill of a model with state groups runs in
-  the chunks :meth:`KVGroups.chunk_end` gives, a step each (:meth:`advance`).
+  prefill chunks end there (:meth:`KVGroups.chunk_end`).
 
 As in vLLM, a key may name several rows (a block loaded from below while the
 device still held it under the same key, which a window's hit could not use):
@@ -42,9 +41,11 @@ Keys are per group: ``key(g, i)`` gives group ``g``'s key for position ``i``
 of a request (the driver core's :meth:`~kvstrata.core.driver.DriverCore.group_key`).
 Rows are ``1 .. num_blocks``; row 0 is the null block and never cached.
 
-Chunks that a token budget smaller than a prompt cuts (``max_num_batched_tokens``)
-are not modelled, for any model: the replay computes a prefill in the chunks
-its model needs, each whole.
+A prefill runs in the chunks vLLM's scheduler gives a request alone in its
+steps (:meth:`KVGroups.chunk_end`): ``max_num_batched_tokens`` tokens each
+(``budget``; None: the whole prompt at once), block-aligned and stopping where
+a state is cached when there are state groups; each chunk a step
+(:meth:`advance`).
 """
 
 from __future__ import annotations
@@ -80,11 +81,13 @@ class _Request:
 class GroupedBlockManager:
     """``num_blocks`` rows shared by the groups of ``groups`` (see the module docstring)."""
 
-    def __init__(self, num_blocks: int, groups: KVGroups, *, track_evictions: bool = False) -> None:
+    def __init__(self, num_blocks: int, groups: KVGroups, *, track_evictions: bool = False,
+                 budget: int | None = None) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks: expected a positive integer, got {num_blocks!r}")
         self.groups = groups
         self.block_size = groups.block_size
+        self.budget = budget  # the engine's token budget per step (max_num_batched_tokens), None: unlimited
         # per group: blocks of the window before a hit point (sliding), 0 when every block is kept
         self._window = [-(-(g.tokens - 1) // self.block_size) if g.kind == SLIDING else 0 for g in groups.groups]
         self._full = [g for g, group in enumerate(groups.groups) if group.kind == FULL]
@@ -129,8 +132,9 @@ class GroupedBlockManager:
                  ) -> Allocation:
         """The request's block tables: the pool's hit (:meth:`lookup`), then ``num_external``
         blocks from a lower tier (registered under their keys, to be loaded), then new blocks up
-        to ``num_blocks`` positions (all of the prefill when None). A group's blocks that the
-        prefix ``hit + num_external`` skips are null. ``prefill``: the tokens the prefill
+        to ``num_blocks`` positions (when None: the prefill's first chunk, computed now; the
+        rest by :meth:`advance`). A group's blocks that the prefix ``hit + num_external`` skips
+        are null. ``prefill``: the tokens the prefill
         computes (the prompt's; by default all of ``prompt``), the rest by :meth:`decode`.
         ``stored``: which of its computed blocks :meth:`commit` offers to the tiers below (the
         driver core's :meth:`~kvstrata.core.driver.DriverCore.stored`; all by default).
@@ -144,7 +148,7 @@ class GroupedBlockManager:
         last = min(max(prefill - 1, 0) // self.block_size, len(prompt.hashes))  # the prompt's last hit point
         ends = (last, junction) if junction > hit else (last,)
         junction = junction * self.block_size if junction > hit else 0
-        computed = self.groups.chunk_end(prefix * self.block_size, prefill, junction)
+        computed = self.groups.chunk_end(prefix * self.block_size, prefill, junction, self.budget)
         if num_blocks is None:  # the first chunk is computed now
             total = -(-computed // self.block_size)
         else:  # loaded first: the rest is computed by grow and advance
@@ -177,11 +181,11 @@ class GroupedBlockManager:
         return Allocation([[b.block_id for b in t] for t in tables], prefix * self.block_size, hit, external)
 
     def grow(self, request_id: str) -> list[int]:
-        """After a load: every group's blocks for the prefill's first chunk computed (the whole
-        prompt, but with state groups); returns the new rows."""
+        """After a load: every group's blocks for the prefill's first chunk computed; returns the
+        new rows."""
         req = self._request(request_id)
         return self._step(request_id, self.groups.chunk_end(req.committed * self.block_size, req.prefill,
-                                                            req.junction))
+                                                            req.junction, self.budget))
 
     def advance(self, request_id: str) -> bool:
         """The prefill's next chunk (:meth:`KVGroups.chunk_end`), as a step of its own: False
@@ -190,7 +194,7 @@ class GroupedBlockManager:
         req = self._request(request_id)
         if req.computed >= req.prefill:
             return False
-        self._step(request_id, self.groups.chunk_end(req.computed, req.prefill, req.junction))
+        self._step(request_id, self.groups.chunk_end(req.computed, req.prefill, req.junction, self.budget))
         return True
 
     def _step(self, request_id: str, end: int) -> list[int]:

@@ -50,6 +50,8 @@ def test_parse_size_rejects_non_finite_and_huge(bad):
     ("model.block_nbytes", 10**30, "expected a finite size between 0 and 1 EiB, got 1000000000000000000000000000000"),
     ("block_size", 10**30, "must be <= 2147483647, got 1000000000000000000000000000000"),
     ("gpu.num_blocks", 2**31, "must be <= 2147483647, got 2147483648"),
+    ("gpu.max_num_batched_tokens", 0, "must be >= 1, got 0"),
+    ("gpu.max_num_batched_tokens", 1e300, "expected an integer, got 1e+300"),
     ("model.layers", 1e300, "expected an integer, got 1e+300"),
     ("ssd.level", 10**30, "must be <= 22, got 1000000000000000000000000000000"),
     ("metrics.port", 70000, "must be <= 65535, got 70000"),

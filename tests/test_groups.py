@@ -61,6 +61,26 @@ def test_a_state_group_needs_the_state_at_the_hit_point_alone() -> None:
     assert kv.blocks(2, 4, ([0, 0, 0, 13], [20, 21, 22, 23])) == [(2, 1, 22), (3, 0, 13), (3, 1, 23)]
 
 
+def test_a_prefill_is_chunked_as_vllms_scheduler_steps_it() -> None:
+    """``max_num_batched_tokens`` tokens a step; with a state group, chunks end at block
+    boundaries, at the junction and at the prompt's last block boundary (where a state is
+    cached), and a block wider than the budget is crossed in sub-block steps."""
+    plain, state = KVGroups([Group(FULL)], BS), KVGroups([Group(FULL), Group(STATE)], BS)
+
+    def chunks(kv: KVGroups, start: int, prefill: int, junction: int = 0, budget: int | None = None) -> list[int]:
+        out = [start]
+        while out[-1] < prefill:
+            out.append(kv.chunk_end(out[-1], prefill, junction, budget))
+        return out[1:]
+
+    assert chunks(plain, 0, 70) == [70] and chunks(state, 0, 70) == [64, 70]  # BS = 16: the last boundary before 69
+    assert chunks(plain, 0, 70, budget=40) == [40, 70]
+    assert chunks(state, 0, 70, budget=40) == [32, 64, 70]
+    assert chunks(state, 16, 70, junction=48) == [48, 64, 70]
+    assert chunks(state, 0, 40, budget=10) == [10, 16, 26, 32, 40]  # a 16-token block, 10 tokens a step
+    assert chunks(state, 0, 64) == [48, 64] and chunks(plain, 32, 64, budget=1000) == [64]
+
+
 def test_keys_are_per_group_and_group_zero_keeps_the_chain() -> None:
     key = bytes(range(32))
     assert KVGroups.key(0, key) == key

@@ -87,9 +87,10 @@ def ssd_capacity(blocks: int, nbytes: int = NBYTES) -> int:
 
 
 def through_vllm(model: str, prompts: list[list[int]], gpu: int, extra: dict[str, Any],
-                 hybrid: list[str] | None = None) -> tuple[dict[str, int], Any]:
+                 hybrid: list[str] | None = None, budget: int | None = None) -> tuple[dict[str, int], Any]:
+    steps = {} if budget is None else {"max_num_batched_tokens": budget, "max_num_seqs": 4}
     h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=gpu, kv_connector_extra_config=extra,
-                         worker=complete_every_plan, hybrid=hybrid)
+                         worker=complete_every_plan, hybrid=hybrid, **steps)
     hits = {"gpu": 0, "cpu": 0, "ssd": 0}
     try:
         for i, toks in enumerate(prompts):
@@ -173,20 +174,24 @@ def test_replay_and_connector_agree_on_the_built_in_workloads(model: str, tmp_pa
 
 
 def agree(model: str, tmp_path: Path, case: str, settings: dict[str, Any],
-          exercised: tuple[str, ...] = ("gpu", "cpu", "ssd"), hybrid: list[str] | None = None) -> dict[str, Any]:
+          exercised: tuple[str, ...] = ("gpu", "cpu", "ssd"), hybrid: list[str] | None = None,
+          budget: int | None = None) -> dict[str, Any]:
     """The case's prompts through vLLM's scheduler and through the replay: the same hits per
     tier and the same policy counts; returns the counts. ``hybrid``: a hybrid model (full
-    attention, then a group of each kind, :func:`hybrid_kv_cache_config`)."""
+    attention, then a group of each kind, :func:`hybrid_kv_cache_config`). ``budget``: the
+    engine's ``max_num_batched_tokens`` (``gpu.max_num_batched_tokens`` for the replay), so
+    that prefills run in chunks."""
     make, gpu, cpu, ssd = {**CASES, **WORKLOADS}[case]
     prompts = make()
     nbytes = NBYTES if hybrid is None else NBYTES // 2  # a hybrid's block: one layer's page
     gpu = gpu if hybrid is None else 2 * gpu  # a hybrid's prompt takes a block of each group
     extra = {"cpu.capacity": cpu * nbytes, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": ssd_capacity(ssd, nbytes),
              **settings}
-    vllm_hits, vllm_counts = through_vllm(model, prompts, gpu, extra, hybrid)
+    vllm_hits, vllm_counts = through_vllm(model, prompts, gpu, extra, hybrid, budget)
 
     model_cfg = {"block_nbytes": nbytes, **({"groups": ",".join(["full", *hybrid])} if hybrid else {})}
-    cfg = KVStrataConfig.from_dict({"block_size": BS, "model": model_cfg, "gpu": {"num_blocks": gpu}},
+    cfg = KVStrataConfig.from_dict({"block_size": BS, "model": model_cfg,
+                                    "gpu": {"num_blocks": gpu, "max_num_batched_tokens": budget}},
                                    {**extra, "ssd.path": str(tmp_path / "unused")})
     trace = load_trace(write_trace(tmp_path / "trace.jsonl", prompts), block_size=BS)
     result = replay(trace, cfg, ReplayOptions(decode_s_per_token=0.0))
@@ -229,6 +234,19 @@ def test_replay_and_connector_agree_on_a_hybrid_model(model: str, tmp_path: Path
         else ("gpu", "cpu", "ssd")
     counts = agree(model, tmp_path, case, HYBRID_SETTINGS[settings], hybrid=HYBRIDS[hybrid], exercised=exercised)
     assert counts["stored"]["cpu"] > 0
+
+
+@pytest.mark.parametrize("hybrid", ["none", *sorted(HYBRIDS)])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_replay_and_connector_agree_when_prefills_run_in_chunks(model: str, tmp_path: Path, case: str,
+                                                                hybrid: str) -> None:
+    """vLLM's scheduler with a 40-token budget per step (2.5 blocks): every prefill runs in
+    chunks, cut mid-block for attention alone, at block boundaries and where a state is
+    cached with a state group; the replay (``gpu.max_num_batched_tokens``) takes the same
+    steps, and counts the same hits, stores, evictions and SSD bytes."""
+    exercised = ("gpu", "ssd") if case == "mooncake" and hybrid != "none" else ("gpu", "cpu", "ssd")
+    agree(model, tmp_path, case, HYBRID_SETTINGS["on_compute"], exercised=exercised,
+          hybrid=HYBRIDS.get(hybrid), budget=40)
 
 
 @pytest.mark.parametrize("hybrid", sorted(HYBRIDS))

@@ -173,6 +173,11 @@ def test_recorded_config_replays_the_deployment_and_set_changes_one_thing() -> N
     bigger = recorded_config(dep, ["cpu.capacity=4MiB"])
     assert bigger.cpu.capacity == 4 * 1024**2 and bigger.ssd.capacity == cfg.ssd.capacity
     assert recorded_config(dep, ["gpu.capacity=1MiB"]).gpu.num_blocks is None
+    assert cfg.gpu.max_num_batched_tokens is None  # a recording without the engine's tokens per step
+    stepped = recorded_deployment(KVStrataConfig(), block_size=BS, block_nbytes=4096, gpu_blocks=40,
+                                  capacity_blocks={"gpu": 40}, engine={"name": "test"}, max_num_batched_tokens=2048)
+    assert recorded_config(stepped).gpu.max_num_batched_tokens == 2048
+    assert recorded_config(stepped, ["gpu.max_num_batched_tokens=512"]).gpu.max_num_batched_tokens == 512
 
 
 def test_a_recording_of_a_hybrid_model_replays_as_its_groups() -> None:

@@ -50,12 +50,13 @@ def chats(users: int, turns: int, seed: int = 0) -> list[tuple[int, list[int]]]:
 
 def serve(model: str, tmp: Path, cpu_blocks: int, name: str, *, secret: str | None = None,
           trace_path: Path | None = None, hits: dict[str, Any] | None = None, load: dict[str, Any] | None = None,
-          hybrid: list[str] | None = None,
+          hybrid: list[str] | None = None, budget: int | None = None,
           gpu_blocks: int = 48) -> Path:
     """Run the chats through vLLM's scheduler with the recorder on (into ``trace_path``,
     default ``tmp/name``); return the recording's directory. ``hits``: filled with what
     the plugin counted. ``hybrid``: a hybrid model (full attention and a group of each kind,
-    ``tests/vllm_sched.py``; a block is then one layer's page). ``load``: filled with the plugin's
+    ``tests/vllm_sched.py``; a block is then one layer's page). ``budget``: the engine's
+    ``max_num_batched_tokens`` (prefills in chunks). ``load``: filled with the plugin's
     cost estimates."""
     system = [random.Random(1).randrange(2, 500) for _ in range(3 * BS)]
     nbytes = NBYTES if hybrid is None else NBYTES // 2
@@ -65,7 +66,8 @@ def serve(model: str, tmp: Path, cpu_blocks: int, name: str, *, secret: str | No
     if secret:
         extra["trace.secret"] = secret
     h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=gpu_blocks, kv_connector_extra_config=extra,
-                         worker=complete_every_plan, hybrid=hybrid)
+                         worker=complete_every_plan, hybrid=hybrid,
+                         **({} if budget is None else {"max_num_batched_tokens": budget, "max_num_seqs": 4}))
     convo: dict[int, list[int]] = {}
     try:
         for i, (user, words) in enumerate(chats(8, 6)):
@@ -100,15 +102,21 @@ def test_a_recording_replays_to_exactly_what_the_plugin_measured(model: str, tmp
     assert rec["difference_pp"] == {t: 0.0 for t in measured["hit_rate"]}
 
 
-@pytest.mark.parametrize("hybrid", [["sliding:48"], ["sliding:48", "state"]])
+@pytest.mark.parametrize("hybrid, budget", [(["sliding:48"], None), (["sliding:48", "state"], None),
+                                            (["sliding:48", "state"], 40)])
 def test_a_recording_of_a_hybrid_model_replays_to_exactly_what_the_plugin_measured(model: str, tmp_path: Path,
-                                                                                  hybrid: list[str]) -> None:
+                                                                                  hybrid: list[str],
+                                                                                  budget: int | None) -> None:
     """vLLM's hybrid allocator (full attention, a 3-block window, a Mamba state in vLLM's
     align mode): the recording carries the groups, and the replay of it (the windows' blocks
     freed as decode moves on, only the reachable ones cached on the device; a state's prefill
     chunks, its running state moved on as decode goes) predicts every tier's hits and the SSD
-    bytes."""
-    rec = bench("--trace", str(serve(model, tmp_path, 40, "hybrid", hybrid=hybrid, gpu_blocks=96)))
+    bytes; with a 40-token budget per step, the engine's prefill chunks too (the recording
+    carries the budget)."""
+    recording = serve(model, tmp_path, 40, "hybrid", hybrid=hybrid, budget=budget, gpu_blocks=96)
+    header = json.loads(next(recording.glob("*.jsonl")).read_text().splitlines()[0])
+    assert header["deployment"]["config"]["gpu"]["max_num_batched_tokens"] == (budget or 1 << 16)
+    rec = bench("--trace", str(recording))
     groups = ",".join(["full", *hybrid])
     assert rec["capacity"]["groups"] == rec["recording"]["engine"]["groups"] == groups
     measured, predicted = rec["recording"]["measured"], rec["recording"]["predicted"]
@@ -137,7 +145,8 @@ def test_the_recording_holds_no_tokens_and_a_secret_changes_every_hash(model: st
         assert requests and all(set(r) == {"timestamp", "duration", "input_length", "output_length",
                                             "block_hashes", "output_block_hashes"} for r in requests)
         assert all(len(h) == 32 and int(h, 16) >= 0 for r in requests for h in r["block_hashes"])
-        assert "token" not in text.replace("input_length", "").replace("output_length", "")
+        assert "token" not in text.replace("input_length", "").replace("output_length", "").replace(
+            '"max_num_batched_tokens"', "")  # the engine's tokens per step, a number
     hashes = {d: {h for line in t.splitlines()[1:] for h in json.loads(line)["block_hashes"]} for d, t in texts.items()}
     assert hashes[plain] and not hashes[plain] & hashes[keyed]
     # keyed or not, the replay sees the same reuse

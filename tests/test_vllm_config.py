@@ -53,6 +53,7 @@ VLLM_OWNED = [
     ("gpu.num_blocks", 100, "--gpu-memory-utilization"),
     ("gpu.capacity", "1GiB", "--kv-cache-memory-bytes"),
     ("gpu.device", "cuda", "vLLM sizes its own KV pool"),
+    ("gpu.max_num_batched_tokens", 8192, "--max-num-batched-tokens"),
     ("model.name", "llama", "set model.id"),
     ("model.layers", 4, "taken from the model vLLM serves"),
     ("model.kv_heads", 2, "taken from the model vLLM serves"),

@@ -40,10 +40,11 @@ _NOT_RECORDED = {"ssd": ("path",), "remote": ("url", "cluster", "secret_file", "
 
 
 def recorded_deployment(cfg: KVStrataConfig, *, block_size: int, block_nbytes: int, gpu_blocks: int,
-                        capacity_blocks: dict[str, int], engine: dict[str, Any]) -> dict[str, Any]:
+                        capacity_blocks: dict[str, int], engine: dict[str, Any],
+                        max_num_batched_tokens: int | None = None) -> dict[str, Any]:
     """The ``deployment`` of a recording's header: ``cfg`` as it ran (the engine's block
-    size, a block's bytes, the GPU blocks the engine sized), the blocks each tier held,
-    and what served it (``engine``: names and versions, for the reader)."""
+    size, a block's bytes, the GPU blocks the engine sized and its tokens per step), the
+    blocks each tier held, and what served it (``engine``: names and versions, for the reader)."""
     d = cfg.to_dict()
     for section, keys in _NOT_RECORDED.items():
         if keys is None:
@@ -53,7 +54,8 @@ def recorded_deployment(cfg: KVStrataConfig, *, block_size: int, block_nbytes: i
                 d[section].pop(key, None)
     d["block_size"] = block_size
     d["model"]["block_nbytes"] = block_nbytes
-    d["gpu"] = {"num_blocks": gpu_blocks}
+    d["gpu"] = {"num_blocks": gpu_blocks, **({"max_num_batched_tokens": max_num_batched_tokens}
+                                             if max_num_batched_tokens else {})}
     return {"config": d, "capacity_blocks": dict(capacity_blocks), "engine": engine}
 
 

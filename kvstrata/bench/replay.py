@@ -6,7 +6,9 @@ scheduler, so its hit counts are what a deployment of the same config sees:
 
 * a request whose prefix is partly held below takes two steps, as in vLLM:
   step A allocates its cached prefix and the blocks to load (the load is
-  planned, sources pinned), step B the rest of the prompt (computed);
+  planned, sources pinned), step B the rest of the prompt (computed): in the
+  chunks vLLM's scheduler would step it in (``gpu.max_num_batched_tokens``
+  tokens a step; with state groups, where states are cached), a step each;
 * every step ends the same way: blocks the pool evicted in the step are
   offered as ``evicted``, newly computed blocks as ``computed``, the page-out
   window as ``pageout``; then the step's stores complete, then its loads.
@@ -104,8 +106,10 @@ class Replayer:
         self.gpu_blocks = cfg.gpu.resolve_num_blocks(cfg.block_nbytes())
         groups = KVGroups(parse_groups(cfg.model.groups, "model.groups"), block_size, cfg.model.retention_interval)
         self.groups = None if groups.plain else groups
+        self.kv_groups = groups
+        self.budget = cfg.gpu.max_num_batched_tokens  # the engine's tokens per step: a prefill's chunks
         self.manager: Any = BlockManager(self.gpu_blocks, block_size, track_evictions=True) if self.groups is None \
-            else GroupedBlockManager(self.gpu_blocks, groups, track_evictions=True)
+            else GroupedBlockManager(self.gpu_blocks, groups, track_evictions=True, budget=self.budget)
         self.policy = TierPolicy(self.spec, clock=lambda: self.now,
                                  observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS}),
                                             self._observe])
@@ -291,11 +295,15 @@ class Replayer:
             keyed["prefill"] = prefill
             keyed["stored"] = lambda g, i: core.stored(st, g, i)
         below = core.lookup_now(st, self.executor, gpu_hits, prompt.cap)
+        # one full-attention group: a chunked prefill's chunks (with groups, the pool chunks it)
+        chunks = self._chunks(gpu_hits + below, prefill or prompt.num_tokens) if self.groups is None else []
+        upto = tuple(chunks[:1]) if chunks[1:] else ()  # the tokens the first chunk computes (none: all)
         if below:
             alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, num_external=below,
                                                         num_blocks=gpu_hits + below, **keyed))
         else:
-            alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, **keyed))
+            first = {"num_blocks": -(-upto[0] // self.block_size)} if upto else {}
+            alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, **keyed, **first))
         core.admit(st, gpu_hits, alloc.block_ids, below, prompt.num_tokens, resumed)
         self._gpu_hits(core.all_group_keys(st, 0, gpu_hits))
         loaded = 0
@@ -304,12 +312,15 @@ class Replayer:
             if loaded < below:
                 manager.invalidate(rid, gpu_hits + loaded)
             self.lifecycle[GPU].enter_many([k for i, _, k in alloc.external if i < gpu_hits + loaded], self.now)
-            self._room(lambda: manager.grow(rid))
-        computed = manager.commit(rid)
+            if loaded < below and self.groups is None:
+                chunks = self._chunks(gpu_hits + loaded, prefill or prompt.num_tokens)
+                upto = tuple(chunks[:1]) if chunks[1:] else ()
+            self._room(lambda: manager.grow(rid, *upto))
+        computed = manager.commit(rid, *upto)
         self._note_computed(computed)
         self._end_step(computed)
-        while self.groups is not None and self._room(lambda: manager.advance(rid)):  # a state model's chunks
-            computed = manager.commit(rid)
+        for end in self._later_chunks(rid, chunks):
+            computed = manager.commit(rid, *end)
             self._note_computed(computed)
             self._end_step(computed)
         if self.request_hits is not None and not resumed:
@@ -319,6 +330,29 @@ class Replayer:
             self.ttft.add([ttft])
             self.ttft_total += ttft
         return gpu_hits + loaded
+
+    def _chunks(self, start: int, prefill: int) -> list[int]:
+        """One full-attention group: the ends (tokens) of the chunks vLLM computes a prefill of
+        ``prefill`` tokens in from block ``start`` on (:meth:`KVGroups.chunk_end`,
+        ``gpu.max_num_batched_tokens`` a step); one, the whole prompt, without a budget."""
+        end, out = start * self.block_size, []
+        while end < prefill or not out:
+            end = self.kv_groups.chunk_end(end, prefill, budget=self.budget)
+            out.append(end)
+        return out
+
+    def _later_chunks(self, rid: str, chunks: list[int]) -> Iterator[tuple[int, ...]]:
+        """The prefill's chunks after the first, each taking its blocks: yields the tokens to
+        commit (none: all of them)."""
+        manager = self.manager
+        if self.groups is not None:  # the grouped pool chunks as vLLM does with these groups
+            while self._room(lambda: manager.advance(rid)):
+                yield ()
+            return
+        for n, end in enumerate(chunks[1:], 2):
+            upto = (end,) if n < len(chunks) else ()  # the last: the whole prompt (a recording's output blocks)
+            self._room(lambda: manager.grow(rid, *upto))  # noqa: B023 (called at once)
+            yield upto
 
     def _ttft(self, st: RequestState, computed_tokens: int) -> float:
         """What the figures of ``load.*`` make of a request's TTFT alone on the engine: its

@@ -42,6 +42,7 @@ __all__ = ["load_config", "vllm_fingerprint", "policy_spec", "check_index_memory
 CONFIG_FILE_KEY = "config"
 _VLLM_OWNS = (
     ("block_size", "vLLM's --block-size sets it"),
+    ("gpu.max_num_batched_tokens", "vLLM's --max-num-batched-tokens sets it"),
     ("gpu", "vLLM sizes its own KV pool (--gpu-memory-utilization or --kv-cache-memory-bytes)"),
     ("model.name", "taken from the model vLLM serves (set model.id to name its identity)"),
     ("model.layers", "taken from the model vLLM serves"),

@@ -45,6 +45,7 @@ class SchedulerRecording:
         deployment = recorded_deployment(
             cfg, block_size=block_size, block_nbytes=block_nbytes, gpu_blocks=gpu_blocks,
             capacity_blocks={GPU: gpu_blocks, **spec.capacity()},
+            max_num_batched_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),
             engine={"name": "vllm", "version": vllm.__version__, "model": fingerprint.model,
                     "tp_size": fingerprint.tp_size, "kv_layout": fingerprint.kv_layout,
                     **({"groups": fingerprint.groups, "retention_interval": retention_of(vllm_config)}

@@ -140,17 +140,25 @@ class KVGroups:
         every = self._every
         return self.retention is None or every == 1 or (i + 1) in ends or bool(every and (i + 1) % every == 0)
 
-    def chunk_end(self, start: int, prefill: int, junction: int) -> int:
-        """Where vLLM ends the prefill chunk that starts at token ``start`` (block-aligned) of a
-        prompt of ``prefill`` tokens: with state groups the state is written at a chunk's end,
-        so vLLM's ``align`` mode stops a chunk at the shared-prefix ``junction`` (tokens, 0 for
-        none) and at the prompt's last block boundary before its last token
-        (``_mamba_block_aligned_split``, under a token budget as large as the prompt). Without
-        state groups the prefill is one chunk."""
+    def chunk_end(self, start: int, prefill: int, junction: int = 0, budget: int | None = None) -> int:
+        """Where vLLM's scheduler ends the prefill chunk that starts at token ``start`` of a
+        prompt of ``prefill`` tokens, the request alone in the step: ``budget`` tokens on
+        (``max_num_batched_tokens``; None: the rest of the prompt). With state groups the
+        state is written at a chunk's end, so vLLM's ``align`` mode
+        (``_mamba_block_aligned_split``) ends a chunk that stops short of the prompt at a block
+        boundary (or, for a block wider than the budget, at the next one), and stops a chunk
+        at the shared-prefix ``junction`` (tokens, 0 for none) and at the prompt's last block
+        boundary before its last token, where a later hit can end."""
+        end = prefill if budget is None else min(prefill, start + budget)
         if not self.states:
-            return prefill
-        last = max(prefill - 1, 0) // self.block_size * self.block_size
-        return min((s for s in (junction, last) if start < s < prefill), default=prefill)
+            return end
+        bs = self.block_size
+        if end < prefill:
+            aligned = end // bs * bs
+            if aligned > start or budget is None or bs <= budget:
+                end = aligned
+        stops = ((start // bs + 1) * bs if start % bs else 0, max(prefill - 1, 0) // bs * bs, junction)
+        return min((s for s in stops if start < s < end), default=end)
 
     @property
     def states(self) -> list[int]:
