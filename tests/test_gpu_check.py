@@ -22,6 +22,7 @@ from gpu_imports import check, imported_modules  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.long  # builds and installs the wheel in a fresh venv
 def test_dry_run_installs_the_wheel_and_imports_what_the_gpu_tests_import(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = dict(os.environ, GPU_CHECK_DRY="1", OUT=str(out), GPU_CHECK_WORK=str(tmp_path / "work"),

@@ -26,6 +26,7 @@ def baseline(model: str) -> dict[str, Any]:
     return run_in_subprocess({"model": model, "steps": [{"prompts": [PROMPT]}]})["steps"][0]
 
 
+@pytest.mark.long  # three engine runs; the decision itself is tested without an engine (test_load_costs.py)
 def test_a_tier_slower_than_recompute_is_not_loaded(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
     cfg = kvstrata(tmp_path)
     run_in_subprocess({"model": model, "kvstrata": cfg, "steps": [{"prompts": [PROMPT]}]})
