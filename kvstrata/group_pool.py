@@ -184,8 +184,7 @@ class GroupedBlockManager:
         """After a load: every group's blocks for the prefill's first chunk computed; returns the
         new rows."""
         req = self._request(request_id)
-        return self._step(request_id, self.groups.chunk_end(req.committed * self.block_size, req.prefill,
-                                                            req.junction, self.budget))
+        return self._step(request_id, self._chunk_end(req, req.committed * self.block_size))
 
     def advance(self, request_id: str) -> bool:
         """The prefill's next chunk (:meth:`KVGroups.chunk_end`), as a step of its own: False
@@ -194,8 +193,12 @@ class GroupedBlockManager:
         req = self._request(request_id)
         if req.computed >= req.prefill:
             return False
-        self._step(request_id, self.groups.chunk_end(req.computed, req.prefill, req.junction, self.budget))
+        self._step(request_id, self._chunk_end(req, req.computed))
         return True
+
+    def _chunk_end(self, req: _Request, start: int) -> int:
+        """Where the request's prefill chunk from token ``start`` ends (:meth:`KVGroups.chunk_end`)."""
+        return self.groups.chunk_end(start, req.prefill, req.junction, self.budget)
 
     def _step(self, request_id: str, end: int) -> list[int]:
         """A step computing the request's tokens up to ``end``: vLLM's ``allocate_slots`` frees
