@@ -35,7 +35,8 @@ $(VLLM_API): | $(STAMP)
 # Every test: the default run (under 10 minutes on an idle 2-core machine), then the
 # slowest cases, marked `long` (the full nvcc grid, TP=2 and multiprocess engines, the
 # API server, the README's vLLM snippets, the soak, the engines of the load decision
-# and of the parity with recordings, the GPU check's dry run).
+# and of the parity with recordings, an engine reading a corrupted SSD tier, the GPU
+# check's dry run).
 test: test-default test-long
 
 test-default: $(STAMP) $(VLLM_API)

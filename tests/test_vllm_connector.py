@@ -174,6 +174,7 @@ def _corrupt(data_file: Path, n: int, seed: int = 0) -> None:
     data_file.write_bytes(bytes(raw))
 
 
+@pytest.mark.long  # two engine runs; damaged SSD records are tested without an engine (test_ssd_damage.py)
 def test_corrupted_ssd_tier_costs_only_recomputation(model: str, baseline: dict[str, Any],
                                                      tmp_path: Path) -> None:
     _, cfg = _store_then_reload(model, tmp_path)
