@@ -1,7 +1,9 @@
 """``kvstrata ssd``: the operator's commands on an SSD tier directory (stats, verify, purge).
 
 Read-only unless asked (``verify --drop``, ``purge``); the reports render what
-:mod:`kvstrata.tiers.ssd.inventory` reads.
+:mod:`kvstrata.tiers.ssd.inventory` reads. Before either changes anything, every tier
+at the path must prove to be one (:func:`~kvstrata.tiers.ssd.directory.check_environment`):
+one that does not is refused in one line and nothing anywhere is changed.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ __all__ = ["cmd_ssd", "cmd_ssd_purge", "parse_duration"]
 def cmd_ssd(args: argparse.Namespace) -> int:
     """``kvstrata ssd stats|verify PATH``: read-only; exit 1 when verify found bad records."""
     from kvstrata.errors import ConfigError
+    from kvstrata.tiers.ssd.directory import CHANGE
     from kvstrata.tiers.ssd.inventory import held_by, inventory, tier_dirs
 
     tiers = tier_dirs(args.path)
+    if args.drop:
+        _prove(tiers, CHANGE, "ssd verify --drop")
     if args.verify:
         for path in tiers:
             pid = held_by(path)
@@ -43,6 +48,14 @@ def cmd_ssd(args: argparse.Namespace) -> int:
     return 1 if any(r.get("verify", {}).get("bad") and not args.drop for r in reports) else 0
 
 
+def _prove(tiers: list[Path], purpose: str, command: str) -> None:
+    """Every tier of ``tiers`` is a kvstrata tier for ``purpose``, before any is changed."""
+    from kvstrata.tiers.ssd.directory import check_environment
+
+    for path in tiers:
+        check_environment(path, command, purpose=purpose)
+
+
 def _drop_bad(path: Path, report: dict[str, Any]) -> int:
     """Delete what ``verify`` found bad in the tier at ``path``; the records deleted."""
     from kvstrata.tiers.ssd.admin import delete_records
@@ -59,15 +72,18 @@ def _drop_bad(path: Path, report: dict[str, Any]) -> int:
 def cmd_ssd_purge(args: argparse.Namespace) -> int:
     """``kvstrata ssd purge PATH --namespace N | --all-but N... | --older-than D | --all``, in each tier at PATH."""
     from kvstrata.tiers.ssd.admin import delete_records, find_namespace
+    from kvstrata.tiers.ssd.directory import CHANGE, PURGE
     from kvstrata.tiers.ssd.inventory import inventory, tier_dirs
 
+    tiers = tier_dirs(args.path)
+    _prove(tiers, PURGE if args.all else CHANGE, "ssd purge")
     if args.all:
         from kvstrata.tiers.ssd.admin import purge_all
-        for path in tier_dirs(args.path):
+        for path in tiers:
             files = purge_all(path)
             print(f"{path}: deleted every block ({', '.join(files) or 'no files'})")
         return 0
-    for path in tier_dirs(args.path):
+    for path in tiers:
         report = inventory(path, older_than=args.older_than)
         if args.namespace is not None or args.all_but:
             keep = {find_namespace(report, name, "--all-but")["prefix"] for name in args.all_but or ()}

@@ -2,7 +2,11 @@
 
 ``purge --all`` (:func:`purge_all`) is the exception: it deletes the tier's own files
 (those of a tier written under the project's previous name too), under the directory's
-lock and that of the previous name, so that no server holds it meanwhile.
+lock and that of the previous name, so that no server holds it meanwhile; only once
+the environment's meta record proves the directory a tier
+(:func:`~kvstrata.tiers.ssd.directory.check_environment`, :data:`PURGE`): another
+program's ``data.mdb`` is refused, nothing created or deleted, whatever file names lie
+beside it.
 
 Each goes through the tier itself: :class:`~kvstrata.tiers.ssd.tier.SSDTier` is
 opened as the directory's one owner (refused, changing nothing, while a server
@@ -68,15 +72,16 @@ def delete_records(path: Path, namespace: dict[str, Any], keys: Iterable[bytes] 
 
 def purge_all(path: Path) -> list[str]:
     """Delete every block of the tier at ``path``: the files a tier keeps there (of this
-    format or the previous name's), nothing else. Refused, deleting nothing, while a
-    process holds the directory (this name's lock or the previous one's). Returns the
-    names of the files deleted."""
+    format or the previous name's), nothing else. Refused, deleting nothing, unless its
+    environment proves to be a tier's, and while a process holds the directory (this
+    name's lock or the previous one's). Returns the names of the files deleted."""
     import fcntl
     import os
 
-    from kvstrata.tiers.ssd.directory import OWN_FILES, PREVIOUS_FILES
+    from kvstrata.tiers.ssd.directory import OWN_FILES, PREVIOUS_FILES, PURGE, check_environment
     from kvstrata.tiers.ssd.owner import LOCK_FILE, Owner
 
+    check_environment(path, "purge --all", purpose=PURGE)
     owner = Owner(path)  # this name's lock (created if missing)
     fds: list[int] = []
     try:

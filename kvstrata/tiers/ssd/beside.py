@@ -2,8 +2,10 @@
 
 A damaged environment can fault the process that maps it, so the keys or tags of a
 tier another process owns are read in a child (``python -c``) that opens it read-only,
-as one more LMDB reader, and sends them back packed in one buffer
-(:func:`pack_keys`, :func:`pack_tags`).
+as one more LMDB reader (with no owner running, without a lock: not a byte changes),
+and sends them back packed in one buffer (:func:`pack_keys`, :func:`pack_tags`). What
+is not a kvstrata tier (a tier of the previous name, another program's environment) is
+refused before it is opened.
 
 Threads: pure functions (plus the child process).
 """
@@ -31,6 +33,7 @@ def read_beside(path: str | os.PathLike[str], prefix: bytes, what: str, timeout:
     where = Path(os.path.expanduser(os.fspath(path))).absolute()
     if not (where / "data.mdb").exists():
         return empty
+    _check_tier(where)
     code = f"from kvstrata.tiers.ssd.beside import _print_{what}; _print_{what}()"
     try:
         proc = subprocess.run(child_command(code, str(where), prefix.hex()),
@@ -45,6 +48,19 @@ def read_beside(path: str | os.PathLike[str], prefix: bytes, what: str, timeout:
         return unpack(proc.stdout)
     except ValueError as exc:  # anything else on the child's stdout
         raise OSError(f"cannot read the {what} of {where}: unexpected output ({exc})") from None
+
+
+def _check_tier(where: Path) -> None:
+    """The environment at ``where`` is a kvstrata tier's, told by its meta record without a
+    write (:func:`~kvstrata.tiers.ssd.directory.check_environment`); ``OSError`` with the
+    refusal's line otherwise (a tier of the previous name, another program's)."""
+    from kvstrata.errors import ConfigError
+    from kvstrata.tiers.ssd.directory import check_environment
+
+    try:
+        check_environment(where, str(where))
+    except ConfigError as exc:
+        raise OSError(str(exc)) from None
 
 
 def _keys_lru(path: Path, prefix: bytes) -> list[bytes]:

@@ -10,6 +10,14 @@ Anything else is refused with a ``ConfigError`` naming the path, and nothing
 there has changed. Only then is the directory created if missing and made
 owner-only (0700, files 0600; logged when it was looser).
 
+Whose ``data.mdb`` is, only its meta record tells (:func:`identify`, read-only):
+a file name beside it (``kvstrata.lock``, ``blocks.dat``) proves nothing, since any
+program can leave one. :func:`check_environment` is the one rule every path
+applies before it writes to a directory (the tier opening it, ``kvstrata ssd
+purge`` in every mode, ``verify --drop``) or reads it beside its owner
+(``read_keys``); what counts as proof depends only on what the caller is about
+to do (:data:`OPEN`, :data:`CHANGE`, :data:`PURGE`).
+
 Threads: functions of the thread that opens the tier; nothing shared.
 """
 
@@ -20,18 +28,18 @@ import os
 import stat
 import subprocess
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from kvstrata.errors import ConfigError
 from kvstrata.identity import PREVIOUS_NAME, RECORD_VERSION
-from kvstrata.tiers.ssd.owner import LOCK_FILE
+from kvstrata.tiers.ssd.owner import LOCK_FILE, reader_slot
 from kvstrata.tiers.ssd.pagefile import BLOCKS
 from kvstrata.tiers.ssd.private import check_private
 from kvstrata.tiers.ssd.snapshot import CLEAN
-from kvstrata.tiers.ssd.walk import NOT_KVSTRATA, PREVIOUS, REBUILT, child_command
+from kvstrata.tiers.ssd.walk import BARE, NOT_KVSTRATA, PREVIOUS, REBUILT, child_command
 
-__all__ = ["prepare_directory", "check_environment", "owner_only", "previous_tier", "DIR_MODE", "FILE_MODE",
-           "LMDB_LOCK", "OWN_FILES", "PREVIOUS_FILES"]
+__all__ = ["prepare_directory", "check_environment", "identify", "Environment", "owner_only", "previous_tier",
+           "DIR_MODE", "FILE_MODE", "LMDB_LOCK", "OWN_FILES", "PREVIOUS_FILES", "OPEN", "CHANGE", "PURGE"]
 
 log = logging.getLogger("kvstrata.tiers.ssd")
 
@@ -43,6 +51,20 @@ OWN_FILES = frozenset({"data.mdb", LMDB_LOCK, CLEAN, BLOCKS, LOCK_FILE, REBUILT}
 PREVIOUS_FILES = frozenset({f"{PREVIOUS_NAME}.lock", f"{PREVIOUS_NAME}.clean"})
 _IDENTIFY_TIMEOUT = 120.0
 
+OPEN = "open"      # open the tier (or read it): an unreadable environment beside our lock is recovery's
+CHANGE = "change"  # delete records through the tier: its format record, nothing less
+PURGE = "purge"    # delete the tier's files: its format record, or the previous name's
+
+
+class Environment(NamedTuple):
+    """What ``data.mdb`` is (:func:`identify`): ``kind`` is ``kvstrata`` (``detail``: its
+    record format), ``previous`` (the previous name's; its record format), ``bare`` (no
+    record at all; ``bare``: kvstrata's databases, empty, ``blank``: none), ``foreign``
+    or ``unreadable`` (``detail``: why)."""
+
+    kind: str
+    detail: str = ""
+
 
 def prepare_directory(path: Path, what: str = "path") -> None:
     """Refuse a directory that is not a tier's, untouched; create ``path`` if missing;
@@ -50,13 +72,13 @@ def prepare_directory(path: Path, what: str = "path") -> None:
     if path.exists():
         _check_owner(path, what)
         names = set(os.listdir(path))
-        if names & PREVIOUS_FILES:
-            raise ConfigError(previous_tier(path, what, _previous_format(path) if "data.mdb" in names else None))
         for name in sorted(names & OWN_FILES):
             _check_file(path / name, what)
         if "data.mdb" in names:
             check_environment(path, what, names)
-        elif names - OWN_FILES:
+        if names & PREVIOUS_FILES:
+            raise ConfigError(previous_tier(path, what, None))
+        if "data.mdb" not in names and names - OWN_FILES:
             raise ConfigError(f"{what}: {path} is a non-empty directory without an LMDB "
                               "environment; refusing to write into it")
     path.mkdir(mode=DIR_MODE, exist_ok=True)
@@ -66,31 +88,52 @@ def prepare_directory(path: Path, what: str = "path") -> None:
             owner_only(path / name, FILE_MODE, what)
 
 
-def check_environment(path: Path, what: str = "path", names: set[str] | None = None) -> None:
-    """``path/data.mdb`` is a kvstrata environment, told without changing anything: the tier's
-    own lock file lies beside it (every tier creates it before its environment: a damaged
-    one is recovery's business), or a read-only child process finds kvstrata's meta
-    records in it. A ConfigError naming ``what`` otherwise."""
+def check_environment(path: Path, what: str = "path", names: set[str] | None = None,
+                      purpose: str = OPEN) -> Environment:
+    """``path/data.mdb`` is a kvstrata environment for ``purpose``, as its meta record says
+    (:func:`identify`); a ConfigError naming ``what`` and the path otherwise, with nothing
+    there changed. One holding no record counts when its databases are kvstrata's or the
+    tier's lock file lies beside it (nothing is stored to lose). One that cannot be read
+    counts only to open it beside the tier's lock file (recovery then verifies it and
+    refuses another program's): never to delete anything. :data:`PURGE` accepts a tier of
+    the previous name too (``purge --all`` is its way out)."""
     names = set(os.listdir(path)) if names is None else names
-    if LOCK_FILE in names:
-        return
-    cmd = child_command("from kvstrata.tiers.ssd.walk import _identify; _identify()", str(path))
+    env = identify(path, what)
+    ours = LOCK_FILE in names
+    if env.kind == "kvstrata" or (env.kind == "bare" and (env.detail == "bare" or ours)) \
+            or (env.kind == "unreadable" and ours and purpose == OPEN) \
+            or (env.kind == "previous" and purpose == PURGE):
+        return env
+    if env.kind == "previous":
+        raise ConfigError(previous_tier(path, what, env.detail or None))
+    unchanged = "" if purpose == OPEN else "; nothing deleted"
+    if env.kind == "unreadable":
+        raise ConfigError(f"{what}: {path}/data.mdb cannot be read ({env.detail}) and nothing there says it "
+                          f"is a kvstrata tier; refusing to use it{unchanged}")
+    raise ConfigError(f"{what}: {path} holds an LMDB environment that kvstrata did not create; refusing to "
+                      f"use it{unchanged}")
+
+
+def identify(path: Path, what: str = "path") -> Environment:
+    """What ``path/data.mdb`` is, from its meta record alone, read in a child process (a
+    damaged environment can fault the process that maps it) that opens it read-only:
+    beside the tier's running owner as one more reader (a slot in the owner's
+    ``lock.mdb``), else with no lock at all, so that not a byte changes, ``lock.mdb``
+    included. A ConfigError naming ``what`` when it takes too long."""
+    cmd = child_command("from kvstrata.tiers.ssd.walk import _identify; _identify()", str(path),
+                        "1" if reader_slot(path) else "0")
     try:
         proc = subprocess.run(cmd, capture_output=True, timeout=_IDENTIFY_TIMEOUT)
     except subprocess.TimeoutExpired:
         raise ConfigError(f"{what}: reading the LMDB environment in {path} took over "
                           f"{_IDENTIFY_TIMEOUT:g} s; refusing to use it") from None
-    if proc.returncode == NOT_KVSTRATA:
-        raise ConfigError(f"{what}: {path} holds an LMDB environment that kvstrata did not "
-                          "create; refusing to use it")
-    if proc.returncode == PREVIOUS:
-        raise ConfigError(previous_tier(path, what, proc.stdout.decode(errors="replace").strip() or None))
-    if proc.returncode != 0:
-        why = proc.stderr.decode(errors="replace").strip().splitlines()
-        detail = f"signal {-proc.returncode}" if proc.returncode < 0 else (
-            why[-1] if why else f"exit {proc.returncode}")
-        raise ConfigError(f"{what}: {path}/data.mdb cannot be read ({detail}) and nothing "
-                          "there says it is a kvstrata tier; refusing to use it")
+    said = proc.stdout.decode(errors="replace").strip()
+    kinds = {0: "kvstrata", PREVIOUS: "previous", BARE: "bare", NOT_KVSTRATA: "foreign"}
+    if proc.returncode in kinds:
+        return Environment(kinds[proc.returncode], said)
+    why = proc.stderr.decode(errors="replace").strip().splitlines()
+    return Environment("unreadable", f"signal {-proc.returncode}" if proc.returncode < 0 else
+                       why[-1] if why else f"exit {proc.returncode}")
 
 
 def previous_tier(path: Path, what: str, record_format: object) -> str:
@@ -100,16 +143,6 @@ def previous_tier(path: Path, what: str, record_format: object) -> str:
     return (f"{what}: {path} is an SSD tier written by {PREVIOUS_NAME} (kvstrata's previous name; {fmt}), "
             f"which kvstrata (record format {RECORD_VERSION}) does not reuse: delete it with "
             f"`kvstrata ssd purge --all {path}`, or give another path")
-
-
-def _previous_format(path: Path) -> object:
-    """The record format a previous-name tier's meta record names (None if unreadable)."""
-    cmd = child_command("from kvstrata.tiers.ssd.walk import _identify; _identify()", str(path))
-    try:
-        proc = subprocess.run(cmd, capture_output=True, timeout=_IDENTIFY_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        return None
-    return proc.stdout.decode(errors="replace").strip() or None if proc.returncode == PREVIOUS else None
 
 
 def owner_only(path: Path, mode: int, what: str = "path") -> None:

@@ -105,13 +105,15 @@ class Index:
 
     def __init__(self, path: Path, map_size: int, *, readonly: bool = False, lock: bool | None = None) -> None:
         import lmdb
+
+        from kvstrata.tiers.ssd.owner import reader_slot
         with _lmdb_errors():
             if readonly:  # one more reader beside the owner (a slot in its lock.mdb), never a
-                # write; without lock.mdb no tier has the environment open: none is created.
-                # ``lock=False``: no slot either (no owner runs: not even lock.mdb changes)
+                # write. ``lock=None``: a slot only while an owner runs (holds kvstrata.lock):
+                # with none, LMDB would rewrite lock.mdb; without a slot not a byte changes
                 self._env: Any = lmdb.open(str(path), subdir=True, max_dbs=8, readonly=True,
                                            create=False, readahead=False, mode=0o600,
-                                           lock=(path / "lock.mdb").exists() if lock is None else lock)
+                                           lock=reader_slot(path) if lock is None else lock)
             else:
                 self._env = lmdb.open(str(path), map_size=map_size, subdir=True, max_dbs=8,
                                       sync=False, metasync=False, readahead=True,

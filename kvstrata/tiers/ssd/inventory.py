@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.errors import ConfigError
+from kvstrata.tiers.ssd.owner import held_by
 
 __all__ = ["inventory", "tier_dirs", "held_by", "MAX_LISTED"]
 
@@ -40,7 +41,9 @@ MAX_LISTED = 1_000_000  # bad keys listed per namespace (what ``verify --drop`` 
 
 def tier_dirs(path: str | os.PathLike[str]) -> list[Path]:
     """The tier directories at ``path``: itself when it holds ``data.mdb``, else its
-    ``rank-<r>`` subdirectories that do (an ``ssd.path`` under vLLM), in rank order."""
+    ``rank-<r>`` subdirectories that do (an ``ssd.path`` under vLLM), in rank order. Where
+    they are, not whose: a command proves each one a tier before it changes it
+    (:func:`~kvstrata.tiers.ssd.directory.check_environment`)."""
     root = Path(os.path.expanduser(os.fspath(path)))
     if not root.is_dir():
         raise ConfigError(f"{root}: no such directory")
@@ -51,29 +54,6 @@ def tier_dirs(path: str | os.PathLike[str]) -> list[Path]:
     if not ranks:
         raise ConfigError(f"{root}: not an SSD tier (no data.mdb) nor an ssd.path holding rank-<r> tiers")
     return ranks
-
-
-def held_by(path: Path) -> int | None:
-    """The PID of the process that owns the tier at ``path`` (holds its lock), -1 when one
-    does but it is not named, None when none does. Creates nothing."""
-    import fcntl
-
-    from kvstrata.tiers.ssd.owner import LOCK_FILE
-
-    try:
-        fd = os.open(path / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-            return int(text) if text.isdigit() else -1
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
 
 
 def inventory(path: Path, *, verify: bool = False, older_than: float | None = None,
@@ -120,7 +100,7 @@ def _survey(path: Path, verify: bool, older_than: float | None = None) -> dict[s
     from kvstrata.tiers.ssd.pagefile import BLOCKS
     from kvstrata.tiers.ssd.record import NS_LEN, PAGE, RECORD_VERSION
 
-    index = Index(path, 0, readonly=True, lock=None if held_by(path) is not None else False)
+    index = Index(path, 0, readonly=True)  # (a reader slot only beside a running owner)
     try:
         names = index.names()
         if b"meta" in names:

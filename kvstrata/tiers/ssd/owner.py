@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvstrata.errors import ConfigError
 
-__all__ = ["Owner", "LOCK_FILE"]
+__all__ = ["Owner", "LOCK_FILE", "held_by", "reader_slot"]
 
 LOCK_FILE = "kvstrata.lock"
 _HELD: set["Owner"] = set()
@@ -71,6 +71,33 @@ class Owner:
             fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)  # closing the last descriptor of the lock releases it
+
+
+def held_by(path: Path) -> int | None:
+    """The PID of the process that owns the tier at ``path`` (holds its lock), -1 when one
+    does but it is not named, None when none does. Creates nothing."""
+    try:
+        fd = os.open(path / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            return int(text) if text.isdigit() else -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def reader_slot(path: Path) -> bool:
+    """Whether a read-only open of the environment at ``path`` takes a reader slot in its
+    ``lock.mdb``: only beside the owner running (it holds the lock, and ``lock.mdb`` is
+    open). With no owner, LMDB would rewrite ``lock.mdb``; without a slot not a byte
+    changes."""
+    return held_by(path) is not None and (path / "lock.mdb").is_file()
 
 
 def _open_lock_file(path: Path) -> int:

@@ -459,7 +459,8 @@ def read_keys(path: str | os.PathLike[str], fingerprint: str | bytes, *,
     process that maps it), which sends them back in one buffer. Empty when there is no
     tier there. Never writes a file: beside an owner it takes a reader slot in the
     owner's ``lock.mdb`` (shared memory); where there is none it opens without one.
-    Raises ``OSError`` when the keys cannot be read."""
+    Raises ``OSError`` when the keys cannot be read, or what the directory holds is not a
+    kvstrata tier (one of the previous name, another program's environment), unopened."""
     return read_beside(path, namespace_of(check_fingerprint(fingerprint)), "keys", timeout)
 
 

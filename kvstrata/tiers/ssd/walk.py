@@ -44,6 +44,8 @@ __all__ = ["walk", "Cancel", "child_command", "Damaged", "Foreign", "Cancelled",
 
 NOT_KVSTRATA = 4
 PREVIOUS = 5              # written under the project's previous name: stdout holds its record format
+BARE = 6                  # an environment holding no record (stdout: ``bare`` or ``blank``)
+_DATABASES = frozenset({b"meta", b"head", b"lru", b"tag", b"body"})  # the index's named databases, ever
 OUTSIDE = 3
 REBUILT = "rebuilt.mdb"   # the walked environment, written afresh (no lock file: one writer)
 _BATCH = 20_000           # entries per write transaction of the rebuild (bounds its dirty pages)
@@ -176,27 +178,37 @@ def _main() -> None:
 
 
 def _identify() -> None:
-    """Child entry of :func:`~kvstrata.tiers.ssd.directory.check_environment`: argv ``path``;
-    exit 0 for a kvstrata environment (its meta records, or one with no records yet), 4 for
-    anything else; read-only, no lock file."""
+    """Child entry of :func:`~kvstrata.tiers.ssd.directory.identify`: argv ``path lock``
+    (``1``: take a reader slot beside the owner running; ``0``: no lock, not a byte changes).
+    Exit 0 for a kvstrata environment (its format record; stdout: the format),
+    :data:`PREVIOUS` for one of the previous name (stdout: its format), :data:`BARE` for one
+    that holds no record at all (stdout ``bare`` when its databases are kvstrata's, empty:
+    a tier that never committed its format record; ``blank`` when it has none),
+    :data:`NOT_KVSTRATA` for anything else. Read-only."""
     import lmdb
 
     from kvstrata.identity import PREVIOUS_NAME
 
-    env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=8, readahead=False)
+    env = lmdb.open(sys.argv[1], readonly=True, lock=sys.argv[2:3] == ["1"], max_dbs=8, readahead=False)
     with env.begin() as txn:
         names = set(txn.cursor().iternext(values=False))
-        if b"meta" not in names:
-            sys.exit(NOT_KVSTRATA)
-        meta = env.open_db(b"meta", txn=txn, create=False)
-        if txn.get(b"kvstrata", db=meta) is not None:
+        meta = env.open_db(b"meta", txn=txn, create=False) if b"meta" in names else None
+        record = txn.get(b"kvstrata", db=meta) if meta is not None else None
+        if record is not None:
+            sys.stdout.write(str(_format_of(record)))
             return
-        previous = txn.get(PREVIOUS_NAME.encode(), db=meta)
+        previous = txn.get(PREVIOUS_NAME.encode(), db=meta) if meta is not None else None
         if previous is not None:
             sys.stdout.write(str(_format_of(previous)))
             sys.exit(PREVIOUS)
-        if b"head" in names and txn.stat(env.open_db(b"head", txn=txn, create=False))["entries"]:
-            sys.exit(NOT_KVSTRATA)  # records, but no kvstrata format record
+        if not names:
+            sys.stdout.write("blank")
+            sys.exit(BARE)
+        if names <= _DATABASES and not any(
+                txn.stat(env.open_db(n, txn=txn, create=False))["entries"] for n in names):
+            sys.stdout.write("bare")
+            sys.exit(BARE)
+        sys.exit(NOT_KVSTRATA)  # another program's databases, or records without a format record
 
 
 def _format_of(meta: bytes) -> object:
