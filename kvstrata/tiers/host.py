@@ -165,18 +165,6 @@ def _pageable(num_slots: int, block_nbytes: int) -> "torch.Tensor":
     return torch.from_numpy(_faulted_in(np.frombuffer(mapping, dtype=np.uint8))).view(num_slots, block_nbytes)
 
 
-def _check_room(nbytes: int) -> None:
-    """Refuse a slab larger than the memory this machine has available: every byte of it is
-    resident from the start (page-locked, or faulted in), so it would be killed for memory
-    at start-up, or take the memory the engine and the page cache need."""
-    from kvstrata.machine import available_memory_bytes
-
-    room = available_memory_bytes()
-    if room is not None and nbytes > room:
-        raise ConfigError(f"cpu.capacity: the DRAM tier's slab of {nbytes / 2**30:.2f} GiB is more than the "
-                          f"{room / 2**30:.2f} GiB of memory available here: use a smaller cpu.capacity")
-
-
 def _faulted_in(array: np.ndarray) -> np.ndarray:
     array[::mmap.PAGESIZE] = 0  # one write per page: the kernel backs each one now
     return array
@@ -184,10 +172,22 @@ def _faulted_in(array: np.ndarray) -> np.ndarray:
 
 def _slab_memory(num_slots: int, block_nbytes: int, pin_memory: bool | None
                  ) -> tuple["torch.Tensor", "_HostMapping | None"]:
-    """The slab tensor and, when it is page-locked, its mapping (see :class:`HostSlab`)."""
-    import torch
+    """The slab tensor and, when it is page-locked, its mapping (see :class:`HostSlab`).
 
-    _check_room(num_slots * block_nbytes)
+    Refused (ConfigError naming ``cpu.capacity``) when it is larger than the memory available
+    less what other slabs starting on this machine have reserved: every byte of it is resident
+    from the start (page-locked, or faulted in), so it would be killed for memory at start-up,
+    or take the memory the engine and the page cache need. Its own reservation lasts until
+    its memory is resident."""
+    from kvstrata.machine import reserved_memory
+
+    with reserved_memory(num_slots * block_nbytes, "cpu.capacity", "the DRAM tier's slab"):
+        return _resident_slab(num_slots, block_nbytes, pin_memory)
+
+
+def _resident_slab(num_slots: int, block_nbytes: int, pin_memory: bool | None
+                   ) -> tuple["torch.Tensor", "_HostMapping | None"]:
+    import torch
 
     if pin_memory is False or (pin_memory is None and not torch.cuda.is_available()):
         return _pageable(num_slots, block_nbytes), None
