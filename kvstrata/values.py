@@ -17,7 +17,8 @@ from kvstrata.errors import ConfigError
 
 __all__ = ["ALWAYS", "SECOND_HIT", "TIER_ADMISSIONS", "tier_admission", "LRU", "S3FIFO", "ARC", "COST", "EVICTIONS",
            "COST_ALPHA", "check_eviction", "eviction_alpha", "eviction_name",
-           "eviction", "MAX_GHOST_KEYS", "parse_size", "plural", "format_size", "short_repr", "short_key", "clip",
+           "eviction", "MAX_GHOST_KEYS", "parse_size", "plural", "format_size", "format_number",
+           "short_repr", "short_key", "clip",
            "integer", "one_of", "duration_s", "check_keys", "path_or_none"]
 
 _UNITS = {
@@ -68,12 +69,25 @@ def plural(n: int, noun: str) -> str:
 
 
 def format_size(nbytes: float) -> str:
-    """Human-readable binary size (``1.5 GiB``)."""
+    """Human-readable binary size (``1.5 GiB``); at most a few characters for any number
+    (``1.23e+15 TiB``, ``inf TiB``)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{format_number(nbytes, '.1f')} {unit}"
         nbytes /= 1024
     raise AssertionError("unreachable")
+
+
+_MAX_PLAIN = 1e15  # from here on a number is shown in scientific notation: a column stays narrow
+
+
+def format_number(x: float, spec: str = ",.0f") -> str:
+    """``x`` formatted by ``spec`` (``3,540``), or with three significant digits in scientific
+    notation (``1.23e+300``, ``inf``) from 10^15 on and below 10^-3: at most 21 characters for
+    any float."""
+    if not math.isfinite(x) or abs(x) >= _MAX_PLAIN or 0 < abs(x) < 1e-3:
+        return f"{x:.3g}"
+    return format(x, spec)
 
 
 class _ShortRepr(reprlib.Repr):
@@ -120,6 +134,8 @@ def integer(v: Any, path: str, *, minimum: int | None = None, maximum: int = _MA
          optional: bool = False) -> int | None:
     if v is None and optional:
         return None
+    if isinstance(v, float) and v.is_integer() and abs(v) <= 2**53:
+        v = int(v)  # a whole number in e-notation (1e4), where a float holds it exactly
     if isinstance(v, bool) or not isinstance(v, int):
         raise ConfigError(f"{path}: expected an integer, got {short_repr(v)}")
     if minimum is not None and v < minimum:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -74,7 +75,8 @@ def load_yaml(text: str) -> Any:
     """``yaml.safe_load(text)``, bounded: refuses (:class:`YAMLLimitError`, with the line)
     nesting deeper than 32 levels, more than 10,000 values once every alias is expanded
     and an alias inside its own anchor while the document is composed, before any value
-    is built, and integers longer than 1,000 characters before they are converted."""
+    is built, and integers longer than 1,000 characters before they are converted. A number
+    in e-notation (``1e5``, ``1.0e5``, ``1e-4``) is a float, as in YAML 1.2."""
     import yaml
 
     return yaml.load(text, Loader=_bounded_loader())
@@ -135,4 +137,10 @@ def _bounded_loader() -> type:
             return super().construct_yaml_int(node)
 
     BoundedLoader.add_constructor("tag:yaml.org,2002:int", BoundedLoader.construct_yaml_int)
+    # YAML 1.1 reads a float only with a dot and a signed exponent (1.0e+5); a number in
+    # e-notation as YAML 1.2 and every other reader writes it (1e5, 1.0e5, 2E12, 1e-4) is one too
+    BoundedLoader.add_implicit_resolver("tag:yaml.org,2002:float", _E_NOTATION, list("-+0123456789."))
     return BoundedLoader
+
+
+_E_NOTATION = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
