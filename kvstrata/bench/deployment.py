@@ -81,21 +81,30 @@ def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = (),
         fixed = base.get("load", {})
         base["load"] = {**fixed, **{k: v for k, v in recorded_load(measured).items() if fixed.get(k) is None
                                     and fixed.get(k.replace("_latency", "_bandwidth")) is None}}
-    try:
-        KVStrataConfig.from_dict(base)  # checked as a whole first: a section that is not a mapping is named
+    keys = {o.split("=", 1)[0].strip() for o in overrides if isinstance(o, str)}
+    if "gpu.capacity" in keys and isinstance(base.get("gpu"), dict):
+        base["gpu"].pop("num_blocks", None)  # one pool size: num_blocks and capacity are exclusive
+    try:  # --set applies first: it can fix what the recording holds
+        return KVStrataConfig.from_dict(base, overrides)
     except ConfigError as exc:
+        if _names_override(str(exc), keys):
+            raise
         raise ConfigError(f"trace: the recorded deployment: {exc}") from None
-    if any(isinstance(o, str) and o.split("=", 1)[0].strip() == "gpu.capacity" for o in overrides):
-        base.get("gpu", {}).pop("num_blocks", None)  # one pool size: num_blocks and capacity are exclusive
-    return KVStrataConfig.from_dict(base, overrides)
+
+
+def _names_override(message: str, keys: set[str]) -> bool:
+    """Is a config error about a value ``--set`` gave (its key or a key under it), not the recording's?"""
+    head = message.split(":", 1)[0].strip()
+    return head.startswith("override ") or any(head == k or head.startswith(k + ".") for k in keys)
 
 
 def recorded_load(measured: dict[str, Any] | None) -> dict[str, float]:
     """The ``load.*`` figures the plugin estimated over a recording (``measured["load"]``,
     as :meth:`~kvstrata.core.costs.LoadCosts.estimates` gives them): each tier's bandwidth
     from its seconds per block and its latency per load, the compute rates from the seconds
-    per token and per token pair attended. A figure that is not a positive, finite number (absent, forged) is left
-    out, so the replay then decides as if it had not been measured."""
+    per token and per token pair attended. A figure that is not a positive, finite number
+    (absent, forged), and a bandwidth outside 1 byte to 1 EiB a second, is left out, so the
+    replay then decides as if it had not been measured."""
     load = measured.get("load") if isinstance(measured, dict) else None
     nbytes = measured.get("block_nbytes") if isinstance(measured, dict) else None
     if not isinstance(load, dict) or not _positive(nbytes):
@@ -104,8 +113,9 @@ def recorded_load(measured: dict[str, Any] | None) -> dict[str, float]:
     per_block, per_load = load.get("block_seconds"), load.get("latency_seconds")
     for tier in ("cpu", "ssd", "remote"):
         seconds = per_block.get(tier) if isinstance(per_block, dict) else None
-        if _positive(seconds) and _positive(nbytes / seconds) and nbytes / seconds < 2**60:
-            out[f"{tier}_bandwidth"] = int(nbytes / seconds)
+        bandwidth = nbytes / seconds if _positive(seconds) else 0.0
+        if 1 <= bandwidth < 2**60:  # a whole number of bytes per second: never rounded down to 0
+            out[f"{tier}_bandwidth"] = round(bandwidth)
             latency = per_load.get(tier) if isinstance(per_load, dict) else None
             if _positive(latency) and latency <= 60:
                 out[f"{tier}_latency"] = float(latency)

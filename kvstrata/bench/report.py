@@ -25,6 +25,7 @@ from kvstrata.bench import diagnose
 from kvstrata.policy.events import LOWER_TIERS, REMOTE, TIERS
 from kvstrata.bench.stats import EXACT_VALUES, RELATIVE_ERROR, summarize
 from kvstrata.config import format_size, plural
+from kvstrata.values import format_number
 from kvstrata.policy.tiers import CPU, GPU, KNOWN, SSD
 
 if TYPE_CHECKING:
@@ -254,7 +255,7 @@ def format_seconds(x: float | None) -> str:
     """``0.25``, ``42.1``, ``3,540`` (three significant digits below 100); ``-`` for none."""
     if x is None:
         return "-"
-    return f"{x:.3g}" if x < 100 else f"{x:,.0f}"
+    return f"{x:.3g}" if x < 100 else format_number(x)
 
 
 def _tier_rows(r: dict[str, Any]) -> list[list[str]]:
@@ -313,7 +314,7 @@ def _load_row(r: "ReplayResult") -> dict[str, Any]:
 
 
 def _load_text_row(policy: str, c: dict[str, Any]) -> list[str]:
-    ms = lambda s: "-" if s is None else f"{s * 1e3:,.1f} ms"  # noqa: E731
+    ms = lambda s: "-" if s is None else f"{format_number(s * 1e3, ',.1f')} ms"  # noqa: E731
     decided = ", ".join(f"{t} {d['loaded']:,} ({d['recomputed']:,})" for t, d in c["decisions"].items()
                         if d["loaded"] or d["recomputed"])
     return [policy, ms(c["mean_ttft_s"]), ms(c["ttft_s"]["p50"]), ms(c["ttft_s"]["p99"]), decided or "-"]
@@ -322,10 +323,10 @@ def _load_text_row(policy: str, c: dict[str, Any]) -> list[str]:
 def _load_figures(c: dict[str, Any]) -> str:
     """The figures a load comparison estimated from (``load.*``, or a recording's measurements)."""
     lat = c.get("latency_seconds", {})
-    tiers = ", ".join(f"{_label(t)} {format_size(int(c['block_nbytes'] / s))}/s"
+    tiers = ", ".join(f"{_label(t)} {format_size(c['block_nbytes'] / s)}/s"
                       + (f" + {lat[t] * 1e3:,.2f} ms a load" if lat.get(t) else "")
                       for t, s in c["block_seconds"].items() if s > 0)
-    return f"Figures: {tiers}; compute {1 / c['token_seconds']:,.0f} tokens/s"
+    return f"Figures: {tiers}; compute {format_number(1 / c['token_seconds'])} tokens/s"
 
 
 def _comparison_row(mode: str, c: dict[str, Any]) -> list[str]:
@@ -364,7 +365,7 @@ def _recording_lines(rec: dict[str, Any], bs: int) -> list[str]:
     ratio = rec.get("ssd_bytes_ratio")
     out.append(f"  SSD bytes written: {format_size(m['ssd_bytes_written'])} measured, "
                f"{format_size(rec['predicted']['ssd_bytes_written'])} predicted"
-               + (f" ({ratio:.3f}x)" if ratio is not None else ""))
+               + (f" ({format_number(ratio, '.3f')}x)" if ratio is not None else ""))
     if m["preempted_hit_tokens"] or rec["predicted"]["preempted_hit_tokens"]:
         out.append(f"  Requests resumed after a preemption (not in the hit rates): "
                    f"{m['preempted_hit_tokens']:,} tokens served from cache measured, "
@@ -401,7 +402,8 @@ def render_text(r: dict[str, Any]) -> str:
     """The terminal report."""
     tr = r["trace"]
     out = [f"kvstrata bench: {tr['name']} ({tr['format']}, {r['block_tokens']}-token blocks)",
-           f"  {r['requests']:,} requests over {tr['duration_s']:,.0f} s, {r['block_accesses']:,} block accesses, "
+           f"  {r['requests']:,} requests over {format_number(tr['duration_s'])} s, "
+           f"{r['block_accesses']:,} block accesses, "
            f"{r['distinct_blocks']:,} distinct blocks"
            + (f", {plural(tr['skipped_lines'], 'bad line')} skipped" if tr["skipped_lines"] else ""),
            f"  hit rate = {HIT_RATE_DEFINITION}", ""]
