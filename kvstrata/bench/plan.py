@@ -36,12 +36,26 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.errors import ConfigError
+from kvstrata.values import clip, short_repr
 
-__all__ = ["DTYPE_BYTES", "ModelShape", "Plan", "shape_from_hf_config", "kv_pool_bytes", "make_plan", "render_plan"]
+__all__ = ["DTYPE_BYTES", "ModelShape", "Plan", "shape_from_args", "shape_from_hf_config", "kv_pool_bytes",
+           "make_plan", "render_plan", "MAX_LAYERS", "MAX_HEADS", "MAX_DIM", "MAX_TOKENS", "MAX_BLOCK_SIZE",
+           "MAX_GIB", "MAX_STATE_BYTES"]
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 _HF_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16", "float": "fp32"}
 GIB = 1024**3
+
+# Bounds on every input, far beyond any real model or machine, so that an absurd value (a
+# typo, a forged config) is refused by name instead of planned or overflowing a float.
+MAX_LAYERS = 10_000          # the deepest served models have ~126 layers
+MAX_HEADS = 10_000           # attention, KV, linear-attention and Mamba heads and groups: real ones <= 128
+MAX_DIM = 1 << 20            # hidden sizes, head dims, state dims, kernels: real ones <= 32,768
+MAX_TOKENS = 1 << 30         # --max-model-len, --max-num-batched-tokens, a sliding window: contexts <= 10M tokens
+MAX_BLOCK_SIZE = 1 << 16     # --block-size: vLLM's blocks are 16 to a few thousand tokens
+MAX_GIB = float(1 << 20)     # --kv-pool-gib, --gpu-mem-gib, --weights-gib: 1 PiB
+MAX_STATE_BYTES = GIB        # one layer's state: Qwen3-Next's and Granite 4's are ~1 MiB
+_MAX_CONFIG_BYTES = 16 << 20  # a model config.json: real ones are a few KiB
 
 
 @dataclass(frozen=True)
@@ -109,28 +123,58 @@ class Plan:
         return asdict(self)
 
 
-def _positive(v: Any, what: str) -> int:
+def _positive(v: Any, what: str, maximum: int = MAX_DIM) -> int:
+    """``v``: an integer from 1 to ``maximum``, else a ConfigError naming ``what`` and the bound."""
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError(f"{what}: expected a positive integer, got {v!r}")
+        raise ConfigError(f"{what}: expected a positive integer, got {short_repr(v)}")
+    if v > maximum:
+        raise ConfigError(f"{what}: expected at most {maximum:,}, got {short_repr(v)}")
     return v
 
 
-def shape_from_hf_config(path: str | Path) -> ModelShape:
-    """Read layers, KV heads, head dim and dtype from a Hugging Face ``config.json``."""
-    p = Path(path)
+def shape_from_args(layers: int, kv_heads: int, head_dim: int, dtype: str = "fp16") -> ModelShape:
+    """The shape ``--layers``, ``--kv-heads`` and ``--head-dim`` give, each within its bound."""
+    return ModelShape(_positive(layers, "--layers", MAX_LAYERS), _positive(kv_heads, "--kv-heads", MAX_HEADS),
+                      _positive(head_dim, "--head-dim"), dtype, "model")
+
+
+def _read_config(p: Path) -> Any:
+    """The JSON value in model config ``p``: a regular file of at most 16 MiB, nested within
+    what Python's parser follows."""
+    from kvstrata.files import NotRegular, open_regular
+
     try:
-        cfg = json.loads(p.read_text(encoding="utf-8"))
+        fd, _ = open_regular(p)  # a FIFO or a device is refused, never waited on
+        with open(fd, "rb") as fh:
+            data = fh.read(_MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"{p}: model config not found") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{p}: cannot read a JSON model config ({e})") from None
+    except NotRegular:
+        raise ConfigError(f"{p}: not a regular file; a model config is a JSON file") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the model config: {e.strerror or e}") from None
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise ConfigError(f"{p}: larger than {_MAX_CONFIG_BYTES >> 20} MiB; not a model config")
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ConfigError(f"{p}: JSON nested too deeply; not a model config") from None
+    except ValueError as e:  # also text that is not UTF-8
+        raise ConfigError(f"{p}: cannot read a JSON model config ({clip(str(e))})") from None
+
+
+def shape_from_hf_config(path: str | Path) -> ModelShape:
+    """Read layers, KV heads, head dim and dtype from a Hugging Face ``config.json``; every
+    field within its bound (:data:`MAX_LAYERS`, :data:`MAX_HEADS`, :data:`MAX_DIM`)."""
+    p = Path(path)
+    cfg = _read_config(p)
     if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg, **cfg["text_config"]}
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p}: expected a JSON object")
-    layers = _positive(cfg.get("num_hidden_layers"), f"{p}: num_hidden_layers")
-    heads = _positive(cfg.get("num_attention_heads"), f"{p}: num_attention_heads")
-    kv_heads = _positive(cfg.get("num_key_value_heads") or heads, f"{p}: num_key_value_heads")
+    layers = _positive(cfg.get("num_hidden_layers"), f"{p}: num_hidden_layers", MAX_LAYERS)
+    heads = _positive(cfg.get("num_attention_heads"), f"{p}: num_attention_heads", MAX_HEADS)
+    kv_heads = _positive(cfg.get("num_key_value_heads") or heads, f"{p}: num_key_value_heads", MAX_HEADS)
     head_dim = cfg.get("head_dim") or _positive(cfg.get("hidden_size"), f"{p}: hidden_size") // heads
     head_dim = _positive(head_dim, f"{p}: head_dim")
     dtype = _HF_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16"), "fp16")
@@ -179,7 +223,8 @@ def _state_bytes(cfg: dict[str, Any], kind: str, dtype: str, p: Path) -> int:
     channels (``kernel - 1`` positions) in the model's dtype, and the recurrent state in
     ``mamba_ssm_dtype`` (``mamba_ssm_cache_dtype``) when the config names one, else the
     model's (vLLM's defaults for these layers, one GPU)."""
-    v = {k: _positive(cfg.get(k), f"{p}: {k}") for k in _STATE_SHAPES[kind]}
+    v = {k: _positive(cfg.get(k), f"{p}: {k}", MAX_HEADS if "heads" in k or "groups" in k else MAX_DIM)
+         for k in _STATE_SHAPES[kind]}
     if kind == "linear_attention":  # Gated DeltaNet: MambaStateShapeCalculator.gated_delta_net_state_shape
         conv = (v["linear_key_head_dim"] * v["linear_num_key_heads"] * 2
                 + v["linear_value_head_dim"] * v["linear_num_value_heads"]) * (v["linear_conv_kernel_dim"] - 1)
@@ -192,7 +237,11 @@ def _state_bytes(cfg: dict[str, Any], kind: str, dtype: str, p: Path) -> int:
     if named is not None and str(named) not in _HF_DTYPES:
         raise ConfigError(f"{p}: mamba_ssm_dtype: {named!r:.40}: expected one of {', '.join(_HF_DTYPES)}")
     ssm_dtype = _HF_DTYPES[str(named)] if named is not None else dtype
-    return conv * DTYPE_BYTES[dtype] + ssm * DTYPE_BYTES[ssm_dtype]
+    nbytes = conv * DTYPE_BYTES[dtype] + ssm * DTYPE_BYTES[ssm_dtype]
+    if nbytes > MAX_STATE_BYTES:
+        raise ConfigError(f"{p}: {', '.join(_STATE_SHAPES[kind])}: a layer's state of {nbytes:,} bytes; expected at "
+                          f"most {MAX_STATE_BYTES:,} (1 GiB)")
+    return nbytes
 
 
 def _sliding_layers(cfg: dict[str, Any], layers: int, p: Path) -> tuple[int, int]:
@@ -211,18 +260,20 @@ def _sliding_layers(cfg: dict[str, Any], layers: int, p: Path) -> tuple[int, int
     window = cfg.get("sliding_window")
     if not sliding or not isinstance(window, int) or isinstance(window, bool) or window < 1:
         return 0, 0
-    return sliding, window
+    return sliding, _positive(window, f"{p}: sliding_window", MAX_TOKENS)
 
 
 def kv_pool_bytes(*, kv_pool_gib: float | None = None, gpu_mem_gib: float | None = None,
                   weights_gib: float | None = None, util: float = 0.9) -> int:
-    """The KV pool: given directly, or ``gpu_mem x util - weights`` (activations and overheads ignored)."""
+    """The KV pool: given directly, or ``gpu_mem x util - weights`` (activations and overheads
+    ignored); each size finite and at most :data:`MAX_GIB`."""
     if kv_pool_gib is not None:
-        if kv_pool_gib <= 0:
-            raise ConfigError(f"--kv-pool-gib: must be positive, got {kv_pool_gib}")
-        return int(kv_pool_gib * GIB)
+        return int(_gib(kv_pool_gib, "--kv-pool-gib") * GIB)
     if gpu_mem_gib is None or weights_gib is None:
         raise ConfigError("--kv-pool-gib: give it, or --gpu-mem-gib and --weights-gib")
+    _gib(gpu_mem_gib, "--gpu-mem-gib")
+    if weights_gib != 0:  # none at all is allowed
+        _gib(weights_gib, "--weights-gib")
     if not 0 < util <= 1:
         raise ConfigError(f"--util: expected a fraction in (0, 1], got {util}")
     pool = gpu_mem_gib * util - weights_gib
@@ -231,12 +282,21 @@ def kv_pool_bytes(*, kv_pool_gib: float | None = None, gpu_mem_gib: float | None
     return int(pool * GIB)
 
 
+def _gib(value: float, what: str) -> float:
+    """``value`` GiB: a finite number above 0 and at most :data:`MAX_GIB`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_GIB:
+        raise ConfigError(f"{what}: expected a number of GiB above 0 and at most {MAX_GIB:,.0f} (1 PiB), "
+                          f"got {short_repr(value)}")
+    return float(value)
+
+
 def make_plan(shape: ModelShape, pool_bytes: int, max_model_len: int, block_size: int = 16,
               max_num_batched_tokens: int = 8192) -> Plan:
     """Pool tokens and worst-case concurrency for ``shape``, and the same with an FP8 KV cache
     (``max_num_batched_tokens``: the tokens a sliding window's group holds beyond its window)."""
-    _positive(max_model_len, "--max-model-len")
-    _positive(block_size, "--block-size")
+    _positive(max_model_len, "--max-model-len", MAX_TOKENS)
+    _positive(block_size, "--block-size", MAX_BLOCK_SIZE)
+    _positive(max_num_batched_tokens, "--max-num-batched-tokens", MAX_TOKENS)
 
     def tokens(bpt: int) -> tuple[int, int]:
         blocks = pool_bytes // (bpt * block_size)
@@ -244,8 +304,7 @@ def make_plan(shape: ModelShape, pool_bytes: int, max_model_len: int, block_size
 
     bpt, fp8 = shape.bytes_per_token(), shape.bytes_per_token("fp8")
     if shape.sliding_layers or shape.state_layers:
-        return _hybrid_plan(shape, pool_bytes, max_model_len, block_size, _positive(max_num_batched_tokens,
-                                                                                     "--max-num-batched-tokens"))
+        return _hybrid_plan(shape, pool_bytes, max_model_len, block_size, max_num_batched_tokens)
     blocks, toks = tokens(bpt)
     _, fp8_toks = tokens(fp8)
     return Plan(shape.name, shape.dtype, shape.layers, shape.kv_heads, shape.head_dim, block_size, max_model_len,
