@@ -126,18 +126,20 @@ def _load_trace(args: argparse.Namespace, config: Any, progress: Progress) -> An
     from kvstrata.trace.reader import TraceReader
 
     return TraceReader(args.trace, args.format, block_size=args.block_size, default_block_size=config.block_size,
-                       skip_bad_lines=args.skip_bad_lines, max_distinct_blocks=_max_distinct(args),
+                       skip_bad_lines=args.skip_bad_lines,
+                       max_distinct_blocks=_max_distinct(args, config.model.num_groups),
                        progress=progress.reading("reading", _file_size(args.trace)))
 
 
-def _max_distinct(args: argparse.Namespace) -> "DistinctLimit":
+def _max_distinct(args: argparse.Namespace, groups: int = 1) -> "DistinctLimit":
     """``--max-distinct-blocks``: the given number, none (0), or (by default) what the memory
-    available now holds of the trace's format, decided once the format is known."""
+    available now holds of the trace's format with ``groups`` KV-cache groups, decided once
+    the format is known."""
     from kvstrata.bench.budget import default_max_distinct_blocks
 
     n = args.max_distinct_blocks
     if n is None:
-        return default_max_distinct_blocks
+        return lambda fmt, block_size: default_max_distinct_blocks(fmt, block_size, groups)
     return n or None
 
 
@@ -233,7 +235,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------- plan
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from kvstrata.bench.plan import ModelShape, kv_pool_bytes, make_plan, render_plan, shape_from_hf_config
+    from kvstrata.bench.plan import kv_pool_bytes, make_plan, render_plan, shape_from_args, shape_from_hf_config
     from kvstrata.errors import ConfigError
 
     if args.model_config:
@@ -244,7 +246,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         missing = [f for f in ("layers", "kv_heads", "head_dim") if getattr(args, f) is None]
         if missing:
             raise ConfigError(f"--{missing[0].replace('_', '-')}: required without --model-config")
-        shape = ModelShape(args.layers, args.kv_heads, args.head_dim, args.dtype or "fp16", "model")
+        shape = shape_from_args(args.layers, args.kv_heads, args.head_dim, args.dtype or "fp16")
     pool = kv_pool_bytes(kv_pool_gib=args.kv_pool_gib, gpu_mem_gib=args.gpu_mem_gib,
                          weights_gib=args.weights_gib, util=args.util)
     plan = make_plan(shape, pool, args.max_model_len, args.block_size, args.max_num_batched_tokens)

@@ -75,11 +75,15 @@ class ModelConfig:
             retention_interval=_retention(d, f"{p}.retention_interval"),
         )
 
+    @property
+    def num_groups(self) -> int:
+        """The KV-cache groups (1 for one full-attention group)."""
+        return len(self.groups.split(",")) if self.groups else 1
+
     def bytes_per_token(self) -> int:
         """Of one block row: with ``groups``, vLLM's hybrid allocator gives each group the same
         number of layers (padding the last), and a row holds one group's layers."""
-        n_groups = len(self.groups.split(",")) if self.groups else 1
-        layers = -(-self.layers // n_groups)
+        layers = -(-self.layers // self.num_groups)
         return 2 * layers * self.kv_heads * self.head_size * KV_DTYPE_BYTES[self.kv_dtype]
 
 

@@ -134,18 +134,20 @@ _BYTES_PER_ACCESS = 16  # each worker's view of the request list (block ids as w
 def _check_memory(config: "KVStrataConfig", block_size: int, rows: int, distinct: int, limit: int | None,
                   shared: int = 0) -> None:
     """Refuse a comparison whose replays together would not fit ``limit`` (None: half the machine's)."""
-    from kvstrata.bench.budget import deployment_bytes
+    from kvstrata.bench.budget import GROUP_BYTES_PER_BLOCK, deployment_bytes
     from kvstrata.bench.capacity import tier_capacities
     from kvstrata.errors import ConfigError
     from kvstrata.machine import default_max_memory
 
     limit = limit if limit is not None else default_max_memory()
-    per_row = distinct * ROW_BYTES_PER_DISTINCT_BLOCK + sum(
-        deployment_bytes(tier_capacities(config_for_trace(config, block_size))).values())
+    groups = config.model.num_groups  # each group of a block is a block of its own in every row's replay
+    per_row = distinct * (ROW_BYTES_PER_DISTINCT_BLOCK + (groups - 1) * GROUP_BYTES_PER_BLOCK) + sum(
+        deployment_bytes(tier_capacities(config_for_trace(config, block_size)), groups=groups).values())
     need = rows * per_row + shared
     if limit is not None and need > limit:
-        raise ConfigError(f"--compare: replaying its {rows} rows of this trace ({distinct:,} distinct blocks) needs "
-                          f"~{format_size(need)} of memory, more than --max-memory {format_size(limit)}; "
+        of = f", {groups} KV-cache groups" if groups > 1 else ""
+        raise ConfigError(f"--compare: replaying its {rows} rows of this trace ({distinct:,} distinct blocks{of}) "
+                          f"needs ~{format_size(need)} of memory, more than --max-memory {format_size(limit)}; "
                           f"raise --max-memory or compare a part of the trace")
 
 

@@ -454,7 +454,8 @@ def replaying(config: KVStrataConfig, block_size: int, options: ReplayOptions = 
     if remote is not None and options.payload:
         raise ReplayError("--payload: a replay with a shared remote tier moves no bytes")
     try:
-        check_memory(caps, options.payload_block_bytes if options.payload else None, options.max_memory)
+        check_memory(caps, options.payload_block_bytes if options.payload else None, options.max_memory,
+                     cfg.model.num_groups)
     except ConfigError as exc:
         raise ReplayError(str(exc)) from None
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-") as tmp:

@@ -43,13 +43,19 @@ import hashlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["FULL", "SLIDING", "CHUNKED", "STATE", "KINDS", "Group", "KVGroups", "parse_groups"]
+__all__ = ["FULL", "SLIDING", "CHUNKED", "STATE", "KINDS", "MAX_GROUPS", "Group", "KVGroups", "parse_groups"]
 
 FULL = "full"
 SLIDING = "sliding"
 CHUNKED = "chunked"
 STATE = "state"
 KINDS = (FULL, SLIDING, CHUNKED, STATE)
+
+#: the most KV-cache groups a deployment may declare. Real models have a handful (Gemma 3: 7,
+#: Qwen3-Next: 4, Nemotron-H: 7); vLLM's hybrid allocator gives at most one group per layer
+#: (a lone layer of one kind makes every group one layer), and the deepest served models have
+#: ~126 layers. Every group multiplies what a block costs a replay's memory.
+MAX_GROUPS = 128
 
 
 @dataclass(frozen=True)
@@ -233,9 +239,14 @@ class KVGroups:
 def parse_groups(value: object, path: str) -> tuple[Group, ...]:
     """Groups as a config gives them: ``"full,sliding:1024"`` or ``["full", "sliding:1024"]``
     (kinds, in the engine's order, a window or chunk in tokens after a colon); ``""`` or
-    none: one full-attention group. Raises ``ValueError`` naming ``path``."""
+    none: one full-attention group; at most :data:`MAX_GROUPS`. Raises ``ValueError`` naming ``path``."""
     if value is None or value == "" or value == []:
         return (Group(FULL),)
+    if isinstance(value, (str, list, tuple)):
+        count = value.count(",") + 1 if isinstance(value, str) else len(value)
+        if count > MAX_GROUPS:
+            raise ValueError(f"{path}: {count:,} KV-cache groups, more than {MAX_GROUPS} (at most one a layer; real "
+                             "models have a few)")
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) for x in items):
         raise ValueError(f"{path}: expected a list of group kinds or a comma-separated string, got {value!r:.100}")
