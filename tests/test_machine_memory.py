@@ -284,6 +284,21 @@ def test_a_reservation_of_a_reused_pid_or_an_unreadable_line_counts_for_nothing(
         HostSlab(40, MiB, pin_memory=False)
 
 
+def test_a_slab_that_fails_to_be_made_leaves_no_reservation(tree, tmp_path, monkeypatch):
+    import kvstrata.tiers.host as host
+
+    in_groups(tmp_path)
+
+    def fails(array):
+        assert machine.RUNTIME_DIR.joinpath("slab-reservations").read_text().startswith(f"{os.getpid()}:")
+        raise MemoryError("faulting in")
+
+    monkeypatch.setattr(host, "_faulted_in", fails)
+    with pytest.raises(MemoryError):
+        host.HostSlab(4, MiB, pin_memory=False)
+    assert machine.RUNTIME_DIR.joinpath("slab-reservations").read_text() == ""
+
+
 def test_a_ledger_directory_others_can_write_is_not_used(tree, tmp_path, caplog):
     """Whoever can write the ledger's directory could plant reservations (or links): the check
     then runs without the ledger, with one warning."""
