@@ -227,6 +227,13 @@ class KVLayout:
             view.index_copy_(0, block_ids, rows[:, off:off + view.shape[1]])
 
 
+    def zero(self, block_ids: "torch.Tensor") -> None:
+        """Zero engine blocks ``block_ids`` in every layer (on the current stream, as vLLM's
+        own zeroing of newly allocated blocks runs)."""
+        for view in self._views:
+            view.index_fill_(0, block_ids, 0)
+
+
 class LayoutRows:
     """vLLM's KV tensors as whole kvstrata blocks: :class:`~kvstrata.executor.DeviceRows`
     (synchronous, for the shutdown store) and :class:`~kvstrata.copier.CopyRows` (work the
@@ -300,6 +307,11 @@ class LayoutRows:
         rows = np.empty((n, self.block_nbytes), dtype=np.uint8)
         copy_rows(src, src_rows, rows, range(n))
         self.layout.scatter(self._index(block_ids), torch.from_numpy(rows).to(self.layout.device))
+
+    def zero(self, block_ids: Sequence[int]) -> None:
+        """Zero these engine blocks in every layer, on the current (compute) stream."""
+        if block_ids:
+            self.layout.zero(self._index(block_ids))
 
     def staging(self, n: int) -> np.ndarray:
         return host_rows(n, self.block_nbytes, pinned=self.cuda)

