@@ -400,9 +400,6 @@ class KVStrataMetadata(KVConnectorMetadata):
     ``reset``: delete every record of the worker's SSD tier first (the weights changed:
     records the policy no longer knew of are stale too, and a put of a key still on
     disk only refreshes it).
-    ``remote_generation``: the generation of the remote tier's namespace the workers fetch
-    from and write to from this step on (None: unknown, they do neither; see
-    :mod:`kvstrata.tiers.remote.generation`).
     ``tags``: key -> what to keep beside the SSD record of a block these plans (or a later
     step's spill) write there (with KV-cache events on: see :mod:`kvstrata.connectors.vllm_events`).
     ``reused``: device blocks vLLM handed out again in this step (the workers' forward
@@ -418,7 +415,6 @@ class KVStrataMetadata(KVConnectorMetadata):
     stores: list[StorePlan] = field(default_factory=list)
     ssd_evictions: list[bytes] = field(default_factory=list)
     reset: bool = False
-    remote_generation: bytes | None = None
     reused: list[int] | None = None
     zero: list[int] = field(default_factory=list)
     resident: ResidentDelta = field(default_factory=ResidentDelta)
@@ -434,17 +430,13 @@ class KVStrataWorkerMetadata(KVConnectorWorkerMetadata):
     ``fetched``: fetch plan id -> how many blocks arrived, one entry per worker.
     ``loads_done``: request id -> (block positions its finished load delivered, blocks it
     moved per tier, the seconds the copies took); over workers, the fewest positions and the
-    slowest copies (they read their shards side by side). ``stalled``: requests whose loads
-    were given up at their deadlines with reads still out (no sample of the tier's speed:
-    the tier is stalled); ``returned``: requests whose given-up reads have since returned."""
+    slowest copies (they read their shards side by side)."""
 
     stored: Counter = field(default_factory=Counter)
     lost: set[tuple[str, bytes]] = field(default_factory=set)
     load_lost: dict[str, set[tuple[str, bytes]]] = field(default_factory=dict)
     fetched: dict[int, list[int]] = field(default_factory=dict)
     loads_done: dict[str, tuple[int, dict[str, int], float]] = field(default_factory=dict)
-    stalled: set[str] = field(default_factory=set)
-    returned: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVStrataWorkerMetadata), type(other)
@@ -458,5 +450,4 @@ class KVStrataWorkerMetadata(KVConnectorWorkerMetadata):
         for r, (n, read, seconds) in other.loads_done.items():
             m, r_read, r_seconds = done.get(r, (n, read, seconds))
             done[r] = (min(n, m), read if seconds >= r_seconds else r_read, max(seconds, r_seconds))
-        return KVStrataWorkerMetadata(self.stored + other.stored, self.lost | other.lost, load_lost, fetched, done,
-                                      self.stalled | other.stalled, self.returned | other.returned)
+        return KVStrataWorkerMetadata(self.stored + other.stored, self.lost | other.lost, load_lost, fetched, done)

@@ -154,7 +154,6 @@ class KVStrataWorker:
         self._kv_caches: dict[str, torch.Tensor] | None = None
         self.fingerprint: Fingerprint | None = None
         self._reset_tiers = False  # set when re-registered tensors are of another kind
-        self._generation: bytes | None = None  # the remote tier's generation, as last told by the scheduler
 
     # ------------------------------------------------------------------ setup
 
@@ -193,8 +192,7 @@ class KVStrataWorker:
             if self.spec.remote:
                 from kvstrata.tiers.remote import RemoteTier
 
-                remote = RemoteTier.from_config(self.cfg.remote, [rank.tier_id(self.fingerprint)], self.block_nbytes,
-                                                own_generation=False)  # its scheduler half's: meta.remote_generation
+                remote = RemoteTier.from_config(self.cfg.remote, [rank.tier_id(self.fingerprint)], self.block_nbytes)
             self.executor = Executor(rows, slab, ssd, remote)
         self.executor.device = rows
         self.copier = Copier(self.executor, rows, streams_for(layout.device),
@@ -272,9 +270,6 @@ class KVStrataWorker:
             self.executor.add_tags(meta.tags)
         if meta.reset:
             copier.discard_all()
-        if meta.remote_generation != self._generation:  # after the puts queued before, ahead of this step's fetches
-            self._generation = meta.remote_generation
-            copier.use_remote_generation(meta.remote_generation)
         if meta.ssd_evictions:
             copier.evict([], meta.ssd_evictions)
         for plan in meta.loads:  # plans prepared before the stores: their evictions go first
@@ -322,7 +317,7 @@ class KVStrataWorker:
             self._lose(self.executor.take_lost())
         report, self._report = self._report, KVStrataWorkerMetadata()
         return report if (report.stored or report.lost or report.load_lost or report.fetched
-                          or report.loads_done or report.returned) else None
+                          or report.loads_done) else None
 
     def _fetching(self) -> bool:
         return self.copier is not None and self.copier.fetching
@@ -349,10 +344,7 @@ class KVStrataWorker:
             if result.lost:
                 self._report.load_lost.setdefault(req_id, set()).update(result.lost)
             self._report.loads_done[req_id] = (result.loaded, result.read, result.seconds)
-            if result.stalled:
-                self._report.stalled.add(req_id)
             self._finished.add(req_id)
-        self._report.returned.update(done.returned)
 
     # ------------------------------------------------------------------ stores
 
