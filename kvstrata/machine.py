@@ -139,16 +139,20 @@ def _cgroup_paths() -> list[tuple[int, str]]:
 
 def _v1_limit(group: Path) -> CgroupLimit | None:
     limit = _read_int(group / "memory.limit_in_bytes")
+    if limit is None or limit >= _V1_UNLIMITED:
+        return None
     used = _read_int(group / "memory.usage_in_bytes")
-    if limit is None or used is None or limit >= _V1_UNLIMITED:
+    if used is None:
         return None
     return CgroupLimit(1, group, limit, max(0, used - _stat(group, "total_inactive_file")))
 
 
 def _v2_limit(group: Path) -> CgroupLimit | None:
-    limit = _read_int(group / "memory.max")  # "max": no limit
+    limit = _read_int(group / "memory.max")  # "max" (no limit) reads as None
+    if limit is None:
+        return None
     used = _read_int(group / "memory.current")
-    if limit is None or used is None:
+    if used is None:
         return None
     return CgroupLimit(2, group, limit, max(0, used - _stat(group, "inactive_file")))
 
