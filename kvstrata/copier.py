@@ -14,7 +14,9 @@ counters) over a device with streams (:mod:`kvstrata.streams`):
   SSD blocks from staging, on the load stream, once what they read is ready.
 * **completion** is polled (:meth:`Copier.poll`: ``Event.query`` and
   ``Future.done``, never a wait): a store plan is done when its SSD puts were
-  queued, a load when its scatter ran.
+  queued, a load when its scatter ran. A load cut at its deadline while its
+  reads are out is given up at once (:meth:`Copier.cut`): staging is a bounce
+  buffer, and a read that returns later is used by nothing.
 
 Ordering rules (each one is a test in ``tests/test_copier_state.py``, which
 removes it and watches bytes go wrong):
@@ -36,7 +38,8 @@ removes it and watches bytes go wrong):
    it is planned (the slot may be rewritten by the next gather). With inline
    streams (the CPU backend, where the forward and the copies share the
    cores) changes run at once when nothing is queued before them: the SSD
-   tier's ``put`` only queues the block for its writer.
+   tier's ``put`` only queues the block for its writer. Fetches from the
+   remote tier run on a lane of their own (:meth:`Copier.fetch`).
 5. Admission: blocks bound only for the SSD tier and spills hold host
    staging until their puts are queued; past ``staging_bytes`` in flight
    they are dropped (counted as ``stores_dropped``, reported lost), never
@@ -44,7 +47,8 @@ removes it and watches bytes go wrong):
 
 Threads: the owner (step) thread calls every method and owns every field; the
 I/O thread runs the SSD work and the slab writes of promotions (slots the
-policy pinned for that plan), and its results travel back through futures.
+policy pinned for that plan, under the load's lock), the fetch lane the
+fetches; their results travel back through futures.
 """
 
 from __future__ import annotations
@@ -59,8 +63,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvstrata.copies import CopyRows, Finished, PendingLoad, PendingStore
-from kvstrata.io_queue import IOQueue, timed
+from kvstrata.copies import (CopyRows, Finished, PendingLoad, PendingStore, evict_and_spill, give_up, moved,
+                             put_rows)
+from kvstrata.io_queue import IOQueue, fetch_job, timed
 from kvstrata.executor import Executor, LoadResult, Lost
 from kvstrata.policy.plans import FetchPlan, LoadPlan, StorePlan
 from kvstrata.streams import Event, InlineStreams, Stream, Streams
@@ -71,24 +76,12 @@ __all__ = ["CopyRows", "Copier", "Finished", "IOQueue"]
 log = logging.getLogger(__name__)
 
 
-def evict_and_spill(ex: Executor, evictions: list[bytes], copies: list[tuple[bytes, np.ndarray]]) -> Lost:
-    """On the I/O thread: delete ``evictions`` from the SSD tier, then put the spilled copies."""
-    ex.evict([], evictions)
-    lost: Lost = []
-    for key, row in copies:
-        if ex.put_row(key, row):
-            ex.count("blocks_spilled")
-        else:
-            ex.count("spill_failures")
-            lost.append((SSD, key))
-    return lost
-
-
 class Copier:
     """Asynchronous stores and loads over ``rows`` (the device's blocks) and ``executor``."""
 
     def __init__(self, executor: Executor, rows: CopyRows, streams: Streams, *,
-                 staging_bytes: int = 256 * 1024**2, io: "FuturesExecutor | None" = None) -> None:
+                 staging_bytes: int = 256 * 1024**2, io: "FuturesExecutor | None" = None,
+                 fetch_io: "FuturesExecutor | None" = None) -> None:
         self.ex = executor
         self.rows = rows
         self.streams = streams
@@ -96,7 +89,11 @@ class Copier:
         self.load_stream: Stream = streams.new_stream(low_priority=False)
         self.staging_bytes = staging_bytes
         self._staged = 0
-        self._io = IOQueue(io, isinstance(streams, InlineStreams))
+        inline = isinstance(streams, InlineStreams)
+        self._io = IOQueue(io, inline)
+        # fetches from the remote tier on a lane of their own: never behind a disk read that
+        # does not return (``io`` given alone, a test's fake, runs both lanes)
+        self._net = IOQueue(fetch_io if fetch_io is not None else io, inline, name="kvstrata-fetch")
         self._stores: list[PendingStore] = []
         self._loads: list[PendingLoad] = []
         self._reading: dict[int, Event] = {}        # device block -> gather still reading it
@@ -104,6 +101,9 @@ class Copier:
         self._slot_io: dict[int, Future[Any]] = {}  # slab slot -> promotion writing it
         self._spills: list[tuple[Future[Any], int]] = []  # SSD deletions and spills, staging bytes held
         self._fetches: list[tuple[FetchPlan, Future[int], threading.Event]] = []
+        self._fetch_lost: dict[int, Lost] = {}          # fetch plan id -> SSD puts its fetch dropped
+        self._stranded: dict[str, Future[Any]] = {}     # request -> reads of its given-up load, still out
+        self._switched: Future[Any] | None = None       # the latest move to another remote generation
         self._lost: Lost = []
 
     # ------------------------------------------------------------------ SSD work, in plan order
@@ -190,27 +190,23 @@ class Copier:
         if not puts and not sends:
             return []
         self._wait_gathered(gathered)
-
-        def row(where: str, i: int) -> np.ndarray:
-            return self.ex.slab.array[i] if where == "slab" else staging[i]  # type: ignore[union-attr,index]
-
-        lost: Lost = []
-        for key, (where, i) in puts:
-            if not self.ex.put_row(key, row(where, i)):
-                lost.append((SSD, key))
-        if sends:
-            self.ex.put_remote([k for k, _ in sends], [row(w, i) for _, (w, i) in sends])
-        return lost
+        return put_rows(self.ex, puts, staging, sends)
 
     # ------------------------------------------------------------------ remote fetches
 
     def fetch(self, plan: FetchPlan) -> None:
-        """Queue a fetch from the remote tier into the plan's slab slots on the I/O thread,
-        after the SSD work queued before it (its spills run first, copied now). Loads of
-        those slots wait for it (rule 3); :meth:`poll` reports how many blocks arrived."""
+        """Queue a fetch from the remote tier into the plan's slab slots on the fetch lane
+        (its spills, copied now, and its SSD deletions queue on the I/O thread). The fetched
+        blocks the plan sends to the SSD tier are put there only once the SSD work queued
+        before the fetch ran, and dropped (reported lost) when it has not: a disk read that
+        does not return delays no fetch. Loads of those slots wait for it (rule 3);
+        :meth:`poll` reports how many blocks arrived."""
         self.evict(plan.spills, plan.ssd_evictions)
         cut = threading.Event()
-        io: Future[int] = self._io.submit(lambda: self.ex.fetch(plan, evict=False, stop=cut.is_set), changes=False)
+        before = self._io.last_change  # the fetched blocks' SSD puts come after it (rule 4)
+        switched = self._switched      # ... and its reads after a move to another generation
+        lost = self._fetch_lost.setdefault(plan.plan_id, [])
+        io: Future[int] = self._net.submit(fetch_job(self.ex, plan, cut, before, switched, lost), changes=False)
         slab = self.ex.slab
         if slab is not None:
             for slot, key in zip(plan.cpu_slots, plan.keys):
@@ -242,8 +238,7 @@ class Copier:
         self.ex.count("load_failures_cpu", len(lost))
         job = PendingLoad(plan, staging, ok, lost, None, waits, started=time.perf_counter())
         if any(f and s < 0 for f, s in zip(plan.from_ssd, plan.cpu_slots)):
-            job.io = self._io.submit(timed, job.io_s, self.ex.read_ssd, plan, staging, ok, job.cut.is_set,
-                                     changes=False)
+            job.io = self._io.submit(timed, job.io_s, self._read, job, changes=False)
             for slot, key in zip(plan.promote_slots, plan.keys):
                 if slot >= 0 and slab is not None:
                     slab.keys[slot] = key  # later loads of it wait for ``io`` and check again (rule 3)
@@ -252,10 +247,18 @@ class Copier:
         self._loads.append(job)
         self._advance_loads()
 
+    def _read(self, job: PendingLoad) -> Lost:
+        """On the I/O thread: the load's SSD reads (none once it was given up)."""
+        with job.lock:
+            staging = job.staging
+            if job.given_up or staging is None:
+                return []
+        return self.ex.read_ssd(job.plan, staging, job.ok, job.cut.is_set, job.live)
+
     def cut(self, req_id: str) -> None:
         """The load or fetch of ``req_id`` reads no more (past its deadline): a load copies in
-        the blocks read so far and reports the rest not loaded, for the engine to compute; a
-        fetch reports the blocks that arrived."""
+        the blocks in and reports the rest not loaded, for the engine to compute, at the next
+        :meth:`poll` whatever its reads do (:func:`give_up`); a fetch reports what arrived."""
         for job in self._loads:
             if job.plan.req_id == req_id:
                 job.cut.set()
@@ -264,16 +267,25 @@ class Copier:
                 cut.set()
 
     def _advance_loads(self) -> None:
-        """Submit the scatter of every load whose host-side work is done (rule 3)."""
+        """Submit the scatter of every load whose host-side work is done (rule 3), or that was
+        cut while its reads or the promotions it waits for were out."""
         for job in self._loads:
-            if job.scattered is not None or (job.io is not None and not job.io.done()):
+            if job.scattered is not None:
                 continue
-            if not all(f.done() for f in job.waits_on):
+            waiting = [f for f in job.waits_on if not f.done() and f not in self._stranded.values()]
+            if job.cut.is_set() and (waiting or (job.io is not None and not job.io.done())):
+                self._give_up(job, waiting)
+            elif waiting or (job.io is not None and not job.io.done()):
                 continue
-            if job.io is not None:
+            elif job.io is not None:
                 job.lost += self._io_result(job.io)
             self._recheck_slots(job)
             self._scatter(job)
+
+    def _give_up(self, job: PendingLoad, waiting: "list[Future[Any]]") -> None:
+        """A cut load whose reads (or the promotions it waits for) are still out (:func:`give_up`)."""
+        if give_up(job, self.ex, self._slot_io, waiting):
+            self._stranded[job.plan.req_id] = job.io  # type: ignore[assignment]
 
     def _recheck_slots(self, job: PendingLoad) -> None:
         """A promotion this load waited for may have failed (its slot was emptied): refuse
@@ -331,8 +343,7 @@ class Copier:
 
     def _wait_slot(self, slot: int, stream: Stream) -> None:
         """Rule 3: no scatter from a slab slot a pending gather is writing."""
-        event = self._slot_event.get(slot)
-        if event is not None:
+        if (event := self._slot_event.get(slot)) is not None:
             stream.wait(event)
 
     def _promotions_into(self, slot: int) -> "list[Future[Any]]":
@@ -363,8 +374,7 @@ class Copier:
         return list(self._reading)
 
     def _fence_one(self, block_id: int, stream: Stream) -> None:
-        event = self._reading.get(block_id)
-        if event is not None:
+        if (event := self._reading.get(block_id)) is not None:
             stream.wait(event)
 
     def poll(self) -> Finished:
@@ -386,13 +396,19 @@ class Copier:
         remaining = []
         for job in self._loads:
             if job.scattered is not None and job.scattered.query():
-                out.loads[job.plan.req_id] = LoadResult(job.loaded, job.lost, read=_moved(job), seconds=job.seconds())
+                out.loads[job.plan.req_id] = LoadResult(job.loaded, job.lost, read=moved(job), seconds=job.seconds(),
+                                                        stalled=job.stalled)
+                with job.lock:
+                    job.staging = None  # reads still out (given up) read into nothing
                 self.ex.count("bytes_h2d", job.loaded * self.rows.block_nbytes)
                 self.ex.count("seconds_h2d", now - job.started)
                 self._release_slots(job)
             else:
                 remaining.append(job)
         self._loads = remaining
+        for req_id in [r for r, fut in self._stranded.items() if fut.done()]:
+            del self._stranded[req_id]
+            out.returned.append(req_id)
         while self._fetches and self._fetches[0][1].done():
             plan, fut, _ = self._fetches.pop(0)
             try:
@@ -400,6 +416,7 @@ class Copier:
             except Exception:
                 log.exception("kvstrata: a remote fetch failed; its blocks count as not fetched")
                 out.fetched[plan.plan_id] = 0
+            out.lost += self._fetch_lost.pop(plan.plan_id, [])
             for slot in plan.cpu_slots:
                 if self._slot_io.get(slot) is fut:
                     del self._slot_io[slot]
@@ -452,32 +469,23 @@ class Copier:
             for job in self._loads:
                 if job.scattered is not None:
                     job.scattered.synchronize()
-            if self._io.last is not None:
-                try:
-                    self._io.last.result(timeout=max(0.0, deadline - time.monotonic()))
-                except FuturesTimeout:
-                    raise
-                except Exception:  # the job failed: poll reads and reports its outcome
-                    pass
+            for lane in (self._io, self._net):
+                if lane.last is not None:
+                    try:
+                        lane.last.result(timeout=max(0.0, deadline - time.monotonic()))
+                    except FuturesTimeout:
+                        raise
+                    except Exception:  # the job failed: poll reads and reports its outcome
+                        pass
             step = self.poll()
             out.stored += step.stored
             out.lost += step.lost
             out.loads.update(step.loads)
             out.fetched.update(step.fetched)
+            out.returned += step.returned
             if not self.busy or time.monotonic() > deadline:
                 return out
 
     def close(self) -> None:
         self._io.shutdown()
-
-
-def _moved(job: PendingLoad) -> dict[str, int]:
-    """Blocks a load moved, per tier it read them from: those copied in from the slab, and
-    every SSD block read (a block read after the first miss cost its read too)."""
-    plan = job.plan
-    out: dict[str, int] = {}
-    for i, tier in enumerate(plan.tiers()):
-        slab = plan.cpu_slots[i] >= 0
-        if tier and ((slab and i < job.loaded) or (not slab and job.ok[i])):
-            out[tier] = out.get(tier, 0) + 1
-    return out
+        self._net.shutdown()

@@ -9,18 +9,20 @@ Threads: the copier's owner thread.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from kvstrata.executor import LoadResult, Lost
+from kvstrata.executor import Executor, LoadResult, Lost
 from kvstrata.policy.plans import LoadPlan, StorePlan
+from kvstrata.policy.tiers import SSD
 from kvstrata.streams import Event, elapsed_s
 
-__all__ = ["CopyRows", "Finished", "PendingStore", "PendingLoad"]
+__all__ = ["CopyRows", "Finished", "PendingStore", "PendingLoad", "evict_and_spill", "give_up", "moved", "put_rows"]
 
 
 class CopyRows(Protocol):
@@ -48,6 +50,7 @@ class Finished:
     lost: Lost = field(default_factory=list)
     loads: dict[str, LoadResult] = field(default_factory=dict)
     fetched: dict[int, int] = field(default_factory=dict)  # fetch plan id -> blocks that arrived
+    returned: list[str] = field(default_factory=list)  # requests whose given-up reads have now returned
 
 
 @dataclass
@@ -66,10 +69,17 @@ class PendingStore:
 
 @dataclass
 class PendingLoad:
-    """A load the copier queued: its staging rows, its SSD reads, the slab writes it waits on."""
+    """A load the copier queued: its staging rows, its SSD reads, the slab writes it waits on.
+
+    ``given_up``: the load was cut while its reads were still out (a read that does not
+    return, or reads queued behind one); it was reported with the blocks in at that moment.
+    The I/O thread applies each batch's outcome (``ok``, promotions) only inside
+    :meth:`live`, and nothing once the load is given up: what it reads later lands in
+    ``staging`` alone, which no one reads again (a bounce buffer: the device blocks are only
+    ever written by the scatter, on the owner thread). Guarded by ``lock``."""
 
     plan: LoadPlan
-    staging: np.ndarray
+    staging: np.ndarray | None
     ok: list[bool]
     lost: Lost
     io: "Future[Lost] | None"          # the SSD reads (None: no SSD block)
@@ -82,6 +92,15 @@ class PendingLoad:
     io_s: list[float] = field(default_factory=lambda: [0.0])     # the SSD reads' seconds (set by them)
     scatter_s: float = 0.0             # the copies into the device blocks (inline streams: their time)
     scatter_start: Event | None = None  # a timed event before them (a device that keeps times measures them)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    given_up: bool = False
+    stalled: bool = False  # given up while its reads were still out
+
+    @contextlib.contextmanager
+    def live(self) -> Iterator[bool]:
+        """Whether the I/O thread may still apply what it read (held while it does)."""
+        with self.lock:
+            yield not self.given_up
 
     def seconds(self) -> float:
         """What the load took once it is done: its SSD reads, then its copies into the device
@@ -89,3 +108,71 @@ class PendingLoad:
         device_s = elapsed_s(self.scatter_start, self.scattered) \
             if self.scatter_start is not None and self.scattered is not None else None
         return self.io_s[0] + (self.scatter_s if device_s is None else device_s)
+
+
+def evict_and_spill(ex: Executor, evictions: list[bytes], copies: list[tuple[bytes, np.ndarray]]) -> Lost:
+    """On the I/O thread: delete ``evictions`` from the SSD tier, then put the spilled copies."""
+    ex.evict([], evictions)
+    lost: Lost = []
+    for key, row in copies:
+        if ex.put_row(key, row):
+            ex.count("blocks_spilled")
+        else:
+            ex.count("spill_failures")
+            lost.append((SSD, key))
+    return lost
+
+
+def moved(job: PendingLoad) -> dict[str, int]:
+    """Blocks a load moved, per tier it read them from: those copied in from the slab, and
+    every SSD block read (a block read after the first miss cost its read too)."""
+    plan = job.plan
+    out: dict[str, int] = {}
+    for i, tier in enumerate(plan.tiers()):
+        slab = plan.cpu_slots[i] >= 0
+        if tier and ((slab and i < job.loaded) or (not slab and job.ok[i])):
+            out[tier] = out.get(tier, 0) + 1
+    return out
+
+
+def give_up(job: PendingLoad, ex: Executor, slot_io: "dict[int, Future[Any]]", waiting: "list[Future[Any]]") -> bool:
+    """Give a cut load up (see :attr:`PendingLoad.given_up`): what is in now is loaded; a
+    slab block whose promotion is still out (``waiting``) is not read, an SSD block not yet
+    read is not loaded (its promotion slot emptied, reported lost). True when its reads are
+    still out (``stalled``): their promotions no longer hold slots (``slot_io``)."""
+    with job.lock:
+        job.given_up = True
+    plan = job.plan
+    cut = 0
+    for i, slot in enumerate(plan.cpu_slots):
+        if slot >= 0 and job.ok[i] and slot_io.get(slot) in waiting:
+            job.ok[i] = False
+        elif slot < 0 and plan.from_ssd[i] and not job.ok[i]:
+            job.lost += ex.empty_promotion(plan, i)
+            cut += 1
+    ex.count("blocks_cut_ssd", cut)
+    if job.io is None or job.io.done():
+        return False
+    job.stalled = True
+    for slot in plan.promote_slots:
+        if slot >= 0 and slot_io.get(slot) is job.io:
+            del slot_io[slot]
+    return True
+
+
+def put_rows(ex: Executor, puts: list[tuple[bytes, tuple[str, int]]], staging: np.ndarray | None,
+             sends: Sequence[tuple[bytes, tuple[str, int]]] = ()) -> Lost:
+    """On the I/O thread, once a store's gather ran: queue its SSD puts and the remote tier's
+    (``sends``: write-behind, copied by the remote tier's queue), each row from ``("slab",
+    slot)`` or ``("staging", row)``; returns the SSD puts refused."""
+
+    def row(where: str, i: int) -> np.ndarray:
+        return ex.slab.array[i] if where == "slab" else staging[i]  # type: ignore[union-attr,index]
+
+    lost: Lost = []
+    for key, (where, i) in puts:
+        if not ex.put_row(key, row(where, i)):
+            lost.append((SSD, key))
+    if sends:
+        ex.put_remote([k for k, _ in sends], [row(w, i) for _, (w, i) in sends])
+    return lost

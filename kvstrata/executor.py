@@ -21,12 +21,13 @@ disjoint, the SSD tier is thread-safe, and the counters take a lock.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol, Sequence
 
 import numpy as np
 
@@ -44,6 +45,7 @@ __all__ = ["DeviceRows", "PoolRows", "Executor", "NullExecutor", "LoadResult", "
 log = logging.getLogger(__name__)
 
 Lost = list[tuple[str, bytes]]
+Gate = Callable[[], ContextManager[bool]]  # see Executor.read_ssd
 _CHUNK_BYTES = 64 * 1024**2   # device rows read per copy while storing
 MAX_TAGS = 1 << 16             # SSD record tags waiting for their puts
 COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu", "blocks_stored_ssd", "blocks_spilled",
@@ -107,6 +109,7 @@ class LoadResult:
     event: Any = None
     read: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    stalled: bool = False  # cut while its reads were still out: reported with what was in then
 
 
 class Executor:
@@ -220,13 +223,16 @@ class Executor:
             return 0
         return int(self._safely("remote probe", self.remote.probe, keys) or 0)
 
-    def fetch(self, plan: FetchPlan, *, evict: bool = True, stop: Callable[[], bool] | None = None) -> int:
+    def fetch(self, plan: FetchPlan, *, evict: bool = True, stop: Callable[[], bool] | None = None,
+              ssd_ready: Callable[[], bool] | None = None, lost: Lost | None = None) -> int:
         """Run a fetch plan: read its blocks from the remote tier into their slab slots, in
         chunks of at most 64 MiB, up to the first that does not arrive, and queue the
         fetched ones the plan sends to the SSD tier. Returns how many arrived; slots of the
         others are cleared (they never hold another block's bytes). ``evict=False``: the
         caller already ran the plan's spills and evictions. ``stop()`` true before a chunk
-        (of ``READ_BATCH_BYTES`` then): the rest are not fetched (past the deadline)."""
+        (of ``READ_BATCH_BYTES`` then): the rest are not fetched (past the deadline).
+        ``ssd_ready()`` false when a fetched block is to be put: the SSD work that must come
+        first has not run, and the put is dropped (counted; appended to ``lost``)."""
         if evict:
             self.evict(plan.spills, plan.ssd_evictions)
         got = 0
@@ -241,7 +247,7 @@ class Executor:
                     self.slab.write(plan.cpu_slots[got:got + ok], plan.keys[got:got + ok], rows, list(range(ok)))
                     for i in range(ok):
                         if plan.to_ssd[got + i]:
-                            self.put_row(plan.keys[got + i], rows[i])
+                            self._put_fetched(plan.keys[got + i], rows[i], ssd_ready, lost)
                     got += ok
                     if ok < n:
                         break
@@ -252,6 +258,15 @@ class Executor:
         self.count("blocks_fetched_remote", got)
         self.count("fetch_misses_remote", len(plan) - got)
         return got
+
+    def _put_fetched(self, key: bytes, row: np.ndarray, ready: Callable[[], bool] | None, lost: Lost | None) -> None:
+        if ready is None or ready():
+            if self.put_row(key, row) or lost is None:
+                return
+        else:
+            self.count("store_failures_ssd")
+        if lost is not None:
+            lost.append((SSD, key))
 
     # ------------------------------------------------------------------ loads
 
@@ -291,20 +306,24 @@ class Executor:
         return lost
 
     def read_ssd(self, plan: LoadPlan, rows: np.ndarray, ok: list[bool],
-                 stop: Callable[[], bool] | None = None) -> Lost:
+                 stop: Callable[[], bool] | None = None, gate: "Gate | None" = None) -> Lost:
         """Read the plan's SSD blocks (those without a CPU slot) into ``rows`` (row i for
         block i), set ``ok[i]`` for each that verified, and write promoted ones into their
         slab slots. Returns what could not be read, except the SSD blocks missed while the
         tier was still verifying its records in the background: that miss says nothing of
         the record (the recovery reports the ones it drops). ``stop()`` true before a batch
         (``READ_BATCH_BYTES``): the rest are not read (the load was cut; the tier keeps
-        them, their promotion slots receive nothing)."""
+        them, their promotion slots receive nothing). ``gate``: each batch's outcome (``ok``,
+        the promotions, the slots emptied) is applied inside ``with gate() as live``, and
+        not at all once ``live`` is false: the load was given up (:meth:`Copier.cut`), and
+        its owner already reported every block not in then."""
         idx = [i for i, f in enumerate(plan.from_ssd) if f and plan.cpu_slots[i] < 0]
         if not idx:
             return []
         unverified = self.ssd is not None and bool(self._safely("recovering", self.ssd.recovering))
         started = time.perf_counter()
-        hits: list[bool] = []
+        lost: Lost = []
+        read = 0
         batch = len(idx) if stop is None else self.read_batch
         for lo in range(0, len(idx), batch):
             if stop is not None and stop():
@@ -312,37 +331,52 @@ class Executor:
             part = idx[lo:lo + batch]
             got = self._safely("get_into", self.ssd.get_into, [plan.keys[i] for i in part],
                                [rows[i] for i in part]) if self.ssd is not None else None
-            hits += got or [False] * len(part)
-        cut = idx[len(hits):]
-        idx = idx[:len(hits)]
+            hits = list(got or [False] * len(part))
+            with gate() if gate is not None else contextlib.nullcontext(True) as live:
+                if not live:
+                    return []
+                lost += self._land_batch(plan, part, hits, rows, ok, unverified)
+            read += len(part)
         self.count("seconds_ssd_read", time.perf_counter() - started)  # storage to host memory
-        self.count("bytes_ssd_read", sum(map(bool, hits)) * rows.shape[1])
+        with gate() if gate is not None else contextlib.nullcontext(True) as live:
+            if not live:
+                return []
+            for i in idx[read:]:  # not read: the SSD tier still holds it; its promotion slot stays empty
+                lost += self.empty_promotion(plan, i)
+            self.count("blocks_cut_ssd", len(idx) - read)
+        return lost
+
+    def _land_batch(self, plan: LoadPlan, part: list[int], hits: list[bool], rows: np.ndarray,
+                    ok: list[bool], unverified: bool) -> Lost:
+        """One batch read: ``ok`` for the blocks that verified, their promotions written, the
+        promotion slots of the others emptied; returns what could not be read."""
         lost: Lost = []
-        promote: list[int] = []
-        for i in cut:  # not read: the SSD tier still holds it; its promotion slot stays empty
-            if plan.promote_slots[i] >= 0:
-                lost.append((CPU, plan.keys[i]))
-                if self.slab is not None:
-                    self.slab.forget(plan.promote_slots[i])
-        for i, hit in zip(idx, hits):
-            slot = plan.promote_slots[i]
+        promote = []
+        for i, hit in zip(part, hits):
             if hit:
                 ok[i] = True
-                if slot >= 0:
+                if plan.promote_slots[i] >= 0:
                     promote.append(i)
                 continue
             if not unverified:
                 lost.append((SSD, plan.keys[i]))
-            if slot >= 0:  # the promotion slot receives nothing
-                lost.append((CPU, plan.keys[i]))
-                if self.slab is not None:
-                    self.slab.forget(slot)
+            lost += self.empty_promotion(plan, i)
         if promote and self.slab is not None:
             self.slab.write([plan.promote_slots[i] for i in promote], [plan.keys[i] for i in promote], rows, promote)
-        self.count("blocks_loaded_ssd", sum(map(bool, hits)))
-        self.count("load_failures_ssd", len(idx) - sum(map(bool, hits)))
-        self.count("blocks_cut_ssd", len(cut))
+        n_hits = sum(map(bool, hits))
+        self.count("bytes_ssd_read", n_hits * rows.shape[1])
+        self.count("blocks_loaded_ssd", n_hits)
+        self.count("load_failures_ssd", len(part) - n_hits)
         return lost
+
+    def empty_promotion(self, plan: LoadPlan, i: int) -> Lost:
+        """Block ``i`` of the plan did not arrive: its promotion slot (if any) receives nothing."""
+        slot = plan.promote_slots[i]
+        if slot < 0:
+            return []
+        if self.slab is not None:
+            self.slab.forget(slot)
+        return [(CPU, plan.keys[i])]
 
     # ------------------------------------------------------------------ SSD upkeep
 

@@ -1,4 +1,5 @@
-"""The copier's I/O thread: SSD work (and remote fetches) in the order the policy planned it.
+"""The copier's I/O lanes: SSD work in the order the policy planned it, and remote fetches
+on a lane of their own (a disk read that does not return holds its lane only).
 
 Threads: :class:`IOQueue` is called from the copier's owner thread; what it runs runs on
 its one thread (or at once, on inline streams).
@@ -9,17 +10,22 @@ from __future__ import annotations
 import time
 from concurrent.futures import Executor as FuturesExecutor
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+import threading
+from typing import TYPE_CHECKING, Any, Callable
 
-__all__ = ["IOQueue", "timed"]
+if TYPE_CHECKING:
+    from kvstrata.executor import Executor, Lost
+    from kvstrata.policy.plans import FetchPlan
+
+__all__ = ["IOQueue", "fetch_job", "timed"]
 
 
 class IOQueue:
     """SSD work in plan order (rule 4): one thread, or at once on inline streams."""
 
-    def __init__(self, io: "FuturesExecutor | None", inline: bool) -> None:
+    def __init__(self, io: "FuturesExecutor | None", inline: bool, name: str = "kvstrata-io") -> None:
         # one thread: SSD work runs in plan order (tests pass a fake that runs it in a seeded order)
-        self._io = io if io is not None else ThreadPoolExecutor(1, thread_name_prefix="kvstrata-io")
+        self._io = io if io is not None else ThreadPoolExecutor(1, thread_name_prefix=name)
         self._inline = inline
         self.last: Future[Any] | None = None  # the I/O thread's latest job
         self._last_change: Future[Any] | None = None  # ... and its latest change of the SSD tier
@@ -43,6 +49,11 @@ class IOQueue:
             self._last_change = fut
         return fut
 
+    @property
+    def last_change(self) -> "Future[Any] | None":
+        """The latest change of the SSD tier queued (None: none yet)."""
+        return self._last_change
+
     def shutdown(self) -> None:
         self._io.shutdown(wait=True)
 
@@ -54,3 +65,19 @@ def timed(seconds: list[float], fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     finally:
         seconds[0] = time.perf_counter() - t0
+
+
+def fetch_job(ex: "Executor", plan: "FetchPlan", cut: threading.Event, before: "Future[Any] | None",
+              switched: "Future[Any] | None", lost: "Lost") -> Callable[[], int]:
+    """The fetch lane's job for ``plan``: its reads start once ``switched`` (a move to another
+    remote generation queued before it) ran, or fetch nothing if it is cut first; its SSD
+    puts are made only if ``before`` (the SSD work queued before it) ran (else dropped,
+    into ``lost``)."""
+
+    def run() -> int:
+        while switched is not None and not switched.done():  # (a reset: rare) until the cut
+            if cut.wait(0.005):
+                return ex.fetch(plan, evict=False, stop=lambda: True)  # nothing: its slots emptied
+        return ex.fetch(plan, evict=False, stop=cut.is_set, lost=lost, ssd_ready=lambda: before is None or before.done())
+
+    return run

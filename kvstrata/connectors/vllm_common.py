@@ -430,13 +430,17 @@ class KVStrataWorkerMetadata(KVConnectorWorkerMetadata):
     ``fetched``: fetch plan id -> how many blocks arrived, one entry per worker.
     ``loads_done``: request id -> (block positions its finished load delivered, blocks it
     moved per tier, the seconds the copies took); over workers, the fewest positions and the
-    slowest copies (they read their shards side by side)."""
+    slowest copies (they read their shards side by side). ``stalled``: requests whose loads
+    were given up at their deadlines with reads still out (no sample of the tier's speed:
+    the tier is stalled); ``returned``: requests whose given-up reads have since returned."""
 
     stored: Counter = field(default_factory=Counter)
     lost: set[tuple[str, bytes]] = field(default_factory=set)
     load_lost: dict[str, set[tuple[str, bytes]]] = field(default_factory=dict)
     fetched: dict[int, list[int]] = field(default_factory=dict)
     loads_done: dict[str, tuple[int, dict[str, int], float]] = field(default_factory=dict)
+    stalled: set[str] = field(default_factory=set)
+    returned: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVStrataWorkerMetadata), type(other)
@@ -450,4 +454,5 @@ class KVStrataWorkerMetadata(KVConnectorWorkerMetadata):
         for r, (n, read, seconds) in other.loads_done.items():
             m, r_read, r_seconds = done.get(r, (n, read, seconds))
             done[r] = (min(n, m), read if seconds >= r_seconds else r_read, max(seconds, r_seconds))
-        return KVStrataWorkerMetadata(self.stored + other.stored, self.lost | other.lost, load_lost, fetched, done)
+        return KVStrataWorkerMetadata(self.stored + other.stored, self.lost | other.lost, load_lost, fetched, done,
+                                      self.stalled | other.stalled, self.returned | other.returned)

@@ -14,7 +14,11 @@ output of this one arrives, so steps are timed from one ``build_connector_meta``
 next (the engine's cadence while busy). The engine's first step that computes anything
 is left out: it carries one-time start-up work. A
 load still running past its deadline (:meth:`LoadCosts.deadline`, from its hand-over)
-is named in the next step's metadata (``cut``): the workers read no more of it.
+is named in the next step's metadata (``cut``): the workers read no more of it, and
+report it at once with what is in; one whose reads were still out then (a read that
+does not return) is reported ``stalled``, which takes its tier out of the decision until
+a probe of it succeeds (:meth:`TransferTiming.stalled`), and ``returned`` once they came
+back.
 
 Threads: vLLM's scheduler thread.
 """
@@ -51,6 +55,7 @@ class TransferTiming:
         self._computed = False  # a step that computed anything was seen (the first is not timed)
         self._cut_at: dict[int, tuple[str, float]] = {}  # load or fetch plan id -> (request, when it is cut)
         self._fetches: dict[int, float] = {}  # fetch plan id -> handed over
+        self._given_up: dict[str, int] = {}  # request -> its load plan given up with reads still out
 
     def step(self, tokens: int, handed: Sequence[LoadPlan | FetchPlan], attended: float = 0.0) -> list[str]:
         """A step was scheduled (``tokens`` to compute, attending ``attended``: see
@@ -97,6 +102,19 @@ class TransferTiming:
         """A load finished (its deadline no longer runs, its reads are ahead of nothing)."""
         self._cut_at.pop(plan.plan_id, None)
         self.costs.finished(plan.plan_id)
+
+    def stalled(self, plan: LoadPlan) -> None:
+        """The workers gave ``plan`` up at its deadline with its reads still out."""
+        self.costs.stalled(plan.plan_id, [t for t in plan.tiers() if t])
+        self._given_up[plan.req_id] = plan.plan_id
+        while len(self._given_up) > _PENDING:
+            del self._given_up[next(iter(self._given_up))]
+
+    def returned(self, req_id: str) -> None:
+        """The reads of a load given up with them out have returned (they are ahead of nothing)."""
+        plan_id = self._given_up.pop(req_id, None)
+        if plan_id is not None:
+            self.costs.returned(plan_id)
 
     def fetched(self, plan: FetchPlan, got: int) -> None:
         """A fetch reported ``got`` blocks (a cut one too: what arrived in the time it took)."""

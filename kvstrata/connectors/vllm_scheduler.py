@@ -429,8 +429,15 @@ class KVStrataScheduler:
                 st = self.core.loading(req_id)
                 if st is not None:
                     st.load_lost.update(lost)
-            for _, read, seconds in meta.loads_done.values():
-                self._timing.reported(read, seconds)
+            for req_id in meta.stalled:  # given up with reads still out: no sample, the tier stalled
+                st = self.core.loading(req_id)
+                if st is not None and st.load is not None:
+                    self._timing.stalled(st.load)
+            for req_id, (_, read, seconds) in meta.loads_done.items():
+                if req_id not in meta.stalled:
+                    self._timing.reported(read, seconds)
+            for req_id in meta.returned:
+                self._timing.returned(req_id)
         done = meta.loads_done if isinstance(meta, KVStrataWorkerMetadata) else {}
         for req_id in output.finished_recving or ():
             finished = self.core.load_finished(req_id, done[req_id][0] if req_id in done else None)

@@ -317,7 +317,7 @@ class KVStrataWorker:
             self._lose(self.executor.take_lost())
         report, self._report = self._report, KVStrataWorkerMetadata()
         return report if (report.stored or report.lost or report.load_lost or report.fetched
-                          or report.loads_done) else None
+                          or report.loads_done or report.returned) else None
 
     def _fetching(self) -> bool:
         return self.copier is not None and self.copier.fetching
@@ -344,7 +344,10 @@ class KVStrataWorker:
             if result.lost:
                 self._report.load_lost.setdefault(req_id, set()).update(result.lost)
             self._report.loads_done[req_id] = (result.loaded, result.read, result.seconds)
+            if result.stalled:
+                self._report.stalled.add(req_id)
             self._finished.add(req_id)
+        self._report.returned.update(done.returned)
 
     # ------------------------------------------------------------------ stores
 

@@ -47,12 +47,19 @@ a request at most the time its few blocks take to read, not a whole hit's.
 **Queued reads.** The reads of the tiers behind the slab tier (the SSD tier's) run on
 one I/O thread, in order: a load handed over behind others waits for their reads. The
 estimate of every load in flight is kept from its hand-over (:meth:`LoadCosts.handed`)
-to its end (:meth:`LoadCosts.finished`), and what is still ahead (their estimated
-reads less the time since the oldest was handed over) is charged once to a hit that
-reads such a tier, and added to its deadline's estimate. Under a burst of hits on a
-slow disk, the later ones are then computed rather than queued. (Fetches from the
-shared tier are timed from hand-over, so their estimate already holds their queue;
-the library and the replay load one request at a time: nothing is ahead.)
+to its end (:meth:`LoadCosts.finished`), and what is still ahead
+(:class:`~kvstrata.core.read_queue.ReadQueue`: their estimated reads less the time
+since the oldest was handed over, and never less than the age of a read out past its
+expected time) is charged once to a hit that reads such a tier, and added to its
+deadline's estimate. Under a burst of hits on a slow disk, the later ones are then
+computed rather than queued. (Fetches from the shared tier run on a lane of their own
+and are timed from hand-over, so their estimate already holds their queue; the library
+and the replay load one request at a time: nothing is ahead.)
+
+**Stalls.** A load the workers gave up at its deadline with its reads still out
+(:meth:`LoadCosts.stalled`: a read that does not return) takes its tier out: its
+blocks are computed, but for one probe of ``probe_blocks`` after each cooldown, until
+a load of it comes back whole (see :mod:`kvstrata.core.read_queue`).
 
 The deadline (:meth:`LoadCosts.deadline`): a load still running ``deadline`` times its
 estimate after it was handed over, or longer than computing its blocks would take
@@ -70,9 +77,10 @@ import math
 import time
 from collections import Counter
 from itertools import groupby
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from kvstrata.core.fit import DECAY, Fit as _Fit, solve as _solve
+from kvstrata.core.read_queue import ReadQueue
 from kvstrata.load_config import LOAD_POLICIES as POLICIES
 from kvstrata.policy.tiers import LOWER, SHARED
 
@@ -83,96 +91,8 @@ if TYPE_CHECKING:
 __all__ = ["LoadCosts", "DECAY", "ALWAYS", "MEASURED", "POLICIES", "PROBE_S", "PROBE_BYTES", "load_costs", "fixed_costs"]
 
 MEASURED, ALWAYS = POLICIES  # (measured, always)
-DECAY = 0.8  # weight of a sample once the next one arrived: about five samples carry the estimate
-_SPREAD = 0.25  # a tier's latency is fitted once its loads' sizes vary by this much of their mean (std)
 PROBE_S = 60.0  # a tier not read for this long is read once more before it is judged again
 PROBE_BYTES = 1 << 20  # what a probe reads of its tier (at least one block)
-_QUEUE_MAX = 4096  # loads followed in flight at most
-_STALE_S = 60.0    # a load in flight longer than this (and than 10x its estimate) is dropped from the queue
-
-
-@dataclass
-class _Fit:
-    """Decayed least squares of ``seconds = sum_t (n_t x c_t + [n_t > 0] x l_t)`` over the
-    tiers ``names``: ``c_t`` seconds per block, ``l_t`` a fixed latency per load that reads
-    the tier (a seek, a round trip)."""
-
-    names: tuple[str, ...]
-    xx: list[list[float]] = field(default_factory=list)
-    xy: list[float] = field(default_factory=list)
-    seen: dict[str, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        n = 2 * len(self.names)  # each tier's blocks, then whether the load read it
-        self.xx = [[0.0] * n for _ in range(n)]
-        self.xy = [0.0] * n
-        self.seen = dict.fromkeys(self.names, 0)
-
-    def add(self, blocks: Mapping[str, int], seconds: float) -> None:
-        counts = [float(blocks.get(t, 0)) for t in self.names]
-        x = counts + [1.0 if c > 0 else 0.0 for c in counts]
-        for i in range(len(x)):
-            self.xy[i] = self.xy[i] * DECAY + x[i] * seconds
-            for j in range(len(x)):
-                self.xx[i][j] = self.xx[i][j] * DECAY + x[i] * x[j]
-        for t, v in zip(self.names, counts):
-            if v > 0:
-                self.seen[t] += 1
-
-    def solve(self) -> tuple[dict[str, float], dict[str, float]]:
-        """Seconds per block and latency of each tier seen (non-negative); tiers never seen
-        are absent. While the loads do not tell a tier's latency from its blocks (their sizes,
-        weighted as the fit weighs them, vary by less than :data:`_SPREAD` of their mean), or
-        the fit makes one negative, its latency is 0 and the seconds per block a fit through
-        the origin."""
-        idx = [i for i, t in enumerate(self.names) if self.seen[t]]
-        spread = [i for i in idx if self._varied(i)]
-        both = idx + [len(self.names) + i for i in spread]
-        sol = _solve([[self.xx[i][j] for j in both] for i in both], [self.xy[i] for i in both]) if spread else None
-        latency = dict.fromkeys((self.names[i] for i in idx), 0.0)
-        if sol is not None and min(sol) >= 0:
-            latency.update((self.names[i], v) for i, v in zip(spread, sol[len(idx):]))
-            return {self.names[i]: v for i, v in zip(idx, sol)}, latency
-        return self._through_origin(idx), latency
-
-    def _varied(self, i: int) -> bool:
-        """Do the decayed sizes of the loads that read tier ``i`` vary enough to fit its latency?"""
-        j = len(self.names) + i  # the tier's "the load read it" feature
-        loads, blocks, squares = self.xx[j][j], self.xx[j][i], self.xx[i][i]
-        if loads <= 0 or blocks <= 0:
-            return False
-        mean = blocks / loads
-        return squares / loads - mean * mean >= (_SPREAD * mean) ** 2
-
-    def _through_origin(self, idx: list[int]) -> dict[str, float]:
-        a = [[self.xx[i][j] for j in idx] for i in idx]
-        b = [self.xy[i] for i in idx]
-        sol = _solve(a, b)
-        if sol is None:  # collinear so far (every load mixed the tiers in one ratio): share alike
-            total = sum(self.xx[i][i] for i in idx)
-            rate = sum(b) / total if total > 0 else 0.0
-            sol = [rate] * len(idx)
-        return {self.names[i]: max(0.0, v) for i, v in zip(idx, sol)}
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when (nearly) singular."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    scale = max((abs(v) for row in a for v in row), default=0.0)
-    if scale == 0:
-        return None
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-12 * scale:
-            return None
-        m[col], m[piv] = m[piv], m[col]
-        for r in range(n):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                for c in range(col, n + 1):
-                    m[r][c] -= f * m[col][c]
-    return [m[i][n] / m[i][i] for i in range(n)]
 
 
 _GALLOP_FROM = 128  # blocks: below this a hit's runs are found by groupby alone
@@ -248,7 +168,7 @@ class LoadCosts:
         self._step_s = 0.0  # decayed seconds and count of every step
         self._step_n = 0.0
         self.decisions = {t: {"loaded": 0, "recomputed": 0} for t in (*self.tiers, *((fetched,) if fetched else ()))}
-        self._queue: dict[int, tuple[float, float]] = {}  # load plan -> (handed over, estimated reads)
+        self.reads = ReadQueue(lambda: self.clock())  # loads whose reads queue on the I/O thread; stalled tiers
         self._queued_tiers = frozenset(self.tiers[1:])  # read on the I/O thread: behind the slab tier
 
     @property
@@ -260,6 +180,8 @@ class LoadCosts:
 
     def load_done(self, blocks: Mapping[str, int], seconds: float) -> None:
         """A load read ``blocks[tier]`` blocks from each tier in ``seconds`` (hand-over to completion)."""
+        for tier in (t for t in self.tiers if blocks.get(t, 0) > 0):
+            self.reads.read(tier)  # read, and not given up: a stalled tier is back
         if _sane(seconds) and any(blocks.get(t, 0) > 0 for t in self.tiers):
             probed = {t for t in self._probing if blocks.get(t, 0) > 0}
             if probed:  # a fresh look: what the tier did before the probe no longer counts
@@ -275,29 +197,29 @@ class LoadCosts:
         the tiers behind the slab tier queue on one I/O thread until :meth:`finished`."""
         if not self.deciding:
             return
-        reads = self.load_seconds({t: n for t, n in blocks.items() if t in self._queued_tiers})
+        queued = {t: n for t, n in blocks.items() if t in self._queued_tiers and n > 0}
+        reads = self.load_seconds(queued)
         if reads > 0:
-            self._queue[plan_id] = (self.clock(), reads)
-            while len(self._queue) > _QUEUE_MAX:  # finishes that never came
-                del self._queue[next(iter(self._queue))]
+            self.reads.handed(plan_id, reads, queued)
 
     def finished(self, plan_id: int) -> None:
-        """The load's reads are no longer ahead of anything."""
-        self._queue.pop(plan_id, None)
+        """The load finished: its reads are no longer ahead of anything (unless it was given
+        up with them still out: :meth:`stalled`)."""
+        self.reads.finished(plan_id)
+
+    def stalled(self, plan_id: int, tiers: Sequence[str]) -> None:
+        """The workers gave the load up at its deadline with its reads of ``tiers`` still out
+        (before :meth:`finished`): the reads stay ahead until :meth:`returned`, and the
+        queued tiers among ``tiers`` are taken out until a probe of them succeeds."""
+        self.reads.stalled(plan_id, [t for t in tiers if t in self._queued_tiers])
+
+    def returned(self, plan_id: int) -> None:
+        """The reads of a load given up with them still out have returned."""
+        self.reads.returned(plan_id)
 
     def queued(self) -> float:
-        """Seconds of reads still ahead of a new load's: the estimated reads of the loads in
-        flight, less the time the I/O thread has worked since the oldest was handed over."""
-        if not self._queue:
-            return 0.0
-        now = self.clock()
-        stale = [p for p, (at, reads) in self._queue.items() if now - at > max(_STALE_S, 10 * reads)]
-        for plan_id in stale:  # a load whose end was never reported is behind no one for ever
-            del self._queue[plan_id]
-        if not self._queue:
-            return 0.0
-        first = min(at for at, _ in self._queue.values())
-        return max(0.0, sum(r for _, r in self._queue.values()) - (now - first))
+        """Seconds of reads still ahead of a new load's (:meth:`ReadQueue.ahead`)."""
+        return self.reads.ahead()
 
     def fetch_done(self, blocks: int, seconds: float) -> None:
         """A fetch brought ``blocks`` blocks from the shared tier into the slab tier in ``seconds``."""
@@ -405,9 +327,14 @@ class LoadCosts:
         """How many leading blocks of a hit to load (``tiers[i]``: where block ``first + i``
         of the prompt is read from); the rest are computed. Nothing is counted (see
         :meth:`count`); of a tier due for a probe (``PROBE_S``) the first ``probe_blocks``
-        are loaded whatever they cost, and its probe is then taken."""
+        are loaded whatever they cost, and its probe is then taken. A stalled tier's blocks
+        (:meth:`stalled`) are computed, and so is every block after them, but for its probe."""
         if not self.deciding or not tiers:
             return len(tiers)
+        cut, probing = self._stall_cut(tiers)
+        if probing or not cut:
+            return cut
+        tiers = tiers[:cut]
         rates = self.compute_rates()
         if rates is None:
             return len(tiers)
@@ -452,6 +379,9 @@ class LoadCosts:
         computing the positions; a tier due for a probe, or not yet measured, is loaded."""
         if not self.deciding or not tiers or blocks <= 0:
             return True
+        cut, probing = self._stall_cut(tiers)
+        if probing or cut < len(tiers):
+            return probing
         compute = self.compute_seconds(first * block_tokens, blocks * block_tokens)
         if compute is None:
             return True
@@ -463,6 +393,19 @@ class LoadCosts:
             self._take_probes(due, now)
             return True
         return load <= compute
+
+    def _stall_cut(self, tiers: Sequence[str]) -> tuple[int, bool]:
+        """How many leading blocks may be read while a queued tier is stalled: up to its first
+        block, or, when it is due for its probe, ``probe_blocks`` of it (then True)."""
+        if not self.reads.stalls():
+            return len(tiers), False
+        k = 0
+        for tier, n in _runs(tiers):
+            probe = self.reads.probe(tier) if tier in self._queued_tiers else None
+            if probe is not None:
+                return (k + min(n, self.probe_blocks), True) if probe else (k, False)
+            k += n
+        return k, False
 
     def _due(self, tier: str, cost: Mapping[str, float], now: float) -> bool:
         """A measured tier whose last sample is older than ``PROBE_S``."""
