@@ -22,6 +22,7 @@ from kvstrata.cli_args import MAX_DISTINCT_HELP, MAX_SCALE, block_bytes, count, 
 from kvstrata.files import write_json
 from kvstrata.bench_modes import draw_plot
 from kvstrata.generate_command import cmd_generate
+from kvstrata.remote_commands import add_remote_parser
 from kvstrata.ssd_commands import cmd_ssd, cmd_ssd_purge, parse_duration
 from kvstrata.policy.spec import ADMISSIONS
 
@@ -430,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="every block of every namespace: the tier's files are deleted (also a tier "
                             "written under kvstrata's previous name)")
     purge.set_defaults(func=cmd_ssd_purge)
+    add_remote_parser(sub)
     gen = sub.add_parser("generate", help="greedy generation with kvstrata.engine (a Llama-family checkpoint)")
     _generate_args(gen)
     gen.set_defaults(func=cmd_generate)

@@ -71,7 +71,11 @@ class RemoteConfig:
     are dropped and counted). ``batch_bytes``: values per pipelined round trip.
     ``secret_file``: the deployment's secrets (one per line, the first signs; a file only
     its owner can read), which every value is signed with; else the environment variable
-    ``KVSTRATA_REMOTE_SECRET``. ``trust_server``: run without a secret (values unsigned:
+    ``KVSTRATA_REMOTE_SECRET``; blank and ``#`` lines are ignored, a secret that is easy to
+    guess is refused (``kvstrata remote secret`` makes one). ``encrypt``: values are
+    encrypted and authenticated (AES-256-GCM; the default), else only signed (whoever
+    can read the server can read the KV, and from it the prompts' tokens).
+    ``trust_server``: run without a secret (values neither signed nor encrypted:
     whoever can write to the server can have their bytes served). ``password_file``: the
     server's password (first line; else ``REDISCLI_AUTH``), so that none is inline in the URL.
     """
@@ -80,6 +84,7 @@ class RemoteConfig:
     cluster: bool = False
     secret_file: str | None = None
     trust_server: bool = False
+    encrypt: bool = True
     password_file: str | None = None
     capacity: int | None = None
     compression: str = "auto"
@@ -95,9 +100,9 @@ class RemoteConfig:
     def from_dict(cls, d: Mapping[str, Any], p: str = "remote") -> "RemoteConfig":
         check_keys(d, ("url", "cluster", "capacity", "compression", "level", "timeout", "connect_timeout",
                         "queue_capacity", "batch_bytes", "secret_file", "trust_server", "password_file",
-                        "admission", "ghost_keys"), p)
-        cluster, trust = d.get("cluster", False), d.get("trust_server", False)
-        for key, flag in (("cluster", cluster), ("trust_server", trust)):
+                        "admission", "ghost_keys", "encrypt"), p)
+        cluster, trust, encrypt = d.get("cluster", False), d.get("trust_server", False), d.get("encrypt", True)
+        for key, flag in (("cluster", cluster), ("trust_server", trust), ("encrypt", encrypt)):
             if not isinstance(flag, bool):
                 raise ConfigError(f"{p}.{key}: expected true or false, got {short_repr(flag)}")
         secret_file, password_file = path_or_none(d, "secret_file", p), path_or_none(d, "password_file", p)
@@ -105,7 +110,7 @@ class RemoteConfig:
         if batch < 64 * 1024:
             raise ConfigError(f"{p}.batch_bytes: expected at least 64KiB, got {short_repr(d.get('batch_bytes'))}")
         return cls(url=_remote_url(d.get("url"), f"{p}.url"), cluster=cluster, secret_file=secret_file,
-                   trust_server=trust, password_file=password_file,
+                   trust_server=trust, encrypt=encrypt, password_file=password_file,
                    capacity=None if d.get("capacity") is None else parse_size(d["capacity"], f"{p}.capacity"),
                    compression=one_of(d.get("compression", "auto"), f"{p}.compression", ("auto", "zstd", "none")),
                    level=integer(d.get("level", 1), f"{p}.level", minimum=-7, maximum=22),
@@ -141,7 +146,7 @@ class RemoteConfig:
         from kvstrata.credentials import read_secret_file
 
         if self.password_file is not None:
-            return read_secret_file(self.password_file, "remote.password_file", min_bytes=1)[0].decode()
+            return read_secret_file(self.password_file, "remote.password_file", min_bytes=1, password=True)[0].decode()
         return os.environ.get("REDISCLI_AUTH") or None
 
     def __repr__(self) -> str:  # the URL's password is never shown

@@ -31,7 +31,7 @@ from valkey_server import ValkeyServer, secret_file  # noqa: E402
 
 NB = 64 * 1024
 PREFIX = key_prefix("fingerprint-auth")
-SECRET_A, SECRET_B = b"a" * 16 + b"-deployment-secret", b"b" * 16 + b"-rotated-secret"
+SECRET_A, SECRET_B = b"Qm3v-7XkLp9_aZt2RwYe8NcBj4UsHd6FgT1", b"hV8s_Lq2-Wn5RzK0cXj7PmYb3TfGd9Ua4Ne"
 
 
 @pytest.fixture
@@ -252,10 +252,10 @@ def test_the_server_password_comes_from_a_file_and_an_inline_one_is_warned_about
 
 
 def test_the_recording_secret_comes_from_a_file(tmp_path) -> None:
-    path = secret_file(tmp_path, b"a-recording-secret-of-some-length", name="trace.secret")
+    path = secret_file(tmp_path, b"Rc9-Tq4_Wm7Xk2Lp8Zv3Nd6Bh1Gs5Jy0Fa", name="trace.secret")
     cfg = KVStrataConfig.from_dict({"trace": {"path": str(tmp_path / "rec"), "secret_file": path}})
-    assert cfg.trace.key() == b"a-recording-secret-of-some-length"
-    assert "a-recording" not in repr(cfg)
+    assert cfg.trace.key() == b"Rc9-Tq4_Wm7Xk2Lp8Zv3Nd6Bh1Gs5Jy0Fa"
+    assert "Rc9-Tq4" not in repr(cfg)
     inline = KVStrataConfig.from_dict({"trace": {"path": str(tmp_path), "secret": "an-inline-secret-here"}})
     assert "an-inline" not in repr(inline) and inline.trace.key() == b"an-inline-secret-here"
     with pytest.raises(ConfigError, match=r"^trace\.secret_file: give the secret once"):

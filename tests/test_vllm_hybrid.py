@@ -134,7 +134,7 @@ def test_a_second_engine_serves_every_group_from_the_remote_tier(model: str, bas
     from valkey_server import ValkeyServer, secret_file
 
     with ValkeyServer() as server:
-        remote = {"remote.url": server.url, "remote.secret_file": secret_file(tmp_path, b"signing-secret-0123456789")}
+        remote = {"remote.url": server.url, "remote.secret_file": secret_file(tmp_path, b"Sg7-Kd2_Xw9Lq4Mz8Rv3Tn6Bp1Hc5Jf0Ye")}
         writer = run(model, {"cpu.capacity": "16MiB", "ssd.capacity": 0, **remote}, [{"prompts": [PROMPT]}])
         writer2 = run(model, {"cpu.capacity": "16MiB", "ssd.capacity": 0, **remote}, [{"prompts": [SHIFTED]}])
         out = run(model, {"cpu.capacity": "16MiB", "ssd.capacity": 0, **remote},

@@ -83,7 +83,7 @@ def test_a_second_engine_loads_the_state_from_the_remote_tier(model: str, baseli
     from valkey_server import ValkeyServer, secret_file
 
     with ValkeyServer() as server:
-        remote = {"remote.url": server.url, "remote.secret_file": secret_file(tmp_path, b"signing-secret-0123456789")}
+        remote = {"remote.url": server.url, "remote.secret_file": secret_file(tmp_path, b"Sg7-Kd2_Xw9Lq4Mz8Rv3Tn6Bp1Hc5Jf0Ye")}
         cfg = {"cpu.capacity": "64MiB", "ssd.capacity": 0, **remote}
         writer = run(model, cfg, [{"prompts": [PROMPT]}])
         out = run(model, cfg, [{"prompts": [PROMPT]}])

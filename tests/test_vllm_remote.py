@@ -36,7 +36,7 @@ def test_a_second_engine_serves_the_first_ones_prefix_from_the_remote_tier(model
                                                                             tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    password, signing = "server-password-4f1c", b"signing-secret-9d2e7a61b0c4"
+    password, signing = "server-password-4f1c", b"Sg7-Kd2_Xw9Lq4Mz8Rv3Tn6Bp1Hc5Jf0Ye"
     with ValkeyServer() as server:
         server.client().config_set("requirepass", password)
         pw_file = tmp_path / "remote.password"

@@ -295,7 +295,7 @@ def test_a_request_is_not_answered_while_its_remote_fetch_runs(make: MakeHarness
 
     with ValkeyServer() as server:
         cfg = {"cpu.capacity": 64 * block_nbytes(BLOCK), "ssd.capacity": 0, "remote.url": server.url,
-               "remote.secret_file": secret_file(tmp_path, b"signing-secret-0123456789")}
+               "remote.secret_file": secret_file(tmp_path, b"Sg7-Kd2_Xw9Lq4Mz8Rv3Tn6Bp1Hc5Jf0Ye")}
         h = make(extra=cfg, worker=worker)
         sched = h.connector._scheduler  # type: ignore[union-attr]
         keys = sched.hasher.hash_blocks(PROMPT[:FULL])
@@ -323,7 +323,7 @@ def test_remote_probes_are_awaited_within_a_budget_per_step(make: MakeHarness, t
 
     from kvstrata.policy import FetchPlan
 
-    secret = secret_file(tmp_path, b"signing-secret-0123456789")
+    secret = secret_file(tmp_path, b"Sg7-Kd2_Xw9Lq4Mz8Rv3Tn6Bp1Hc5Jf0Ye")
     fetched_at: list[int] = []
     harness: list[SchedulerHarness] = []
 

@@ -121,7 +121,7 @@ class RemoteTier:
 
         assert cfg.url is not None, "remote.url is not set"
         secrets = cfg.secrets()
-        auth = Auth(secrets) if secrets is not None else None
+        auth = Auth(secrets, encrypt=cfg.encrypt) if secrets is not None else None
         if auth is None:
             log.warning("remote tier: remote.trust_server is on: values on %s are not signed, and whoever can "
                         "write to the server can have their bytes served as KV", redact_url(cfg.url))
