@@ -82,6 +82,10 @@ def recorded_config(deployment: dict[str, Any], overrides: Iterable[str] = (),
         base["load"] = {**fixed, **{k: v for k, v in recorded_load(measured).items() if fixed.get(k) is None
                                     and fixed.get(k.replace("_latency", "_bandwidth")) is None}}
     keys = {o.split("=", 1)[0].strip() for o in overrides if isinstance(o, str)}
+    for section in {k.split(".", 1)[0] for k in keys if "." in k} & base.keys():
+        if base[section] is not None and not isinstance(base[section], dict):  # --set cannot reach into it
+            raise ConfigError(f"trace: the recorded deployment: {section}: expected a mapping, "
+                              f"got {type(base[section]).__name__}")
     if "gpu.capacity" in keys and isinstance(base.get("gpu"), dict):
         base["gpu"].pop("num_blocks", None)  # one pool size: num_blocks and capacity are exclusive
     try:  # --set applies first: it can fix what the recording holds
