@@ -150,6 +150,22 @@ def test_opening_a_tier_on_it_is_refused_whatever_lies_beside(tmp_path: Path) ->
     assert state(db) == before and records(db) == RECORDS
 
 
+def test_an_unreadable_data_mdb_is_never_deleted_on_a_lock_files_word(tmp_path: Path) -> None:
+    """Nothing can say whose a data.mdb LMDB cannot read is: kvstrata's lock beside it is no
+    proof, so purge refuses it (a tier opening it leaves it to recovery, which verifies)."""
+    db = tmp_path / "unknown"
+    db.mkdir()
+    (db / "data.mdb").write_bytes(np.random.default_rng(0).integers(0, 256, 65536, dtype=np.uint8).tobytes())
+    for name in ("kvstrata.lock", "blocks.dat"):
+        (db / name).write_bytes(b"")
+    before = state(db)
+    for mode in (["--all"], ["--older-than", "0s"]):
+        proc = kvstrata("ssd", "purge", str(db), *mode)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"{db}/data.mdb cannot be read" in proc.stderr and "nothing deleted" in proc.stderr
+        assert state(db) == before
+
+
 def test_one_foreign_rank_refuses_the_purge_of_every_rank(tmp_path: Path) -> None:
     """Nothing anywhere changes: rank 0, a real tier, is not purged before rank 1 is refused."""
     root = tmp_path / "ssd"
