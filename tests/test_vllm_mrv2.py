@@ -90,3 +90,17 @@ def test_driver_is_vllm_034s_when_its_sources_are_there(make: MakeHarness) -> No
     if (VLLM_034 / "vllm").is_dir():
         assert h.driver_file.startswith(str(VLLM_034))
     assert type(h.driver).__name__ == "ActiveKVConnector"
+
+
+def test_may_load_async_answers_whether_the_tiers_hold_the_first_block(make: MakeHarness) -> None:
+    """vLLM 0.34's ``may_load_async`` (with ``--max-num-inflight-kv-loads``): a request whose
+    first block the tiers below hold may start its load while the batch is full."""
+    h = make()
+    prompt = random_token_prompt(4 * BLOCK + 1, seed=3)
+    connector = h.connector
+    assert connector is not None
+    assert not connector.may_load_async(h.make_request("before", prompt))
+    h.run_group([("first", prompt)])
+    assert connector.may_load_async(h.make_request("after", prompt))
+    assert not connector.may_load_async(h.make_request("other", random_token_prompt(4 * BLOCK + 1, seed=4)))
+    assert not connector.may_load_async(h.make_request("short", prompt[:BLOCK]))

@@ -104,6 +104,31 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.restore_kv_caches()
 
+    # vLLM 0.34's connector API (0.32 and 0.33 never call these).
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any = None) -> bool:
+        # False, deliberately: with lookahead hashing (EAGLE block drop) a block's KV also
+        # depends on tokens after it, which kvstrata's keys (the block's tokens and its
+        # prefix) do not cover, so a block stored under one continuation would be served
+        # to another. vLLM then turns lookahead hashing off.
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any = None) -> Any:
+        # IN_PROCESS, deliberately: the workers copy blocks with in-process torch ops and
+        # kvstrata's own kernels; nothing registers the KV cache with an RDMA/UCX engine or
+        # exports it to another process, so any allocation vLLM makes works.
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        return KVCacheAccess.IN_PROCESS
+
+    def may_load_async(self, request: "Request") -> bool:
+        """vLLM 0.34 (``--max-num-inflight-kv-loads``): kvstrata loads every hit
+        asynchronously, so a request whose first block the tiers below hold may start its
+        load while the running batch is full."""
+        return self.scheduler.may_load_async(request)
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Called before the forward: blocks evicted in this step are stored now."""
         assert isinstance(kv_connector_metadata, KVStrataMetadata), type(kv_connector_metadata)

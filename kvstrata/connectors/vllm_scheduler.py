@@ -278,6 +278,16 @@ class KVStrataScheduler:
         st.matched = (first, below)
         return (below * self.block_size, True) if below else (0, False)
 
+    def may_load_async(self, request: "Request") -> bool:
+        """vLLM 0.34's ``may_load_async``, called as the request enters a waiting queue: do the
+        tiers below hold its first block? Hashes one block, looks up one key. (A request whose
+        prefix vLLM's GPU cache holds too is a false positive: its load, if any, is shorter.)"""
+        if not _cacheable(request) or request.num_tokens <= self.block_size:
+            return False
+        st = self._state(request)
+        self._hashes(st, 1)
+        return self.core.held_below(st, 0, 1) > 0
+
     # ------------------------------------------------------------------ loads
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
