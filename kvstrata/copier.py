@@ -129,6 +129,15 @@ class Copier:
         if ssd is not None:
             self._spills.append((self._io.submit(lambda: self.ex.evict([], list(ssd.keys()))), 0))
 
+    def use_remote_generation(self, token: bytes | None) -> None:
+        """Move the remote tier to generation ``token`` after the work queued so far (rule 4):
+        puts queued before it go to the generation they were planned in, fetches queued
+        after it read the new one."""
+        remote = self.ex.remote
+        if remote is not None:
+            self._switched = self._io.submit(lambda: remote.use_generation(token) or [])
+            self._spills.append((self._switched, 0))
+
     def _admit(self, nbytes: int) -> bool:
         if self._staged + nbytes > self.staging_bytes:
             return False

@@ -24,6 +24,10 @@ Each call is one step of the policy's protocol:
 * :meth:`TieredKVCache.close`: device-resident blocks the SSD tier lacks are
   offered as ``shutdown`` (most recently used first), then the SSD tier is
   flushed: a restart serves the hot set.
+* :meth:`TieredKVCache.reset`: after an in-place weight update, every cached
+  block of every tier is stale: the pool's prefix cache and the lower tiers
+  forget them, the SSD tier's records are deleted and the remote tier moves to a
+  new generation of its namespace (:mod:`kvstrata.tiers.remote.generation`).
 
 Failures below the device (corrupt or unreadable SSD records, full queues,
 pinned slots) are counted misses or dropped stores, never exceptions; a
@@ -346,6 +350,34 @@ class TieredKVCache:
         from kvstrata.metrics import start_metrics_server
 
         self._metrics_server = start_metrics_server(port, KVStrataCollector(self.stats, self.lifecycle), addr)
+
+    def reset(self) -> None:
+        """Forget every cached block, as after an in-place weight update (the fingerprint did
+        not change, the KV did): the device pool's prefix cache, the CPU tier, every record of
+        the SSD tier, and on the remote tier everything written before (this cache moves to a
+        new generation; other caches on the server keep theirs until they reset or restart).
+        Raises ValueError, with nothing changed, while requests are allocated."""
+        if self.manager.requests:
+            names = ", ".join(sorted(self.manager.requests)[:3])
+            raise ValueError(f"reset: {len(self.manager.requests)} requests are allocated ({names}...): free them "
+                             "first (their KV is of the old weights)")
+        self.transfer.synchronize()
+        self._pending.clear()
+        now = self.clock()
+        for block in list(self.manager.cached.values()):
+            self.lifecycle[GPU].leave(block.block_hash, now)
+            self.manager.evict_cached(block)
+        if self._seeding is not None:
+            self._seeding.cancel()
+        self.policy.clear()
+        self.policy.forget_pairs(self.executor.take_lost())
+        ssd = self.executor.ssd
+        if ssd is not None:  # every record, once the writes queued so far landed: also those the policy did not hold
+            self.executor.flush()
+            self.executor.evict([], list(ssd.keys()))
+        if self.remote is not None:
+            self.remote.reset()
+            self.remote.settle()  # makes the new generation now (a server that is down: at a later lookup)
 
     def flush(self) -> bool:
         """Wait until every pending copy and SSD write has finished (SSD writes synced).

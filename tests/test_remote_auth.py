@@ -168,7 +168,7 @@ def test_trusting_the_server_is_a_warning_at_every_start(tmp_path, monkeypatch, 
     cfg = remote_config(tmp_path, trust_server=True)
     with caplog.at_level(logging.WARNING, logger="kvstrata.tiers.remote.tier"):
         t = RemoteTier.from_config(cfg.remote, ["fp"], NB, writer=False)
-    assert t.auth is None and t.prefix == key_prefix("fp", signed=False)
+    assert t.auth is None and t.base == key_prefix("fp", signed=False)
     assert any("trust_server" in r.getMessage() for r in caplog.records)
     t.close()
 
@@ -239,7 +239,7 @@ def test_the_server_password_comes_from_a_file_and_an_inline_one_is_warned_about
     good.close()
     without = RemoteTier.from_config(remote_config(tmp_path, url=server.url, secret_file=secret_file(tmp_path)).remote,
                                      ["fp"], NB, writer=False)
-    assert without.get_into(keys, out) == 0 and without.stats()["errors"] == 1  # refused by the server
+    assert without.get_into(keys, out) == 0 and without.stats()["errors"] == 2  # refused: the join at start, then again
     without.close()
     inline = server.url.replace("redis://", "redis://:a-server-password@")
     with caplog.at_level(logging.WARNING, logger="kvstrata.tiers.remote.tier"):

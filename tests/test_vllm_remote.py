@@ -52,7 +52,7 @@ def test_a_second_engine_serves_the_first_ones_prefix_from_the_remote_tier(model
         assert same(first, baseline["prompt"])
         import redis
 
-        assert redis.Redis(port=server.port, password=password).dbsize() == 22  # a key per full block (TP 1)
+        assert redis.Redis(port=server.port, password=password).dbsize() == 22 + 1  # a key per full block (TP 1), the generation
         # Engine B: its own (empty) SSD tier; SHIFTED shares the first 10 full blocks only,
         # so blocks loaded into the wrong positions would change its output.
         b_cfg = kvstrata(tmp_path / "b", **remote)

@@ -315,8 +315,10 @@ def test_remote_probes_are_awaited_within_a_budget_per_step(make: MakeHarness, t
     requests together. A server that answers within it has its request answered, and the fetch
     of what it holds planned, in the step the request arrived in. A server that never answers
     costs a step that budget, not a round-trip deadline per waiting request. A real
-    valkey-server; the mute one is a socket that accepts and never answers."""
-    import socket
+    valkey-server; the mute one is a real one stopped with SIGSTOP once the engine joined its
+    namespace's generation (it accepts connections and answers nothing)."""
+    import os
+    import signal
 
     import kvstrata.connectors.vllm_remote as vllm_remote
     from valkey_server import ValkeyServer, secret_file
@@ -347,16 +349,20 @@ def test_remote_probes_are_awaited_within_a_budget_per_step(make: MakeHarness, t
     assert fetched_at == [0]  # planned by the first step's scheduler, not after polling
 
     monkeypatch.setattr(vllm_remote, "PROBE_WAIT_S", 0.05)
-    with socket.create_server(("127.0.0.1", 0)) as mute:
+    with ValkeyServer() as mute:
         h = make(extra={"cpu.capacity": 64 * block_nbytes(BLOCK), "ssd.capacity": 0,
-                        "remote.url": f"redis://127.0.0.1:{mute.getsockname()[1]}/0", "remote.timeout": 2,
+                        "remote.url": mute.url, "remote.timeout": 2,
                         "remote.secret_file": secret}, worker=complete_every_plan)
-        for i in range(6):
-            h.scheduler.add_request(h.make_request(f"m{i}", [7 + i] + PROMPT[1:]))
-        began = time.monotonic()
-        out = h.step()
-        first_step = time.monotonic() - began
-        assert first_step < 1.0, first_step  # one budget (0.05 s), not a 2 s deadline per request
-        assert out.total_num_scheduled_tokens == 0  # every request waits for its probe
-        h.drain()  # the probes time out: misses, computed
+        os.kill(mute.proc.pid, signal.SIGSTOP)  # joined its generation; from now on it answers nothing
+        try:
+            for i in range(6):
+                h.scheduler.add_request(h.make_request(f"m{i}", [7 + i] + PROMPT[1:]))
+            began = time.monotonic()
+            out = h.step()
+            first_step = time.monotonic() - began
+            assert first_step < 1.0, first_step  # one budget (0.05 s), not a 2 s deadline per request
+            assert out.total_num_scheduled_tokens == 0  # every request waits for its probe
+            h.drain()  # the probes time out: misses, computed
+        finally:
+            os.kill(mute.proc.pid, signal.SIGCONT)
     assert not h.scheduler.has_requests()

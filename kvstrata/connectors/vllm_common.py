@@ -400,6 +400,9 @@ class KVStrataMetadata(KVConnectorMetadata):
     ``reset``: delete every record of the worker's SSD tier first (the weights changed:
     records the policy no longer knew of are stale too, and a put of a key still on
     disk only refreshes it).
+    ``remote_generation``: the generation of the remote tier's namespace the workers fetch
+    from and write to from this step on (None: unknown, they do neither; see
+    :mod:`kvstrata.tiers.remote.generation`).
     ``tags``: key -> what to keep beside the SSD record of a block these plans (or a later
     step's spill) write there (with KV-cache events on: see :mod:`kvstrata.connectors.vllm_events`).
     ``reused``: device blocks vLLM handed out again in this step (the workers' forward
@@ -415,6 +418,7 @@ class KVStrataMetadata(KVConnectorMetadata):
     stores: list[StorePlan] = field(default_factory=list)
     ssd_evictions: list[bytes] = field(default_factory=list)
     reset: bool = False
+    remote_generation: bytes | None = None
     reused: list[int] | None = None
     zero: list[int] = field(default_factory=list)
     resident: ResidentDelta = field(default_factory=ResidentDelta)

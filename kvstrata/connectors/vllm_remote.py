@@ -14,6 +14,13 @@ A request gets one remote lookup: resumed or asked again later, it is answered
 from the tiers below as they are by then. The probe's state lives on the request
 (:class:`~kvstrata.core.request.RequestState` subclass of the scheduler).
 
+The scheduler's tier owns the replica's namespace generation
+(:mod:`kvstrata.tiers.remote.generation`): it joins it at start and bumps it at a
+reset (:meth:`RemoteLookups.reset`), and every step's metadata tells the workers
+which generation to fetch from and write to (:attr:`RemoteLookups.generation`).
+A reset drops the probes in flight: their answers are of the old generation, and
+the request is probed again in the new one.
+
 Threads: vLLM's scheduler thread; the probe runs on the remote tier's thread.
 """
 
@@ -74,10 +81,28 @@ class RemoteLookups:
         self._reports = WorkerReports(num_workers)
         self.blocks_fetched = 0
         self._wait_left = PROBE_WAIT_S
+        self._settling: cf.Future[Any] | None = None  # a join or bump on the probe thread
+
+    @property
+    def generation(self) -> bytes | None:
+        """The generation the workers fetch from and write to (None: unknown, nothing is)."""
+        return self.tier.generation_token
+
+    def reset(self) -> None:
+        """The tiers were reset (the weights changed): move to a new generation (made on the
+        probe thread) and drop every probe in flight; each request is probed again in it."""
+        self.tier.reset()
+        for st in self.core.requests.values():
+            if getattr(st, "probe", None) is not None:
+                st.probe = None  # type: ignore[attr-defined]
+        self._settling = self.tier.settle_async()
 
     def new_step(self) -> None:
-        """A scheduler step begins: it may wait :data:`PROBE_WAIT_S` for probes again."""
+        """A scheduler step begins: it may wait :data:`PROBE_WAIT_S` for probes again (and the
+        generation, still unknown after a failed join or bump, is tried again)."""
         self._wait_left = PROBE_WAIT_S
+        if self.tier.generation_token is None and (self._settling is None or self._settling.done()):
+            self._settling = self.tier.settle_async()
 
     def ready(self, st: Any, first: int, start: int, last: int) -> bool:
         """May the request be answered now? ``st.hashes[first:start]`` are held below, the

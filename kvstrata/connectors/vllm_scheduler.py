@@ -353,8 +353,10 @@ class KVStrataScheduler:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after an in-place weight
         update: every block below the GPU is stale (its fingerprint did not change). The
         policy forgets them all; the workers delete every record of their SSD tiers
-        before the next step's forward (also those the policy no longer knew of).
-        Refused (False, nothing changed) while a load is planned or in flight."""
+        before the next step's forward (also those the policy no longer knew of); the
+        replica moves to a new generation of the remote tier's namespace, where nothing
+        written before is found (:mod:`kvstrata.tiers.remote.generation`).
+        Refused (False, nothing changed) while a load or a fetch is planned or in flight."""
         busy = self.core.busy()
         if busy:
             log.warning("kvstrata: cannot reset the lower tiers while %d loads are in flight", busy)
@@ -364,6 +366,8 @@ class KVStrataScheduler:
         if self._seeding is not None:
             self._seeding.cancel()  # what they are verifying is stale too: the workers delete it all
         self._reset_ssd = self.policy.ssd is not None  # the workers delete every record they hold
+        if self._remote is not None:
+            self._remote.reset()
         log.info("kvstrata: reset: forgot %s", ", ".join(f"{n} {KNOWN[t].label} blocks" for t, n in dropped.items()))
         return True
 
@@ -379,7 +383,8 @@ class KVStrataScheduler:
                 if isinstance(st, _Req):
                     self._recording.preempted(st)
         meta = KVStrataMetadata(loads=self.core.take_planned(), ssd_evictions=self._ssd_evictions,
-                                reset=self._reset_ssd)
+                                reset=self._reset_ssd,
+                                remote_generation=self._remote.generation if self._remote is not None else None)
         meta.cut = self._timing.step(scheduler_output.total_num_scheduled_tokens, meta.loads, attended(scheduler_output))
         self._ssd_evictions, self._reset_ssd = [], False
         evicted = self._pool.take_changes(meta)

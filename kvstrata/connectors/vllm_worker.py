@@ -154,6 +154,7 @@ class KVStrataWorker:
         self._kv_caches: dict[str, torch.Tensor] | None = None
         self.fingerprint: Fingerprint | None = None
         self._reset_tiers = False  # set when re-registered tensors are of another kind
+        self._generation: bytes | None = None  # the remote tier's generation, as last told by the scheduler
 
     # ------------------------------------------------------------------ setup
 
@@ -192,7 +193,8 @@ class KVStrataWorker:
             if self.spec.remote:
                 from kvstrata.tiers.remote import RemoteTier
 
-                remote = RemoteTier.from_config(self.cfg.remote, [rank.tier_id(self.fingerprint)], self.block_nbytes)
+                remote = RemoteTier.from_config(self.cfg.remote, [rank.tier_id(self.fingerprint)], self.block_nbytes,
+                                                own_generation=False)  # its scheduler half's: meta.remote_generation
             self.executor = Executor(rows, slab, ssd, remote)
         self.executor.device = rows
         self.copier = Copier(self.executor, rows, streams_for(layout.device),
@@ -270,6 +272,9 @@ class KVStrataWorker:
             self.executor.add_tags(meta.tags)
         if meta.reset:
             copier.discard_all()
+        if meta.remote_generation != self._generation:  # after the puts queued before, ahead of this step's fetches
+            self._generation = meta.remote_generation
+            copier.use_remote_generation(meta.remote_generation)
         if meta.ssd_evictions:
             copier.evict([], meta.ssd_evictions)
         for plan in meta.loads:  # plans prepared before the stores: their evictions go first

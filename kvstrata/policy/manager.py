@@ -431,8 +431,14 @@ class TierPolicy:
         """Every block the lower tiers hold is stale (the weights changed in place, so the
         fingerprint did not): forget them all, reported as ``evicted``; returns the SSD
         keys the executor must delete. Entries pinned by open plans are buried like
-        forgotten ones and their keys returned too (deleted after the plans' writes)."""
+        forgotten ones and their keys returned too (deleted after the plans' writes). What
+        ``second_hit`` admission saw is forgotten too: a block seen before is not seen with
+        these weights."""
         now = self.clock()
+        if self._ghost_s is not None:
+            self._ghost_s = Ghost(self._ghost_s.capacity)
+        if self._ghost_r is not None:
+            self._ghost_r = Ghost(self._ghost_r.capacity)
         ssd_keys: list[bytes] = []
         for tier in LOWER_TIERS:
             index = self.holdings.index(tier)

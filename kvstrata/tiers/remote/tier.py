@@ -18,6 +18,11 @@ Never blocks or breaks the engine:
   a key found present is checked: one that does not carry this writer's
   signature of the same bytes is overwritten, so a value planted before the
   honest writer cannot squat the key.
+* **Generations** (:mod:`.generation`): with one, keys are
+  ``<shard prefix><generation>:<block key>``; a reset (:meth:`RemoteTier.reset`)
+  moves the tier to a new generation, and nothing written before is read again.
+  While the generation is unknown (not yet joined, a bump not yet made, a worker
+  not yet told) reads miss and puts drop, counted as refused.
 * A :class:`~kvstrata.tiers.remote.breaker.Breaker` opens after repeated
   connection failures or timeouts: reads miss and writes drop at once until a
   probe succeeds. A server that is down at start-up is logged, not fatal. On a
@@ -48,6 +53,7 @@ import numpy as np
 from kvstrata.credentials import redact_url, url_has_password
 from kvstrata.tiers.remote.breaker import Breaker
 from kvstrata.tiers.remote.client import UNANSWERED, Pipelines, connect
+from kvstrata.tiers.remote.generation import GENERATION_KEY, Generation
 from kvstrata.tiers.remote.watch import COUNTERS, INFO_EVERY, ServerWatch
 from kvstrata.tiers.remote.value import AUTH_SIZE, Auth, decode_into, max_value_bytes, seal, staged, value_bytes
 from kvstrata.tiers.ssd.record import Codec, CorruptRecord
@@ -69,6 +75,8 @@ class RemoteTier:
     that answers for every tensor-parallel rank); by default ``prefix`` alone.
     ``auth``: signs and verifies values (:class:`~.value.Auth`); None trusts the server
     (values unsigned: whoever can write to it can have their bytes served).
+    ``generation``: the namespace generation in every key (:mod:`.generation`); None: keys
+    are ``prefix`` and the block key (tools, tests).
     """
 
     def __init__(self, url: str, prefix: bytes, block_nbytes: int, *, cluster: bool = False,
@@ -76,11 +84,12 @@ class RemoteTier:
                  connect_timeout: float = 1.0, queue_capacity_bytes: int = 256 * 1024**2,
                  batch_bytes: int = 8 * 1024**2, probe_prefixes: Sequence[bytes] | None = None,
                  writer: bool = True, breaker: Breaker | None = None, auth: Auth | None = None,
-                 password: str | None = None) -> None:
+                 password: str | None = None, generation: Generation | None = None) -> None:
         self.url = url
         self.auth = auth
-        self.prefix = prefix
-        self.probe_prefixes = list(probe_prefixes) if probe_prefixes is not None else [prefix]
+        self.base = prefix
+        self.base_probes = list(probe_prefixes) if probe_prefixes is not None else [prefix]
+        self.generation = generation
         self.block_nbytes = block_nbytes
         self.capacity_bytes = capacity_bytes
         self.timeout = timeout
@@ -112,10 +121,13 @@ class RemoteTier:
 
     @classmethod
     def from_config(cls, cfg: "RemoteConfig", tier_ids: Sequence[str], block_nbytes: int, *,
-                    writer: bool = True) -> "RemoteTier":
+                    writer: bool = True, own_generation: bool = True) -> "RemoteTier":
         """The tier ``remote.*`` describes, for the shard ``tier_ids[0]`` (a
         :meth:`~kvstrata.identity.Fingerprint.tier_id`); :meth:`probe` checks every shard in
-        ``tier_ids`` (a vLLM scheduler answers for all tensor-parallel ranks)."""
+        ``tier_ids`` (a vLLM scheduler answers for all tensor-parallel ranks). Its generation
+        is joined on the server now, within the deadline (``own_generation``; a server that
+        is down: at a later read), or set with :meth:`use_generation` (a vLLM worker: its
+        scheduler half's)."""
         from kvstrata.errors import ConfigError
         from kvstrata.tiers.remote.value import key_prefix
 
@@ -129,17 +141,78 @@ class RemoteTier:
             log.warning("remote tier: remote.url carries a password; vLLM logs its connector config as given: "
                         "use remote.password_file or REDISCLI_AUTH instead")
         prefixes = [key_prefix(t, signed=auth is not None) for t in tier_ids]
+        generation = Generation(prefixes[0] + GENERATION_KEY if own_generation else None)
         try:
-            return cls(cfg.url, prefixes[0], block_nbytes, cluster=cfg.cluster, capacity_bytes=cfg.capacity or 0,
+            tier = cls(cfg.url, prefixes[0], block_nbytes, cluster=cfg.cluster, capacity_bytes=cfg.capacity or 0,
                        compression=cfg.compression, level=cfg.level, timeout=cfg.timeout,
                        connect_timeout=cfg.connect_timeout, queue_capacity_bytes=cfg.queue_capacity,
                        batch_bytes=cfg.batch_bytes, probe_prefixes=prefixes, writer=writer, auth=auth,
-                       password=cfg.password())
+                       password=cfg.password(), generation=generation)
         except ValueError as exc:  # the client's own reading of the URL (its query options)
             raise ConfigError(f"remote.url: {redact_url(str(exc))}") from None
+        tier.settle()
+        return tier
+
+    @property
+    def prefix(self) -> bytes:
+        """What every key of this tier's shard begins with now (its generation's included)."""
+        scope = self._scope(settle=False)
+        return self.base + (scope if scope is not None else b"?:")
+
+    @property
+    def probe_prefixes(self) -> list[bytes]:
+        """The prefixes of the shards :meth:`probe` checks, now."""
+        scope = self._scope(settle=False)
+        return [p + (scope if scope is not None else b"?:") for p in self.base_probes]
 
     def key(self, key: bytes) -> bytes:
         return self.prefix + key
+
+    # ------------------------------------------------------------------ generations
+
+    def _scope(self, settle: bool = True) -> bytes | None:
+        """What follows a shard's prefix in its keys now: the generation and ``:`` (empty
+        without generations); None while the generation is unknown. ``settle``: first try
+        a pending join or bump, within the deadline, when the breaker lets it through."""
+        gen = self.generation
+        if gen is None:
+            return b""
+        token = gen.token
+        if token is None and settle and gen.pending is not None:
+            self._read("generation", lambda _: gen.settle(self.client, self.watch.log_once), [])
+            token = gen.token
+        return None if token is None else token + b":"
+
+    def reset(self) -> None:
+        """Leave the current generation: nothing written before is read or found from now on
+        (writes already queued go to the old one). A new generation is made on the server by
+        the next read (:meth:`settle_async` to start now); until then reads miss and puts drop."""
+        if self.generation is not None:
+            self.generation.reset()
+
+    def use_generation(self, token: bytes | None) -> None:
+        """Read and write generation ``token`` (None: nothing) from now on (a vLLM worker:
+        its scheduler half's, on the thread that issues its reads and puts)."""
+        if self.generation is None:
+            self.generation = Generation(None)
+        self.generation.use(token)
+
+    @property
+    def generation_token(self) -> bytes | None:
+        """The generation read and written now (None: unknown, or no generations)."""
+        return self.generation.token if self.generation is not None else None
+
+    def settle(self) -> bytes | None:
+        """Make a pending join or bump now (within the deadline); the generation then."""
+        self._scope()
+        return self.generation_token
+
+    def settle_async(self) -> "cf.Future[Any] | None":
+        """Join or bump the generation on the probe thread (None: nothing pending)."""
+        gen = self.generation
+        if gen is None or gen.pending is None:
+            return None
+        return self._probe_pool_submit(lambda: self._scope())
 
     # ------------------------------------------------------------------ reads
 
@@ -147,13 +220,15 @@ class RemoteTier:
         """How many leading ``keys`` the server holds (in every probed shard): the answer of
         ``EXISTS``, without reading or verifying a value (that is :meth:`get_into`'s job)."""
         held = 0
-        for lo in range(0, len(keys), _PROBE_BATCH):
+        scope = self._scope()
+        prefixes = [p + scope for p in self.base_probes] if scope is not None else []
+        for lo in range(0, len(keys) if prefixes else 0, _PROBE_BATCH):
             batch = keys[lo:lo + _PROBE_BATCH]
-            nskeys = [p + k for k in batch for p in self.probe_prefixes]
+            nskeys = [p + k for k in batch for p in prefixes]
             answers = self._read("probe", self._exists, nskeys)
             if answers is None:
                 break
-            width = len(self.probe_prefixes)
+            width = len(prefixes)
             n = 0
             while n < len(batch) and all(a == 1 for a in answers[n * width:(n + 1) * width]):
                 n += 1
@@ -169,10 +244,12 @@ class RemoteTier:
         hit that needs some keys of each position only: KV-cache groups). Missing past the
         first batch the server did not answer."""
         out: list[bool] = []
-        width = len(self.probe_prefixes)
-        for lo in range(0, len(keys), _PROBE_BATCH):
+        scope = self._scope()
+        prefixes = [p + scope for p in self.base_probes] if scope is not None else []
+        width = len(prefixes)
+        for lo in range(0, len(keys) if prefixes else 0, _PROBE_BATCH):
             batch = keys[lo:lo + _PROBE_BATCH]
-            answers = self._read("probe", self._exists, [p + k for k in batch for p in self.probe_prefixes])
+            answers = self._read("probe", self._exists, [p + k for k in batch for p in prefixes])
             if answers is None:
                 break
             out += [all(a == 1 for a in answers[n * width:(n + 1) * width]) for n in range(len(batch))]
@@ -185,24 +262,33 @@ class RemoteTier:
         """:meth:`probe` (or :meth:`probe_each`) on a thread of its own: a caller that must
         not wait long (a vLLM scheduler) polls the future, or waits for it briefly; it is done
         within the deadline of each batch."""
+        keys = list(keys)
+        done = self._probe_pool_submit(lambda: (self.probe_each if each else self.probe)(keys))
+        if done is None:  # closed
+            done = cf.Future()
+            done.set_result([False] * len(keys) if each else 0)
+        return done
+
+    def _probe_pool_submit(self, fn: Any) -> "cf.Future[Any] | None":
+        """``fn()`` on the probe thread (None when the tier is closed)."""
         with self._lock:
             if self._prober is None:
                 self._prober = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-probe")
         try:
-            return self._prober.submit(self.probe_each if each else self.probe, list(keys))
+            return self._prober.submit(fn)
         except RuntimeError:  # closed
-            done: cf.Future[Any] = cf.Future()
-            done.set_result([False] * len(keys) if each else 0)
-            return done
+            return None
 
     def get_into(self, keys: Sequence[bytes], rows: np.ndarray) -> int:
         """Read ``keys`` into ``rows[i]`` (``[len(keys), block_nbytes]`` uint8) up to the
         first that is missing, late or does not verify; returns how many leading rows hold
         their block. Rows from that one on hold nothing usable."""
         done = 0
-        while done < len(keys):
+        scope = self._scope()
+        prefix = self.base + scope if scope is not None else None
+        while done < len(keys) and prefix is not None:
             batch = keys[done:done + self.batch_values]
-            nskeys = [self.key(k) for k in batch]
+            nskeys = [prefix + k for k in batch]
             values = self._read("get", self._get, nskeys)
             n = self._decode(nskeys, values, rows[done:done + len(batch)]) if values is not None else 0
             done += n
@@ -301,6 +387,11 @@ class RemoteTier:
         if self._closed or self.breaker.state == "open":
             self.count("dropped_breaker")
             return False
+        scope = self._scope(settle=False)
+        if scope is None:  # the generation is unknown: where it would land is not known
+            self.count("refused")
+            return False
+        nskey = self.base + scope + key
         with self._cond:
             full = self._queued_bytes + nbytes > self.queue_capacity
             if not full:
@@ -312,7 +403,7 @@ class RemoteTier:
             spare = self._spare.pop() if self._spare else None
         value = staged(row, spare, self.auth)
         with self._cond:
-            self._queue.append((self.key(key), value))
+            self._queue.append((nskey, value))
             self._cond.notify()
         self.count("puts")
         return True
