@@ -140,6 +140,18 @@ def test_a_program_with_a_database_named_meta_is_not_taken_for_a_tier(tmp_path: 
     assert state(db) == before and records(db, dbs) == RECORDS
 
 
+def test_a_plain_record_named_meta_is_not_taken_for_a_tier(tmp_path: Path) -> None:
+    db = foreign(tmp_path / "theirs")
+    env = lmdb.open(str(db), map_size=2**24)
+    with env.begin(write=True) as txn:
+        txn.put(b"meta", b"their settings")
+    env.close()
+    (db / "kvstrata.lock").write_bytes(b"")
+    before = state(db)
+    assert_refused(kvstrata("ssd", "purge", str(db), "--all"), db)
+    assert state(db) == before and records(db) == RECORDS
+
+
 def test_opening_a_tier_on_it_is_refused_whatever_lies_beside(tmp_path: Path) -> None:
     db = foreign(tmp_path / "theirs")
     for name in ("kvstrata.lock", "blocks.dat", "kvstrata.clean"):

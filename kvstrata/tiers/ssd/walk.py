@@ -192,7 +192,10 @@ def _identify() -> None:
     env = lmdb.open(sys.argv[1], readonly=True, lock=sys.argv[2:3] == ["1"], max_dbs=8, readahead=False)
     with env.begin() as txn:
         names = set(txn.cursor().iternext(values=False))
-        meta = env.open_db(b"meta", txn=txn, create=False) if b"meta" in names else None
+        try:
+            meta = env.open_db(b"meta", txn=txn, create=False) if b"meta" in names else None
+        except lmdb.IncompatibleError:  # a plain record named "meta": another program's
+            sys.exit(NOT_KVSTRATA)
         record = txn.get(b"kvstrata", db=meta) if meta is not None else None
         if record is not None:
             sys.stdout.write(str(_format_of(record)))
@@ -204,8 +207,12 @@ def _identify() -> None:
         if not names:
             sys.stdout.write("blank")
             sys.exit(BARE)
-        if names <= _DATABASES and not any(
-                txn.stat(env.open_db(n, txn=txn, create=False))["entries"] for n in names):
+        try:
+            empty = names <= _DATABASES and not any(
+                txn.stat(env.open_db(n, txn=txn, create=False))["entries"] for n in names)
+        except lmdb.IncompatibleError:
+            empty = False
+        if empty:
             sys.stdout.write("bare")
             sys.exit(BARE)
         sys.exit(NOT_KVSTRATA)  # another program's databases, or records without a format record
