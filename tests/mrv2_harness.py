@@ -124,6 +124,7 @@ class MRV2Harness(SchedulerHarness):
         self.speculator = speculator
         if zeroing:
             self._force_zeroing()
+        self._count_zeroing()
         self.driver_file = self._mrv2["file"]
         self.driver = self._mrv2["driver"]
         self.worker_connector = self._mrv2["connector"]
@@ -147,9 +148,7 @@ class MRV2Harness(SchedulerHarness):
         bs = int(vllm_config.cache_config.block_size)
         n = int(kv_cache_config.num_blocks)
         groups = kv_cache_config.kv_cache_groups
-        names = [name for group in groups for name in group.layer_names]
-        # the CPU backend's per-layer shape: [num_blocks, num_kv_heads, block_size, 2 * head_size]
-        kv = {name: torch.full((n, KV_HEADS, bs, 2 * HEAD_SIZE), POISON, dtype=DTYPE) for name in names}
+        kv = allocate(kv_cache_config, bs)
         cls, path = active_kv_connector_class()
         kinds = [_kind(group.kv_cache_spec) for group in groups]
         self._mrv2 = {"connector": connector, "kv": kv, "file": path, "driver": cls(vllm_config, kv),
@@ -162,6 +161,8 @@ class MRV2Harness(SchedulerHarness):
         self.scheduler.needs_kv_cache_zeroing = True
         for manager in self.scheduler.kv_cache_manager.coordinator.single_type_managers:
             manager._record_new_block_ids = isinstance(manager.kv_cache_spec, AttentionSpec)
+
+    def _count_zeroing(self) -> None:
         to_zero = self.scheduler._get_new_block_ids_to_zero
 
         def counted() -> list[int] | None:
@@ -241,6 +242,27 @@ class MRV2Harness(SchedulerHarness):
         if kv_transfer_state._KV_CONNECTOR_AGENT is self.worker_connector:
             kv_transfer_state._KV_CONNECTOR_AGENT = None
         super().close()
+
+
+def allocate(kv_cache_config: Any, block_size: int) -> dict[str, torch.Tensor]:
+    """Per layer, the CPU backend's view ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+    over the buffers ``kv_cache_config.kv_cache_tensors`` describe, placed as vLLM places them:
+    layers of one buffer either one region each (``layer_stride``) or, across the groups of a
+    hybrid, the same pages. Every element starts as :data:`POISON`."""
+    n = int(kv_cache_config.num_blocks)
+    shape = (n, KV_HEADS, block_size, 2 * HEAD_SIZE)
+    page = KV_HEADS * block_size * 2 * HEAD_SIZE  # elements
+    out: dict[str, torch.Tensor] = {}
+    e = DTYPE.itemsize
+    size = max(int(t.offset) + int(t.size) for t in kv_cache_config.kv_cache_tensors)
+    buf = torch.full((size // e,), POISON, dtype=DTYPE)  # one allocation: overlapping tensors alias
+    inner = (block_size * 2 * HEAD_SIZE, 2 * HEAD_SIZE, 1)
+    for t in kv_cache_config.kv_cache_tensors:
+        for i, name in enumerate(t.layers):
+            start = (int(t.offset) + i * int(t.layer_stride)) // e
+            out[name] = torch.as_strided(buf, shape, (int(t.block_stride) // e, *inner), start)
+    assert all(v.stride(0) >= page for v in out.values())
+    return out
 
 
 def _kind(spec: Any) -> str:

@@ -104,3 +104,50 @@ def test_may_load_async_answers_whether_the_tiers_hold_the_first_block(make: Mak
     assert connector.may_load_async(h.make_request("after", prompt))
     assert not connector.may_load_async(h.make_request("other", random_token_prompt(4 * BLOCK + 1, seed=4)))
     assert not connector.may_load_async(h.make_request("short", prompt[:BLOCK]))
+
+
+def test_ssd_hits_and_a_restart_are_served_right(make: MakeHarness, tmp_path: Path) -> None:
+    cfg = kvstrata(tmp_path, **{"cpu.capacity": 0, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": "64MiB"})
+    h = make(num_gpu_blocks=10, zeroing=True, extra=cfg)
+    assert evict_and_return(h) >= 8 * BLOCK
+    served_right(h)
+    h.close()
+    again = make(num_gpu_blocks=10, extra=cfg)  # a new engine over the same SSD tier
+    (res,) = again.run_group([("restart", random_token_prompt(4 * BLOCK + 1, seed=10))])
+    assert res.external_hit_tokens == {"disk": 4 * BLOCK} or sum(res.external_hit_tokens.values()) == 4 * BLOCK
+    served_right(again)
+
+
+@pytest.mark.parametrize("admission", ["on_evict", "on_compute"])
+def test_speculator_order_stores_after_finalize_step(make: MakeHarness, tmp_path: Path, admission: str) -> None:
+    """With a speculator MRV2 defers ``wait_for_save`` to ``finalize_step``."""
+    h = make(num_gpu_blocks=10, zeroing=True, speculator=True,
+             extra=kvstrata(tmp_path, **{"spill.admission": admission}))
+    assert evict_and_return(h) >= 8 * BLOCK
+    served_right(h)
+
+
+def test_preempted_requests_resume_on_right_bytes(make: MakeHarness, tmp_path: Path) -> None:
+    """Decoding requests outgrow a small pool: vLLM preempts some, their blocks are evicted
+    (stored on_evict) and reused; each resumes on bytes the forward checks."""
+    h = make(num_gpu_blocks=16, zeroing=True, extra=kvstrata(tmp_path, **{"spill.admission": "on_evict"}))
+    prompts = [(f"p{i}", random_token_prompt(3 * BLOCK + 1, seed=30 + i)) for i in range(4)]
+    h.run_group(prompts, max_tokens=2 * BLOCK)
+    assert h.scheduler.kv_cache_manager is not None
+    served_right(h)
+    again = h.run_group([(f"q{i}", t) for i, (_, t) in enumerate(prompts)])
+    assert sum(sum(r.external_hit_tokens.values()) + r.gpu_hit_tokens for r in again) >= 8 * BLOCK
+    served_right(h)
+
+
+@pytest.mark.parametrize("hybrid,admission", [(["sliding:32"], "on_compute"), (["state"], "on_compute"),
+                                               (["state"], "on_evict")])
+def test_hybrids_are_served_right(make: MakeHarness, tmp_path: Path, hybrid: list[str], admission: str) -> None:
+    """A full + sliding-window hybrid, and a state hybrid (vLLM zeroes its new attention
+    blocks, as for every model with Mamba layers)."""
+    h = make(num_gpu_blocks=14, hybrid=hybrid, extra=kvstrata(tmp_path, **{"spill.admission": admission}))
+    below = evict_and_return(h, prompts=4, blocks=4)
+    served_right(h)
+    assert below > 0
+    if hybrid == ["state"]:
+        assert h.asked_to_zero > 0
