@@ -286,7 +286,7 @@ class Copier:
                 self._give_up(job, waiting)
             elif waiting or (job.io is not None and not job.io.done()):
                 continue
-            elif job.io is not None:
+            if job.io is not None and job.io.done():
                 job.lost += self._io_result(job.io)
             self._recheck_slots(job)
             self._scatter(job)

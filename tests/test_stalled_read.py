@@ -1,7 +1,7 @@
 """A read of the SSD tier that does not return: the load deadline still holds.
 
 The tier is real (LMDB index and page file on disk, in a temp dir); what is stubbed is
-the page file's ``read_into`` (its ``preadv``), wrapped so that a read waits on an Event
+the page file's ``read_into`` and ``read`` (its ``preadv`` and ``pread``), wrapped so that a read waits on an Event
 before it runs: a disk that stops answering cannot be made here without root (no FUSE,
 no device-mapper). Released, the real read runs and returns real bytes.
 
@@ -60,17 +60,19 @@ class StuckDisk:
 @pytest.fixture
 def stuck(monkeypatch: pytest.MonkeyPatch) -> Iterator[StuckDisk]:
     disk = StuckDisk()
-    real = PageFile.read_into
 
-    def read_into(self: PageFile, view: memoryview, page: int) -> int:
-        disk.entered.set()
-        disk.go.wait(60)
-        try:
-            return real(self, view, page)
-        finally:
-            disk.returned.set()
+    def stuck_read(real: Any) -> Any:
+        def read(self: PageFile, *args: Any) -> Any:
+            disk.entered.set()
+            disk.go.wait(60)
+            try:
+                return real(self, *args)
+            finally:
+                disk.returned.set()
+        return read
 
-    monkeypatch.setattr(PageFile, "read_into", read_into)
+    monkeypatch.setattr(PageFile, "read_into", stuck_read(PageFile.read_into))
+    monkeypatch.setattr(PageFile, "read", stuck_read(PageFile.read))
     yield disk
     disk.release()
 
