@@ -10,6 +10,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import pytest
 
 pytestmark = [
@@ -151,3 +152,43 @@ def test_hybrids_are_served_right(make: MakeHarness, tmp_path: Path, hybrid: lis
     assert below > 0
     if hybrid == ["state"]:
         assert h.asked_to_zero > 0
+
+
+def test_zeroing_waits_for_the_copies_out_of_the_block(model: str, tmp_path: Path) -> None:
+    """The GPU order, on a stand-in device whose streams run late in a seeded order
+    (``tests/fake_streams.py``; no GPU here): a store queued in one step's ``wait_for_save``
+    still copying when the next step hands its block out again and vLLM asks for it to be
+    zeroed. The zeroing goes on the compute stream after the fence, so the store holds the
+    block's bytes for every interleaving."""
+    from fake_streams import FakeDevice, FakeRows, pattern
+    from test_vllm_worker_async import NUM_BLOCKS, _keys, _plan, _worker
+
+    from kvstrata.connectors.vllm_common import KVStrataMetadata
+    from kvstrata.copier import Copier
+
+    class Rows(FakeRows):
+        def zero(self, block_ids: list[int]) -> None:  # vLLM's zeroing: compute-stream work
+            for b in block_ids:
+                self.device.compute.submit(lambda b=b: self.device.kv.__setitem__(b, 0))
+
+    worker = _worker(model, tmp_path)
+    try:
+        ex = worker.executor
+        (key,) = _keys(1)
+        want = pattern(key, worker.block_nbytes)
+        for seed in range(24):
+            dev = FakeDevice(seed, NUM_BLOCKS, worker.block_nbytes, max_advance=0)
+            worker.copier.close()
+            worker.copier = Copier(ex, Rows(dev), dev, io=dev.io)
+            dev.write(3, want)  # step N's forward computes block 3
+            step = KVStrataMetadata(stores=[_plan(seed, [3], [key], [0])], reused=[])
+            worker.before_forward(step)
+            worker.wait_for_save(step)  # its copy out of block 3 queued, not run
+            nxt = KVStrataMetadata(reused=[3], zero=[3])  # step N+1: block 3 handed out again
+            worker.before_forward(nxt)
+            dev.run_all()
+            assert np.array_equal(ex.slab.array[0], want), f"seed {seed}: the store copied a zeroed block"
+            assert not dev.kv[3].any()  # and vLLM's zeroing ran
+            worker.copier.drain()
+    finally:
+        worker.shutdown()

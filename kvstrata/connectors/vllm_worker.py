@@ -284,8 +284,8 @@ class KVStrataWorker:
                 copier.evict(plan.spills, plan.ssd_evictions)
         self._queue_stores(meta.early_stores)
         copier.fence(meta.reused if meta.reused is not None else copier.reading())
-        if meta.zero and self.executor is not None:  # vLLM's zeroing, after the copies out of these blocks
-            self.executor.device.zero(meta.zero)
+        if meta.zero:  # vLLM's zeroing, on the compute stream after the fence above
+            copier.rows.zero(meta.zero)
         self._before_forward = copier.streams.current().record()
         meta.prepared = True
 
