@@ -192,3 +192,43 @@ def test_zeroing_waits_for_the_copies_out_of_the_block(model: str, tmp_path: Pat
             worker.copier.drain()
     finally:
         worker.shutdown()
+
+
+def test_a_damaged_record_is_recomputed_from_the_block_that_failed(make: MakeHarness, tmp_path: Path) -> None:
+    """A record damaged on disk between the lookup (the index holds it) and the load: MRV2's
+    ``post_forward`` reports that block and every later block of the load through
+    ``get_block_ids_with_load_errors``, never an earlier one; vLLM recomputes them, and the
+    forward reads no wrong byte."""
+    cfg = kvstrata(tmp_path, **{"cpu.capacity": 0, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": "64MiB"})
+    prompt = random_token_prompt(6 * BLOCK + 1, seed=50)
+    first = make(extra=cfg)
+    first.run_group([("first", prompt)])
+    first.close()
+    data = tmp_path / "ssd" / "rank-0" / "blocks.dat"
+    raw = bytearray(data.read_bytes())
+    at = len(raw) * 3 // 5  # inside a later record of the six
+    raw[at:at + 64] = bytes(b ^ 0xFF for b in raw[at:at + 64])
+    data.write_bytes(bytes(raw))
+    h = make(extra=cfg)
+    ids: list[int] = []
+    block_ids = h.scheduler.kv_cache_manager.get_block_ids
+
+    def note(req_id: str) -> None:
+        ids[:] = list(block_ids(req_id)[0])
+
+    h.scheduler.connector.update_state_after_alloc = _after(h.scheduler.connector.update_state_after_alloc, note)
+    (res,) = h.run_group([("again", prompt)])
+    assert sum(res.external_hit_tokens.values()) == 6 * BLOCK  # offered at lookup
+    assert len(h.load_errors) == 1
+    (errors,) = h.load_errors
+    k = min(ids.index(b) for b in errors)
+    assert 0 < k < 6 and errors == set(ids[k:6]), (k, errors, ids)
+    served_right(h)
+
+
+def _after(fn: Callable[..., Any], note: Callable[[str], None]) -> Callable[..., Any]:
+    def wrapped(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+        out = fn(request, blocks, num_external_tokens)
+        note(request.request_id)
+        return out
+    return wrapped
