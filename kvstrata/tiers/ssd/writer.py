@@ -104,6 +104,8 @@ class Writer:
         self._exact = True  # the free-space map accounts for every page
         self._last_sync = time.monotonic()
         self._marked_at = 0.0  # wall time of the last time mark (WriteTxn.mark_time)
+        self._closing = False  # the last turn: it marks the time whatever the last mark's age
+        self._unmarked = False  # a commit since the last time mark (the last turn marks it)
         self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
 
     def start(self) -> None:
@@ -120,6 +122,7 @@ class Writer:
             sync = bool(work.ticket) or work.stop or self._unsynced >= SYNC_BYTES or (
                 self._unsynced > 0 and time.monotonic() - self._last_sync >= SYNC_INTERVAL_S)
             busy = work.batch or work.touched or work.bad or work.discards
+            self._closing = work.stop
             ok = True
             if self.health.broken is None and (busy or sync):
                 ok = self._write_safely(work, sync)
@@ -186,7 +189,7 @@ class Writer:
         for it or the map is full; sync when asked to. Returns the records dropped."""
         from kvstrata.tiers.ssd.index import MapFull
         unplaced = changes.encoded
-        stored = not changes
+        stored = not changes and not (self._closing and self._unmarked)
         step = max(self.capacity_bytes // 8, sum(e.footprint for e in changes.encoded))
         for attempt in range(MAX_ATTEMPTS):
             if stored:
@@ -244,7 +247,8 @@ class Writer:
                     tx.insert_many(new)
                     self._retouch_after_insert(tx, changes.touched, {e.nskey for e in new})
                 now = wall_clock()
-                if now - self._marked_at >= TIME_MARK_S:
+                self._unmarked = not (self._closing or now - self._marked_at >= TIME_MARK_S)
+                if not self._unmarked:
                     tx.mark_time(now)
                     self._marked_at = now
         except BaseException:
