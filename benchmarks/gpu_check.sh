@@ -16,6 +16,10 @@
 #   5. kernels     benchmarks/bench_kernels_gpu.py: paged attention and gather/scatter
 #   5b. engine     benchmarks/bench_engine.py --device cuda: prefill and decode tokens/s, multi-turn
 #                  TTFT with and without the tiers
+#   5c. vllm       opt-in (VLLM_WHEELS or GPU_CHECK_VLLM=1; give GPU_CHECK_BUDGET_S=540): the
+#                  connector's engine scenarios (tests/test_vllm_mrv2.py: model runner v2's
+#                  connector driver; tests/test_vllm_connector.py) over vLLM 0.34 installed from
+#                  VLLM_WHEELS, or over a vLLM already there; said when there is none
 #   6. sanitizer   compute-sanitizer memcheck, then racecheck, with what is left (last)
 # A failed step is reported and the others still run; exit status 1 when any failed.
 #
@@ -282,6 +286,31 @@ engine_bench() {
 }
 export -f engine_bench
 
+# ---------------------------------------------------------------------- 5c. vLLM engine scenarios
+# The connector's engine scenarios on the GPU, vLLM 0.34 (model runner v2, its only runner)
+# included. The GPU machine reaches no index and vLLM's CUDA wheel is larger than what travels
+# with the checkout: vLLM 0.34 is installed from VLLM_WHEELS (a directory of vLLM 0.34's wheel
+# and its dependencies, e.g. a mounted cache) when given, else the step runs only over a vLLM
+# already importable there, and says so when there is none.
+vllm_engine() {
+  local rc=0
+  if [ -n "${VLLM_WHEELS:-}" ] && [ "$DRY" != 1 ]; then
+    "$PY" -m pip install --quiet --no-index --find-links "$VLLM_WHEELS" --target "$SITE" 'vllm==0.34.*'       > "$RESULTS/vllm_install.log" 2>&1 || { tail -n 5 "$RESULTS/vllm_install.log"; return 1; }
+  fi
+  if ! "$PY" -c "import vllm" > /dev/null 2>&1; then
+    echo "no vLLM importable here (VLLM_WHEELS unset or without vLLM 0.34): engine scenarios not run"
+    return 0
+  fi
+  "$PY" -c "import vllm; print('vLLM', vllm.__version__)"
+  [ "$DRY" = 1 ] && { echo "dry run: the scenarios need a GPU"; return 0; }
+  "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_vllm_mrv2.py tests/test_vllm_connector.py -m "not long" \
+    --junitxml="$RESULTS/vllm_engine.xml" > "$RESULTS/vllm_engine.log" 2>&1 || rc=$?
+  grep -E "^(FAILED|ERROR)" "$RESULTS/vllm_engine.log" | head -n 20
+  tail -n 3 "$RESULTS/vllm_engine.log"
+  return $rc
+}
+export -f vllm_engine
+
 # ---------------------------------------------------------------------- 6. compute-sanitizer
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1 || true)
 export SANITIZER
@@ -309,6 +338,11 @@ step "gpu tests" 150 gpu_tests
 step "copy benchmark" 75 copies
 step "kernel benchmark" 45 kernels
 step "engine benchmark" 30 engine_bench
+if [ -n "${VLLM_WHEELS:-}" ] || [ "${GPU_CHECK_VLLM:-0}" = 1 ]; then  # opt-in: 60 s more than the default budget
+  step "vllm engine scenarios" 60 vllm_engine soft
+else
+  log "vLLM engine scenarios not run (VLLM_WHEELS=DIR with vLLM 0.34's wheels, or GPU_CHECK_VLLM=1 over an installed vLLM)"
+fi
 if [ "${SANITIZE:-1}" = 0 ]; then
   log "SANITIZE=0: compute-sanitizer not run"
 elif [ -z "$SANITIZER" ] && [ "$DRY" != 1 ]; then
