@@ -242,3 +242,17 @@ def test_a_fetch_queued_during_the_stall_arrives_on_time(tmp_path: Path, stuck: 
         copier.close()
         ssd.close()
         remote.close()
+
+
+def test_the_two_step_floor_of_a_deadline_is_the_step_it_is_handed_over_in() -> None:
+    """Prefills of seconds (a slow CPU engine) made the mean step long, and every deadline
+    at least two of them: a stalled read then held a request that long. A load handed over
+    in a step that computes nothing is bounded by its estimate alone."""
+    now = [100.0]
+    costs = _measured(now)
+    for _ in range(5):
+        costs.step_done(4000, 4.0, BT)      # prefills of 4 s
+    hit = ["ssd"] * 21
+    assert costs.deadline(hit, BT) >= 2 * 4.0 * 0.6
+    assert costs.deadline(hit, BT, step_tokens=0) == pytest.approx(2 * 21 * 0.002, rel=0.01)
+    assert costs.deadline(hit, BT, step_tokens=4000) == costs.deadline(hit, BT)

@@ -79,7 +79,7 @@ class TransferTiming:
                 self._fetches[plan.plan_id] = now
                 tiers = [self.costs.fetched or ""] * len(plan)
                 span = len(plan)
-            limit = self.costs.deadline(tiers, self.block_size, self.first_of(plan.req_id), span)
+            limit = self.costs.deadline(tiers, self.block_size, self.first_of(plan.req_id), span, step_tokens=tokens)
             if isinstance(plan, LoadPlan):
                 self.costs.handed(plan.plan_id, Counter(tiers))  # behind the reads of the loads before it
             if limit is not None:

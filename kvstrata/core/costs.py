@@ -65,8 +65,10 @@ The deadline (:meth:`LoadCosts.deadline`): a load still running ``deadline`` tim
 estimate after it was handed over, or longer than computing its blocks would take
 (during a tier's warm-up, the only bound), reads no more; the blocks not yet in are
 computed. It is never shorter than two of the engine's recent steps (a load waits for
-the step it was handed over in). A slow tier then holds a request at most about as
-long as computing its blocks, and the cut load still reports what it read.
+the step it was handed over in), nor than two of that step (what its tokens cost: an
+engine otherwise idle steps in moments). A slow tier then holds a request at most about
+as long as computing its blocks, and the cut load still reports what it read; a read
+that does not return holds it no longer (the workers report the cut at once).
 
 Threads: the driver's owner thread.
 """
@@ -418,10 +420,13 @@ class LoadCosts:
         self._probing |= tiers
 
     def deadline(self, tiers: Sequence[str], block_tokens: int, first: int = 0,
-                 blocks: int | None = None) -> float | None:
+                 blocks: int | None = None, step_tokens: int | None = None) -> float | None:
         """Seconds after its hand-over at which a load of blocks read from ``tiers`` (blocks
         ``first ..`` of the prompt; ``blocks`` positions, default one per tier entry) reads no
-        more (None: it runs to the end: ``always``, no deadline factor, no compute rate yet)."""
+        more (None: it runs to the end: ``always``, no deadline factor, no compute rate yet).
+        ``step_tokens``: what the step it is handed over in computes; the two steps it is
+        never shorter than are then at most two such steps (an engine otherwise idle steps
+        in moments, however long its prefills were)."""
         span = len(tiers) if blocks is None else blocks
         limit = self.compute_seconds(first * block_tokens, span * block_tokens) if tiers else None
         if not self.deciding or self.deadline_factor <= 0 or limit is None:
@@ -430,7 +435,8 @@ class LoadCosts:
             ahead = self.queued() if self._queued_tiers.intersection(tiers) else 0.0
             limit = min(limit, self.deadline_factor * (self.load_seconds(Counter(tiers)) + ahead))
         step = self._step_s / self._step_n if self._step_n else 0.0
-        return max(limit, 2 * step)
+        this = self.compute_seconds(0, step_tokens) if step_tokens is not None else None
+        return max(limit, 2 * (step if this is None else min(step, this)))
 
     def count(self, tiers: Sequence[str], loaded: int) -> None:
         """Count a decision: the first ``loaded`` of ``tiers`` are loaded, the rest computed."""
