@@ -43,17 +43,20 @@ to a new generation, where none of the old values can be found.
   signed them). Run the server where only the replicas can write.
 
 Threads: any thread; :class:`Generation` guards its state with a lock. The
-round trips run on the tier's reader thread (:meth:`RemoteTier._read`).
+round trips run on the tier's reader thread (``RemoteTier._read``); :class:`Scoped`
+(mixed into :class:`~kvstrata.tiers.remote.tier.RemoteTier`) makes every key from
+the generation of the moment.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import re
 import secrets
 import threading
 from typing import Any
 
-__all__ = ["GENERATION_KEY", "Generation", "new_token"]
+__all__ = ["GENERATION_KEY", "Generation", "Scoped", "new_token"]
 
 GENERATION_KEY = b"generation"
 _TOKEN = re.compile(rb"[0-9a-f]{16}")
@@ -137,3 +140,75 @@ def _join(client: Any, record: bytes, log_once: Any) -> bytes:
     log_once("generation", "remote tier: %r does not hold a generation; it is replaced by a new one", record)
     client.set(record, fresh)
     return fresh
+
+
+class Scoped:
+    """The keys of a :class:`~kvstrata.tiers.remote.tier.RemoteTier` in its generation, and the
+    moves between generations (mixed into the tier, which provides what is declared here)."""
+
+    base: bytes                      # the prefix of the tier's shard
+    base_probes: list[bytes]         # the prefixes of the shards it probes
+    generation: Generation | None    # None: keys are the prefix and the block key
+    client: Any
+    watch: Any
+    _read: Any                       # (what, fn, nskeys): fn(nskeys) on the reader thread, within the deadline
+    _probe_pool_submit: Any          # (fn): fn() on the probe thread
+
+    @property
+    def prefix(self) -> bytes:
+        """What every key of this tier's shard begins with now (its generation's included)."""
+        scope = self._scope(settle=False)
+        return self.base + (scope if scope is not None else b"?:")
+
+    @property
+    def probe_prefixes(self) -> list[bytes]:
+        """The prefixes of the shards :meth:`probe` checks, now."""
+        scope = self._scope(settle=False)
+        return [p + (scope if scope is not None else b"?:") for p in self.base_probes]
+
+    def key(self, key: bytes) -> bytes:
+        return self.prefix + key
+
+    def _scope(self, settle: bool = True) -> bytes | None:
+        """What follows a shard's prefix in its keys now: the generation and ``:`` (empty
+        without generations); None while the generation is unknown. ``settle``: first try
+        a pending join or bump, within the deadline, when the breaker lets it through."""
+        gen = self.generation
+        if gen is None:
+            return b""
+        token = gen.token
+        if token is None and settle and gen.pending is not None:
+            self._read("generation", lambda _: gen.settle(self.client, self.watch.log_once), [])
+            token = gen.token
+        return None if token is None else token + b":"
+
+    def reset(self) -> None:
+        """Leave the current generation: nothing written before is read or found from now on
+        (writes already queued go to the old one). A new generation is made on the server by
+        the next read (:meth:`settle_async` to start now); until then reads miss and puts drop."""
+        if self.generation is not None:
+            self.generation.reset()
+
+    def use_generation(self, token: bytes | None) -> None:
+        """Read and write generation ``token`` (None: nothing) from now on (a vLLM worker:
+        its scheduler half's, on the thread that issues its reads and puts)."""
+        if self.generation is None:
+            self.generation = Generation(None)
+        self.generation.use(token)
+
+    @property
+    def generation_token(self) -> bytes | None:
+        """The generation read and written now (None: unknown, or no generations)."""
+        return self.generation.token if self.generation is not None else None
+
+    def settle(self) -> bytes | None:
+        """Make a pending join or bump now (within the deadline); the generation then."""
+        self._scope()
+        return self.generation_token
+
+    def settle_async(self) -> "cf.Future[Any] | None":
+        """Join or bump the generation on the probe thread (None: nothing pending)."""
+        gen = self.generation
+        if gen is None or gen.pending is None:
+            return None
+        return self._probe_pool_submit(lambda: self._scope())

@@ -53,7 +53,7 @@ import numpy as np
 from kvstrata.credentials import redact_url, url_has_password
 from kvstrata.tiers.remote.breaker import Breaker
 from kvstrata.tiers.remote.client import UNANSWERED, Pipelines, connect
-from kvstrata.tiers.remote.generation import GENERATION_KEY, Generation
+from kvstrata.tiers.remote.generation import GENERATION_KEY, Generation, Scoped
 from kvstrata.tiers.remote.watch import COUNTERS, INFO_EVERY, ServerWatch
 from kvstrata.tiers.remote.value import AUTH_SIZE, Auth, decode_into, max_value_bytes, seal, staged, value_bytes
 from kvstrata.tiers.ssd.record import Codec, CorruptRecord
@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 _PROBE_BATCH = 1024         # keys per pipelined EXISTS round trip
 
 
-class RemoteTier:
+class RemoteTier(Scoped):
     """The blocks of one shard (``prefix``, see :func:`~.value.key_prefix`) on a server.
 
     ``probe_prefixes``: the shards :meth:`probe` checks (all of them for a scheduler
@@ -152,67 +152,6 @@ class RemoteTier:
             raise ConfigError(f"remote.url: {redact_url(str(exc))}") from None
         tier.settle()
         return tier
-
-    @property
-    def prefix(self) -> bytes:
-        """What every key of this tier's shard begins with now (its generation's included)."""
-        scope = self._scope(settle=False)
-        return self.base + (scope if scope is not None else b"?:")
-
-    @property
-    def probe_prefixes(self) -> list[bytes]:
-        """The prefixes of the shards :meth:`probe` checks, now."""
-        scope = self._scope(settle=False)
-        return [p + (scope if scope is not None else b"?:") for p in self.base_probes]
-
-    def key(self, key: bytes) -> bytes:
-        return self.prefix + key
-
-    # ------------------------------------------------------------------ generations
-
-    def _scope(self, settle: bool = True) -> bytes | None:
-        """What follows a shard's prefix in its keys now: the generation and ``:`` (empty
-        without generations); None while the generation is unknown. ``settle``: first try
-        a pending join or bump, within the deadline, when the breaker lets it through."""
-        gen = self.generation
-        if gen is None:
-            return b""
-        token = gen.token
-        if token is None and settle and gen.pending is not None:
-            self._read("generation", lambda _: gen.settle(self.client, self.watch.log_once), [])
-            token = gen.token
-        return None if token is None else token + b":"
-
-    def reset(self) -> None:
-        """Leave the current generation: nothing written before is read or found from now on
-        (writes already queued go to the old one). A new generation is made on the server by
-        the next read (:meth:`settle_async` to start now); until then reads miss and puts drop."""
-        if self.generation is not None:
-            self.generation.reset()
-
-    def use_generation(self, token: bytes | None) -> None:
-        """Read and write generation ``token`` (None: nothing) from now on (a vLLM worker:
-        its scheduler half's, on the thread that issues its reads and puts)."""
-        if self.generation is None:
-            self.generation = Generation(None)
-        self.generation.use(token)
-
-    @property
-    def generation_token(self) -> bytes | None:
-        """The generation read and written now (None: unknown, or no generations)."""
-        return self.generation.token if self.generation is not None else None
-
-    def settle(self) -> bytes | None:
-        """Make a pending join or bump now (within the deadline); the generation then."""
-        self._scope()
-        return self.generation_token
-
-    def settle_async(self) -> "cf.Future[Any] | None":
-        """Join or bump the generation on the probe thread (None: nothing pending)."""
-        gen = self.generation
-        if gen is None or gen.pending is None:
-            return None
-        return self._probe_pool_submit(lambda: self._scope())
 
     # ------------------------------------------------------------------ reads
 
