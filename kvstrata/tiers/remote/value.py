@@ -1,7 +1,8 @@
 """The remote tier's keys and values.
 
-Key: ``kvstrata:<namespace hex>:`` + the block key (32 bytes, binary). The
-namespace is the SSD tier's (:func:`~kvstrata.tiers.ssd.record.namespace_of` of a
+Key: ``kvstrata:<namespace hex>:`` (:func:`key_prefix`), the generation and ``:``
+(:mod:`.generation`: a reset moves a replica to a new one), then the block key (32
+bytes, binary). The namespace is the SSD tier's (:func:`~kvstrata.tiers.ssd.record.namespace_of` of a
 shard's tier id): two replicas of one checkpoint and layout share keys,
 different checkpoints, layouts, TP ranks or record versions never do, and an
 operator can list or delete kvstrata's keys by prefix. Values a deployment
