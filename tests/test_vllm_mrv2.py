@@ -232,3 +232,21 @@ def _after(fn: Callable[..., Any], note: Callable[[str], None]) -> Callable[...,
         note(request.request_id)
         return out
     return wrapped
+
+
+def test_a_copy_on_write_target_is_not_stored_and_zeroing_moves_to_the_workers() -> None:
+    """MRV2 applies copy-on-write copies (``kv_cache_block_copies``) in ``update_requests``,
+    before ``handle_preemptions``: an evicted block that is such a copy's target this step is
+    not stored from what the copy put there. vLLM's zeroing list goes to the workers."""
+    import types
+
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    from kvstrata.connectors.vllm_scheduler import _not_overwritten, _take_zeroing
+
+    out = types.SimpleNamespace(kv_cache_block_copies=[KVCacheBlockCopy(4, 7)], new_block_ids_to_zero=[7, 9])
+    evicted = [(7, b"k7"), (8, b"k8")]
+    assert _not_overwritten(evicted, out) == [(8, b"k8")]
+    assert _take_zeroing(out) == [7, 9] and out.new_block_ids_to_zero is None
+    none = types.SimpleNamespace(kv_cache_block_copies=None, new_block_ids_to_zero=None)
+    assert _not_overwritten(evicted, none) == evicted and _take_zeroing(none) == []
