@@ -30,12 +30,19 @@ to a new generation, where none of the old values can be found.
   down at start or at the reset) is unknown: the tier reads nothing and writes
   nothing until a later round trip settles it (reads retry it as the breaker
   lets them through). A pending bump stays a bump: a replica that reset never
-  adopts a generation it did not make. A join or bump whose answer arrives after
-  a later reset is dropped.
+  adopts a generation it did not make. A join made late joins the generation
+  current then, as a start would. A join or bump whose answer arrives after a
+  later reset is dropped.
+* **Who decides.** The library's tier, and a vLLM scheduler half's, join and
+  bump; a vLLM worker's tier is told its scheduler half's generation with every
+  step's metadata (:meth:`Scoped.use_generation`), so every rank reads and
+  writes the one the scheduler probes.
 * **In flight.** A key is made when a read, probe or write is issued: work
   issued before the switch reads or writes the old generation's keys, so
-  pre-reset bytes never land in the new generation; drivers drop the answers
-  of probes issued before a reset (see :mod:`kvstrata.connectors.vllm_remote`).
+  pre-reset bytes never land in the new generation. Drivers drop the answers
+  of probes issued before a reset (see :mod:`kvstrata.connectors.vllm_remote`);
+  a vLLM scheduler refuses a reset while a fetch is planned or running, and a
+  worker moves after the work it queued before (its later fetches wait for it).
 * **Hostile input.** A record that is not a generation (another type, another
   length, not hex) is replaced by a fresh one (logged once). Whoever can write
   to the server can set the record to an older generation's value: a replica
