@@ -225,3 +225,23 @@ def test_a_reset_forgets_what_second_hit_admission_saw() -> None:
     plan = p.prepare_store([0, 1], K[:2], "computed")
     assert not any(plan.to_remote) and not any(plan.to_ssd)  # the first sighting with these weights
     assert p.counts.counts["rejected"][REMOTE] == 4 and p.counts.counts["rejected"][SSD] == 4
+
+
+def test_the_generation_record_is_kept_recently_used(server: ValkeyServer, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``allkeys-lru`` evicts what nobody reads: the record, read only when a replica starts or
+    resets, is read again with the lookups every ``TOUCH_EVERY`` seconds."""
+    import kvstrata.tiers.remote.generation as generation
+
+    monkeypatch.setattr(generation, "TOUCH_EVERY", 1.0)
+    a = TieredKVCache(config(tmp_path, "a", server.url))
+    try:
+        client = server.client()
+        (record,) = [k for k in client.keys(b"*") if k.endswith(b":generation")]
+        time.sleep(2.2)
+        assert client.object("idletime", record) >= 2
+        hits(a, "r", TOKENS)  # a lookup: the record is read again
+        assert client.object("idletime", record) == 0
+        assert client.get(record) == a.remote.generation_token
+    finally:
+        a.close()

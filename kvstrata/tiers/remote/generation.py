@@ -16,6 +16,9 @@ to a new generation, where none of the old values can be found.
   evicted by ``allkeys-lru`` or deleted by an operator only makes the next
   replica that starts begin a new generation (misses), never return to an
   old one (an ``INCR`` counter would restart at 1, where old values may wait).
+  So that ``allkeys-lru`` keeps it, a replica that joins or bumps reads the
+  record again every :data:`TOUCH_EVERY` seconds with its reads (what it holds
+  then is ignored: no following).
 * **No following.** A replica that has not reset keeps its generation: it still
   runs the old weights, and serves and writes their KV among the replicas that
   have not reset either. A replica that starts joins the latest generation: it
@@ -61,11 +64,13 @@ import concurrent.futures as cf
 import re
 import secrets
 import threading
+import time
 from typing import Any
 
 __all__ = ["GENERATION_KEY", "Generation", "Scoped", "new_token"]
 
 GENERATION_KEY = b"generation"
+TOUCH_EVERY = 10.0  # seconds between reads of the record that keep it recently used
 _TOKEN = re.compile(rb"[0-9a-f]{16}")
 _JOIN, _BUMP = "join", "bump"
 
@@ -92,6 +97,14 @@ class Generation:
         self._want: str | None = _JOIN if record is not None else None
         self._epoch = 0
         self._lock = threading.Lock()
+        self._touched = time.monotonic()
+
+    def due(self) -> bool:
+        """Is it time to read the record again (so that the server's LRU keeps it)?"""
+        if self.record is None or self.token is None or time.monotonic() - self._touched < TOUCH_EVERY:
+            return False
+        self._touched = time.monotonic()
+        return True
 
     @property
     def pending(self) -> str | None:
@@ -187,6 +200,8 @@ class Scoped:
         if token is None and settle and gen.pending is not None:
             self._read("generation", lambda _: gen.settle(self.client, self.watch.log_once), [])
             token = gen.token
+        elif settle and gen.due():
+            self._read("generation", lambda _: self.client.get(gen.record), [])
         return None if token is None else token + b":"
 
     def reset(self) -> None:
