@@ -124,11 +124,13 @@ def attack(server: ValkeyServer, auth: Auth) -> tuple[int, int]:
     return sum(found.get(p) == tok for p, tok in enumerate(tokens)), len(tokens)
 
 
+@pytest.mark.slow
 def test_a_read_only_account_recovers_no_token_of_a_stored_prompt(server) -> None:
     recovered, total = attack(server, Auth([SECRET]))
     assert recovered == 0, f"{recovered}/{total} tokens recovered from the server's values"
 
 
+@pytest.mark.slow
 def test_the_same_attack_recovers_the_prompt_from_signed_only_values(server) -> None:
     """The attack works: on values that are only signed (``remote.encrypt: false``, and
     every value before encryption) it recovers nearly the whole prompt with positions."""
