@@ -241,3 +241,48 @@ def test_tags_written_before_groups_still_read() -> None:
     assert tag is not None and tag.group == 0
     assert BlockTag.unpack(msgpack.packb([3, None, bytes(16), None, None, None, b"", -1], use_bin_type=True)) is None
     assert BlockTag.unpack(msgpack.packb([2, None, bytes(16), None, None, None, b"", 1], use_bin_type=True)) is None
+
+
+def test_stored_events_name_their_group_kind_as_vllm_034_does() -> None:
+    """kvstrata's events carry the kind and window of their KV-cache group, as vLLM's own
+    do (``BlockStored.kv_cache_spec_kind``, in 0.32 to 0.34; a release without the field gets
+    none). ``test_..._under_vllm_034`` runs this under 0.34's sources."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.utils.hashing import sha256
+
+    from kvstrata.connectors.vllm_events import KVEvents
+    from kvstrata.policy import COMPUTED, PolicySpec, TierPolicy
+
+    policy = TierPolicy(PolicySpec(cpu_slots=4, ssd_slots=0))
+    h = hasher()
+    events = KVEvents(policy, BS, 64, sha256, h, lambda req, i: h.block_extra(i, cache_salt=req.cache_salt),
+                      kinds=[("full_attention", None), ("mamba", None)])
+    req = request(list(range(100, 109)))  # 2 full blocks
+    ks = keys(2)
+    events.record(req, ks, 0, 2)
+    plan = policy.prepare_store([0, 1], ks, COMPUTED)
+    policy.complete_store(plan)
+    events.completed(plan)
+    (stored,) = events.take()
+    if "kv_cache_spec_kind" not in BlockStored.__struct_fields__:
+        pytest.skip("this vLLM's BlockStored names no group kind")
+    assert (stored.group_idx, stored.kv_cache_spec_kind, stored.kv_cache_spec_sliding_window) == \
+        (0, "full_attention", None)
+
+
+def test_stored_events_name_their_group_kind_under_vllm_034() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    src = repo / ".venv" / "vllm-0.34.0"
+    if not (src / "vllm" / "distributed").is_dir():
+        pytest.skip(f"{src} is missing: run `make test` (or python tests/vllm_api.py {src} 0.34.0)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
+               VLLM_LOGGING_LEVEL="ERROR")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                           f"{__file__}::test_stored_events_name_their_group_kind_as_vllm_034_does"],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=str(repo))
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]

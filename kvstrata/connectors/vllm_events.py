@@ -142,7 +142,8 @@ class KVEvents:
     kept (the blocks the GPU pool and the lower tiers hold together)."""
 
     def __init__(self, policy: "TierPolicy", block_size: int, capacity: int, hash_fn: Callable[[Any], bytes],
-                 hasher: "BlockHasher", extra_of: Callable[["Request", int], bytes]) -> None:
+                 hasher: "BlockHasher", extra_of: Callable[["Request", int], bytes],
+                 kinds: Sequence[tuple[str, int | None]] = ()) -> None:
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
         self.policy = policy
@@ -152,6 +153,9 @@ class KVEvents:
         self.hasher = hasher      # kvstrata's: checks a tag read back against its record's key
         self.extra_of = extra_of  # (request, block index) -> what kvstrata's key hashed beside the tokens
         self._stored, self._removed = BlockStored, BlockRemoved
+        # vLLM (0.32 to 0.34) annotates each BlockStored with its group's kind and window
+        # (KVCacheManager.take_events): kvstrata's events carry the same, per group
+        self._kinds = list(kinds) if "kv_cache_spec_kind" in getattr(BlockStored, "__struct_fields__", ()) else []
         self.tags: OrderedDict[bytes, BlockTag] = OrderedDict()
         self._events: list[tuple[bool, str, BlockTag]] = []  # (stored?, tier, tag) since the last take
         self._leaving: list[tuple[str, bytes]] = []  # (tier, key) evicted or lost since the last take
@@ -383,6 +387,8 @@ class KVEvents:
                     parent_block_hash=maybe_convert_block_hash(tag.parent_vhash) if tag.parent_vhash else None,
                     token_ids=tag.token_ids(), block_size=self.block_size, lora_id=tag.lora_id,
                     medium=medium, lora_name=tag.lora_name, extra_keys=extra, group_idx=tag.group)
+                if tag.group < len(self._kinds):
+                    last.kv_cache_spec_kind, last.kv_cache_spec_sliding_window = self._kinds[tag.group]
                 out.append(last)
             prev = tag
         return out

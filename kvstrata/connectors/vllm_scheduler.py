@@ -112,6 +112,17 @@ def _mm_hashes(request: "Request") -> list[tuple[str, int, int]] | None:
     return out or None
 
 
+def _event_kinds(kv_cache_config: "KVCacheConfig") -> list[tuple[str, int | None]]:
+    """Per KV-cache group, the kind and sliding window vLLM puts on its own ``BlockStored``
+    events (0.32 to 0.34); empty where vLLM does not name kinds."""
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+    except ImportError:
+        return []
+    return [(get_kv_cache_spec_kind(g.kv_cache_spec).value, getattr(g.kv_cache_spec, "sliding_window", None))
+            for g in kv_cache_config.kv_cache_groups]
+
+
 def _take_zeroing(scheduler_output: "SchedulerOutput") -> list[int]:
     """vLLM's blocks to zero this step, taken out of the scheduler output for the workers.
 
@@ -194,7 +205,7 @@ class KVStrataScheduler:
         capacity = int(kv_cache_config.num_blocks) + spec.cpu_slots + spec.ssd_slots
         events = KVEvents(self.policy, self.block_size, capacity,
                           get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo), self.hasher,
-                          self._block_extra)
+                          self._block_extra, _event_kinds(kv_cache_config))
         if self.policy.ssd is not None:
             events.announce_from(lambda: read_ssd_tags(self.cfg, self.fingerprint, self._ranks[0]))
         log.info("kvstrata: KV-cache events for the tiers below the GPU (tags of up to %d blocks, "
