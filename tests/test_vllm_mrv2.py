@@ -242,11 +242,11 @@ def test_a_copy_on_write_target_is_not_stored_and_zeroing_moves_to_the_workers()
 
     from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
-    from kvstrata.connectors.vllm_scheduler import _not_overwritten, _take_zeroing
+    from kvstrata.connectors.vllm_mrv2 import not_overwritten, take_zeroing
 
     out = types.SimpleNamespace(kv_cache_block_copies=[KVCacheBlockCopy(4, 7)], new_block_ids_to_zero=[7, 9])
     evicted = [(7, b"k7"), (8, b"k8")]
-    assert _not_overwritten(evicted, out) == [(8, b"k8")]
-    assert _take_zeroing(out) == [7, 9] and out.new_block_ids_to_zero is None
+    assert not_overwritten(evicted, out) == [(8, b"k8")]
+    assert take_zeroing(out) == [7, 9] and out.new_block_ids_to_zero is None
     none = types.SimpleNamespace(kv_cache_block_copies=None, new_block_ids_to_zero=None)
-    assert _not_overwritten(evicted, none) == evicted and _take_zeroing(none) == []
+    assert not_overwritten(evicted, none) == evicted and take_zeroing(none) == []

@@ -49,12 +49,13 @@ from kvstrata.core.groups import KVGroups
 from kvstrata.policy.tiers import KNOWN, PERSISTENT
 
 if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
     from kvstrata.hashing import BlockHasher
     from kvstrata.policy import TierPolicy
 
-__all__ = ["MEDIA", "BlockTag", "KVEvents", "ANNOUNCE_PER_STEP", "EVENT_COUNTS", "events_enabled"]
+__all__ = ["MEDIA", "BlockTag", "KVEvents", "ANNOUNCE_PER_STEP", "EVENT_COUNTS", "events_enabled", "event_kinds"]
 
 log = logging.getLogger(__name__)
 
@@ -392,6 +393,17 @@ class KVEvents:
                 out.append(last)
             prev = tag
         return out
+
+
+def event_kinds(kv_cache_config: "KVCacheConfig") -> list[tuple[str, int | None]]:
+    """Per KV-cache group, the kind and sliding window vLLM puts on its own ``BlockStored``
+    events (0.32 to 0.34); empty where vLLM does not name kinds."""
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+    except ImportError:
+        return []
+    return [(get_kv_cache_spec_kind(g.kv_cache_spec).value, getattr(g.kv_cache_spec, "sliding_window", None))
+            for g in kv_cache_config.kv_cache_groups]
 
 
 def _extra_keys(request: "Request", i: int, bs: int) -> Any:

@@ -48,7 +48,8 @@ from kvstrata.policy.plans import LoadPlan
 from kvstrata.policy.tiers import KNOWN, REMOTE, describe_tiers
 from kvstrata.policy.seeding import SSDSeeding
 
-from kvstrata.connectors.vllm_events import KVEvents, events_enabled
+from kvstrata.connectors.vllm_events import KVEvents, event_kinds, events_enabled
+from kvstrata.connectors.vllm_mrv2 import not_overwritten, take_zeroing
 from kvstrata.connectors.vllm_common import (
     KVStrataMetadata,
     KVStrataWorkerMetadata,
@@ -112,45 +113,6 @@ def _mm_hashes(request: "Request") -> list[tuple[str, int, int]] | None:
     return out or None
 
 
-def _event_kinds(kv_cache_config: "KVCacheConfig") -> list[tuple[str, int | None]]:
-    """Per KV-cache group, the kind and sliding window vLLM puts on its own ``BlockStored``
-    events (0.32 to 0.34); empty where vLLM does not name kinds."""
-    try:
-        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
-    except ImportError:
-        return []
-    return [(get_kv_cache_spec_kind(g.kv_cache_spec).value, getattr(g.kv_cache_spec, "sliding_window", None))
-            for g in kv_cache_config.kv_cache_groups]
-
-
-def _take_zeroing(scheduler_output: "SchedulerOutput") -> list[int]:
-    """vLLM's blocks to zero this step, taken out of the scheduler output for the workers.
-
-    Model runner v2 zeroes them in ``update_requests``, before it calls
-    ``handle_preemptions``, where the workers copy out the blocks vLLM just evicted and
-    handed out again: those copies would read zeros. The workers zero them instead, after
-    those copies and after the fence that orders every pending store's copy out of a
-    reused block before the compute stream touches it (the V1 runner calls
-    ``handle_preemptions`` first; the same order holds there)."""
-    ids = getattr(scheduler_output, "new_block_ids_to_zero", None)
-    if not ids:
-        return []
-    scheduler_output.new_block_ids_to_zero = None
-    return list(ids)
-
-
-def _not_overwritten(evicted: list[tuple[int, bytes]],
-                     scheduler_output: "SchedulerOutput") -> list[tuple[int, bytes]]:
-    """The evicted blocks model runner v2 does not overwrite before ``handle_preemptions``:
-    a copy-on-write copy into a block (``kv_cache_block_copies``) runs in its
-    ``update_requests``, so such a block is not stored (a dropped store: a future miss)."""
-    copies = getattr(scheduler_output, "kv_cache_block_copies", None)
-    if not copies or not evicted:
-        return evicted
-    targets = {int(dst) for _, dst in copies}
-    return [(b, k) for b, k in evicted if b not in targets]
-
-
 class KVStrataScheduler:
     """The scheduler half (see the module docstring)."""
 
@@ -205,7 +167,7 @@ class KVStrataScheduler:
         capacity = int(kv_cache_config.num_blocks) + spec.cpu_slots + spec.ssd_slots
         events = KVEvents(self.policy, self.block_size, capacity,
                           get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo), self.hasher,
-                          self._block_extra, _event_kinds(kv_cache_config))
+                          self._block_extra, event_kinds(kv_cache_config))
         if self.policy.ssd is not None:
             events.announce_from(lambda: read_ssd_tags(self.cfg, self.fingerprint, self._ranks[0]))
         log.info("kvstrata: KV-cache events for the tiers below the GPU (tags of up to %d blocks, "
@@ -399,8 +361,8 @@ class KVStrataScheduler:
         meta.cut = self._timing.step(scheduler_output.total_num_scheduled_tokens, meta.loads, attended(scheduler_output))
         self._ssd_evictions, self._reset_ssd = [], False
         evicted = self._pool.take_changes(meta)
-        meta.zero = _take_zeroing(scheduler_output)
-        evicted = _not_overwritten(evicted, scheduler_output)
+        meta.zero = take_zeroing(scheduler_output)
+        evicted = not_overwritten(evicted, scheduler_output)
         computed = self._computed(scheduler_output)
         meta.early_stores, meta.stores = self.core.end_step(evicted, computed, self._pool.free_window)
         meta.resident = self._pool.resident.take_delta()
