@@ -232,3 +232,17 @@ def test_remote_encrypt_is_a_boolean_and_false_only_signs(tmp_path, monkeypatch)
                                ["fp"], NB, writer=False)
     assert t.auth is not None and t.auth.encrypt
     t.close()
+
+
+def test_a_cryptography_without_encrypt_into_stops_the_tier_at_start(monkeypatch) -> None:
+    """An older cryptography (before 47) is a one-line error at start, not a miss (and a
+    delete) per value. Stand-in: the real AESGCM class without the two methods."""
+    import kvstrata.tiers.remote.auth as auth_mod
+
+    class Old:
+        def __init__(self, key: bytes) -> None:
+            self.key = key
+
+    monkeypatch.setattr(auth_mod, "_aesgcm", Old)
+    with pytest.raises(ConfigError, match=r"^remote\.url: the remote tier encrypts .*\(47 or later\).*found "):
+        Auth([STRONG])

@@ -57,7 +57,7 @@ from typing import Any, Sequence
 
 from kvstrata.tiers.ssd.record import HEADER, CorruptRecord
 
-__all__ = ["SIGNED", "SEALED", "AUTH_SIZE", "NONCE", "TAG", "SALT", "SCRYPT", "Keys", "derive", "Auth"]
+__all__ = ["SIGNED", "SEALED", "AUTH_SIZE", "NONCE", "TAG", "SALT", "SCRYPT", "Keys", "derive", "check_cipher", "Auth"]
 
 SIGNED, SEALED = 1, 2
 _ID, _MAC = 4, 16
@@ -105,6 +105,23 @@ def _aesgcm(key: bytes) -> Any:
     return AESGCM(key)
 
 
+def check_cipher() -> None:
+    """A ConfigError at start, not a miss per value, when ``cryptography`` is missing or
+    older than 47 (``encrypt_into`` and ``decrypt_into``)."""
+    from kvstrata.errors import ConfigError
+
+    need = "the remote tier encrypts its values with the cryptography package (47 or later): " \
+           "pip install 'kvstrata[remote]'"
+    try:
+        cipher = _aesgcm(bytes(32))
+    except ImportError:
+        raise ConfigError(f"remote.url: {need}") from None
+    if not (hasattr(cipher, "encrypt_into") and hasattr(cipher, "decrypt_into")):
+        import cryptography
+
+        raise ConfigError(f"remote.url: {need}; found {cryptography.__version__}")
+
+
 _scratch = threading.local()
 
 
@@ -123,6 +140,7 @@ class Auth:
     def __init__(self, secrets: Sequence[bytes], encrypt: bool = True) -> None:
         if not secrets:
             raise ValueError("secrets: expected at least one")
+        check_cipher()
         keys = [derive(s) for s in secrets]
         self.encrypt = encrypt
         self.version = SEALED if encrypt else SIGNED
