@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NotRegular", "open_regular", "read_bounded", "write_json"]
+__all__ = ["NotRegular", "open_regular", "read_bounded", "read_named", "write_json"]
 
 
 class NotRegular(OSError):
@@ -52,6 +52,28 @@ def read_bounded(path: str | os.PathLike[str], limit: int, *, follow: bool = Tru
         os.close(fd)
     if len(data) > limit:  # grew meanwhile
         raise NotRegular(f"{path} holds more than the {limit:,} bytes allowed")
+    return data
+
+
+def read_named(path: str | os.PathLike[str], limit: int, what: str, kind: str) -> bytes:
+    """The bytes of ``path``, a file a user named as a ``what`` ("config file", "model config")
+    holding ``kind`` ("YAML", "JSON"): a regular file of at most ``limit`` bytes. Anything else
+    is a one-line ``ConfigError`` naming the path."""
+    from kvstrata.errors import ConfigError
+    from kvstrata.values import format_size
+
+    try:
+        fd, _ = open_regular(path)  # a FIFO or a device is refused, never waited on
+        with os.fdopen(fd, "rb") as fh:
+            data = fh.read(limit + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: {what} not found") from None
+    except NotRegular:
+        raise ConfigError(f"{path}: not a regular file; a {what} is a {kind} file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the {what}: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise ConfigError(f"{path}: larger than {format_size(limit)}; not a {what}")
     return data
 
 

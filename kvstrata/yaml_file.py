@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvstrata.errors import ConfigError
-from kvstrata.values import clip, format_size
+from kvstrata.values import clip
 
 __all__ = ["read_yaml", "load_yaml", "YAMLLimitError"]
 
@@ -50,20 +50,9 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _read_text(p: Path) -> str:
     """The text of config file ``p``: at most 1 MiB of UTF-8."""
-    from kvstrata.files import NotRegular, open_regular
+    from kvstrata.files import read_named
 
-    try:
-        fd, _ = open_regular(p)  # a FIFO or a device is refused, never waited on
-        with os.fdopen(fd, "rb") as fh:
-            data = fh.read(_MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: config file not found") from None
-    except NotRegular:
-        raise ConfigError(f"{p}: not a regular file; a config is a YAML file") from None
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from None
-    if len(data) > _MAX_FILE_BYTES:
-        raise ConfigError(f"{p}: larger than {format_size(_MAX_FILE_BYTES)}; not a config file")
+    data = read_named(p, _MAX_FILE_BYTES, "config file", "YAML")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

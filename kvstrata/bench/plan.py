@@ -141,20 +141,9 @@ def shape_from_args(layers: int, kv_heads: int, head_dim: int, dtype: str = "fp1
 def _read_config(p: Path) -> Any:
     """The JSON value in model config ``p``: a regular file of at most 16 MiB, nested within
     what Python's parser follows."""
-    from kvstrata.files import NotRegular, open_regular
+    from kvstrata.files import read_named
 
-    try:
-        fd, _ = open_regular(p)  # a FIFO or a device is refused, never waited on
-        with open(fd, "rb") as fh:
-            data = fh.read(_MAX_CONFIG_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: model config not found") from None
-    except NotRegular:
-        raise ConfigError(f"{p}: not a regular file; a model config is a JSON file") from None
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read the model config: {e.strerror or e}") from None
-    if len(data) > _MAX_CONFIG_BYTES:
-        raise ConfigError(f"{p}: larger than {_MAX_CONFIG_BYTES >> 20} MiB; not a model config")
+    data = read_named(p, _MAX_CONFIG_BYTES, "model config", "JSON")
     try:
         return json.loads(data)
     except RecursionError:
