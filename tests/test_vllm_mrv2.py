@@ -250,3 +250,142 @@ def test_a_copy_on_write_target_is_not_stored_and_zeroing_moves_to_the_workers()
     assert take_zeroing(out) == [7, 9] and out.new_block_ids_to_zero is None
     none = types.SimpleNamespace(kv_cache_block_copies=None, new_block_ids_to_zero=None)
     assert not_overwritten(evicted, none) == evicted and take_zeroing(none) == []
+
+
+# ---------------------------------------------------------------------- remote, slow and cut loads
+
+def _ssd(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    return kvstrata(tmp_path, **{"cpu.capacity": 0, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": "64MiB",
+                                 **overrides})
+
+
+def _block_ids_at_alloc(h: MRV2Harness) -> dict[str, list[int]]:
+    """Each request's group-0 block ids as the scheduler allocated them for its external hit."""
+    ids: dict[str, list[int]] = {}
+    block_ids = h.scheduler.kv_cache_manager.get_block_ids
+
+    def note(req_id: str) -> None:
+        ids[req_id] = list(block_ids(req_id)[0])
+
+    h.scheduler.connector.update_state_after_alloc = _after(h.scheduler.connector.update_state_after_alloc, note)
+    return ids
+
+
+def _statuses(h: MRV2Harness, req_id: str) -> list[tuple[str, int]]:
+    """Per step, the request's status before it (the name of vLLM's ``RequestStatus``) and
+    the tokens the step scheduled for it."""
+    seen: list[tuple[str, int]] = []
+    step = h.step
+
+    def noted() -> Any:
+        req = h.scheduler.requests.get(req_id)
+        status = req.status.name if req is not None else "GONE"
+        out = step()
+        seen.append((status, out.num_scheduled_tokens.get(req_id, 0)))
+        return out
+
+    h.step = noted  # type: ignore[method-assign]
+    return seen
+
+
+def test_a_second_replica_is_served_the_first_ones_prefix_from_the_remote_tier(make: MakeHarness,
+                                                                                tmp_path: Path) -> None:
+    """Two replicas (connector pairs with DRAM tiers of their own) share a real valkey-server:
+    the second is served the first one's prefix from the remote tier, right."""
+    from valkey_server import ValkeyServer, secret_file
+
+    prompt = random_token_prompt(6 * BLOCK + 1, seed=60)
+    with ValkeyServer() as server:
+        remote = {"remote.url": server.url, "remote.secret_file": secret_file(tmp_path)}
+        first = make(extra=kvstrata(tmp_path, **remote))
+        first.run_group([("first", prompt)])
+        first.close()  # its stores are on the server
+        assert server.client().dbsize() >= 6
+        second = make(extra=kvstrata(tmp_path, **remote))
+        (res,) = second.run_group([("second", prompt)])
+    assert res.gpu_hit_tokens == 0 and sum(res.external_hit_tokens.values()) == 6 * BLOCK
+    assert not second.load_errors
+    served_right(second)
+
+
+def test_a_load_over_several_steps_waits_then_is_served_right(make: MakeHarness, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An SSD hit whose reads are slow (each batch read 0.3 s later than the disk returns it:
+    the page cache answers at once here) completes steps after its hand-over: the request
+    waits in WAITING_FOR_REMOTE_KVS meanwhile, and is then served the loaded blocks."""
+    import time
+
+    from kvstrata.tiers.ssd.tier import SSDTier
+
+    cfg = _ssd(tmp_path, **{"load.policy": "always"})
+    prompt = random_token_prompt(6 * BLOCK + 1, seed=61)
+    first = make(extra=cfg)
+    first.run_group([("first", prompt)])
+    first.close()
+    real = SSDTier.get_into
+
+    def slow(self: SSDTier, keys: Any, outs: Any) -> list[bool]:
+        time.sleep(0.3)
+        return real(self, keys, outs)
+
+    monkeypatch.setattr(SSDTier, "get_into", slow)
+    h = make(extra=cfg)
+    seen = _statuses(h, "slow")
+    (res,) = h.run_group([("slow", prompt)])
+    assert sum(res.external_hit_tokens.values()) == 6 * BLOCK
+    waited = [i for i, (status, _) in enumerate(seen) if status == "WAITING_FOR_REMOTE_KVS"]
+    assert len(waited) >= 2 and waited == list(range(waited[0], waited[-1] + 1)), seen  # steps in a row
+    assert all(n == 0 for _, n in seen[:waited[-1]]), seen  # nothing computed while the load ran
+    assert seen[waited[-1]][1] == 1, seen  # then only the prompt's last token: the 6 blocks were loaded
+    assert not h.load_errors
+    served_right(h)
+
+
+def test_a_load_cut_at_its_deadline_reports_only_the_blocks_not_in(make: MakeHarness, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 40-block SSD hit whose second read batch does not return (the first, 32 blocks, does):
+    the load is cut at its deadline (2x its 0.25 s estimate, from fixed ``load.*`` figures) and
+    MRV2's ``post_forward`` reports exactly the 8 blocks not in, never an earlier one, through
+    ``get_block_ids_with_load_errors`` with the request finished receiving; vLLM recomputes
+    them and the forward reads no wrong byte. The stuck read is a stand-in (a disk that stops
+    answering cannot be made here without root tooling): it waits on an Event, then the real
+    read runs."""
+    import threading
+    import time
+
+    from kvstrata.executor import READ_BATCH_BYTES
+    from kvstrata.tiers.ssd.tier import SSDTier
+
+    n, batch = 40, READ_BATCH_BYTES // block_nbytes(BLOCK)
+    assert batch == 32
+    bandwidth = n * block_nbytes(BLOCK) * 4  # the hit's estimate: 0.25 s; its deadline 0.5 s
+    cfg = _ssd(tmp_path, **{"load.policy": "measured", "load.prefill_rate": 1000.0,  # computing it: 0.64 s
+                            "load.ssd_bandwidth": bandwidth, "load.cpu_bandwidth": bandwidth})
+    prompt = random_token_prompt(n * BLOCK + 1, seed=62)
+    first = make(extra=cfg)
+    first.run_group([("first", prompt)])
+    first.close()
+    real, go, calls = SSDTier.get_into, threading.Event(), []
+
+    def stuck_after_one(self: SSDTier, keys: Any, outs: Any) -> list[bool]:
+        calls.append(len(keys))
+        if len(calls) > 1:
+            go.wait(60)
+        return real(self, keys, outs)
+
+    monkeypatch.setattr(SSDTier, "get_into", stuck_after_one)
+    h = make(extra=cfg)
+    ids = _block_ids_at_alloc(h)
+    try:
+        t0 = time.monotonic()
+        (res,) = h.run_group([("cut", prompt)])
+        took = time.monotonic() - t0
+    finally:
+        go.set()
+    assert sum(res.external_hit_tokens.values()) == n * BLOCK  # offered at lookup, loaded whole
+    assert calls[0] == batch and calls[1:] in ([], [n - batch]), calls  # cut before or during the second read
+    assert took < 5, took  # cut at its deadline, not when the read returns
+    assert len(h.load_errors) == 1, h.load_errors
+    (errors,) = h.load_errors
+    assert errors == set(ids["cut"][batch:n]), (errors, ids)
+    served_right(h)
