@@ -17,6 +17,13 @@ beside vLLM's GPU events for the same blocks:
   store every worker finished, a load's promotion, a fetch), never at the
   plan; a ``BlockRemoved`` for a medium once the tier announced as holding a
   block no longer does (evicted, found corrupt, cleared);
+* a block of a state group (Mamba, linear attention: vLLM's kind ``mamba``) is
+  announced as vLLM's ``BlockPool`` announces a prompt's state (0.32 to 0.34 alike):
+  one ``BlockStored`` whose ``token_ids`` run from the prompt's start through the
+  block and whose parent is None, since the group keeps no block before it (vLLM's
+  range of positions, of which only the state at the end is held); where a tag of
+  a position before it was dropped, the block's own tokens under its parent's hash
+  (the one-block range vLLM announces in a decode step);
 * after a restart the blocks the SSD tier already holds are announced as
   ``STORAGE``, with their tokens, as soon as the policy holds them (the SSD
   tier keeps each block's :class:`BlockTag` beside its record, see
@@ -67,6 +74,7 @@ MEDIA = {name: t.medium for name, t in KNOWN.items() if t.medium}
 _TAGGED = frozenset(PERSISTENT)  # the tiers whose records keep the tags beside them
 EVENT_COUNTS = ("stored", "removed", "announced", "untagged", "mismatched")  # KVEvents.counts, per block
 ANNOUNCE_PER_STEP = 4096  # restart announcements per engine step (a step's batch stays small)
+STATE_KIND = "mamba"  # vLLM's KVCacheSpecKind of a state group (Mamba, linear attention)
 _TAG_VERSION = 3  # 2: kvstrata's own extra bytes, to check the tag against the record's key; 3: the KV-cache group
 
 
@@ -377,16 +385,18 @@ class KVEvents:
                     out.append(last)
                 continue
             extra = to_event_extra_keys([tag.extra])
-            if (isinstance(last, self._stored) and last.medium == medium and prev is not None
+            state = tag.group < len(self._kinds) and self._kinds[tag.group][0] == STATE_KIND
+            if (not state and isinstance(last, self._stored) and last.medium == medium and prev is not None
                     and tag.parent_vhash == prev.vhash and tag.lora_name == prev.lora_name and tag.group == prev.group):
                 last.block_hashes.append(vhash)
                 last.token_ids.extend(tag.token_ids())
                 last.extra_keys.extend(extra)
             else:
+                parent, tokens = self._state_range(tag) if state else (tag.parent_vhash, tag.token_ids())
                 last = self._stored(
                     block_hashes=[vhash],
-                    parent_block_hash=maybe_convert_block_hash(tag.parent_vhash) if tag.parent_vhash else None,
-                    token_ids=tag.token_ids(), block_size=self.block_size, lora_id=tag.lora_id,
+                    parent_block_hash=maybe_convert_block_hash(parent) if parent else None,
+                    token_ids=tokens, block_size=self.block_size, lora_id=tag.lora_id,
                     medium=medium, lora_name=tag.lora_name, extra_keys=extra, group_idx=tag.group)
                 if tag.group < len(self._kinds):
                     last.kv_cache_spec_kind, last.kv_cache_spec_sliding_window = self._kinds[tag.group]
@@ -395,14 +405,31 @@ class KVEvents:
         return out
 
 
+    def _state_range(self, tag: BlockTag) -> tuple[bytes | None, list[int]]:
+        """A state block's parent hash and tokens in vLLM's form (see the module docstring):
+        (None, the tokens from the prompt's start through the block), walking the tags of
+        the positions before it (group 0's, by their chain keys); (its parent's hash, its own
+        tokens) when one of those tags is gone or does not continue the chain."""
+        parts, at = [tag.tokens], tag
+        for _ in range(len(self.tags)):  # (a bound: a chain of tags has no cycle)
+            if at.parent_key is None:
+                return None, array("i", b"".join(reversed(parts))).tolist()
+            before = self.tags.get(at.parent_key)
+            if before is None or before.vhash is None or before.vhash != at.parent_vhash:
+                break
+            parts.append(before.tokens)
+            at = before
+        return tag.parent_vhash, tag.token_ids()
+
+
 def event_kinds(kv_cache_config: "KVCacheConfig") -> list[tuple[str, int | None]]:
     """Per KV-cache group, the kind and sliding window vLLM puts on its own ``BlockStored``
     events (0.32 to 0.34); empty where vLLM does not name kinds."""
     try:
-        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
     except ImportError:
         return []
-    return [(get_kv_cache_spec_kind(g.kv_cache_spec).value, getattr(g.kv_cache_spec, "sliding_window", None))
+    return [(get_kv_cache_spec_kind(g.kv_cache_spec).value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
             for g in kv_cache_config.kv_cache_groups]
 
 
