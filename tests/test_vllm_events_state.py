@@ -8,7 +8,8 @@ the hash of the position before the range (None from the prompt's start), one ex
 entry per hash, the group's index and kind (``mamba``). kvstrata's stores of a state block
 take the form vLLM publishes when it caches a prompt's state: the range from the prompt's
 start. The comparison is with what vLLM's own ``BlockPool`` publishes for the same blocks;
-``test_..._under_vllm_034`` runs it under 0.34's sources (``make test`` unpacks them)."""
+``test_..._under_vllm_034`` runs it under 0.34's sources (``make test`` unpacks them); the
+last test compares with vLLM's own GPU events of a Mamba hybrid on the real scheduler."""
 
 from __future__ import annotations
 
@@ -115,8 +116,69 @@ def test_state_group_events_under_vllm_034() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
                VLLM_LOGGING_LEVEL="ERROR")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-k",
-                           "not under_vllm_034", __file__], capture_output=True, text=True, env=env, timeout=300,
+                           "not under_vllm_034 and not hybrids_events", __file__], capture_output=True, text=True, env=env, timeout=300,
                           cwd=str(repo))
     assert proc.returncode == 0 and "3 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
     import vllm  # noqa: F401  (the child ran 0.34's, not this one)
     assert "vllm-0.34.0" not in vllm.__file__
+
+
+def test_a_state_hybrids_events_match_vllms_own_for_the_same_blocks(tmp_path: Any) -> None:
+    """vLLM's real scheduler over a full-attention + Mamba hybrid (``align`` mode) with KV
+    events on, driven as model runner v2 drives the connector (``tests/mrv2_harness.py``):
+    every state-group ``BlockStored`` kvstrata sends for the DRAM tier carries the parent and
+    tokens of vLLM's own GPU event for the same block hash, and the tokens hash, with vLLM's
+    hash function, to that block hash."""
+    from mrv2_harness import MRV2Harness
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
+    from vllm_sched import block_nbytes
+    from vllm_util import build_tiny_llama, random_token_prompt
+
+    class WithEvents(MRV2Harness):
+        def _build_worker(self, vllm_config: Any, kv_cache_config: Any) -> None:
+            from vllm.config import KVEventsConfig
+
+            vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+            super()._build_worker(vllm_config, kv_cache_config)
+
+    block = 16
+    h = WithEvents(str(build_tiny_llama(tmp_path / "tiny-llama")), block_size=block, num_gpu_blocks=14,
+                   hybrid=["state"], kv_connector_extra_config={"cpu.capacity": 64 * block_nbytes(block),
+                                                                "ssd.capacity": 0})
+    try:
+        ours: list[Any] = []
+        gpu: list[Any] = []
+        h.connector.take_events = _noting(h.connector.take_events, ours)  # type: ignore[method-assign]
+        manager = h.scheduler.kv_cache_manager
+        manager.take_events = _noting(manager.take_events, gpu)  # type: ignore[method-assign]
+        for i in range(4):
+            h.run_group([(f"p{i}", random_token_prompt(4 * block + 1, seed=70 + i))])
+    finally:
+        h.close()
+    state = [e for e in ours if getattr(e, "kv_cache_spec_kind", None) == "mamba" and hasattr(e, "token_ids")]
+    assert state, [type(e).__name__ for e in ours]
+    vllm_state = {e.block_hashes[-1]: e for e in gpu if getattr(e, "kv_cache_spec_kind", None) == "mamba"
+                  and hasattr(e, "token_ids") and e.block_hashes}
+    for e in state:
+        assert e.medium == "CPU" and len(e.block_hashes) == 1
+        want = vllm_state[e.block_hashes[0]]
+        assert (e.parent_block_hash, e.token_ids, e.group_idx) == (want.parent_block_hash, want.token_ids,
+                                                                   want.group_idx)
+        chain = None
+        for lo in range(0, len(e.token_ids), block):
+            chain = hash_block_tokens(_hash_fn(), chain, e.token_ids[lo:lo + block], None)
+        assert maybe_convert_block_hash(chain) == e.block_hashes[0]
+
+
+def _hash_fn() -> Any:
+    from vllm.utils.hashing import sha256
+
+    return sha256
+
+
+def _noting(fn: Any, into: list[Any]) -> Any:
+    def taken() -> Any:
+        events = fn()
+        into.extend(events)
+        return events
+    return taken
