@@ -1,10 +1,16 @@
 """A state hybrid on the real vLLM engine (CPU build): a tiny Qwen3-Next, three Gated DeltaNet
 (linear attention) layers and one full-attention layer, in bfloat16. With prefix caching vLLM
 keeps the linear-attention state of each block position it cached (``mamba_cache_mode``
-align, 256-token blocks here). With kvstrata it starts, and a prefix hit from the DRAM, SSD
-and remote tiers, a restart included, loads the full-attention blocks and the state at the
-hit point: outputs and log-probabilities are those of recompute, and the loaded pages (the
-states included) are the pages stored, byte for byte."""
+align). With kvstrata it starts, and a prefix hit from the DRAM, SSD and remote tiers, a
+restart included, loads the full-attention blocks and the state at the hit point: outputs
+and log-probabilities are those of recompute, and the loaded pages (the states included)
+are the pages stored, byte for byte.
+
+The block size is the engine's, read back from it, never assumed: vLLM raises it until an
+attention page holds a state page, and its CPU build keeps Gated DeltaNet states in float32
+on CPUs with AVX512-BF16 (its accelerated GDN kernel: 66 KiB per state, 256-token blocks)
+but in bfloat16 elsewhere (34 KiB, 128-token blocks). A prompt's first chunk then ends at
+1,024 or 1,152 tokens, where vLLM caches the state: that is the hit point."""
 
 from __future__ import annotations
 
@@ -22,8 +28,7 @@ pytestmark = [
 from test_vllm_hybrid import pages_round_trip, same  # noqa: E402
 from vllm_util import build_tiny_qwen3_next, random_token_prompt, run_in_subprocess  # noqa: E402
 
-BLOCK = 256                                            # vLLM raises the block size to the state page
-PROMPT = random_token_prompt(1200, seed=1)             # prefilled as 1,024 tokens (4 blocks), then the rest
+PROMPT = random_token_prompt(1200, seed=1)  # prefilled up to its last whole block, then the rest
 SHIFTED = PROMPT[:600] + [PROMPT[600] + 1] + PROMPT[601:]
 ENGINE = {"dtype": "bfloat16", "block_size": None, "max_model_len": 4096}
 KV_BYTES = 64 << 20
@@ -38,8 +43,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def baseline(model: str) -> dict[str, Any]:
     out = run_in_subprocess({"model": model, "engine": ENGINE, "kv_bytes": KV_BYTES,
-                             "steps": [{"prompts": [PROMPT]}, {"prompts": [SHIFTED]}]})
-    return {"prompt": out["steps"][0], "shifted": out["steps"][1], "num_gpu_blocks": out["num_gpu_blocks"]}
+                             "steps": [{"prompts": [PROMPT]}, {"prompts": [SHIFTED]}, {"prompts": [PROMPT]}]})
+    block, (hit,) = out["block_size"], out["steps"][2]["cached"]
+    # vLLM alone hits PROMPT again at the state it cached at its first chunk's end: the last
+    # whole block before the prompt's last token
+    assert hit == (len(PROMPT) - 1) // block * block > 0
+    return {"prompt": out["steps"][0], "shifted": out["steps"][1], "num_gpu_blocks": out["num_gpu_blocks"],
+            "block_size": block, "hit": hit}
 
 
 def run(model: str, cfg: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -57,13 +67,14 @@ def test_a_state_hybrid_starts_and_dram_hits_load_the_state(model: str, baseline
     out = run(model, {"cpu.capacity": "64MiB", "ssd.capacity": 0},
               [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}])
     first, _, again = out["steps"]
-    assert out["num_gpu_blocks"] == baseline["num_gpu_blocks"]
+    assert (out["num_gpu_blocks"], out["block_size"]) == (baseline["num_gpu_blocks"], baseline["block_size"])
     assert same(first, baseline["prompt"])
-    # the state vLLM cached at 1,024 tokens (its first chunk's end) is the hit point
-    assert again["external_hits"] == 4 * BLOCK and again["by_source"] == {"host": 4 * BLOCK}
+    # the state vLLM cached at its first chunk's end (where vLLM alone hits) is the hit point
+    hit = baseline["hit"]
+    assert again["external_hits"] == hit and again["by_source"] == {"host": hit}
     assert same(again, baseline["prompt"])
-    # 4 full-attention blocks and, per linear-attention layer, the state after block 3
-    pages_round_trip(out, 4 + STATES)
+    # the full-attention blocks up to the hit and, per linear-attention layer, the state after the last
+    pages_round_trip(out, hit // baseline["block_size"] + STATES)
 
 
 @pytest.mark.long
@@ -72,9 +83,10 @@ def test_a_new_engine_loads_the_state_from_ssd(model: str, baseline: dict[str, A
     writer = run(model, cfg, [{"prompts": [PROMPT]}])
     out = run(model, cfg, [{"prompts": [PROMPT]}])
     (again,) = out["steps"]
-    assert again["external_hits"] == 4 * BLOCK and again["by_source"] == {"disk": 4 * BLOCK}
+    hit = baseline["hit"]
+    assert again["external_hits"] == hit and again["by_source"] == {"disk": hit}
     assert same(again, baseline["prompt"])
-    pages_round_trip(out, 4 + STATES, writer)
+    pages_round_trip(out, hit // baseline["block_size"] + STATES, writer)
 
 
 @pytest.mark.long
@@ -88,9 +100,10 @@ def test_a_second_engine_loads_the_state_from_the_remote_tier(model: str, baseli
         writer = run(model, cfg, [{"prompts": [PROMPT]}])
         out = run(model, cfg, [{"prompts": [PROMPT]}])
     (again,) = out["steps"]
-    assert again["external_hits"] == 4 * BLOCK and again["by_source"] == {"external_unspecified": 4 * BLOCK}
+    hit = baseline["hit"]
+    assert again["external_hits"] == hit and again["by_source"] == {"external_unspecified": hit}
     assert same(again, baseline["prompt"])
-    pages_round_trip(out, 4 + STATES, writer)
+    pages_round_trip(out, hit // baseline["block_size"] + STATES, writer)
 
 
 @pytest.mark.long

@@ -436,6 +436,7 @@ def run_scenario(spec: dict[str, Any]) -> dict[str, Any]:
             **({"pages": pages} if pages is not None else {}),
             **({"load": _load_stats(llm)} if spec.get("load_stats") else {}),
             "num_gpu_blocks": _num_gpu_blocks(llm),
+            "block_size": llm.collective_rpc(_block_size)[0],
             "executor": llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
             "threads": [dict(t) for t in llm.collective_rpc(_thread_binding)]}
 
@@ -572,6 +573,12 @@ def _num_gpu_blocks(llm: Any) -> int | None:
 def _sampled_logprobs(completion: Any) -> list[float]:
     """Log-probability of each sampled token: sensitive to every bit of the KV it attended to."""
     return [float(lp[tok].logprob) for tok, lp in zip(completion.token_ids, completion.logprobs or [])]
+
+
+def _block_size(worker: Any) -> int:
+    """The block size the engine runs with: vLLM resolves it in the workers (a hybrid's
+    attention block grows to the state page, whose size can depend on the CPU)."""
+    return int(worker.vllm_config.cache_config.block_size)
 
 
 def _getpid(*_: Any) -> int:
