@@ -150,7 +150,7 @@ def test_recorded_estimates_become_the_load_figures_the_deployment_did_not_fix()
     measured = {"block_nbytes": NBYTES, "load": {"block_seconds": {"cpu": 1e-5, "ssd": 0.1, "remote": 0.0},
                                                  "latency_seconds": {"cpu": 0.0, "ssd": 0.003, "remote": 0.5},
                                                  "token_seconds": 1e-3, "attended_seconds": 1e-9}}
-    assert recorded_load(measured) == {"cpu_bandwidth": int(NBYTES / 1e-5), "ssd_bandwidth": int(NBYTES / 0.1),
+    assert recorded_load(measured) == {"cpu_bandwidth": round(NBYTES / 1e-5), "ssd_bandwidth": round(NBYTES / 0.1),
                                        "ssd_latency": 0.003,  # the remote's has no bandwidth to be part of
                                        "prefill_rate": pytest.approx(1e3), "attention_rate": pytest.approx(1e9)}
     deployment = recorded_deployment(config(Path("/nonexistent"), **{"load.ssd_bandwidth": "1GiB"}), block_size=BS,
@@ -158,7 +158,7 @@ def test_recorded_estimates_become_the_load_figures_the_deployment_did_not_fix()
                                      engine={"name": "test", "version": "0"})
     cfg = recorded_config(deployment, ["load.prefill_rate=500"], measured)
     assert cfg.load.ssd_bandwidth == 1 << 30 and cfg.load.ssd_latency is None  # fixed while recording: kept, as the plugin had it
-    assert cfg.load.cpu_bandwidth == int(NBYTES / 1e-5) and cfg.load.prefill_rate == 500  # --set wins
+    assert cfg.load.cpu_bandwidth == round(NBYTES / 1e-5) and cfg.load.prefill_rate == 500  # --set wins
     assert recorded_load({"block_nbytes": NBYTES, "load": {"attended_seconds": 1e-9}}) == {}  # no rate to be part of
 
 
