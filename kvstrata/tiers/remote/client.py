@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from kvstrata.credentials import redact_url
-from kvstrata.tiers.remote.breaker import Breaker
+from kvstrata.breaker import Breaker
 
 __all__ = ["connect", "Pipelines", "UNANSWERED", "shown"]
 

@@ -23,7 +23,7 @@ Never blocks or breaks the engine:
   moves the tier to a new generation, and nothing written before is read again.
   While the generation is unknown (not yet joined, a bump not yet made, a worker
   not yet told) reads miss and puts drop, counted as refused.
-* A :class:`~kvstrata.tiers.remote.breaker.Breaker` opens after repeated
+* A :class:`~kvstrata.breaker.Breaker` opens after repeated
   connection failures or timeouts: reads miss and writes drop at once until a
   probe succeeds. A server that is down at start-up is logged, not fatal. On a
   cluster every round trip is split by node, each node with a breaker of its
@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from kvstrata.credentials import redact_url, url_has_password
-from kvstrata.tiers.remote.breaker import Breaker
+from kvstrata.breaker import Breaker
 from kvstrata.tiers.remote.client import UNANSWERED, Pipelines, connect
 from kvstrata.tiers.remote.generation import GENERATION_KEY, Generation, Scoped
 from kvstrata.tiers.remote.watch import COUNTERS, INFO_EVERY, ServerWatch
