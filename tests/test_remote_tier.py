@@ -172,20 +172,22 @@ def test_a_killed_server_costs_misses_within_the_deadline_and_a_restart_closes_t
 def test_a_paused_server_is_a_timeout_not_a_hang(server) -> None:
     keys, rows = blocks(4)
     t = tier(server, timeout=0.2)
-    fill(t, keys, rows)
-    server.client().execute_command("CLIENT", "PAUSE", "1500", "ALL")
-    out = np.zeros_like(rows)
-    start = time.monotonic()
-    assert t.get_into(keys, out) == 0
-    assert time.monotonic() - start < 0.6
-    assert t.stats()["timeouts"] == 1
-    assert t.get_into(keys, out) == 0  # the reader is still stuck: refused at once
-    time.sleep(1.6)
-    deadline = time.monotonic() + 5
-    while t.get_into(keys, out) != 4 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert np.array_equal(out, rows)
-    t.close()
+    try:  # closed whatever fails: a tier left open keeps logging into later tests
+        fill(t, keys, rows)
+        server.client().execute_command("CLIENT", "PAUSE", "1500", "ALL")
+        out = np.zeros_like(rows)
+        start = time.monotonic()
+        assert t.get_into(keys, out) == 0
+        assert time.monotonic() - start < 0.6
+        assert t.stats()["timeouts"] == 1
+        assert t.get_into(keys, out) == 0  # the reader is still stuck: refused at once
+        time.sleep(1.6)
+        deadline = time.monotonic() + 5
+        while t.get_into(keys, out) != 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert np.array_equal(out, rows)
+    finally:
+        t.close()
 
 
 def test_past_maxmemory_the_server_evicts_and_the_prefix_stops_at_the_first_evicted_block() -> None:

@@ -280,8 +280,8 @@ class RemoteTier(Scoped):
         except cf.TimeoutError:
             self.count("timeouts")
             self.watch.failed(what, TimeoutError(f"no answer within {self.timeout:g} s"))
-        except Exception as exc:
-            self.count("errors")
+        except Exception as exc:  # a socket's own timeout is a late answer too, whichever clock fired first
+            self.count("timeouts" if _late(exc) else "errors")
             self.watch.failed(what, exc)
         return None
 
@@ -470,3 +470,10 @@ def replace_squatters(pipes: Pipelines, batch: list[tuple[bytes, bytearray]], va
     value_of = {batch[i][0]: values[i] for i in stale}
     pipes.run(list(value_of), lambda pipe, k: pipe.set(k, value_of[k]), 1, None, strict=False)
     return len(stale), sum(len(values[i]) for i in stale)
+
+
+def _late(exc: BaseException) -> bool:
+    """Whether ``exc`` is a read's socket giving up on an answer (not another failure)."""
+    from redis.exceptions import TimeoutError as SocketTimeout
+
+    return isinstance(exc, (TimeoutError, SocketTimeout))
