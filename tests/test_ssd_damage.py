@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvstrata.tiers.ssd import SSDTier
 
@@ -139,6 +140,7 @@ for trial, kind in enumerate(json.loads(sys.argv[4])):
 """
 
 
+@pytest.mark.long
 def test_damage_to_a_closed_index_never_signals_the_owner(tmp_path):
     base = tmp_path / "base"
     build_base(base)

@@ -64,11 +64,13 @@ def test_plugin_entry_point_is_declared() -> None:
     assert names.get("kvstrata") == "kvstrata.connectors.vllm:register"
 
 
+@pytest.mark.long
 def test_model_is_context_sensitive(baseline: dict[str, Any]) -> None:
     a, b = baseline["prompt"]["logprobs"][0], baseline["shifted"]["logprobs"][0]
     assert max(abs(x - y) for x, y in zip(a, b)) > 100 * TOL
 
 
+@pytest.mark.long
 def test_cpu_tier_serves_prefix_after_reset(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
     spec = {"model": model, "kvstrata": kvstrata(tmp_path),
             "steps": [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}]}
@@ -81,6 +83,7 @@ def test_cpu_tier_serves_prefix_after_reset(model: str, baseline: dict[str, Any]
     assert again["cached"][0] == 21 * BLOCK
 
 
+@pytest.mark.long
 def test_sleep_hooks_between_requests(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
     """unregister_kv_caches / restore_kv_caches (vLLM 0.33's sleep mode) between requests:
     the KV memory is overwritten in between, and afterwards the prefix still loads from
@@ -95,6 +98,7 @@ def test_sleep_hooks_between_requests(model: str, baseline: dict[str, Any], tmp_
     assert same(shifted, baseline["shifted"])
 
 
+@pytest.mark.long
 def test_cache_salt_isolates_tenants(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
     steps = [{"prompts": [PROMPT], "salt": "tenant-a"}, {"reset": True},
              {"prompts": [PROMPT], "salt": "tenant-b"}, {"reset": True},
@@ -116,6 +120,7 @@ def _store_then_reload(model: str, tmp_path: Path, **env_opts: Any) -> tuple[dic
     return first, cfg
 
 
+@pytest.mark.long
 def test_new_engine_serves_from_ssd(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
     first, cfg = _store_then_reload(model, tmp_path)
     assert same(first, baseline["prompt"])
@@ -191,6 +196,7 @@ def test_corrupted_ssd_tier_costs_only_recomputation(model: str, baseline: dict[
     assert same(again, baseline["prompt"])
 
 
+@pytest.mark.long
 def test_overflow_cascades_from_cpu_to_ssd(model: str, baseline: dict[str, Any], tmp_path: Path) -> None:
     # 16 CPU slots for 63 blocks; no write-through: blocks reach SSD only when evicted.
     cfg = kvstrata(tmp_path, **{"cpu.capacity": 16 * BLOCK_BYTES, "spill.write_through": False})
@@ -214,6 +220,7 @@ def test_multiprocess_engine(model: str, baseline: dict[str, Any], tmp_path: Pat
     assert result["engine_pids"] and os.getpid() not in result["engine_pids"]
 
 
+@pytest.mark.long
 def test_unknown_extra_config_key_fails_start_up(model: str, tmp_path: Path) -> None:
     spec = {"model": model, "kvstrata": kvstrata(tmp_path, **{"cpu.capcity": "1GiB"}),
             "steps": [{"prompts": [PROMPT]}]}

@@ -56,6 +56,7 @@ def engine(model: str, tmp_path: Path, ssd_capacity: str, tick: list[int]) -> tu
     return spec, all_events(run_in_subprocess(spec))
 
 
+@pytest.mark.long
 def test_events_carry_vllm_hashes_and_tokens_and_survive_a_restart(model: str, tmp_path: Path) -> None:
     spec, first = engine(model, tmp_path, "256MiB", TICKS[0])
     gpu = blocks(first, "BlockStored", "GPU")
@@ -105,6 +106,7 @@ def test_events_carry_vllm_hashes_and_tokens_and_survive_a_restart(model: str, t
         assert b["parent"] is None or announced[b["parent"]]["at"] <= b["at"]
 
 
+@pytest.mark.long
 def test_blocks_leaving_the_ssd_tier_are_removed_from_storage(model: str, tmp_path: Path) -> None:
     _, events = engine(model, tmp_path, "3MiB", TICKS[2])
     stored = blocks(events, "BlockStored", "STORAGE")

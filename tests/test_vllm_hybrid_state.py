@@ -57,11 +57,13 @@ def run(model: str, cfg: dict[str, Any], steps: list[dict[str, Any]]) -> dict[st
                               "steps": steps})
 
 
+@pytest.mark.long
 def test_model_is_context_sensitive(baseline: dict[str, Any]) -> None:
     a, b = baseline["prompt"]["logprobs"][0], baseline["shifted"]["logprobs"][0]
     assert max(abs(x - y) for x, y in zip(a, b)) > 1e-3
 
 
+@pytest.mark.long
 def test_a_state_hybrid_starts_and_dram_hits_load_the_state(model: str, baseline: dict[str, Any],
                                                              tmp_path: Path) -> None:
     out = run(model, {"cpu.capacity": "64MiB", "ssd.capacity": 0},
