@@ -72,6 +72,7 @@ def test_capacity_points_are_fractions_of_the_working_set() -> None:
     assert capacity_points(10) == [(1, 4), (1, 5)]  # a small trace: fewer, smaller points, none repeated
 
 
+@pytest.mark.long
 def test_forked_workers_replay_the_same_rows_as_one_process() -> None:
     trace = generate(scale=0.1)
     cfg = KVStrataConfig.from_dict({})

@@ -103,21 +103,11 @@ def test_full_attention_blocks_keep_their_chain_beside_a_state_block() -> None:
     assert state.block_hashes == full[0].block_hashes[2:] and state.token_ids == tokens[:3 * BS]
 
 
+@pytest.mark.long
 def test_state_group_events_under_vllm_034() -> None:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from vllm_api import pytest_under
 
-    repo = Path(__file__).resolve().parents[1]
-    src = repo / ".venv" / "vllm-0.34.0"
-    if not (src / "vllm" / "distributed").is_dir():
-        pytest.skip(f"{src} is missing: run `make test` (or python tests/vllm_api.py {src} 0.34.0)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
-               VLLM_LOGGING_LEVEL="ERROR")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-k",
-                           "not under_vllm_034 and not hybrids_events", __file__], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=str(repo))
+    proc = pytest_under("0.34.0", "-k", "not under_vllm_034 and not hybrids_events", __file__)
     assert proc.returncode == 0 and "3 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
     import vllm  # noqa: F401  (the child ran 0.34's, not this one)
     assert "vllm-0.34.0" not in vllm.__file__

@@ -270,19 +270,9 @@ def test_stored_events_name_their_group_kind_as_vllm_034_does() -> None:
         (0, "full_attention", None)
 
 
+@pytest.mark.long
 def test_stored_events_name_their_group_kind_under_vllm_034() -> None:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from vllm_api import pytest_under
 
-    repo = Path(__file__).resolve().parents[1]
-    src = repo / ".venv" / "vllm-0.34.0"
-    if not (src / "vllm" / "distributed").is_dir():
-        pytest.skip(f"{src} is missing: run `make test` (or python tests/vllm_api.py {src} 0.34.0)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
-               VLLM_LOGGING_LEVEL="ERROR")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                           f"{__file__}::test_stored_events_name_their_group_kind_as_vllm_034_does"],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=str(repo))
+    proc = pytest_under("0.34.0", f"{__file__}::test_stored_events_name_their_group_kind_as_vllm_034_does")
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -70,11 +70,13 @@ def pages_round_trip(out: dict[str, Any], min_loaded: int, *writers: dict[str, A
     assert {k: stored.get(k) for k in loaded} == loaded
 
 
+@pytest.mark.long
 def test_model_is_context_sensitive(baseline: dict[str, Any]) -> None:
     a, b = baseline["prompt"]["logprobs"][0], baseline["shifted"]["logprobs"][0]
     assert max(abs(x - y) for x, y in zip(a, b)) > 10 * TOL
 
 
+@pytest.mark.long
 def test_hybrid_allocator_stays_on_and_dram_hits_match_recompute(model: str, baseline: dict[str, Any],
                                                                   tmp_path: Path) -> None:
     cfg = {"cpu.capacity": "16MiB", "ssd.capacity": 0, "trace.path": str(tmp_path / "rec"), "trace.insecure_hashes": True}

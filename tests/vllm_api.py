@@ -17,6 +17,28 @@ import zipfile
 from pathlib import Path
 
 VERSION = "0.33.0"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sources(version: str) -> Path:
+    """Where ``make test`` keeps that release's sources."""
+    return REPO / ".venv" / f"vllm-{version}"
+
+
+def pytest_under(version: str, *args: str) -> "subprocess.CompletedProcess[str]":
+    """``pytest args`` in a child process whose ``import vllm`` is that release's sources over
+    the installed dependencies (the test is skipped, naming the command, when they are missing)."""
+    import os
+
+    import pytest
+
+    src = sources(version)
+    if not (src / "vllm" / "distributed").is_dir():
+        pytest.skip(f"{src} is missing: run `make test` (or python tests/vllm_api.py {src} {version})")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
+               VLLM_LOGGING_LEVEL="ERROR")
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *args],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=str(REPO))
 
 
 def fetch(dest: Path, version: str = VERSION) -> None:
