@@ -31,7 +31,9 @@ def test_measured_serves_a_slow_disk_as_fast_as_recompute_and_always_waits_for_i
     out = measure(args, tmp_path, real_speed=False, remote=False)["ssd"]
     always, measured = out["always, SSD 6 MiB/s"], out["measured, SSD 6 MiB/s"]
     assert all(r["outputs_identical"] for r in out.values())
-    assert always["loaded_tokens"] > 0 and always["mean_ratio"] > 2  # the disk is slower than recompute
+    # the disk is slower than recompute: by 2x and more on a CPU with AVX-512, by 1.3-1.4x on an AVX2-only
+    # one, whose slower compute brings recompute closer to the 6 MiB/s disk
+    assert always["loaded_tokens"] > 0 and always["mean_ratio"] > 1.15
     # the timed hits are computed (the warm-up's loads gave the disk's first samples), but for
     # a probe of the disk once a minute: 1 MiB of a hit (2 blocks of 32 tokens here)
     assert 0 < measured["load"]["decisions"]["ssd"]["recomputed"]
