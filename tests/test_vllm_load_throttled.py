@@ -1,5 +1,5 @@
 """Load or recompute on the real vLLM engine (CPU build) over a disk slower than recompute:
-the SSD tier on a loop device whose reads a blkio cgroup throttles to 6 MiB/s
+the SSD tier on a loop device whose reads a blkio cgroup throttles to 3 MiB/s
 (``tests/throttled_disk.py``: needs root and cgroup v1, as CI has; set up and removed
 here). ``measured`` (the default) serves the prompts about as fast as vLLM alone
 recomputes them; ``always`` waits for the disk. ``benchmarks/bench_load_policy.py`` is the
@@ -27,13 +27,13 @@ from bench_load_policy import measure  # noqa: E402
 
 def test_measured_serves_a_slow_disk_as_fast_as_recompute_and_always_waits_for_it(tmp_path: Path) -> None:
     """The engines side by side, taking turns prompt by prompt (see the benchmark)."""
-    args = argparse.Namespace(prompts=6, tokens=1024, read_mib=6, ssd_mib=256, disk_mib=1024)
+    args = argparse.Namespace(prompts=6, tokens=1024, read_mib=3, ssd_mib=256, disk_mib=1024)
     out = measure(args, tmp_path, real_speed=False, remote=False)["ssd"]
-    always, measured = out["always, SSD 6 MiB/s"], out["measured, SSD 6 MiB/s"]
+    always, measured = out["always, SSD 3 MiB/s"], out["measured, SSD 3 MiB/s"]
     assert all(r["outputs_identical"] for r in out.values())
-    # the disk is slower than recompute: by 2x and more on a CPU with AVX-512, by 1.3-1.4x on an AVX2-only
-    # one, whose slower compute brings recompute closer to the 6 MiB/s disk
-    assert always["loaded_tokens"] > 0 and always["mean_ratio"] > 1.15
+    # the disk is clearly slower than recompute: 3 MiB/s, since a CPU without AVX-512 recomputes slower
+    # (6 MiB/s was only 1.3-1.4x recompute there, close enough for measured to load some hits)
+    assert always["loaded_tokens"] > 0 and always["mean_ratio"] > 2
     # the timed hits are computed (the warm-up's loads gave the disk's first samples), but for
     # a probe of the disk once a minute: 1 MiB of a hit (2 blocks of 32 tokens here)
     assert 0 < measured["load"]["decisions"]["ssd"]["recomputed"]
