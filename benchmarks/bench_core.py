@@ -16,7 +16,7 @@ import time
 from typing import Callable
 
 from kvstrata import BlockHasher, BlockManager
-from kvstrata.block_pool import Block, FreeBlockQueue
+from kvstrata.pool.blocks import Block, FreeBlockQueue
 
 PROMPT = list(range(1000, 1000 + 8192))
 BS = 16
@@ -139,8 +139,8 @@ def main() -> None:
         qv = statistics.median(p[1] for p in pairs)
         print(f"                                  vLLM   {qv * 1e9:.0f} ns/op  (ratio vLLM/kvstrata time {qv / qt:.2f}x)")
 
-    from kvstrata.policy.order_cost import policy_ns_per_op
-    from kvstrata.values import EVICTIONS
+    from kvstrata.policy.order_overhead import policy_ns_per_op
+    from kvstrata.system.values import EVICTIONS
 
     print("tier eviction orders, SlotIndex of 65,536 slots, 200,000 skewed lookups (touch or place), best of 3:")
     cost = {ev: min(policy_ns_per_op(ev, seed=r) for r in range(3)) for ev in EVICTIONS}

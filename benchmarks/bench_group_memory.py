@@ -30,7 +30,7 @@ def _rss() -> int:
 def measure(groups: int, rows: int, requests: int) -> dict[str, float]:
     """Bytes the replay holds once built and once ``requests`` requests of 8 blocks went through."""
     from kvstrata.bench.replay import ReplayOptions, replaying
-    from kvstrata.config import KVStrataConfig
+    from kvstrata.config.schema import KVStrataConfig
     from kvstrata.trace.requests import Request
 
     cfg = KVStrataConfig.from_dict({"model": {"block_nbytes": 1024, "groups": ",".join(["full"] * groups)},

@@ -154,7 +154,7 @@ setup() {
   "$PY" - <<'PY'
 import os, sys
 import lmdb, torch, zstandard
-import kvstrata, kvstrata.connectors.kv_layout
+import kvstrata, kvstrata.connectors.kit.kv_layout
 site = os.environ["SITE"]
 assert kvstrata.__file__.startswith(site), f"kvstrata imported from {kvstrata.__file__}, not the installed wheel in {site}"
 print("torch", torch.__version__, "| lmdb", lmdb.__version__, "| zstandard", zstandard.__version__,

@@ -14,7 +14,7 @@
   ``kv_block_*`` histograms, which holds each followed block's key and two
   times; the keys are made inside the measurement and dropped by the caller,
   as finished requests drop theirs. Every block followed, against the
-  sampling the scheduler uses (``kvstrata.metrics.lifecycle_sampling``).
+  sampling the scheduler uses (``kvstrata.core.metrics.lifecycle_sampling``).
 
     .venv/bin/python benchmarks/scale_policy.py [--blocks 100000 1000000] [--key-bytes 32] [--steady]
 """
@@ -73,7 +73,7 @@ def policy_memory(blocks: tuple[int, ...] = (100_000, 1_000_000), key_bytes: int
 def steady_memory(blocks: tuple[int, ...] = (1_000_000,), key_bytes: int = 32) -> list[dict]:
     """Bytes per SSD block the scheduler half keeps after storing ``n`` blocks: its policy
     with the lifecycle recorder it runs, every block followed or sampled."""
-    from kvstrata.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampling
+    from kvstrata.core.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampling
 
     out = []
     for n in blocks:

@@ -79,8 +79,9 @@ def build(model: str, ssd: Path, records: int, block_size: int) -> list[int]:
     """A tier of ``records`` blocks under the model's namespace, closed cleanly: one prompt
     stored through the connector (returned), the rest written straight into the tier."""
     from kvstrata.tiers.ssd import SSDTier
-    from kvstrata.connectors.vllm_common import engine_ranks, ssd_root
-    from kvstrata.connectors.vllm_common import load_config
+    from kvstrata.connectors.kit.ranks import ssd_root
+    from kvstrata.connectors.vllm.common import engine_ranks
+    from kvstrata.connectors.vllm.common import load_config
 
     extra = _extra(ssd, records, block_size)
     prompt = random_token_prompt(2 * block_size + 1, seed=7)

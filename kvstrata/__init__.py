@@ -10,23 +10,23 @@ import importlib
 from typing import Any
 
 from kvstrata.errors import ConfigError, OutOfBlocksError
-from kvstrata.identity import FORMAT_VERSION
+from kvstrata.identity.fingerprint import FORMAT_VERSION
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "KVStrataConfig": "kvstrata.config",
-    "parse_size": "kvstrata.config",
-    "BlockHasher": "kvstrata.hashing",
-    "BlockManager": "kvstrata.block_pool",
-    "Allocation": "kvstrata.block_pool",
+    "KVStrataConfig": "kvstrata.config.schema",
+    "parse_size": "kvstrata.config.schema",
+    "BlockHasher": "kvstrata.identity.hashing",
+    "BlockManager": "kvstrata.pool.blocks",
+    "Allocation": "kvstrata.pool.blocks",
     "CPUTier": "kvstrata.tiers.host",
     "SlotIndex": "kvstrata.policy.slot_index",
     "TierPolicy": "kvstrata.policy.manager",
     "PolicySpec": "kvstrata.policy.spec",
-    "Fingerprint": "kvstrata.identity",
+    "Fingerprint": "kvstrata.identity.fingerprint",
     "SSDTier": "kvstrata.tiers.ssd",
-    "TieredKVCache": "kvstrata.tiered",
+    "TieredKVCache": "kvstrata.library.tiered",
 }
 
 __all__ = ["ConfigError", "OutOfBlocksError", "FORMAT_VERSION", "__version__", *_LAZY]

@@ -159,7 +159,7 @@ class FakeDevice:
         self.violations: list[str] = []
         self.queries = 0
 
-    # the kvstrata.streams.Streams interface
+    # the kvstrata.kernels.streams.Streams interface
     def current(self) -> FakeStream:
         return self.compute
 

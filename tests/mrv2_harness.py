@@ -141,7 +141,7 @@ class MRV2Harness(SchedulerHarness):
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-        from kvstrata.connectors.vllm_connector import KVStrataConnector
+        from kvstrata.connectors.vllm.connector import KVStrataConnector
 
         connector = KVStrataConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         kv_transfer_state._KV_CONNECTOR_AGENT = connector

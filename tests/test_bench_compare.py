@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from kvstrata.bench.compare import ALPHAS, capacity_points, compare
 from kvstrata.bench.optimal import belady_hits
 from kvstrata.bench.workloads import generate
-from kvstrata.cli import main
-from kvstrata.config import KVStrataConfig
-from kvstrata.values import EVICTIONS, TIER_ADMISSIONS
+from kvstrata.cli.main import main
+from kvstrata.config.schema import KVStrataConfig
+from kvstrata.system.values import EVICTIONS, TIER_ADMISSIONS
 
 SCALE = "0.3"
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstrata.bench.lifelog import LifecycleLog
-from kvstrata.metrics import Lifecycle
+from kvstrata.core.metrics import Lifecycle
 
 EVENTS = st.lists(st.tuples(st.sampled_from(["enter", "access", "leave"]), st.integers(0, 4),
                             st.integers(0, 3)), max_size=80)

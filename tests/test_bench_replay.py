@@ -9,7 +9,7 @@ import pytest
 from kvstrata.bench.replay import ReplayOptions, config_for_trace, replay, tier_capacities
 from kvstrata.trace.reader import TraceBuilder, load_trace
 from kvstrata.bench.workloads import generate
-from kvstrata.config import KVStrataConfig
+from kvstrata.config.schema import KVStrataConfig
 
 DATA = Path(__file__).parent / "data"
 

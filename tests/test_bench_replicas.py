@@ -12,8 +12,8 @@ from kvstrata.bench.remote import SharedRemote
 from kvstrata.bench.replicas import replay_replicas, replicas_report, render_replicas
 from kvstrata.trace.reader import TraceBuilder
 from kvstrata.bench.workloads import generate
-from kvstrata.cli import main
-from kvstrata.config import KVStrataConfig
+from kvstrata.cli.main import main
+from kvstrata.config.schema import KVStrataConfig
 
 
 def cfg(tmp_path: Path, *, gpu: int = 100, cpu: int = 0, ssd: int = 0, remote: int | None = 64) -> KVStrataConfig:

@@ -25,7 +25,7 @@ from kvstrata.bench.replay import ReplayError, ReplayOptions, replay, replaying
 from kvstrata.bench.stackdist import StackDistances
 from kvstrata.bench.stats import RELATIVE_ERROR, Quantiles
 from kvstrata.trace.reader import Request, TraceError, TraceReader, load_trace
-from kvstrata.config import KVStrataConfig
+from kvstrata.config.schema import KVStrataConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
@@ -155,7 +155,7 @@ def test_dense_ids_do_not_grow_with_repeated_accesses(tmp_path: Path) -> None:
 
 
 def peak_rss_kib(trace: Path) -> int:
-    proc = subprocess.Popen([sys.executable, "-m", "kvstrata.cli", "bench", "--trace", str(trace), "--quiet"],
+    proc = subprocess.Popen([sys.executable, "-m", "kvstrata.cli.main", "bench", "--trace", str(trace), "--quiet"],
                             cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
                             stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)

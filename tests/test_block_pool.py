@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvstrata import BlockHasher, BlockManager, OutOfBlocksError
-from kvstrata.block_pool import Block, FreeBlockQueue
+from kvstrata.pool.blocks import Block, FreeBlockQueue
 
 
 def free_ids(m: BlockManager) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstrata.buffers import as_numpy, nbytes, writable_view
+from kvstrata.tiers.buffers import as_numpy, nbytes, writable_view
 
 
 def test_as_numpy_shares_memory_and_flattens_tensors():

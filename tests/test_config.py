@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata import ConfigError
-from kvstrata.config import KVStrataConfig, apply_overrides, parse_size, short_repr
+from kvstrata.config.schema import KVStrataConfig, apply_overrides, parse_size, short_repr
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,11 +16,11 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device: GPU copier tests skipped", allow_module_level=True)
 pytest.importorskip("cupy")
 
-from kvstrata.connectors.kv_layout import KVLayout, LayoutRows  # noqa: E402
-from kvstrata.copier import Copier  # noqa: E402
-from kvstrata.executor import Executor  # noqa: E402
+from kvstrata.connectors.kit.kv_layout import KVLayout, LayoutRows  # noqa: E402
+from kvstrata.dataplane.copier import Copier  # noqa: E402
+from kvstrata.dataplane.executor import Executor  # noqa: E402
 from kvstrata.policy import COMPUTED, LoadPlan, StorePlan  # noqa: E402
-from kvstrata.streams import CudaStreams  # noqa: E402
+from kvstrata.kernels.streams import CudaStreams  # noqa: E402
 from kvstrata.tiers.host import HostSlab  # noqa: E402
 from kvstrata.tiers.ssd import SSDTier  # noqa: E402
 
@@ -161,7 +161,7 @@ def test_slab_close_unregisters_the_page_locked_memory() -> None:
 
 def test_transfer_write_rows_runs_after_the_compute_stream() -> None:
     """A promotion into a pool row that queued compute work still writes lands after it."""
-    from kvstrata.transfer import TransferEngine
+    from kvstrata.dataplane.transfer import TransferEngine
 
     pool = torch.zeros((4, 1 << 20), dtype=torch.uint8, device="cuda")
     engine = TransferEngine(pool)

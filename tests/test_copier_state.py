@@ -3,7 +3,7 @@
 No GPU exists on these machines, so the device is ``tests/fake_streams.py``:
 streams whose work runs late, in a seeded order. A small engine drives the
 real :class:`~kvstrata.policy.TierPolicy`, the real slab and executor, and one
-:class:`~kvstrata.copier.Copier` per tensor-parallel rank (each rank its own fake
+:class:`~kvstrata.dataplane.copier.Copier` per tensor-parallel rank (each rank its own fake
 device and a dict-backed SSD tier, which checks every put's bytes). Hypothesis
 chooses steps, new requests (hits load from below), finished and preempted
 requests, aborts during a load, a staging budget that drops stores, and one or
@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from fake_streams import FakeDevice, FakeRows, pattern
-from kvstrata.copier import Copier
-from kvstrata.executor import Executor
+from kvstrata.dataplane.copier import Copier
+from kvstrata.dataplane.executor import Executor
 from kvstrata.policy import COMPUTED, PolicySpec, TierPolicy
 from kvstrata.tiers.host import HostSlab
 
@@ -308,7 +308,7 @@ def test_copier_state_machine() -> None:
     run_state_machine_as_test(CopierMachine, settings=SETTINGS)
 
 
-# Each mutation removes one wait of the copier (see the rules in kvstrata/copier.py).
+# Each mutation removes one wait of the copier (see the rules in kvstrata/dataplane/copier.py).
 MUTATIONS = {
     "store gather after compute": "_after_compute",
     "puts after their gather": "_wait_gathered",
@@ -345,7 +345,7 @@ def _messages(exc: BaseException) -> list[str]:
 def test_copy_stream_priorities_never_outrank_the_compute_stream() -> None:
     """CUDA: lower numbers are higher priorities; 0 (the default, vLLM's compute stream) is
     the least. Stores run at the least priority, loads at the compute stream's."""
-    from kvstrata.streams import copy_priority
+    from kvstrata.kernels.streams import copy_priority
 
     for least, compute in ((0, 0), (0, -2), (0, -5)):
         store = copy_priority(least, compute, low_priority=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstrata.bench.replay import ReplayOptions, replay
-from kvstrata.config import KVStrataConfig
+from kvstrata.config.schema import KVStrataConfig
 from kvstrata.core.hits import count_tiers, request_counts, served_from
 from kvstrata.trace.reader import TraceBuilder
 

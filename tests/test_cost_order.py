@@ -1,4 +1,4 @@
-"""The ``cost`` eviction order (kvstrata.policy.cost_order) against a plain reference:
+"""The ``cost`` eviction order (kvstrata.policy.cost_eviction) against a plain reference:
 Marconi's score over every entry, recomputed at each eviction."""
 
 from __future__ import annotations

@@ -572,7 +572,7 @@ def copy_rows_reference(src: np.ndarray, src_rows, dst: np.ndarray, dst_rows) ->
     ([], []),
 ])
 def test_copy_rows_matches_row_by_row(src_rows, dst_rows):
-    from kvstrata.transfer import copy_rows
+    from kvstrata.dataplane.transfer import copy_rows
     rng = np.random.default_rng(3)
     src = rng.integers(0, 256, (8, 16), dtype=np.uint8)
     got = np.zeros((8, 16), np.uint8)
@@ -584,7 +584,7 @@ def test_copy_rows_matches_row_by_row(src_rows, dst_rows):
 
 @pytest.mark.parametrize("src_rows, dst_rows", [([0, 8], [0, 1]), ([0, 1], [3, 8]), ([0, 1], [8, 9])])
 def test_copy_rows_out_of_range_raises(src_rows, dst_rows):
-    from kvstrata.transfer import copy_rows
+    from kvstrata.dataplane.transfer import copy_rows
     with pytest.raises(IndexError):
         copy_rows(np.zeros((8, 4), np.uint8), src_rows, np.zeros((8, 4), np.uint8), dst_rows)
 
@@ -739,11 +739,11 @@ def test_a_slab_larger_than_the_memory_available_is_refused_at_start(monkeypatch
     """Every byte of a slab is resident from the start, so one larger than the memory
     available would be killed at start-up (or squeeze the engine): a ConfigError naming
     the key instead. The available memory is mocked (this machine has what it has)."""
-    import kvstrata.machine
+    import kvstrata.system.machine
     from kvstrata.tiers.host import HostSlab
 
     rt = fake_cuda(FakePinRuntime())
-    monkeypatch.setattr(kvstrata.machine, "available_memory_bytes", lambda: 3 << 20)
+    monkeypatch.setattr(kvstrata.system.machine, "available_memory_bytes", lambda: 3 << 20)
     with pytest.raises(ConfigError, match=r"cpu\.capacity: .*0\.00 GiB of memory available"):
         HostSlab(4, 1 << 20, pin_memory=pin_memory)
     assert rt.registered == []

@@ -35,8 +35,8 @@ def test_dashboard_is_well_formed() -> None:
 def test_every_series_the_dashboard_queries_is_exported() -> None:
     from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-    from kvstrata.connectors.vllm_metrics import SERIES as CONNECTOR
-    from kvstrata.metrics import KVStrataCollector
+    from kvstrata.connectors.vllm.metrics import SERIES as CONNECTOR
+    from kvstrata.core.metrics import KVStrataCollector
 
     exported = {f"kvstrata:{s.name}" + ("" if s.gauge else "_total") for s in CONNECTOR}
     # kvstrata's own endpoint (metrics.port): what its collector renders for a library cache
@@ -60,7 +60,7 @@ def test_every_series_the_dashboard_queries_is_exported() -> None:
 
 def test_evictions_and_rejections_are_labelled_with_each_tiers_policy() -> None:
     from kvstrata import KVStrataConfig, TieredKVCache
-    from kvstrata.metrics import KVStrataCollector
+    from kvstrata.core.metrics import KVStrataCollector
 
     cache = TieredKVCache(KVStrataConfig.from_dict({"block_size": 4, "model": {"block_nbytes": 1024},
                                                   "gpu": {"num_blocks": 8, "device": "cpu"},
@@ -79,7 +79,7 @@ def test_evictions_and_rejections_are_labelled_with_each_tiers_policy() -> None:
 def test_load_decisions_are_exported_per_tier_and_decision() -> None:
     from kvstrata import KVStrataConfig, TieredKVCache
     from kvstrata.core.costs import LoadCosts
-    from kvstrata.metrics import KVStrataCollector
+    from kvstrata.core.metrics import KVStrataCollector
 
     costs = LoadCosts(("cpu", "ssd"), policy="measured", block_seconds={"ssd": 1.0}, token_seconds=1e-3)
     costs.count(["cpu", "ssd", "ssd"], costs.worth(["cpu", "ssd", "ssd"], 16))

@@ -1,4 +1,4 @@
-"""The grouped block pool (kvstrata.group_pool), the replay's model of vLLM's hybrid
+"""The grouped block pool (kvstrata.pool.grouped), the replay's model of vLLM's hybrid
 allocator, on hand-made sequences; ``tests/test_parity.py`` and
 ``tests/test_recorder_vllm.py`` check it against vLLM's real scheduler."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.block_pool import Prompt
-from kvstrata.config import ConfigError, KVStrataConfig
-from kvstrata.core.groups import FULL, SLIDING, STATE, Group, KVGroups
+from kvstrata.pool.blocks import Prompt
+from kvstrata.config.schema import ConfigError, KVStrataConfig
+from kvstrata.identity.groups import FULL, SLIDING, STATE, Group, KVGroups
 from kvstrata.errors import OutOfBlocksError
-from kvstrata.group_pool import GroupedBlockManager
+from kvstrata.pool.grouped import GroupedBlockManager
 
 BS = 4
 GROUPS = KVGroups([Group(FULL), Group(SLIDING, 2 * BS)], BS)  # a hit needs the 2 blocks before it
@@ -195,7 +195,7 @@ def test_model_groups_are_normalised_and_size_a_row() -> None:
 
 
 def test_the_library_refuses_groups_it_does_not_have() -> None:
-    from kvstrata.tiered import TieredKVCache
+    from kvstrata.library.tiered import TieredKVCache
 
     cfg = KVStrataConfig.from_dict({"model": {"groups": "full,sliding:64"}, "gpu": {"num_blocks": 8},
                                     "cpu": {"capacity": 0}})

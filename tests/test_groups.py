@@ -1,4 +1,4 @@
-"""KV-cache groups (kvstrata.core.groups): what a hit needs from each kind of layer,
+"""KV-cache groups (kvstrata.identity.groups): what a hit needs from each kind of layer,
 the longest hit every group can serve, and per-group keys. The skipped-block rule is
 checked against vLLM's own managers (the CPU build's), the hit search against a brute
 force over random holdings."""
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from kvstrata.core.groups import CHUNKED, FULL, SLIDING, STATE, Group, KVGroups
+from kvstrata.identity.groups import CHUNKED, FULL, SLIDING, STATE, Group, KVGroups
 
 BS = 16
 

@@ -101,7 +101,7 @@ def test_bad_input():
 
 
 def test_xxh3_warns(caplog):
-    import kvstrata.hashing as hashing
+    import kvstrata.identity.hashing as hashing
 
     hashing._warned_xxh3 = False
     with caplog.at_level("WARNING"):

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-import kvstrata.identity as identity
+import kvstrata.identity.fingerprint as identity
 from kvstrata.errors import ConfigError
-from kvstrata.identity import Fingerprint, content_identity, model_identity
+from kvstrata.identity.fingerprint import Fingerprint, content_identity, model_identity
 from vllm_util import build_tiny_llama
 
 WEIGHTS = "model.safetensors"
@@ -302,7 +302,7 @@ def test_hf_config_blob_counts_and_tokenizer_blob_does_not(tiny: Path, tmp_path:
 _RESOLVE = r"""
 import json, sys
 from kvstrata.errors import ConfigError
-from kvstrata.identity import model_identity
+from kvstrata.identity.fingerprint import model_identity
 out = {}
 for repo in sys.argv[1:]:
     try:
@@ -491,7 +491,7 @@ def test_fingerprint_is_frozen() -> None:
 
 _IDENTIFY = """
 import sys, time
-import kvstrata.identity as identity
+import kvstrata.identity.fingerprint as identity
 real = identity._file_digest
 def counted(path):
     with open(sys.argv[2], "a") as log:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvstrata.config import KVStrataConfig
+from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ SMALL = ["--block-size", "4", "--set", "block_size=4", "--set", "model.block_nby
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstrata.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvstrata.cli.main", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
 
@@ -65,7 +65,7 @@ def forged_recording(tmp: Path, header: Any = None, load: dict[str, Any] | None 
 # ------------------------------------------------------------------ KV-cache groups
 
 def test_more_groups_than_the_cap_are_refused_naming_the_key_and_the_cap(tmp_path: Path) -> None:
-    from kvstrata.core.groups import MAX_GROUPS
+    from kvstrata.identity.groups import MAX_GROUPS
 
     many = ",".join(["full"] * (MAX_GROUPS + 1))
     p = run_cli("bench", "--trace", str(DATA / "small_mooncake.jsonl"), *SMALL, "--set", f"model.groups={many}",
@@ -148,7 +148,7 @@ def test_a_huge_measured_figure_prints_bounded_lines(tmp_path: Path) -> None:
 
 
 def test_numbers_are_shown_in_bounded_width() -> None:
-    from kvstrata.values import format_number, format_size
+    from kvstrata.system.values import format_number, format_size
 
     for x in (1e300, -1e300, float("inf"), float("nan"), 5e-320, 2.0**1000):
         assert len(format_number(x)) <= 21 and len(format_number(x, ",.1f")) <= 21

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from kvstrata.config import KVStrataConfig
+from kvstrata.config.schema import KVStrataConfig
 from kvstrata.core.costs import ALWAYS, MEASURED, PROBE_S, LoadCosts, load_costs
 from kvstrata.errors import ConfigError
 from kvstrata.policy import PolicySpec

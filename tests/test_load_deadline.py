@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata.connectors.kv_layout import KVLayout, LayoutRows
-from kvstrata.copier import Copier
-from kvstrata.config import KVStrataConfig
+from kvstrata.connectors.kit.kv_layout import KVLayout, LayoutRows
+from kvstrata.dataplane.copier import Copier
+from kvstrata.config.schema import KVStrataConfig
 from kvstrata.core.costs import ALWAYS, MEASURED, PROBE_BYTES, PROBE_S, LoadCosts, load_costs
-from kvstrata.executor import READ_BATCH_BYTES, Executor
+from kvstrata.dataplane.executor import READ_BATCH_BYTES, Executor
 from kvstrata.policy import PolicySpec
 from kvstrata.policy import LoadPlan
 from kvstrata.policy.tiers import CPU
-from kvstrata.streams import InlineStreams
+from kvstrata.kernels.streams import InlineStreams
 from kvstrata.tiers.host import HostSlab
 from kvstrata.tiers.ssd import SSDTier
 
@@ -181,7 +181,7 @@ def test_a_fetch_from_a_slow_server_stops_between_chunks(tmp_path: Path) -> None
 
 
 def test_the_scheduler_names_a_fetch_past_its_deadline_once() -> None:
-    from kvstrata.connectors.vllm_costs import TransferTiming
+    from kvstrata.connectors.kit.transfer_costs import TransferTiming
     from kvstrata.policy import FetchPlan
 
     now = [0.0]
@@ -217,7 +217,7 @@ def _serve_one_at_a_time(timing, now: list[float], idle_s: float) -> None:
 def test_a_step_is_timed_to_its_output_not_through_the_idle_engine_after_it() -> None:
     """An engine serving one request at a time waits between them; that wait is not
     compute (timing it as such made every hit look worth loading)."""
-    from kvstrata.connectors.vllm_costs import TransferTiming
+    from kvstrata.connectors.kit.transfer_costs import TransferTiming
 
     now = [0.0]
     c = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1)
@@ -237,7 +237,7 @@ def test_a_step_is_timed_to_its_output_not_through_the_idle_engine_after_it() ->
 def test_a_grouped_load_is_bounded_by_computing_its_positions_not_its_entries() -> None:
     """A hybrid's load moves every group's blocks: 12 entries over 4 positions. Its deadline
     is what computing the 4 positions takes (64 ms), not 12 (192 ms)."""
-    from kvstrata.connectors.vllm_costs import TransferTiming
+    from kvstrata.connectors.kit.transfer_costs import TransferTiming
 
     now = [0.0]
     c = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1, token_seconds=0.001)
@@ -301,7 +301,7 @@ def test_a_device_that_times_its_copies_reports_their_device_time(tmp_path: Path
 
 
 def test_the_scheduler_keeps_each_load_in_the_read_queue_from_hand_over_to_its_end() -> None:
-    from kvstrata.connectors.vllm_costs import TransferTiming
+    from kvstrata.connectors.kit.transfer_costs import TransferTiming
 
     now = [0.0]
     c = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1, token_seconds=0.001,

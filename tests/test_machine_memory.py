@@ -1,6 +1,6 @@
 """The CPU slab's memory check at start: cgroup v1 and v2 limits, and starts that run together.
 
-Readings come from trees on disk (``kvstrata.machine``'s paths point at them): a fake
+Readings come from trees on disk (``kvstrata.system.machine``'s paths point at them): a fake
 ``/proc/meminfo`` is how these tests give a process a known amount of "available memory"
 without allocating it. One test runs under a real cgroup v1 memory limit (root and a v1
 memory hierarchy needed: the one mounted at /sys/fs/cgroup/memory, or one mounted in a
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-import kvstrata.machine as machine
+import kvstrata.system.machine as machine
 from kvstrata.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,7 +139,7 @@ import json, os, sys, time
 from pathlib import Path
 cfg = json.loads(sys.argv[1])
 import torch  # before the barrier: the starts race on the check, not on imports
-import kvstrata.machine as machine
+import kvstrata.system.machine as machine
 import kvstrata.tiers.host as host
 from kvstrata.errors import ConfigError
 for name in ("MEMINFO", "CGROUP_ROOT", "PROC_SELF_CGROUP", "RUNTIME_DIR"):
@@ -307,7 +307,7 @@ def test_a_ledger_directory_others_can_write_is_not_used(tree, tmp_path, caplog)
     in_groups(tmp_path)
     machine.RUNTIME_DIR.mkdir()
     os.chmod(machine.RUNTIME_DIR, 0o777)
-    with caplog.at_level("WARNING", logger="kvstrata.machine"):
+    with caplog.at_level("WARNING", logger="kvstrata.system.machine"):
         assert HostSlab(4, MiB, pin_memory=False).num_slots == 4
     assert "reservation ledger cannot be used" in caplog.text
     assert not (machine.RUNTIME_DIR / "slab-reservations").exists()

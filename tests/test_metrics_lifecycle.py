@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvstrata.metrics import LIFECYCLE_TRACKED, Histogram, Lifecycle, lifecycle_sampling
+from kvstrata.core.metrics import LIFECYCLE_TRACKED, Histogram, Lifecycle, lifecycle_sampling
 
 
 def keys(n: int, seed: int = 0) -> list[bytes]:

@@ -28,14 +28,14 @@ def test_wheel_contents(wheel):
     cu = [n for n in names if n.startswith("kvstrata/cuda/") and n.endswith(".cu")]
     assert len(cu) >= 3, names
     assert "kvstrata/connectors/__init__.py" in names
-    assert "kvstrata/tiered.py" in names and "kvstrata/py.typed" in names
+    assert "kvstrata/library/tiered.py" in names and "kvstrata/py.typed" in names
     source = {p.relative_to(ROOT).as_posix() for p in (ROOT / "kvstrata").rglob("*.py")}
     missing = sorted(source - set(names))
     assert not missing, f"modules left out of the wheel (pyproject's packages list): {missing}"
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
     meta = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(meta).decode()
-    assert "kvstrata = kvstrata.cli:main" in text
+    assert "kvstrata = kvstrata.cli.main:main" in text
     assert "[vllm.general_plugins]" in text and "kvstrata.connectors.vllm:register" in text
 
 
@@ -57,7 +57,7 @@ def test_installed_wheel_imports_connectors_and_finds_cu_files(wheel, tmp_path):
     assert (env / "bin" / "kvstrata").is_file()
     # Nothing is installed under the project's previous name (another project's on the package
     # index): no module, script, entry point or distribution.
-    from kvstrata.identity import PREVIOUS_NAME
+    from kvstrata.identity.fingerprint import PREVIOUS_NAME
     code = (
         "import importlib.metadata as md, importlib.util, pathlib, sys;"
         f"name = {PREVIOUS_NAME!r};"

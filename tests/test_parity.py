@@ -31,7 +31,7 @@ from vllm_util import build_tiny_llama  # noqa: E402
 
 from kvstrata.bench.replay import ReplayOptions, replay  # noqa: E402
 from kvstrata.trace.reader import load_trace  # noqa: E402
-from kvstrata.config import KVStrataConfig  # noqa: E402
+from kvstrata.config.schema import KVStrataConfig  # noqa: E402
 from kvstrata.tiers.ssd import capacity_blocks  # noqa: E402
 
 BS = 16
@@ -255,7 +255,7 @@ def test_the_hybrid_harness_is_vllms_layout(model: str, hybrid: str) -> None:
     each (vLLM overlays the groups, and pads a state to the attention page), which the
     connector reads as the replay's ``model.groups``; a state group puts vLLM's scheduler in
     its aligned-split mode."""
-    from kvstrata.connectors.vllm_common import block_nbytes_of, kv_groups
+    from kvstrata.connectors.vllm.common import block_nbytes_of, kv_groups
 
     h = SchedulerHarness(model, block_size=BS, num_gpu_blocks=8, kv_connector_extra_config={"cpu.capacity": 0},
                          hybrid=HYBRIDS[hybrid])

@@ -13,7 +13,7 @@ import pickle
 
 import pytest
 
-from kvstrata.config import KVStrataConfig
+from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError
 from kvstrata.policy import LoadPlan, PolicySpec, StorePlan, TierPolicy
 from kvstrata.policy.hot_set import select_for_shutdown

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstrata.cli import main
+from kvstrata.cli.main import main
 from kvstrata.errors import ConfigError
-from kvstrata.identity import PREVIOUS_NAME, RECORD_VERSION
+from kvstrata.identity.fingerprint import PREVIOUS_NAME, RECORD_VERSION
 from kvstrata.tiers.ssd import SSDTier
 from kvstrata.trace.format import HEADER_KEY, PREVIOUS_HEADER_KEY, TRACE_VERSION
 from kvstrata.trace.reader import load_trace

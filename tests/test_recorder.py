@@ -1,4 +1,4 @@
-"""The request recorder (kvstrata.trace.recorder) and reading what it wrote (kvstrata.trace.recording):
+"""The request recorder (kvstrata.trace.recorder) and reading what it wrote (kvstrata.trace.parts):
 real files in temp directories, a real child process whose file size limit makes the
 disk "full" (the kernel refuses the write with EFBIG: no mock)."""
 
@@ -18,7 +18,7 @@ import pytest
 from kvstrata.bench.deployment import recorded_config, recorded_deployment
 from kvstrata.errors import ConfigError
 from kvstrata.trace.reader import TRACE_VERSION, TraceError, TraceReader, load_trace
-from kvstrata.config import KVStrataConfig, TraceConfig
+from kvstrata.config.schema import KVStrataConfig, TraceConfig
 from kvstrata.trace.recorder import RecordedRequest, TraceRecorder, rekey
 
 BS = 16
@@ -184,7 +184,7 @@ def test_a_recording_of_a_hybrid_model_replays_as_its_groups() -> None:
     """The header's KV-cache groups become ``model.groups``; a forged value is a config
     error naming the key; a state hybrid is replayed as one."""
     from kvstrata.bench.replay import replaying
-    from kvstrata.core.groups import STATE
+    from kvstrata.identity.groups import STATE
 
     dep = _deployment()
     dep["engine"]["groups"] = "sliding:64,full"
@@ -242,7 +242,7 @@ def test_a_directory_with_nothing_usable_is_an_error_naming_why(tmp_path: Path) 
     (tmp_path / "a.jsonl").write_text('{"kvstrata_trace": 7, "recording": {"id": "x", "part": 0}}\n')
     with pytest.raises(TraceError, match="no recording to read.*format 7"):
         list(TraceReader(tmp_path))
-    from kvstrata.cli import main
+    from kvstrata.cli.main import main
 
     assert main(["bench", "--trace", str(tmp_path), "--quiet"]) == 2
 
@@ -335,7 +335,7 @@ def test_files_are_private_and_a_directory_others_can_write_is_refused(tmp_path:
 def test_measurements_are_read_with_a_bound_and_never_from_a_fifo(tmp_path: Path) -> None:
     import os
 
-    from kvstrata.trace.recording import _read_measured
+    from kvstrata.trace.parts import _read_measured
 
     fifo = tmp_path / "x.measured.json"
     os.mkfifo(fifo)
@@ -399,7 +399,7 @@ def test_forged_measurements_are_read_as_absent_counters_not_a_crash(tmp_path: P
     """The measurements file sits in a directory the deployment writes: a value of the wrong
     kind in it (another tenant's, a hand edit) is a zero counter in the report, never a
     traceback."""
-    from kvstrata.cli import main
+    from kvstrata.cli.main import main
 
     rec = _recorder(tmp_path, rotate_bytes="4KiB")
     for i in range(20):

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstrata.config import KVStrataConfig
+from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError
 from kvstrata.tiers.remote import RemoteTier, key_prefix
 from kvstrata.tiers.remote.value import Auth, encode

@@ -126,7 +126,7 @@ def test_a_reset_while_the_server_is_down_never_serves_old_values_later(server: 
 def test_writes_queued_before_a_reset_land_in_the_old_generation(server: ValkeyServer, tmp_path: Path) -> None:
     """The remote tier on its own: a put queued before the reset is sent under the key it was
     queued with; the new generation never finds it."""
-    from kvstrata.config import KVStrataConfig
+    from kvstrata.config.schema import KVStrataConfig
     from kvstrata.tiers.remote import RemoteTier
 
     cfg = KVStrataConfig.from_dict({"remote": {"url": server.url, "secret_file": secret_file(tmp_path)}})
@@ -153,7 +153,7 @@ def test_writes_queued_before_a_reset_land_in_the_old_generation(server: ValkeyS
 
 def test_the_generation_record_is_joined_made_once_and_replaced_when_it_is_not_one(
         server: ValkeyServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from kvstrata.config import KVStrataConfig
+    from kvstrata.config.schema import KVStrataConfig
     from kvstrata.tiers.remote import RemoteTier
 
     cfg = KVStrataConfig.from_dict({"remote": {"url": server.url, "secret_file": secret_file(tmp_path)}})

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstrata.config import KVStrataConfig
-from kvstrata.credentials import read_secret_file, secrets_from_env
+from kvstrata.config.schema import KVStrataConfig
+from kvstrata.config.credentials import read_secret_file, secrets_from_env
 from kvstrata.errors import ConfigError
 from kvstrata.tiers.remote import RemoteTier, key_prefix
 from kvstrata.tiers.remote.value import Auth, encode
@@ -179,7 +179,7 @@ def test_a_server_password_file_keeps_its_own_rules(tmp_path) -> None:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvstrata.cli", "remote", "secret", *args],
+    return subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "remote", "secret", *args],
                           capture_output=True, text=True, timeout=60)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvstrata.tiers.remote import RemoteTier, key_prefix
-from kvstrata.breaker import Breaker
+from kvstrata.system.breaker import Breaker
 from kvstrata.tiers.remote.value import encode
 from kvstrata.tiers.ssd.record import Codec
 

@@ -14,8 +14,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvstrata.cli import main
-from kvstrata.identity import RECORD_VERSION
+from kvstrata.cli.main import main
+from kvstrata.identity.fingerprint import RECORD_VERSION
 from kvstrata.tiers.ssd import SSDTier
 
 BLOCK = 64 * 1024

@@ -305,7 +305,7 @@ def test_a_load_that_misses_during_the_recovery_does_not_report_the_record_lost(
     recomputed), but the key is not reported lost, so the policy keeps it and the next
     load, once the record is verified, succeeds. A record the recovery drops is reported
     by the tier itself; a miss after the recovery is a loss."""
-    from kvstrata.executor import Executor
+    from kvstrata.dataplane.executor import Executor
     from kvstrata.policy import LoadPlan
 
     kill_holding(tmp, 10)

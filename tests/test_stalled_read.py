@@ -27,12 +27,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata.connectors.kv_layout import KVLayout, LayoutRows
-from kvstrata.copier import Copier
+from kvstrata.connectors.kit.kv_layout import KVLayout, LayoutRows
+from kvstrata.dataplane.copier import Copier
 from kvstrata.core.costs import MEASURED, LoadCosts
-from kvstrata.executor import Executor
+from kvstrata.dataplane.executor import Executor
 from kvstrata.policy import FetchPlan, LoadPlan
-from kvstrata.streams import InlineStreams
+from kvstrata.kernels.streams import InlineStreams
 from kvstrata.tiers.host import HostSlab
 from kvstrata.tiers.ssd import SSDTier
 from kvstrata.tiers.ssd.pagefile import PageFile
@@ -173,7 +173,7 @@ def _measured(now: list[float]) -> LoadCosts:
 
 
 def test_a_stalled_tier_sends_new_hits_to_compute_until_a_probe_succeeds() -> None:
-    from kvstrata.connectors.vllm_costs import TransferTiming
+    from kvstrata.connectors.kit.transfer_costs import TransferTiming
 
     now = [100.0]
     costs = _measured(now)

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from kvstrata.config import KVStrataConfig
+from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError
 from kvstrata.policy import PolicySpec, TierPolicy
 from kvstrata.policy.tiers import CPU, KNOWN, REMOTE, SSD, Tier, TierList, declare, describe_tiers

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvstrata import TieredKVCache
-from kvstrata.config import KVStrataConfig
+from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))

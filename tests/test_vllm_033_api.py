@@ -26,7 +26,7 @@ CHECK = r'''
 import inspect, json
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1 import base
-from kvstrata.connectors.vllm_connector import KVStrataConnector
+from kvstrata.connectors.vllm.connector import KVStrataConnector
 
 B = base.KVConnectorBase_V1
 out = {"vllm": vllm.__file__, "base": inspect.getfile(B), "abstract": sorted(KVStrataConnector.__abstractmethods__),

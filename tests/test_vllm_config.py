@@ -35,7 +35,7 @@ FULL = 10 * BLOCK
 
 
 def load_config(extra: dict[str, Any] | None) -> Any:
-    from kvstrata.connectors.vllm_common import load_config as load
+    from kvstrata.connectors.vllm.common import load_config as load
 
     return load(extra)
 
@@ -166,7 +166,7 @@ def _fingerprint(model_dir: str, **model_kwargs: Any) -> Any:
     """The connector's fingerprint of ``model_dir`` served with these ModelConfig arguments."""
     from vllm.config import CacheConfig, ModelConfig, ParallelConfig
 
-    from kvstrata.connectors.vllm_common import vllm_fingerprint
+    from kvstrata.connectors.vllm.common import vllm_fingerprint
 
     with _environ_kept():
         kwargs: dict[str, Any] = dict(model=model_dir, dtype="float32", max_model_len=2048)

@@ -253,7 +253,7 @@ def test_engine_loads_come_from_the_tiers_the_replay_predicts(model: str, tmp_pa
     trace and capacities, and every output matches an engine without kvstrata."""
     from kvstrata.bench.replay import ReplayOptions, replay
     from kvstrata.trace.reader import TraceBuilder
-    from kvstrata.config import KVStrataConfig
+    from kvstrata.config.schema import KVStrataConfig
 
     prompts = _chat_trace(users=8, turns=5)
     cpu_blocks, ssd_bytes = 48, 72 * BLOCK_BYTES

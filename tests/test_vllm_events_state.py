@@ -49,8 +49,8 @@ def kvstrata_events(req: Any, n: int, store: list[tuple[int, int]]) -> list[Any]
     position) pairs) of the request's first ``n`` blocks in its DRAM tier."""
     from vllm.utils.hashing import sha256
 
-    from kvstrata.connectors.vllm_events import KVEvents
-    from kvstrata.core.groups import KVGroups
+    from kvstrata.connectors.vllm.events import KVEvents
+    from kvstrata.identity.groups import KVGroups
     from kvstrata.policy import COMPUTED, PolicySpec, TierPolicy
 
     policy = TierPolicy(PolicySpec(cpu_slots=8, ssd_slots=0))

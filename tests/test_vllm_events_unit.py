@@ -33,7 +33,7 @@ def keys(n: int, seed: int = 0) -> list[bytes]:
 
 
 def hasher():  # type: ignore[no-untyped-def]
-    from kvstrata.hashing import BlockHasher
+    from kvstrata.identity.hashing import BlockHasher
 
     return BlockHasher(BS)
 
@@ -42,7 +42,7 @@ def events_of(policy):  # type: ignore[no-untyped-def]
     """The consumer as the scheduler builds it: vLLM's hash function and kvstrata's hasher."""
     from vllm.utils.hashing import sha256
 
-    from kvstrata.connectors.vllm_events import KVEvents
+    from kvstrata.connectors.vllm.events import KVEvents
 
     h = hasher()
     return KVEvents(policy, BS, 64, sha256, h, lambda req, i: h.block_extra(i, cache_salt=req.cache_salt))
@@ -125,14 +125,14 @@ def test_ssd_tags_rebuild_vllm_hashes_after_a_restart_and_skip_orphans() -> None
 
 
 def test_tag_unpack_refuses_other_bytes() -> None:
-    from kvstrata.connectors.vllm_events import BlockTag
+    from kvstrata.connectors.vllm.events import BlockTag
 
     assert BlockTag.unpack(b"not msgpack \xff") is None
     assert BlockTag.unpack(b"\x93\x01\x02\x03") is None
 
 
 def test_damaged_tags_forming_a_cycle_are_skipped() -> None:
-    from kvstrata.connectors.vllm_events import BlockTag
+    from kvstrata.connectors.vllm.events import BlockTag
 
     _, events, _ = setup()
     a, b = keys(2)
@@ -180,7 +180,7 @@ def test_fetched_and_promoted_blocks_are_announced_once_their_copies_completed()
 def test_a_tag_that_does_not_hash_to_its_records_key_is_not_announced() -> None:
     """Regression: a tampered tag in a closed SSD tier made the restart announce blocks under
     tokens they do not hold (the tag was never checked against its record's key)."""
-    from kvstrata.connectors.vllm_events import BlockTag
+    from kvstrata.connectors.vllm.events import BlockTag
 
     policy, events, computed = setup(cpu=0, ssd=16)
     tokens = list(range(600, 612))
@@ -206,7 +206,7 @@ def test_group_tags_rebuild_vllms_hash_and_are_checked_against_the_groups_key() 
     index; a tag copied to another group's record does not hash to that record's key."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    from kvstrata.core.groups import KVGroups
+    from kvstrata.identity.groups import KVGroups
     from kvstrata.policy.tiers import SSD
 
     policy, events, computed = setup(cpu=0, ssd=16)
@@ -234,7 +234,7 @@ def test_group_tags_rebuild_vllms_hash_and_are_checked_against_the_groups_key() 
 def test_tags_written_before_groups_still_read() -> None:
     import msgpack
 
-    from kvstrata.connectors.vllm_events import BlockTag
+    from kvstrata.connectors.vllm.events import BlockTag
 
     old = msgpack.packb([2, None, bytes(16), None, None, None, b""], use_bin_type=True)
     tag = BlockTag.unpack(old)
@@ -250,7 +250,7 @@ def test_stored_events_name_their_group_kind_as_vllm_034_does() -> None:
     from vllm.distributed.kv_events import BlockStored
     from vllm.utils.hashing import sha256
 
-    from kvstrata.connectors.vllm_events import KVEvents
+    from kvstrata.connectors.vllm.events import KVEvents
     from kvstrata.policy import COMPUTED, PolicySpec, TierPolicy
 
     policy = TierPolicy(PolicySpec(cpu_slots=4, ssd_slots=0))

@@ -167,8 +167,8 @@ def _blocks_of(view: torch.Tensor, num_blocks: int, base: torch.Tensor) -> torch
 
 
 def _round_trip(vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, torch.Tensor], tmp: Path) -> None:
-    from kvstrata.connectors.vllm_common import KVStrataMetadata, block_nbytes_of, load_config
-    from kvstrata.connectors.vllm_worker import KVStrataWorker
+    from kvstrata.connectors.vllm.common import KVStrataMetadata, block_nbytes_of, load_config
+    from kvstrata.connectors.vllm.worker import KVStrataWorker
     from kvstrata.policy import COMPUTED, LoadPlan, StorePlan
 
     nb = int(kv_cache_config.num_blocks)
@@ -305,7 +305,7 @@ def test_two_groups_sliding_window_and_full(vllm_config: Any, tmp_path: Path) ->
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from kvstrata.connectors.vllm_common import block_nbytes_of
+    from kvstrata.connectors.vllm.common import block_nbytes_of
 
     backend = _backend("FLASH_ATTN")
     vllm_config.cache_config.block_size = 16
@@ -328,7 +328,7 @@ def test_the_layout_is_part_of_the_fingerprint(vllm_config: Any) -> None:
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
-    from kvstrata.connectors.vllm_common import load_config, vllm_fingerprint
+    from kvstrata.connectors.vllm.common import load_config, vllm_fingerprint
 
     backend = _backend("FLASH_ATTN")
     vllm_config.cache_config.block_size = 16
@@ -350,7 +350,7 @@ def test_a_state_cache_is_a_group_only_in_the_aligned_mode(vllm_config: Any) -> 
     line naming the layer, the mode and the vLLM option."""
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec
 
-    from kvstrata.connectors.vllm_common import block_nbytes_of, kv_groups
+    from kvstrata.connectors.vllm.common import block_nbytes_of, kv_groups
     from kvstrata.errors import ConfigError
 
     def config(mode: str) -> Any:
@@ -378,7 +378,7 @@ def test_groups_of_a_hybrid_config_are_read_from_vllms_specs() -> None:
         SlidingWindowSpec,
     )
 
-    from kvstrata.connectors.vllm_common import kv_groups
+    from kvstrata.connectors.vllm.common import kv_groups
 
     common = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
     config = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_layout="LBHNC", kv_cache_groups=[
@@ -410,8 +410,8 @@ def test_new_tensors_of_another_layout_reset_the_tiers(vllm_config: Any, tmp_pat
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
-    from kvstrata.connectors.vllm_common import KVStrataMetadata, block_nbytes_of, load_config
-    from kvstrata.connectors.vllm_worker import KVStrataWorker
+    from kvstrata.connectors.vllm.common import KVStrataMetadata, block_nbytes_of, load_config
+    from kvstrata.connectors.vllm.worker import KVStrataWorker
     from kvstrata.policy import COMPUTED, StorePlan
 
     backend = _backend("FLASH_ATTN")
@@ -436,7 +436,7 @@ def test_new_tensors_of_another_layout_reset_the_tiers(vllm_config: Any, tmp_pat
 
         kv_cache_config.kv_cache_layout = second.name
         _, other, _ = _engine_tensors(vllm_config, second, groups, [backend], NUM_BLOCKS)
-        with caplog.at_level(logging.WARNING, logger="kvstrata.connectors.vllm_worker"):
+        with caplog.at_level(logging.WARNING, logger="kvstrata.connectors.vllm.worker"):
             worker.register_kv_caches(other)
         assert any("tiers are reset" in r.getMessage() for r in caplog.records)
         worker.copier.drain()
@@ -453,8 +453,8 @@ def test_tensors_kvstrata_cannot_move_stop_start_up_in_one_line(vllm_config: Any
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
-    from kvstrata.connectors.vllm_common import block_nbytes_of, load_config
-    from kvstrata.connectors.vllm_worker import SUPPORTED_LAYOUTS, KVStrataWorker
+    from kvstrata.connectors.vllm.common import block_nbytes_of, load_config
+    from kvstrata.connectors.vllm.worker import SUPPORTED_LAYOUTS, KVStrataWorker
     from kvstrata.errors import ConfigError
 
     backend = _backend("FLASH_ATTN")
@@ -483,7 +483,7 @@ def test_state_group_beside_full_attention(vllm_config: Any, tmp_path: Path) -> 
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-    from kvstrata.connectors.vllm_common import block_nbytes_of, kv_groups
+    from kvstrata.connectors.vllm.common import block_nbytes_of, kv_groups
 
     backend = _backend("FLASH_ATTN")
     vllm_config.cache_config.block_size = 16

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.connectors.kv_layout import KVLayout, union_runs
+from kvstrata.connectors.kit.kv_layout import KVLayout, union_runs
 
 NB, H, N, C, L = 6, 2, 4, 8, 3
 

@@ -42,7 +42,7 @@ class TimedWorker:
         self.held: dict[str, Any] = {}
 
     def __call__(self, meta: Any) -> tuple[set[str] | None, Any]:
-        from kvstrata.connectors.vllm_common import KVStrataWorkerMetadata
+        from kvstrata.connectors.vllm.common import KVStrataWorkerMetadata
         from kvstrata.policy import LoadPlan
 
         if meta is None:

@@ -163,8 +163,8 @@ def test_zeroing_waits_for_the_copies_out_of_the_block(model: str, tmp_path: Pat
     from fake_streams import FakeDevice, FakeRows, pattern
     from test_vllm_worker_async import NUM_BLOCKS, _keys, _plan, _worker
 
-    from kvstrata.connectors.vllm_common import KVStrataMetadata
-    from kvstrata.copier import Copier
+    from kvstrata.connectors.vllm.common import KVStrataMetadata
+    from kvstrata.dataplane.copier import Copier
 
     class Rows(FakeRows):
         def zero(self, block_ids: list[int]) -> None:  # vLLM's zeroing: compute-stream work
@@ -242,7 +242,7 @@ def test_a_copy_on_write_target_is_not_stored_and_zeroing_moves_to_the_workers()
 
     from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
-    from kvstrata.connectors.vllm_mrv2 import not_overwritten, take_zeroing
+    from kvstrata.connectors.vllm.mrv2 import not_overwritten, take_zeroing
 
     out = types.SimpleNamespace(kv_cache_block_copies=[KVCacheBlockCopy(4, 7)], new_block_ids_to_zero=[7, 9])
     evicted = [(7, b"k7"), (8, b"k8")]
@@ -353,7 +353,7 @@ def test_a_load_cut_at_its_deadline_reports_only_the_blocks_not_in(make: MakeHar
     import threading
     import time
 
-    from kvstrata.executor import READ_BATCH_BYTES
+    from kvstrata.dataplane.executor import READ_BATCH_BYTES
     from kvstrata.tiers.ssd.tier import SSDTier
 
     n, batch = 40, READ_BATCH_BYTES // block_nbytes(BLOCK)

@@ -127,7 +127,7 @@ def test_no_evicted_block_is_offered_and_memory_stays_flat(model: str, tmp_path:
 def test_an_ssd_tier_too_large_to_index_stops_start_up_naming_it(model: str, tmp_path: Path) -> None:
     """A capacity whose index would take more than half the machine's memory once full is a
     clear error when the scheduler starts, not an out-of-memory kill once the disk fills."""
-    from kvstrata.connectors.vllm_common import check_index_memory
+    from kvstrata.connectors.vllm.common import check_index_memory
     from kvstrata.errors import ConfigError
     from kvstrata.policy import PolicySpec
 
@@ -151,7 +151,7 @@ def test_an_ssd_tier_recovering_in_the_background_is_held_once_verified(
     make this small tier recover in the background, as one with a larger index would."""
     import functools
 
-    from kvstrata.connectors import vllm_ssd
+    from kvstrata.connectors.kit import rank_tiers as vllm_ssd
     from kvstrata.tiers.ssd import recovery
     from kvstrata.tiers.ssd.snapshot import CLEAN
 

@@ -160,7 +160,7 @@ class LateWorker:
     hands the scheduler a worker metadata object every step."""
 
     def __init__(self, delay: int) -> None:
-        from kvstrata.connectors.vllm_common import KVStrataWorkerMetadata
+        from kvstrata.connectors.vllm.common import KVStrataWorkerMetadata
 
         self.delay = delay
         self.pending: list[tuple[int, set[str]]] = []
@@ -268,7 +268,7 @@ def test_a_request_is_not_answered_while_its_remote_fetch_runs(make: MakeHarness
 
     from valkey_server import ValkeyServer, secret_file
 
-    from kvstrata.connectors.vllm_common import KVStrataWorkerMetadata
+    from kvstrata.connectors.vllm.common import KVStrataWorkerMetadata
     from kvstrata.policy import FetchPlan, LoadPlan
 
     events: list[tuple[str, int]] = []
@@ -320,7 +320,7 @@ def test_remote_probes_are_awaited_within_a_budget_per_step(make: MakeHarness, t
     import os
     import signal
 
-    import kvstrata.connectors.vllm_remote as vllm_remote
+    import kvstrata.connectors.kit.remote_lookups as vllm_remote
     from valkey_server import ValkeyServer, secret_file
 
     from kvstrata.policy import FetchPlan

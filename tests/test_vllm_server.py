@@ -69,7 +69,7 @@ def vllm_config() -> Any:
 
 
 def _worker(stored: int, seconds: float, dropped: int = 0) -> Any:
-    from kvstrata.connectors.vllm_metrics import KVStrataStats
+    from kvstrata.connectors.vllm.metrics import KVStrataStats
 
     counters = {("blocks_stored", "cpu"): stored, ("transfer_bytes", "d2h"): stored * BLOCK_BYTES,
                 ("transfer_seconds", "d2h"): seconds}
@@ -79,7 +79,7 @@ def _worker(stored: int, seconds: float, dropped: int = 0) -> Any:
 
 
 def _scheduler(hit_blocks: int, cpu_occupancy: int) -> Any:
-    from kvstrata.connectors.vllm_metrics import KVStrataStats
+    from kvstrata.connectors.vllm.metrics import KVStrataStats
 
     return KVStrataStats.of({("prefix_cache_hits", "ssd"): hit_blocks * BLOCK,
                            ("prefix_cache_hits_blocks", "ssd"): hit_blocks},
@@ -91,8 +91,8 @@ def test_stats_aggregate_over_workers_and_survive_vllms_transport() -> None:
     from vllm.v1.metrics.stats import SchedulerStats
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from kvstrata.connectors.vllm_connector import KVStrataConnector
-    from kvstrata.connectors.vllm_metrics import KVStrataStats
+    from kvstrata.connectors.vllm.connector import KVStrataConnector
+    from kvstrata.connectors.vllm.metrics import KVStrataStats
 
     first, second = _worker(3, 0.25), _worker(3, 0.5, dropped=1)     # two tensor-parallel ranks
     agg = first.aggregate(second)                                    # vLLM's KVOutputAggregator
@@ -121,7 +121,7 @@ def test_stats_aggregate_over_workers_and_survive_vllms_transport() -> None:
 
 
 def test_deltas_send_nothing_when_nothing_changed() -> None:
-    from kvstrata.connectors.vllm_metrics import CounterDeltas
+    from kvstrata.connectors.vllm.metrics import CounterDeltas
 
     deltas = CounterDeltas()
     stored, occupancy = ("blocks_stored", "cpu"), ("occupancy_blocks", "cpu")
@@ -134,8 +134,8 @@ def test_deltas_send_nothing_when_nothing_changed() -> None:
 
 
 def test_every_worker_counter_has_a_series() -> None:
-    from kvstrata.connectors.vllm_metrics import SERIES, WORKER_SERIES, worker_sample
-    from kvstrata.connectors.vllm_worker import WORKER_COUNTERS
+    from kvstrata.connectors.vllm.metrics import SERIES, WORKER_SERIES, worker_sample
+    from kvstrata.connectors.vllm.worker import WORKER_COUNTERS
 
     assert set(WORKER_SERIES) == set(WORKER_COUNTERS)
     values = {s.name: set(s.values) for s in SERIES}
@@ -164,7 +164,7 @@ def test_vllms_scheduler_ships_the_scheduler_halfs_stats(model: str) -> None:
     step in which nothing changed carries none."""
     from vllm_sched import SchedulerHarness, block_nbytes
 
-    from kvstrata.connectors.vllm_metrics import KVStrataStats
+    from kvstrata.connectors.vllm.metrics import KVStrataStats
 
     prompt = random_token_prompt(10 * BLOCK + 1, seed=5)
     h = SchedulerHarness(model, block_size=BLOCK, num_gpu_blocks=32,
@@ -213,7 +213,7 @@ def _private_prom(registry: Any) -> Any:
 def test_observe_moves_the_series_of_its_engine(vllm_config: Any) -> None:
     from prometheus_client import CollectorRegistry
 
-    from kvstrata.connectors.vllm_metrics import SERIES, KVStrataPromMetrics
+    from kvstrata.connectors.vllm.metrics import SERIES, KVStrataPromMetrics
 
     registry = CollectorRegistry()
     prom = _private_prom(registry)(vllm_config, LABELS, {0: ["m", "0"], 1: ["m", "1"]})
@@ -464,7 +464,7 @@ def test_the_scheduler_exports_what_second_hit_admission_turned_away(model: str,
     block is not written there, and kvstrata:admissions_rejected{tier="ssd"} counts them."""
     from vllm_sched import SchedulerHarness, block_nbytes
 
-    from kvstrata.connectors.vllm_metrics import KVStrataStats
+    from kvstrata.connectors.vllm.metrics import KVStrataStats
 
     prompt = random_token_prompt(6 * BLOCK + 1, seed=9)
     h = SchedulerHarness(model, block_size=BLOCK, num_gpu_blocks=32,

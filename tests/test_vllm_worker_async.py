@@ -35,8 +35,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _worker(model: str, tmp: Path):
-    from kvstrata.connectors.vllm_common import load_config
-    from kvstrata.connectors.vllm_worker import KVStrataWorker
+    from kvstrata.connectors.vllm.common import load_config
+    from kvstrata.connectors.vllm.worker import KVStrataWorker
 
     extra = {"cpu.capacity": 4 * block_nbytes(BLOCK), "ssd.path": str(tmp / "ssd"), "ssd.capacity": "64MiB"}
     with _environ_kept():
@@ -60,8 +60,8 @@ def _plan(plan_id: int, block_ids: list[int], keys: list[bytes], slots: list[int
 def test_wait_for_save_returns_before_the_device_copies(model: str, tmp_path: Path) -> None:
     """On a device whose copies run late: the step's hooks return with the gathers still
     queued, nothing is reported stored until they ran, and the bytes are then exact."""
-    from kvstrata.connectors.vllm_common import KVStrataMetadata
-    from kvstrata.copier import Copier
+    from kvstrata.connectors.vllm.common import KVStrataMetadata
+    from kvstrata.dataplane.copier import Copier
 
     worker = _worker(model, tmp_path)
     try:
@@ -96,8 +96,8 @@ def test_a_slow_disk_never_slows_the_step(model: str, tmp_path: Path, monkeypatc
     """A device build (the fake device, with the copier's real I/O thread) over a disk whose
     every put takes 0.3 s: ``wait_for_save`` returns at once; the store completes later,
     in the background, with the bytes the forward wrote."""
-    from kvstrata.connectors.vllm_common import KVStrataMetadata
-    from kvstrata.copier import Copier
+    from kvstrata.connectors.vllm.common import KVStrataMetadata
+    from kvstrata.dataplane.copier import Copier
     from kvstrata.tiers.ssd import SSDTier
 
     put = SSDTier.put
@@ -141,8 +141,8 @@ def test_a_slow_disk_never_slows_the_step(model: str, tmp_path: Path, monkeypatc
 def test_a_full_staging_budget_drops_stores_instead_of_waiting(model: str, tmp_path: Path) -> None:
     """Blocks bound only for the SSD tier wait in host staging; past the budget a store is
     dropped, counted and reported lost, and the step goes on."""
-    from kvstrata.connectors.vllm_common import KVStrataMetadata
-    from kvstrata.copier import Copier
+    from kvstrata.connectors.vllm.common import KVStrataMetadata
+    from kvstrata.dataplane.copier import Copier
 
     worker = _worker(model, tmp_path)
     try:

@@ -33,8 +33,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_reset_deletes_every_record_of_the_workers_tier(model: str, tmp_path: Path) -> None:
-    from kvstrata.connectors.vllm_common import KVStrataMetadata, load_config
-    from kvstrata.connectors.vllm_worker import KVStrataWorker
+    from kvstrata.connectors.vllm.common import KVStrataMetadata, load_config
+    from kvstrata.connectors.vllm.worker import KVStrataWorker
 
     extra = _extra(tmp_path)
     with _environ_kept():

@@ -91,7 +91,7 @@ def complete_every_plan(meta: Any) -> tuple[set[str] | None, Any]:
     (the scheduler half alone is tested)."""
     from collections import Counter
 
-    from kvstrata.connectors.vllm_common import KVStrataWorkerMetadata
+    from kvstrata.connectors.vllm.common import KVStrataWorkerMetadata
 
     if meta is None:
         return None, None
@@ -106,8 +106,8 @@ class RealWorker:
     pass it as the harness's ``worker``."""
 
     def __init__(self, vllm_config: Any, extra: dict[str, Any], kv_cache_config: Any) -> None:
-        from kvstrata.connectors.vllm_common import load_config
-        from kvstrata.connectors.vllm_worker import KVStrataWorker
+        from kvstrata.connectors.vllm.common import load_config
+        from kvstrata.connectors.vllm.worker import KVStrataWorker
 
         self.worker = KVStrataWorker(load_config(extra), vllm_config, kv_cache_config)
         block_size = int(vllm_config.cache_config.block_size)

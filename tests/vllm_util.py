@@ -312,7 +312,7 @@ def _time_worker_hooks() -> list[float]:
     step appends its total seconds spent inside them to."""
     import time
 
-    from kvstrata.connectors.vllm_connector import KVStrataConnector
+    from kvstrata.connectors.vllm.connector import KVStrataConnector
 
     steps: list[float] = []
     acc = [0.0]
@@ -341,7 +341,7 @@ def _record_pages() -> dict[str, dict[str, str]]:
     test compares byte for byte. In-process engines only."""
     import hashlib
 
-    from kvstrata.connectors.vllm_worker import KVStrataWorker
+    from kvstrata.connectors.vllm.worker import KVStrataWorker
 
     pages: dict[str, dict[str, str]] = {"stored": {}, "loaded": {}}
 

@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from kvstrata.bench.mrc import BATCH_ACCESSES, CurvePass, RequestBatch, StackPass
 from kvstrata.bench.replay import ReplayError, ReplayOptions, ReplayResult, Replayer, replaying, requests_of
-from kvstrata.load_config import LOAD_POLICIES
+from kvstrata.config.load import LOAD_POLICIES
 from kvstrata.policy.spec import ADMISSIONS
 
 if TYPE_CHECKING:
     from kvstrata.trace.reader import Request, Trace, TraceInfo, TraceReader
-    from kvstrata.config import KVStrataConfig
+    from kvstrata.config.schema import KVStrataConfig
 
 __all__ = ["BenchResult", "run_bench"]
 

@@ -18,7 +18,7 @@ block, and the grouped pool's rows :data:`GROUPED_GPU_BYTES_PER_BLOCK` each.
 
 from __future__ import annotations
 
-from kvstrata.machine import available_memory_bytes, default_max_memory
+from kvstrata.system.machine import available_memory_bytes, default_max_memory
 from kvstrata.policy.tiers import CPU, GPU
 
 __all__ = ["BYTES_PER_DISTINCT_BLOCK", "GPU_BYTES_PER_BLOCK", "GROUP_BYTES_PER_BLOCK", "GROUPED_GPU_BYTES_PER_BLOCK",
@@ -80,7 +80,7 @@ def check_memory(capacity_blocks: dict[str, int], payload_block_bytes: int | Non
     """Refuse (a ConfigError naming the key to lower), before anything is built, a deployment
     whose replay would cost more memory than ``limit`` (None: half the machine's), its
     ``groups`` KV-cache groups counted: a recording's header is trusted no more than ``--set``."""
-    from kvstrata.config import format_size
+    from kvstrata.config.schema import format_size
     from kvstrata.errors import ConfigError
 
     limit = limit if limit is not None else default_max_memory()

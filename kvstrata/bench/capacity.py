@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvstrata.config import KVStrataConfig
+from kvstrata.config.schema import KVStrataConfig
 from kvstrata.policy import PolicySpec
 from kvstrata.policy.tiers import CPU, GPU, SSD
 

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from kvstrata.bench.capacity import config_for_trace
 from kvstrata.bench.replay import ReplayOptions, ReplayResult, replaying, requests_of
-from kvstrata.policy.order_cost import policy_ns_per_op
+from kvstrata.policy.order_overhead import policy_ns_per_op
 from kvstrata.policy.tiers import CPU, GPU, SSD
-from kvstrata.values import ALWAYS, COST, EVICTIONS, TIER_ADMISSIONS, eviction_alpha, eviction_name, format_size
+from kvstrata.system.values import ALWAYS, COST, EVICTIONS, TIER_ADMISSIONS, eviction_alpha, eviction_name, format_size
 
 if TYPE_CHECKING:
-    from kvstrata.config import KVStrataConfig
+    from kvstrata.config.schema import KVStrataConfig
     from kvstrata.trace.reader import TraceReader
     from kvstrata.trace.requests import Request, Trace
 
@@ -67,7 +67,7 @@ def _row_config(config: "KVStrataConfig", block_size: int, cpu: int, ssd: int, e
     nbytes = config_for_trace(config, block_size).block_nbytes()
     sets = [f"cpu.capacity={cpu * nbytes}", f"ssd.capacity={ssd * record_footprint(NS_LEN + 32, nbytes)}",
             f"cpu.eviction={eviction}", f"ssd.eviction={eviction}", f"ssd.admission={admission}"]
-    from kvstrata.config import KVStrataConfig
+    from kvstrata.config.schema import KVStrataConfig
 
     return KVStrataConfig.from_dict(config.to_dict(), sets), sets
 
@@ -137,7 +137,7 @@ def _check_memory(config: "KVStrataConfig", block_size: int, rows: int, distinct
     from kvstrata.bench.budget import GROUP_BYTES_PER_BLOCK, deployment_bytes
     from kvstrata.bench.capacity import tier_capacities
     from kvstrata.errors import ConfigError
-    from kvstrata.machine import default_max_memory
+    from kvstrata.system.machine import default_max_memory
 
     limit = limit if limit is not None else default_max_memory()
     groups = config.model.num_groups  # each group of a block is a block of its own in every row's replay
@@ -289,7 +289,7 @@ def _with_optimal(rows: list[dict[str, Any]], requests: list["Request"], block_s
 
 def render_compare(report: dict[str, Any]) -> str:
     """The comparison as text: a block of rows per capacity point."""
-    from kvstrata.values import plural
+    from kvstrata.system.values import plural
 
     lines = [f"kvstrata bench --compare: {plural(report['requests'], 'request')}, "
              f"{plural(report['distinct_blocks'], 'distinct block')}, GPU pool "

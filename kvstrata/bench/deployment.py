@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
-from kvstrata.config import KVStrataConfig
+from kvstrata.config.schema import KVStrataConfig
 
 __all__ = ["DEFAULT_DEPLOYMENT", "default_config", "recorded_config", "recorded_deployment", "recorded_load"]
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvstrata.config import format_size
+from kvstrata.config.schema import format_size
 from kvstrata.policy.events import TIERS
 from kvstrata.policy.tiers import CPU, GPU, KNOWN, SSD
 
 if TYPE_CHECKING:
     from kvstrata.bench.mrc import MissRatioCurve
-    from kvstrata.config import KVStrataConfig
+    from kvstrata.config.schema import KVStrataConfig
     from kvstrata.policy import PolicySpec
 
 __all__ = ["hit_rate_band", "pool_checks", "recommend", "effective_capacity_blocks"]

@@ -1,7 +1,7 @@
 """Block lifecycles of a replay, recorded as an event log and measured in folds.
 
 :class:`LifecycleLog` has the recording interface of
-:class:`kvstrata.metrics.Lifecycle` (enter, access, leave) and the same
+:class:`kvstrata.core.metrics.Lifecycle` (enter, access, leave) and the same
 semantics, but appends each batch to flat lists in C (no per-key Python work)
 and measures the samples with numpy whenever ``fold_events`` keys are
 buffered, and at the end:

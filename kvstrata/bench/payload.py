@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvstrata.config import SSD_TIER_KEYS, KVStrataConfig
+from kvstrata.config.schema import SSD_TIER_KEYS, KVStrataConfig
 from kvstrata.errors import config_keys
 from kvstrata.bench.capacity import policy_spec, tier_capacities
-from kvstrata.executor import Executor
+from kvstrata.dataplane.executor import Executor
 from kvstrata.policy.tiers import CPU, GPU, SSD
 
 __all__ = ["payload_config", "payload_executor"]
@@ -40,10 +40,10 @@ def payload_executor(cfg: KVStrataConfig) -> Executor:
     """Real bytes: a host 'device' pool, the CPU slab and an SSD tier (``cfg.ssd.path``)."""
     import torch
 
-    from kvstrata.executor import PoolRows
+    from kvstrata.dataplane.executor import PoolRows
     from kvstrata.tiers.host import HostSlab
     from kvstrata.tiers.ssd import SSDTier
-    from kvstrata.transfer import TransferEngine
+    from kvstrata.dataplane.transfer import TransferEngine
 
     spec, nbytes = policy_spec(cfg), cfg.block_nbytes()
     pool = torch.zeros((cfg.gpu.resolve_num_blocks(nbytes), nbytes), dtype=torch.uint8)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.errors import ConfigError
-from kvstrata.values import clip, short_repr
+from kvstrata.system.values import clip, short_repr
 
 __all__ = ["DTYPE_BYTES", "ModelShape", "Plan", "shape_from_args", "shape_from_hf_config", "kv_pool_bytes",
            "make_plan", "render_plan", "MAX_LAYERS", "MAX_HEADS", "MAX_DIM", "MAX_TOKENS", "MAX_BLOCK_SIZE",
@@ -141,7 +141,7 @@ def shape_from_args(layers: int, kv_heads: int, head_dim: int, dtype: str = "fp1
 def _read_config(p: Path) -> Any:
     """The JSON value in model config ``p``: a regular file of at most 16 MiB, nested within
     what Python's parser follows."""
-    from kvstrata.files import read_named
+    from kvstrata.system.files import read_named
 
     data = read_named(p, _MAX_CONFIG_BYTES, "model config", "JSON")
     try:

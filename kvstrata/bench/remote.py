@@ -14,11 +14,11 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Sequence
 
 from kvstrata.errors import ConfigError
-from kvstrata.executor import Lost, NullExecutor
+from kvstrata.dataplane.executor import Lost, NullExecutor
 from kvstrata.policy.plans import StorePlan
 
 if TYPE_CHECKING:
-    from kvstrata.config import KVStrataConfig
+    from kvstrata.config.schema import KVStrataConfig
 
 __all__ = ["SharedRemote", "SharedRemoteExecutor", "remote_capacity_blocks"]
 

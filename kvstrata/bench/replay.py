@@ -13,7 +13,7 @@ scheduler, so its hit counts are what a deployment of the same config sees:
   offered as ``evicted``, newly computed blocks as ``computed``, the page-out
   window as ``pageout``; then the step's stores complete, then its loads.
 
-The GPU pool is a :class:`~kvstrata.block_pool.BlockManager`, which evicts and
+The GPU pool is a :class:`~kvstrata.pool.blocks.BlockManager`, which evicts and
 frees in vLLM's order. With one request at a time this is exactly what the
 connector does under vLLM (a test checks it against the real scheduler);
 with concurrent requests vLLM interleaves steps of different requests,
@@ -54,19 +54,19 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from kvstrata.block_pool import BlockManager, Prompt
-from kvstrata.group_pool import GroupedBlockManager
-from kvstrata.core.groups import KVGroups, parse_groups
-from kvstrata.config import KVStrataConfig
+from kvstrata.pool.blocks import BlockManager, Prompt
+from kvstrata.pool.grouped import GroupedBlockManager
+from kvstrata.identity.groups import KVGroups, parse_groups
+from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError, OutOfBlocksError
-from kvstrata.executor import Executor, NullExecutor
+from kvstrata.dataplane.executor import Executor, NullExecutor
 from kvstrata.bench.lifelog import LifecycleLog
 from kvstrata.bench.replay_result import ReplayError, ReplayOptions, ReplayResult
 from kvstrata.bench.budget import check_memory
 from kvstrata.bench.capacity import config_for_trace, policy_spec, tier_capacities
 from kvstrata.bench.payload import payload_config, payload_executor
 from kvstrata.bench.misses import MISS_REASONS, Tracker, classify, first_reason
-from kvstrata.metrics import TIERS, LifecycleRecorder, policy_stats
+from kvstrata.core.metrics import TIERS, LifecycleRecorder, policy_stats
 from kvstrata.policy import LOWER_TIERS, TierPolicy
 from kvstrata.bench.remote import SharedRemoteExecutor
 from kvstrata.bench.stats import Quantiles

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstrata.bench.stats import Quantiles
-from kvstrata.config import KVStrataConfig
-from kvstrata.metrics import TIERS
+from kvstrata.config.schema import KVStrataConfig
+from kvstrata.core.metrics import TIERS
 from kvstrata.policy import PolicySpec
 from kvstrata.policy.events import REMOTE
 from kvstrata.policy.positions import flops_per_token

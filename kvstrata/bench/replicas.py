@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from kvstrata.bench.remote import SharedRemote, remote_capacity_blocks
 from kvstrata.bench.replay import (ReplayError, ReplayOptions, ReplayResult, Replayer, config_for_trace, replaying,
                                  requests_of)
-from kvstrata.config import KVStrataConfig
+from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError
 from kvstrata.policy.events import REMOTE
 from kvstrata.policy.tiers import GPU, KNOWN

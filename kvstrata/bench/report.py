@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from kvstrata.bench import diagnose
 from kvstrata.policy.events import LOWER_TIERS, REMOTE, TIERS
 from kvstrata.bench.stats import EXACT_VALUES, RELATIVE_ERROR, summarize
-from kvstrata.config import format_size, plural
-from kvstrata.values import format_number
+from kvstrata.config.schema import format_size, plural
+from kvstrata.system.values import format_number
 from kvstrata.policy.tiers import CPU, GPU, KNOWN, SSD
 
 if TYPE_CHECKING:

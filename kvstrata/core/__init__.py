@@ -1,4 +1,4 @@
-"""The driver core: what every driver (the library's :class:`~kvstrata.tiered.TieredKVCache`,
+"""The driver core: what every driver (the library's :class:`~kvstrata.library.tiered.TieredKVCache`,
 the vLLM connector's scheduler half, the ``kvstrata bench`` replay) does the same way.
 
 * :mod:`.hits`: which tier served each block of a request, and the per-request counts.

@@ -83,11 +83,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from kvstrata.core.fit import DECAY, Fit as _Fit, solve as _solve
 from kvstrata.core.read_queue import ReadQueue
-from kvstrata.load_config import LOAD_POLICIES as POLICIES
+from kvstrata.config.load import LOAD_POLICIES as POLICIES
 from kvstrata.policy.tiers import LOWER, SHARED
 
 if TYPE_CHECKING:
-    from kvstrata.load_config import LoadConfig
+    from kvstrata.config.load import LoadConfig
     from kvstrata.policy import PolicySpec
 
 __all__ = ["LoadCosts", "DECAY", "ALWAYS", "MEASURED", "POLICIES", "PROBE_S", "PROBE_BYTES", "load_costs", "fixed_costs"]

@@ -1,6 +1,6 @@
 """The step protocol, written once for every driver.
 
-:class:`DriverCore` is what the library's :class:`~kvstrata.tiered.TieredKVCache`,
+:class:`DriverCore` is what the library's :class:`~kvstrata.library.tiered.TieredKVCache`,
 the vLLM connector's scheduler half and the ``kvstrata bench`` replay have in
 common. It tells the :class:`~kvstrata.policy.TierPolicy` what a driver's device
 pool did, keeps each request's state (:class:`~kvstrata.core.request.RequestState`),
@@ -8,7 +8,7 @@ the plans prepared and those running, and counts where every hit came from.
 A driver adds only what differs for it:
 
 * who owns the device pool (the library's and the replay's own
-  :class:`~kvstrata.block_pool.BlockManager`, or vLLM's), and so which blocks
+  :class:`~kvstrata.pool.blocks.BlockManager`, or vLLM's), and so which blocks
   are hits, evicted, computed or in the page-out window;
 * whether plans complete at once (:meth:`DriverCore.run`, :meth:`DriverCore.lookup_now`)
   or a step later, reported by workers (:meth:`DriverCore.take_planned`, then
@@ -44,13 +44,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
 from kvstrata.core.costs import LoadCosts
-from kvstrata.core.groups import KVGroups
+from kvstrata.identity.groups import KVGroups
 from kvstrata.core.hits import GPU, HitCounts, count_tiers, request_counts, served_from
 from kvstrata.core.request import RequestState
 from kvstrata.policy.plans import COMPUTED, EVICTED, PAGEOUT, SHUTDOWN, FetchPlan, LoadPlan, StorePlan
 
 if TYPE_CHECKING:
-    from kvstrata.executor import Executor, LoadResult
+    from kvstrata.dataplane.executor import Executor, LoadResult
     from kvstrata.policy.manager import TierPolicy
 
 __all__ = ["DriverCore", "Blocks"]
@@ -64,7 +64,7 @@ class DriverCore:
     """The protocol of :mod:`kvstrata.core.driver` over one policy (``block_size`` tokens a block).
 
     ``groups``: the model's KV-cache groups when they are not one full-attention group
-    (:mod:`kvstrata.core.groups`). A request's blocks are then stored and loaded per group
+    (:mod:`kvstrata.identity.groups`). A request's blocks are then stored and loaded per group
     under the group's keys (:meth:`group_key`), a hit is the longest prefix every group can
     serve, device block ids are per group, and a load serves its hit whole or not at all.
     """
@@ -434,7 +434,7 @@ class DriverCore:
     def run(self, executor: "Executor", stores: Sequence[StorePlan], st: RequestState | None = None) -> "LoadResult":
         """Synchronous drivers: run ``stores``, then the planned load of ``st`` (if any), on
         ``executor``; then complete them in that order. Returns the load's result."""
-        from kvstrata.executor import LoadResult
+        from kvstrata.dataplane.executor import LoadResult
 
         lost = [executor.store(plan) for plan in stores]
         plan = st.load if st is not None else None

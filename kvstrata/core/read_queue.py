@@ -13,7 +13,7 @@ not return is ahead of everything for as long as it is out, not for its estimate
 not return, or reads queued behind one) was given up by the workers
 (:meth:`ReadQueue.stalled`): its reads stay in the queue, at their age, until the
 workers say they returned (:meth:`ReadQueue.returned`), and each tier it read trips
-that tier's breaker (:class:`~kvstrata.breaker.Breaker`, the one the remote tier uses
+that tier's breaker (:class:`~kvstrata.system.breaker.Breaker`, the one the remote tier uses
 in front of its server): while open, the tier is out of the
 load-or-recompute decision (its blocks are computed) but for one probe of a few
 blocks after each cooldown; a load that reads the tier and is not given up closes it
@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
-from kvstrata.breaker import Breaker
+from kvstrata.system.breaker import Breaker
 
 __all__ = ["ReadQueue", "STALL_COOLDOWN_S", "STALL_MAX_COOLDOWN_S"]
 

@@ -35,11 +35,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from kvstrata.config import KVStrataConfig, format_size
+from kvstrata.config.schema import KVStrataConfig, format_size
 from kvstrata.engine.kv import PagedKV, StepBatch, cache_dtype
 from kvstrata.engine.model import DTYPES, ModelShape, PagedModel, read_model_shape
 from kvstrata.errors import ConfigError
-from kvstrata.identity import Fingerprint, model_identity
+from kvstrata.identity.fingerprint import Fingerprint, model_identity
 from kvstrata.kernels import copy_blocks
 from kvstrata.kernels.specs import BLOCK_SIZES, HEAD_SIZES
 
@@ -88,7 +88,7 @@ class _Request:
 def _check_pool_memory(cfg: KVStrataConfig, num_blocks: int, device: torch.device) -> None:
     """Refuse a KV pool larger than the device can hold now, before allocating it, naming the
     key that sized it (``gpu.num_blocks`` or ``gpu.capacity``)."""
-    from kvstrata.machine import available_memory_bytes
+    from kvstrata.system.machine import available_memory_bytes
 
     need = num_blocks * cfg.block_nbytes()
     if device.type == "cuda":
@@ -171,7 +171,7 @@ class LLMEngine:
     def __init__(self, model_path: str | Path, config: KVStrataConfig | str | Path | Mapping[str, Any] | None = None,
                  *, dtype: str | torch.dtype | None = None, kv_cache_dtype: str | None = None,
                  k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-        from kvstrata.tiered import TieredKVCache
+        from kvstrata.library.tiered import TieredKVCache
 
         self.plan = plan = EnginePlan.of(model_path, config, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
         self.shape = shape = plan.shape

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvstrata.files import NotRegular, read_bounded
+from kvstrata.system.files import NotRegular, read_bounded
 from kvstrata.errors import ConfigError
 
 __all__ = ["read_prompts", "load_tokenizer", "MAX_PROMPT_FILE_BYTES"]

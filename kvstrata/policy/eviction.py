@@ -32,7 +32,7 @@ Policies (``cpu.eviction``, ``ssd.eviction``):
   B1 raises and a hit in B2 lowers.
 * ``cost`` (``cost:<alpha>``): recency plus ``alpha`` times what recomputing the
   block costs for its bytes, which grows with its position in the prompt
-  (:mod:`kvstrata.policy.cost_order`, after Marconi, MLSys'25).
+  (:mod:`kvstrata.policy.cost_eviction`, after Marconi, MLSys'25).
 
 A released entry goes back to the end its policy gives a use (LRU: most recent;
 S3-FIFO: the tail of its FIFO with its count raised; ARC: T2's most recent end).
@@ -46,10 +46,10 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Iterator, Union
 
 from kvstrata.errors import ConfigError
-from kvstrata.values import ARC, EVICTIONS, LRU, S3FIFO, eviction_alpha
+from kvstrata.system.values import ARC, EVICTIONS, LRU, S3FIFO, eviction_alpha
 
 if TYPE_CHECKING:
-    from kvstrata.policy.cost_order import CostOrder
+    from kvstrata.policy.cost_eviction import CostOrder
     from kvstrata.policy.positions import Positions
 
 __all__ = ["EVICTIONS", "LRU", "S3FIFO", "ARC", "LRUOrder", "S3FIFOOrder", "ARCOrder", "EvictionOrder",
@@ -331,7 +331,7 @@ def make_order(policy: str, num_slots: int, where: str = "eviction",
         return ARCOrder(num_slots)
     alpha = eviction_alpha(policy, where) if isinstance(policy, str) else None
     if alpha is not None:
-        from kvstrata.policy.cost_order import CostOrder
+        from kvstrata.policy.cost_eviction import CostOrder
         from kvstrata.policy.positions import Positions
 
         return CostOrder(positions if positions is not None else Positions(1, 0.0), alpha)

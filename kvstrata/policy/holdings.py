@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Container, Iterable
 from kvstrata.policy.compact_index import CompactIndex
 from kvstrata.policy.slot_index import SlotIndex
 from kvstrata.policy.tiers import Tier
-from kvstrata.values import LRU
+from kvstrata.system.values import LRU
 
 if TYPE_CHECKING:
     from kvstrata.policy.positions import Positions

@@ -1,7 +1,7 @@
 """The tier policy: which lower tier holds each block, and what moves when.
 
 One bytes-free object decides placement for every driver: the library's
-:class:`kvstrata.tiered.TieredKVCache`, the vLLM connector's scheduler half and
+:class:`kvstrata.library.tiered.TieredKVCache`, the vLLM connector's scheduler half and
 the ``kvstrata bench`` replay. Drivers report facts (a prompt's blocks, blocks
 that were computed, evicted or are about to be) and apply the plans they get
 back through an executor; they decide nothing themselves.
@@ -58,7 +58,7 @@ from kvstrata.policy.ghost import Ghost
 from kvstrata.policy.hot_set import select_for_shutdown
 from kvstrata.policy.positions import Positions
 from kvstrata.policy.tiers import KNOWN, SECOND_HIT
-from kvstrata.values import COST, eviction_name
+from kvstrata.system.values import COST, eviction_name
 
 __all__ = ["TierPolicy"]
 

@@ -2,7 +2,7 @@
 
 A block's key is the hash of its whole prefix, so a key has one position: the
 block index ``p`` at which every prompt holding it holds it. The ``cost``
-eviction order (:mod:`kvstrata.policy.cost_order`) weighs blocks by what
+eviction order (:mod:`kvstrata.policy.cost_eviction`) weighs blocks by what
 recomputing them costs, which grows with ``p``:
 
 Computing block ``p`` (``bt`` tokens after ``p x bt`` others) takes, per token,

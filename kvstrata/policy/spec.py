@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvstrata.config import ADMISSIONS, ON_COMPUTE, ON_EVICT, PROMOTIONS, KVStrataConfig, check_spill_rules
-from kvstrata.credentials import redact_url
+from kvstrata.config.schema import ADMISSIONS, ON_COMPUTE, ON_EVICT, PROMOTIONS, KVStrataConfig, check_spill_rules
+from kvstrata.config.credentials import redact_url
 from kvstrata.errors import ConfigError
 from kvstrata.policy.plans import COMPUTED, EVICTED, PAGEOUT, SHUTDOWN
 from kvstrata.policy.positions import default_rho

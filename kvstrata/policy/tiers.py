@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from kvstrata.errors import ConfigError
-from kvstrata.values import ALWAYS, LRU, SECOND_HIT, TIER_ADMISSIONS, check_eviction
+from kvstrata.system.values import ALWAYS, LRU, SECOND_HIT, TIER_ADMISSIONS, check_eviction
 
 __all__ = ["ALWAYS", "SECOND_HIT", "GPU", "CPU", "SSD", "REMOTE", "LOWER", "SHARED", "PERSISTENT", "Tier", "TierList", "KNOWN", "declare", "describe_tiers"]
 

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from kvstrata.buffers import as_numpy
+from kvstrata.tiers.buffers import as_numpy
 from kvstrata.errors import ConfigError
 from kvstrata.policy.slot_index import PinnedError, SlotIndex, check_keys
-from kvstrata.transfer import copy_rows
+from kvstrata.dataplane.transfer import copy_rows
 
 if TYPE_CHECKING:
     import torch
@@ -179,7 +179,7 @@ def _slab_memory(num_slots: int, block_nbytes: int, pin_memory: bool | None
     from the start (page-locked, or faulted in), so it would be killed for memory at start-up,
     or take the memory the engine and the page cache need. Its own reservation lasts until
     its memory is resident."""
-    from kvstrata.machine import reserved_memory
+    from kvstrata.system.machine import reserved_memory
 
     with reserved_memory(num_slots * block_nbytes, "cpu.capacity", "the DRAM tier's slab"):
         return _resident_slab(num_slots, block_nbytes, pin_memory)

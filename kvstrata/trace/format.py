@@ -2,7 +2,7 @@
 
 The reader (:mod:`~kvstrata.trace.reader`), the recorder that writes the format
 (:mod:`~kvstrata.trace.recorder`) and the reader of recordings
-(:mod:`~kvstrata.trace.recording`) import this module, and nothing imports them
+(:mod:`~kvstrata.trace.parts`) import this module, and nothing imports them
 back. The README's "trace format" section documents the keys.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstrata.identity import PREVIOUS_NAME
+from kvstrata.identity.fingerprint import PREVIOUS_NAME
 
 __all__ = ["TRACE_VERSION", "HEADER_KEY", "PREVIOUS_HEADER_KEY", "HASH_BYTES", "MEASURED_SUFFIX", "TraceError",
            "header_version", "is_header"]

@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Optional, Union
 
-from kvstrata.config import plural, short_repr
+from kvstrata.config.schema import plural, short_repr
 from kvstrata.trace.format import HEADER_KEY, TRACE_VERSION, TraceError, header_version, is_header
-from kvstrata.trace.recording import measured_of, recording_parts
-from kvstrata.trace.records import ADDERS, BadRecord, TooManyBlocks, parse_line
+from kvstrata.trace.parts import measured_of, recording_parts
+from kvstrata.trace.line import ADDERS, BadRecord, TooManyBlocks, parse_line
 from kvstrata.trace.requests import Request, Trace, TraceInfo
 
 __all__ = ["TRACE_VERSION", "HEADER_KEY", "header_version", "is_header", "FORMATS", "DistinctLimit", "Request", "Trace", "TraceBuilder",

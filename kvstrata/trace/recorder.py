@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from kvstrata.trace.format import HASH_BYTES, HEADER_KEY, MEASURED_SUFFIX, TRACE_VERSION
 
 if TYPE_CHECKING:
-    from kvstrata.config import TraceConfig
+    from kvstrata.config.schema import TraceConfig
 
 __all__ = ["TraceRecorder", "RecordedRequest", "HASH_BYTES", "MEASURED_SUFFIX", "rekey"]
 

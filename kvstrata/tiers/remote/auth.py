@@ -8,7 +8,7 @@ master only, so testing a guessed secret against a value costs a full scrypt run
 by its key id, its MAC or its ciphertext. The salt is fixed and public (:data:`SALT`):
 every replica of a fleet must derive the same keys from the secret alone. A public salt
 lets one dictionary run serve against every kvstrata deployment, which is why a secret
-must also resist guessing on its own (:func:`kvstrata.credentials.secret_bits`;
+must also resist guessing on its own (:func:`kvstrata.config.credentials.secret_bits`;
 ``kvstrata remote secret`` makes one of 256 random bits).
 
 **Formats** (the first byte is the version; a reader accepts both, a writer writes one):

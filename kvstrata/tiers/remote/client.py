@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from kvstrata.credentials import redact_url
-from kvstrata.breaker import Breaker
+from kvstrata.config.credentials import redact_url
+from kvstrata.system.breaker import Breaker
 
 __all__ = ["connect", "Pipelines", "UNANSWERED", "shown"]
 

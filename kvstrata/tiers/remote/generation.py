@@ -1,7 +1,7 @@
 """Namespace generations: after a reset, nothing written before it is served.
 
 A reset (``reset_prefix_cache(reset_connector=True)`` under vLLM,
-:meth:`~kvstrata.tiered.TieredKVCache.reset` in the library) follows an in-place
+:meth:`~kvstrata.library.tiered.TieredKVCache.reset` in the library) follows an in-place
 weight update: the fingerprint, and so the namespace, did not change, but every
 value in it holds KV of the old weights. So value keys carry a generation:
 ``kvstrata:<namespace>:<generation>:<block key>``, and a reset moves the replica
@@ -43,7 +43,7 @@ to a new generation, where none of the old values can be found.
 * **In flight.** A key is made when a read, probe or write is issued: work
   issued before the switch reads or writes the old generation's keys, so
   pre-reset bytes never land in the new generation. Drivers drop the answers
-  of probes issued before a reset (see :mod:`kvstrata.connectors.vllm_remote`);
+  of probes issued before a reset (see :mod:`kvstrata.connectors.kit.remote_lookups`);
   a vLLM scheduler refuses a reset while a fetch is planned or running, and a
   worker moves after the work it queued before (its later fetches wait for it).
 * **Hostile input.** A record that is not a generation (another type, another

@@ -23,7 +23,7 @@ Never blocks or breaks the engine:
   moves the tier to a new generation, and nothing written before is read again.
   While the generation is unknown (not yet joined, a bump not yet made, a worker
   not yet told) reads miss and puts drop, counted as refused.
-* A :class:`~kvstrata.breaker.Breaker` opens after repeated
+* A :class:`~kvstrata.system.breaker.Breaker` opens after repeated
   connection failures or timeouts: reads miss and writes drop at once until a
   probe succeeds. A server that is down at start-up is logged, not fatal. On a
   cluster every round trip is split by node, each node with a breaker of its
@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from kvstrata.credentials import redact_url, url_has_password
-from kvstrata.breaker import Breaker
+from kvstrata.config.credentials import redact_url, url_has_password
+from kvstrata.system.breaker import Breaker
 from kvstrata.tiers.remote.client import UNANSWERED, Pipelines, connect
 from kvstrata.tiers.remote.generation import GENERATION_KEY, Generation, Scoped
 from kvstrata.tiers.remote.watch import COUNTERS, INFO_EVERY, ServerWatch
@@ -59,7 +59,7 @@ from kvstrata.tiers.remote.value import AUTH_SIZE, Auth, decode_into, max_value_
 from kvstrata.tiers.ssd.record import Codec, CorruptRecord
 
 if TYPE_CHECKING:
-    from kvstrata.config import RemoteConfig
+    from kvstrata.config.schema import RemoteConfig
 
 __all__ = ["RemoteTier", "connect", "INFO_EVERY", "COUNTERS"]
 
@@ -123,7 +123,7 @@ class RemoteTier(Scoped):
     def from_config(cls, cfg: "RemoteConfig", tier_ids: Sequence[str], block_nbytes: int, *,
                     writer: bool = True, own_generation: bool = True) -> "RemoteTier":
         """The tier ``remote.*`` describes, for the shard ``tier_ids[0]`` (a
-        :meth:`~kvstrata.identity.Fingerprint.tier_id`); :meth:`probe` checks every shard in
+        :meth:`~kvstrata.identity.fingerprint.Fingerprint.tier_id`); :meth:`probe` checks every shard in
         ``tier_ids`` (a vLLM scheduler answers for all tensor-parallel ranks). Its generation
         is joined on the server now, within the deadline (``own_generation``; a server that
         is down: at a later read), or set with :meth:`use_generation` (a vLLM worker: its

@@ -1,6 +1,6 @@
 """What a remote tier knows of its server: its health, its memory settings, and the counters.
 
-:class:`ServerWatch` keeps the :class:`~kvstrata.breaker.Breaker`'s
+:class:`ServerWatch` keeps the :class:`~kvstrata.system.breaker.Breaker`'s
 view of the server (and logs when it opens and closes), reads ``INFO`` when the
 tier connects and every :data:`INFO_EVERY` seconds (and warns when the server has
 no ``maxmemory``, or a policy that never evicts), and keeps the tier's counters.
@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from kvstrata.breaker import Breaker
+from kvstrata.system.breaker import Breaker
 from kvstrata.tiers.remote.client import shown
 
 __all__ = ["ServerWatch", "INFO_EVERY", "COUNTERS"]

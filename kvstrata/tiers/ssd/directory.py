@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from kvstrata.errors import ConfigError
-from kvstrata.identity import PREVIOUS_NAME, RECORD_VERSION
+from kvstrata.identity.fingerprint import PREVIOUS_NAME, RECORD_VERSION
 from kvstrata.tiers.ssd.owner import LOCK_FILE, reader_slot
 from kvstrata.tiers.ssd.pagefile import BLOCKS
 from kvstrata.tiers.ssd.private import check_private

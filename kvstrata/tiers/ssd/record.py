@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvstrata.identity import RECORD_VERSION
+from kvstrata.identity.fingerprint import RECORD_VERSION
 from kvstrata.tiers.ssd.footprint import (CLOCK, HEADER, NS_LEN, PAGE, TAIL_MAX, _NODE, body_pages,
                                            capacity_blocks, record_footprint, split_tail)
 

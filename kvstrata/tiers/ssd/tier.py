@@ -46,7 +46,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from kvstrata.buffers import as_numpy, nbytes, writable_view
+from kvstrata.tiers.buffers import as_numpy, nbytes, writable_view
 from kvstrata.tiers.ssd.arguments import (MAX_KEY_LEN, check_block_nbytes, check_capacity, check_fingerprint,
                                          check_int, check_key, check_path, file_size)
 from kvstrata.tiers.ssd.coders import Coders

@@ -187,7 +187,7 @@ def _identify() -> None:
     :data:`NOT_KVSTRATA` for anything else. Read-only."""
     import lmdb
 
-    from kvstrata.identity import PREVIOUS_NAME
+    from kvstrata.identity.fingerprint import PREVIOUS_NAME
 
     env = lmdb.open(sys.argv[1], readonly=True, lock=sys.argv[2:3] == ["1"], max_dbs=8, readahead=False)
     with env.begin() as txn:

@@ -1,0 +1,3 @@
+from kvstrata.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,500 @@
+"""The copier: runs store and load plans asynchronously, so that no step waits for a copy.
+
+It drives an :class:`~kvstrata.dataplane.executor.Executor` (the slab, the SSD tier and the
+counters) over a device with streams (:mod:`kvstrata.kernels.streams`):
+
+* **stores**: the device blocks are gathered on kvstrata's low-priority store
+  stream, after an event the caller recorded on the compute stream once the
+  blocks' KV was written (never after the whole stream): straight into their
+  slab slots for the CPU tier, into pinned staging for blocks bound only for
+  the SSD tier. The SSD puts then run on the I/O thread, which waits for the
+  gather's event (off the step thread). :meth:`Copier.store` returns at once.
+* **loads**: SSD blocks are read into pinned staging (and promoted into their
+  slab slots) on the I/O thread; CPU blocks are scattered from the slab, and
+  SSD blocks from staging, on the load stream, once what they read is ready.
+* **completion** is polled (:meth:`Copier.poll`: ``Event.query`` and
+  ``Future.done``, never a wait): a store plan is done when its SSD puts were
+  queued, a load when its scatter ran. A load cut at its deadline while its
+  reads are out is given up at once (:meth:`Copier.cut`): staging is a bounce
+  buffer, and a read that returns later is used by nothing.
+
+Ordering rules (each one is a test in ``tests/test_copier_state.py``, which
+removes it and watches bytes go wrong):
+
+1. A gather waits for the compute event its store was submitted with.
+2. **The fence.** A device block is not rewritten while a gather out of it is
+   pending: :meth:`Copier.fence` makes the compute stream (before the forward
+   that reuses blocks the engine handed out again) wait for the gathers still
+   reading those blocks. Nothing is held and nothing blocks the host: work
+   waits on the device only when a block is really reused before its copy
+   ran. A load starts after the compute work queued before it (the blocks'
+   previous owner may not have finished writing them); as its blocks were
+   fenced before it was queued, that also orders it after their gathers.
+3. A load's scatter from a slab slot waits for the pending write into that
+   slot (a store's gather: an event; a promotion on the I/O thread: the load
+   is submitted only once that finished).
+4. Every SSD operation (deletions, spills, puts, reads) runs on one I/O
+   thread in the order the policy planned them. A spill copies its slot when
+   it is planned (the slot may be rewritten by the next gather). With inline
+   streams (the CPU backend, where the forward and the copies share the
+   cores) changes run at once when nothing is queued before them: the SSD
+   tier's ``put`` only queues the block for its writer. Fetches from the
+   remote tier run on a lane of their own (:meth:`Copier.fetch`).
+5. Admission: blocks bound only for the SSD tier and spills hold host
+   staging until their puts are queued; past ``staging_bytes`` in flight
+   they are dropped (counted as ``stores_dropped``, reported lost), never
+   waited for. CPU destinations are slab slots the policy pinned for the plan.
+
+Threads: the owner (step) thread calls every method and owns every field; the
+I/O thread runs the SSD work and the slab writes of promotions (slots the
+policy pinned for that plan, under the load's lock), the fetch lane the
+fetches; their results travel back through futures.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Executor as FuturesExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import TimeoutError as FuturesTimeout
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvstrata.dataplane.copy_jobs import (CopyRows, Finished, PendingLoad, PendingStore, evict_and_spill, give_up, moved,
+                             put_rows)
+from kvstrata.dataplane.io_lanes import IOQueue, fetch_job, timed
+from kvstrata.dataplane.executor import Executor, LoadResult, Lost
+from kvstrata.policy.plans import FetchPlan, LoadPlan, StorePlan
+from kvstrata.kernels.streams import Event, InlineStreams, Stream, Streams
+from kvstrata.policy.tiers import CPU, SSD
+
+__all__ = ["CopyRows", "Copier", "Finished", "IOQueue"]
+
+log = logging.getLogger(__name__)
+
+
+class Copier:
+    """Asynchronous stores and loads over ``rows`` (the device's blocks) and ``executor``."""
+
+    def __init__(self, executor: Executor, rows: CopyRows, streams: Streams, *,
+                 staging_bytes: int = 256 * 1024**2, io: "FuturesExecutor | None" = None,
+                 fetch_io: "FuturesExecutor | None" = None) -> None:
+        self.ex = executor
+        self.rows = rows
+        self.streams = streams
+        self.store_stream: Stream = streams.new_stream(low_priority=True)
+        self.load_stream: Stream = streams.new_stream(low_priority=False)
+        self.staging_bytes = staging_bytes
+        self._staged = 0
+        inline = isinstance(streams, InlineStreams)
+        self._io = IOQueue(io, inline)
+        # fetches from the remote tier on a lane of their own: never behind a disk read that
+        # does not return (``io`` given alone, a test's fake, runs both lanes)
+        self._net = IOQueue(fetch_io if fetch_io is not None else io, inline, name="kvstrata-fetch")
+        self._stores: list[PendingStore] = []
+        self._loads: list[PendingLoad] = []
+        self._reading: dict[int, Event] = {}        # device block -> gather still reading it
+        self._slot_event: dict[int, Event] = {}     # slab slot -> gather writing it
+        self._slot_io: dict[int, Future[Any]] = {}  # slab slot -> promotion writing it
+        self._spills: list[tuple[Future[Any], int]] = []  # SSD deletions and spills, staging bytes held
+        self._fetches: list[tuple[FetchPlan, Future[int], threading.Event]] = []
+        self._fetch_lost: dict[int, Lost] = {}          # fetch plan id -> SSD puts its fetch dropped
+        self._stranded: dict[str, Future[Any]] = {}     # request -> reads of its given-up load, still out
+        self._switched: Future[Any] | None = None       # the latest move to another remote generation
+        self._lost: Lost = []
+
+    # ------------------------------------------------------------------ SSD work, in plan order
+
+    def evict(self, spills: Sequence[tuple[int, bytes]], ssd_evictions: Sequence[bytes]) -> None:
+        """Delete ``ssd_evictions`` from the SSD tier, then spill slab slots to it (rule 4).
+        A spill's slot is copied now; past the staging budget it is dropped."""
+        copies: list[tuple[bytes, np.ndarray]] = []
+        slab, size = self.ex.slab, self.rows.block_nbytes
+        for slot, key in spills:
+            if slab is not None and slab.holds(slot, key) and self._admit(size):
+                copies.append((key, slab.view(slot).copy()))
+            else:
+                self.ex.count("spill_failures")
+                self._lost.append((SSD, key))
+        if copies or ssd_evictions:
+            fut = self._io.submit(evict_and_spill, self.ex, list(ssd_evictions), copies)
+            self._spills.append((fut, size * len(copies)))
+
+    def discard_all(self) -> None:
+        """Delete every record of the SSD tier (after the SSD work queued so far)."""
+        ssd = self.ex.ssd
+        if ssd is not None:
+            self._spills.append((self._io.submit(lambda: self.ex.evict([], list(ssd.keys()))), 0))
+
+    def use_remote_generation(self, token: bytes | None) -> None:
+        """Move the remote tier to generation ``token`` after the work queued so far (rule 4):
+        puts queued before it go to the generation they were planned in, fetches queued
+        after it read the new one."""
+        remote = self.ex.remote
+        if remote is not None:
+            self._switched = self._io.submit(lambda: remote.use_generation(token) or [])
+            self._spills.append((self._switched, 0))
+
+    def _admit(self, nbytes: int) -> bool:
+        if self._staged + nbytes > self.staging_bytes:
+            return False
+        self._staged += nbytes
+        return True
+
+    # ------------------------------------------------------------------ stores
+
+    def store(self, plan: StorePlan, after: Event) -> None:
+        """Queue the plan: its spills and deletions, the gather (after ``after``) and the
+        SSD puts. Returns without waiting for any of it."""
+        self.evict(plan.spills, plan.ssd_evictions)
+        if plan.ssd_touches and self.ex.ssd is not None:
+            self._io.submit(self.ex.ssd.touch_many, list(plan.ssd_touches))
+        slab, size = self.ex.slab, self.rows.block_nbytes
+        cpu = [i for i, s in enumerate(plan.cpu_slots) if s >= 0 and slab is not None]
+        in_cpu = set(cpu)
+        remote = plan.to_remote if self.ex.remote is not None else []
+        host_only = [i for i in range(len(plan)) if i not in in_cpu and (plan.to_ssd[i] or (remote and remote[i]))]
+        lost: Lost = []
+        staged = host_only
+        if host_only and not self._admit(size * len(host_only)):  # rule 5: dropped, never waited for
+            staged = []
+            lost = [(SSD, plan.keys[i]) for i in host_only if plan.to_ssd[i]]
+            self.ex.count("stores_dropped", len(host_only))
+        staging = self.rows.staging(len(staged)) if staged else None
+        blocks = [plan.block_ids[i] for i in cpu + staged]
+        if blocks:
+            self._after_compute(after)
+            self.store_stream.submit(lambda: self._gather(plan, cpu, staged, staging))
+        gathered = self.store_stream.record()
+        for b in blocks:
+            self._reading[b] = gathered
+        for i in cpu:
+            assert slab is not None
+            slab.keys[plan.cpu_slots[i]] = plan.keys[i]  # loads of it wait for ``gathered`` (rule 3)
+            self._slot_event[plan.cpu_slots[i]] = gathered
+        self.ex.count("blocks_stored_cpu", len(cpu))
+        puts = [(plan.keys[i], ("slab", plan.cpu_slots[i])) for i in cpu if plan.to_ssd[i]]
+        puts += [(plan.keys[i], ("staging", j)) for j, i in enumerate(staged) if plan.to_ssd[i]]
+        sends = [(plan.keys[i], ("slab", plan.cpu_slots[i])) for i in cpu if remote and remote[i]]
+        sends += [(plan.keys[i], ("staging", j)) for j, i in enumerate(staged) if remote and remote[i]]
+        io = self._io.submit(self._put_io, gathered, puts, staging, sends)
+        self._stores.append(PendingStore(plan, gathered, io, size * len(staged), lost, time.perf_counter(),
+                                   size * len(blocks)))
+
+    def _gather(self, plan: StorePlan, cpu: list[int], staged: list[int], staging: np.ndarray | None) -> None:
+        if cpu:
+            assert self.ex.slab is not None
+            self.rows.gather([plan.block_ids[i] for i in cpu], self.ex.slab.array, [plan.cpu_slots[i] for i in cpu])
+        if staged:
+            assert staging is not None
+            self.rows.gather([plan.block_ids[i] for i in staged], staging, range(len(staged)))
+
+    def _put_io(self, gathered: Event, puts: list[tuple[bytes, tuple[str, int]]],
+                staging: np.ndarray | None, sends: list[tuple[bytes, tuple[str, int]]] = ()) -> Lost:
+        """On the I/O thread: wait for the gather, then queue the SSD puts and the remote
+        tier's (``sends``: write-behind, copied by the remote tier's queue)."""
+        if not puts and not sends:
+            return []
+        self._wait_gathered(gathered)
+        return put_rows(self.ex, puts, staging, sends)
+
+    # ------------------------------------------------------------------ remote fetches
+
+    def fetch(self, plan: FetchPlan) -> None:
+        """Queue a fetch from the remote tier into the plan's slab slots on the fetch lane
+        (its spills, copied now, and its SSD deletions queue on the I/O thread). The fetched
+        blocks the plan sends to the SSD tier are put there only once the SSD work queued
+        before the fetch ran, and dropped (reported lost) when it has not: a disk read that
+        does not return delays no fetch. Loads of those slots wait for it (rule 3);
+        :meth:`poll` reports how many blocks arrived."""
+        self.evict(plan.spills, plan.ssd_evictions)
+        cut = threading.Event()
+        before = self._io.last_change  # the fetched blocks' SSD puts come after it (rule 4)
+        switched = self._switched      # ... and its reads after a move to another generation
+        lost = self._fetch_lost.setdefault(plan.plan_id, [])
+        io: Future[int] = self._net.submit(fetch_job(self.ex, plan, cut, before, switched, lost), changes=False)
+        slab = self.ex.slab
+        if slab is not None:
+            for slot, key in zip(plan.cpu_slots, plan.keys):
+                slab.keys[slot] = key  # later loads of it wait for ``io`` and check again (rule 3)
+                self._slot_io[slot] = io
+        self._fetches.append((plan, io, cut))
+
+    # ------------------------------------------------------------------ loads
+
+    def load(self, plan: LoadPlan, after: Event | None = None) -> None:
+        """Queue the plan's copies into its device blocks (its spills and deletions ran
+        through :meth:`evict` when it was planned), after ``after``: an event on the compute
+        stream recorded once the plan's blocks were fenced (:meth:`fence`) and before any
+        forward that reads them (default: recorded now)."""
+        n = len(plan)
+        staging = self.rows.staging(n) if any(plan.from_ssd) else np.empty((0, self.rows.block_nbytes), np.uint8)
+        ok = [False] * n
+        lost: Lost = []
+        slab = self.ex.slab
+        waits: list[Future[Any]] = []
+        for i, slot in enumerate(plan.cpu_slots):
+            if slot < 0:
+                continue
+            if slab is not None and slab.holds(slot, plan.keys[i]):
+                ok[i] = True
+                waits += self._promotions_into(slot)
+            else:  # never filled or overwritten: refused, never copied
+                lost.append((CPU, plan.keys[i]))
+        self.ex.count("load_failures_cpu", len(lost))
+        job = PendingLoad(plan, staging, ok, lost, None, waits, started=time.perf_counter())
+        if any(f and s < 0 for f, s in zip(plan.from_ssd, plan.cpu_slots)):
+            job.io = self._io.submit(timed, job.io_s, self._read, job, changes=False)
+            for slot, key in zip(plan.promote_slots, plan.keys):
+                if slot >= 0 and slab is not None:
+                    slab.keys[slot] = key  # later loads of it wait for ``io`` and check again (rule 3)
+                    self._slot_io[slot] = job.io
+        job.after = after if after is not None else self.streams.current().record()
+        self._loads.append(job)
+        self._advance_loads()
+
+    def _read(self, job: PendingLoad) -> Lost:
+        """On the I/O thread: the load's SSD reads (none once it was given up)."""
+        with job.lock:
+            staging = job.staging
+            if job.given_up or staging is None:
+                return []
+        return self.ex.read_ssd(job.plan, staging, job.ok, job.cut.is_set, job.live)
+
+    def cut(self, req_id: str) -> None:
+        """The load or fetch of ``req_id`` reads no more (past its deadline): a load copies in
+        the blocks in and reports the rest not loaded, for the engine to compute, at the next
+        :meth:`poll` whatever its reads do (:func:`give_up`); a fetch reports what arrived."""
+        for job in self._loads:
+            if job.plan.req_id == req_id:
+                job.cut.set()
+        for plan, _, cut in self._fetches:
+            if plan.req_id == req_id:
+                cut.set()
+
+    def _advance_loads(self) -> None:
+        """Submit the scatter of every load whose host-side work is done (rule 3), or that was
+        cut while its reads or the promotions it waits for were out."""
+        for job in self._loads:
+            if job.scattered is not None:
+                continue
+            waiting = [f for f in job.waits_on if not f.done() and f not in self._stranded.values()]
+            if job.cut.is_set() and (waiting or (job.io is not None and not job.io.done())):
+                self._give_up(job, waiting)
+            elif waiting or (job.io is not None and not job.io.done()):
+                continue
+            if job.io is not None and job.io.done():
+                job.lost += self._io_result(job.io)
+            self._recheck_slots(job)
+            self._scatter(job)
+
+    def _give_up(self, job: PendingLoad, waiting: "list[Future[Any]]") -> None:
+        """A cut load whose reads (or the promotions it waits for) are still out (:func:`give_up`)."""
+        if give_up(job, self.ex, self._slot_io, waiting):
+            self._stranded[job.plan.req_id] = job.io  # type: ignore[assignment]
+
+    def _recheck_slots(self, job: PendingLoad) -> None:
+        """A promotion this load waited for may have failed (its slot was emptied): refuse
+        such slots now rather than copy what they hold."""
+        slab, plan = self.ex.slab, job.plan
+        if not job.waits_on or slab is None:
+            return
+        for i, slot in enumerate(plan.cpu_slots):
+            if slot >= 0 and job.ok[i] and not slab.holds(slot, plan.keys[i]):
+                job.ok[i] = False
+                job.lost.append((CPU, plan.keys[i]))
+                self.ex.count("load_failures_cpu")
+
+    def _scatter(self, job: PendingLoad) -> None:
+        plan = job.plan
+        loaded = job.ok.index(False) if False in job.ok else len(plan)
+        job.loaded = loaded
+        cpu = [i for i in range(loaded) if plan.cpu_slots[i] >= 0]
+        ssd = [i for i in range(loaded) if plan.cpu_slots[i] < 0]
+        stream = self.load_stream
+        if loaded:
+            self._after_queued_compute(job, stream)
+        for i in range(loaded):
+            if plan.cpu_slots[i] >= 0:
+                self._wait_slot(plan.cpu_slots[i], stream)
+        slab = self.ex.slab
+        job.scatter_start = stream.record(timed=True)  # after the waits: the copies alone are timed
+        t0 = time.perf_counter()
+        if cpu:
+            assert slab is not None
+            stream.submit(lambda: self.rows.scatter(slab.array, [plan.cpu_slots[i] for i in cpu],
+                                                    [plan.block_ids[i] for i in cpu]))
+        if ssd:
+            stream.submit(lambda: self.rows.scatter(job.staging, ssd, [plan.block_ids[i] for i in ssd]))
+        job.scatter_s = time.perf_counter() - t0  # the copies themselves on inline streams (a GPU: see poll)
+        job.scattered = stream.record(timed=True)
+        self.ex.count("blocks_loaded_cpu", len(cpu))
+
+    # The waits, one method per ordering rule (the tests remove each in turn).
+
+    def _after_compute(self, after: Event) -> None:
+        """Rule 1: the store stream's next gather waits for the blocks' KV."""
+        self.store_stream.wait(after)
+
+    def _wait_gathered(self, gathered: Event) -> None:
+        """Rule 4 (on the I/O thread): puts read rows only once their gather ran."""
+        gathered.synchronize()
+
+    def _after_queued_compute(self, job: PendingLoad, stream: Stream) -> None:
+        """Rule 2 for loads: the scatter starts after the compute work queued before the load
+        (the blocks' previous owner may still be writing them, and gathers out of them were
+        fenced on that stream)."""
+        if job.after is not None:
+            stream.wait(job.after)
+
+    def _wait_slot(self, slot: int, stream: Stream) -> None:
+        """Rule 3: no scatter from a slab slot a pending gather is writing."""
+        if (event := self._slot_event.get(slot)) is not None:
+            stream.wait(event)
+
+    def _promotions_into(self, slot: int) -> "list[Future[Any]]":
+        """Rule 3: a load of a slot waits for the I/O job promoting into it."""
+        fut = self._slot_io.get(slot)
+        return [fut] if fut is not None else []
+
+    def _io_result(self, fut: "Future[Lost]") -> Lost:
+        try:
+            return fut.result() or []
+        except Exception:
+            log.exception("kvstrata: an SSD job failed; its blocks count as lost")
+            return []
+
+    # ------------------------------------------------------------------ fences and completion
+
+    def fence(self, block_ids: Sequence[int], stream: Stream | None = None) -> None:
+        """Make ``stream`` (default: the current compute stream) wait for pending gathers out
+        of ``block_ids`` before it rewrites them (rule 2). Never blocks the host."""
+        if not self._reading:
+            return
+        target = stream if stream is not None else self.streams.current()
+        for b in block_ids:
+            self._fence_one(b, target)
+
+    def reading(self) -> list[int]:
+        """Device blocks a pending gather still reads."""
+        return list(self._reading)
+
+    def _fence_one(self, block_id: int, stream: Stream) -> None:
+        if (event := self._reading.get(block_id)) is not None:
+            stream.wait(event)
+
+    def poll(self) -> Finished:
+        """Collect what completed; never waits."""
+        out = Finished()
+        now = time.perf_counter()
+        for job in self._stores:
+            if not job.copied and job.gathered.query():
+                job.copied = True
+                self._release_sources(job)
+                self.ex.count("bytes_d2h", job.nbytes)
+                self.ex.count("seconds_d2h", now - job.started)
+        while self._stores and self._stores[0].copied and self._stores[0].io.done():
+            job = self._stores.pop(0)  # in order: plans complete in the order they were prepared
+            self._staged -= job.staged
+            out.stored.append(job.plan.plan_id)
+            out.lost += job.lost + self._io_result(job.io)
+        self._advance_loads()
+        remaining = []
+        for job in self._loads:
+            if job.scattered is not None and job.scattered.query():
+                out.loads[job.plan.req_id] = LoadResult(job.loaded, job.lost, read=moved(job), seconds=job.seconds(),
+                                                        stalled=job.stalled)
+                with job.lock:
+                    job.staging = None  # reads still out (given up) read into nothing
+                self.ex.count("bytes_h2d", job.loaded * self.rows.block_nbytes)
+                self.ex.count("seconds_h2d", now - job.started)
+                self._release_slots(job)
+            else:
+                remaining.append(job)
+        self._loads = remaining
+        for req_id in [r for r, fut in self._stranded.items() if fut.done()]:
+            del self._stranded[req_id]
+            out.returned.append(req_id)
+        while self._fetches and self._fetches[0][1].done():
+            plan, fut, _ = self._fetches.pop(0)
+            try:
+                out.fetched[plan.plan_id] = int(fut.result())
+            except Exception:
+                log.exception("kvstrata: a remote fetch failed; its blocks count as not fetched")
+                out.fetched[plan.plan_id] = 0
+            out.lost += self._fetch_lost.pop(plan.plan_id, [])
+            for slot in plan.cpu_slots:
+                if self._slot_io.get(slot) is fut:
+                    del self._slot_io[slot]
+        while self._spills and self._spills[0][0].done():
+            fut, staged = self._spills.pop(0)
+            self._staged -= staged
+            out.lost += self._io_result(fut)
+        out.lost += self._lost
+        self._lost = []
+        return out
+
+    def _release_sources(self, job: PendingStore) -> None:
+        for b in job.plan.block_ids:
+            if self._reading.get(b) is job.gathered:
+                del self._reading[b]
+        for slot in job.plan.cpu_slots:
+            if self._slot_event.get(slot) is job.gathered:
+                del self._slot_event[slot]
+
+    def _release_slots(self, job: PendingLoad) -> None:
+        for slot in job.plan.promote_slots:
+            if job.io is not None and self._slot_io.get(slot) is job.io:
+                del self._slot_io[slot]
+
+    def wait_io(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the SSD reads of a pending load (host work only, no
+        device wait): an engine with nothing but loads to wait for would otherwise spin."""
+        pending = [job.io for job in self._loads if job.io is not None and not job.io.done()]
+        pending += [fut for _, fut, _ in self._fetches if not fut.done()]
+        if pending:
+            wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    @property
+    def fetching(self) -> bool:
+        """Fetches from the remote tier not yet reported by :meth:`poll`."""
+        return bool(self._fetches)
+
+    @property
+    def busy(self) -> bool:
+        """Stores or loads not yet reported by :meth:`poll`."""
+        return bool(self._stores or self._loads or self._spills or self._fetches)
+
+    def drain(self, timeout_s: float = 60.0) -> Finished:
+        """Wait for everything queued (shutdown only: this blocks) and collect it."""
+        deadline = time.monotonic() + timeout_s
+        out = Finished()
+        while True:
+            for job in self._stores:
+                job.gathered.synchronize()
+            for job in self._loads:
+                if job.scattered is not None:
+                    job.scattered.synchronize()
+            for lane in (self._io, self._net):
+                if lane.last is not None:
+                    try:
+                        lane.last.result(timeout=max(0.0, deadline - time.monotonic()))
+                    except FuturesTimeout:
+                        raise
+                    except Exception:  # the job failed: poll reads and reports its outcome
+                        pass
+            step = self.poll()
+            out.stored += step.stored
+            out.lost += step.lost
+            out.loads.update(step.loads)
+            out.fetched.update(step.fetched)
+            out.returned += step.returned
+            if not self.busy or time.monotonic() > deadline:
+                return out
+
+    def close(self) -> None:
+        self._io.shutdown()
+        self._net.shutdown()
