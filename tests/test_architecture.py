@@ -7,11 +7,17 @@
   users; the tiered cache does not use it.)
 * Imports go one way, those inside functions included: connectors -> drivers -> policy
   -> nothing with bytes; no two modules import each other, directly or around a loop.
+* The package is arranged in rooms (``ROOMS``, ranked bottom to top): no import goes up a
+  room, every subpackage says on its docstring's second line what it may import, and
+  README's development tree names every room and module there is.
+* Sizes: modules up to 500 lines, functions up to 60 code lines, classes up to 300.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,3 +239,164 @@ def test_the_tier_name_rule_has_teeth(tmp_path: Path) -> None:
     ok = tmp_path / "ok.py"
     ok.write_text('def f(t):\n    return t.device.type == "cpu"\n')
     assert tier_name_comparisons(bad) == [2, 2] and tier_name_comparisons(ok) == []
+
+
+# The rooms: a room is a subpackage of kvstrata (``connectors.kit`` and ``connectors.vllm``
+# are rooms of their own; ``tiers.ssd`` and ``tiers.remote`` are in ``tiers``), ranked bottom
+# to top. A module imports modules of its own room and of rooms ranked no higher, never above.
+ROOMS = {
+    "kvstrata.errors": 0,
+    "kvstrata.system": 1,
+    "kvstrata.identity": 2,
+    "kvstrata.config": 3,
+    "kvstrata.policy": 4,
+    "kvstrata.kernels": 5, "kvstrata.tiers": 5, "kvstrata.trace": 5,
+    "kvstrata.pool": 6, "kvstrata.dataplane": 6,
+    "kvstrata.core": 7,
+    "kvstrata.library": 8, "kvstrata.bench": 8,
+    "kvstrata.engine": 9,
+    "kvstrata.connectors.kit": 10,
+    "kvstrata.connectors": 11, "kvstrata.connectors.vllm": 11,
+    "kvstrata.cli": 12,
+    # the public surface (``kvstrata/__init__.py``) loads names from the rooms below on first
+    # use; only the command line reads it (its version)
+    "kvstrata": 12,
+}
+# Packages whose subpackages are rooms of their own, each placed in ROOMS by name.
+ROOM_HOLDERS = ("kvstrata", "kvstrata.connectors")
+# Imports that go up today, each to be removed (the test fails once one is gone, so the set
+# only shrinks):
+KNOWN_BACK_ARROWS = {
+    # the policy sizes the SSD tier in blocks with the SSD record format's arithmetic
+    ("kvstrata.policy.spec", "kvstrata.tiers.ssd.footprint"),
+    # the DRAM slab copies rows with the data plane's copy_rows
+    ("kvstrata.tiers.host", "kvstrata.dataplane.transfer"),
+}
+
+
+def room_of(module: str, rooms: dict[str, int] = ROOMS) -> str | None:
+    """The room holding ``module``: the longest room name it is or lies under (the package
+    itself, the public surface, holds only itself); None for a module no room holds."""
+    held = [r for r in rooms if module == r or ("." in r and module.startswith(r + "."))]
+    return max(held, key=len, default=None)
+
+
+def back_arrows(graph: dict[str, set[str]], rooms: dict[str, int] = ROOMS) -> set[tuple[str, str]]:
+    """(importer, imported) for every import into a room ranked higher than the importer's."""
+    out = set()
+    for module, imported in graph.items():
+        src = room_of(module, rooms)
+        for dst in imported:
+            dst_room = room_of(dst, rooms)
+            if src is not None and dst_room is not None and rooms[dst_room] > rooms[src]:
+                out.add((module, dst))
+    return out
+
+
+def test_every_subpackage_and_top_module_is_placed_in_a_room() -> None:
+    unplaced = sorted(m for m in import_graph() if room_of(m) is None)
+    assert not unplaced, f"place these in ROOMS (tests/test_architecture.py): {unplaced}"
+    packages = {module_name(p) for p in (ROOT / "kvstrata").rglob("__init__.py")}
+    rooms_missing = sorted(p for p in packages if p.rpartition(".")[0] in ROOM_HOLDERS and p not in ROOMS)
+    assert not rooms_missing, f"a new room must be placed in ROOMS: {rooms_missing}"
+    assert not set(ROOMS) - packages - {module_name(p) for p in (ROOT / "kvstrata").glob("*.py")}, "ROOMS names a room that is gone"
+
+
+def test_no_import_goes_up_a_room() -> None:
+    """Imports inside functions count: a lazy import is still a dependency."""
+    found = back_arrows(import_graph())
+    new = sorted(f"{a} -> {b} ({room_of(a)} {ROOMS[room_of(a)]} < {room_of(b)} {ROOMS[room_of(b)]})"
+                 for a, b in found - KNOWN_BACK_ARROWS)
+    assert not new, "imports into a higher room:\n  " + "\n  ".join(new)
+    gone = sorted(f"{a} -> {b}" for a, b in KNOWN_BACK_ARROWS - found)
+    assert not gone, "no longer imported: remove from KNOWN_BACK_ARROWS:\n  " + "\n  ".join(gone)
+
+
+def test_the_room_rule_has_teeth() -> None:
+    rooms = {"pkg.low": 0, "pkg.mid": 1, "pkg.mid.side": 1, "pkg.high": 2, "pkg": 2}
+    graph = {
+        "pkg.low.a": {"pkg.low.b", "pkg.mid.c"},   # up: caught
+        "pkg.mid.c": {"pkg.low.a", "pkg.mid.side.d"},  # down and sideways: fine
+        "pkg.mid.side.d": {"pkg.high.e", "pkg"},   # up twice: caught
+        "pkg.high.e": {"pkg.mid.c"},
+        "pkg": {"pkg.high.e"},
+    }
+    assert back_arrows(graph, rooms) == {("pkg.low.a", "pkg.mid.c"), ("pkg.mid.side.d", "pkg.high.e"),
+                                         ("pkg.mid.side.d", "pkg")}
+    assert room_of("pkg.mid.side.d", rooms) == "pkg.mid.side" and room_of("pkg.mid.x", rooms) == "pkg.mid"
+    assert room_of("pkg.other.x", rooms) is None and room_of("pkg", rooms) == "pkg"
+
+
+MAX_TOP_MODULES = 8  # the top level holds the public surface and little else
+
+
+def test_the_top_level_holds_few_modules() -> None:
+    top = sorted(p.name for p in (ROOT / "kvstrata").glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules directly under kvstrata/ (at most {MAX_TOP_MODULES}): {top}"
+
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_CODE_LINES = 60
+MAX_CLASS_CODE_LINES = 300
+
+
+def code_lines(source: str) -> set[int]:
+    """The lines holding code tokens: not blank, not comments, not docstrings."""
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    out: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in skip:
+            out.update(line for line in range(tok.start[0], tok.end[0] + 1) if line not in docstrings)
+    return out
+
+
+def oversized_definitions(source: str, kinds: tuple[type, ...], limit: int) -> list[tuple[str, int]]:
+    """(name, code lines) of each definition of ``kinds`` longer than ``limit`` code lines
+    (a nested definition counts in its parent too)."""
+    lines = code_lines(source)
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, kinds):
+            n = sum(1 for line in lines if node.lineno <= line <= node.end_lineno)
+            if n > limit:
+                out.append((node.name, n))
+    return out
+
+
+def oversized_in_package(kinds: tuple[type, ...], limit: int) -> list[str]:
+    return [f"{p.relative_to(ROOT)}:{name} ({n} code lines)" for p in sources("kvstrata")
+            for name, n in oversized_definitions(p.read_text(), kinds, limit)]
+
+
+def test_modules_stay_under_the_line_limit() -> None:
+    long = [f"{p.relative_to(ROOT)} ({n} lines)" for p in sources("kvstrata")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_functions_stay_under_the_code_line_limit() -> None:
+    long = oversized_in_package((ast.FunctionDef, ast.AsyncFunctionDef), MAX_FUNCTION_CODE_LINES)
+    assert not long, f"functions over {MAX_FUNCTION_CODE_LINES} code lines: {long}"
+
+
+def test_classes_stay_under_the_code_line_limit() -> None:
+    long = oversized_in_package((ast.ClassDef,), MAX_CLASS_CODE_LINES)
+    assert not long, f"classes over {MAX_CLASS_CODE_LINES} code lines: {long}"
+def test_the_size_limits_have_teeth() -> None:
+    body = "".join(f"    x{i} = {i}  # a comment\n\n" for i in range(59))
+    func = f'def f():\n    """A docstring\n    of two lines."""\n{body}    return (\n        x0)\n'
+    assert len(code_lines(func)) == 1 + 59 + 2  # def, the assignments, the return's two lines
+    assert oversized_definitions(func, (ast.FunctionDef,), 62) == []
+    assert oversized_definitions(func, (ast.FunctionDef,), 61) == [("f", 62)]
+    methods = "".join(f"    def m{i}(self):\n        return {i}\n" for i in range(3))
+    cls = f"class C:\n    '''Doc.'''\n    # a comment\n{methods}"
+    assert oversized_definitions(cls, (ast.ClassDef,), 7) == []
+    assert oversized_definitions(cls, (ast.ClassDef,), 6) == [("C", 7)]
+    assert oversized_definitions(cls, (ast.FunctionDef,), 1) == [("m0", 2), ("m1", 2), ("m2", 2)]
