@@ -400,3 +400,35 @@ def test_the_size_limits_have_teeth() -> None:
     assert oversized_definitions(cls, (ast.ClassDef,), 7) == []
     assert oversized_definitions(cls, (ast.ClassDef,), 6) == [("C", 7)]
     assert oversized_definitions(cls, (ast.FunctionDef,), 1) == [("m0", 2), ("m1", 2), ("m2", 2)]
+
+
+def tier_names_script():  # benchmarks/tier_names.py, loaded from its file
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tier_names", ROOT / "benchmarks" / "tier_names.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_tier_name_count_has_teeth(tmp_path: Path) -> None:
+    """benchmarks/tier_names.py counts identifiers that name a tier, not strings, comments,
+    imports or words that merely contain one."""
+    script = tier_names_script()
+    source = (
+        "from kvstrata.tiers.ssd import SSDTier  # ssd\n"  # an import: not counted
+        "def read_remote(ssd_tier, *, cpuSlots=0):\n"  # the function, two parameters: 3
+        '    """The ssd tier."""\n'
+        "    metrics = {'ssd': ssd_tier.remote_hits}\n"  # ssd_tier, remote_hits: 2
+        "    return store(ssd=ssd, remotely=1, ssds=2, CPU=SSDTier)\n"  # ssd (once), CPU, SSDTier: 3
+    )
+    assert script.count_source(source) == 8
+    assert script.word_parts("SSDTier") == ["ssd", "tier"] and script.word_parts("cpuSlots_v2") == ["cpu", "slots", "v", "2"]
+    for kept in ("kvstrata/bench/replay.py", "kvstrata/policy/manager.py"):
+        (tmp_path / kept).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / kept).write_text(source)
+    for left_out in ("kvstrata/tiers/ssd/tier.py", "kvstrata/policy/tiers.py", "kvstrata/config/schema.py",
+                     "kvstrata/system/values.py", "kvstrata/config.py", "kvstrata/remote_config.py"):
+        (tmp_path / left_out).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / left_out).write_text(source)
+    assert script.count_tree(tmp_path) == {"kvstrata/bench/replay.py": 8, "kvstrata/policy/manager.py": 8}
