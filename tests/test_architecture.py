@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import tokenize
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PLACEMENT = {"SlotIndex", "allocate_many", "try_allocate", "pin_many", "unpin_many"}
@@ -432,3 +435,75 @@ def test_the_tier_name_count_has_teeth(tmp_path: Path) -> None:
         (tmp_path / left_out).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / left_out).write_text(source)
     assert script.count_tree(tmp_path) == {"kvstrata/bench/replay.py": 8, "kvstrata/policy/manager.py": 8}
+
+
+# The rooms as the docstrings name them.
+ROOM_WORDS = {**{r.removeprefix("kvstrata."): r for r in ROOMS if r != "kvstrata"}, "command line": "kvstrata.cli"}
+
+
+def room_named(words: str) -> str:
+    name = words.strip().removeprefix("the ").strip()
+    assert name in ROOM_WORDS, f"{words!r} names no room (known: {sorted(ROOM_WORDS)})"
+    return ROOM_WORDS[name]
+
+
+def may_import(line: str, own: str) -> set[str]:
+    """The rooms a docstring's "May import" line lets its package import, in one of the forms
+    ``May import: errors, system and identity.``, ``May import every room below the engine``,
+    ``May import every room but the command line``, ``May import every other room`` (text
+    after ``;`` or ``(`` is prose)."""
+    rule = re.split(r"[;(]", line, maxsplit=1)[0].strip().rstrip(".").strip()
+    rooms = set(ROOM_WORDS.values())
+    if rule.startswith("May import:"):
+        names = re.split(r",|\band\b", rule.removeprefix("May import:").removesuffix(" only"))
+        return {room_named(n) for n in names if n.strip()}
+    if rule == "May import every other room":
+        return rooms - {own}
+    if rule.startswith("May import every room below "):
+        limit = ROOMS[room_named(rule.removeprefix("May import every room below "))]
+        return {r for r in rooms if ROOMS[r] < limit}
+    if rule.startswith("May import every room but "):
+        return rooms - {room_named(rule.removeprefix("May import every room but "))}
+    raise AssertionError(f"cannot read {line!r}")
+
+
+def test_every_subpackage_says_what_lives_there_and_what_it_may_import() -> None:
+    """First docstring line: what lives there; second: "May import ...", no room above its
+    own (ROOMS), and true of its modules (the known back-arrows aside)."""
+    graph = import_graph()
+    problems = []
+    for init in sorted((ROOT / "kvstrata").rglob("__init__.py")):
+        package = module_name(init)
+        if package == "kvstrata":
+            continue
+        rel = init.relative_to(ROOT)
+        doc = ast.get_docstring(ast.parse(init.read_text()), clean=False) or ""
+        lines = doc.splitlines()
+        if len(lines) < 2 or not lines[0].strip() or lines[0].startswith("May") or not lines[1].startswith("May import"):
+            problems.append(f"{rel}: the docstring's first line says what lives there, its second 'May import ...'")
+            continue
+        own = room_of(package)
+        allowed = may_import(lines[1], own)
+        above = sorted(r for r in allowed if ROOMS[r] > ROOMS[own])
+        if above:
+            problems.append(f"{rel}: may import {above}, ranked above {own} in ROOMS")
+        imported = {(m, d) for m, deps in graph.items() if m == package or m.startswith(package + ".") for d in deps}
+        outside = sorted(f"{m} -> {d}" for m, d in imported - KNOWN_BACK_ARROWS
+                         if room_of(d) not in allowed | {own, "kvstrata"})
+        if outside:
+            problems.append(f"{rel}: says {lines[1]!r} but imports {outside}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_may_import_rule_has_teeth() -> None:
+    own = "kvstrata.pool"
+    assert may_import("May import: errors, system and identity.", own) == {"kvstrata.errors", "kvstrata.system", "kvstrata.identity"}
+    assert may_import("May import: errors only.", own) == {"kvstrata.errors"}
+    assert may_import("May import every room below the engine (core, pool); never the connectors.", own) == {
+        r for r in ROOMS if ROOMS[r] < ROOMS["kvstrata.engine"] and r != "kvstrata"}
+    assert "kvstrata.cli" not in may_import("May import every room but the command line.", own)
+    assert may_import("May import every other room; nothing imports it.", "kvstrata.cli") == set(ROOM_WORDS.values()) - {"kvstrata.cli"}
+    with pytest.raises(AssertionError, match="names no room"):
+        may_import("May import: errors, the moon.", own)
+    with pytest.raises(AssertionError, match="cannot read"):
+        may_import("May import anything it likes.", own)

@@ -1,4 +1,5 @@
-"""A small paged-attention engine over kvstrata's tiered cache.
+"""A small paged-attention engine over kvstrata's tiered cache (``LLMEngine``, ``kvstrata generate``).
+May import every room below the engine; never the connectors or the command line.
 
 ``LLMEngine(model_path, config)`` runs a Hugging Face Llama-family checkpoint
 (llama, mistral, qwen2, qwen3) with kvstrata managing every KV block: prefix

@@ -1,5 +1,5 @@
-"""KV-cache kernels: CUDA (cupy RawKernel over cuda/*.cu) with CPU reference
-implementations of identical signatures and semantics.
+"""KV-cache kernels: CUDA (cupy RawKernels over cuda/*.cu) and CPU references of identical semantics.
+May import: errors, system.
 
 Every op validates its arguments first (a ValueError whose message starts with
 the argument's name, raised before any launch), then dispatches by device:

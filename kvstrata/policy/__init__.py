@@ -1,7 +1,8 @@
-"""The tier policy: one bytes-free object that decides placement for every mode.
+"""The tier policy: the bytes-free object that decides placement, its plans, events and indexes.
+May import: errors, system, identity, config.
 
-See :mod:`kvstrata.policy.manager` for the verbs and lifetime rules,
-:mod:`kvstrata.policy.plans` for what executors receive, and
+One bytes-free object decides placement for every mode. See :mod:`kvstrata.policy.manager`
+for the verbs and lifetime rules, :mod:`kvstrata.policy.plans` for what executors receive, and
 :mod:`kvstrata.policy.events` for what metrics and statistics consume.
 """
 

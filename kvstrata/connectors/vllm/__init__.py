@@ -1,4 +1,5 @@
-"""kvstrata as a vLLM (v1) KV connector.
+"""kvstrata as a vLLM (v1) KV connector: the connector, its scheduler and worker halves, metrics, events.
+May import every room but the command line (the engine-neutral kit included).
 
 Load it with::
 

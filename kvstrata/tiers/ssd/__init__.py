@@ -1,4 +1,5 @@
 """The SSD tier: a capacity-bounded, checksummed, crash-safe block store.
+May import: errors, system, identity, config, policy.
 
 Two files under the tier's directory:
 
