@@ -34,6 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from fake_streams import FakeDevice, FakeRows, pattern
 from kvstrata.dataplane.copier import Copier
 from kvstrata.dataplane.executor import Executor
+from kvstrata.dataplane.loads import LoadPipeline
 from kvstrata.policy import COMPUTED, PolicySpec, TierPolicy
 from kvstrata.tiers.host import HostSlab
 
@@ -309,20 +310,21 @@ def test_copier_state_machine() -> None:
 
 
 # Each mutation removes one wait of the copier (see the rules in kvstrata/dataplane/copier.py).
+# (The loads' waits are the load pipeline's, kvstrata/dataplane/loads.py.)
 MUTATIONS = {
-    "store gather after compute": "_after_compute",
-    "puts after their gather": "_wait_gathered",
-    "compute fence": "fence",
-    "load after queued compute": "_after_queued_compute",
-    "load after a slot's gather": "_wait_slot",
-    "load after a slot's promotion": "_promotions_into",
+    "store gather after compute": (Copier, "_after_compute"),
+    "puts after their gather": (Copier, "_wait_gathered"),
+    "compute fence": (Copier, "fence"),
+    "load after queued compute": (LoadPipeline, "_after_queued_compute"),
+    "load after a slot's gather": (LoadPipeline, "_wait_slot"),
+    "load after a slot's promotion": (LoadPipeline, "_promotions_into"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_each_wait_is_needed(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    method = MUTATIONS[name]
-    monkeypatch.setattr(Copier, method, (lambda self, *a: []) if method == "_promotions_into"
+    owner, method = MUTATIONS[name]
+    monkeypatch.setattr(owner, method, (lambda self, *a: []) if method == "_promotions_into"
                         else (lambda self, *a: None))
     # The search stops at the first failure (most are found within a few dozen examples);
     # the budget is for the rarest, a second load racing a promotion into the same slot,

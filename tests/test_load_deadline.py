@@ -93,7 +93,7 @@ def test_the_copier_cuts_the_load_of_the_request_named_and_reports_what_moved(tm
     copier.load(other)
     copier.load(plan)
     copier.cut("r")
-    assert [j.cut.is_set() for j in copier._loads] == [False, True]  # noqa: SLF001
+    assert [j.cut.is_set() for j in copier._loading.jobs] == [False, True]  # noqa: SLF001
     done = copier.drain()
     assert done.loads["s"].loaded == n and done.loads["s"].read == {"ssd": n}
     assert done.loads["s"].seconds > 0

@@ -96,7 +96,7 @@ def test_garbage_truncated_and_misplaced_values_are_misses(server) -> None:
     raw.set(t.key(keys[3]), encode(t.key(keys[3]), rows[3][:NB // 2].tobytes(), codec))  # another block size
     # the writer thread is held off (its condition is held here) until flush waits: flush must
     # wait for the deletes the reads queued, not only for puts
-    with t._cond:
+    with t._writes._cond:
         for i in range(4):
             out = np.zeros((1, NB), np.uint8)
             assert t.get_into([keys[i]], out) == 0, i

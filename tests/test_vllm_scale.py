@@ -111,7 +111,7 @@ def test_no_evicted_block_is_offered_and_memory_stays_flat(model: str, tmp_path:
         # What could grow with history is bounded by the tiers and the GPU pool ...
         copier = worker.worker.copier
         assert len(sched._pool.resident.blocks) <= GPU_BLOCKS + 1 and len(worker.worker._mirror) <= GPU_BLOCKS + 1
-        assert not (copier._reading or copier._slot_event or copier._slot_io or copier._stores or copier._loads)
+        assert not (copier._reading or copier._slot_event or copier._slot_io or copier._stores or copier._loading.jobs)
         assert not (sched._remote is not None and len(sched._remote._reports))
         # ... and kvstrata's own allocations stay flat. What moves between two snapshots is ~40 KB:
         # torch's and numpy's small internal allocations, attributed to the lines that called

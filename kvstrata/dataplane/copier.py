@@ -9,9 +9,10 @@ counters) over a device with streams (:mod:`kvstrata.kernels.streams`):
   slab slots for the CPU tier, into pinned staging for blocks bound only for
   the SSD tier. The SSD puts then run on the I/O thread, which waits for the
   gather's event (off the step thread). :meth:`Copier.store` returns at once.
-* **loads**: SSD blocks are read into pinned staging (and promoted into their
-  slab slots) on the I/O thread; CPU blocks are scattered from the slab, and
-  SSD blocks from staging, on the load stream, once what they read is ready.
+* **loads** (:class:`~kvstrata.dataplane.loads.LoadPipeline`): SSD blocks are
+  read into pinned staging (and promoted into their slab slots) on the I/O
+  thread; CPU blocks are scattered from the slab, and SSD blocks from staging,
+  on the load stream, once what they read is ready.
 * **completion** is polled (:meth:`Copier.poll`: ``Event.query`` and
   ``Future.done``, never a wait): a store plan is done when its SSD puts were
   queued, a load when its scatter ran. A load cut at its deadline while its
@@ -63,13 +64,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvstrata.dataplane.copy_jobs import (CopyRows, Finished, PendingLoad, PendingStore, evict_and_spill, give_up, moved,
-                             put_rows)
-from kvstrata.dataplane.io_lanes import IOQueue, fetch_job, timed
-from kvstrata.dataplane.executor import Executor, LoadResult, Lost
+from kvstrata.dataplane.copy_jobs import CopyRows, Finished, PendingStore, evict_and_spill, put_rows
+from kvstrata.dataplane.io_lanes import IOQueue, fetch_job, io_result
+from kvstrata.dataplane.executor import Executor, Lost
+from kvstrata.dataplane.loads import LoadPipeline
 from kvstrata.policy.plans import FetchPlan, LoadPlan, StorePlan
 from kvstrata.kernels.streams import Event, InlineStreams, Stream, Streams
-from kvstrata.policy.tiers import CPU, SSD
+from kvstrata.policy.tiers import SSD
 
 __all__ = ["CopyRows", "Copier", "Finished", "IOQueue"]
 
@@ -95,14 +96,14 @@ class Copier:
         # does not return (``io`` given alone, a test's fake, runs both lanes)
         self._net = IOQueue(fetch_io if fetch_io is not None else io, inline, name="kvstrata-fetch")
         self._stores: list[PendingStore] = []
-        self._loads: list[PendingLoad] = []
         self._reading: dict[int, Event] = {}        # device block -> gather still reading it
         self._slot_event: dict[int, Event] = {}     # slab slot -> gather writing it
         self._slot_io: dict[int, Future[Any]] = {}  # slab slot -> promotion writing it
+        self._loading = LoadPipeline(executor, rows, streams, self.load_stream, self._io, self._slot_event,
+                                     self._slot_io)
         self._spills: list[tuple[Future[Any], int]] = []  # SSD deletions and spills, staging bytes held
         self._fetches: list[tuple[FetchPlan, Future[int], threading.Event]] = []
         self._fetch_lost: dict[int, Lost] = {}          # fetch plan id -> SSD puts its fetch dropped
-        self._stranded: dict[str, Future[Any]] = {}     # request -> reads of its given-up load, still out
         self._switched: Future[Any] | None = None       # the latest move to another remote generation
         self._lost: Lost = []
 
@@ -229,109 +230,18 @@ class Copier:
         """Queue the plan's copies into its device blocks (its spills and deletions ran
         through :meth:`evict` when it was planned), after ``after``: an event on the compute
         stream recorded once the plan's blocks were fenced (:meth:`fence`) and before any
-        forward that reads them (default: recorded now)."""
-        n = len(plan)
-        staging = self.rows.staging(n) if any(plan.from_ssd) else np.empty((0, self.rows.block_nbytes), np.uint8)
-        ok = [False] * n
-        lost: Lost = []
-        slab = self.ex.slab
-        waits: list[Future[Any]] = []
-        for i, slot in enumerate(plan.cpu_slots):
-            if slot < 0:
-                continue
-            if slab is not None and slab.holds(slot, plan.keys[i]):
-                ok[i] = True
-                waits += self._promotions_into(slot)
-            else:  # never filled or overwritten: refused, never copied
-                lost.append((CPU, plan.keys[i]))
-        self.ex.count("load_failures_cpu", len(lost))
-        job = PendingLoad(plan, staging, ok, lost, None, waits, started=time.perf_counter())
-        if any(f and s < 0 for f, s in zip(plan.from_ssd, plan.cpu_slots)):
-            job.io = self._io.submit(timed, job.io_s, self._read, job, changes=False)
-            for slot, key in zip(plan.promote_slots, plan.keys):
-                if slot >= 0 and slab is not None:
-                    slab.keys[slot] = key  # later loads of it wait for ``io`` and check again (rule 3)
-                    self._slot_io[slot] = job.io
-        job.after = after if after is not None else self.streams.current().record()
-        self._loads.append(job)
-        self._advance_loads()
-
-    def _read(self, job: PendingLoad) -> Lost:
-        """On the I/O thread: the load's SSD reads (none once it was given up)."""
-        with job.lock:
-            staging = job.staging
-            if job.given_up or staging is None:
-                return []
-        return self.ex.read_ssd(job.plan, staging, job.ok, job.cut.is_set, job.live)
+        forward that reads them (default: recorded now). The pipeline: :mod:`kvstrata.dataplane.loads`."""
+        self._loading.load(plan, after)
 
     def cut(self, req_id: str) -> None:
         """The load or fetch of ``req_id`` reads no more (past its deadline): a load copies in
         the blocks in and reports the rest not loaded, for the engine to compute, at the next
-        :meth:`poll` whatever its reads do (:func:`give_up`); a fetch reports what arrived."""
-        for job in self._loads:
-            if job.plan.req_id == req_id:
-                job.cut.set()
+        :meth:`poll` whatever its reads do (:func:`~kvstrata.dataplane.copy_jobs.give_up`); a
+        fetch reports what arrived."""
+        self._loading.cut(req_id)
         for plan, _, cut in self._fetches:
             if plan.req_id == req_id:
                 cut.set()
-
-    def _advance_loads(self) -> None:
-        """Submit the scatter of every load whose host-side work is done (rule 3), or that was
-        cut while its reads or the promotions it waits for were out."""
-        for job in self._loads:
-            if job.scattered is not None:
-                continue
-            waiting = [f for f in job.waits_on if not f.done() and f not in self._stranded.values()]
-            if job.cut.is_set() and (waiting or (job.io is not None and not job.io.done())):
-                self._give_up(job, waiting)
-            elif waiting or (job.io is not None and not job.io.done()):
-                continue
-            if job.io is not None and job.io.done():
-                job.lost += self._io_result(job.io)
-            self._recheck_slots(job)
-            self._scatter(job)
-
-    def _give_up(self, job: PendingLoad, waiting: "list[Future[Any]]") -> None:
-        """A cut load whose reads (or the promotions it waits for) are still out (:func:`give_up`)."""
-        if give_up(job, self.ex, self._slot_io, waiting):
-            self._stranded[job.plan.req_id] = job.io  # type: ignore[assignment]
-
-    def _recheck_slots(self, job: PendingLoad) -> None:
-        """A promotion this load waited for may have failed (its slot was emptied): refuse
-        such slots now rather than copy what they hold."""
-        slab, plan = self.ex.slab, job.plan
-        if not job.waits_on or slab is None:
-            return
-        for i, slot in enumerate(plan.cpu_slots):
-            if slot >= 0 and job.ok[i] and not slab.holds(slot, plan.keys[i]):
-                job.ok[i] = False
-                job.lost.append((CPU, plan.keys[i]))
-                self.ex.count("load_failures_cpu")
-
-    def _scatter(self, job: PendingLoad) -> None:
-        plan = job.plan
-        loaded = job.ok.index(False) if False in job.ok else len(plan)
-        job.loaded = loaded
-        cpu = [i for i in range(loaded) if plan.cpu_slots[i] >= 0]
-        ssd = [i for i in range(loaded) if plan.cpu_slots[i] < 0]
-        stream = self.load_stream
-        if loaded:
-            self._after_queued_compute(job, stream)
-        for i in range(loaded):
-            if plan.cpu_slots[i] >= 0:
-                self._wait_slot(plan.cpu_slots[i], stream)
-        slab = self.ex.slab
-        job.scatter_start = stream.record(timed=True)  # after the waits: the copies alone are timed
-        t0 = time.perf_counter()
-        if cpu:
-            assert slab is not None
-            stream.submit(lambda: self.rows.scatter(slab.array, [plan.cpu_slots[i] for i in cpu],
-                                                    [plan.block_ids[i] for i in cpu]))
-        if ssd:
-            stream.submit(lambda: self.rows.scatter(job.staging, ssd, [plan.block_ids[i] for i in ssd]))
-        job.scatter_s = time.perf_counter() - t0  # the copies themselves on inline streams (a GPU: see poll)
-        job.scattered = stream.record(timed=True)
-        self.ex.count("blocks_loaded_cpu", len(cpu))
 
     # The waits, one method per ordering rule (the tests remove each in turn).
 
@@ -342,30 +252,6 @@ class Copier:
     def _wait_gathered(self, gathered: Event) -> None:
         """Rule 4 (on the I/O thread): puts read rows only once their gather ran."""
         gathered.synchronize()
-
-    def _after_queued_compute(self, job: PendingLoad, stream: Stream) -> None:
-        """Rule 2 for loads: the scatter starts after the compute work queued before the load
-        (the blocks' previous owner may still be writing them, and gathers out of them were
-        fenced on that stream)."""
-        if job.after is not None:
-            stream.wait(job.after)
-
-    def _wait_slot(self, slot: int, stream: Stream) -> None:
-        """Rule 3: no scatter from a slab slot a pending gather is writing."""
-        if (event := self._slot_event.get(slot)) is not None:
-            stream.wait(event)
-
-    def _promotions_into(self, slot: int) -> "list[Future[Any]]":
-        """Rule 3: a load of a slot waits for the I/O job promoting into it."""
-        fut = self._slot_io.get(slot)
-        return [fut] if fut is not None else []
-
-    def _io_result(self, fut: "Future[Lost]") -> Lost:
-        try:
-            return fut.result() or []
-        except Exception:
-            log.exception("kvstrata: an SSD job failed; its blocks count as lost")
-            return []
 
     # ------------------------------------------------------------------ fences and completion
 
@@ -400,24 +286,9 @@ class Copier:
             job = self._stores.pop(0)  # in order: plans complete in the order they were prepared
             self._staged -= job.staged
             out.stored.append(job.plan.plan_id)
-            out.lost += job.lost + self._io_result(job.io)
-        self._advance_loads()
-        remaining = []
-        for job in self._loads:
-            if job.scattered is not None and job.scattered.query():
-                out.loads[job.plan.req_id] = LoadResult(job.loaded, job.lost, read=moved(job), seconds=job.seconds(),
-                                                        stalled=job.stalled)
-                with job.lock:
-                    job.staging = None  # reads still out (given up) read into nothing
-                self.ex.count("bytes_h2d", job.loaded * self.rows.block_nbytes)
-                self.ex.count("seconds_h2d", now - job.started)
-                self._release_slots(job)
-            else:
-                remaining.append(job)
-        self._loads = remaining
-        for req_id in [r for r, fut in self._stranded.items() if fut.done()]:
-            del self._stranded[req_id]
-            out.returned.append(req_id)
+            out.lost += job.lost + io_result(job.io)
+        self._loading.advance()
+        self._loading.collect(out, now)
         while self._fetches and self._fetches[0][1].done():
             plan, fut, _ = self._fetches.pop(0)
             try:
@@ -432,7 +303,7 @@ class Copier:
         while self._spills and self._spills[0][0].done():
             fut, staged = self._spills.pop(0)
             self._staged -= staged
-            out.lost += self._io_result(fut)
+            out.lost += io_result(fut)
         out.lost += self._lost
         self._lost = []
         return out
@@ -445,15 +316,10 @@ class Copier:
             if self._slot_event.get(slot) is job.gathered:
                 del self._slot_event[slot]
 
-    def _release_slots(self, job: PendingLoad) -> None:
-        for slot in job.plan.promote_slots:
-            if job.io is not None and self._slot_io.get(slot) is job.io:
-                del self._slot_io[slot]
-
     def wait_io(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the SSD reads of a pending load (host work only, no
         device wait): an engine with nothing but loads to wait for would otherwise spin."""
-        pending = [job.io for job in self._loads if job.io is not None and not job.io.done()]
+        pending = self._loading.reading()
         pending += [fut for _, fut, _ in self._fetches if not fut.done()]
         if pending:
             wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
@@ -466,7 +332,7 @@ class Copier:
     @property
     def busy(self) -> bool:
         """Stores or loads not yet reported by :meth:`poll`."""
-        return bool(self._stores or self._loads or self._spills or self._fetches)
+        return bool(self._stores or self._loading.jobs or self._spills or self._fetches)
 
     def drain(self, timeout_s: float = 60.0) -> Finished:
         """Wait for everything queued (shutdown only: this blocks) and collect it."""
@@ -475,9 +341,7 @@ class Copier:
         while True:
             for job in self._stores:
                 job.gathered.synchronize()
-            for job in self._loads:
-                if job.scattered is not None:
-                    job.scattered.synchronize()
+            self._loading.synchronize()
             for lane in (self._io, self._net):
                 if lane.last is not None:
                     try:

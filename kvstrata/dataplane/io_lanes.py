@@ -7,6 +7,7 @@ its one thread (or at once, on inline streams).
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Executor as FuturesExecutor
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,7 +18,9 @@ if TYPE_CHECKING:
     from kvstrata.dataplane.executor import Executor, Lost
     from kvstrata.policy.plans import FetchPlan
 
-__all__ = ["IOQueue", "fetch_job", "timed"]
+__all__ = ["IOQueue", "fetch_job", "io_result", "timed"]
+
+log = logging.getLogger(__name__)
 
 
 class IOQueue:
@@ -65,6 +68,15 @@ def timed(seconds: list[float], fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     finally:
         seconds[0] = time.perf_counter() - t0
+
+
+def io_result(fut: "Future[Lost]") -> "Lost":
+    """The blocks an SSD job reports lost (none when the job failed: that is logged)."""
+    try:
+        return fut.result() or []
+    except Exception:
+        log.exception("kvstrata: an SSD job failed; its blocks count as lost")
+        return []
 
 
 def fetch_job(ex: "Executor", plan: "FetchPlan", cut: threading.Event, before: "Future[Any] | None",

@@ -1,8 +1,9 @@
 """The remote tier: blocks shared by replicas on a Redis or Valkey server.
 
 :mod:`.value` (keys under the shard's namespace, self-checked values),
-:mod:`.breaker` (the circuit breaker) and :mod:`.tier` (:class:`RemoteTier`:
-reads within a deadline on a reader thread, write-behind on a writer thread).
+:mod:`.breaker` (the circuit breaker), :mod:`.tier` (:class:`RemoteTier`:
+reads within a deadline on a reader thread) and :mod:`.writer` (its write-behind
+on a writer thread).
 Nothing here raises to the caller for a server problem: it is a counted miss
 or a dropped write. Imports ``redis`` only when a tier is made.
 """

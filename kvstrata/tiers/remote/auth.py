@@ -36,7 +36,7 @@ their XOR and the key that authenticates every value.
 **check** (sealed values): HMAC-SHA256 under the MAC key of the version, key id, whole
 key and the plaintext header (which carries the block's xxh3 checksum), truncated to 128
 bits. The same block sealed twice has the same check, so a writer recognises its own
-value when ``SET NX`` finds the key taken (:func:`~.tier.replace_squatters` compares the
+value when ``SET NX`` finds the key taken (:func:`~.writer.replace_squatters` compares the
 first :data:`AUTH_SIZE` bytes), and nobody without the key can imitate it. It tells a
 reader only whether two values hold the same block, which their keys already say.
 

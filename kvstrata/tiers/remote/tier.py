@@ -34,9 +34,10 @@ The server bounds the store (``maxmemory`` with ``allkeys-lru``); kvstrata reads
 :meth:`RemoteTier.stats`, and warns when the server has no ``maxmemory`` (it
 can grow without bound) or a policy that never evicts (writes then fail).
 
-Threads: any thread may call every method. The queue is guarded by
-``_cond``; the reader's state by ``_lock``; counters by the :class:`~.watch.ServerWatch`;
-the client's connection pool is thread-safe.
+Threads: any thread may call every method. The write-behind queue is the
+:class:`~.writer.WriteBehind`'s (its own writer thread); the reader's state is guarded by
+``_lock``; counters by the :class:`~.watch.ServerWatch`; the client's connection pool is
+thread-safe.
 """
 
 from __future__ import annotations
@@ -44,18 +45,17 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
-import time
-from collections import deque
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from kvstrata.config.credentials import redact_url, url_has_password
 from kvstrata.system.breaker import Breaker
-from kvstrata.tiers.remote.client import UNANSWERED, Pipelines, connect
+from kvstrata.tiers.remote.client import Pipelines, connect
 from kvstrata.tiers.remote.generation import GENERATION_KEY, Generation, Scoped
 from kvstrata.tiers.remote.watch import COUNTERS, INFO_EVERY, ServerWatch
-from kvstrata.tiers.remote.value import AUTH_SIZE, Auth, decode_into, max_value_bytes, seal, staged, value_bytes
+from kvstrata.tiers.remote.value import Auth, decode_into, max_value_bytes, value_bytes
+from kvstrata.tiers.remote.writer import WriteBehind
 from kvstrata.tiers.ssd.record import Codec, CorruptRecord
 
 if TYPE_CHECKING:
@@ -107,17 +107,8 @@ class RemoteTier(Scoped):
         self._reader = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-reader")
         self._busy = 0  # reads submitted and not finished (a stuck one makes the next miss at once)
         self._prober: cf.ThreadPoolExecutor | None = None
-        self._cond = threading.Condition()
-        self._queue: deque[tuple[bytes, bytearray]] = deque()
-        self._deletes: list[bytes] = []
-        self._spare: list[bytearray] = []  # sent buffers, reused by put (at most a queue's worth)
-        self._queued_bytes = 0
-        self._writing = False
-        self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, name="kvstrata-remote-writer", daemon=True) \
-            if writer else None
-        if self._writer is not None:
-            self._writer.start()
+        self._writes = WriteBehind(self._pipes, self.watch, self.breaker, self.codec, auth, block_nbytes=block_nbytes,
+                                   capacity_bytes=queue_capacity_bytes, batch_values=self.batch_values, start=writer)
 
     @classmethod
     def from_config(cls, cfg: "RemoteConfig", tier_ids: Sequence[str], block_nbytes: int, *,
@@ -249,10 +240,8 @@ class RemoteTier(Scoped):
                 self.count("corrupt")
                 self.watch.log_once("corrupt", "remote tier: a value under kvstrata's prefix does not verify (%s); "
                                "counted as a miss and deleted", exc)
-                if self._writer is not None:  # a probing-only tier sends nothing
-                    with self._cond:
-                        self._deletes.append(nskey)
-                        self._cond.notify()
+                if self._writes.running:  # a probing-only tier sends nothing
+                    self._writes.delete(nskey)
                 return i
             self.count("bytes_read", len(value))
         return len(values)
@@ -260,7 +249,7 @@ class RemoteTier(Scoped):
     def _read(self, what: str, fn: Any, nskeys: list[bytes]) -> list[Any] | None:
         """``fn(nskeys)`` on the reader thread within the deadline; None when it is refused,
         fails or is late."""
-        if self._closed or not self.breaker.allow():
+        if self._writes.closed or not self.breaker.allow():
             self.count("refused")
             return None
         with self._lock:
@@ -321,100 +310,20 @@ class RemoteTier(Scoped):
 
     def put(self, key: bytes, row: Any) -> bool:
         """Queue one block (copied now) to be stored under ``key``; False (counted) when the
-        queue is full or the breaker is open."""
-        nbytes = int(getattr(row, "nbytes", len(row)))
-        if self._closed or self.breaker.state == "open":
+        queue is full or the breaker is open (:class:`~.writer.WriteBehind`)."""
+        if self._writes.closed or self.breaker.state == "open":
             self.count("dropped_breaker")
             return False
         scope = self._scope(settle=False)
         if scope is None:  # the generation is unknown: where it would land is not known
             self.count("refused")
             return False
-        nskey = self.base + scope + key
-        with self._cond:
-            full = self._queued_bytes + nbytes > self.queue_capacity
-            if not full:
-                self._queued_bytes += nbytes  # reserved; copied without holding the lock
-        if full:
-            self.count("dropped_full")
-            return False
-        with self._cond:
-            spare = self._spare.pop() if self._spare else None
-        value = staged(row, spare, self.auth)
-        with self._cond:
-            self._queue.append((nskey, value))
-            self._cond.notify()
-        self.count("puts")
-        return True
+        return self._writes.put(self.base + scope + key, row)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued put, and every delete of a value that did not verify, was
         sent (or dropped); False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._queue or self._deletes or self._writing:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left if left is not None else 0.1)
-        return True
-
-    def _write_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._queue or self._deletes or self._closed):
-                    self._cond.wait(INFO_EVERY)
-                    if not (self._queue or self._deletes or self._closed):
-                        break
-                if self._closed and not self._queue and not self._deletes:
-                    return
-                batch = [self._queue.popleft() for _ in range(min(self.batch_values, len(self._queue)))]
-                self._queued_bytes -= sum(len(v) - value_bytes(0, self.auth) for _, v in batch)
-                deletes, self._deletes = self._deletes, []
-                self._writing = True
-            try:
-                self.watch.maybe_info()
-                if batch or deletes:
-                    self._write(batch, deletes)
-            finally:
-                with self._cond:
-                    self._writing = False
-                    self._cond.notify_all()
-
-    def _write(self, batch: list[tuple[bytes, bytearray]], deletes: list[bytes]) -> None:
-        if not self.breaker.allow():
-            self.count("dropped_breaker", len(batch))
-            return
-        try:
-            values = [seal(nskey, buf, self.codec, self.auth) for nskey, buf in batch]
-            nbytes, replaced = sum(len(v) for v in values), 0
-            value_of = {nskey: v for (nskey, _), v in zip(batch, values)}
-            results = self._pipes.run([k for k, _ in batch], lambda pipe, k: pipe.set(k, value_of[k], nx=True), 1,
-                                      UNANSWERED, strict=False) if batch else []
-            if deletes:
-                self._pipes.run(deletes, lambda pipe, k: pipe.delete(k), 1, None, strict=False)
-            if self.auth is not None:
-                replaced, resent = replace_squatters(self._pipes, batch, values, results)
-                nbytes += resent
-        except Exception as exc:
-            self.count("put_failures", len(batch))
-            self.watch.failed("put", exc)
-            return
-        finally:
-            with self._cond:  # the buffers are free again (the pipeline no longer refers to them)
-                room = max(0, self.queue_capacity // value_bytes(self.block_nbytes, self.auth) - len(self._spare))
-                self._spare.extend(buf for _, buf in batch[:room])
-        self.watch.succeeded()
-        written = sum(1 for r in results[:len(batch)] if r is True)
-        failed = [r for r in results[:len(batch)] if isinstance(r, Exception)]
-        self.count("written", written)
-        self.count("present", len(batch) - written - len(failed) - replaced)
-        self.count("replaced", replaced)
-        self.count("bytes_written", nbytes)
-        if failed:  # e.g. OOM under a policy that never evicts: the server is up, the write is not
-            self.count("put_failures", len(failed))
-            self.watch.log_once("refused", "remote tier: the server refused writes (%s); dropped and counted",
-                           failed[0])
+        return self._writes.flush(timeout)
 
     # ------------------------------------------------------------------ upkeep
 
@@ -427,23 +336,14 @@ class RemoteTier(Scoped):
 
     def stats(self) -> dict[str, Any]:
         out = self.watch.snapshot()
-        with self._cond:
-            out["queued_bytes"] = self._queued_bytes
+        out["queued_bytes"] = self._writes.queued_bytes
         return out
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (for at most ``timeout`` seconds), then stop the threads."""
-        if self._closed:
+        if self._writes.closed:
             return
-        if self._writer is not None:
-            self.flush(timeout)
-        with self._cond:
-            self._closed = True
-            self._queue.clear()
-            self._queued_bytes = 0
-            self._cond.notify_all()
-        if self._writer is not None:
-            self._writer.join(timeout)
+        self._writes.close(timeout)
         self._reader.shutdown(wait=False, cancel_futures=True)
         if self._prober is not None:
             self._prober.shutdown(wait=False, cancel_futures=True)
@@ -451,25 +351,6 @@ class RemoteTier(Scoped):
             self.client.close()
         except Exception:  # pragma: no cover - closing a broken connection
             pass
-
-
-def replace_squatters(pipes: Pipelines, batch: list[tuple[bytes, bytearray]], values: list[Any],
-                      results: list[Any]) -> tuple[int, int]:
-    """Keys ``SET NX`` found present: those whose value does not start with this writer's
-    signature of the same bytes (a planted value, or one signed under another secret or
-    encoding) are overwritten. Returns how many, and the bytes sent again."""
-    present = [i for i, r in enumerate(results[:len(batch)]) if r is None]
-    if not present:
-        return 0, 0
-    heads = pipes.run([batch[i][0] for i in present], lambda pipe, k: pipe.getrange(k, 0, AUTH_SIZE - 1),
-                      1, None, strict=False)
-    stale = [i for i, head in zip(present, heads)
-             if head is not None and head != bytes(memoryview(values[i])[:AUTH_SIZE])]
-    if not stale:
-        return 0, 0
-    value_of = {batch[i][0]: values[i] for i in stale}
-    pipes.run(list(value_of), lambda pipe, k: pipe.set(k, value_of[k]), 1, None, strict=False)
-    return len(stale), sum(len(values[i]) for i in stale)
 
 
 def _late(exc: BaseException) -> bool:
