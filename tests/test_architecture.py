@@ -507,3 +507,69 @@ def test_the_may_import_rule_has_teeth() -> None:
         may_import("May import: errors, the moon.", own)
     with pytest.raises(AssertionError, match="cannot read"):
         may_import("May import anything it likes.", own)
+
+
+def development_tree(readme: str) -> dict[str, list[str]]:
+    """README's development tree: directory under the repository (``kvstrata``,
+    ``kvstrata/tiers/ssd``) -> the modules its entry names. An entry is ``kvstrata/`` or an
+    indented ``room/`` path, a description, then ``: `` and the modules, comma-separated,
+    continued on lines indented further; an entry without ``: `` names no module."""
+    section = readme.split("\n## Development\n", 1)[1]
+    block = section.split("```\n", 2)[1]
+    tree: dict[str, list[str]] = {}
+    current = None
+    for line in block.splitlines():
+        if line.startswith("kvstrata/") or (line.startswith("  ") and not line.startswith("   ")):
+            head, _, rest = line.strip().partition(" ")
+            current = "kvstrata" if head == "kvstrata/" else "kvstrata/" + head.rstrip("/")
+            _, colon, modules = rest.partition(": ")
+            tree[current] = modules.split(",") if colon else []
+        elif line.startswith("   ") and current is not None and tree[current]:
+            tree[current] += line.split(",")
+        else:
+            current = None
+    return {d: [m.strip() for m in mods if m.strip()] for d, mods in tree.items()}
+
+
+def tree_mismatches(tree: dict[str, list[str]], root: Path) -> list[str]:
+    problems = []
+    dirs = {p.relative_to(root).as_posix() for p in [root / "kvstrata", *(root / "kvstrata").rglob("*")]
+            if p.is_dir() and p.name != "__pycache__"}
+    for d in sorted(dirs - set(tree)):
+        problems.append(f"{d}/ is not in the tree")
+    for d, named in sorted(tree.items()):
+        if d not in dirs:
+            problems.append(f"{d}/ is named but does not exist")
+            continue
+        bad = [m for m in named if not m.isidentifier()]
+        if bad:
+            problems.append(f"{d}/: {bad} are not module names (modules follow ': ', comma-separated)")
+        have = {p.stem for p in (root / d).glob("*.py") if p.name != "__init__.py"}
+        if set(named) - have:
+            problems.append(f"{d}/ names {sorted(set(named) - have)}, which do not exist")
+        if have - set(named):
+            problems.append(f"{d}/ leaves out {sorted(have - set(named))}")
+    return problems
+
+
+def test_the_readme_development_tree_names_every_room_and_module() -> None:
+    problems = tree_mismatches(development_tree((ROOT / "README.md").read_text()), ROOT)
+    assert not problems, "README.md's development tree:\n  " + "\n  ".join(problems)
+
+
+def test_the_readme_tree_check_has_teeth(tmp_path: Path) -> None:
+    for rel in ("kvstrata/__init__.py", "kvstrata/errors.py", "kvstrata/pool/__init__.py", "kvstrata/pool/blocks.py",
+                "kvstrata/pool/grouped.py", "kvstrata/cuda/a.cu"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    readme = ("# x\n\n## Development\n\n```\nkvstrata/   the surface: errors\n  pool/     the pool: blocks,\n"
+              "            grouped\n  cuda/     sources\nconfigs/ tests/\n```\n\n## Next\n")
+    tree = development_tree(readme)
+    assert tree == {"kvstrata": ["errors"], "kvstrata/pool": ["blocks", "grouped"], "kvstrata/cuda": []}
+    assert tree_mismatches(tree, tmp_path) == []
+    (tmp_path / "kvstrata" / "pool" / "free_queue.py").write_text("")
+    (tmp_path / "kvstrata" / "trace").mkdir()
+    stale = development_tree(readme.replace("grouped", "grouped, ghost"))
+    assert tree_mismatches(stale, tmp_path) == [
+        "kvstrata/trace/ is not in the tree", "kvstrata/pool/ names ['ghost'], which do not exist",
+        "kvstrata/pool/ leaves out ['free_queue']"]
