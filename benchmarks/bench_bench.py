@@ -3,9 +3,9 @@
 Both run as subprocesses in the same session, timed wall-clock, best of
 ``--repeat``:
 
-* kvstrata: ``python -m kvstrata.cli.main bench --trace T --quiet --json OUT`` (parse, exact LRU curve at every
+* kvstrata: ``python -m kvstrata.cli bench --trace T --quiet --json OUT`` (parse, exact LRU curve at every
   capacity, tiered replay, per-tier lifecycle statistics, report).
-* kvstrata curve alone: ``python -m kvstrata.cli.main inspect --trace T`` (parse, exact curve, reuse gaps), the
+* kvstrata curve alone: ``python -m kvstrata.cli inspect --trace T`` (parse, exact curve, reuse gaps), the
   same job the simulator's sweep does.
 * LMCache: ``lmcache tool cache-simulator sweep`` (30 log-spaced capacities, one LRU pass each, single
   tier, token-weighted), run from the ``lmcache`` wheel fetched with ``pip download --no-deps`` (its
@@ -122,13 +122,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmpd = Path(tmp)
         env_py = [sys.executable]
-        t_kvstrata, _ = timed([*env_py, "-m", "kvstrata.cli.main", "bench", "--trace", str(args.trace), "--quiet",
+        t_kvstrata, _ = timed([*env_py, "-m", "kvstrata.cli", "bench", "--trace", str(args.trace), "--quiet",
                              "--json", str(tmpd / "r.json"), *sum((["--set", s] for s in KVSTRATA_SETS), [])],
                             args.repeat, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
         report = json.loads((tmpd / "r.json").read_text())
         print(f"kvstrata bench: {t_kvstrata:.2f} s wall (inside: {report['timings_s']}); exact curve with "
               f"{len(report['mrc'])} points listed, hit rate {report['hit_rate']}")
-        t_curve, _ = timed([*env_py, "-m", "kvstrata.cli.main", "inspect", "--trace", str(args.trace), "--json",
+        t_curve, _ = timed([*env_py, "-m", "kvstrata.cli", "inspect", "--trace", str(args.trace), "--json",
                             str(tmpd / "i.json")], args.repeat, cwd=ROOT,
                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
         print(f"kvstrata inspect (parse + exact curve + reuse gaps, no replay): {t_curve:.2f} s wall")

@@ -8,7 +8,7 @@ should not move while accesses grow N times. With ``--fresh-ids`` each copy
 gets ids of its own (distinct blocks grow N times too), the worst case for
 memory: an analysis whose memory follows distinct blocks grows with N there.
 
-Each size runs ``python -m kvstrata.cli.main bench --trace T --quiet --json OUT`` in
+Each size runs ``python -m kvstrata.cli bench --trace T --quiet --json OUT`` in
 a subprocess of its own (the default deployment; ``--set`` adds overrides),
 timed wall-clock. Peak memory is read two ways: the largest resident set of
 any one process (the bench process or its miss-ratio child, from the rusage
@@ -128,7 +128,7 @@ def measure(trace: Path, sets: Sequence[str] = ()) -> dict[str, Any]:
     """Run ``kvstrata bench`` on ``trace`` in a subprocess: wall seconds, peak memory, its report."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
-        cmd = [sys.executable, "-m", "kvstrata.cli.main", "bench", "--trace", str(trace), "--quiet", "--json", str(out),
+        cmd = [sys.executable, "-m", "kvstrata.cli", "bench", "--trace", str(trace), "--quiet", "--json", str(out),
                *(a for s in sets for a in ("--set", s))]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         t0 = time.perf_counter()

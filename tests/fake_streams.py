@@ -159,7 +159,7 @@ class FakeDevice:
         self.violations: list[str] = []
         self.queries = 0
 
-    # the kvstrata.kernels.streams.Streams interface
+    # the kvstrata.system.streams.Streams interface
     def current(self) -> FakeStream:
         return self.compute
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvstrata.bench.compare import ALPHAS, capacity_points, compare
 from kvstrata.bench.optimal import belady_hits
 from kvstrata.bench.workloads import generate
-from kvstrata.cli.main import main
+from kvstrata.cli.commands import main
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.system.values import EVICTIONS, TIER_ADMISSIONS
 

@@ -12,7 +12,7 @@ from kvstrata.bench.remote import SharedRemote
 from kvstrata.bench.replicas import replay_replicas, replicas_report, render_replicas
 from kvstrata.trace.reader import TraceBuilder
 from kvstrata.bench.workloads import generate
-from kvstrata.cli.main import main
+from kvstrata.cli.commands import main
 from kvstrata.config.schema import KVStrataConfig
 
 

@@ -155,7 +155,7 @@ def test_dense_ids_do_not_grow_with_repeated_accesses(tmp_path: Path) -> None:
 
 
 def peak_rss_kib(trace: Path) -> int:
-    proc = subprocess.Popen([sys.executable, "-m", "kvstrata.cli.main", "bench", "--trace", str(trace), "--quiet"],
+    proc = subprocess.Popen([sys.executable, "-m", "kvstrata.cli", "bench", "--trace", str(trace), "--quiet"],
                             cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
                             stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.cli import main as cli
-from kvstrata.cli.main import Progress, main
+from kvstrata.cli import commands as cli
+from kvstrata.cli.commands import Progress, main
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
@@ -23,7 +23,7 @@ SMALL = ["--block-size", "4", "--set", "block_size=4", "--set", "model.block_nby
 
 
 def run_cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstrata.cli.main", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvstrata.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           input=stdin, timeout=timeout, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata import ConfigError
-from kvstrata.cli.main import main
+from kvstrata.cli.commands import main
 from kvstrata.config.schema import KVStrataConfig, key_paths, read_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def run_cli_bounded(config: Path) -> subprocess.CompletedProcess[str]:
         resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))
 
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "bench", "--config", str(config), "--quiet"],
+    return subprocess.run([sys.executable, "-m", "kvstrata.cli", "bench", "--config", str(config), "--quiet"],
                           capture_output=True, text=True, timeout=60, preexec_fn=limit, cwd=ROOT, env=env)
 
 

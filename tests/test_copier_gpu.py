@@ -20,7 +20,7 @@ from kvstrata.connectors.kit.kv_layout import KVLayout, LayoutRows  # noqa: E402
 from kvstrata.dataplane.copier import Copier  # noqa: E402
 from kvstrata.dataplane.executor import Executor  # noqa: E402
 from kvstrata.policy import COMPUTED, LoadPlan, StorePlan  # noqa: E402
-from kvstrata.kernels.streams import CudaStreams  # noqa: E402
+from kvstrata.system.streams import CudaStreams  # noqa: E402
 from kvstrata.tiers.host import HostSlab  # noqa: E402
 from kvstrata.tiers.ssd import SSDTier  # noqa: E402
 

@@ -347,7 +347,7 @@ def _messages(exc: BaseException) -> list[str]:
 def test_copy_stream_priorities_never_outrank_the_compute_stream() -> None:
     """CUDA: lower numbers are higher priorities; 0 (the default, vLLM's compute stream) is
     the least. Stores run at the least priority, loads at the compute stream's."""
-    from kvstrata.kernels.streams import copy_priority
+    from kvstrata.system.streams import copy_priority
 
     for least, compute in ((0, 0), (0, -2), (0, -5)):
         store = copy_priority(least, compute, low_priority=True)

@@ -572,7 +572,7 @@ def copy_rows_reference(src: np.ndarray, src_rows, dst: np.ndarray, dst_rows) ->
     ([], []),
 ])
 def test_copy_rows_matches_row_by_row(src_rows, dst_rows):
-    from kvstrata.dataplane.transfer import copy_rows
+    from kvstrata.tiers.buffers import copy_rows
     rng = np.random.default_rng(3)
     src = rng.integers(0, 256, (8, 16), dtype=np.uint8)
     got = np.zeros((8, 16), np.uint8)
@@ -584,7 +584,7 @@ def test_copy_rows_matches_row_by_row(src_rows, dst_rows):
 
 @pytest.mark.parametrize("src_rows, dst_rows", [([0, 8], [0, 1]), ([0, 1], [3, 8]), ([0, 1], [8, 9])])
 def test_copy_rows_out_of_range_raises(src_rows, dst_rows):
-    from kvstrata.dataplane.transfer import copy_rows
+    from kvstrata.tiers.buffers import copy_rows
     with pytest.raises(IndexError):
         copy_rows(np.zeros((8, 4), np.uint8), src_rows, np.zeros((8, 4), np.uint8), dst_rows)
 

@@ -259,7 +259,7 @@ def _cli(*argv: str) -> tuple[int, str, str]:
     import contextlib
     import io
 
-    from kvstrata.cli.main import main
+    from kvstrata.cli.commands import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

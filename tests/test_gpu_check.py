@@ -46,10 +46,10 @@ def test_dry_run_installs_the_wheel_and_imports_what_the_gpu_tests_import(tmp_pa
 def test_import_check_finds_what_would_fail_on_the_gpu_machine(tmp_path: Path) -> None:
     good = tmp_path / "test_good_gpu.py"
     good.write_text("import numpy\nfrom kvstrata.connectors.kit.kv_layout import KVLayout, LayoutRows\n"
-                    "def test():\n    from kvstrata.kernels.streams import CudaStreams\n")
+                    "def test():\n    from kvstrata.system.streams import CudaStreams\n")
     bad = tmp_path / "test_bad_gpu.py"
     bad.write_text("def test():\n    from kvstrata.no_such_module import thing\n    import cupy_only_there\n")
-    assert "kvstrata.kernels.streams.CudaStreams" in imported_modules(good)
+    assert "kvstrata.system.streams.CudaStreams" in imported_modules(good)
     imported, missing, errors = check([good], set())
     assert not errors and "kvstrata.connectors.kit.kv_layout.LayoutRows" in imported
     _, missing, errors = check([bad], {"cupy_only_there"})

@@ -20,7 +20,7 @@ from kvstrata.dataplane.executor import READ_BATCH_BYTES, Executor
 from kvstrata.policy import PolicySpec
 from kvstrata.policy import LoadPlan
 from kvstrata.policy.tiers import CPU
-from kvstrata.kernels.streams import InlineStreams
+from kvstrata.system.streams import InlineStreams
 from kvstrata.tiers.host import HostSlab
 from kvstrata.tiers.ssd import SSDTier
 

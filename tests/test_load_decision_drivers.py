@@ -16,7 +16,7 @@ from kvstrata import KVStrataConfig, TieredKVCache
 from kvstrata.bench.analysis import run_bench
 from kvstrata.bench.deployment import recorded_config, recorded_deployment, recorded_load
 from kvstrata.bench.replay import ReplayOptions
-from kvstrata.cli.main import main
+from kvstrata.cli.commands import main
 from kvstrata.config.schema import TraceConfig
 from kvstrata.policy import PolicySpec
 from kvstrata.trace.reader import load_trace

@@ -35,7 +35,7 @@ def test_wheel_contents(wheel):
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
     meta = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(meta).decode()
-    assert "kvstrata = kvstrata.cli.main:main" in text
+    assert "kvstrata = kvstrata.cli:main" in text
     assert "[vllm.general_plugins]" in text and "kvstrata.connectors.vllm:register" in text
 
 

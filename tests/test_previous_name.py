@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstrata.cli.main import main
+from kvstrata.cli.commands import main
 from kvstrata.errors import ConfigError
 from kvstrata.identity.fingerprint import PREVIOUS_NAME, RECORD_VERSION
 from kvstrata.tiers.ssd import SSDTier

@@ -242,7 +242,7 @@ def test_a_directory_with_nothing_usable_is_an_error_naming_why(tmp_path: Path) 
     (tmp_path / "a.jsonl").write_text('{"kvstrata_trace": 7, "recording": {"id": "x", "part": 0}}\n')
     with pytest.raises(TraceError, match="no recording to read.*format 7"):
         list(TraceReader(tmp_path))
-    from kvstrata.cli.main import main
+    from kvstrata.cli.commands import main
 
     assert main(["bench", "--trace", str(tmp_path), "--quiet"]) == 2
 
@@ -399,7 +399,7 @@ def test_forged_measurements_are_read_as_absent_counters_not_a_crash(tmp_path: P
     """The measurements file sits in a directory the deployment writes: a value of the wrong
     kind in it (another tenant's, a hand edit) is a zero counter in the report, never a
     traceback."""
-    from kvstrata.cli.main import main
+    from kvstrata.cli.commands import main
 
     rec = _recorder(tmp_path, rotate_bytes="4KiB")
     for i in range(20):

@@ -41,7 +41,7 @@ pytestmark = [
 from test_vllm_server import BLOCK, BLOCK_BYTES, Server, _scrape, _until, _v  # noqa: E402
 from vllm_util import build_tiny_llama  # noqa: E402
 
-from kvstrata.cli.main import main  # noqa: E402
+from kvstrata.cli.commands import main  # noqa: E402
 
 CHATS, TURNS, OUTPUT = 8, 4, 16
 GPU_BLOCKS = 33          # 32 usable (vLLM keeps one): about two chats

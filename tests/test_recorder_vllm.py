@@ -29,7 +29,7 @@ pytestmark = [
 from vllm_sched import SAMPLED_TOKEN, SchedulerHarness, block_nbytes, complete_every_plan  # noqa: E402
 from vllm_util import build_tiny_llama  # noqa: E402
 
-from kvstrata.cli.main import main  # noqa: E402
+from kvstrata.cli.commands import main  # noqa: E402
 
 BS = 16
 NBYTES = block_nbytes(BS)

@@ -179,7 +179,7 @@ def test_a_server_password_file_keeps_its_own_rules(tmp_path) -> None:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "remote", "secret", *args],
+    return subprocess.run([sys.executable, "-m", "kvstrata.cli", "remote", "secret", *args],
                           capture_output=True, text=True, timeout=60)
 
 

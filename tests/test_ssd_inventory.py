@@ -14,7 +14,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvstrata.cli.main import main
+from kvstrata.cli.commands import main
 from kvstrata.identity.fingerprint import RECORD_VERSION
 from kvstrata.tiers.ssd import SSDTier
 

@@ -4,7 +4,7 @@
 module directly (100 records, no kvstrata meta record), in a directory of its own
 or as the ``rank-0`` tier of an ``ssd.path``, sometimes with files named as
 kvstrata names its own (``kvstrata.lock``, ``blocks.dat``, ...) left beside it.
-Each command runs as the operator runs it (``python -m kvstrata.cli.main`` in a
+Each command runs as the operator runs it (``python -m kvstrata.cli`` in a
 process of its own) and must refuse in one line naming the path, exit 2, and
 leave every file byte for byte as it was (``lock.mdb`` and mtimes included),
 with its 100 records. ``read_keys`` (the scheduler's start-up read) refuses a tier
@@ -72,7 +72,7 @@ def state(root: Path) -> dict[str, tuple[str, int, int]]:
 
 
 def kvstrata(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstrata.cli.main", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvstrata.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
 

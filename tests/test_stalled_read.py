@@ -32,7 +32,7 @@ from kvstrata.dataplane.copier import Copier
 from kvstrata.core.costs import MEASURED, LoadCosts
 from kvstrata.dataplane.executor import Executor
 from kvstrata.policy import FetchPlan, LoadPlan
-from kvstrata.kernels.streams import InlineStreams
+from kvstrata.system.streams import InlineStreams
 from kvstrata.tiers.host import HostSlab
 from kvstrata.tiers.ssd import SSDTier
 from kvstrata.tiers.ssd.pagefile import PageFile

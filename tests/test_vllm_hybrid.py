@@ -107,7 +107,7 @@ def test_hybrid_allocator_stays_on_and_dram_hits_match_recompute(model: str, bas
     # the recording carries the groups vLLM built: the bench replays it as that hybrid
     # (tests/test_recorder_vllm.py checks its prediction against the plugin's counts)
     report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "kvstrata.cli.main", "bench", "--trace", str(tmp_path / "rec"), "--quiet",
+    proc = subprocess.run([sys.executable, "-m", "kvstrata.cli", "bench", "--trace", str(tmp_path / "rec"), "--quiet",
                            "--json", str(report)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     groups = json.loads(report.read_text())["capacity"]["groups"]

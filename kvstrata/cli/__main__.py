@@ -1,3 +1,3 @@
-from kvstrata.cli.main import main
+from kvstrata.cli.commands import main
 
 raise SystemExit(main())

@@ -1,7 +1,7 @@
 """The copier: runs store and load plans asynchronously, so that no step waits for a copy.
 
 It drives an :class:`~kvstrata.dataplane.executor.Executor` (the slab, the SSD tier and the
-counters) over a device with streams (:mod:`kvstrata.kernels.streams`):
+counters) over a device with streams (:mod:`kvstrata.system.streams`):
 
 * **stores**: the device blocks are gathered on kvstrata's low-priority store
   stream, after an event the caller recorded on the compute stream once the
@@ -69,7 +69,7 @@ from kvstrata.dataplane.io_lanes import IOQueue, fetch_job, io_result
 from kvstrata.dataplane.executor import Executor, Lost
 from kvstrata.dataplane.loads import LoadPipeline
 from kvstrata.policy.plans import FetchPlan, LoadPlan, StorePlan
-from kvstrata.kernels.streams import Event, InlineStreams, Stream, Streams
+from kvstrata.system.streams import Event, InlineStreams, Stream, Streams
 from kvstrata.policy.tiers import SSD
 
 __all__ = ["CopyRows", "Copier", "Finished", "IOQueue"]

@@ -20,7 +20,7 @@ import numpy as np
 from kvstrata.dataplane.executor import Executor, LoadResult, Lost
 from kvstrata.policy.plans import LoadPlan, StorePlan
 from kvstrata.policy.tiers import SSD
-from kvstrata.kernels.streams import Event, elapsed_s
+from kvstrata.system.streams import Event, elapsed_s
 
 __all__ = ["CopyRows", "Finished", "PendingStore", "PendingLoad", "evict_and_spill", "give_up", "moved", "put_rows"]
 

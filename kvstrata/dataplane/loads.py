@@ -17,7 +17,7 @@ import numpy as np
 from kvstrata.dataplane.copy_jobs import CopyRows, Finished, PendingLoad, give_up, moved
 from kvstrata.dataplane.executor import Executor, LoadResult, Lost
 from kvstrata.dataplane.io_lanes import IOQueue, io_result, timed
-from kvstrata.kernels.streams import Event, Stream, Streams
+from kvstrata.system.streams import Event, Stream, Streams
 from kvstrata.policy.plans import LoadPlan
 from kvstrata.policy.tiers import CPU
 

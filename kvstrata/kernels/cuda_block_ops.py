@@ -18,7 +18,7 @@ import torch
 from kvstrata.kernels import specs
 from kvstrata.kernels.reference_blocks import page_nbytes, stage_offsets
 from kvstrata.kernels.runtime import arg, launch
-from kvstrata.kernels.streams import to_device
+from kvstrata.system.streams import to_device
 
 THREADS = 256  # kCopyThreads in block_copy.cuh
 CHUNK_BYTES = THREADS * 16 * 4  # kCopyChunkBytes

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from kvstrata.dataplane.executor import host_rows
-from kvstrata.dataplane.transfer import copy_rows
+from kvstrata.tiers.buffers import copy_rows
 
 if TYPE_CHECKING:
     import torch
@@ -254,7 +254,7 @@ class LayoutRows:
                                                                                        layout.page_offsets)]
 
     def _index(self, block_ids: Sequence[int]) -> "torch.Tensor":
-        from kvstrata.kernels.streams import to_device
+        from kvstrata.system.streams import to_device
 
         return to_device(list(block_ids), self.layout.device)
 

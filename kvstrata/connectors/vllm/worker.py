@@ -55,7 +55,7 @@ from kvstrata.errors import ConfigError
 from kvstrata.identity.fingerprint import Fingerprint
 from kvstrata.core.metrics import REMOTE_DIRECTIONS, REMOTE_OUTCOMES
 from kvstrata.tiers.ssd import SSDTier
-from kvstrata.kernels.streams import Event, streams_for
+from kvstrata.system.streams import Event, streams_for
 from kvstrata.policy.tiers import REMOTE, SSD
 
 from kvstrata.connectors.kit.kv_layout import KVLayout, LayoutRows
