@@ -25,7 +25,7 @@ import numpy as np
 from kvstrata.tiers.buffers import as_numpy
 from kvstrata.errors import ConfigError
 from kvstrata.policy.slot_index import PinnedError, SlotIndex, check_keys
-from kvstrata.dataplane.transfer import copy_rows
+from kvstrata.tiers.buffers import copy_rows
 
 if TYPE_CHECKING:
     import torch
