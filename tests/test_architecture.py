@@ -272,8 +272,6 @@ ROOM_HOLDERS = ("kvstrata", "kvstrata.connectors")
 KNOWN_BACK_ARROWS = {
     # the policy sizes the SSD tier in blocks with the SSD record format's arithmetic
     ("kvstrata.policy.spec", "kvstrata.tiers.ssd.footprint"),
-    # the DRAM slab copies rows with the data plane's copy_rows
-    ("kvstrata.tiers.host", "kvstrata.dataplane.transfer"),
 }
 
 
