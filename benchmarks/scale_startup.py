@@ -79,7 +79,7 @@ def build(model: str, ssd: Path, records: int, block_size: int) -> list[int]:
     """A tier of ``records`` blocks under the model's namespace, closed cleanly: one prompt
     stored through the connector (returned), the rest written straight into the tier."""
     from kvstrata.tiers.ssd import SSDTier
-    from kvstrata.connectors.kit.ranks import ssd_root
+    from kvstrata.tiers.ssd.kind import ssd_root
     from kvstrata.connectors.vllm.common import engine_ranks
     from kvstrata.connectors.vllm.common import load_config
 

@@ -12,6 +12,7 @@ from kvstrata.errors import ConfigError
 from kvstrata.policy import PolicySpec, TierPolicy
 from kvstrata.policy.ghost import Ghost
 from kvstrata.policy.tiers import CPU, KNOWN, REMOTE, SSD, TierList
+from kvstrata.core.deployment import policy_spec
 
 K = [hashlib.sha256(b"%d" % i).digest() for i in range(64)]
 
@@ -134,11 +135,11 @@ def test_bad_admission_settings_are_config_errors_naming_the_key(overrides, mess
 def test_the_config_declares_the_admission_with_a_bounded_default_window() -> None:
     cfg = KVStrataConfig.from_dict({}, {"cpu.capacity": 4096 * 4, "ssd.capacity": "1GiB",
                                         "ssd.admission": "second_hit"})
-    spec = PolicySpec.from_config(cfg, block_nbytes=4096, gpu_blocks=8)
+    spec = policy_spec(cfg, block_nbytes=4096, gpu_blocks=8)
     ssd = spec.tiers[SSD]
     assert ssd.admission == "second_hit" and ssd.ghost_keys == min(spec.ssd_slots, 1 << 20)
     explicit = KVStrataConfig.from_dict({}, {"ssd.admission": "second_hit", "ssd.ghost_keys": 7})
-    assert PolicySpec.from_config(explicit, block_nbytes=4096, gpu_blocks=8).tiers[SSD].ghost_keys == 7
+    assert policy_spec(explicit, block_nbytes=4096, gpu_blocks=8).tiers[SSD].ghost_keys == 7
 
 
 def test_second_hit_on_an_ssd_tier_that_holds_no_block_is_inert() -> None:

@@ -15,6 +15,7 @@ from kvstrata.errors import ConfigError
 from kvstrata.policy import PolicySpec, TierPolicy
 from kvstrata.policy.positions import CLASSES, Positions
 from kvstrata.policy.slot_index import SlotIndex
+from kvstrata.core.deployment import policy_spec
 
 K = [hashlib.sha256(b"%d" % i).digest() for i in range(512)]
 RHO = 0.05  # a block of 4 tokens: w(p) = 1 + 0.2 (p + 1/2), from 1.1 to 9.1 over 40 positions
@@ -118,7 +119,7 @@ def test_a_victim_keeps_its_reach_for_the_tier_below() -> None:
     cfg = KVStrataConfig.from_dict({}, {"cpu.capacity": 4096 * 2, "ssd.capacity": 4096 * 64, "ssd.path": "/x",
                                         "cpu.eviction": "cost", "ssd.eviction": "cost",
                                         "spill.write_through": False})
-    policy = TierPolicy(PolicySpec.from_config(cfg, block_nbytes=4096, gpu_blocks=8))
+    policy = TierPolicy(policy_spec(cfg, block_nbytes=4096, gpu_blocks=8))
     positions = policy.positions
     assert positions is not None
     positions.limit = 4

@@ -13,6 +13,7 @@ from kvstrata.errors import ConfigError
 from kvstrata.policy import PolicySpec, TierPolicy
 from kvstrata.policy.eviction import ARCOrder, S3FIFOOrder
 from kvstrata.policy.slot_index import SlotIndex
+from kvstrata.core.deployment import policy_spec
 
 K = [hashlib.sha256(b"%d" % i).digest() for i in range(512)]
 
@@ -207,7 +208,7 @@ def test_pins_keep_an_entry_from_eviction_and_count_as_a_use() -> None:
 def test_every_order_holds_what_the_policy_placed_and_keeps_its_invariants() -> None:
     cfg = KVStrataConfig.from_dict({}, {"cpu.capacity": 4096 * 8, "ssd.capacity": 4096 * 64, "cpu.eviction": "s3fifo",
                                         "ssd.eviction": "arc", "spill.write_through": False, "ssd.path": "/x"})
-    policy = TierPolicy(PolicySpec.from_config(cfg, block_nbytes=4096, gpu_blocks=8))
+    policy = TierPolicy(policy_spec(cfg, block_nbytes=4096, gpu_blocks=8))
     for i in range(200):
         keys = [K[(i * 7 + j) % 100] for j in range(4)]
         plan = policy.prepare_store(list(range(4)), keys, "computed")

@@ -12,6 +12,7 @@ from kvstrata.config.schema import KVStrataConfig
 from kvstrata.core.costs import ALWAYS, MEASURED, PROBE_S, LoadCosts, load_costs
 from kvstrata.errors import ConfigError
 from kvstrata.policy import PolicySpec
+from kvstrata.core.deployment import policy_spec
 
 BT = 16  # tokens per block
 
@@ -128,7 +129,7 @@ def test_an_attention_rate_needs_the_prefill_rate_it_is_part_of() -> None:
     with pytest.raises(ConfigError, match=r"load\.attention_rate: given without load\.prefill_rate"):
         KVStrataConfig.from_dict({"load": {"attention_rate": 1e9}})
     cfg = KVStrataConfig.from_dict({"load": {"prefill_rate": 1000, "attention_rate": 1e6}})
-    costs = load_costs(cfg.load, PolicySpec.from_config(cfg, block_nbytes=4096, gpu_blocks=16), 4096)
+    costs = load_costs(cfg.load, policy_spec(cfg, block_nbytes=4096, gpu_blocks=16), 4096)
     # a block of 16 tokens after 1,024 others: 16 ms for the tokens, 16 x (1,024 + 8) us attending
     assert costs.compute_seconds(1024, 16) == pytest.approx(0.016 + 16 * 1032e-6)
 
@@ -144,7 +145,7 @@ def test_a_latency_needs_the_bandwidth_it_is_part_of() -> None:
     with pytest.raises(ConfigError, match=r"load\.ssd_latency: given without load\.ssd_bandwidth"):
         KVStrataConfig.from_dict({"load": {"ssd_latency": 0.001}})
     cfg = KVStrataConfig.from_dict({"load": {"ssd_bandwidth": "4MiB", "ssd_latency": 0.002, "prefill_rate": 1000}})
-    costs = load_costs(cfg.load, PolicySpec.from_config(cfg, block_nbytes=4096, gpu_blocks=16), 4096)
+    costs = load_costs(cfg.load, policy_spec(cfg, block_nbytes=4096, gpu_blocks=16), 4096)
     assert costs.latency()["ssd"] == 0.002 and costs.block_seconds()["ssd"] == pytest.approx(4096 / (4 << 20))
 
 

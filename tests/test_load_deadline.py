@@ -23,6 +23,7 @@ from kvstrata.policy.tiers import CPU
 from kvstrata.system.streams import InlineStreams
 from kvstrata.tiers.host import HostSlab
 from kvstrata.tiers.ssd import SSDTier
+from kvstrata.core.deployment import policy_spec
 
 BT = 16
 
@@ -140,7 +141,7 @@ def test_a_probe_reads_a_few_blocks_of_its_tier_after_what_is_worth_loading() ->
     now[0] = 4 * PROBE_S + 4
     assert c.worth(["cpu"] * 3 + ["ssd"] * 8, BT) == 5
     cfg = KVStrataConfig.from_dict({})
-    spec = PolicySpec.from_config(cfg, block_nbytes=4096, gpu_blocks=16)
+    spec = policy_spec(cfg, block_nbytes=4096, gpu_blocks=16)
     assert load_costs(cfg.load, spec, 512 * 1024).probe_blocks == PROBE_BYTES // (512 * 1024) == 2
     assert load_costs(cfg.load, spec, 4 << 20).probe_blocks == 1
 

@@ -21,6 +21,7 @@ from kvstrata.config.schema import TraceConfig
 from kvstrata.policy import PolicySpec
 from kvstrata.trace.reader import load_trace
 from kvstrata.trace.recorder import RecordedRequest, TraceRecorder
+from kvstrata.core.deployment import policy_spec
 
 BS = 16
 NBYTES = 4096
@@ -101,7 +102,7 @@ def recording(tmp: Path, load: object) -> Path:
     tmp.mkdir()
     cfg = config(tmp)
     deployment = recorded_deployment(cfg, block_size=BS, block_nbytes=NBYTES, gpu_blocks=16,
-                                     capacity_blocks={"gpu": 16, **PolicySpec.from_config(
+                                     capacity_blocks={"gpu": 16, **policy_spec(
                                          cfg, block_nbytes=NBYTES, gpu_blocks=16).capacity()},
                                      engine={"name": "test", "version": "0"})
     rec = TraceRecorder(TraceConfig.from_dict({"path": str(tmp / "rec"), "insecure_hashes": True}), block_size=BS,

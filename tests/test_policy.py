@@ -18,6 +18,7 @@ from kvstrata.errors import ConfigError
 from kvstrata.policy import LoadPlan, PolicySpec, StorePlan, TierPolicy
 from kvstrata.policy.hot_set import select_for_shutdown
 from kvstrata.tiers.ssd import capacity_blocks
+from kvstrata.core.deployment import policy_spec
 
 from policy_sim import TOMBSTONE_PREFIX, SimExecutor
 
@@ -741,7 +742,7 @@ def test_policy_spec_from_config_sizes_tiers_in_blocks(tmp_path) -> None:
     block = 4096
     cfg = config(tmp_path, {"admission": "on_evict", "watermark": 0.25, "write_through": False},
                  cpu=10 * block + block - 1, ssd=50 * block)
-    spec = PolicySpec.from_config(cfg, block_nbytes=block, gpu_blocks=10)
+    spec = policy_spec(cfg, block_nbytes=block, gpu_blocks=10)
     assert spec.cpu_slots == 10  # capacity // block bytes
     assert spec.ssd_slots == capacity_blocks(50 * block, block)
     assert 0 < spec.ssd_slots < 50  # records cost more than their payload
@@ -749,14 +750,14 @@ def test_policy_spec_from_config_sizes_tiers_in_blocks(tmp_path) -> None:
     assert (spec.admission, spec.promotion, spec.write_through) == ("on_evict", "inclusive", False)
 
     small = config(tmp_path, {"admission": "on_evict", "watermark": 0.01}, cpu=block, ssd=None)
-    spec = PolicySpec.from_config(small, block_nbytes=block, gpu_blocks=10)
+    spec = policy_spec(small, block_nbytes=block, gpu_blocks=10)
     assert (spec.cpu_slots, spec.ssd_slots, spec.pageout_blocks) == (1, 0, 1)  # at least one block
 
     compute = config(tmp_path, {"admission": "on_compute"}, cpu=4 * block, ssd=None)
-    assert PolicySpec.from_config(compute, block_nbytes=block, gpu_blocks=10).pageout_blocks == 0
+    assert policy_spec(compute, block_nbytes=block, gpu_blocks=10).pageout_blocks == 0
 
     nothing = config(tmp_path, {"admission": "on_evict", "watermark": 0.5}, cpu=block - 1, ssd=None)
-    spec = PolicySpec.from_config(nothing, block_nbytes=block, gpu_blocks=10)
+    spec = policy_spec(nothing, block_nbytes=block, gpu_blocks=10)
     assert (spec.cpu_slots, spec.ssd_slots, spec.pageout_blocks, spec.has_lower_tier) == (0, 0, 0, False)
 
 
@@ -792,7 +793,7 @@ def test_policy_spec_rejects_a_write_through_that_is_not_a_bool(value: object) -
 def test_policy_spec_from_config_rejects_a_block_size_that_is_not_positive(tmp_path, block: object) -> None:
     cfg = config(tmp_path, {"admission": "on_evict"}, cpu=1 << 20, ssd=None)
     with pytest.raises(ConfigError, match="^block_nbytes:"):
-        PolicySpec.from_config(cfg, block_nbytes=block, gpu_blocks=10)
+        policy_spec(cfg, block_nbytes=block, gpu_blocks=10)
 
 
 # ---------------------------------------------------------------------------- plans

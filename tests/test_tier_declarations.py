@@ -10,6 +10,7 @@ from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError
 from kvstrata.policy import PolicySpec, TierPolicy
 from kvstrata.policy.tiers import CPU, KNOWN, REMOTE, SSD, Tier, TierList, declare, describe_tiers
+from kvstrata.core.deployment import policy_spec
 
 A, B, C, D = (bytes([i]) * 32 for i in range(1, 5))
 
@@ -22,7 +23,7 @@ def test_a_deployment_declares_its_tiers_in_order_from_the_config() -> None:
     cfg = KVStrataConfig.from_dict({"cpu": {"capacity": 4096 * 10}, "ssd": {"path": "/nonexistent", "capacity": "1GiB"},
                                     "spill": {"write_through": False},
                                     "remote": {"url": "redis://user:hunter2@127.0.0.1:6379/0"}})
-    spec = PolicySpec.from_config(cfg, block_nbytes=4096, gpu_blocks=8)
+    spec = policy_spec(cfg, block_nbytes=4096, gpu_blocks=8)
     tiers = spec.tiers
     assert tiers.names == (CPU, SSD, REMOTE)
     assert tiers[CPU].capacity == 10 and tiers[CPU].cascade == SSD and tiers[CPU].medium == "CPU"
@@ -82,9 +83,9 @@ def test_an_ssd_tier_of_no_block_that_the_cpu_tier_cascades_into_is_refused_at_s
     cfg = KVStrataConfig.from_dict({"cpu": {"capacity": 4096 * 10}, "spill": {"write_through": False},
                                     "ssd": {"path": "/nonexistent", "capacity": 4096}})
     with pytest.raises(ConfigError, match=r"^ssd.capacity: 'cpu' cascades its evicted blocks into 'ssd'"):
-        PolicySpec.from_config(cfg, block_nbytes=4096, gpu_blocks=8)
+        policy_spec(cfg, block_nbytes=4096, gpu_blocks=8)
     through = dataclasses.replace(cfg, spill=dataclasses.replace(cfg.spill, write_through=True))
-    assert PolicySpec.from_config(through, block_nbytes=4096, gpu_blocks=8).ssd_slots == 0  # nothing cascades there
+    assert policy_spec(through, block_nbytes=4096, gpu_blocks=8).ssd_slots == 0  # nothing cascades there
 
 
 def test_plans_name_tiers_as_the_declarations_do() -> None:

@@ -14,6 +14,7 @@ import torch
 from kvstrata import TieredKVCache
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError
+from kvstrata.core.deployment import policy_spec
 
 sys.path.insert(0, str(Path(__file__).parent))
 from valkey_server import ValkeyServer, free_port, secret_file  # noqa: E402
@@ -110,7 +111,7 @@ def test_a_remote_tier_without_a_cpu_tier_is_a_config_error(tmp_path, cpu) -> No
 
     cfg = KVStrataConfig.from_dict({"cpu": {"capacity": cpu}, "remote": {"url": "redis://127.0.0.1:1/0"}})
     with pytest.raises(ConfigError, match="^cpu.capacity: the shared tier fetches blocks into"):
-        PolicySpec.from_config(cfg, block_nbytes=4096, gpu_blocks=8)
+        policy_spec(cfg, block_nbytes=4096, gpu_blocks=8)
 
 
 def test_the_remote_tier_is_in_the_metrics(server, tmp_path) -> None:

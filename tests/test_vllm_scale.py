@@ -151,7 +151,7 @@ def test_an_ssd_tier_recovering_in_the_background_is_held_once_verified(
     make this small tier recover in the background, as one with a larger index would."""
     import functools
 
-    from kvstrata.connectors.kit import rank_tiers as vllm_ssd
+    from kvstrata.tiers.ssd import kind as ssd_kind
     from kvstrata.tiers.ssd import recovery
     from kvstrata.tiers.ssd.snapshot import CLEAN
 
@@ -186,7 +186,7 @@ def test_an_ssd_tier_recovering_in_the_background_is_held_once_verified(
         opened.wait(60)
         return walk(*args, **kw)
     monkeypatch.setattr(recovery, "walk", gated_walk)
-    monkeypatch.setattr(vllm_ssd, "SSDTier", functools.partial(vllm_ssd.SSDTier, recover_inline_bytes=0))
+    monkeypatch.setattr(ssd_kind, "SSDTier", functools.partial(ssd_kind.SSDTier, recover_inline_bytes=0))
     h, holder = engine()
     try:
         worker = holder["w"]

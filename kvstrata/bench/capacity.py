@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvstrata.config.schema import KVStrataConfig
+from kvstrata.core.deployment import policy_spec as deployment_spec
 from kvstrata.policy import PolicySpec
 from kvstrata.policy.tiers import CPU, GPU, SSD
 
@@ -37,7 +38,7 @@ def config_for_trace(cfg: KVStrataConfig, block_size: int, admission: str | None
 def policy_spec(cfg: KVStrataConfig) -> PolicySpec:
     """The policy a deployment of ``cfg`` runs (blocks of ``cfg.block_nbytes()``)."""
     nbytes = cfg.block_nbytes()
-    return PolicySpec.from_config(cfg, block_nbytes=nbytes, gpu_blocks=cfg.gpu.resolve_num_blocks(nbytes))
+    return deployment_spec(cfg, block_nbytes=nbytes, gpu_blocks=cfg.gpu.resolve_num_blocks(nbytes))
 
 
 def tier_capacities(cfg: KVStrataConfig) -> dict[str, int]:

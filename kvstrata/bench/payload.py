@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvstrata.config.schema import SSD_TIER_KEYS, KVStrataConfig
-from kvstrata.errors import config_keys
+from kvstrata.config.schema import KVStrataConfig
 from kvstrata.bench.capacity import policy_spec, tier_capacities
 from kvstrata.dataplane.executor import Executor
 from kvstrata.policy.tiers import CPU, GPU, SSD
@@ -37,18 +36,19 @@ def payload_config(cfg: KVStrataConfig, block_bytes: int, ssd_dir: str) -> KVStr
 
 
 def payload_executor(cfg: KVStrataConfig) -> Executor:
-    """Real bytes: a host 'device' pool, the CPU slab and an SSD tier (``cfg.ssd.path``)."""
+    """Real bytes: a host 'device' pool, the CPU slab and an SSD tier (``cfg.ssd.path``), opened
+    by the deployment builder (never pinned, uncompressed, under a tier id of its own)."""
+    import dataclasses
+
     import torch
 
+    from kvstrata.core.deployment import executor_over, open_backends
     from kvstrata.dataplane.executor import PoolRows
-    from kvstrata.tiers.host import HostSlab
-    from kvstrata.tiers.ssd import SSDTier
     from kvstrata.dataplane.transfer import TransferEngine
 
     spec, nbytes = policy_spec(cfg), cfg.block_nbytes()
+    local = dataclasses.replace(spec, tiers=spec.tiers.with_shared(None)) if spec.tiers is not None else spec
     pool = torch.zeros((cfg.gpu.resolve_num_blocks(nbytes), nbytes), dtype=torch.uint8)
-    slab = HostSlab(spec.cpu_slots, nbytes, pin_memory=False) if spec.cpu_slots else None
-    with config_keys(SSD_TIER_KEYS):
-        ssd = SSDTier(cfg.ssd.path, capacity_bytes=cfg.ssd.capacity, fingerprint="kvstrata-bench",
-                      compression="none", block_nbytes=nbytes) if spec.ssd_slots else None
-    return Executor(PoolRows(TransferEngine(pool)), slab, ssd)
+    options = {CPU: {"pin": False}, SSD: {"tier_id": "kvstrata-bench", "compression": "none"}}
+    backends = open_backends(cfg, local, None, nbytes, options=options)
+    return executor_over(PoolRows(TransferEngine(pool)), backends)

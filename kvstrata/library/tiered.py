@@ -40,20 +40,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kvstrata.pool.blocks import BlockManager
-from kvstrata.config.schema import SSD_TIER_KEYS, KVStrataConfig
+from kvstrata.config.schema import KVStrataConfig
 from kvstrata.core.costs import fixed_costs
+from kvstrata.core.deployment import executor_over, open_backends, policy_spec
 from kvstrata.core.driver import DriverCore
 from kvstrata.core.request import RequestState
-from kvstrata.errors import ConfigError, config_keys
+from kvstrata.errors import ConfigError
 from kvstrata.dataplane.executor import Executor, PoolRows
 from kvstrata.identity.hashing import BlockHasher
 from kvstrata.identity.fingerprint import Fingerprint
 from kvstrata.core.metrics import TIERS, Lifecycle, LifecycleRecorder, KVStrataCollector, lifecycle_sampling, policy_stats
-from kvstrata.policy import LOWER_TIERS, PolicySpec, TierPolicy
+from kvstrata.policy import LOWER_TIERS, TierPolicy
 from kvstrata.policy.tiers import GPU, REMOTE, SSD
 from kvstrata.policy.seeding import SSDSeeding
 
@@ -127,7 +127,7 @@ class TieredKVCache:
         self.fingerprint = fingerprint or library_fingerprint(config, self.block_nbytes)
         self.hasher = BlockHasher(self.block_size, config.hash, namespace=self.fingerprint.namespace())
         self.manager = BlockManager(num_blocks, self.block_size, hasher=self.hasher, track_evictions=True)
-        spec = PolicySpec.from_config(config, block_nbytes=self.block_nbytes, gpu_blocks=num_blocks)
+        spec = policy_spec(config, block_nbytes=self.block_nbytes, gpu_blocks=num_blocks)
         capacity = {GPU: num_blocks, **spec.capacity()}
         # Exact samples when asked for; otherwise large tiers are followed through a sample.
         self.lifecycle = {t: Lifecycle(record_samples, sample_every=1 if record_samples else
@@ -151,7 +151,6 @@ class TieredKVCache:
     def _open_executor(self, kv_pool: Any, transfer: "TransferEngine | None", num_blocks: int) -> Executor:
         import torch
 
-        from kvstrata.tiers.host import HostSlab
         from kvstrata.dataplane.transfer import TransferEngine
 
         cfg = self.config
@@ -161,11 +160,9 @@ class TieredKVCache:
         assert transfer is not None
         self.kv_pool = kv_pool
         self.transfer = transfer
-        spec = self.policy.spec
-        slab = HostSlab(spec.cpu_slots, self.block_nbytes, pin_memory=cfg.cpu.pin) if spec.cpu_slots else None
-        ssd = self._open_ssd() if spec.ssd_slots else None
-        remote = self._open_remote() if spec.remote else None
-        executor = Executor(PoolRows(self.transfer), slab, ssd, remote)
+        backends = open_backends(cfg, self.policy.spec, self.fingerprint, self.block_nbytes)
+        executor = executor_over(PoolRows(self.transfer), backends)
+        ssd = executor.ssd
         if ssd is not None:
             self._seeding = SSDSeeding(self.policy, lambda: (list(ssd.keys()), []), [ssd])
             executor.evict([], self._seeding.start())
@@ -186,24 +183,6 @@ class TieredKVCache:
         ready = ssd.wait_ready(timeout)
         self._poll_seeding()
         return ready
-
-    def _open_ssd(self) -> Any:
-        from kvstrata.tiers.ssd import SSDTier
-
-        cfg = self.config
-        path = cfg.ssd.resolved_path()
-        assert path is not None
-        if path.parent == Path.home() / ".cache":  # the default location: create ~/.cache
-            path.parent.mkdir(parents=True, exist_ok=True)
-        with config_keys(SSD_TIER_KEYS):
-            return SSDTier(path, capacity_bytes=cfg.ssd.capacity, fingerprint=self.fingerprint.tier_id(),
-                           compression=cfg.ssd.compression, level=cfg.ssd.level,
-                           queue_capacity_bytes=cfg.ssd.queue_capacity, block_nbytes=self.block_nbytes)
-
-    def _open_remote(self) -> Any:
-        from kvstrata.tiers.remote import RemoteTier
-
-        return RemoteTier.from_config(self.config.remote, [self.fingerprint.tier_id()], self.block_nbytes)
 
     @property
     def remote(self) -> Any:

@@ -1,11 +1,9 @@
 """The policy's parameters: tier sizes in blocks and the placement rules, from a config.
 
-``PolicySpec.from_config`` is the one place where capacities in bytes become
-capacities in blocks, for every mode (library, vLLM connector, bench replay):
-the CPU tier holds ``cpu.capacity // block_nbytes`` blocks; the SSD tier holds
-as many uncompressed blocks as its footprint rule admits under
-``ssd.capacity`` (compression then saves disk space and bandwidth, it does
-not change which blocks are kept, so every mode agrees on placement).
+Capacities in bytes become capacities in blocks by each tier kind's capacity rule
+(:mod:`kvstrata.tiers.kinds`), in the deployment builder
+(:func:`kvstrata.core.deployment.policy_spec`), for every mode (library, vLLM connector, bench
+replay); the spec takes the declarations with their capacities.
 """
 
 from __future__ import annotations
@@ -14,12 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.config.schema import ADMISSIONS, ON_COMPUTE, ON_EVICT, PROMOTIONS, KVStrataConfig, check_spill_rules
-from kvstrata.config.credentials import redact_url
 from kvstrata.errors import ConfigError
 from kvstrata.policy.plans import COMPUTED, EVICTED, PAGEOUT, SHUTDOWN
 from kvstrata.policy.positions import default_rho
 from kvstrata.policy.tiers import LOWER, TierList, declare
-from kvstrata.tiers.ssd.footprint import capacity_blocks
 
 __all__ = ["PolicySpec", "ADMISSIONS", "PROMOTIONS", "ON_COMPUTE", "ON_EVICT", "check_spill_rules"]
 
@@ -81,20 +77,12 @@ class PolicySpec:
         object.__setattr__(self, "remote", bool(tiers.shared))
 
     @classmethod
-    def from_config(cls, config: "KVStrataConfig", *, block_nbytes: int, gpu_blocks: int) -> "PolicySpec":
-        """The spec a deployment of ``config`` runs, with blocks of ``block_nbytes`` bytes
-        and a device pool of ``gpu_blocks`` blocks."""
-        if isinstance(block_nbytes, bool) or not isinstance(block_nbytes, int) or block_nbytes < 1:
-            raise ConfigError(f"block_nbytes: expected a positive integer, got {block_nbytes!r}")
-        cpu = config.cpu.capacity // block_nbytes
-        ssd = ssd_blocks(config, block_nbytes)
+    def from_tiers(cls, config: "KVStrataConfig", tiers: TierList, *, gpu_blocks: int) -> "PolicySpec":
+        """The spec a deployment of ``config`` runs over ``tiers`` (their capacities in blocks:
+        :func:`kvstrata.core.deployment.policy_spec` declares them by the tier kinds' capacity
+        rules) and a device pool of ``gpu_blocks`` blocks."""
         spill = config.spill
-        server = redact_url(config.remote.url) if config.remote.enabled and config.remote.url else None
-        tiers = declare(cpu, ssd if config.ssd.enabled else None, write_through=spill.write_through,
-                        remote_server=server, ssd_admission=(config.ssd.admission, ghost_keys(config.ssd, ssd)),
-                        remote_admission=(config.remote.admission, ghost_keys(config.remote, None)),
-                        cpu_eviction=config.cpu.eviction, ssd_eviction=config.ssd.eviction)
-        lower = cpu > 0 or ssd > 0
+        lower = any(t.capacity for t in tiers.local)
         pageout = max(1, int(spill.watermark * gpu_blocks)) if spill.admission == ON_EVICT and lower else 0
         load, model = config.load, config.model
         rho = load.prefill_rate / load.attention_rate if load.prefill_rate and load.attention_rate \
@@ -128,13 +116,6 @@ class PolicySpec:
         if self.admission == ON_EVICT:
             return gpu_blocks + self.lower_blocks()
         return max(gpu_blocks, self.lower_blocks())
-
-
-def ssd_blocks(config: "KVStrataConfig", block_nbytes: int) -> int:
-    """Uncompressed blocks the SSD tier of ``config`` holds (0 when disabled)."""
-    if not config.ssd.enabled:
-        return 0
-    return capacity_blocks(config.ssd.capacity, block_nbytes)
 
 
 #: the window ``second_hit`` admission remembers by default: as many keys as the tier holds

@@ -38,7 +38,7 @@ from typing import Iterable, Iterator
 from kvstrata.errors import ConfigError
 from kvstrata.system.values import ALWAYS, LRU, SECOND_HIT, TIER_ADMISSIONS, check_eviction
 
-__all__ = ["ALWAYS", "SECOND_HIT", "GPU", "CPU", "SSD", "REMOTE", "LOWER", "SHARED", "PERSISTENT", "Tier", "TierList", "KNOWN", "declare", "describe_tiers"]
+__all__ = ["ALWAYS", "SECOND_HIT", "GPU", "CPU", "SSD", "REMOTE", "LOWER", "SHARED", "PERSISTENT", "Tier", "TierList", "KNOWN", "declare", "describe_tiers", "declare_kind", "forget_kind"]
 
 GPU = "gpu"  # the device pool (owned by the driver, not declared here)
 CPU = "cpu"
@@ -77,9 +77,26 @@ KNOWN: dict[str, Tier] = {t.name: t for t in (
     Tier(SSD, medium="STORAGE", key="ssd", label="SSD", hint="raise ssd.capacity", hit_source="DISK"),
     Tier(REMOTE, shared=True, key="remote", label="remote", hint="raise the server's maxmemory"),
 )}
+_BUILTIN = frozenset(KNOWN)
 LOWER = tuple(n for n, t in KNOWN.items() if not t.shared)  # the local kinds, as statistics name them
 SHARED = tuple(n for n, t in KNOWN.items() if t.shared)
 PERSISTENT = tuple(n for n, t in KNOWN.items() if not t.shared and not t.slab)  # records on a device that persists
+
+
+def declare_kind(tier: Tier) -> None:
+    """Make a tier kind's declaration known (:func:`kvstrata.tiers.kinds.register` calls this):
+    deployments may then declare tiers of it. A second, different declaration of one name is a
+    :class:`ConfigError`."""
+    known = KNOWN.get(tier.name)
+    if known is not None and known != tier:
+        raise ConfigError(f"tiers.{tier.name}: a tier kind named {tier.name!r} is declared twice")
+    KNOWN[tier.name] = tier
+
+
+def forget_kind(name: str) -> None:
+    """Forget a kind :func:`declare_kind` added (never a built-in one)."""
+    if name not in _BUILTIN:
+        KNOWN.pop(name, None)
 
 
 @dataclass(frozen=True)

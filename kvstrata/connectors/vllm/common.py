@@ -29,7 +29,8 @@ from kvstrata.config.schema import KVStrataConfig, first_under, key_paths, read_
 from kvstrata.identity.groups import CHUNKED, FULL, SLIDING, STATE, Group, KVGroups
 from kvstrata.errors import ConfigError
 from kvstrata.identity.fingerprint import Fingerprint, model_identity
-from kvstrata.connectors.kit.ranks import Rank
+from kvstrata.identity.ranks import Rank
+from kvstrata.core.deployment import policy_spec as deployment_spec
 from kvstrata.policy import FetchPlan, LoadPlan, PolicySpec, StorePlan
 
 if TYPE_CHECKING:
@@ -242,8 +243,8 @@ def check_index_memory(spec: PolicySpec, block_nbytes: int, total_bytes: int | N
 def policy_spec(cfg: KVStrataConfig, kv_cache_config: "KVCacheConfig") -> PolicySpec:
     """The tier policy's spec under vLLM (its pool: ``kv_cache_config.num_blocks`` blocks,
     one of which vLLM keeps as its null block)."""
-    return PolicySpec.from_config(cfg, block_nbytes=block_nbytes_of(kv_cache_config),
-                                  gpu_blocks=max(1, int(kv_cache_config.num_blocks) - 1))
+    return deployment_spec(cfg, block_nbytes=block_nbytes_of(kv_cache_config),
+                           gpu_blocks=max(1, int(kv_cache_config.num_blocks) - 1))
 
 
 def engine_ranks(vllm_config: "VllmConfig") -> list[Rank]:

@@ -47,20 +47,19 @@ import torch
 
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.dataplane.copier import Copier, Finished
+from kvstrata.core.deployment import executor_over, open_backends
 from kvstrata.dataplane.executor import Executor
 from kvstrata.policy import SHUTDOWN, FetchPlan, LoadPlan, StorePlan
 from kvstrata.policy.hot_set import select_for_shutdown
-from kvstrata.tiers.host import HostSlab
 from kvstrata.errors import ConfigError
 from kvstrata.identity.fingerprint import Fingerprint
 from kvstrata.core.metrics import REMOTE_DIRECTIONS, REMOTE_OUTCOMES
 from kvstrata.tiers.ssd import SSDTier
 from kvstrata.system.streams import Event, streams_for
-from kvstrata.policy.tiers import REMOTE, SSD
+from kvstrata.policy.tiers import CPU, REMOTE, SSD
 
 from kvstrata.connectors.kit.kv_layout import KVLayout, LayoutRows
-from kvstrata.connectors.kit.rank_tiers import forget_ssd_tier, open_ssd_tier
-from kvstrata.connectors.kit.ranks import Rank
+from kvstrata.identity.ranks import Rank
 from kvstrata.connectors.vllm.common import (
     ResidentDelta,
     KVStrataMetadata,
@@ -181,21 +180,12 @@ class KVStrataWorker:
         layout = self._layout_of(self._kv_caches)
         rows = LayoutRows(layout)
         if self.executor is None:
-            slab = None
-            if self.spec.cpu_slots:
-                pin = self.cfg.cpu.pin if self.cfg.cpu.pin is not None else torch.cuda.is_available()
-                slab = HostSlab(self.spec.cpu_slots, self.block_nbytes, pin_memory=pin)
-            ssd = None
-            rank = _this_rank(self.vllm_config)
-            if self.spec.ssd_slots:
-                ssd = open_ssd_tier(self.cfg, self.fingerprint, rank, self.block_nbytes)
-            remote = None
-            if self.spec.remote:
-                from kvstrata.tiers.remote import RemoteTier
-
-                remote = RemoteTier.from_config(self.cfg.remote, [rank.tier_id(self.fingerprint)], self.block_nbytes,
-                                                own_generation=False)  # its scheduler half's: meta.remote_generation
-            self.executor = Executor(rows, slab, ssd, remote)
+            pin = self.cfg.cpu.pin if self.cfg.cpu.pin is not None else torch.cuda.is_available()
+            # the remote tier takes its scheduler half's namespace generation (meta.remote_generation)
+            options = {CPU: {"pin": pin}, REMOTE: {"own_generation": False}}
+            backends = open_backends(self.cfg, self.spec, self.fingerprint, self.block_nbytes,
+                                     rank=_this_rank(self.vllm_config), options=options)
+            self.executor = executor_over(rows, backends)
         self.executor.device = rows
         self.copier = Copier(self.executor, rows, streams_for(layout.device),
                              staging_bytes=self.cfg.ssd.queue_capacity)
@@ -411,7 +401,6 @@ class KVStrataWorker:
             log.exception("kvstrata worker: storing the hot set at shutdown failed")
         ssd = self.ssd
         if ssd is not None:
-            forget_ssd_tier(ssd)
             ssd.close()
         remote = self.executor.remote if self.executor is not None else None
         if remote is not None:

@@ -400,6 +400,11 @@ class SSDTier:
         out["last_error"] = self._health.last_error
         return out
 
+    @property
+    def closed(self) -> bool:
+        """Has :meth:`close` been called?"""
+        return self._health.closed
+
     def close(self) -> None:
         """Flush, stop the writer, close the files and save the clean-close snapshot (a
         recovery still running is cancelled: what it had not verified stays for the next

@@ -1,0 +1,29 @@
+"""The remote tier as a tier kind: a shared server, enabled by ``remote.url``, holding no block
+here (its server evicts on its own), opened for one rank's shard of the blocks."""
+
+from __future__ import annotations
+
+from kvstrata.config.schema import KVStrataConfig
+from kvstrata.policy.tiers import KNOWN, REMOTE
+from kvstrata.tiers.kinds import Opening, TierKind, register
+from kvstrata.tiers.remote.tier import RemoteTier
+
+__all__ = ["remote_capacity", "open_remote"]
+
+
+def remote_capacity(config: KVStrataConfig, block_nbytes: int) -> int | None:
+    """None when ``remote.*`` declares no server, else 0: a shared tier holds no block here."""
+    return 0 if config.remote.enabled and config.remote.url else None
+
+
+def open_remote(opening: Opening) -> RemoteTier:
+    """The tier ``remote.*`` describes, for the deployment's (or its rank's) shard. ``options``:
+    ``writer`` (False: it only reads and probes) and ``own_generation`` (False: a vLLM worker
+    takes its scheduler's namespace generation)."""
+    options = opening.options
+    return RemoteTier.from_config(opening.config.remote, [opening.tier_id()], opening.block_nbytes,
+                                  writer=bool(options.get("writer", True)),
+                                  own_generation=bool(options.get("own_generation", True)))
+
+
+register(TierKind(KNOWN[REMOTE], section="remote", capacity=remote_capacity, open=open_remote, backend=RemoteTier))
