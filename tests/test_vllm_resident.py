@@ -33,7 +33,7 @@ ops = st.lists(st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(ops)
 def test_the_mirror_equals_the_map_after_every_step(steps: list) -> None:
-    from kvstrata.connectors.vllm.common import ResidentMap
+    from kvstrata.connectors.kit.resident import ResidentMap
 
     resident, mirror = ResidentMap(), OrderedDict()
     for op, block, key in [*steps, ("step", None, None)]:
@@ -51,7 +51,7 @@ def test_the_mirror_equals_the_map_after_every_step(steps: list) -> None:
 
 
 def test_a_block_added_then_reassigned_in_one_step_leaves_no_mirror_entry() -> None:
-    from kvstrata.connectors.vllm.common import ResidentMap
+    from kvstrata.connectors.kit.resident import ResidentMap
 
     resident, mirror = ResidentMap(), OrderedDict()
     resident.add([5], [KEYS[0]])   # a load finished into block 5 ...
@@ -61,7 +61,7 @@ def test_a_block_added_then_reassigned_in_one_step_leaves_no_mirror_entry() -> N
 
 
 def test_without_a_mirror_nothing_is_recorded() -> None:
-    from kvstrata.connectors.vllm.common import ResidentMap
+    from kvstrata.connectors.kit.resident import ResidentMap
 
     resident = ResidentMap(record=False)
     resident.add([1, 2], KEYS[:2])

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvstrata.connectors.vllm.common import KVStrataMetadata, ResidentMap
+from kvstrata.connectors.kit.resident import ResidentMap
+from kvstrata.connectors.vllm.common import KVStrataMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
