@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvstrata import KVStrataConfig, TieredKVCache
 from kvstrata.errors import ConfigError
 from kvstrata.policy import PolicySpec, TierPolicy
+from kvstrata.policy.orders import OrderContext
 from kvstrata.policy.positions import CLASSES, Positions
 from kvstrata.policy.slot_index import SlotIndex
 from kvstrata.core.deployment import policy_spec
@@ -75,13 +76,13 @@ def reference(capacity: int, alpha: float, requests: list[int]) -> list[bool]:
 @given(capacity=st.integers(1, 24), alpha=st.sampled_from([0.0, 0.25, 1.0, 4.0]),
        requests=st.lists(st.integers(0, 40), min_size=1, max_size=400))
 def test_cost_serves_as_the_reference_does(capacity: int, alpha: float, requests: list[int]) -> None:
-    assert run(SlotIndex(capacity, f"cost:{alpha}", book()), requests) == reference(capacity, alpha, requests)
+    assert run(SlotIndex(capacity, f"cost:{alpha}", OrderContext(reaches=book())), requests) == reference(capacity, alpha, requests)
 
 
 @settings(max_examples=100, deadline=None)
 @given(capacity=st.integers(1, 24), requests=st.lists(st.integers(0, 40), min_size=1, max_size=400))
 def test_cost_with_no_weight_is_lru(capacity: int, requests: list[int]) -> None:
-    assert run(SlotIndex(capacity, "cost:0", book()), requests) == run(SlotIndex(capacity, "lru"), requests)
+    assert run(SlotIndex(capacity, "cost:0", OrderContext(reaches=book())), requests) == run(SlotIndex(capacity, "lru"), requests)
 
 
 def test_a_late_block_outlives_an_early_one_used_more_recently_as_alpha_grows() -> None:
@@ -89,7 +90,7 @@ def test_a_late_block_outlives_an_early_one_used_more_recently_as_alpha_grows() 
     first. Recency: K[1] 0, K[0] 1; efficiency: K[1] 1, K[0] 2^(-5/4) = 0.42. K[1] stays once
     alpha x (1 - 0.42) outweighs the whole span of recency: alpha > 1.72."""
     for alpha, survivor in ((0.0, K[0]), (1.0, K[0]), (1.7, K[0]), (1.8, K[1]), (4.0, K[1])):
-        index = SlotIndex(2, f"cost:{alpha}", book())
+        index = SlotIndex(2, f"cost:{alpha}", OrderContext(reaches=book()))
         index.allocate(K[1])
         index.allocate(K[0])
         index.allocate(K[2])
@@ -106,7 +107,7 @@ def test_a_prompt_reaches_its_last_block_and_an_unknown_key_takes_the_mean_reach
     stranger = b"s" * 32
     klass, reach = positions.klass(stranger)  # the mean of 8, 2, 2 (2 and 8 are 4 classes apart)
     assert reach == -1 and positions.klass(K[0])[0] < klass < positions.klass(K[3])[0]
-    index = SlotIndex(4, "cost", positions)
+    index = SlotIndex(4, "cost", OrderContext(reaches=positions))
     index.allocate(stranger)
     positions.note([K[30], stranger, *K[31:60]])
     index.touch(stranger)  # a use looks the class of an unknown key up again
@@ -120,7 +121,7 @@ def test_a_victim_keeps_its_reach_for_the_tier_below() -> None:
                                         "cpu.eviction": "cost", "ssd.eviction": "cost",
                                         "spill.write_through": False})
     policy = TierPolicy(policy_spec(cfg, block_nbytes=4096, gpu_blocks=8))
-    positions = policy.positions
+    positions = policy.order_context.book
     assert positions is not None
     positions.limit = 4
     positions.keep(K[0], 30)
@@ -146,7 +147,7 @@ def test_the_library_teaches_the_order_the_reach_of_what_it_looks_up(tmp_path) -
         cache.commit("a")
         cache.free("a")
         cache.flush()
-        positions = cache.policy.positions
+        positions = cache.policy.order_context.book
         assert positions is not None and positions.block_tokens == 4
         held = [k for k in cache.policy.cpu]
         assert [positions.of(k) for k in held] == [5] * 6

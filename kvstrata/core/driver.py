@@ -75,8 +75,7 @@ class DriverCore:
         self.block_size = block_size
         self.groups = groups if groups is not None and not groups.plain else None
         self.costs = costs  # load or recompute (kvstrata.core.costs); None: every hit is loaded
-        if policy.positions is not None:
-            policy.positions.block_tokens = block_size
+        policy.order_context.block_tokens = block_size  # what the eviction orders weigh a block by
         self.remote = bool(policy.spec.remote)
         self.tiers = count_tiers(self.remote)
         self.counts = HitCounts(self.tiers)    # new requests: the hit rate
@@ -131,9 +130,9 @@ class DriverCore:
 
     def held_below(self, st: RequestState, first: int, last: int) -> int:
         """Blocks of ``st.hashes[first:last]``, from the first, that the tiers below hold (with
-        groups: the longest such hit every group can serve). Places nothing; a ``cost``
-        eviction order learns how far the keys up to ``last`` reach (:meth:`_note`)."""
-        if self.policy.positions is not None:
+        groups: the longest such hit every group can serve). Places nothing; an eviction order
+        that weighs reaches (``cost``) learns how far the keys up to ``last`` reach (:meth:`_note`)."""
+        if self.policy.order_context.learning:
             self._note(st, last)
         if self.groups is None:
             return len(self.policy.lookup(st.hashes[first:last]))
@@ -155,13 +154,13 @@ class DriverCore:
 
     def _note(self, st: RequestState, last: int) -> None:
         """``st``'s first ``last`` keys, which reach block ``last - 1``, and the compute's attention
-        share where it is measured (or fixed by ``load.*``), for the ``cost`` eviction order."""
-        positions = self.policy.positions
-        assert positions is not None
-        positions.note(st.hashes, last)
+        share where it is measured (or fixed by ``load.*``), for the eviction orders that weigh
+        them (:class:`~kvstrata.policy.orders.OrderContext`)."""
+        context = self.policy.order_context
+        context.note(st.hashes, last)
         rates = self.costs.compute_rates() if self.costs is not None else None
         if rates is not None and rates[0] > 0 and rates[1] > 0:
-            positions.rho = rates[1] / rates[0]
+            context.attention_share = rates[1] / rates[0]
 
     def worth_loading(self, st: RequestState, first: int, below: int) -> int:
         """How many of the ``below`` blocks after ``first`` are worth loading rather than

@@ -25,6 +25,9 @@ tunes it by replaying recent traffic; ``kvstrata bench --compare`` does so for
 its ``cost`` rows (the first quarter of the trace, a grid of weights) and names
 the weight it chose in the row's ``set``.
 
+The reaches come from the policy's :class:`~kvstrata.policy.orders.OrderContext` (its book,
+which the driver teaches and every tier's ``cost`` order shares).
+
 A hold keeps a key's class; a release, like a use, puts it at the most recent
 end of its class's list. A key whose reach was unknown when it came has its
 class looked up again at each use (a lookup may have taught the book meanwhile);
@@ -41,7 +44,9 @@ from heapq import merge
 from operator import itemgetter
 from typing import Iterator
 
+from kvstrata.policy.orders import EvictionOrder, OrderContext, register_order
 from kvstrata.policy.positions import CLASSES, Positions
+from kvstrata.system.values import COST, COST_ALPHA, eviction_alpha
 
 __all__ = ["CostOrder"]
 
@@ -52,8 +57,18 @@ def _tick_of(head: tuple[int, tuple[bytes, int]]) -> int:
     return head[1][1]
 
 
-class CostOrder:
+@register_order
+class CostOrder(EvictionOrder):
     """Recency + ``alpha`` x efficiency over weight classes (see the module docstring)."""
+
+    name = COST
+
+    @classmethod
+    def create(cls, num_slots: int, value: str, context: OrderContext) -> "CostOrder":
+        """``cost`` (alpha :data:`~kvstrata.system.values.COST_ALPHA`) or ``cost:<alpha>``, over the
+        context's book of reaches."""
+        alpha = eviction_alpha(value)
+        return cls(context.reaches(), COST_ALPHA if alpha is None else alpha)
 
     def __init__(self, positions: Positions, alpha: float) -> None:
         self.positions = positions

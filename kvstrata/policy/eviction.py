@@ -1,5 +1,8 @@
 """Eviction orders: which unpinned entry of a tier's index leaves when it needs a slot.
 
+Each is an :class:`~kvstrata.policy.orders.EvictionOrder` registered by its name
+(:mod:`kvstrata.policy.orders`); :func:`make_order` builds the one a tier's ``eviction`` names.
+
 A :class:`~kvstrata.policy.slot_index.SlotIndex` keeps its unpinned keys in one of
 these (its pinned keys are *held*: out of reach of eviction, their state kept).
 Every order holds keys only, never bytes, and costs O(1) amortised per operation.
@@ -37,27 +40,36 @@ Policies (``cpu.eviction``, ``ssd.eviction``):
 A released entry goes back to the end its policy gives a use (LRU: most recent;
 S3-FIFO: the tail of its FIFO with its count raised; ARC: T2's most recent end).
 
+Another order: a subclass of :class:`~kvstrata.policy.orders.EvictionOrder` with a ``name``,
+registered with :func:`~kvstrata.policy.orders.register_order` before the config naming it
+is read (tests/test_eviction_registry.py registers one).
+
 Threading: owned by the index's owner thread.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Iterator, Union
+from typing import Iterator
 
-from kvstrata.errors import ConfigError
-from kvstrata.system.values import ARC, EVICTIONS, LRU, S3FIFO, eviction_alpha
+from kvstrata.policy.cost_eviction import CostOrder
+from kvstrata.policy.orders import EvictionOrder, OrderContext, order_class, register_order
+from kvstrata.system.values import ARC, EVICTIONS, LRU, S3FIFO, check_eviction, eviction_name
 
-if TYPE_CHECKING:
-    from kvstrata.policy.cost_eviction import CostOrder
-    from kvstrata.policy.positions import Positions
-
-__all__ = ["EVICTIONS", "LRU", "S3FIFO", "ARC", "LRUOrder", "S3FIFOOrder", "ARCOrder", "EvictionOrder",
-           "make_order"]
+__all__ = ["EVICTIONS", "LRU", "S3FIFO", "ARC", "LRUOrder", "S3FIFOOrder", "ARCOrder", "CostOrder", "EvictionOrder",
+           "OrderContext", "make_order"]
 
 
-class LRUOrder(OrderedDict):  # type: ignore[type-arg]
+@register_order
+class LRUOrder(OrderedDict, EvictionOrder):  # type: ignore[type-arg,misc]
     """Least recently used first (an ordered dict: front = next victim)."""
+
+    name = LRU
+    recent_last = True
+
+    @classmethod
+    def create(cls, num_slots: int, value: str, context: OrderContext) -> "LRUOrder":
+        return cls()
 
     def add(self, key: bytes) -> None:
         self[key] = None
@@ -89,8 +101,11 @@ class LRUOrder(OrderedDict):  # type: ignore[type-arg]
         return self.popitem(last=False)[0]
 
 
-class S3FIFOOrder:
+@register_order
+class S3FIFOOrder(EvictionOrder):
     """S3-FIFO over ``num_slots`` slots (see the module docstring)."""
+
+    name = S3FIFO
 
     SMALL = 0.10     # the small FIFO's share of the slots
     MAX_FREQ = 3     # a 2-bit count of uses
@@ -192,8 +207,11 @@ class S3FIFOOrder:
         assert not (set(self._small) & set(self._main)), "an entry in both FIFOs"
 
 
-class ARCOrder:
+@register_order
+class ARCOrder(EvictionOrder):
     """ARC over ``num_slots`` slots (see the module docstring)."""
+
+    name = ARC
 
     def __init__(self, num_slots: int) -> None:
         self.c = num_slots
@@ -316,23 +334,12 @@ class ARCOrder:
         assert sum(map(len, lists)) == len(set().union(*lists)), "a key in two ARC lists"
 
 
-EvictionOrder = Union[LRUOrder, S3FIFOOrder, ARCOrder, "CostOrder"]
-
-
-def make_order(policy: str, num_slots: int, where: str = "eviction",
-               positions: "Positions | None" = None) -> EvictionOrder:
-    """The eviction order ``policy`` names, over ``num_slots`` slots (``cost``: weighed by
-    the positions ``positions`` knows; without it, every block alike)."""
-    if policy == LRU:
-        return LRUOrder()
-    if policy == S3FIFO:
-        return S3FIFOOrder(num_slots)
-    if policy == ARC:
-        return ARCOrder(num_slots)
-    alpha = eviction_alpha(policy, where) if isinstance(policy, str) else None
-    if alpha is not None:
-        from kvstrata.policy.cost_eviction import CostOrder
-        from kvstrata.policy.positions import Positions
-
-        return CostOrder(positions if positions is not None else Positions(1, 0.0), alpha)
-    raise ConfigError(f"{where}: expected one of {', '.join(EVICTIONS)}; got {policy!r}")
+def make_order(value: str, num_slots: int, where: str = "eviction",
+               context: OrderContext | None = None) -> EvictionOrder:
+    """The eviction order ``value`` names (a tier's ``eviction``: a registered order's name, or
+    ``cost:<alpha>``) over ``num_slots`` slots, weighing blocks by what it needs of ``context``
+    (the policy's; by default a context of its own, where a ``cost`` order weighs every block
+    alike). An unknown name is a :class:`ConfigError` naming ``where`` and the registered names."""
+    value = check_eviction(value, where)
+    cls = order_class(eviction_name(value), where)
+    return cls.create(num_slots, value, context if context is not None else OrderContext())

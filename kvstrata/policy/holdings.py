@@ -23,7 +23,7 @@ from kvstrata.policy.tiers import Tier
 from kvstrata.system.values import LRU
 
 if TYPE_CHECKING:
-    from kvstrata.policy.positions import Positions
+    from kvstrata.policy.orders import OrderContext
 
 __all__ = ["Holdings", "TOMBSTONE_PREFIX", "COMPACT_ABOVE", "ssd_index", "index_bytes"]
 
@@ -34,7 +34,7 @@ TOMBSTONE_PREFIX = b"\x00kvstrata-tombstone:"  # + a counter: the key a forgotte
 COMPACT_ABOVE = 1 << 20
 
 
-def ssd_index(num_slots: int, eviction: str = LRU, positions: "Positions | None" = None) -> SlotIndex | CompactIndex:
+def ssd_index(num_slots: int, eviction: str = LRU, context: "OrderContext | None" = None) -> SlotIndex | CompactIndex:
     """The SSD tier's index: a large disk of small blocks holds tens of millions of them, and
     a :class:`CompactIndex` costs ~50 bytes per key where a :class:`SlotIndex` costs ~165;
     below :data:`COMPACT_ABOVE` slots (at most ~170 MB either way) the dict-based index is
@@ -42,7 +42,7 @@ def ssd_index(num_slots: int, eviction: str = LRU, positions: "Positions | None"
     compact index keeps LRU order only: another ``eviction`` takes the dict-based one."""
     if num_slots > COMPACT_ABOVE and eviction == LRU:
         return CompactIndex(num_slots)
-    return SlotIndex(num_slots, eviction, positions)
+    return SlotIndex(num_slots, eviction, context)
 
 
 def index_bytes(ssd_slots: int, key_len: int = 32, eviction: str = LRU) -> int:
@@ -57,13 +57,13 @@ def index_bytes(ssd_slots: int, key_len: int = 32, eviction: str = LRU) -> int:
 
 
 class Holdings:
-    """The local tiers' indexes with the pins of open plans, by tier name (``positions``:
-    the book a ``cost`` order weighs blocks by)."""
+    """The local tiers' indexes with the pins of open plans, by tier name (``context``: what
+    their eviction orders may weigh blocks by, :class:`~kvstrata.policy.orders.OrderContext`)."""
 
-    def __init__(self, tiers: Iterable[Tier], positions: "Positions | None" = None) -> None:
+    def __init__(self, tiers: Iterable[Tier], context: "OrderContext | None" = None) -> None:
         self.indexes: dict[str, SlotIndex | CompactIndex] = {
-            t.name: SlotIndex(t.capacity, t.eviction, positions) if t.slab
-            else ssd_index(t.capacity, t.eviction, positions)
+            t.name: SlotIndex(t.capacity, t.eviction, context) if t.slab
+            else ssd_index(t.capacity, t.eviction, context)
             for t in tiers if not t.shared and t.capacity}
         self._pins: dict[int, dict[str, list[bytes]]] = {}  # plan -> tier -> keys it pinned there
         self._tombs: dict[str, set[bytes]] = {name: set() for name in self.indexes}

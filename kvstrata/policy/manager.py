@@ -56,9 +56,8 @@ from kvstrata.policy.holdings import TOMBSTONE_PREFIX, Holdings
 from kvstrata.policy.spec import PolicySpec
 from kvstrata.policy.ghost import Ghost
 from kvstrata.policy.hot_set import select_for_shutdown
-from kvstrata.policy.positions import Positions
+from kvstrata.policy.orders import OrderContext
 from kvstrata.policy.tiers import KNOWN, SECOND_HIT
-from kvstrata.system.values import COST, eviction_name
 
 __all__ = ["TierPolicy"]
 
@@ -79,10 +78,9 @@ class TierPolicy:
         self._c = slab.name if slab is not None else next(n for n, t in KNOWN.items() if t.slab)
         self._s = store.name if store is not None else next(n for n, t in KNOWN.items() if not t.slab and not t.shared)
         self._r = shared[0].name if shared else ""
-        costed = [t for t in tiers if eviction_name(t.eviction) == COST]
-        #: the positions a ``cost`` order weighs blocks by (the driver notes them; None: no such order)
-        self.positions = Positions(16, spec.attention_share) if costed else None
-        self.holdings = Holdings(tiers, self.positions)
+        #: what the tiers' eviction orders may weigh blocks by beyond their uses (the driver teaches it)
+        self.order_context = OrderContext(16, spec.attention_share)
+        self.holdings = Holdings(tiers, self.order_context)
         self.cpu, self.ssd = self.holdings.index(self._c), self.holdings.index(self._s)
         self._cpu, self._ssd = self.holdings.held(self._c), self.holdings.held(self._s)  # for lookups
         self.counts = EventCounts((*LOWER_TIERS, *(t.name for t in shared)))

@@ -12,10 +12,10 @@ from __future__ import annotations
 import random
 import time
 
+from kvstrata.policy.orders import OrderContext
 from kvstrata.policy.positions import Positions
 from kvstrata.policy.slot_index import SlotIndex
 from kvstrata.policy.spec import DEFAULT_RHO
-from kvstrata.system.values import COST, eviction_name
 
 __all__ = ["policy_ns_per_op"]
 
@@ -26,12 +26,12 @@ def policy_ns_per_op(eviction: str, slots: int = 65_536, ops: int = 200_000, see
     keys = [rng.getrandbits(256).to_bytes(32, "little") for _ in range(4 * slots)]
     stream = [keys[min(int(rng.paretovariate(1.2)) - 1, len(keys) - 1)] if rng.random() < 0.7
               else keys[rng.randrange(len(keys))] for _ in range(ops)]
-    positions = None
-    if eviction_name(eviction) == COST:  # blocks at positions up to 512 (8K tokens of 16)
-        positions = Positions(16, DEFAULT_RHO, limit=len(keys) + 1)
+    context = OrderContext(reaches=Positions(16, DEFAULT_RHO, limit=len(keys) + 1))
+    index = SlotIndex(slots, eviction, context)
+    if context.learning:  # an order that weighs reaches: blocks at positions up to 512 (8K tokens of 16)
+        book = context.reaches()
         for key in keys:
-            positions.keep(key, rng.randrange(512))
-    index = SlotIndex(slots, eviction, positions)
+            book.keep(key, rng.randrange(512))
     t0 = time.perf_counter()
     for key in stream:
         if key in index:

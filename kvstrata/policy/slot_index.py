@@ -26,7 +26,7 @@ from kvstrata.errors import ConfigError
 from kvstrata.policy.eviction import LRU, EvictionOrder, make_order
 
 if TYPE_CHECKING:
-    from kvstrata.policy.positions import Positions
+    from kvstrata.policy.orders import OrderContext
 
 __all__ = ["SlotIndex", "SlotCounts", "PinnedError"]
 
@@ -99,12 +99,12 @@ class SlotIndex(SlotCounts):
 
     __slots__ = ("num_slots", "_slot", "_lru", "_pins", "_free", "_unused")
 
-    def __init__(self, num_slots: int, eviction: str = LRU, positions: "Positions | None" = None) -> None:
+    def __init__(self, num_slots: int, eviction: str = LRU, context: "OrderContext | None" = None) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ConfigError(f"num_slots: expected a positive integer, got {num_slots!r}")
         self.num_slots = num_slots
         self._slot: dict[bytes, int] = {}
-        self._lru: EvictionOrder = make_order(eviction, num_slots, positions=positions)
+        self._lru: EvictionOrder = make_order(eviction, num_slots, context=context)
         self._pins: dict[bytes, int] = {}
         self._free: list[int] = []   # freed slots; pop() reuses the most recently freed
         self._unused = 0             # slots >= this were never handed out
@@ -245,7 +245,7 @@ class SlotIndex(SlotCounts):
         recent end, behind every victim; under another order they are held out of its reach
         until the call ends, then returned in the call's order."""
         order = self._lru
-        lru = isinstance(order, dict)
+        lru = order.recent_last
         slots: list[int | None] = []
         evicted: list[tuple[bytes, int]] = []
         placed: set[bytes] = set()  # LRU: this call's keys in the order, all behind the others

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 from kvstrata.errors import ConfigError
 
 __all__ = ["ALWAYS", "SECOND_HIT", "TIER_ADMISSIONS", "tier_admission", "LRU", "S3FIFO", "ARC", "COST", "EVICTIONS",
-           "COST_ALPHA", "check_eviction", "eviction_alpha", "eviction_name",
+           "EVICTION_ORDERS", "COST_ALPHA", "check_eviction", "eviction_alpha", "eviction_name",
            "eviction", "MAX_GHOST_KEYS", "parse_size", "plural", "format_size", "format_number",
            "short_repr", "short_key", "clip",
            "integer", "one_of", "duration_s", "check_keys", "path_or_none"]
@@ -199,7 +199,13 @@ def tier_admission(d: Mapping[str, Any], p: str) -> dict[str, Any]:
 
 
 LRU, S3FIFO, ARC, COST = "lru", "s3fifo", "arc", "cost"
-EVICTIONS = (LRU, S3FIFO, ARC, COST)  # the eviction orders a lower tier runs (kvstrata.policy.eviction)
+#: The eviction orders a lower tier may run, by name: the one table of their names, which
+#: :func:`check_eviction` reads. Each is bound to its class by the policy's registry
+#: (:func:`kvstrata.policy.orders.register_order`, which adds the name of an order it
+#: registers); the orders kvstrata ships are declared here, unbound (None) until the policy
+#: is imported, so that a config is checked without importing the policy.
+EVICTION_ORDERS: dict[str, Any] = dict.fromkeys((LRU, S3FIFO, ARC, COST))
+EVICTIONS = tuple(EVICTION_ORDERS)  # the orders kvstrata ships (kvstrata.policy.eviction, .cost_eviction)
 COST_ALPHA = 0.5  # ``cost`` alone: the weight of a block's compute against its recency (kvstrata.policy.cost_eviction)
 MAX_COST_ALPHA = 100.0
 
@@ -210,12 +216,12 @@ def eviction(d: Mapping[str, Any], p: str) -> str:
 
 
 def check_eviction(value: Any, where: str) -> str:
-    """An eviction order: one of :data:`EVICTIONS`, or ``cost:<alpha>``; anything else is a
-    :class:`ConfigError` naming ``where``."""
-    if isinstance(value, str) and value.strip().startswith(f"{COST}:"):
+    """An eviction order: a name of :data:`EVICTION_ORDERS`, or ``cost:<alpha>``; anything
+    else is a :class:`ConfigError` naming ``where`` and the orders registered."""
+    if isinstance(value, str) and value.strip().startswith(f"{COST}:") and COST in EVICTION_ORDERS:
         eviction_alpha(value, where)
         return value.strip()
-    return one_of(value, where, EVICTIONS)
+    return one_of(value, where, EVICTION_ORDERS)
 
 
 def eviction_alpha(value: str, where: str = "eviction") -> float | None:
