@@ -54,8 +54,8 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from kvstrata.pool.blocks import BlockManager, Prompt
-from kvstrata.pool.grouped import GroupedBlockManager
+from kvstrata.pool.blocks import Prompt
+from kvstrata.pool.protocol import stepped_pool
 from kvstrata.identity.groups import KVGroups, parse_groups
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError, OutOfBlocksError
@@ -104,12 +104,10 @@ class Replayer:
         self.lifecycle = {t: LifecycleLog() for t in TIERS}
         self._left: list[tuple[list[bytes], str]] = []
         self.gpu_blocks = cfg.gpu.resolve_num_blocks(cfg.block_nbytes())
-        groups = KVGroups(parse_groups(cfg.model.groups, "model.groups"), block_size, cfg.model.retention_interval)
-        self.groups = None if groups.plain else groups
-        self.kv_groups = groups
+        self.groups = KVGroups(parse_groups(cfg.model.groups, "model.groups"), block_size,
+                               cfg.model.retention_interval)
         self.budget = cfg.gpu.max_num_batched_tokens  # the engine's tokens per step: a prefill's chunks
-        self.manager: Any = BlockManager(self.gpu_blocks, block_size, track_evictions=True) if self.groups is None \
-            else GroupedBlockManager(self.gpu_blocks, groups, track_evictions=True, budget=self.budget)
+        self.manager = stepped_pool(self.gpu_blocks, self.groups, budget=self.budget)
         self.policy = TierPolicy(self.spec, clock=lambda: self.now,
                                  observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS}),
                                             self._observe])
@@ -243,8 +241,8 @@ class Replayer:
         if self.misses is not None and hits < r.hittable:
             self.misses.append(self._miss(r, rid, hits, first_reason(before, hits)))
         self.tracker.touch([*r.blocks, *r.output_blocks], self.now)
-        if self.groups is not None and r.output_length > 1:
-            self._decode(str(rid), prefill)
+        if r.output_length > 1:
+            self._decode(str(rid))
         held = r.duration if r.duration >= 0 else r.output_length * self.opts.decode_s_per_token
         heapq.heappush(self.running, (r.timestamp + held, rid))
         if r.preemptions:
@@ -277,34 +275,24 @@ class Replayer:
     def held_prefix(self, prompt: Prompt) -> int:
         """Blocks of ``prompt``'s prefix this replica holds, in its pool or below (what a
         prefix-aware router reads from its KV-cache events). Pure."""
-        if self.groups is None:
-            gpu = self.manager.lookup(prompt)
-            return gpu + len(self.policy.lookup(prompt.hashes[gpu:prompt.cap]))
         st = RequestState("", prompt.hashes)
         gpu = self.manager.lookup(prompt, self._key(st))
-        return self.core.held_below(st, gpu, prompt.cap)
+        return gpu + self.core.held_below(st, gpu, prompt.cap, note=False)
 
     def _schedule(self, rid: str, prompt: Prompt, resumed: bool = False, prefill: int | None = None) -> int:
         """Steps A (prefix + loads) and B (the rest, computed); returns the blocks served from
         cache. ``resumed``: a preempted request looked up again, counted apart."""
         manager, core = self.manager, self.core
         st = RequestState(rid, prompt.hashes)
-        keyed: dict[str, Any] = {} if self.groups is None else {"key": self._key(st)}
-        gpu_hits = manager.lookup(prompt, **keyed)
-        if self.groups is not None:
-            keyed["prefill"] = prefill
-            keyed["stored"] = lambda g, i: core.stored(st, g, i)
+        key = self._key(st)
+        gpu_hits = manager.lookup(prompt, key)
         below = core.lookup_now(st, self.executor, gpu_hits, prompt.cap)
-        # one full-attention group: a chunked prefill's chunks (with groups, the pool chunks it)
-        chunks = self._chunks(gpu_hits + below, prefill or prompt.num_tokens) if self.groups is None else []
-        upto = tuple(chunks[:1]) if chunks[1:] else ()  # the tokens the first chunk computes (none: all)
-        if below:
-            alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, num_external=below,
-                                                        num_blocks=gpu_hits + below, **keyed))
-        else:
-            first = {"num_blocks": -(-upto[0] // self.block_size)} if upto else {}
-            alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, **keyed, **first))
-        core.admit(st, gpu_hits, alloc.block_ids, below, prompt.num_tokens, resumed)
+        stored = lambda g, i: core.stored(st, g, i)  # noqa: E731
+        # the pool holds the blocks of the prefill's first chunk (after a load: those to load first)
+        extra = {"num_external": below, "num_blocks": gpu_hits + below} if below else {}
+        alloc = self._room(lambda: manager.allocate(rid, prompt=prompt, key=key, prefill=prefill, stored=stored,
+                                                    **extra))
+        core.admit(st, gpu_hits, alloc.tables, below, prompt.num_tokens, resumed)
         self._gpu_hits(core.all_group_keys(st, 0, gpu_hits))
         loaded = 0
         if below:
@@ -312,17 +300,10 @@ class Replayer:
             if loaded < below:
                 manager.invalidate(rid, gpu_hits + loaded)
             self.lifecycle[GPU].enter_many([k for i, _, k in alloc.external if i < gpu_hits + loaded], self.now)
-            if loaded < below and self.groups is None:
-                chunks = self._chunks(gpu_hits + loaded, prefill or prompt.num_tokens)
-                upto = tuple(chunks[:1]) if chunks[1:] else ()
-            self._room(lambda: manager.grow(rid, *upto))
-        computed = manager.commit(rid, *upto)
-        self._note_computed(computed)
-        self._end_step(computed)
-        for end in self._later_chunks(rid, chunks):
-            computed = manager.commit(rid, *end)
-            self._note_computed(computed)
-            self._end_step(computed)
+            self._room(lambda: manager.grow(rid))
+        self._commit(rid)
+        while self._room(lambda: manager.advance(rid)):  # the prefill's later chunks, a step each
+            self._commit(rid)
         if self.request_hits is not None and not resumed:
             self.request_hits.append(st.hits)
         if self.ttft is not None and not resumed:
@@ -331,28 +312,11 @@ class Replayer:
             self.ttft_total += ttft
         return gpu_hits + loaded
 
-    def _chunks(self, start: int, prefill: int) -> list[int]:
-        """One full-attention group: the ends (tokens) of the chunks vLLM computes a prefill of
-        ``prefill`` tokens in from block ``start`` on (:meth:`KVGroups.chunk_end`,
-        ``gpu.max_num_batched_tokens`` a step); one, the whole prompt, without a budget."""
-        end, out = start * self.block_size, []
-        while end < prefill or not out:
-            end = self.kv_groups.chunk_end(end, prefill, budget=self.budget)
-            out.append(end)
-        return out
-
-    def _later_chunks(self, rid: str, chunks: list[int]) -> Iterator[tuple[int, ...]]:
-        """The prefill's chunks after the first, each taking its blocks: yields the tokens to
-        commit (none: all of them)."""
-        manager = self.manager
-        if self.groups is not None:  # the grouped pool chunks as vLLM does with these groups
-            while self._room(lambda: manager.advance(rid)):
-                yield ()
-            return
-        for n, end in enumerate(chunks[1:], 2):
-            upto = (end,) if n < len(chunks) else ()  # the last: the whole prompt (a recording's output blocks)
-            self._room(lambda: manager.grow(rid, *upto))  # noqa: B023 (called at once)
-            yield upto
+    def _commit(self, rid: str) -> None:
+        """End a step of ``rid``'s prefill: what it computed is registered and offered below."""
+        computed = self.manager.commit(rid)
+        self._note_computed(computed)
+        self._end_step(computed)
 
     def _ttft(self, st: RequestState, computed_tokens: int) -> float:
         """What the figures of ``load.*`` make of a request's TTFT alone on the engine: its
@@ -362,13 +326,13 @@ class Replayer:
         return self.costs.load_seconds({t: n for t, n in st.hits.items() if t != GPU}) + \
             max(0, computed_tokens) * self.costs.fixed_token
 
-    def _decode(self, rid: str, prefill: int) -> None:
-        """With groups, the decode steps that change the pool, each a step of its own: those of a
-        recording's output, else the first (the windows move past the prompt)."""
+    def _decode(self, rid: str) -> None:
+        """The decode steps that change the pool, each a step of its own (with windows: those of
+        a recording's output, else the first; none for one full-attention group)."""
         manager = self.manager
         if rid not in manager.requests:
             return
-        for t in manager.decode_steps(rid) or [prefill]:
+        for t in manager.decode_steps(rid):
             computed = self._room(lambda: manager.decode(rid, t))  # noqa: B023 (called at once)
             self._note_computed(computed)
             self._end_step(computed)
@@ -403,11 +367,11 @@ class Replayer:
         held = self.policy.holds
         cached, now = self.manager.cached, self.now
         leave = self.tracker.left_many
-        top = len(self.tracker.state) if self.groups is not None else 0
+        top, named = len(self.tracker.state), int.from_bytes
         for keys, tier in [*left, (gpu_evicted, GPU)]:  # a lower tier first: it held the block last
-            if top:  # the tracker follows a position by its chain key (group 0's): other groups' keys
-                keys = [k for k in keys if int.from_bytes(k, "little") < top]  # are hashes (1 in 2**64/top names a block)
-            gone = [k for k in keys if k not in cached and held(k) is None]
+            # the tracker follows a position by its chain key (group 0's, a trace's block id): other
+            # groups' keys are hashes (1 in 2**64/top names a block)
+            gone = [k for k in keys if k not in cached and held(k) is None and named(k, "little") < top]
             if gone:
                 leave(gone, tier, now)
 

@@ -63,17 +63,19 @@ Lost = Iterable[tuple[str, bytes]]
 class DriverCore:
     """The protocol of :mod:`kvstrata.core.driver` over one policy (``block_size`` tokens a block).
 
-    ``groups``: the model's KV-cache groups when they are not one full-attention group
-    (:mod:`kvstrata.identity.groups`). A request's blocks are then stored and loaded per group
-    under the group's keys (:meth:`group_key`), a hit is the longest prefix every group can
-    serve, device block ids are per group, and a load serves its hit whole or not at all.
+    ``groups``: the model's KV-cache groups (:mod:`kvstrata.identity.groups`; by default one
+    full-attention group). A request's blocks are stored and loaded per group under the
+    group's keys (:meth:`group_key`; group 0's are the chain's), a hit is the longest prefix
+    every group can serve, device block ids are per group (a block table each), and how
+    much of a hit a load serves is the groups' rule (:meth:`KVGroups.cut`,
+    :meth:`KVGroups.served`: with one full-attention group, any prefix of it).
     """
 
     def __init__(self, policy: "TierPolicy", block_size: int, groups: KVGroups | None = None,
                  costs: LoadCosts | None = None) -> None:
         self.policy = policy
         self.block_size = block_size
-        self.groups = groups if groups is not None and not groups.plain else None
+        self.groups = groups if groups is not None else KVGroups.one(block_size)
         self.costs = costs  # load or recompute (kvstrata.core.costs); None: every hit is loaded
         policy.order_context.block_tokens = block_size  # what the eviction orders weigh a block by
         self.remote = bool(policy.spec.remote)
@@ -128,20 +130,22 @@ class DriverCore:
 
     # ------------------------------------------------------------------ lookups
 
-    def held_below(self, st: RequestState, first: int, last: int) -> int:
-        """Blocks of ``st.hashes[first:last]``, from the first, that the tiers below hold (with
-        groups: the longest such hit every group can serve). Places nothing; an eviction order
-        that weighs reaches (``cost``) learns how far the keys up to ``last`` reach (:meth:`_note`)."""
-        if self.policy.order_context.learning:
+    def held_below(self, st: RequestState, first: int, last: int, note: bool = True) -> int:
+        """Blocks of ``st.hashes[first:last]``, from the first, that the tiers below hold: the
+        longest such hit every group can serve. Places nothing; an eviction order that weighs
+        reaches (``cost``) learns how far the keys up to ``last`` reach (:meth:`_note`; not
+        with ``note`` False: a router's question)."""
+        if note and self.policy.order_context.learning:
             self._note(st, last)
-        if self.groups is None:
-            return len(self.policy.lookup(st.hashes[first:last]))
-        holds = self.policy.holds
+        holds, lookup = self.policy.holds, self.policy.lookup
 
         def held(g: int, i: int) -> bool:
             return holds(self.group_key(st, g, i)) is not None
 
-        reach = self.groups.full_end(first, last, held)
+        def run(g: int, lo: int, hi: int) -> int:
+            return len(lookup(self.keys_of(st, g, lo, hi)))
+
+        reach = self.groups.full_end(first, last, held, run)
         self._reached(st, last, reach)
         return self.groups.window_end(first, reach, held) - first
 
@@ -164,40 +168,56 @@ class DriverCore:
 
     def worth_loading(self, st: RequestState, first: int, below: int) -> int:
         """How many of the ``below`` blocks after ``first`` are worth loading rather than
-        computing (:meth:`LoadCosts.worth`); the decision is counted when the request is
-        admitted. With groups a hit is loaded whole or not at all
-        (:meth:`LoadCosts.worth_whole` over every group's blocks it needs)."""
+        computing, over every group's blocks the hit needs (:meth:`KVGroups.cut`: a prefix of
+        it, :meth:`LoadCosts.worth`, or all or none, :meth:`LoadCosts.worth_whole`); the
+        decision is counted when the request is admitted."""
         if self.costs is None or not self.costs.deciding or not below:
             return below
-        if self.groups is not None:
-            tiers = self._group_tiers(st, first, first + below)
-            k = below if self.costs.worth_whole(tiers, below, self.block_size, first) else 0
-            st.decision = (tiers, len(tiers) if k else 0)
-            return k
-        tiers = self.policy.lookup(st.hashes[first:first + below])
-        k = self.costs.worth(tiers, self.block_size, first)
-        st.decision = (tiers, k)
+        tiers, _ = self._hit_tiers(st, first, first + below)
+        k, entries = self._cut(tiers, first, below)
+        st.decision = (tiers, entries)
         return k
 
-    def _group_tiers(self, st: RequestState, first: int, end: int) -> list[str]:
-        """Where each block a grouped hit ``[first, end)`` needs is read from, group by group."""
-        groups, holds = self.groups, self.policy.holds
-        assert groups is not None
-        return [holds(self.group_key(st, g, i)) or "" for g in range(len(groups.groups))
-                for i in range(max(first, groups.needed_from(g, end)), end)]
+    def _cut(self, tiers: Sequence[str], first: int, blocks: int) -> tuple[int, int]:
+        """:meth:`KVGroups.cut` of a hit of ``blocks`` positions from ``first`` read from ``tiers``."""
+        costs, bs = self.costs, self.block_size
+        assert costs is not None
+        return self.groups.cut(tiers, blocks, lambda t: costs.worth(t, bs, first),
+                               lambda t: costs.worth_whole(t, blocks, bs, first))
+
+    def _hit_tiers(self, st: RequestState, first: int, end: int, start: int | None = None) -> tuple[list[str], int]:
+        """Where each block a hit ``[first, end)`` needs is read from, group by group (from
+        ``start`` on: the shared tier's, fetched first), and how many are fetched."""
+        fetched = (self.costs.fetched if self.costs is not None else None) or ""
+        out: list[str] = []
+        shared = 0
+        for g, lo in self.groups.entries(first, end):
+            mid = end if start is None else max(lo, start)
+            out += self._tiers(self.keys_of(st, g, lo, mid))
+            out += [fetched] * (end - mid)
+            shared += end - mid
+        return out, shared
+
+    def _tiers(self, keys: Sequence[bytes], missing: str = "") -> list[str]:
+        """The tier below holding each of ``keys`` (``missing`` for none)."""
+        out = self.policy.lookup(keys)
+        if len(out) < len(keys):
+            holds = self.policy.holds
+            out += [holds(k) or missing for k in keys[len(out):]]
+        return out
 
     def worth_fetching(self, st: RequestState, first: int, start: int, held: int) -> int:
         """How many of the ``held`` blocks the shared tier holds after the local prefix
-        ``[first:start]`` are worth fetching and loading rather than computing; counted as the
-        shared tier's decisions (the local prefix's are counted when the request is admitted).
-        Called once per probe of the shared tier."""
-        if self.costs is None or not self.costs.deciding or self.groups is not None or held <= 0:
+        ``[first:start]`` are worth fetching and loading rather than computing, as a local
+        hit's are (:meth:`worth_loading`, over every group's blocks a hit up to them needs);
+        counted as the shared tier's decisions (the local prefix's are counted when the
+        request is admitted). Called once per probe of the shared tier."""
+        if self.costs is None or not self.costs.deciding or held <= 0:
             return held
-        shared = [self.costs.fetched or ""] * held
-        k = max(0, self.costs.worth(self.policy.lookup(st.hashes[first:start]) + shared, self.block_size, first)
-                - (start - first))
-        self.costs.count(shared, k)
-        return k
+        tiers, shared = self._hit_tiers(st, first, start + held, start)
+        positions, entries = self._cut(tiers, first, start + held - first)
+        self.costs.count([self.costs.fetched or ""] * shared, max(0, entries - (len(tiers) - shared)))
+        return max(0, positions - (start - first))
 
     def group_key(self, st: RequestState, g: int, i: int) -> bytes:
         """The key of block ``i`` of ``st`` in KV-cache group ``g`` (the chain's for group 0)."""
@@ -208,52 +228,62 @@ class DriverCore:
             keys.append(KVGroups.key(g, st.hashes[len(keys)]))
         return keys[i]
 
+    def keys_of(self, st: RequestState, g: int, lo: int, hi: int) -> list[bytes]:
+        """Group ``g``'s keys of ``st``'s blocks ``lo .. hi - 1`` (:meth:`group_key`)."""
+        if g == 0 or hi <= lo:
+            return st.hashes[lo:hi]
+        self.group_key(st, g, hi - 1)
+        return st.group_keys[g][lo:hi]
+
     def stored(self, st: RequestState, g: int, i: int) -> bool:
         """Do the tiers below keep block ``i`` of ``st`` in group ``g`` (:meth:`KVGroups.stored`
         at the ends its last lookup found)?"""
-        return self.groups is None or self.groups.stored(g, i, st.ends)
+        return self.groups.stored(g, i, st.ends)
 
     def all_group_keys(self, st: RequestState, lo: int, hi: int) -> list[bytes]:
         """Every group's key of blocks ``lo..hi``, block by block (what the remote tier is
         probed for: :meth:`probed` reads the answer)."""
-        if self.groups is None:
-            return st.hashes[lo:hi]
-        return [self.group_key(st, g, i) for i in range(lo, hi) for g in range(len(self.groups))]
+        return self.groups.interleave([self.keys_of(st, g, lo, hi) for g in range(len(self.groups))])
 
     def probed(self, answer: Any, start: int, last: int, st: RequestState | None = None) -> int:
         """Blocks from ``start`` a hit can take from the remote tier, from its answer to a probe
-        of :meth:`all_group_keys`: how many leading keys it holds, or with groups whether it
-        holds each (the longest hit every group can then serve; ``st``: how far its
-        full-attention prefix reaches in the remote tier and the local ones together is noted)."""
-        if self.groups is None:
-            return int(answer)
+        of :meth:`all_group_keys`: how many leading keys it holds, or whether it holds each
+        (the longest hit every group can then serve; ``st``: how far its full-attention
+        prefix reaches in the remote tier and the local ones together is noted)."""
         width = len(self.groups)
-        if len(answer) != width * (last - start):
-            return 0
+        if isinstance(answer, int):  # the leading keys: block i of group g is the ((i - start) * width + g)th
+            lead = answer
 
-        def remote(g: int, i: int) -> bool:
-            return bool(answer[(i - start) * width + g])
+            def remote(g: int, i: int) -> bool:
+                return (i - start) * width + g < lead
 
+            def run(g: int, lo: int, hi: int) -> int:
+                return max(0, min(hi, start - (g - lead) // width) - lo)
+        else:
+            if len(answer) != width * (last - start):
+                return 0
+
+            def remote(g: int, i: int) -> bool:
+                return bool(answer[(i - start) * width + g])
+
+            run = None  # type: ignore[assignment]
         if st is not None:
             holds = self.policy.holds
             self._reached(st, last, self.groups.full_end(
                 start, last, lambda g, i: remote(g, i) or holds(self.group_key(st, g, i)) is not None))
-        return self.groups.hit_end(start, last, remote) - start
+        return self.groups.hit_end(start, last, remote, run) - start
 
     def plan_fetch(self, st: RequestState, first: int, start: int, held: int) -> FetchPlan | None:
         """The remote tier holds ``held`` blocks from ``st.hashes[start]`` on, after the local
         prefix ``[first:start]``: touch that prefix (the fetch's placements must not evict it)
-        and plan fetching them into CPU slots (with groups, what each group needs for a hit
-        at ``start + held``). None when nothing can be fetched."""
+        and plan fetching them into CPU slots (what each group needs for a hit at
+        ``start + held``, block by block). None when nothing can be fetched."""
         if held <= 0 or not self.remote:
             return None
         end = start + held
         self.policy.touch(self.all_group_keys(st, first, start))
-        if self.groups is None:
-            keys = st.hashes[start:end]
-        else:
-            keys = [self.group_key(st, g, i) for i in range(start, end) for g in range(len(self.groups))
-                    if i >= self.groups.needed_from(g, end)]
+        needed = self.groups.entries(start, end)
+        keys = [self.group_key(st, g, i) for i in range(start, end) for g, lo in needed if i >= lo]
         plan = self.policy.prepare_fetch(keys, st.req_id)
         if not len(plan):
             self.policy.complete_fetch(plan, 0)
@@ -295,14 +325,14 @@ class DriverCore:
 
     def admit(self, st: RequestState, gpu_hits: int, block_ids: Sequence[Any], num_external: int,
               num_tokens: int, resumed: bool = False) -> LoadPlan | None:
-        """The driver's pool allocated the request (``block_ids``; with groups, one list per
-        group): ``gpu_hits`` blocks from its own prefix cache, then ``num_external`` blocks to
-        load from below. Touches the device hits in every tier below (before the load's
+        """The driver's pool allocated the request (``block_ids``: a block table per group):
+        ``gpu_hits`` blocks from its own prefix cache, then ``num_external`` blocks to load
+        from below. Touches the device hits in every tier below (before the load's
         promotions, whose cascades may evict), counts the lookup and plans the load."""
         st.resumed, st.gpu_hits = resumed, gpu_hits
         if st.decision is not None and self.costs is not None:
             tiers, loaded = st.decision
-            self.costs.count(tiers, num_external if self.groups is None else loaded if num_external else 0)
+            self.costs.count(tiers, loaded if num_external else 0)
         st.decision = None
         st.hits = request_counts(gpu_hits, [], self.remote)
         st.load, st.load_lost, st.sources = None, set(), []
@@ -314,33 +344,15 @@ class DriverCore:
         if not num_external:
             return None
         end = gpu_hits + num_external
-        if self.groups is None:
-            plan = self.policy.prepare_load(st.req_id, st.hashes[gpu_hits:end], block_ids[gpu_hits:end])
-            st.sources = served_from(plan.tiers(), plan.keys, fetched)
-        else:
-            entries = self.groups.blocks(gpu_hits, end, block_ids)
-            plan = self.policy.prepare_load(st.req_id, [self.group_key(st, g, i) for i, g, _ in entries],
-                                            [b for _, _, b in entries])
-            st.sources = self._position_sources(gpu_hits, end, [i for i, _, _ in entries],
-                                                served_from(plan.tiers(), plan.keys, fetched))
+        entries = self.groups.blocks(gpu_hits, end, block_ids)
+        group_key = self.group_key
+        plan = self.policy.prepare_load(st.req_id, [group_key(st, g, i) for i, g, _ in entries],
+                                        [b for _, _, b in entries])
+        st.sources = self.groups.position_tiers(gpu_hits, end, [i for i, _, _ in entries],
+                                                served_from(plan.tiers(), plan.keys, fetched), self.tiers)
         st.load = plan
         self._planned.append(plan)
         return plan
-
-    def _position_sources(self, first: int, end: int, positions: Sequence[int], tiers: Sequence[str]) -> list[str]:
-        """With groups, the tier each block position of a hit is served from: the slowest tier
-        any group reads it from; a position no group needs counts with the next one loaded."""
-        rank = {t: i for i, t in enumerate(self.tiers)}
-        slowest: dict[int, str] = {}
-        for i, tier in zip(positions, tiers):
-            if i not in slowest or rank.get(tier, len(rank)) > rank.get(slowest[i], len(rank)):
-                slowest[i] = tier
-        out: list[str] = []
-        fill = slowest.get(max(slowest), self.tiers[1]) if slowest else self.tiers[1]
-        for i in range(end - 1, first - 1, -1):
-            fill = slowest.get(i, fill)
-            out.append(fill)
-        return out[::-1]
 
     def take_planned(self) -> list[LoadPlan | FetchPlan]:
         """The loads and fetches prepared since the last call, in preparation order (the order
@@ -367,9 +379,9 @@ class DriverCore:
         return st, plan, self._complete_load(st, st.load_lost, delivered)
 
     def arrived(self, plan: LoadPlan, loaded: int) -> int:
-        """Entries of ``plan`` in the device pool once ``loaded`` positions arrived (with groups
-        a load arrives whole or not at all)."""
-        return loaded if self.groups is None else len(plan) if loaded else 0
+        """Entries of ``plan`` in the device pool once ``loaded`` positions arrived
+        (:meth:`KVGroups.arrived`)."""
+        return self.groups.arrived(loaded, len(plan))
 
     def _complete_load(self, st: RequestState, lost: Lost, loaded: int | None = None) -> int:
         plan = st.load
@@ -377,8 +389,7 @@ class DriverCore:
         lost = list(lost)
         n = plan.loaded(lost) if loaded is None else loaded
         self.policy.complete_load(plan, lost, n)
-        if self.groups is not None:  # a hit every group serves, or none
-            n = len(st.sources) if n == len(plan) else 0
+        n = self.groups.served(n, len(plan), len(st.sources))  # the positions of a hit every group serves
         counts = self.resumed if st.resumed else self.counts
         for tier in st.sources[:n]:
             counts.add(tier, 1)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 __all__ = ["FULL", "SLIDING", "CHUNKED", "STATE", "KINDS", "MAX_GROUPS", "Group", "KVGroups", "parse_groups"]
 
@@ -56,6 +56,9 @@ KINDS = (FULL, SLIDING, CHUNKED, STATE)
 #: (a lone layer of one kind makes every group one layer), and the deepest served models have
 #: ~126 layers. Every group multiplies what a block costs a replay's memory.
 MAX_GROUPS = 128
+
+T = TypeVar("T")
+Run = Callable[[int, int, int], int]  # (group, lo, hi) -> how many of its blocks lo .. hi - 1 are held, from lo
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,15 @@ class KVGroups:
         self.retention = retention
         self._every = max(1, retention // self.block_size) if retention else 0  # blocks between kept ends
         self._sparse = retention is not None and any(g.kind in (SLIDING, CHUNKED) for g in self.groups)
+        self._full = tuple(g for g, group in enumerate(self.groups) if group.kind == FULL)
+        self._windowed = tuple(g for g, group in enumerate(self.groups) if group.kind != FULL)
+        # one full-attention group: a position is one entry (its chain key), every prefix of a hit is a hit
+        self._prefix = len(self.groups) == 1 and not self._windowed
+
+    @classmethod
+    def one(cls, block_size: int) -> "KVGroups":
+        """A model whose layers are all full attention: one group, keys the chain's."""
+        return cls((Group(FULL),), block_size)
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -179,22 +191,27 @@ class KVGroups:
         return hashlib.blake2b(key, digest_size=len(key), person=b"kvstrata-group", salt=g.to_bytes(8, "little")
                                ).digest()
 
-    def hit_end(self, first: int, last: int, held: Callable[[int, int], bool]) -> int:
+    def hit_end(self, first: int, last: int, held: Callable[[int, int], bool], run: Run | None = None) -> int:
         """The longest hit ``n`` (``first <= n <= last`` blocks) such that every group holds
         what it needs at ``n`` beyond the device prefix ``first``; ``held(g, i)``: the tiers
-        below hold block ``i`` of group ``g``. ``first`` when there is none."""
-        return self.window_end(first, self.full_end(first, last, held), held)
+        below hold block ``i`` of group ``g`` (``run``: see :meth:`full_end`). ``first`` when
+        there is none."""
+        return self.window_end(first, self.full_end(first, last, held, run), held)
 
-    def full_end(self, first: int, last: int, held: Callable[[int, int], bool]) -> int:
+    def full_end(self, first: int, last: int, held: Callable[[int, int], bool], run: Run | None = None) -> int:
         """How far (``<= last``) every full-attention group holds every block from ``first``:
-        the hit before the windows cut it, ``last`` without full-attention groups."""
+        the hit before the windows cut it, ``last`` without full-attention groups. ``run(g, lo,
+        hi)``, when given: how many of group ``g``'s blocks ``lo .. hi - 1`` are held, from the
+        first (what ``held`` says of them one by one, asked at once)."""
         end = last
-        for g, group in enumerate(self.groups):
-            if group.kind == FULL:
-                i = first
-                while i < end and held(g, i):
-                    i += 1
-                end = i
+        for g in self._full:
+            if run is not None:
+                end = first + run(g, first, end) if end > first else first
+                continue
+            i = first
+            while i < end and held(g, i):
+                i += 1
+            end = i
         return end
 
     def window_end(self, first: int, end: int, held: Callable[[int, int], bool]) -> int:
@@ -202,7 +219,9 @@ class KVGroups:
         what it needs, ``end`` being what the full-attention groups hold (:meth:`full_end`)."""
         if end <= first:
             return first
-        windowed = [g for g, group in enumerate(self.groups) if group.kind != FULL]
+        windowed = self._windowed
+        if not windowed:
+            return end
         # From the longest candidate down: a group missing block m in what n needs rules out
         # every n' in (m, n] too (what they need starts no later), so the next candidate is m.
         # Each block is asked about once: usually only the windows at the end are.
@@ -226,14 +245,84 @@ class KVGroups:
     def blocks(self, first: int, n: int, block_ids: Sequence[Sequence[int]], null: int = 0
                ) -> list[tuple[int, int, int]]:
         """``(position, group, device block)`` of a hit ``[first, n)`` that must be loaded:
-        every block the engine allocated (not its ``null`` block) from what each group needs,
-        in position order."""
+        every block the engine allocated from what each group needs (a window's or a state's
+        ``null`` block is none: a full-attention group's table holds none), in position order."""
+        if self._prefix:
+            ids = block_ids[0]
+            return [(i, 0, ids[i]) for i in range(first, min(n, len(ids)))]
+        starts = [self.needed_from(g, n) for g in range(len(block_ids))]
+        nulls = [null if self.groups[g].kind != FULL else None for g in range(len(block_ids))]
         out = []
         for i in range(first, n):
             for g, ids in enumerate(block_ids):
-                if i >= self.needed_from(g, n) and i < len(ids) and ids[i] != null:
+                if i >= starts[g] and i < len(ids) and ids[i] != nulls[g]:
                     out.append((i, g, ids[i]))
         return out
+
+    def entries(self, first: int, end: int) -> list[tuple[int, int]]:
+        """``(group, first block)`` of what a hit ``[first, end)`` needs of each group: its
+        blocks from there to ``end``, in group order."""
+        return [(g, max(first, self.needed_from(g, end))) for g in range(len(self.groups))]
+
+    @staticmethod
+    def interleave(columns: Sequence[Sequence[T]]) -> list[T]:
+        """Equal columns (one per group) position by position: every group's item of the first
+        position, then of the next."""
+        if len(columns) == 1:
+            return list(columns[0])
+        return [x for row in zip(*columns) for x in row]
+
+    def cut(self, tiers: Sequence[str], blocks: int, prefix: Callable[[Sequence[str]], int],
+            whole: Callable[[Sequence[str]], bool]) -> tuple[int, int]:
+        """How much of a hit of ``blocks`` positions to load rather than compute, its entries
+        read from ``tiers`` (:meth:`entries`' blocks, group by group): ``(positions, entries)``.
+        With one full-attention group every prefix of a hit is one, so the hit is cut where
+        loading stops paying (``prefix(tiers)``: how many leading entries); otherwise it is
+        loaded whole or not at all (``whole(tiers)``)."""
+        if self._prefix:
+            k = prefix(tiers)
+            return k, k
+        return (blocks, len(tiers)) if whole(tiers) else (0, 0)
+
+    def served(self, arrived: int, entries: int, positions: int) -> int:
+        """Positions of a load (``entries`` entries over ``positions`` positions) that serve a
+        hit once its first ``arrived`` entries arrived: each that arrived with one
+        full-attention group; otherwise the whole hit or none."""
+        if self._prefix:
+            return arrived
+        return positions if arrived == entries else 0
+
+    def arrived(self, positions: int, entries: int) -> int:
+        """Entries of a load of ``entries`` that are in the device pool once ``positions`` of
+        its hit were served (:meth:`served`)."""
+        if self._prefix:
+            return positions
+        return entries if positions else 0
+
+    def position_tiers(self, first: int, end: int, positions: Sequence[int], tiers: Sequence[str],
+                       order: Sequence[str]) -> list[str]:
+        """The tier each position of a hit ``[first, end)`` is served from, its entries (at
+        ``positions``) read from ``tiers``: the slowest (latest in ``order``) any group reads
+        it from; a position no group needs counts with the next one loaded."""
+        if self._prefix:
+            return list(tiers)
+        rank = {t: i for i, t in enumerate(order)}
+        slowest: dict[int, str] = {}
+        for i, tier in zip(positions, tiers):
+            if i not in slowest or rank.get(tier, len(rank)) > rank.get(slowest[i], len(rank)):
+                slowest[i] = tier
+        out: list[str] = []
+        fill = slowest.get(max(slowest), order[1]) if slowest else order[1]
+        for i in range(end - 1, first - 1, -1):
+            fill = slowest.get(i, fill)
+            out.append(fill)
+        return out[::-1]
+
+    @property
+    def each(self) -> bool:
+        """Does a hit need to know of each key a remote probe asks about (some keys of each
+        position), rather than how many lead (one full-attention group's chain)?"""
+        return not self._prefix
 
 
 def parse_groups(value: object, path: str) -> tuple[Group, ...]:

@@ -225,7 +225,7 @@ class TieredKVCache:
         below = self.core.lookup_now(st, self.executor, gpu_hits, prompt.cap)
         assert not self.manager.take_evicted(), "evictions are stored by the call that made them"
         alloc = self.manager.allocate(request_id, prompt=prompt, num_external=below)
-        self.core.admit(st, gpu_hits, alloc.block_ids, below, prompt.num_tokens)
+        self.core.admit(st, gpu_hits, [alloc.block_ids], below, prompt.num_tokens)
         early, _ = self.core.end_step(self._take_evicted(), [])  # stored before the load rewrites their rows
         result = self.core.run(self.executor, early, st)
         if result.loaded < below:  # recomputed by the caller: nobody may hit those rows

@@ -22,7 +22,7 @@ first: the same order as vLLM's block pool.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from kvstrata.errors import OutOfBlocksError
 from kvstrata.pool.free_queue import Block, FreeBlockQueue
@@ -91,13 +91,15 @@ class Allocation:
     The first ``num_cached_tokens`` tokens need no prefill:
     ``num_gpu_hit_blocks`` blocks were found in the pool, and the ``external``
     blocks (``(position, block_id, block_hash)``) come from a lower tier and
-    must be loaded into their new rows first.
+    must be loaded into their new rows first. ``tables``: the block table of each
+    KV-cache group (the plain pool's one is ``block_ids``).
     """
 
-    block_ids: list[int]
+    block_ids: list[Any]
     num_cached_tokens: int
     num_gpu_hit_blocks: int = 0
     external: list[tuple[int, int, bytes]] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
 
 
 class _Request:
@@ -223,7 +225,8 @@ class BlockManager:
             external.append((pos, b.block_id, hashes[pos]))
             self._register(b, hashes[pos])
         self.requests[request_id] = _Request(prompt, blocks, cached_blocks)
-        return Allocation([b.block_id for b in blocks], cached_blocks * self.block_size, len(hits), external)
+        ids = [b.block_id for b in blocks]
+        return Allocation(ids, cached_blocks * self.block_size, len(hits), external, [ids])
 
     def grow(self, request_id: str, num_tokens: int | None = None) -> list[int]:
         """Add the blocks a request allocated with ``num_blocks`` still lacks for its first

@@ -178,7 +178,8 @@ class GroupedBlockManager:
         for g, table in enumerate(tables):
             self._fill(g, table, total)
         self.requests[request_id] = _Request(prompt, key, tables, prefix, ends, computed, stored, prefill, junction)
-        return Allocation([[b.block_id for b in t] for t in tables], prefix * self.block_size, hit, external)
+        ids = [[b.block_id for b in t] for t in tables]
+        return Allocation(ids, prefix * self.block_size, hit, external, ids)
 
     def grow(self, request_id: str) -> list[int]:
         """After a load: every group's blocks for the prefill's first chunk computed; returns the
@@ -249,13 +250,15 @@ class GroupedBlockManager:
         req.committed = min(req.committed, position)
 
     def decode_steps(self, request_id: str) -> list[int]:
-        """The decode steps after the prefill at which the pool changes (a window leaves a
-        block behind, a block is needed or becomes full): the tokens computed before each."""
+        """The decode steps after the prefill at which the pool changes (the first, as the
+        windows move past the prompt; a window leaves a block behind, a block is needed or
+        becomes full): the tokens computed before each. Those of the prompt's tokens after
+        its prefill (a recorded output), else the first output token's."""
         req = self._request(request_id)
         bs, start, end = self.block_size, req.computed, req.prompt.num_tokens
         groups = self.groups.groups
         return [t for t in range(start, end) if t % bs == 0 or (t + 1) % bs == 0 or t == start
-                or any(g.skipped_tokens(t) // bs != g.skipped_tokens(t - 1) // bs for g in groups)]
+                or any(g.skipped_tokens(t) // bs != g.skipped_tokens(t - 1) // bs for g in groups)] or [start]
 
     def decode(self, request_id: str, t: int) -> list[tuple[int, bytes]]:
         """The decode step computing token ``t`` (``t`` computed before it): vLLM's

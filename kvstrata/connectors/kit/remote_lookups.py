@@ -113,7 +113,7 @@ class RemoteLookups:
             return False
         if st.probe is None:
             st.probe = (start, last, self.tier.probe_async(self.core.all_group_keys(st, start, last),
-                                                           each=self.core.groups is not None))
+                                                           each=self.core.groups.each))
         begin, end, future = st.probe
         if not self._done(future):
             return False

@@ -279,8 +279,7 @@ class KVStrataScheduler:
         on_device = self._group_blocks(st, block_ids, 0, first)
         self._pool.resident.add([b for b, _ in on_device], [k for _, k in on_device])
         self._pool.resident.used([b for b, _ in on_device])
-        self.core.admit(st, first, block_ids if self.core.groups is not None else block_ids[0], external,
-                        request.num_tokens, resumed=request.num_preemptions > 0)
+        self.core.admit(st, first, block_ids, external, request.num_tokens, resumed=request.num_preemptions > 0)
 
     def _group_key(self, st: _Req) -> Any:
         return lambda g, i: self.core.group_key(st, g, i)
