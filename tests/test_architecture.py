@@ -180,7 +180,7 @@ def test_the_rules_have_teeth(tmp_path: Path) -> None:
 
 
 DRIVERS = ("kvstrata/library/tiered.py", "kvstrata/bench/replay.py", "kvstrata/connectors/vllm/scheduler.py",
-           "kvstrata/connectors/kit/remote_lookups.py")
+           "kvstrata/connectors/kit/remote_lookups.py", "kvstrata/connectors/kit/page_store.py")
 # The policy's request verbs: only the driver core calls them, so the step protocol (their
 # order, what is touched before what is placed, what is counted) is written once.
 PROTOCOL_VERBS = {"prepare_load", "complete_load", "prepare_store", "complete_store", "prepare_fetch",
@@ -259,7 +259,7 @@ ROOMS = {
     "kvstrata.library": 8, "kvstrata.bench": 8,
     "kvstrata.engine": 9,
     "kvstrata.connectors.kit": 10,
-    "kvstrata.connectors": 11, "kvstrata.connectors.vllm": 11,
+    "kvstrata.connectors": 11, "kvstrata.connectors.vllm": 11, "kvstrata.connectors.sglang": 11,
     "kvstrata.cli": 12,
     # the public surface (``kvstrata/__init__.py``) loads names from the rooms below on first
     # use; only the command line reads it (its version)

