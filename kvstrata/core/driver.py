@@ -312,14 +312,26 @@ class DriverCore:
         held = self.held_below(st, first, last)
         start = first + held
         if self.remote and start < last:
-            remote = self.probed(executor.probe_remote(self.all_group_keys(st, start, last)), start, last, st)
-            plan = self.plan_fetch(st, first, start, self.worth_fetching(st, first, start, remote))
+            plan = self.probe_answered(st, first, start, executor.probe_remote(self.all_group_keys(st, start, last)),
+                                       start, last)
             if plan is not None:
                 self._planned.remove(plan)
                 fetched = executor.fetch(plan)
                 self.fetch_done(plan.plan_id, fetched)
                 held = self.held_below(st, first, last) if fetched else held
         return self.worth_loading(st, first, held)
+
+    def probe_answered(self, st: RequestState, first: int, start: int, answer: Any, begin: int,
+                       end: int) -> FetchPlan | None:
+        """The remote tier answered a probe of :meth:`all_group_keys` ``(st, begin, end)``; the
+        tiers below hold ``[first:start]`` now (an asynchronous probe's local prefix may have
+        changed since it was sent). Plans fetching what the remote tier holds right after that
+        prefix and is worth fetching (:meth:`probed`, :meth:`worth_fetching`,
+        :meth:`plan_fetch`); None when nothing is. The one rule for a synchronous driver
+        (:meth:`lookup_now`) and a probe answered later (the vLLM scheduler's)."""
+        held = self.probed(answer, begin, end, st)
+        held = begin + held - start if start >= begin else 0
+        return self.plan_fetch(st, first, start, self.worth_fetching(st, first, start, held))
 
     # ------------------------------------------------------------------ loads
 

@@ -119,13 +119,11 @@ class RemoteLookups:
             return False
         st.probe, st.remote_done = None, True
         try:
-            held = self.core.probed(future.result(), begin, end, st)
+            plan = self.core.probe_answered(st, first, start, future.result(), begin, end)
         except Exception:  # the probe thread never raises for the server; a bug must not stop the engine
             log.exception("kvstrata: a remote probe failed")
-            held = 0
-        held = begin + held - start if start >= begin else 0  # the local prefix may have grown meanwhile
-        held = self.core.worth_fetching(st, first, start, held)  # what is cheaper fetched than computed
-        if self.core.plan_fetch(st, first, start, held) is None:
+            plan = None
+        if plan is None:
             return True
         st.remote_done = False  # answered once the fetch completed
         return False
