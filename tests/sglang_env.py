@@ -28,7 +28,8 @@ import types
 from pathlib import Path
 from typing import Any
 
-__all__ = ["sglang", "SGLANG_VERSION", "host_pool", "storage_config", "create_backend"]
+__all__ = ["sglang", "SGLANG_VERSION", "host_pool", "storage_config", "create_backend", "DYNAMIC", "controller", "fill",
+           "page_bytes"]
 
 
 
@@ -107,15 +108,18 @@ def host_pool(layout: str, *, layers: int = 2, heads: int = 2, head_dim: int = 8
               device_tokens: int = 64, ratio: float = 4.0, dtype: Any = None) -> Any:
     """SGLang's own ``MHATokenToKVPoolHost`` in ``layout``, built as SGLang builds it from its
     device pool's buffer description; the device pool (``MHATokenToKVPool``) is built on the
-    CPU here (SGLang's is on the GPU: only its geometry and pointer tables are read)."""
+    CPU here (SGLang's is on the GPU: only its geometry and pointer tables are read). The
+    device pool is the host pool's ``kvstrata_device`` attribute (a cache controller's)."""
     import torch
 
     m = sglang()
     device = m.memory_pool.MHATokenToKVPool(device_tokens, page_size, dtype or torch.bfloat16, heads, head_dim,
                                             layers, "cpu", False)
     info = device.get_device_pool_infos()[0].buffer_info
-    return m.mha.MHATokenToKVPoolHost(info, ratio, 0, page_size, layout, pin_memory=False, device="cpu",
+    host = m.mha.MHATokenToKVPoolHost(info, ratio, 0, page_size, layout, pin_memory=False, device="cpu",
                                       device_capacity_tokens=device_tokens, start_layer=0, end_layer=layers)
+    host.kvstrata_device = device
+    return host
 
 
 def storage_config(extra: dict[str, Any], *, tp_rank: int = 0, tp_size: int = 1, layout: str = "page_first",
@@ -127,13 +131,64 @@ def storage_config(extra: dict[str, Any], *, tp_rank: int = 0, tp_size: int = 1,
         model_name=model_name, extra_config=dict(extra))
 
 
+#: The dynamic backend's selection, as the README gives it.
+DYNAMIC = {"backend_name": "kvstrata", "module_path": "kvstrata.connectors.sglang", "class_name": "KVStrataStorage",
+           "interface_v1": 1}
+
+
 def create_backend(extra: dict[str, Any], host: Any, **kwargs: Any) -> Any:
     """The backend as SGLang's cache controller attaches it: created by the real
     ``StorageBackendFactory`` from the dynamic extra config, then given the host pool."""
     m = sglang()
-    config = storage_config({"backend_name": "kvstrata", "module_path": "kvstrata.connectors.sglang",
-                             "class_name": "KVStrataStorage", "interface_v1": 1, **extra},
-                            layout=host.layout, **kwargs)
+    config = storage_config({**DYNAMIC, **extra}, layout=host.layout, **kwargs)
     backend = m.backend_factory.StorageBackendFactory.create_backend("dynamic", config, host)
     backend.register_mem_pool_host(host)
     return backend
+
+
+class _Allocator:
+    """What a cache controller reads of SGLang's token allocator: the device pool."""
+
+    def __init__(self, device: Any) -> None:
+        self._device = device
+
+    def get_kvcache(self) -> Any:
+        return self._device
+
+
+def controller(extra: dict[str, Any], host: Any, *, model_name: str = "test-model") -> Any:
+    """SGLang's own ``HiCacheController`` over ``host`` (from :func:`host_pool`), attaching
+    the dynamic backend from ``extra`` (``DYNAMIC`` and ``interface_v1`` given there) as
+    ``--hicache-storage-backend dynamic`` does at start-up, with its prefetch, prefetch I/O,
+    prefetch sync and backup threads running. One rank: no process group (the controller
+    then skips its all-reduces), and the parallel widths that SGLang's launcher would
+    publish stated with ``get_parallel().override`` (SGLang's test-only injection) while it
+    attaches. Detach it with ``detach_storage_backend()``."""
+    import threading
+
+    m = sglang()
+    get_parallel = m.runtime_context.get_parallel
+    with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
+        return m.cache_controller.HiCacheController(
+            _Allocator(host.kvstrata_device), host, host.page_size, None, threading.Event(), io_backend="direct",
+            storage_backend="dynamic", model_name=model_name, storage_backend_extra_config=dict(extra),
+            enable_storage_metrics=True)
+
+
+def fill(host: Any, indices: Any, seed: int) -> None:
+    """Random bytes in the host pool's pages at ``indices`` (every layer, K and V)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for start in indices[::host.page_size].tolist():
+        page = host.get_data_page(start, flat=False)
+        noise = torch.randint(0, 256, (page.numel() * page.element_size(),), dtype=torch.uint8, generator=gen)
+        host.set_from_flat_data_page(start, noise.view(host.dtype))
+
+
+def page_bytes(host: Any, indices: Any) -> list[bytes]:
+    """The bytes of the host pool's pages at ``indices``, one entry a page."""
+    import torch
+
+    return [host.get_data_page(s).contiguous().view(torch.uint8).numpy().tobytes()
+            for s in indices[::host.page_size].tolist()]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sglang_env import create_backend, host_pool, sglang  # noqa: E402
+from sglang_env import create_backend, fill, host_pool, page_bytes, sglang  # noqa: E402
 
 from kvstrata.errors import ConfigError  # noqa: E402
 
@@ -32,20 +32,6 @@ def keys_of(n: int, seed: str = "a") -> list[str]:
 
 def extra(tmp: Path, name: str = "ssd", **more) -> dict:
     return {"ssd.path": str(tmp / name), "ssd.capacity": "64MiB", "model.id": "test-model", **more}
-
-
-def fill(host, indices: torch.Tensor, seed: int) -> None:
-    """Random bytes in the pages at ``indices`` (every layer, K and V)."""
-    gen = torch.Generator().manual_seed(seed)
-    for start in indices[::host.page_size].tolist():
-        page = host.get_data_page(start, flat=False)
-        noise = torch.randint(0, 256, (page.numel() * page.element_size(),), dtype=torch.uint8, generator=gen)
-        host.set_from_flat_data_page(start, noise.view(host.dtype))
-
-
-def page_bytes(host, indices: torch.Tensor) -> list[bytes]:
-    return [host.get_data_page(s).contiguous().view(torch.uint8).numpy().tobytes()
-            for s in indices[::host.page_size].tolist()]
 
 
 def test_the_factory_loads_the_backend_from_the_dynamic_extra_config(tmp_path) -> None:
