@@ -4,7 +4,7 @@ Every test works on real checkpoint directories: the tiny random-weight Llama
 of ``tests/vllm_util.py`` (written offline with torch/transformers), copied,
 linked, edited or laid out the way the Hugging Face cache stores it. ``HOME``
 points at a per-test directory, so the per-file digest cache
-(``~/.cache/kvstrata/model-ids.json``) starts empty in every test.
+(``~/.cache/kvstrata-ids/model-ids.json``) starts empty in every test.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def digest_cache(home: Path) -> Path:
-    return home / ".cache" / "kvstrata" / "model-ids.json"
+    return home / ".cache" / "kvstrata-ids" / "model-ids.json"
 
 
 def copy_of(tiny: Path, dest: Path) -> Path:
@@ -358,6 +358,31 @@ def test_digest_cache_is_reused(tiny: Path, tmp_path: Path, home: Path, monkeypa
     forbid_digests(monkeypatch)
     assert content_identity(ckpt) == ident
     assert model_identity(str(ckpt)) == ident
+
+
+def test_an_earlier_digest_cache_moves_out_of_the_default_ssd_path(tiny: Path, tmp_path: Path, home: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The digests used to live in ``~/.cache/kvstrata``, the default ``ssd.path``, where
+    an SSD tier refuses a directory holding files not its own: they are read from there once,
+    moved to their own directory, and the default SSD tier then opens."""
+    ckpt = copy_of(tiny, tmp_path / "ckpt")
+    ident = content_identity(ckpt)
+    moved = digest_cache(home)
+    old = home / ".cache" / "kvstrata" / "model-ids.json"
+    old.parent.mkdir(parents=True)
+    moved.rename(old)
+    (old.parent / "model-ids.lock").touch()
+    forbid_digests(monkeypatch)  # the earlier cache's entries are used: nothing is read again
+    assert content_identity(ckpt) == ident
+    assert json.loads(moved.read_text()) and not any(old.parent.iterdir())
+
+    from kvstrata import KVStrataConfig, TieredKVCache
+
+    cache = TieredKVCache(KVStrataConfig.from_dict({"model": {"layers": 1, "kv_heads": 1, "head_size": 8},
+                                                    "gpu": {"num_blocks": 4, "device": "cpu"},
+                                                    "cpu": {"capacity": 0}}))
+    assert cache.ssd is not None and Path(cache.ssd.path) == old.parent
+    cache.close()
 
 
 def test_digest_cache_spares_reading_the_weights(tiny: Path, tmp_path: Path) -> None:

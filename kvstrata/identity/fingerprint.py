@@ -16,7 +16,7 @@
   ``config.json``: the identity is derived from the weight files' contents
   (the Hugging Face cache's content-addressed blob names when the files come
   from there, else an xxh3-128 digest of each file, computed once per file
-  version and remembered in ``~/.cache/kvstrata/model-ids.json``, keyed by path,
+  version and remembered in ``~/.cache/kvstrata-ids/model-ids.json``, keyed by path,
   size, mtime, ctime and inode). An explicit ``model.id`` overrides it, for
   deployments that know better. (A Hugging Face snapshot and a plain copy of
   it are identified differently, blob names against content digests: they do
@@ -155,6 +155,12 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path | None:
         return None
 
 
+#: where checkpoint files' digests are remembered: a directory of its own, never the default
+#: ``ssd.path`` (``~/.cache/kvstrata``), whose SSD tier takes only a directory it owns
+DIGEST_CACHE = "~/.cache/kvstrata-ids/model-ids.json"
+_OLD_DIGEST_CACHE = "~/.cache/kvstrata/model-ids.json"  # before: read once, then moved
+
+
 class _DigestCache:
     """Per-file digests, remembered by (real path, size, mtime, inode) across processes.
 
@@ -163,15 +169,18 @@ class _DigestCache:
     the last to save would drop the others' entries)."""
 
     def __init__(self) -> None:
-        self.path = Path(os.path.expanduser("~/.cache/kvstrata/model-ids.json"))
+        self.path = Path(os.path.expanduser(DIGEST_CACHE))
         self.entries: dict[str, str] = {}
         self.dirty = False
-        try:
-            loaded = json.loads(self.path.read_text())
+        for path in (self.path, Path(os.path.expanduser(_OLD_DIGEST_CACHE))):
+            try:
+                loaded = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
             if isinstance(loaded, dict):
                 self.entries = {str(k): str(v) for k, v in loaded.items()}
-        except (OSError, ValueError):
-            pass
+                self.dirty = path != self.path  # an earlier version's cache: moved on save
+            break
 
     @classmethod
     @contextlib.contextmanager
@@ -180,7 +189,7 @@ class _DigestCache:
         effort: where the lock cannot be taken, each process works on its own)."""
         import fcntl
 
-        lock = Path(os.path.expanduser("~/.cache/kvstrata/model-ids.lock"))
+        lock = Path(os.path.expanduser(DIGEST_CACHE)).with_suffix(".lock")
         fd = -1
         try:
             lock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -223,6 +232,19 @@ class _DigestCache:
             os.replace(tmp, self.path)
         except OSError as exc:  # only a cache: the digests are recomputed next time
             log.debug("kvstrata: cannot save model digests to %s: %s", self.path, exc)
+            return
+        _drop_old_cache()
+
+
+def _drop_old_cache() -> None:
+    """Remove an earlier version's digest cache from ``~/.cache/kvstrata``, the default
+    ``ssd.path``: an SSD tier refuses a directory holding files that are not its own."""
+    old = Path(os.path.expanduser(_OLD_DIGEST_CACHE))
+    for path in (old, old.with_suffix(".lock")):
+        try:
+            path.unlink()
+        except OSError:
+            pass
 
 
 def _hf_blob_digest(path: Path) -> str | None:
