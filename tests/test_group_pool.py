@@ -194,15 +194,6 @@ def test_model_groups_are_normalised_and_size_a_row() -> None:
     assert hybrid.block_nbytes() * 3 == plain.block_nbytes()
 
 
-def test_the_library_refuses_groups_it_does_not_have() -> None:
-    from kvstrata.library.tiered import TieredKVCache
-
-    cfg = KVStrataConfig.from_dict({"model": {"groups": "full,sliding:64"}, "gpu": {"num_blocks": 8},
-                                    "cpu": {"capacity": 0}})
-    with pytest.raises(ConfigError, match=r"^model\.groups: 'full,sliding:64': the library's pool has one"):
-        TieredKVCache(cfg)
-
-
 @pytest.mark.parametrize("value, error", [
     (-16, r"model\.retention_interval"),
     ("often", r"model\.retention_interval"),

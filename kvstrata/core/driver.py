@@ -455,7 +455,9 @@ class DriverCore:
 
     def run(self, executor: "Executor", stores: Sequence[StorePlan], st: RequestState | None = None) -> "LoadResult":
         """Synchronous drivers: run ``stores``, then the planned load of ``st`` (if any), on
-        ``executor``; then complete them in that order. Returns the load's result."""
+        ``executor``; then complete them in that order. Returns the load's result, its
+        ``loaded`` the positions of the hit it served (:meth:`KVGroups.served`: with groups,
+        all of them or none, however many entries each position took)."""
         from kvstrata.dataplane.executor import LoadResult
 
         lost = [executor.store(plan) for plan in stores]
@@ -468,7 +470,7 @@ class DriverCore:
             self.store_done(done.plan_id, failed)
         if plan is not None:
             assert st is not None
-            self._complete_load(st, result.lost, result.loaded)
+            result.loaded = self._complete_load(st, result.lost, result.loaded)
         return result
 
     # ------------------------------------------------------------------ statistics

@@ -2,8 +2,11 @@
 
 A thin composition, deciding nothing about placement itself:
 
-* :class:`~kvstrata.pool.blocks.BlockManager`: the device pool (prefix cache, LRU
-  free queue, block tables);
+* the device pool (prefix cache, LRU free queue, block tables;
+  :func:`~kvstrata.pool.protocol.pool_over_rows`): one block table over the rows
+  for one full-attention group, a table per KV-cache group for a hybrid model
+  (``model.groups``: vLLM's hybrid allocator, row 0 its null block; a hit is the
+  longest prefix every group can serve, loaded whole or not at all);
 * :class:`~kvstrata.policy.TierPolicy`: which lower tier holds each block,
   admission, cascade, promotion (``spill.*`` in the config);
 * :class:`~kvstrata.dataplane.executor.Executor`: the bytes (device rows through
@@ -42,7 +45,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from kvstrata.pool.blocks import BlockManager
+from kvstrata.pool.blocks import make_prompt
+from kvstrata.pool.protocol import pool_over_rows
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.core.costs import fixed_costs
 from kvstrata.core.deployment import executor_over, open_backends, policy_spec
@@ -50,6 +54,7 @@ from kvstrata.core.driver import DriverCore
 from kvstrata.core.request import RequestState
 from kvstrata.errors import ConfigError
 from kvstrata.dataplane.executor import Executor, PoolRows
+from kvstrata.identity.groups import STATE, KVGroups, parse_groups
 from kvstrata.identity.hashing import BlockHasher
 from kvstrata.identity.fingerprint import Fingerprint
 from kvstrata.core.metrics import TIERS, Lifecycle, LifecycleRecorder, KVStrataCollector, lifecycle_sampling, policy_stats
@@ -60,7 +65,7 @@ from kvstrata.policy.seeding import SSDSeeding
 if TYPE_CHECKING:
     from kvstrata.dataplane.transfer import TransferEngine
 
-__all__ = ["TieredKVCache", "TieredAllocation", "library_fingerprint"]
+__all__ = ["TieredKVCache", "TieredAllocation", "library_fingerprint", "model_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +76,25 @@ def library_fingerprint(config: KVStrataConfig, block_nbytes: int | None = None)
     return Fingerprint(model=f"id:{m.id}" if m.id else f"name:{m.name}", dtype=m.kv_dtype, kv_dtype=m.kv_dtype,
                        block_size=config.block_size,
                        block_nbytes=config.block_nbytes() if block_nbytes is None else block_nbytes,
-                       layers=m.layers, kv_heads=m.kv_heads, head_size=m.head_size, hash=config.hash)
+                       layers=m.layers, kv_heads=m.kv_heads, head_size=m.head_size, hash=config.hash,
+                       groups=model_groups(config).describe())
+
+
+def model_groups(config: KVStrataConfig) -> KVGroups:
+    """The model's KV-cache groups (``model.groups``; by default one full-attention group)."""
+    return KVGroups(parse_groups(config.model.groups, "model.groups"), config.block_size,
+                    config.model.retention_interval)
+
+
+def library_groups(config: KVStrataConfig) -> KVGroups:
+    """:func:`model_groups`, refused with a state group: a state is cached only where a
+    prefill stops (vLLM's align mode), and the library's caller computes a prompt at once."""
+    groups = model_groups(config)
+    if any(g.kind == STATE for g in groups.groups):
+        raise ConfigError(f"model.groups: {config.model.groups!r}: the library serves full-attention, sliding-window "
+                          "and chunked groups; a state group (Mamba) needs an engine that stops its prefill where a "
+                          "state is cached (under vLLM the connector serves it)")
+    return groups
 
 
 @dataclass
@@ -79,10 +102,13 @@ class TieredAllocation:
     """A request's block table plus where its cached prefix came from.
 
     Call :meth:`wait` before attention reads ``block_ids``: loaded rows are
-    copied asynchronously on CUDA (on CPU the copy is already done).
+    copied asynchronously on CUDA (on CPU the copy is already done). With
+    ``model.groups`` (a hybrid model), ``block_ids`` holds a block table per
+    group, as vLLM's hybrid allocator gives them: row 0 is the null block where a
+    group needs no block (before a sliding window).
     """
 
-    block_ids: list[int]
+    block_ids: list[Any]
     num_cached_tokens: int
     hit_tokens: dict[str, int]
     hit_blocks: dict[str, int]
@@ -112,9 +138,7 @@ class TieredKVCache:
                  record_samples: bool = False, fingerprint: Fingerprint | None = None) -> None:
         from kvstrata.dataplane.transfer import TransferEngine
 
-        if config.model.groups:
-            raise ConfigError(f"model.groups: {config.model.groups!r}: the library's pool has one full-attention "
-                              "group (kvstrata bench replays hybrid models; under vLLM the connector reads them)")
+        groups = library_groups(config)
         transfer = TransferEngine(kv_pool) if kv_pool is not None else None
         if transfer is not None:
             config.check_kv_pool(int(transfer.pool.shape[0]), transfer.block_nbytes, str(transfer.pool.device))
@@ -126,7 +150,8 @@ class TieredKVCache:
                       else config.gpu.resolve_num_blocks(self.block_nbytes))
         self.fingerprint = fingerprint or library_fingerprint(config, self.block_nbytes)
         self.hasher = BlockHasher(self.block_size, config.hash, namespace=self.fingerprint.namespace())
-        self.manager = BlockManager(num_blocks, self.block_size, hasher=self.hasher, track_evictions=True)
+        self.groups = groups
+        self.manager = pool_over_rows(num_blocks, groups, hasher=self.hasher)
         spec = policy_spec(config, block_nbytes=self.block_nbytes, gpu_blocks=num_blocks)
         capacity = {GPU: num_blocks, **spec.capacity()}
         # Exact samples when asked for; otherwise large tiers are followed through a sample.
@@ -134,7 +159,8 @@ class TieredKVCache:
                                        lifecycle_sampling(capacity[t])) for t in TIERS}
         self.policy = TierPolicy(spec, clock=self.clock,
                                  observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS})])
-        self.core = DriverCore(self.policy, self.block_size, costs=fixed_costs(config.load, spec, self.block_nbytes))
+        self.core = DriverCore(self.policy, self.block_size, groups,
+                               costs=fixed_costs(config.load, spec, self.block_nbytes))
         self._pending: dict[int, Any] = {}  # device row -> event of an unfinished load copy
         self._metrics_server: Any = None
         self._seeding: SSDSeeding | None = None
@@ -218,25 +244,30 @@ class TieredKVCache:
         now = self.clock()
         self._poll_seeding()
         self.policy.forget_pairs(self.executor.take_lost())
-        prompt = self.manager.prompt(token_ids, block_hashes=block_hashes, num_tokens=num_tokens,
-                                     cache_salt=cache_salt, lora_id=lora_id)
-        st = RequestState(request_id, prompt.hashes)
-        gpu_hits = self.manager.lookup(prompt)
-        below = self.core.lookup_now(st, self.executor, gpu_hits, prompt.cap)
+        prompt = make_prompt(self.hasher, token_ids, block_hashes=block_hashes, num_tokens=num_tokens,
+                             cache_salt=cache_salt, lora_id=lora_id)
+        core, st = self.core, RequestState(request_id, prompt.hashes)
+
+        def key(g: int, i: int) -> bytes:
+            return core.group_key(st, g, i)
+
+        gpu_hits = self.manager.lookup(prompt, key)
+        below = core.lookup_now(st, self.executor, gpu_hits, prompt.cap)
         assert not self.manager.take_evicted(), "evictions are stored by the call that made them"
-        alloc = self.manager.allocate(request_id, prompt=prompt, num_external=below)
-        self.core.admit(st, gpu_hits, [alloc.block_ids], below, prompt.num_tokens)
+        alloc = self.manager.allocate(request_id, prompt=prompt, key=key, num_external=below,
+                                      stored=lambda g, i: core.stored(st, g, i))
+        self.core.admit(st, gpu_hits, alloc.tables, below, prompt.num_tokens)
         early, _ = self.core.end_step(self._take_evicted(), [])  # stored before the load rewrites their rows
         result = self.core.run(self.executor, early, st)
         if result.loaded < below:  # recomputed by the caller: nobody may hit those rows
             self.manager.invalidate(request_id, gpu_hits + result.loaded)
-        if result.event is not None:  # copies still running on CUDA: attention waits for them
-            for row in alloc.block_ids[gpu_hits:gpu_hits + result.loaded]:
-                self._pending[row] = result.event
         cached = gpu_hits + result.loaded
+        if result.event is not None:  # copies still running on CUDA: attention waits for them
+            for row in self._rows(alloc.tables, gpu_hits, cached):
+                self._pending[row] = result.event
         self._note_gpu(prompt.hashes, gpu_hits, prompt.hashes[gpu_hits:cached], now)
         self._store_step([], [], self.manager.free_window)  # the page-out window
-        events = [ev for ev in (self._pending_event(r) for r in alloc.block_ids[:cached]) if ev is not None]
+        events = [ev for ev in (self._pending_event(r) for r in self._rows(alloc.tables, 0, cached)) if ev is not None]
         return TieredAllocation(alloc.block_ids, cached * self.block_size,
                                 {t: b * self.block_size for t, b in st.hits.items()}, dict(st.hits), events)
 
@@ -269,6 +300,11 @@ class TieredKVCache:
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.manager.block_ids(request_id)
+
+    @staticmethod
+    def _rows(tables: Sequence[Sequence[int]], lo: int, hi: int) -> list[int]:
+        """Every group's rows of positions ``lo .. hi - 1``."""
+        return [row for table in tables for row in table[lo:hi]]
 
     # ------------------------------------------------------------------ stores
 
@@ -343,9 +379,9 @@ class TieredKVCache:
         self.transfer.synchronize()
         self._pending.clear()
         now = self.clock()
-        for block in list(self.manager.cached.values()):
-            self.lifecycle[GPU].leave(block.block_hash, now)
-            self.manager.evict_cached(block)
+        for row, key in self.manager.resident():
+            self.lifecycle[GPU].leave(key, now)
+            self.manager.evict_cached(self.manager.blocks[row])
         if self._seeding is not None:
             self._seeding.cancel()
         self.policy.clear()

@@ -216,12 +216,13 @@ class GroupedBlockManager:
         req.computed = end
         return out
 
-    def commit(self, request_id: str) -> list[tuple[int, bytes]]:
-        """The prompt's KV is written: registers its full blocks, group by group, and returns
-        ``(row, key)`` of each one computed since the last commit that the tiers below keep
-        (not the null ones)."""
+    def commit(self, request_id: str, num_tokens: int | None = None) -> list[tuple[int, bytes]]:
+        """The prompt's KV is written (what the steps computed; at most ``num_tokens`` of it):
+        registers its full blocks, group by group, and returns ``(row, key)`` of each one
+        computed since the last commit that the tiers below keep (not the null ones)."""
         req = self._request(request_id)
-        full = min(req.computed // self.block_size, len(req.prompt.hashes))
+        done = req.computed if num_tokens is None else min(num_tokens, req.computed)
+        full = min(done // self.block_size, len(req.prompt.hashes))
         lo = req.committed
         if full <= lo:
             return []
@@ -296,6 +297,21 @@ class GroupedBlockManager:
         del self.requests[request_id]
         for table in req.tables:
             self._release([b for b in reversed(table) if b is not self.null])
+
+    def append(self, request_id: str, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        raise ValueError(f"append: request {request_id!r}: a pool of KV-cache groups holds a request's "
+                         "prompt; its decode blocks are the engine's (allocate the longer prompt instead)")
+
+    def fork(self, parent_request_id: str, child_request_id: str) -> None:
+        raise ValueError(f"fork: request {parent_request_id!r}: a pool of KV-cache groups does not share "
+                         "block tables between requests (allocate the child's prompt: its prefix is a hit)")
+
+    def resident(self) -> list[tuple[int, bytes]]:
+        """``(row, key)`` of every cached row, most recently used first: rows in use by a
+        request, then free ones from the most recently freed."""
+        in_use = [(b.block_id, h) for h, rows in self.cached.items() for b in rows.values() if b.ref_cnt > 0]
+        free = [(b.block_id, b.block_hash) for b in self.free_queue.reversed() if b.block_hash is not None]
+        return in_use + free  # type: ignore[return-value]
 
     def take_evicted(self) -> list[tuple[int, bytes]]:
         """``(row, key)`` of the hashed blocks handed out again since the last call, in order."""

@@ -20,10 +20,11 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from kvstrata.identity.groups import KVGroups
+from kvstrata.identity.hashing import BlockHasher
 from kvstrata.pool.blocks import Allocation, Prompt
 from kvstrata.pool.free_queue import Block
 
-__all__ = ["DevicePool", "BlockPool", "SteppedPool", "Key", "Stored", "stepped_pool"]
+__all__ = ["DevicePool", "BlockPool", "SteppedPool", "Key", "Stored", "stepped_pool", "pool_over_rows"]
 
 Key = Callable[[int, int], bytes]  # (group, position) -> the group's key of that block
 Stored = Callable[[int, int], bool]  # (group, position) -> do the tiers below keep that block
@@ -130,3 +131,16 @@ def stepped_pool(num_blocks: int, groups: KVGroups, *, budget: int | None = None
     from kvstrata.pool.grouped import GroupedBlockManager
 
     return GroupedBlockManager(num_blocks, groups, track_evictions=track_evictions, budget=budget)
+
+
+def pool_over_rows(rows: int, groups: KVGroups, *, hasher: "BlockHasher | None" = None) -> SteppedPool:
+    """The pool over ``rows`` device rows that exist (a library's KV pool), each prefill
+    computed at once: every row a block with one full-attention group (keys hashed by
+    ``hasher``); the grouped pool keeps row 0 as its null block and hands out the others."""
+    if groups.plain:
+        from kvstrata.pool.stepped import SteppedBlockManager
+
+        return SteppedBlockManager(rows, groups, track_evictions=True, hasher=hasher)
+    if rows < 2:
+        raise ValueError(f"rows: a pool of KV-cache groups needs at least 2 rows (row 0 is its null block), got {rows}")
+    return stepped_pool(rows - 1, groups)

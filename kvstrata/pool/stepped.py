@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from kvstrata.identity.groups import KVGroups
+from kvstrata.identity.hashing import BlockHasher
 from kvstrata.pool.blocks import Allocation, BlockManager, Prompt
 
 __all__ = ["SteppedBlockManager"]
@@ -39,8 +40,8 @@ class SteppedBlockManager(BlockManager):
     ``budget`` tokens a step (see the module docstring)."""
 
     def __init__(self, num_blocks: int, groups: KVGroups, *, track_evictions: bool = False,
-                 budget: int | None = None) -> None:
-        super().__init__(num_blocks, groups.block_size, track_evictions=track_evictions)
+                 budget: int | None = None, hasher: BlockHasher | None = None) -> None:
+        super().__init__(num_blocks, groups.block_size, hasher=hasher, track_evictions=track_evictions)
         self.groups = groups
         self.budget = budget
         self._steps: dict[str, list[int | None]] = {}  # request -> [tokens computed after this step (None: all), prefill]
