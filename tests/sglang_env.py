@@ -20,6 +20,7 @@ Nothing stood in is called on the storage paths: the stand-ins only satisfy impo
 from __future__ import annotations
 
 import importlib
+import itertools
 import importlib.machinery
 import importlib.metadata
 import re
@@ -28,8 +29,8 @@ import types
 from pathlib import Path
 from typing import Any
 
-__all__ = ["sglang", "SGLANG_VERSION", "host_pool", "storage_config", "create_backend", "DYNAMIC", "controller", "fill",
-           "page_bytes"]
+__all__ = ["sglang", "SGLANG_VERSION", "host_pool", "storage_config", "create_backend", "DYNAMIC", "controller", "backup",
+           "prefetch", "fill", "page_bytes"]
 
 
 
@@ -47,10 +48,14 @@ _STOOD_IN = ("IPython", "IPython.display", "torchvision", "torchvision.transform
              "torchvision.transforms.functional", "torchvision.io")
 MODULES = ("sglang.srt.mem_cache.hicache_storage", "sglang.srt.mem_cache.storage.backend_factory",
            "sglang.srt.mem_cache.memory_pool", "sglang.srt.mem_cache.pool_host.mha",
-           "sglang.srt.mem_cache.pool_host.mamba", "sglang.srt.managers.cache_controller",
+           "sglang.srt.mem_cache.pool_host.mamba", "sglang.srt.mem_cache.pool_host.base",
+           "sglang.srt.managers.cache_controller",
            "sglang.srt.mem_cache.utils", "sglang.srt.runtime_context",
            "sglang.srt.observability.metrics_collector")
 _loaded: types.SimpleNamespace | None = None
+HOST_BUDGET = 4 * 1024**3  # bytes one host pool built here may take
+WAIT_S = 60  # the longest a controller's thread may take to answer
+_rids = itertools.count()
 
 
 class _Anything:
@@ -116,8 +121,12 @@ def host_pool(layout: str, *, layers: int = 2, heads: int = 2, head_dim: int = 8
     device = m.memory_pool.MHATokenToKVPool(device_tokens, page_size, dtype or torch.bfloat16, heads, head_dim,
                                             layers, "cpu", False)
     info = device.get_device_pool_infos()[0].buffer_info
-    host = m.mha.MHATokenToKVPoolHost(info, ratio, 0, page_size, layout, pin_memory=False, device="cpu",
-                                      device_capacity_tokens=device_tokens, start_layer=0, end_layer=layers)
+    # SGLang checks that the pool fits in the host's free memory less a reserve of several GiB;
+    # these pools are small, and on a shared machine busy with other work the check would
+    # refuse them: they are booked against a fixed budget (SGLang's own scope for that).
+    with m.base.host_memory_budget_scope(HOST_BUDGET):
+        host = m.mha.MHATokenToKVPoolHost(info, ratio, 0, page_size, layout, pin_memory=False, device="cpu",
+                                          device_capacity_tokens=device_tokens, start_layer=0, end_layer=layers)
     host.kvstrata_device = device
     return host
 
@@ -156,10 +165,11 @@ class _Allocator:
         return self._device
 
 
-def controller(extra: dict[str, Any], host: Any, *, model_name: str = "test-model") -> Any:
+def controller(extra: dict[str, Any], host: Any, *, model_name: str = "test-model", backend: str = "dynamic") -> Any:
     """SGLang's own ``HiCacheController`` over ``host`` (from :func:`host_pool`), attaching
     the dynamic backend from ``extra`` (``DYNAMIC`` and ``interface_v1`` given there) as
-    ``--hicache-storage-backend dynamic`` does at start-up, with its prefetch, prefetch I/O,
+    ``--hicache-storage-backend dynamic`` does at start-up (or the built-in ``backend``,
+    ``"file"``: SGLang's ``HiCacheFile``), with its prefetch, prefetch I/O,
     prefetch sync and backup threads running. One rank: no process group (the controller
     then skips its all-reduces), and the parallel widths that SGLang's launcher would
     publish stated with ``get_parallel().override`` (SGLang's test-only injection) while it
@@ -171,7 +181,7 @@ def controller(extra: dict[str, Any], host: Any, *, model_name: str = "test-mode
     with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
         return m.cache_controller.HiCacheController(
             _Allocator(host.kvstrata_device), host, host.page_size, None, threading.Event(), io_backend="direct",
-            storage_backend="dynamic", model_name=model_name, storage_backend_extra_config=dict(extra),
+            storage_backend=backend, model_name=model_name, storage_backend_extra_config=dict(extra),
             enable_storage_metrics=True)
 
 
@@ -192,3 +202,32 @@ def page_bytes(host: Any, indices: Any) -> list[bytes]:
 
     return [host.get_data_page(s).contiguous().view(torch.uint8).numpy().tobytes()
             for s in indices[::host.page_size].tolist()]
+
+
+def backup(ctl: Any, indices: Any, tokens: list[int], keys: list[str] | None = None) -> int:
+    """The backup thread stores the pages at ``indices`` (the radix cache's write-through to
+    storage) under ``keys`` (the radix nodes' page hashes; None: the chain of ``tokens`` from
+    the first); how many tokens it reports stored."""
+    if keys is None:
+        keys = sglang().utils.get_storage_hash_str(tokens, None, page_size=ctl.page_size)
+    ctl.write_storage(indices, tokens, hash_value=keys)
+    return ctl.ack_backup_queue.get(timeout=WAIT_S).completed_tokens
+
+
+def prefetch(ctl: Any, host: Any, tokens: list[int]) -> tuple[int, Any, list[int]]:
+    """A prefetch as the radix cache drives it: the query (the prefetch thread's
+    ``batch_exists``), host slots for the hit, the transfer (the I/O thread's reads); the
+    tokens that arrived, where, and each batch's ack."""
+    ctl.prefetch(f"r{next(_rids)}", tokens, None)
+    op = ctl.prefetch_hit_queue.get(timeout=WAIT_S)
+    if op.storage_hit_count == 0:
+        return 0, None, []
+    op.host_indices = host.alloc(op.storage_hit_count)
+    assert op.host_indices is not None
+    ctl.prefetch_buffer.put(op)
+    acks: list[int] = []
+    while True:
+        ack = ctl.ack_prefetch_queue.get(timeout=WAIT_S)
+        if ack.completed_req:
+            return (acks[-1] if acks else 0), op.host_indices, acks
+        acks.append(ack.completed_tokens)

@@ -24,19 +24,15 @@ rank: the controller then skips its hit and ack all-reduces).
 
 from __future__ import annotations
 
-import itertools
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sglang_env import DYNAMIC, controller, fill, host_pool, page_bytes, sglang  # noqa: E402
+from sglang_env import DYNAMIC, backup, controller, fill, host_pool, page_bytes, prefetch  # noqa: E402
 
 BATCH = 128  # SGLang's STORAGE_BATCH_SIZE
-WAIT_S = 60
-_rids = itertools.count()
 
 
 def extra(tmp: Path, v1: int = 1, **more) -> dict:
@@ -46,33 +42,6 @@ def extra(tmp: Path, v1: int = 1, **more) -> dict:
 
 def tokens_of(pages: int, page_size: int, seed: int = 0) -> list[int]:
     return [(seed * 7919 + i) % 32000 for i in range(pages * page_size)]
-
-
-def backup(ctl, indices: torch.Tensor, tokens: list[int]) -> int:
-    """The backup thread stores the pages at ``indices`` (the radix cache's write-through to
-    storage); how many tokens it reports stored."""
-    keys = sglang().utils.get_storage_hash_str(tokens, None, page_size=ctl.page_size)
-    ctl.write_storage(indices, tokens, hash_value=keys)
-    return ctl.ack_backup_queue.get(timeout=WAIT_S).completed_tokens
-
-
-def prefetch(ctl, host, tokens: list[int]) -> tuple[int, torch.Tensor | None, list[int]]:
-    """A prefetch as the radix cache drives it: the query (the prefetch thread's
-    ``batch_exists``), host slots for the hit, the transfer (the I/O thread's reads); the
-    tokens that arrived, where, and each batch's ack."""
-    ctl.prefetch(f"r{next(_rids)}", tokens, None)
-    op = ctl.prefetch_hit_queue.get(timeout=WAIT_S)
-    if op.storage_hit_count == 0:
-        return 0, None, []
-    op.host_indices = host.alloc(op.storage_hit_count)
-    assert op.host_indices is not None
-    ctl.prefetch_buffer.put(op)
-    acks: list[int] = []
-    while True:
-        ack = ctl.ack_prefetch_queue.get(timeout=WAIT_S)
-        if ack.completed_req:
-            return (acks[-1] if acks else 0), op.host_indices, acks
-        acks.append(ack.completed_tokens)
 
 
 @pytest.mark.parametrize("layout, v1", [("page_first", 1), ("layer_first", 1), ("page_first_direct", 1),
