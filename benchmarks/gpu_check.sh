@@ -20,6 +20,11 @@
 #                  connector's engine scenarios (tests/test_vllm_mrv2.py: model runner v2's
 #                  connector driver; tests/test_vllm_connector.py) over vLLM 0.34 installed from
 #                  VLLM_WHEELS, or over a vLLM already there; said when there is none
+#   5d. sglang     opt-in (SGLANG_WHEELS or GPU_CHECK_SGLANG=1; give GPU_CHECK_BUDGET_S=600, 660
+#                  with 5c): benchmarks/gpu_sglang.py, a tiny Llama served by SGLang with kvstrata as
+#                  its HiCache storage backend (--hicache-storage-backend dynamic), twice over one
+#                  SSD tier: greedy outputs identical with and without its hits; SGLang (the
+#                  Makefile's SGLANG_PIN) from SGLANG_WHEELS, or one already there
 #   6. sanitizer   compute-sanitizer memcheck, then racecheck, with what is left (last)
 # A failed step is reported and the others still run; exit status 1 when any failed.
 #
@@ -311,6 +316,32 @@ vllm_engine() {
 }
 export -f vllm_engine
 
+# ---------------------------------------------------------------------- 5d. SGLang serving
+# kvstrata as SGLang's HiCache storage backend on the GPU (benchmarks/gpu_sglang.py). SGLang's
+# CUDA wheel does not travel with the checkout: the Makefile's pin is installed from
+# SGLANG_WHEELS (a directory of its wheel and its dependencies) when given, else the step runs
+# only over an SGLang already importable there, and says so when there is none.
+sglang_engine() {
+  local rc=0 pin
+  pin=$(sed -n 's/^SGLANG_PIN := //p' Makefile)
+  if [ -n "${SGLANG_WHEELS:-}" ] && [ "$DRY" != 1 ]; then
+    "$PY" -m pip install --quiet --no-index --find-links "$SGLANG_WHEELS" --target "$SITE" "$pin" \
+      > "$RESULTS/sglang_install.log" 2>&1 || { tail -n 5 "$RESULTS/sglang_install.log"; return 1; }
+  fi
+  if [ "$DRY" = 1 ]; then
+    "$PY" -m py_compile benchmarks/gpu_sglang.py && echo "dry run: compiled only ($pin serving needs a GPU)"
+    return 0
+  fi
+  if ! "$PY" -c "import sglang" > /dev/null 2>&1; then
+    echo "no SGLang importable here (SGLANG_WHEELS unset or without $pin): SGLang serving not run"
+    return 0
+  fi
+  "$PY" benchmarks/gpu_sglang.py --out "$RESULTS" > "$RESULTS/gpu_sglang.log" 2>&1 || rc=$?
+  tail -n 5 "$RESULTS/gpu_sglang.log"
+  return $rc
+}
+export -f sglang_engine
+
 # ---------------------------------------------------------------------- 6. compute-sanitizer
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1 || true)
 export SANITIZER
@@ -342,6 +373,11 @@ if [ -n "${VLLM_WHEELS:-}" ] || [ "${GPU_CHECK_VLLM:-0}" = 1 ]; then  # opt-in: 
   step "vllm engine scenarios" 60 vllm_engine soft
 else
   log "vLLM engine scenarios not run (VLLM_WHEELS=DIR with vLLM 0.34's wheels, or GPU_CHECK_VLLM=1 over an installed vLLM)"
+fi
+if [ -n "${SGLANG_WHEELS:-}" ] || [ "${GPU_CHECK_SGLANG:-0}" = 1 ]; then  # opt-in: 120 s more than the default budget
+  step "sglang serving" 120 sglang_engine soft
+else
+  log "SGLang serving not run (SGLANG_WHEELS=DIR with SGLang's wheels, or GPU_CHECK_SGLANG=1 over an installed SGLang)"
 fi
 if [ "${SANITIZE:-1}" = 0 ]; then
   log "SANITIZE=0: compute-sanitizer not run"
