@@ -29,7 +29,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-__all__ = ["sglang", "SGLANG_VERSION", "host_pool", "storage_config", "create_backend", "DYNAMIC", "controller", "backup",
+__all__ = ["sglang", "SGLANG_VERSION", "host_pool", "storage_config", "create_backend", "DYNAMIC", "controller", "mamba_pool", "backup",
            "prefetch", "fill", "page_bytes"]
 
 
@@ -138,6 +138,20 @@ def storage_config(extra: dict[str, Any], *, tp_rank: int = 0, tp_size: int = 1,
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=True, is_page_first_layout=layout == "page_first",
         model_name=model_name, extra_config=dict(extra))
+
+
+def mamba_pool(*, layers: int = 2, slots: int = 8, ratio: float = 2.0) -> Any:
+    """SGLang's own ``MambaPoolHost`` (a hybrid model's state pool: one state a slot, its
+    page), built from a device pool's state buffers held on the CPU."""
+    import torch
+
+    m = sglang()
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+
+    info = MambaStateBufferInfo(temporal=torch.zeros(layers, slots, 4, 8, dtype=torch.float32),
+                                conv=(torch.zeros(layers, slots, 3, 16, dtype=torch.bfloat16),))
+    with m.base.host_memory_budget_scope(HOST_BUDGET):
+        return m.mamba.MambaPoolHost(info, ratio, 0, device_capacity=slots, pin_memory=False, layout="page_first")
 
 
 #: The dynamic backend's selection, as the README gives it.

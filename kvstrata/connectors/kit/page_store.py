@@ -98,6 +98,15 @@ class PageStore:
             remote = core.probed(answer, held, n)
             return held + core.worth_fetching(st, 0, held, remote)
 
+    def holding(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the local tiers hold each of ``keys``, each on its own (pure: nothing is
+        placed, touched or fetched; the remote tier is not asked): where a pool's pages may
+        hold gaps, the legal end points of a hit are read from it (:mod:`.page_ends`)."""
+        with self._lock:
+            self._upkeep()
+            holds = self.policy.holds
+            return [holds(k) is not None for k in keys]
+
     def load(self, keys: Sequence[bytes], rows: "DeviceRows", block_ids: Sequence[int]) -> int:
         """Copy the pages of ``keys`` (from the first, as far as the tiers hold them) into
         blocks ``block_ids`` of ``rows``; returns how many arrived (a prefix)."""

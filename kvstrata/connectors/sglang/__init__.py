@@ -1,4 +1,4 @@
-"""kvstrata as SGLang's HiCache storage backend: the backend, its extra config, the host pool's pages.
+"""kvstrata as SGLang's HiCache storage backend: the backend, its extra config, the host pool's pages, hybrid pools.
 May import every room but the command line (the engine-neutral kit included).
 
 SGLang loads it as a dynamic backend::

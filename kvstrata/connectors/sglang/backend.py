@@ -39,7 +39,9 @@ from kvstrata.connectors.kit.page_keys import PageKeys, leading
 from kvstrata.connectors.kit.page_rows import BufferRows
 from kvstrata.connectors.kit.page_store import PageStore
 from kvstrata.connectors.sglang.config import load_backend_config
+from kvstrata.connectors.sglang.hybrid import KV, PoolStores
 from kvstrata.connectors.sglang.pools import check_parallel, host_pages, model_of, page_ids, sglang_fingerprint
+from kvstrata.errors import ConfigError
 from kvstrata.identity.ranks import Rank
 
 __all__ = ["KVStrataStorage"]
@@ -63,6 +65,7 @@ class KVStrataStorage(HiCacheStorage):
         self.keys: PageKeys | None = None
         self.pages: Any = None
         self._host_rows: LayoutRows | None = None
+        self.hybrid: PoolStores | None = None  # the pools registered beside the KV pool (v2)
         self._logged: set[str] = set()
         self._lock = threading.Lock()  # the I/O samples below
         self._io: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
@@ -85,8 +88,21 @@ class KVStrataStorage(HiCacheStorage):
         self.pages = pages
         self.keys = PageKeys(fingerprint.namespace())
         self._host_rows = LayoutRows(pages.layout)
+        if self.hybrid is not None:
+            self.hybrid.close()
+        self.hybrid = PoolStores(self.backend.config, fingerprint, self.keys, self.rank)
         log.info("kvstrata: HiCache storage for %s, rank %d: %s", fingerprint.describe(), self.rank.index,
                  ", ".join(t.name for t in self.store.policy.spec.tiers or ()))
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A hybrid model's other pool (a Mamba pool...): its pages get a page store of their
+        own (:mod:`.hybrid`); after ``register_mem_pool_host``, else a :class:`ConfigError`."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if str(getattr(host_pool_name, "value", host_pool_name)) == KV:
+            return  # the KV pool: register_mem_pool_host's
+        if self.hybrid is None:
+            raise ConfigError("host pools: register_mem_pool_host (the KV pool) must come first")
+        self.hybrid.register(host_pool, host_pool_name)
 
     # ------------------------------------------------------------------ existence
 
@@ -102,6 +118,43 @@ class KVStrataStorage(HiCacheStorage):
         if store is None:
             return 0
         return store.held(mapped[:leading(mapped)])
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """SGLang's ``PoolTransferResult``: the KV pages' leading run, cut to the last end
+        point every pool of ``pool_transfers`` can restore (their intersection, never the
+        minimum of their prefixes), and each pool's own."""
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+        def exists() -> Any:
+            kv_run = self._held(keys)
+            if self.hybrid is None:
+                return PoolTransferResult(0, {}, [])
+            ends, hits = self.hybrid.restorable(keys, kv_run, pool_transfers)
+            return PoolTransferResult(ends[-1] if ends else 0, hits, ends)
+
+        return self._guard("batch_exists_v2", PoolTransferResult(0, {}, []), exists)
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, List[bool]]:
+        """Per pool of ``transfers``, which pages arrived (the KV pool's zero copy)."""
+        return self._per_pool("batch_get_v2", transfers, self._get_v1, lambda t: self.hybrid.get(t))
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, List[bool]]:
+        """Per pool of ``transfers``, which pages a tier took (the KV pool's zero copy)."""
+        return self._per_pool("batch_set_v2", transfers, self._set_v1, lambda t: self.hybrid.set(t))
+
+    def _per_pool(self, what: str, transfers: Any, kv: Callable[[List[str], Any], List[bool]],
+                  other: Callable[[Any], List[bool]]) -> dict[str, List[bool]]:
+        out: dict[str, List[bool]] = {}
+        for t in transfers or ():
+            name = str(getattr(t.name, "value", t.name))
+            keys = list(t.keys or ())
+            if name == KV:
+                out[name] = self._guard(what, [False] * len(keys), lambda: kv(keys, t.host_indices))
+            elif self.hybrid is not None:
+                out[name] = self._guard(what, [False] * len(keys), lambda: other(t))
+            else:
+                out[name] = [False] * len(keys)
+        return out
 
     # ------------------------------------------------------------------ zero copy (v1)
 
@@ -241,6 +294,8 @@ class KVStrataStorage(HiCacheStorage):
         metrics = StorageMetrics(**io)
         stats = self._guard("get_stats", {}, lambda: self.store.stats() if self.store is not None else {})
         stats = {**stats, "refused_keys": self.keys.refused if self.keys is not None else 0, "errors": self.errors}
+        if self.hybrid is not None and self.hybrid.pools:
+            stats["pools"] = self._guard("get_stats", {}, self.hybrid.stats)
         metrics.kvstrata = stats  # type: ignore[attr-defined]
         return metrics
 
@@ -251,10 +306,14 @@ class KVStrataStorage(HiCacheStorage):
 
     def flush(self) -> bool:
         """Wait until every write accepted so far is down (tests, benchmarks)."""
-        return bool(self._guard("flush", False, self.store.flush)) if self.store is not None else True
+        pools = self.hybrid is None or bool(self._guard("flush", False, self.hybrid.flush))
+        return pools and (bool(self._guard("flush", False, self.store.flush)) if self.store is not None else True)
 
     def close(self) -> None:
         """Flush and close the tiers (SGLang calls it on detach and after a failed attach)."""
         store, self.store = self.store, None
+        hybrid, self.hybrid = self.hybrid, None
+        if hybrid is not None:
+            self._guard("close", None, hybrid.close)
         if store is not None:
             self._guard("close", None, store.close)
