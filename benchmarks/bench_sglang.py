@@ -307,13 +307,20 @@ def main() -> None:
     started = time.perf_counter()
     out: dict[str, Any] = {"pages": args.pages, "page_bytes": 2 * GEOMETRY["layers"] * GEOMETRY["page_size"]
                            * GEOMETRY["heads"] * GEOMETRY["head_dim"] * 2}
+    phases: dict[str, float] = {}
+
+    def phase(name: str, fn: Callable[[], Any]) -> None:
+        out[name], phases[name] = timed(fn)
+
     if not args.only_killed:
-        out["throughput"] = throughput(base, args.pages, args.rounds)
-        out["capacity"] = {k: capacity_case(k, base / f"cap-{k}") for k in ("kvstrata", "file")}
-        out["damaged"] = {k: damaged_case(k, base / f"bad-{k}") for k in ("kvstrata", "file")}
+        phase("throughput", lambda: throughput(base, args.pages, args.rounds))
+        phase("capacity", lambda: {k: capacity_case(k, base / f"cap-{k}") for k in ("kvstrata", "file")})
+        phase("damaged", lambda: {k: damaged_case(k, base / f"bad-{k}") for k in ("kvstrata", "file")})
     killed_pages = 6 * BATCH  # two batches, then four in one backup, killed inside it
-    out["killed"] = {k: killed_case(k, base / f"kill-{k}", killed_pages, args.kill_after) for k in ("kvstrata", "file")}
+    phase("killed", lambda: {k: killed_case(k, base / f"kill-{k}", killed_pages, args.kill_after)
+                             for k in ("kvstrata", "file")})
     out["seconds"] = time.perf_counter() - started
+    out["phase_seconds"] = phases
     shutil.rmtree(base, ignore_errors=True)
     report(out)
     if args.json:
@@ -334,7 +341,7 @@ def report(out: dict[str, Any]) -> None:
         for kind, r in out.get(case, {}).items():
             print(f"{case:9} {kind:9} " + ", ".join(f"{k}={v if not isinstance(v, float) else round(v, 3)}"
                                                     for k, v in r.items()))
-    print(f"{out['seconds']:.1f} s")
+    print(f"{out['seconds']:.1f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in out["phase_seconds"].items()) + ")")
 
 
 if __name__ == "__main__":
