@@ -333,10 +333,11 @@ class LoadCosts:
         (:meth:`stalled`) are computed, and so is every block after them, but for its probe."""
         if not self.deciding or not tiers:
             return len(tiers)
-        cut, probing = self._stall_cut(tiers)
-        if probing or not cut:
-            return cut
-        tiers = tiers[:cut]
+        if self.reads.stalls():  # rare: a tier's reads did not return
+            cut, probing = self._stall_cut(tiers)
+            if probing or not cut:
+                return cut
+            tiers = tiers[:cut]
         rates = self.compute_rates()
         if rates is None:
             return len(tiers)
