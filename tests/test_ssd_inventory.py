@@ -93,6 +93,21 @@ def test_a_vllm_ssd_path_reports_each_rank(tmp_path: Path, capsys: pytest.Captur
     assert rc == 0 and [t["records"] for t in json.loads(out)["tiers"]] == [12, 7]
 
 
+def test_an_sglang_ssd_path_reports_each_pools_tiers_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A hybrid model under SGLang keeps an extra pool's tiers under ``pool-<name>/rank-<r>``;
+    a ``pool-*`` link someone planted is not followed."""
+    root = tmp_path / "root"
+    (root / "pool-mamba").mkdir(parents=True)
+    fill(root / "rank-0", 12, "m|tp0").close()
+    fill(root / "pool-mamba" / "rank-0", 5, "m|mamba|tp0").close()
+    fill(tmp_path / "elsewhere", 3, "other").close()
+    (root / "pool-planted").symlink_to(tmp_path / "elsewhere")
+    rc, out, _ = run(capsys, "ssd", "stats", str(root), "--json", "-")
+    tiers = json.loads(out)["tiers"]
+    assert rc == 0 and [(Path(t["path"]).relative_to(root).as_posix(), t["records"]) for t in tiers] == [
+        ("rank-0", 12), ("pool-mamba/rank-0", 5)]
+
+
 def _set_format(path: Path, version: int) -> None:
     env = lmdb.open(str(path), max_dbs=8)
     with env.begin(write=True) as txn:

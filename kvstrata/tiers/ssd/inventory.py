@@ -12,8 +12,9 @@ crash of the caller). Nothing on disk changes.
   count, pages in use and the page file's slack; with ``verify`` every
   record is read, decoded and its checksum compared (what a read does), and
   the ones that do not verify are counted by reason.
-* :func:`tier_dirs`: a tier directory, or an ``ssd.path`` under vLLM that holds
-  one ``rank-<r>`` tier per worker.
+* :func:`tier_dirs`: a tier directory, or an ``ssd.path`` that holds one ``rank-<r>``
+  tier per worker (and, under SGLang, ``pool-<name>/rank-<r>`` for a hybrid model's
+  extra pools).
 
 A record carries its last access as a position in the tier's access order; the
 writer's time marks (one a minute at most, see :mod:`~kvstrata.tiers.ssd.index`)
@@ -39,21 +40,29 @@ __all__ = ["inventory", "tier_dirs", "held_by", "MAX_LISTED"]
 MAX_LISTED = 1_000_000  # bad keys listed per namespace (what ``verify --drop`` deletes in one run)
 
 
+def _ranks(root: Path) -> list[Path]:
+    """``root``'s ``rank-<r>`` subdirectories that hold a tier, in rank order."""
+    return sorted((p for p in root.glob("rank-*") if (p / "data.mdb").is_file() and p.name[5:].isdigit()),
+                  key=lambda p: int(p.name[5:]))
+
+
 def tier_dirs(path: str | os.PathLike[str]) -> list[Path]:
     """The tier directories at ``path``: itself when it holds ``data.mdb``, else its
-    ``rank-<r>`` subdirectories that do (an ``ssd.path`` under vLLM), in rank order. Where
-    they are, not whose: a command proves each one a tier before it changes it
-    (:func:`~kvstrata.tiers.ssd.directory.check_environment`)."""
+    ``rank-<r>`` subdirectories that do (an ``ssd.path`` under vLLM), in rank order, then
+    those of each ``pool-<name>`` subdirectory (an extra pool of a hybrid model under
+    SGLang), by pool name. Where they are, not whose: a command proves each one a tier
+    before it changes it (:func:`~kvstrata.tiers.ssd.directory.check_environment`)."""
     root = Path(os.path.expanduser(os.fspath(path)))
     if not root.is_dir():
         raise ConfigError(f"{root}: no such directory")
     if (root / "data.mdb").is_file():
         return [root]
-    ranks = sorted((p for p in root.glob("rank-*") if (p / "data.mdb").is_file() and p.name[5:].isdigit()),
-                   key=lambda p: int(p.name[5:]))
-    if not ranks:
+    found = _ranks(root)
+    for pool in sorted(p for p in root.glob("pool-*") if p.is_dir() and not p.is_symlink()):
+        found += [pool] if (pool / "data.mdb").is_file() else _ranks(pool)
+    if not found:
         raise ConfigError(f"{root}: not an SSD tier (no data.mdb) nor an ssd.path holding rank-<r> tiers")
-    return ranks
+    return found
 
 
 def inventory(path: Path, *, verify: bool = False, older_than: float | None = None,
