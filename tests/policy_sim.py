@@ -32,19 +32,22 @@ class SimExecutor:
 
     def run(self, plan: StorePlan | LoadPlan) -> list[bytes | None]:
         """Execute ``plan``; for a load, the bytes each of its device blocks received."""
-        for slot, key in plan.spills:
+        for spill in plan.spills:
+            slot, key = spill.slot, spill.key
             self._expect(self.slab.get(slot), key, f"spill of {key!r} from slot {slot}")
             self.disk[key] = self.slab.get(slot)
-        for key in plan.ssd_evictions:
+        for key in plan.evictions.get("ssd", ()):
             self.disk.pop(key, None)
         if isinstance(plan, StorePlan):
-            for key, slot, to_ssd in zip(plan.keys, plan.cpu_slots, plan.to_ssd):
+            to_ssd = set(plan.goes_to("ssd"))
+            for i, (key, slot) in enumerate(zip(plan.keys, plan.slots)):
                 if slot >= 0:
                     self.slab[slot] = key
-                if to_ssd:
+                if i in to_ssd:
                     self.disk[key] = key
             return []
-        return [self._load_one(*row) for row in zip(plan.keys, plan.cpu_slots, plan.from_ssd, plan.promote_slots)]
+        from_ssd = [t == "ssd" and s < 0 for t, s in zip(plan.sources, plan.slots)]
+        return [self._load_one(*row) for row in zip(plan.keys, plan.slots, from_ssd, plan.promote_slots)]
 
     def _load_one(self, key: bytes, slot: int, from_ssd: bool, promote: int) -> bytes | None:
         if slot >= 0:

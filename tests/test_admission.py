@@ -11,6 +11,7 @@ from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError
 from kvstrata.policy import PolicySpec, TierPolicy
 from kvstrata.policy.ghost import Ghost
+from kvstrata.policy.plans import Spill
 from kvstrata.policy.tiers import CPU, KNOWN, REMOTE, SSD, TierList
 from kvstrata.core.deployment import policy_spec
 
@@ -69,7 +70,7 @@ def test_write_through_takes_a_block_on_its_second_sighting_a_cpu_hit() -> None:
     assert p.lookup(K[:2]) == [CPU, CPU] and len(p.ssd) == 0  # seen once: the SSD tier did not take them
     assert p.counts.counts["rejected"][SSD] == 2
     load = p.prepare_load("r", K[:1], [7])  # a CPU hit is the second sighting: written down from its slot
-    assert load.spills == [(load.cpu_slots[0], K[0])] and (SSD, K[0]) in load.placed()
+    assert load.spills == [Spill(CPU, load.slots[0], SSD, K[0])] and (SSD, K[0]) in load.placed()
     p.complete_load(load)
     assert K[0] in p.ssd and K[1] not in p.ssd
     p.check()
@@ -107,18 +108,18 @@ def test_the_ghost_window_bounds_what_counts_as_a_second_sighting() -> None:
 def test_shutdown_keeps_the_hot_set_whatever_the_admission() -> None:
     p = policy(cpu=8, ssd=8)
     plan = p.prepare_store([0, 1], K[:2], "shutdown")
-    assert plan.to_ssd == [True, True]
+    assert len(plan) == 2 and plan.goes_to(SSD) == [0, 1]
 
 
 def test_the_remote_tier_gets_a_block_new_to_this_replica_on_its_second_offer() -> None:
     p = policy(cpu=1, ssd=1, remote=True)
     plan = p.prepare_store([0], [K[0]], "computed")
-    assert not plan.remote(0)
+    assert 0 not in plan.goes_to(REMOTE)
     p.complete_store(plan)
     store(p, [K[1]])  # K[0] leaves the CPU tier (and never reached the SSD tier)
     assert p.holds(K[0]) is None
     plan = p.prepare_store([0], [K[0]], "computed")
-    assert plan.remote(plan.keys.index(K[0])) and p.counts.counts["stored"][REMOTE] == 1
+    assert plan.keys.index(K[0]) in plan.goes_to(REMOTE) and p.counts.counts["stored"][REMOTE] == 1
 
 
 @pytest.mark.parametrize("overrides, message", [

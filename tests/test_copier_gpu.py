@@ -38,7 +38,7 @@ def _engine(tmp_path):
     slab = HostSlab(6, layout.block_nbytes, pin_memory=True)
     assert slab.pinned
     ssd = SSDTier(tmp_path / "ssd", capacity_bytes=64 * 1024**2, block_nbytes=layout.block_nbytes)
-    copier = Copier(Executor(rows, slab, ssd), rows, CudaStreams(torch.device("cuda")))
+    copier = Copier(Executor(rows, {"cpu": slab, "ssd": ssd}), rows, CudaStreams(torch.device("cuda")))
     return kv, layout, slab, ssd, copier
 
 
@@ -64,7 +64,7 @@ def test_store_then_load_round_trips_bit_exact(tmp_path) -> None:
     src = [1, 3, 4, 7, 9, 12]
     expected = _bytes_of(layout, src)
     # four into the slab (two of them also to SSD), two only to SSD (through staging)
-    plan = StorePlan(1, COMPUTED, src, keys, [0, 1, 2, 3, -1, -1], [False, True, False, True, True, True])
+    plan = StorePlan(1, COMPUTED, src, keys, [0, 1, 2, 3, -1, -1], {"ssd": [1, 3, 4, 5]}, slab="cpu")
     copier.store(plan, copier.streams.current().record())
     done = _until(lambda: copier.poll().stored, "the store")
     assert done == [1]
@@ -74,8 +74,8 @@ def test_store_then_load_round_trips_bit_exact(tmp_path) -> None:
     for k in list(kv.values()):
         k.zero_()
     dst = [0, 2, 5, 6, 8, 10]
-    load = LoadPlan(2, "r", dst, keys, [0, 1, 2, 3, -1, -1], [False, False, False, False, True, True],
-                    [-1, -1, -1, -1, 4, 5])
+    load = LoadPlan(2, "r", dst, keys, [0, 1, 2, 3, -1, -1], ["cpu", "cpu", "cpu", "cpu", "ssd", "ssd"],
+                    [-1, -1, -1, -1, 4, 5], slab="cpu")
     copier.load(load)
     result = _until(lambda: copier.poll().loads.get("r"), "the load")
     assert result.loaded == 6 and result.lost == []
@@ -90,7 +90,7 @@ def test_the_fence_keeps_a_reused_block_until_its_gather_ran(tmp_path) -> None:
     was queued: the slab gets the bytes it had when the store was queued."""
     kv, layout, slab, ssd, copier = _engine(tmp_path)
     expected = _bytes_of(layout, [5])
-    plan = StorePlan(1, COMPUTED, [5], [b"k" * 32], [0], [False])
+    plan = StorePlan(1, COMPUTED, [5], [b"k" * 32], [0], {}, slab="cpu")
     copier.store_stream.submit(lambda: torch.cuda._sleep(200_000_000))  # ~0.1 s: the gather waits behind it
     copier.store(plan, copier.streams.current().record())
     copier.fence([5])
@@ -110,7 +110,7 @@ def test_queueing_a_copy_behind_a_busy_forward_does_not_block_the_host(tmp_path)
     torch.cuda._sleep(1_000_000_000)  # the "forward", on the compute stream
     after = copier.streams.current().record()
     t0 = time.perf_counter()
-    copier.store(StorePlan(1, COMPUTED, [2, 3], [b"a" * 32, b"b" * 32], [0, 1], [False, False]), after)
+    copier.store(StorePlan(1, COMPUTED, [2, 3], [b"a" * 32, b"b" * 32], [0, 1], {}, slab="cpu"), after)
     queued_s = time.perf_counter() - t0
     assert not after.query(), "the forward was over before the store was queued: nothing measured"
     assert queued_s < 0.1, f"queueing the store took {queued_s:.3f} s: the host waited for the forward"
@@ -125,12 +125,12 @@ def test_a_load_reports_the_device_time_of_its_copies_not_its_wait_in_the_queue(
     between two timed events on the load stream."""
     kv, layout, slab, ssd, copier = _engine(tmp_path)
     keys = [bytes([3, i]) * 16 for i in range(4)]
-    plan = StorePlan(1, COMPUTED, [1, 2, 3, 4], keys, [0, 1, 2, 3], [False] * 4)
+    plan = StorePlan(1, COMPUTED, [1, 2, 3, 4], keys, [0, 1, 2, 3], {}, slab="cpu")
     copier.store(plan, copier.streams.current().record())
     _until(lambda: copier.poll().stored, "the store")
     copier.load_stream.submit(lambda: torch.cuda._sleep(400_000_000))
     t0 = time.perf_counter()
-    copier.load(LoadPlan(2, "r", [8, 9, 10, 11], keys, [0, 1, 2, 3], [False] * 4, [-1] * 4))
+    copier.load(LoadPlan(2, "r", [8, 9, 10, 11], keys, [0, 1, 2, 3], ["cpu"] * 4, [-1] * 4, slab="cpu"))
     result = _until(lambda: copier.poll().loads.get("r"), "the load")
     waited = time.perf_counter() - t0
     assert result.loaded == 4

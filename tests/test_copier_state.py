@@ -108,7 +108,7 @@ class Rank:
         self.dev.step_thread = threading.get_ident()
         self.slab = HostSlab(spec.cpu_slots, BLOCK, pin_memory=False)
         self.ssd = FakeSSD(seed)
-        self.copier = Copier(Executor(None, self.slab, self.ssd), FakeRows(self.dev), self.dev,
+        self.copier = Copier(Executor(None, {"cpu": self.slab, "ssd": self.ssd}), FakeRows(self.dev), self.dev,
                              staging_bytes=staging_blocks * BLOCK, io=self.dev.io)
 
 
@@ -176,7 +176,7 @@ class CopierMachine(RuleBasedStateMachine):
             plan = self.policy.prepare_load(str(rid), keys[:hits], blocks[:hits])
             req.loading = plan
             for r in self.ranks:
-                r.copier.evict(plan.spills, plan.ssd_evictions)
+                r.copier.evict(plan.spills, plan.evictions)
 
     def finish(self, rid: int) -> None:
         req = self.reqs[rid]
@@ -254,7 +254,7 @@ class CopierMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ checks
 
     def _check_store(self, rank: Rank, plan: Any, lost: set[tuple[str, bytes]]) -> None:
-        for k, slot in zip(plan.keys, plan.cpu_slots):
+        for k, slot in zip(plan.keys, plan.slots):
             if slot >= 0 and not np.array_equal(rank.slab.array[slot], pattern(k, BLOCK)):
                 self.bad.append(f"slab slot {slot} holds wrong bytes for {k[:2].hex()}")
 
@@ -263,7 +263,7 @@ class CopierMachine(RuleBasedStateMachine):
         for i, (b, k) in enumerate(zip(plan.block_ids[:result.loaded], plan.keys[:result.loaded])):
             if not np.array_equal(rank.dev.kv[b], pattern(k, BLOCK)):
                 self.bad.append(f"block {b} loaded wrong bytes for {k[:2].hex()} (from {plan.tiers()[i]}, "
-                                f"slot {plan.cpu_slots[i]}, promoted to {plan.promote_slots[i]})")
+                                f"slot {plan.slots[i]}, promoted to {plan.promote_slots[i]})")
 
     @invariant()
     def bytes_are_right(self) -> None:

@@ -33,12 +33,12 @@ def core(groups: KVGroups | None, remote: float) -> DriverCore:
 
 class Server:
     """A synchronous driver's executor over a remote tier holding every key: a probe answers
-    how many leading keys it holds (as :meth:`Executor.probe_remote`), a fetch brings them all."""
+    how many leading keys it holds (as :meth:`Executor.probe`), a fetch brings them all."""
 
     def __init__(self) -> None:
         self.fetched: list[bytes] = []
 
-    def probe_remote(self, keys: Any) -> int:
+    def probe(self, keys: Any) -> int:
         return len(keys)
 
     def fetch(self, plan: FetchPlan) -> int:

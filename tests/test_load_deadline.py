@@ -62,7 +62,7 @@ def _tiers(tmp_path: Path, n: int) -> tuple[Executor, Copier, SSDTier, dict[str,
     for i, k in enumerate(keys):
         assert ssd.put(k, np.full(layout.block_nbytes, i, np.uint8))
     ssd.flush()
-    ex = Executor(rows, HostSlab(n, layout.block_nbytes, pin_memory=False), ssd)
+    ex = Executor(rows, {"cpu": HostSlab(n, layout.block_nbytes, pin_memory=False), "ssd": ssd})
     return ex, Copier(ex, rows, InlineStreams()), ssd, kv, keys
 
 
@@ -72,11 +72,11 @@ def test_a_cut_read_stops_between_batches_and_loses_nothing_the_tier_holds(tmp_p
     assert batch == READ_BATCH_BYTES // ssd.block_nbytes and 48 >= 3 * batch
     n = 3 * batch
     promote = [i if i % 2 else -1 for i in range(n)]
-    plan = LoadPlan(1, "r", list(range(n)), keys, [-1] * n, [True] * n, promote)
+    plan = LoadPlan(1, "r", list(range(n)), keys, [-1] * n, ["ssd"] * n, promote, slab="cpu")
     rows = np.zeros((n, ssd.block_nbytes), np.uint8)
     ok = [False] * n
     checks = iter([False, True])  # read the first batch, then the deadline passed
-    lost = ex.read_ssd(plan, rows, ok, stop=lambda: next(checks))
+    lost = ex.read_keyed(plan, rows, ok, stop=lambda: next(checks))
     assert ok == [True] * batch + [False] * (n - batch)
     assert all((rows[i] == i).all() for i in range(batch))
     # no SSD block is lost; the promotions that received nothing are (the CPU tier must forget them)
@@ -88,8 +88,8 @@ def test_a_cut_read_stops_between_batches_and_loses_nothing_the_tier_holds(tmp_p
 def test_the_copier_cuts_the_load_of_the_request_named_and_reports_what_moved(tmp_path: Path) -> None:
     ex, copier, ssd, kv, keys = _tiers(tmp_path, 48)
     n = 2 * ex.read_batch
-    plan = LoadPlan(1, "r", list(range(n)), keys, [-1] * n, [True] * n, [-1] * n)
-    other = LoadPlan(2, "s", list(range(n)), keys, [-1] * n, [True] * n, [-1] * n)
+    plan = LoadPlan(1, "r", list(range(n)), keys, [-1] * n, ["ssd"] * n, [-1] * n, slab="cpu")
+    other = LoadPlan(2, "s", list(range(n)), keys, [-1] * n, ["ssd"] * n, [-1] * n, slab="cpu")
     copier.cut("r")  # nothing queued yet: a no-op
     copier.load(other)
     copier.load(plan)
@@ -171,8 +171,8 @@ def test_a_fetch_from_a_slow_server_stops_between_chunks(tmp_path: Path) -> None
         with SlowProxy(server.port, bps=2 << 20) as proxy:
             remote = RemoteTier(f"redis://127.0.0.1:{proxy.port}/0", key_prefix("fp"), nb, timeout=30.0)
             slab = HostSlab(n, nb, pin_memory=False)
-            ex = Executor(None, slab, None, remote=remote)
-            plan = FetchPlan(1, req_id="r", keys=keys, cpu_slots=list(range(n)), to_ssd=[False] * n)
+            ex = Executor(None, {"cpu": slab, "remote": remote})
+            plan = FetchPlan(1, req_id="r", keys=keys, slots=list(range(n)), source="remote", slab="cpu")
             checks = iter([False, True])
             got = ex.fetch(plan, stop=lambda: next(checks, True))
             assert got == ex.read_batch == READ_BATCH_BYTES // nb
@@ -189,7 +189,7 @@ def test_the_scheduler_names_a_fetch_past_its_deadline_once() -> None:
     c = LoadCosts(("cpu", "ssd"), "remote", policy=MEASURED, warmup=1, token_seconds=0.001,
                   block_seconds={"cpu": 0.001})
     timing = TransferTiming(c, BT, clock=lambda: now[0])
-    plan = FetchPlan(7, req_id="r", keys=[b"k"] * 4, cpu_slots=[0, 1, 2, 3], to_ssd=[False] * 4)
+    plan = FetchPlan(7, req_id="r", keys=[b"k"] * 4, slots=[0, 1, 2, 3], source="remote", slab="cpu")
     assert timing.step(0, [plan]) == []       # computing 4 blocks: 64 ms, the fetch's deadline
     now[0] = 0.05
     assert timing.step(0, []) == []
@@ -243,7 +243,7 @@ def test_a_grouped_load_is_bounded_by_computing_its_positions_not_its_entries() 
     now = [0.0]
     c = LoadCosts(("cpu", "ssd"), policy=MEASURED, warmup=1, token_seconds=0.001)
     plan = LoadPlan(3, req_id="r", block_ids=list(range(12)), keys=[bytes([i]) * 16 for i in range(12)],
-                    cpu_slots=[-1] * 12, from_ssd=[True] * 12, promote_slots=[-1] * 12)
+                    slots=[-1] * 12, sources=["ssd"] * 12, promote_slots=[-1] * 12)
     timing = TransferTiming(c, BT, clock=lambda: now[0], span_of=lambda p: 4)
     assert timing.step(0, [plan]) == []
     now[0] = 0.07
@@ -288,7 +288,7 @@ def test_a_device_that_times_its_copies_reports_their_device_time(tmp_path: Path
     load stream, not the host's time to queue them."""
     ex, _, ssd, _, keys = _tiers(tmp_path, 4)
     copier = Copier(ex, ex.device, _TimedStreams())
-    plan = LoadPlan(1, "r", [0, 1], keys[:2], [-1, -1], [True, True], [-1, -1])
+    plan = LoadPlan(1, "r", [0, 1], keys[:2], [-1, -1], ["ssd", "ssd"], [-1, -1], slab="cpu")
     copier.load(plan)
     deadline = time.monotonic() + 10
     result = None
@@ -309,7 +309,7 @@ def test_the_scheduler_keeps_each_load_in_the_read_queue_from_hand_over_to_its_e
                   block_seconds={"cpu": 0.001, "ssd": 0.01}, clock=lambda: now[0])
     timing = TransferTiming(c, BT, clock=lambda: now[0])
     ssd = LoadPlan(4, "r", list(range(6)), [bytes([i]) * 16 for i in range(6)], [0, 1, -1, -1, -1, -1],
-                   [False, False, True, True, True, True], [-1] * 6)
+                   ["cpu", "cpu", "ssd", "ssd", "ssd", "ssd"], [-1] * 6)
     timing.step(0, [ssd])
     assert c.queued() == pytest.approx(0.04)  # 4 SSD blocks at 10 ms; the 2 DRAM ones queue on nothing
     timing.loaded(ssd)

@@ -16,6 +16,7 @@ import pytest
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError
 from kvstrata.policy import LoadPlan, PolicySpec, StorePlan, TierPolicy
+from kvstrata.policy.plans import Spill
 from kvstrata.policy.hot_set import select_for_shutdown
 from kvstrata.tiers.ssd import capacity_blocks
 from kvstrata.core.deployment import policy_spec
@@ -32,6 +33,11 @@ def make(**spec) -> TierPolicy:
 
 def events(policy: TierPolicy) -> list[tuple[str, str, tuple[bytes, ...]]]:
     return [(e.kind, e.tier, e.keys) for e in policy.take_events()]
+
+
+def sp(slot: int, key: bytes) -> Spill:
+    """A spill of slab slot ``slot`` from the CPU tier down to the SSD tier."""
+    return Spill("cpu", slot, "ssd", key)
 
 
 def stored(policy: TierPolicy, keys: list[bytes], reason: str = "computed") -> StorePlan:
@@ -52,7 +58,7 @@ def tiers(policy: TierPolicy) -> tuple[list[bytes], list[bytes]]:
 def test_on_compute_stores_computed_blocks_and_ignores_evicted_ones() -> None:
     policy = make(cpu_slots=2)
     plan = policy.prepare_store([7], [A], "computed")
-    assert plan == StorePlan(1, "computed", block_ids=[7], keys=[A], cpu_slots=[0], to_ssd=[False])
+    assert plan == StorePlan(1, "computed", block_ids=[7], keys=[A], slots=[0], writes={})
     assert events(policy) == [("stored", "cpu", (A,))]
     policy.complete_store(plan)
     for reason in ("pageout", "evicted"):
@@ -67,8 +73,8 @@ def test_on_compute_stores_computed_blocks_and_ignores_evicted_ones() -> None:
 def test_on_evict_stores_evicted_and_paged_out_blocks_and_ignores_computed_ones() -> None:
     policy = make(cpu_slots=3, admission="on_evict")
     assert stored(policy, [A], "computed").empty
-    assert stored(policy, [A], "evicted") == StorePlan(2, "evicted", [100], [A], [0], [False])
-    assert stored(policy, [B], "pageout") == StorePlan(3, "pageout", [100], [B], [1], [False])
+    assert stored(policy, [A], "evicted") == StorePlan(2, "evicted", [100], [A], [0], {})
+    assert stored(policy, [B], "pageout") == StorePlan(3, "pageout", [100], [B], [1], {})
     assert policy.lookup([A, B]) == ["cpu", "cpu"]
     assert [policy.admits(r) for r in ("computed", "pageout", "evicted", "shutdown")] == [False, True, True, True]
 
@@ -95,7 +101,7 @@ def test_computed_touches_the_copies_below_it_already_has() -> None:
     assert tiers(policy) == ([B, C, A], [B, C, A])
     policy.take_events()
     plan = stored(policy, [D])  # evicts B, not A, from both tiers
-    assert plan.cpu_slots == [1] and plan.ssd_evictions == [B]
+    assert plan.slots == [1] and plan.evictions == {"ssd": [B]}
     assert tiers(policy) == ([C, A, D], [C, A, D])
     assert events(policy) == [("evicted", "cpu", (B,)), ("stored", "cpu", (D,)),
                               ("evicted", "ssd", (B,)), ("stored", "ssd", (D,))]
@@ -104,7 +110,7 @@ def test_computed_touches_the_copies_below_it_already_has() -> None:
 def test_a_key_offered_twice_is_stored_once() -> None:
     policy = make(cpu_slots=4, ssd_slots=4)
     plan = policy.prepare_store([5, 6, 5], [A, B, A], "computed")
-    assert plan.keys == [A, B] and plan.block_ids == [5, 6] and plan.cpu_slots == [0, 1]
+    assert plan.keys == [A, B] and plan.block_ids == [5, 6] and plan.slots == [0, 1]
     assert policy.pinned() == {"cpu": 2, "ssd": 2}
 
 
@@ -129,23 +135,23 @@ def test_prepare_rejects_block_ids_that_do_not_match_keys() -> None:
 def test_without_write_through_a_cpu_eviction_spills_to_ssd() -> None:
     policy = make(cpu_slots=2, ssd_slots=2, write_through=False)
     first = stored(policy, [A, B])
-    assert first.cpu_slots == [0, 1] and first.to_ssd == [False, False]
+    assert first.slots == [0, 1] and first.writes == {}
     assert tiers(policy) == ([A, B], [])
     policy.take_events()
 
     plan = policy.prepare_store([10], [C], "computed")
-    assert plan == StorePlan(2, "computed", [10], [C], cpu_slots=[0], to_ssd=[False], spills=[(0, A)])
+    assert plan == StorePlan(2, "computed", [10], [C], slots=[0], writes={}, spills=[sp(0, A)])
     assert events(policy) == [("evicted", "cpu", (A,)), ("stored", "ssd", (A,)), ("stored", "cpu", (C,))]
     assert policy.lookup([A]) == ["ssd"] and policy.lookup([C]) == ["cpu"]
     assert policy.ssd.pin_count(A) == 1 and policy.cpu.pin_count(C) == 1  # until the spill is written
     policy.complete_store(plan)
     assert policy.pinned() == {"cpu": 0, "ssd": 0}
 
-    assert stored(policy, [D]).spills == [(1, B)]
+    assert stored(policy, [D]).spills == [sp(1, B)]
     assert tiers(policy) == ([C, D], [A, B])
     policy.take_events()
     plan = stored(policy, [E])  # the spill of C makes the SSD tier evict A
-    assert (plan.cpu_slots, plan.spills, plan.ssd_evictions) == ([0], [(0, C)], [A])
+    assert (plan.slots, plan.spills, plan.evictions) == ([0], [sp(0, C)], {"ssd": [A]})
     assert events(policy) == [("evicted", "cpu", (C,)), ("evicted", "ssd", (A,)), ("stored", "ssd", (C,)),
                               ("stored", "cpu", (E,))]
     assert tiers(policy) == ([D, E], [B, C])
@@ -156,22 +162,22 @@ def test_the_cascade_skips_keys_the_ssd_tier_already_holds() -> None:
     stored(policy, [A])
     stored(policy, [B])                       # spills A
     assert tiers(policy) == ([B], [A])
-    assert stored(policy, [A]).spills == [(0, B)]  # A comes back to the CPU tier, B goes down
+    assert stored(policy, [A]).spills == [sp(0, B)]  # A comes back to the CPU tier, B goes down
     assert tiers(policy) == ([A], [A, B])
     policy.take_events()
     plan = stored(policy, [B])                # evicts A, which the SSD tier holds: no spill
-    assert plan == StorePlan(4, "computed", [100], [B], [0], [False])
+    assert plan == StorePlan(4, "computed", [100], [B], [0], {})
     assert events(policy) == [("evicted", "cpu", (A,)), ("stored", "cpu", (B,))]
 
 
 def test_write_through_sends_every_cpu_store_to_ssd_and_never_spills() -> None:
     policy = make(cpu_slots=2, ssd_slots=4)
     plan = policy.prepare_store([1, 2, 3], [A, B, C], "computed")
-    assert plan == StorePlan(1, "computed", [1, 2, 3], [A, B, C], cpu_slots=[0, 1, -1], to_ssd=[True] * 3)
+    assert plan == StorePlan(1, "computed", [1, 2, 3], [A, B, C], slots=[0, 1, -1], writes={"ssd": [0, 1, 2]})
     assert events(policy) == [("stored", "cpu", (A, B)), ("stored", "ssd", (A, B, C))]
     policy.complete_store(plan)
     plan = stored(policy, [D])
-    assert plan == StorePlan(2, "computed", [100], [D], cpu_slots=[0], to_ssd=[True])
+    assert plan == StorePlan(2, "computed", [100], [D], slots=[0], writes={"ssd": [0]})
     assert events(policy) == [("evicted", "cpu", (A,)), ("stored", "cpu", (D,)), ("stored", "ssd", (D,))]
     assert policy.lookup([A, B, C, D]) == ["ssd", "cpu", "ssd", "cpu"]
 
@@ -182,7 +188,7 @@ def test_write_through_never_spills_even_a_key_the_ssd_tier_lacks() -> None:
     stored(policy, [B])  # the SSD tier evicts A; the CPU tier keeps both
     assert tiers(policy) == ([A, B], [B])
     plan = stored(policy, [C])
-    assert plan == StorePlan(3, "computed", [100], [C], cpu_slots=[0], to_ssd=[True], ssd_evictions=[B])
+    assert plan == StorePlan(3, "computed", [100], [C], slots=[0], writes={"ssd": [0]}, evictions={"ssd": [B]})
     assert policy.lookup([A]) == []  # evicted from the CPU tier, not spilled
 
 
@@ -190,7 +196,7 @@ def test_a_store_goes_to_ssd_only_when_every_cpu_slot_is_pinned() -> None:
     policy = make(cpu_slots=1, ssd_slots=2, write_through=False)
     held = policy.prepare_store([0], [A], "computed")  # in flight: A's slot is pinned
     plan = policy.prepare_store([1], [B], "computed")
-    assert plan == StorePlan(2, "computed", [1], [B], cpu_slots=[-1], to_ssd=[True])
+    assert plan == StorePlan(2, "computed", [1], [B], slots=[-1], writes={"ssd": [0]})
     assert events(policy) == [("stored", "cpu", (A,)), ("stored", "ssd", (B,))]
     policy.complete_store(held)
     policy.complete_store(plan)
@@ -224,7 +230,7 @@ def test_inclusive_promotion_gives_ssd_hits_a_pinned_cpu_slot() -> None:
     assert policy.seed_ssd([A, B]) == []
     assert policy.lookup([A, B, C]) == ["ssd", "ssd"]
     plan = policy.prepare_load("r1", [A, B], [5, 6])
-    assert plan == LoadPlan(1, "r1", [5, 6], [A, B], cpu_slots=[-1, -1], from_ssd=[True, True],
+    assert plan == LoadPlan(1, "r1", [5, 6], [A, B], slots=[-1, -1], sources=["ssd", "ssd"],
                             promote_slots=[0, 1])
     assert plan.tiers() == ["ssd", "ssd"]
     assert events(policy) == [("hit", "ssd", (A, B)), ("stored", "cpu", (A, B))]
@@ -234,7 +240,7 @@ def test_inclusive_promotion_gives_ssd_hits_a_pinned_cpu_slot() -> None:
     assert tiers(policy) == ([A, B], [A, B])  # the SSD copies stay
 
     again = policy.prepare_load("r2", [A, B], [7, 8])
-    assert again == LoadPlan(2, "r2", [7, 8], [A, B], cpu_slots=[0, 1], from_ssd=[False, False],
+    assert again == LoadPlan(2, "r2", [7, 8], [A, B], slots=[0, 1], sources=["cpu", "cpu"],
                              promote_slots=[-1, -1])
     assert events(policy) == [("hit", "cpu", (A, B))]
     policy.complete_load(again)
@@ -246,7 +252,7 @@ def test_promotion_evicts_and_cascades_like_a_store() -> None:
     stored(policy, [B], "evicted")  # spills A
     policy.take_events()
     plan = policy.prepare_load("r", [A], [9])
-    assert plan == LoadPlan(3, "r", [9], [A], [-1], [True], promote_slots=[0], spills=[(0, B)])
+    assert plan == LoadPlan(3, "r", [9], [A], [-1], ["ssd"], promote_slots=[0], spills=[sp(0, B)])
     assert events(policy) == [("hit", "ssd", (A,)), ("evicted", "cpu", (B,)), ("stored", "ssd", (B,)),
                               ("stored", "cpu", (A,))]
     policy.complete_load(plan)
@@ -259,7 +265,7 @@ def test_exclusive_promotion_moves_loaded_cpu_blocks_out_of_the_cpu_tier() -> No
     assert tiers(policy) == ([A, B], [A, B])
     policy.take_events()
     plan = policy.prepare_load("r", [A], [3])
-    assert plan.cpu_slots == [0] and plan.promote_slots == [-1]
+    assert plan.slots == [0] and plan.promote_slots == [-1]
     assert policy.lookup([A]) == ["cpu"]  # until the load completes
     policy.complete_load(plan)
     assert policy.lookup([A]) == ["ssd"]
@@ -267,7 +273,7 @@ def test_exclusive_promotion_moves_loaded_cpu_blocks_out_of_the_cpu_tier() -> No
     assert events(policy) == [("hit", "cpu", (A,)), ("lost", "cpu", (A,))]
 
     plan = policy.prepare_load("r", [A], [3])  # an SSD hit is not promoted
-    assert plan.from_ssd == [True] and plan.promote_slots == [-1]
+    assert plan.sources == ["ssd"] and plan.promote_slots == [-1]
     policy.complete_load(plan)
     assert tiers(policy) == ([B], [B, A])  # the read was a use of A's SSD copy
 
@@ -282,7 +288,7 @@ def test_a_load_that_names_a_key_twice_releases_every_pin() -> None:
     policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict")
     policy.seed_ssd([A])
     plan = policy.prepare_load("r", [A, A], [1, 2])
-    assert plan.from_ssd == [True, True] and plan.promote_slots == [0, 0]
+    assert plan.sources == ["ssd", "ssd"] and plan.promote_slots == [0, 0]
     policy.complete_load(plan)
     assert policy.pinned() == {"cpu": 0, "ssd": 0}
     policy.check()
@@ -292,7 +298,7 @@ def test_a_load_of_a_key_no_tier_holds_plans_no_source() -> None:
     policy = make(cpu_slots=2, ssd_slots=2)
     stored(policy, [A])
     plan = policy.prepare_load("r", [A, B], [1, 2])
-    assert plan.tiers() == ["cpu", ""] and plan.cpu_slots == [0, -1] and plan.from_ssd == [False, False]
+    assert plan.tiers() == ["cpu", ""] and plan.slots == [0, -1] and plan.sources == ["cpu", ""]
     policy.complete_load(plan)
     assert policy.pinned() == {"cpu": 0, "ssd": 0}
 
@@ -303,7 +309,7 @@ def test_a_load_of_a_key_no_tier_holds_plans_no_source() -> None:
 def test_shutdown_stores_the_most_recent_blocks_up_to_the_ssd_capacity() -> None:
     policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict")
     plan = policy.prepare_store([1, 2, 3], [A, B, C], "shutdown")  # most recently used first
-    assert plan == StorePlan(1, "shutdown", block_ids=[2, 1], keys=[B, A], cpu_slots=[-1, -1], to_ssd=[True, True])
+    assert plan == StorePlan(1, "shutdown", block_ids=[2, 1], keys=[B, A], slots=[-1, -1], writes={"ssd": [0, 1]})
     assert events(policy) == [("stored", "ssd", (B, A))]
     policy.complete_store(plan)
     assert tiers(policy) == ([], [B, A])  # A, the most recent, is the most recent there too
@@ -313,7 +319,7 @@ def test_shutdown_skips_keys_the_ssd_tier_holds() -> None:
     policy = make(ssd_slots=3)  # on_compute takes shutdown too
     policy.seed_ssd([X])
     plan = policy.prepare_store([1, 2, 3], [A, X, B], "shutdown")
-    assert plan.keys == [B, A] and plan.block_ids == [3, 1] and plan.ssd_evictions == []
+    assert plan.keys == [B, A] and plan.block_ids == [3, 1] and plan.evictions == {}
     policy.complete_store(plan)
     assert tiers(policy) == ([], [X, B, A])
 
@@ -322,7 +328,7 @@ def test_shutdown_leaves_room_for_pinned_ssd_slots() -> None:
     policy = make(ssd_slots=2)
     held = policy.prepare_store([0], [X], "computed")  # X's SSD slot is pinned
     plan = policy.prepare_store([1, 2], [A, B], "shutdown")
-    assert plan.keys == [A] and plan.ssd_evictions == []
+    assert plan.keys == [A] and plan.evictions == {}
     policy.complete_store(held)
     policy.complete_store(plan)
     assert tiers(policy) == ([], [X, A])
@@ -341,8 +347,8 @@ def test_shutdown_keeps_the_most_recent_offered_blocks() -> None:
     policy = make(ssd_slots=2, admission="on_evict")
     policy.seed_ssd([X])
     plan = policy.prepare_store([1, 2, 3], [A, X, B], "shutdown")
-    assert plan == StorePlan(1, "shutdown", block_ids=[1], keys=[A], cpu_slots=[-1], to_ssd=[True],
-                             ssd_touches=[X])  # X's recency is refreshed on disk too
+    assert plan == StorePlan(1, "shutdown", block_ids=[1], keys=[A], slots=[-1], writes={"ssd": [0]},
+                             touches={"ssd": [X]})  # X's recency is refreshed on disk too
     assert events(policy) == [("stored", "ssd", (A,))]
     policy.complete_store(plan)
     assert tiers(policy) == ([], [X, A])
@@ -353,8 +359,8 @@ def test_shutdown_touches_the_hot_keys_the_ssd_tier_holds_before_placing_the_oth
     policy.seed_ssd([Y, X, Z])  # Y is the least recent
     plan = policy.prepare_store([1, 2, 3, 4], [A, Y, B, X], "shutdown")  # hot: A, Y, B
     # Y, touched first, is not evicted to place B and A: X and Z are
-    assert plan == StorePlan(1, "shutdown", block_ids=[3, 1], keys=[B, A], cpu_slots=[-1, -1],
-                             to_ssd=[True, True], ssd_evictions=[X, Z], ssd_touches=[Y])
+    assert plan == StorePlan(1, "shutdown", block_ids=[3, 1], keys=[B, A], slots=[-1, -1],
+                             writes={"ssd": [0, 1]}, evictions={"ssd": [X, Z]}, touches={"ssd": [Y]})
     assert events(policy) == [("evicted", "ssd", (X, Z)), ("stored", "ssd", (B, A))]
     policy.complete_store(plan)
     assert tiers(policy) == ([], [Y, B, A])
@@ -442,14 +448,14 @@ def test_forget_of_a_pinned_key_is_immediate_and_its_slot_stays_taken_until_its_
     assert events(policy) == []
 
     again = policy.prepare_store([2], [A], "computed")  # a store places A again, in a new slot
-    assert again.cpu_slots == [1] and policy.lookup([A]) == ["cpu"]
+    assert again.slots == [1] and policy.lookup([A]) == ["cpu"]
     policy.complete_store(store)
     assert policy.cpu.pin_count(tomb) == 1 and policy.cpu.num_free == 1  # the load still holds slot 0
     policy.complete_load(load)
     assert tomb not in policy.cpu and list(policy.cpu) == [A] and policy.cpu.num_free == 2
     policy.check()
     policy.complete_store(again)
-    assert stored(policy, [C]).cpu_slots == [0]  # the most recently freed slot is reused first
+    assert stored(policy, [C]).slots == [0]  # the most recently freed slot is reused first
     assert policy.counts.snapshot()["lost"] == {"cpu": 1, "ssd": 0}
 
 
@@ -469,14 +475,14 @@ def test_clear_forgets_every_block_below_and_returns_the_ssd_keys_to_delete() ->
     assert policy.occupancy() == {"cpu": 0, "ssd": 0} and policy.counts.snapshot()["lost"] == {"cpu": 0, "ssd": 0}
     policy.check()
     again = stored(policy, [A])  # stored afresh: a hit again
-    assert policy.lookup([A]) == ["cpu"] and again.cpu_slots
+    assert policy.lookup([A]) == ["cpu"] and again.slots
 
 
 def test_forget_renames_the_pins_of_every_open_plan() -> None:
     policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict", promotion="exclusive", write_through=False)
     stored(policy, [A, B], "evicted")
     spill = policy.prepare_store([3], [C], "evicted")  # C into A's slot: A spills to the SSD tier
-    assert spill.spills == [(0, A)] and policy.ssd.pin_count(A) == 1
+    assert spill.spills == [sp(0, A)] and policy.ssd.pin_count(A) == 1
     load = policy.prepare_load("r", [A], [4])          # reads A from the SSD tier: a second pin
     assert load.tiers() == ["ssd"]
     policy.forget("ssd", [A])
@@ -549,7 +555,7 @@ def test_exclusive_loads_of_one_key_move_it_up_once() -> None:
     stored(policy, [A], "evicted")
     first = policy.prepare_load("r1", [A], [1])
     second = policy.prepare_load("r2", [A], [2])
-    assert first.cpu_slots == second.cpu_slots == [0]
+    assert first.slots == second.slots == [0]
     policy.take_events()
     policy.complete_load(first)  # A leaves; its slot stays taken while the second load reads it
     assert events(policy) == [("lost", "cpu", (A,))]
@@ -599,7 +605,7 @@ def test_an_evicted_block_whose_lower_copy_was_lost_is_stored_again() -> None:
     load = policy.prepare_load("r", [A], [1])
     policy.forget("cpu", [A])               # the executor found A's slot corrupt
     plan = policy.prepare_store([1], [A], "evicted")
-    assert plan == StorePlan(3, "evicted", [1], [A], cpu_slots=[1], to_ssd=[False])
+    assert plan == StorePlan(3, "evicted", [1], [A], slots=[1], writes={})
     policy.complete_load(load)
     policy.complete_store(plan)
     assert policy.lookup([A]) == ["cpu"] and policy.cpu.lookup(A) == 1
@@ -617,7 +623,7 @@ def test_every_slot_of_an_open_plan_is_pinned_until_complete() -> None:
     assert policy.cpu.pin_count(C) == 1 and policy.ssd.pin_count(A) == 1 and policy.cpu.pin_count(B) == 1
     # no unpinned CPU slot to take: D goes to the SSD tier's free slot
     third = policy.prepare_store([5], [D], "computed")
-    assert third == StorePlan(4, "computed", [5], [D], [-1], [True])
+    assert third == StorePlan(4, "computed", [5], [D], [-1], {"ssd": [0]})
     policy.complete_load(load)
     policy.complete_store(store)
     policy.complete_store(third)
@@ -636,8 +642,8 @@ def test_an_ssd_key_deleted_by_one_open_plan_and_written_by_a_later_one_is_held_
     sim.run(stored(policy, [C]))
     first = policy.prepare_store([1], [B], "computed")   # evicts A
     second = policy.prepare_store([2], [A], "computed")  # stores A again, evicting C
-    assert first == StorePlan(3, "computed", [1], [B], [-1], [True], ssd_evictions=[A])
-    assert second == StorePlan(4, "computed", [2], [A], [-1], [True], ssd_evictions=[C])
+    assert first == StorePlan(3, "computed", [1], [B], [-1], {"ssd": [0]}, evictions={"ssd": [A]})
+    assert second == StorePlan(4, "computed", [2], [A], [-1], {"ssd": [0]}, evictions={"ssd": [C]})
     assert tiers(policy) == ([], [B, A])
 
     reversed_order = SimExecutor(list(sim.disk))
@@ -663,7 +669,7 @@ def test_a_load_may_read_the_slot_an_earlier_open_load_promotes_into_in_order() 
     first = policy.prepare_load("r1", [A], [1])
     second = policy.prepare_load("r2", [A], [2])
     assert first.tiers() == ["ssd"] and first.promote_slots == [0]
-    assert second.tiers() == ["cpu"] and second.cpu_slots == [0]
+    assert second.tiers() == ["cpu"] and second.slots == [0]
     assert policy.cpu.pin_count(A) == 2  # neither load's slot is reused before it completes
 
     sim = SimExecutor([A])
@@ -701,23 +707,23 @@ def test_plans_run_in_preparation_order_hold_every_key_where_the_policy_says() -
 
     complete(store(A), store(B))
     s2 = store(C)
-    assert s2.spills == [(0, A)]
+    assert s2.spills == [sp(0, A)]
     l1 = load([A])
-    assert (l1.promote_slots, l1.spills) == ([1], [(1, B)])
+    assert (l1.promote_slots, l1.spills) == ([1], [sp(1, B)])
     l2 = load([A])
-    assert l2.cpu_slots == [1]  # the slot l1 promotes into
+    assert l2.slots == [1]  # the slot l1 promotes into
     policy.forget("ssd", [A])   # pinned by s2 and l1: a tombstone keeps its SSD slot
     complete(s2, l2)
     s3 = store(D)
-    assert s3.spills == [(0, C)] and tiers(policy)[1] == [B, TOMB + b"1", C]
+    assert s3.spills == [sp(0, C)] and tiers(policy)[1] == [B, TOMB + b"1", C]
     complete(l1)
     s4 = store(E)
-    assert s4.spills == [(1, A)]  # A spills to the SSD tier again, into the tombstone's slot
+    assert s4.spills == [sp(1, A)]  # A spills to the SSD tier again, into the tombstone's slot
     s5 = store(X)
-    assert (s5.to_ssd, s5.ssd_evictions) == ([True], [B])
+    assert (s5.writes, s5.evictions) == ({"ssd": [0]}, {"ssd": [B]})
     complete(s3)
     s6 = store(B)
-    assert (s6.cpu_slots, s6.spills, s6.ssd_evictions) == ([0], [(0, D)], [C])
+    assert (s6.slots, s6.spills, s6.evictions) == ([0], [sp(0, D)], {"ssd": [C]})
     l3 = load([B, A, E, D])
     assert l3.tiers() == ["cpu", "ssd", "cpu", "ssd"]
     complete(l3, s6, s5, s4)
@@ -805,10 +811,10 @@ def test_plans_survive_a_pickle_round_trip() -> None:
     stored(policy, [B], "evicted")
     stored(policy, [C], "evicted")  # spills B: the SSD tier holds A and B
     store = stored(policy, [D], "evicted")  # spills C, which evicts A
-    assert store == StorePlan(4, "evicted", [100], [D], [0], [False], spills=[(0, C)], ssd_evictions=[A])
+    assert store == StorePlan(4, "evicted", [100], [D], [0], {}, spills=[sp(0, C)], evictions={"ssd": [A]})
     load = policy.prepare_load("req-7", [B, E], [11, 12])  # promotes B: spills D, which evicts C
-    assert load == LoadPlan(5, "req-7", [11, 12], [B, E], cpu_slots=[-1, -1], from_ssd=[True, False],
-                            promote_slots=[0, -1], spills=[(0, D)], ssd_evictions=[C])
+    assert load == LoadPlan(5, "req-7", [11, 12], [B, E], slots=[-1, -1], sources=["ssd", ""],
+                            promote_slots=[0, -1], spills=[sp(0, D)], evictions={"ssd": [C]})
     for plan in (load, store):
         for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
             copy = pickle.loads(pickle.dumps(plan, protocol))

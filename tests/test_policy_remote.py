@@ -7,6 +7,7 @@ import pytest
 
 from kvstrata.errors import ConfigError
 from kvstrata.policy import PolicySpec, TierPolicy
+from kvstrata.policy.plans import Spill
 
 A, B, C, D, E = (bytes([c]) * 32 for c in b"ABCDE")
 
@@ -22,11 +23,11 @@ def events(policy: TierPolicy) -> list[tuple[str, str, tuple[bytes, ...]]]:
 def test_blocks_new_to_the_lower_tiers_go_to_the_remote_tier_once() -> None:
     policy = make(cpu_slots=2, ssd_slots=4)
     plan = policy.prepare_store([0, 1], [A, B], "computed")
-    assert plan.to_remote == [True, True] and plan.to_ssd == [True, True]
+    assert len(plan) == 2 and plan.goes_to("remote") == [0, 1] and plan.goes_to("ssd") == [0, 1]
     assert ("stored", "remote", (A, B)) in events(policy)
     policy.complete_store(plan)
     again = policy.prepare_store([2, 3], [A, C], "computed")  # A recomputed: held below, not sent again
-    assert again.keys == [C] and again.to_remote == [True]
+    assert again.keys == [C] and again.goes_to("remote") == [0]
     policy.complete_store(again)
     assert policy.counts.snapshot()["stored"]["remote"] == 3
 
@@ -35,14 +36,14 @@ def test_a_block_no_local_tier_can_take_still_goes_to_the_remote_tier() -> None:
     policy = make(cpu_slots=1)
     held = policy.prepare_store([0], [A], "computed")  # pins the only CPU slot
     plan = policy.prepare_store([1], [B], "computed")
-    assert plan.keys == [B] and plan.cpu_slots == [-1] and plan.to_ssd == [False] and plan.to_remote == [True]
+    assert plan.keys == [B] and plan.slots == [-1] and plan.goes_to("ssd") == [] and plan.goes_to("remote") == [0]
     policy.complete_store(held), policy.complete_store(plan)
     assert policy.lookup([B]) == []
 
 
 def test_without_a_remote_tier_plans_carry_no_remote_work() -> None:
     policy = TierPolicy(PolicySpec(cpu_slots=2))
-    assert policy.prepare_store([0], [A], "computed").to_remote == []
+    assert "remote" not in policy.prepare_store([0], [A], "computed").writes
     assert len(policy.prepare_fetch([B])) == 0
     assert "remote" not in policy.counts.snapshot()["stored"]
 
@@ -50,7 +51,7 @@ def test_without_a_remote_tier_plans_carry_no_remote_work() -> None:
 def test_a_fetch_places_pinned_cpu_slots_and_only_arrived_blocks_become_hits() -> None:
     policy = make(cpu_slots=3, ssd_slots=8)
     plan = policy.prepare_fetch([A, B, C])
-    assert plan.keys == [A, B, C] and sorted(plan.cpu_slots) == [0, 1, 2] and plan.to_ssd == [True] * 3
+    assert plan.keys == [A, B, C] and sorted(plan.slots) == [0, 1, 2] and plan.writes.get("ssd") == [0, 1, 2]
     assert policy.pinned()["cpu"] == 3
     # placed (pinned) at once, as promotions are: a load planned meanwhile runs after the fetch
     # (plans run in order) and reads the slot only if its block arrived (the slab tags slots)
@@ -69,7 +70,8 @@ def test_a_fetch_evicts_like_a_store_and_stops_at_the_first_block_without_a_slot
     pinned = policy.prepare_store([1], [B], "computed")  # B's slot stays pinned
     policy.take_events()
     plan = policy.prepare_fetch([C, D, E])  # A is evicted (spilled to SSD); D and E find no slot
-    assert plan.keys == [C] and plan.spills == [(stored.cpu_slots[0], A)] and plan.to_ssd == [False]
+    assert plan.keys == [C] and plan.spills == [Spill("cpu", stored.slots[0], "ssd", A)]
+    assert not plan.writes.get("ssd")
     assert ("dropped", "cpu", (D, E)) in events(policy)
     policy.complete_fetch(plan, 1)
     policy.complete_store(pinned)

@@ -54,6 +54,7 @@ import pytest
 from kvstrata.policy import (
     COMPUTED, EVENT_KINDS, LOWER_TIERS, SHUTDOWN, STORE_REASONS, LoadPlan, PolicySpec, StorePlan, TierPolicy,
 )
+from kvstrata.policy.plans import Spill
 from kvstrata.policy import holdings
 from kvstrata.policy.compact_index import CompactIndex
 
@@ -232,7 +233,8 @@ class RefPolicy:
         assert self.ssd is not None
         slots, evicted = self.ssd.place(keys)
         gone = [k for k, _ in evicted]
-        plan.ssd_evictions += gone
+        if gone:
+            plan.evictions.setdefault("ssd", []).extend(gone)
         self.emit("evicted", "ssd", gone)
         placed = [k for k, s in zip(keys, slots) if s is not None]
         for key in placed:
@@ -251,7 +253,7 @@ class RefPolicy:
                 down = [(k, s) for k, s in evicted if k not in self.ssd]
                 if down:
                     placed = self.put_ssd(plan, [k for k, _ in down])
-                    plan.spills += [(s, k) for k, s in down if k in placed]
+                    plan.spills += [Spill("cpu", s, "ssd", k) for k, s in down if k in placed]
         given = {k: s for k, s in zip(keys, slots) if s is not None}
         for key in given:
             self.pin(plan.plan_id, "cpu", key)
@@ -286,7 +288,7 @@ class RefPolicy:
         in_ssd = self.put_ssd(plan, to_ssd) if to_ssd else []
         for key, block in block_of.items():
             if key in cpu_slots or key in in_ssd:
-                plan.add(block, key, cpu_slots.get(key, -1), key in in_ssd)
+                plan.add(block, key, cpu_slots.get(key, -1), ("ssd",) if key in in_ssd else ())
         self.emit("dropped", "cpu", [k for k in new if k not in cpu_slots and k not in in_ssd
                                      and not (self.ssd is not None and k in self.ssd)])
         return plan
@@ -304,12 +306,13 @@ class RefPolicy:
         held = [k for k in hot_lru_first if k in self.ssd]
         for key in held:
             self.ssd.touch(key)
-        plan.ssd_touches.extend(held)  # the executor refreshes them on disk too
+        if held:
+            plan.touches.setdefault("ssd", []).extend(held)  # the executor refreshes them on disk too
         missing = [k for k in hot_lru_first if k not in self.ssd]
         placed = self.put_ssd(plan, missing) if missing else []
         for key in missing:
             if key in placed:
-                plan.add(hot[key], key, -1, True)
+                plan.add(hot[key], key, -1, ("ssd",))
         return plan
 
     # -- loads
@@ -319,17 +322,17 @@ class RefPolicy:
         from_cpu, from_ssd = [], []
         for key in keys:
             if self.cpu is not None and key in self.cpu:
-                plan.cpu_slots.append(self.pin(plan.plan_id, "cpu", key))
-                plan.from_ssd.append(False)
+                plan.slots.append(self.pin(plan.plan_id, "cpu", key))
+                plan.sources.append("cpu")
                 from_cpu.append(key)
             elif self.ssd is not None and key in self.ssd:
                 self.pin(plan.plan_id, "ssd", key)
-                plan.cpu_slots.append(-1)
-                plan.from_ssd.append(True)
+                plan.slots.append(-1)
+                plan.sources.append("ssd")
                 from_ssd.append(key)
             else:
-                plan.cpu_slots.append(-1)
-                plan.from_ssd.append(False)
+                plan.slots.append(-1)
+                plan.sources.append("")
         if self.ssd is not None:  # a CPU hit is a use of the SSD copy, before any promotion
             for key in from_cpu:
                 if key in self.ssd:
@@ -338,7 +341,7 @@ class RefPolicy:
         self.emit("hit", "ssd", from_ssd)
         if from_ssd and self.cpu is not None and self.spec.promotion == "inclusive":
             given = self.put_cpu(plan, from_ssd)
-            plan.promote_slots = [given.get(k, -1) if f else -1 for k, f in zip(keys, plan.from_ssd)]
+            plan.promote_slots = [given.get(k, -1) if t == "ssd" else -1 for k, t in zip(keys, plan.sources)]
             self.emit("stored", "cpu", list(given))
             self.emit("dropped", "cpu", [k for k in from_ssd if k not in given])
         return plan
@@ -351,8 +354,8 @@ class RefPolicy:
         self.forget_pairs(lost)
         if isinstance(plan, LoadPlan) and self.spec.promotion == "exclusive" and self.cpu is not None:
             failed = {k for _, k in lost}  # the device got the blocks before the first failure
-            rows = list(zip(plan.keys, plan.cpu_slots, plan.from_ssd))
-            n = next((i for i, (k, s, f) in enumerate(rows) if k in failed or (s < 0 and not f)), len(rows))
+            rows = list(zip(plan.keys, plan.slots, plan.sources))
+            n = next((i for i, (k, s, t) in enumerate(rows) if k in failed or (s < 0 and t != "ssd")), len(rows))
             self._drop("cpu", [k for k, s, _ in rows[:n] if s >= 0])
 
     def forget(self, tier: str, keys: list[bytes]) -> None:
@@ -532,13 +535,13 @@ class PolicyMachine(RuleBasedStateMachine):
     def _used(plan: StorePlan | LoadPlan) -> list[tuple[str, bytes]]:
         """(tier, key) pairs whose copies an executor could report as failed."""
         if isinstance(plan, LoadPlan):
-            out = [("cpu" if s >= 0 else "ssd", k) for k, s, f in zip(plan.keys, plan.cpu_slots, plan.from_ssd)
-                   if s >= 0 or f]
+            out = [("cpu" if s >= 0 else "ssd", k) for k, s, t in zip(plan.keys, plan.slots, plan.sources)
+                   if s >= 0 or t == "ssd"]
             out += [("cpu", k) for k, s in zip(plan.keys, plan.promote_slots) if s >= 0]
         else:
-            out = [("cpu", k) for k, s in zip(plan.keys, plan.cpu_slots) if s >= 0]
-            out += [("ssd", k) for k, t in zip(plan.keys, plan.to_ssd) if t]
-        out += [("ssd", k) for _, k in plan.spills]
+            out = [("cpu", k) for k, s in zip(plan.keys, plan.slots) if s >= 0]
+            out += [("ssd", plan.keys[i]) for i in plan.goes_to("ssd")]
+        out += [("ssd", spill.key) for spill in plan.spills]
         return list(dict.fromkeys(out))
 
     # -- invariants
@@ -583,23 +586,24 @@ class PolicyMachine(RuleBasedStateMachine):
                     assert index.lookup(name) == slot
 
             if isinstance(plan, LoadPlan):
-                for key, slot, from_ssd, promote in zip(plan.keys, plan.cpu_slots, plan.from_ssd,
-                                                        plan.promote_slots):
+                for key, slot, source, promote in zip(plan.keys, plan.slots, plan.sources,
+                                                      plan.promote_slots):
                     if slot >= 0:
                         pinned("cpu", key, slot)
-                    elif from_ssd:
+                    elif source == "ssd":
                         pinned("ssd", key)
                     if promote >= 0:
                         pinned("cpu", key, promote)
                         written.append(promote)
             else:
-                for key, slot, to_ssd in zip(plan.keys, plan.cpu_slots, plan.to_ssd):
+                to_ssd = set(plan.goes_to("ssd"))
+                for i, (key, slot) in enumerate(zip(plan.keys, plan.slots)):
                     if slot >= 0:
                         pinned("cpu", key, slot)
                         written.append(slot)
-                    if to_ssd:
+                    if i in to_ssd:
                         pinned("ssd", key)
-            for slot, key in plan.spills:
+            for _, slot, _, key in plan.spills:
                 pinned("ssd", key)
                 assert any(cpu.lookup(k) == slot and cpu.pin_count(k) for k in cpu)
         assert len(written) == len(set(written)), f"a CPU slot written by two open plans: {written}"

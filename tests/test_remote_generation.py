@@ -223,7 +223,7 @@ def test_a_reset_forgets_what_second_hit_admission_saw() -> None:
     assert p.counts.counts["rejected"][REMOTE] == 2
     p.clear()
     plan = p.prepare_store([0, 1], K[:2], "computed")
-    assert not any(plan.to_remote) and not any(plan.to_ssd)  # the first sighting with these weights
+    assert not plan.goes_to(REMOTE) and not plan.goes_to(SSD)  # the first sighting with these weights
     assert p.counts.counts["rejected"][REMOTE] == 4 and p.counts.counts["rejected"][SSD] == 4
 
 

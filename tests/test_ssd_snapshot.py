@@ -311,13 +311,13 @@ def test_a_load_that_misses_during_the_recovery_does_not_report_the_record_lost(
     kill_holding(tmp, 10)
     tier = open_tier(tmp, recover_inline_bytes=0)
     try:
-        ex = Executor(None, None, tier)
+        ex = Executor(None, {"ssd": tier})
         rows = np.zeros((2, 4096), dtype=np.uint8)
 
         def load(*ids: int) -> tuple[list[bool], list[tuple[str, bytes]]]:
-            plan = LoadPlan(1, "r", [0, 1], [k(i) for i in ids], [-1, -1], [True, True], [-1, -1])
+            plan = LoadPlan(1, "r", [0, 1], [k(i) for i in ids], [-1, -1], ["ssd", "ssd"], [-1, -1], slab="cpu")
             ok = [False, False]
-            return ok, ex.read_ssd(plan, rows, ok)
+            return ok, ex.read_keyed(plan, rows, ok)
 
         assert tier.recovering()
         assert load(1, 2) == ([False, False], [])

@@ -88,7 +88,7 @@ def _rig(tmp_path: Path, remote: Any = None) -> tuple[Copier, SSDTier, dict[str,
         assert ssd.put(k, np.full(layout.block_nbytes, i + 1, np.uint8))
     assert ssd.flush()
     slab = HostSlab(N, layout.block_nbytes, pin_memory=False)
-    return Copier(Executor(rows, slab, ssd, remote=remote), rows, InlineStreams()), ssd, kv, slab, keys
+    return Copier(Executor(rows, {"cpu": slab, "ssd": ssd, "remote": remote}), rows, InlineStreams()), ssd, kv, slab, keys
 
 
 def _poll_until(copier: Copier, what: str, key: Any, limit_s: float) -> tuple[Any, float]:
@@ -111,8 +111,8 @@ def test_a_stuck_read_is_reported_at_the_cut_and_writes_nothing_after_it(tmp_pat
     nb = ssd.block_nbytes
     # blocks 0-1 from the slab (filled now), 2-5 from the SSD tier, block 4 promoted into slot 6
     slab.write([0, 1], keys[:2], np.stack([np.full(nb, 1, np.uint8), np.full(nb, 2, np.uint8)]), [0, 1])
-    plan = LoadPlan(1, "r", [0, 1, 2, 3, 4, 5], keys[:6], [0, 1, -1, -1, -1, -1], [False, False] + [True] * 4,
-                    [-1, -1, -1, -1, 6, -1])
+    plan = LoadPlan(1, "r", [0, 1, 2, 3, 4, 5], keys[:6], [0, 1, -1, -1, -1, -1], ["cpu", "cpu"] + ["ssd"] * 4,
+                    [-1, -1, -1, -1, 6, -1], slab="cpu")
     t0 = time.monotonic()
     copier.load(plan)
     assert stuck.entered.wait(5), "the read never started"
@@ -144,8 +144,8 @@ def test_a_stuck_read_is_reported_at_the_cut_and_writes_nothing_after_it(tmp_pat
 
 def test_a_load_queued_behind_a_stuck_read_is_reported_at_its_own_cut(tmp_path: Path, stuck: StuckDisk) -> None:
     copier, ssd, kv, _, keys = _rig(tmp_path)
-    first = LoadPlan(1, "a", [0, 1], keys[:2], [-1, -1], [True, True], [-1, -1])
-    second = LoadPlan(2, "b", [2, 3], keys[2:4], [-1, -1], [True, True], [-1, -1])
+    first = LoadPlan(1, "a", [0, 1], keys[:2], [-1, -1], ["ssd", "ssd"], [-1, -1], slab="cpu")
+    second = LoadPlan(2, "b", [2, 3], keys[2:4], [-1, -1], ["ssd", "ssd"], [-1, -1], slab="cpu")
     copier.load(first)
     copier.load(second)
     assert stuck.entered.wait(5)
@@ -180,7 +180,7 @@ def test_a_stalled_tier_sends_new_hits_to_compute_until_a_probe_succeeds() -> No
     timing = TransferTiming(costs, BT, clock=lambda: now[0])
     hit = ["ssd"] * 8
     assert costs.worth(hit, BT) == 8
-    plan = LoadPlan(3, "r", list(range(4)), [bytes([i]) * 16 for i in range(4)], [-1] * 4, [True] * 4, [-1] * 4)
+    plan = LoadPlan(3, "r", list(range(4)), [bytes([i]) * 16 for i in range(4)], [-1] * 4, ["ssd"] * 4, [-1] * 4)
     assert timing.step(0, [plan]) == []
     now[0] += 0.5
     assert timing.step(0, []) == ["r"]        # past its deadline: cut
@@ -229,9 +229,9 @@ def test_a_fetch_queued_during_the_stall_arrives_on_time(tmp_path: Path, stuck: 
             assert remote.put(k, r)
         assert remote.flush(30)
         copier, ssd, _, slab, keys = _rig(tmp_path, remote=remote)
-        copier.load(LoadPlan(1, "r", [0, 1], keys[:2], [-1, -1], [True, True], [-1, -1]))
+        copier.load(LoadPlan(1, "r", [0, 1], keys[:2], [-1, -1], ["ssd", "ssd"], [-1, -1], slab="cpu"))
         assert stuck.entered.wait(5)
-        fetch = FetchPlan(2, req_id="s", keys=rkeys, cpu_slots=[4, 5], to_ssd=[True, False])
+        fetch = FetchPlan(2, req_id="s", keys=rkeys, slots=[4, 5], writes={"ssd": [0]}, source="remote", slab="cpu")
         copier.fetch(fetch)
         got, waited = _poll_until(copier, "fetched", 2, 5)
         assert got == 2 and waited < 2.0 and not stuck.returned.is_set()

@@ -5,6 +5,7 @@ from the builder. Real LMDB on disk; nothing is mocked."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,9 @@ from kvstrata.tiers.ssd.footprint import capacity_blocks
 
 BLOCK = 4096
 
+sys.path.insert(0, str(Path(__file__).parent))
+from dict_tier import DictStore  # noqa: E402
+
 
 def _config(tmp_path: Path, **overrides: Any) -> KVStrataConfig:
     d = {"model": {"name": "tiny", "layers": 2, "kv_heads": 2, "head_size": 32, "kv_dtype": "float16"},
@@ -33,32 +37,6 @@ def _config(tmp_path: Path, **overrides: Any) -> KVStrataConfig:
 def _fingerprint() -> Fingerprint:
     return Fingerprint(model="name:tiny", dtype="float16", kv_dtype="float16", block_size=16, block_nbytes=BLOCK,
                        layers=2, kv_heads=2, head_size=32)
-
-
-class DictStore:
-    """A test-only store backend: every method of the store half, over a dict."""
-
-    def __init__(self) -> None:
-        self.data: dict[bytes, bytes] = {}
-
-    def put(self, key: bytes, row: Any, tag: bytes | None = None) -> bool:
-        self.data[key] = bytes(row)
-        return True
-
-    def get_into(self, keys: list[bytes], rows: list[Any]) -> list[bool]:
-        return [k in self.data for k in keys]
-
-    def discard_many(self, keys: list[bytes]) -> None:
-        for k in keys:
-            self.data.pop(k, None)
-
-    def touch_many(self, keys: list[bytes]) -> None: ...
-    def take_lost(self) -> list[bytes]: return []
-    def flush(self) -> bool: return True
-    def recovering(self) -> bool: return False
-    def wait_ready(self, timeout: float | None = None) -> bool: return True
-    def keys(self) -> list[bytes]: return list(self.data)
-    def close(self) -> None: ...
 
 
 def test_the_built_in_kinds_are_registered_with_their_roles_and_sections() -> None:

@@ -426,7 +426,7 @@ def test_close_persists_the_whole_hot_set_through_a_small_ssd_queue(tmp_path):
 
 
 def test_load_staging_rows_are_pinned_only_for_a_cuda_pool() -> None:
-    from kvstrata.dataplane.executor import PoolRows
+    from kvstrata.dataplane.device_rows import PoolRows
     from kvstrata.dataplane.transfer import TransferEngine
 
     rows = PoolRows(TransferEngine(torch.zeros((4, NBYTES), dtype=torch.uint8))).staging(3)
@@ -437,7 +437,7 @@ def test_load_staging_rows_are_pinned_only_for_a_cuda_pool() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pinned host memory)")
 def test_load_staging_rows_are_pinned_for_a_cuda_pool() -> None:
-    from kvstrata.dataplane.executor import PoolRows
+    from kvstrata.dataplane.device_rows import PoolRows
     from kvstrata.dataplane.transfer import TransferEngine
 
     rows = PoolRows(TransferEngine(torch.zeros((4, NBYTES), dtype=torch.uint8, device="cuda"))).staging(3)

@@ -181,11 +181,11 @@ def _round_trip(vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, tor
     worker.register_kv_caches(kv_caches)
     try:
         keys = {b: bytes([b]) * 32 for b in [*STORED, *SSD_ONLY]}
-        store = StorePlan(1, COMPUTED)
+        store = StorePlan(1, COMPUTED, slab="cpu")
         for b, slot in STORED.items():
-            store.add(b, keys[b], slot, False)
+            store.add(b, keys[b], slot)
         for b in SSD_ONLY:
-            store.add(b, keys[b], -1, True)
+            store.add(b, keys[b], -1, ("ssd",))
         _step(worker, KVStrataMetadata(stores=[store]))
         assert worker.ssd is not None and worker.ssd.flush()
         assert sorted(worker.ssd.keys()) == sorted(keys[b] for b in SSD_ONLY)
@@ -197,7 +197,7 @@ def _round_trip(vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, tor
         for view in kv_caches.values():
             _blocks_of(view, nb, expected)[LOADED_INTO] = _blocks_of(view, nb, raw)[sources]
         load = LoadPlan(2, "req", list(LOADED_INTO), [keys[b] for b in sources], [*STORED.values(), -1, -1],
-                        [False, False, True, True], [-1] * 4)
+                        ["cpu", "cpu", "ssd", "ssd"], [-1] * 4, slab="cpu")
         finished = _step(worker, KVStrataMetadata(loads=[load]))
         assert finished == {"req"} and not worker.get_block_ids_with_load_errors()
         assert torch.equal(raw, expected), "the loaded blocks differ, or bytes outside them changed"
@@ -425,8 +425,8 @@ def test_new_tensors_of_another_layout_reset_the_tiers(vllm_config: Any, tmp_pat
     worker = KVStrataWorker(load_config(extra), vllm_config, kv_cache_config)
     worker.register_kv_caches(kv_caches)
     try:
-        plan = StorePlan(1, COMPUTED)
-        plan.add(1, b"a" * 32, 0, True)
+        plan = StorePlan(1, COMPUTED, slab="cpu")
+        plan.add(1, b"a" * 32, 0, ("ssd",))
         _step(worker, KVStrataMetadata(stores=[plan]))
         assert worker.ssd.flush() and list(worker.ssd.keys()) == [b"a" * 32]
         worker.register_kv_caches(_engine_tensors(vllm_config, first, groups, [backend], NUM_BLOCKS)[1])

@@ -54,7 +54,8 @@ def _keys(n: int) -> list[bytes]:
 def _plan(plan_id: int, block_ids: list[int], keys: list[bytes], slots: list[int]):
     from kvstrata.policy import COMPUTED, StorePlan
 
-    return StorePlan(plan_id, COMPUTED, list(block_ids), list(keys), list(slots), [True] * len(keys))
+    return StorePlan(plan_id, COMPUTED, list(block_ids), list(keys), list(slots),
+                     {"ssd": list(range(len(keys)))}, slab="cpu")
 
 
 def test_wait_for_save_returns_before_the_device_copies(model: str, tmp_path: Path) -> None:

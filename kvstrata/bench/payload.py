@@ -43,7 +43,7 @@ def payload_executor(cfg: KVStrataConfig) -> Executor:
     import torch
 
     from kvstrata.core.deployment import executor_over, open_backends
-    from kvstrata.dataplane.executor import PoolRows
+    from kvstrata.dataplane.device_rows import PoolRows
     from kvstrata.dataplane.transfer import TransferEngine
 
     spec, nbytes = policy_spec(cfg), cfg.block_nbytes()

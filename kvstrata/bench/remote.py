@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 from kvstrata.errors import ConfigError
 from kvstrata.dataplane.executor import Lost, NullExecutor
 from kvstrata.policy.plans import StorePlan
+from kvstrata.policy.tiers import KNOWN
 
 if TYPE_CHECKING:
     from kvstrata.config.schema import KVStrataConfig
@@ -78,11 +79,11 @@ class SharedRemoteExecutor(NullExecutor):
 
     def __init__(self, shared: SharedRemote) -> None:
         super().__init__()
-        self.shared = shared
+        self.server = shared
 
-    def probe_remote(self, keys: Sequence[bytes]) -> int:
-        return self.shared.held_prefix(keys) if keys else 0
+    def probe(self, keys: Sequence[bytes]) -> int:
+        return self.server.held_prefix(keys) if keys else 0
 
     def store(self, plan: StorePlan) -> Lost:
-        self.shared.put_many([k for i, k in enumerate(plan.keys) if plan.remote(i)])
+        self.server.put_many([plan.keys[i] for t, idx in plan.writes.items() if KNOWN[t].shared for i in idx])
         return []

@@ -22,7 +22,8 @@ from kvstrata.policy.tiers import CPU, REMOTE, SSD, declare
 from kvstrata.tiers.kinds import Opening, TierKind, kind_of, kinds
 
 if TYPE_CHECKING:
-    from kvstrata.dataplane.executor import DeviceRows, Executor
+    from kvstrata.dataplane.device_rows import DeviceRows
+    from kvstrata.dataplane.executor import Executor
     from kvstrata.identity.fingerprint import Fingerprint
     from kvstrata.identity.ranks import Rank
 
@@ -92,4 +93,4 @@ def executor_over(device: "DeviceRows | None", backends: Backends) -> "Executor"
     """The executor that runs plans against ``device`` and ``backends``, each in its kind's role."""
     from kvstrata.dataplane.executor import Executor
 
-    return Executor(device, backends.role("slab"), backends.role("store"), backends.role("shared"))
+    return Executor(device, backends.by_name)

@@ -312,7 +312,7 @@ class DriverCore:
         held = self.held_below(st, first, last)
         start = first + held
         if self.remote and start < last:
-            plan = self.probe_answered(st, first, start, executor.probe_remote(self.all_group_keys(st, start, last)),
+            plan = self.probe_answered(st, first, start, executor.probe(self.all_group_keys(st, start, last)),
                                        start, last)
             if plan is not None:
                 self._planned.remove(plan)

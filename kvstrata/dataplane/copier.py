@@ -60,7 +60,7 @@ import time
 from concurrent.futures import Executor as FuturesExecutor
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FuturesTimeout
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -68,9 +68,8 @@ from kvstrata.dataplane.copy_jobs import CopyRows, Finished, PendingStore, evict
 from kvstrata.dataplane.io_lanes import IOQueue, fetch_job, io_result
 from kvstrata.dataplane.executor import Executor, Lost
 from kvstrata.dataplane.loads import LoadPipeline
-from kvstrata.policy.plans import FetchPlan, LoadPlan, StorePlan
+from kvstrata.policy.plans import FetchPlan, LoadPlan, Spill, StorePlan
 from kvstrata.system.streams import Event, InlineStreams, Stream, Streams
-from kvstrata.policy.tiers import SSD
 
 __all__ = ["CopyRows", "Copier", "Finished", "IOQueue"]
 
@@ -109,26 +108,28 @@ class Copier:
 
     # ------------------------------------------------------------------ SSD work, in plan order
 
-    def evict(self, spills: Sequence[tuple[int, bytes]], ssd_evictions: Sequence[bytes]) -> None:
-        """Delete ``ssd_evictions`` from the SSD tier, then spill slab slots to it (rule 4).
-        A spill's slot is copied now; past the staging budget it is dropped."""
-        copies: list[tuple[bytes, np.ndarray]] = []
+    def evict(self, spills: Sequence[Spill], evictions: Mapping[str, Sequence[bytes]]) -> None:
+        """Queue a plan's evictions and spills on the I/O thread (rule 4). A spill out of a slab
+        slot is copied now (the slot may be rewritten by the next gather); past the staging
+        budget it is dropped."""
+        copies: list[tuple[Spill, np.ndarray | None]] = []
         slab, size = self.ex.slab, self.rows.block_nbytes
-        for slot, key in spills:
-            if slab is not None and slab.holds(slot, key) and self._admit(size):
-                copies.append((key, slab.view(slot).copy()))
+        for spill in spills:
+            if spill.slot < 0:
+                copies.append((spill, None))  # read on the I/O thread, before the deletions
+            elif slab is not None and slab.holds(spill.slot, spill.key) and self._admit(size):
+                copies.append((spill, slab.view(spill.slot).copy()))
             else:
                 self.ex.count("spill_failures")
-                self._lost.append((SSD, key))
-        if copies or ssd_evictions:
-            fut = self._io.submit(evict_and_spill, self.ex, list(ssd_evictions), copies)
-            self._spills.append((fut, size * len(copies)))
+                self._lost.append((spill.dst, spill.key))
+        if copies or any(evictions.values()):
+            fut = self._io.submit(evict_and_spill, self.ex, {t: list(k) for t, k in evictions.items()}, copies)
+            self._spills.append((fut, size * sum(row is not None for _, row in copies)))
 
     def discard_all(self) -> None:
-        """Delete every record of the SSD tier (after the SSD work queued so far)."""
-        ssd = self.ex.ssd
-        if ssd is not None:
-            self._spills.append((self._io.submit(lambda: self.ex.evict([], list(ssd.keys()))), 0))
+        """Delete every record of the key-addressed tiers (after the work queued so far)."""
+        for tier, backend in self.ex.stores.items():
+            self._spills.append((self._io.submit(lambda t=tier, b=backend: self.ex.evict([], {t: list(b.keys())})), 0))
 
     def use_remote_generation(self, token: bytes | None) -> None:
         """Move the remote tier to generation ``token`` after the work queued so far (rule 4):
@@ -150,19 +151,20 @@ class Copier:
     def store(self, plan: StorePlan, after: Event) -> None:
         """Queue the plan: its spills and deletions, the gather (after ``after``) and the
         SSD puts. Returns without waiting for any of it."""
-        self.evict(plan.spills, plan.ssd_evictions)
-        if plan.ssd_touches and self.ex.ssd is not None:
-            self._io.submit(self.ex.ssd.touch_many, list(plan.ssd_touches))
+        self.evict(plan.spills, plan.evictions)
+        for tier, keys in plan.touches.items():
+            if tier in self.ex.stores:
+                self._io.submit(self.ex.stores[tier].touch_many, list(keys))
         slab, size = self.ex.slab, self.rows.block_nbytes
-        cpu = [i for i, s in enumerate(plan.cpu_slots) if s >= 0 and slab is not None]
+        cpu = [i for i, s in enumerate(plan.slots) if s >= 0 and slab is not None]
         in_cpu = set(cpu)
-        remote = plan.to_remote if self.ex.remote is not None else []
-        host_only = [i for i in range(len(plan)) if i not in in_cpu and (plan.to_ssd[i] or (remote and remote[i]))]
+        below = {t: set(idx) for t, idx in plan.writes.items() if t in self.ex.stores or t in self.ex.shared}
+        host_only = [i for i in range(len(plan)) if i not in in_cpu and any(i in idx for idx in below.values())]
         lost: Lost = []
         staged = host_only
         if host_only and not self._admit(size * len(host_only)):  # rule 5: dropped, never waited for
             staged = []
-            lost = [(SSD, plan.keys[i]) for i in host_only if plan.to_ssd[i]]
+            lost = [(t, plan.keys[i]) for t, idx in below.items() if t in self.ex.stores for i in host_only if i in idx]
             self.ex.count("stores_dropped", len(host_only))
         staging = self.rows.staging(len(staged)) if staged else None
         blocks = [plan.block_ids[i] for i in cpu + staged]
@@ -174,33 +176,31 @@ class Copier:
             self._reading[b] = gathered
         for i in cpu:
             assert slab is not None
-            slab.keys[plan.cpu_slots[i]] = plan.keys[i]  # loads of it wait for ``gathered`` (rule 3)
-            self._slot_event[plan.cpu_slots[i]] = gathered
-        self.ex.count("blocks_stored_cpu", len(cpu))
-        puts = [(plan.keys[i], ("slab", plan.cpu_slots[i])) for i in cpu if plan.to_ssd[i]]
-        puts += [(plan.keys[i], ("staging", j)) for j, i in enumerate(staged) if plan.to_ssd[i]]
-        sends = [(plan.keys[i], ("slab", plan.cpu_slots[i])) for i in cpu if remote and remote[i]]
-        sends += [(plan.keys[i], ("staging", j)) for j, i in enumerate(staged) if remote and remote[i]]
-        io = self._io.submit(self._put_io, gathered, puts, staging, sends)
+            slab.keys[plan.slots[i]] = plan.keys[i]  # loads of it wait for ``gathered`` (rule 3)
+            self._slot_event[plan.slots[i]] = gathered
+        self.ex.count(f"blocks_stored_{self.ex.slab_tier or plan.slab}", len(cpu))
+        puts = [(t, plan.keys[i], ("slab", plan.slots[i])) for t, idx in below.items() for i in cpu if i in idx]
+        puts += [(t, plan.keys[i], ("staging", j)) for t, idx in below.items() for j, i in enumerate(staged) if i in idx]
+        io = self._io.submit(self._put_io, gathered, puts, staging)
         self._stores.append(PendingStore(plan, gathered, io, size * len(staged), lost, time.perf_counter(),
                                    size * len(blocks)))
 
     def _gather(self, plan: StorePlan, cpu: list[int], staged: list[int], staging: np.ndarray | None) -> None:
         if cpu:
             assert self.ex.slab is not None
-            self.rows.gather([plan.block_ids[i] for i in cpu], self.ex.slab.array, [plan.cpu_slots[i] for i in cpu])
+            self.rows.gather([plan.block_ids[i] for i in cpu], self.ex.slab.array, [plan.slots[i] for i in cpu])
         if staged:
             assert staging is not None
             self.rows.gather([plan.block_ids[i] for i in staged], staging, range(len(staged)))
 
-    def _put_io(self, gathered: Event, puts: list[tuple[bytes, tuple[str, int]]],
-                staging: np.ndarray | None, sends: list[tuple[bytes, tuple[str, int]]] = ()) -> Lost:
-        """On the I/O thread: wait for the gather, then queue the SSD puts and the remote
-        tier's (``sends``: write-behind, copied by the remote tier's queue)."""
-        if not puts and not sends:
+    def _put_io(self, gathered: Event, puts: list[tuple[str, bytes, tuple[str, int]]],
+                staging: np.ndarray | None) -> Lost:
+        """On the I/O thread: wait for the gather, then queue the puts, each to its tier
+        (a shared tier's are write-behind, copied by its queue)."""
+        if not puts:
             return []
         self._wait_gathered(gathered)
-        return put_rows(self.ex, puts, staging, sends)
+        return put_rows(self.ex, puts, staging)
 
     # ------------------------------------------------------------------ remote fetches
 
@@ -211,7 +211,7 @@ class Copier:
         before the fetch ran, and dropped (reported lost) when it has not: a disk read that
         does not return delays no fetch. Loads of those slots wait for it (rule 3);
         :meth:`poll` reports how many blocks arrived."""
-        self.evict(plan.spills, plan.ssd_evictions)
+        self.evict(plan.spills, plan.evictions)
         cut = threading.Event()
         before = self._io.last_change  # the fetched blocks' SSD puts come after it (rule 4)
         switched = self._switched      # ... and its reads after a move to another generation
@@ -219,7 +219,7 @@ class Copier:
         io: Future[int] = self._net.submit(fetch_job(self.ex, plan, cut, before, switched, lost), changes=False)
         slab = self.ex.slab
         if slab is not None:
-            for slot, key in zip(plan.cpu_slots, plan.keys):
+            for slot, key in zip(plan.slots, plan.keys):
                 slab.keys[slot] = key  # later loads of it wait for ``io`` and check again (rule 3)
                 self._slot_io[slot] = io
         self._fetches.append((plan, io, cut))
@@ -297,7 +297,7 @@ class Copier:
                 log.exception("kvstrata: a remote fetch failed; its blocks count as not fetched")
                 out.fetched[plan.plan_id] = 0
             out.lost += self._fetch_lost.pop(plan.plan_id, [])
-            for slot in plan.cpu_slots:
+            for slot in plan.slots:
                 if self._slot_io.get(slot) is fut:
                     del self._slot_io[slot]
         while self._spills and self._spills[0][0].done():
@@ -312,7 +312,7 @@ class Copier:
         for b in job.plan.block_ids:
             if self._reading.get(b) is job.gathered:
                 del self._reading[b]
-        for slot in job.plan.cpu_slots:
+        for slot in job.plan.slots:
             if self._slot_event.get(slot) is job.gathered:
                 del self._slot_event[slot]
 

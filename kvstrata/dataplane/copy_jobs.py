@@ -18,8 +18,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import numpy as np
 
 from kvstrata.dataplane.executor import Executor, LoadResult, Lost
-from kvstrata.policy.plans import LoadPlan, StorePlan
-from kvstrata.policy.tiers import SSD
+from kvstrata.policy.plans import LoadPlan, Spill, StorePlan
 from kvstrata.system.streams import Event, elapsed_s
 
 __all__ = ["CopyRows", "Finished", "PendingStore", "PendingLoad", "evict_and_spill", "give_up", "moved", "put_rows"]
@@ -110,16 +109,20 @@ class PendingLoad:
         return self.io_s[0] + (self.scatter_s if device_s is None else device_s)
 
 
-def evict_and_spill(ex: Executor, evictions: list[bytes], copies: list[tuple[bytes, np.ndarray]]) -> Lost:
-    """On the I/O thread: delete ``evictions`` from the SSD tier, then put the spilled copies."""
+def evict_and_spill(ex: Executor, evictions: dict[str, list[bytes]],
+                    copies: list[tuple[Spill, "np.ndarray | None"]]) -> Lost:
+    """On the I/O thread: read the spills out of key-addressed tiers (``None`` rows), delete
+    ``evictions`` (per tier), then put the spills where they cascade."""
+    read = ex.read_spills([s for s, row in copies if row is None])
     ex.evict([], evictions)
     lost: Lost = []
-    for key, row in copies:
-        if ex.put_row(key, row):
+    for spill, row in copies:
+        row = read.get(spill) if row is None else row
+        if row is not None and ex.put_row(spill.dst, spill.key, row):
             ex.count("blocks_spilled")
         else:
             ex.count("spill_failures")
-            lost.append((SSD, key))
+            lost.append((spill.dst, spill.key))
     return lost
 
 
@@ -128,8 +131,8 @@ def moved(job: PendingLoad) -> dict[str, int]:
     every SSD block read (a block read after the first miss cost its read too)."""
     plan = job.plan
     out: dict[str, int] = {}
-    for i, tier in enumerate(plan.tiers()):
-        slab = plan.cpu_slots[i] >= 0
+    for i, tier in enumerate(plan.sources):
+        slab = plan.slots[i] >= 0
         if tier and ((slab and i < job.loaded) or (not slab and job.ok[i])):
             out[tier] = out.get(tier, 0) + 1
     return out
@@ -143,14 +146,12 @@ def give_up(job: PendingLoad, ex: Executor, slot_io: "dict[int, Future[Any]]", w
     with job.lock:
         job.given_up = True
     plan = job.plan
-    cut = 0
-    for i, slot in enumerate(plan.cpu_slots):
+    for i, slot in enumerate(plan.slots):
         if slot >= 0 and job.ok[i] and slot_io.get(slot) in waiting:
             job.ok[i] = False
-        elif slot < 0 and plan.from_ssd[i] and not job.ok[i]:
+        elif slot < 0 and plan.sources[i] and not job.ok[i]:
             job.lost += ex.empty_promotion(plan, i)
-            cut += 1
-    ex.count("blocks_cut_ssd", cut)
+            ex.count(f"blocks_cut_{plan.sources[i]}")
     if job.io is None or job.io.done():
         return False
     job.stalled = True
@@ -160,19 +161,21 @@ def give_up(job: PendingLoad, ex: Executor, slot_io: "dict[int, Future[Any]]", w
     return True
 
 
-def put_rows(ex: Executor, puts: list[tuple[bytes, tuple[str, int]]], staging: np.ndarray | None,
-             sends: Sequence[tuple[bytes, tuple[str, int]]] = ()) -> Lost:
-    """On the I/O thread, once a store's gather ran: queue its SSD puts and the remote tier's
-    (``sends``: write-behind, copied by the remote tier's queue), each row from ``("slab",
-    slot)`` or ``("staging", row)``; returns the SSD puts refused."""
+def put_rows(ex: Executor, puts: Sequence[tuple[str, bytes, tuple[str, int]]], staging: np.ndarray | None) -> Lost:
+    """On the I/O thread, once a store's gather ran: queue its puts, each ``(tier, key,
+    where)`` with its row from ``("slab", slot)`` or ``("staging", row)`` (a shared tier's are
+    write-behind, copied by its queue); returns the puts the key-addressed tiers refused."""
 
     def row(where: str, i: int) -> np.ndarray:
         return ex.slab.array[i] if where == "slab" else staging[i]  # type: ignore[union-attr,index]
 
     lost: Lost = []
-    for key, (where, i) in puts:
-        if not ex.put_row(key, row(where, i)):
-            lost.append((SSD, key))
-    if sends:
-        ex.put_remote([k for k, _ in sends], [row(w, i) for _, (w, i) in sends])
+    shared: dict[str, list[tuple[bytes, np.ndarray]]] = {}
+    for tier, key, (where, i) in puts:
+        if tier in ex.shared:
+            shared.setdefault(tier, []).append((key, row(where, i)))
+        elif not ex.put_row(tier, key, row(where, i)):
+            lost.append((tier, key))
+    for tier, sends in shared.items():
+        ex.put_shared(tier, [k for k, _ in sends], [r for _, r in sends])
     return lost

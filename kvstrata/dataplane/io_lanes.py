@@ -90,6 +90,6 @@ def fetch_job(ex: "Executor", plan: "FetchPlan", cut: threading.Event, before: "
         while switched is not None and not switched.done():  # (a reset: rare) until the cut
             if cut.wait(0.005):
                 return ex.fetch(plan, evict=False, stop=lambda: True)  # nothing: its slots emptied
-        return ex.fetch(plan, evict=False, stop=cut.is_set, lost=lost, ssd_ready=lambda: before is None or before.done())
+        return ex.fetch(plan, evict=False, stop=cut.is_set, lost=lost, ready=lambda: before is None or before.done())
 
     return run

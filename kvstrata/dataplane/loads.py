@@ -19,7 +19,6 @@ from kvstrata.dataplane.executor import Executor, LoadResult, Lost
 from kvstrata.dataplane.io_lanes import IOQueue, io_result, timed
 from kvstrata.system.streams import Event, Stream, Streams
 from kvstrata.policy.plans import LoadPlan
-from kvstrata.policy.tiers import CPU
 
 __all__ = ["LoadPipeline"]
 
@@ -45,22 +44,22 @@ class LoadPipeline:
         """Queue the plan's copies into its device blocks after ``after`` (default: the
         compute stream now); see :meth:`kvstrata.dataplane.copier.Copier.load`."""
         n = len(plan)
-        staging = self.rows.staging(n) if any(plan.from_ssd) else np.empty((0, self.rows.block_nbytes), np.uint8)
+        staging = self.rows.staging(n) if plan.keyed() else np.empty((0, self.rows.block_nbytes), np.uint8)
         ok = [False] * n
         lost: Lost = []
         slab = self.ex.slab
         waits: list[Future[Any]] = []
-        for i, slot in enumerate(plan.cpu_slots):
+        for i, slot in enumerate(plan.slots):
             if slot < 0:
                 continue
             if slab is not None and slab.holds(slot, plan.keys[i]):
                 ok[i] = True
                 waits += self._promotions_into(slot)
             else:  # never filled or overwritten: refused, never copied
-                lost.append((CPU, plan.keys[i]))
-        self.ex.count("load_failures_cpu", len(lost))
+                lost.append((plan.sources[i], plan.keys[i]))
+        self.ex.count(f"load_failures_{self.ex.slab_tier or plan.slab}", len(lost))
         job = PendingLoad(plan, staging, ok, lost, None, waits, started=time.perf_counter())
-        if any(f and s < 0 for f, s in zip(plan.from_ssd, plan.cpu_slots)):
+        if plan.keyed():
             job.io = self._io.submit(timed, job.io_s, self._read, job, changes=False)
             for slot, key in zip(plan.promote_slots, plan.keys):
                 if slot >= 0 and slab is not None:
@@ -76,7 +75,7 @@ class LoadPipeline:
             staging = job.staging
             if job.given_up or staging is None:
                 return []
-        return self.ex.read_ssd(job.plan, staging, job.ok, job.cut.is_set, job.live)
+        return self.ex.read_keyed(job.plan, staging, job.ok, job.cut.is_set, job.live)
 
     def cut(self, req_id: str) -> None:
         """The loads of ``req_id`` read no more (past its deadline)."""
@@ -111,36 +110,36 @@ class LoadPipeline:
         slab, plan = self.ex.slab, job.plan
         if not job.waits_on or slab is None:
             return
-        for i, slot in enumerate(plan.cpu_slots):
+        for i, slot in enumerate(plan.slots):
             if slot >= 0 and job.ok[i] and not slab.holds(slot, plan.keys[i]):
                 job.ok[i] = False
-                job.lost.append((CPU, plan.keys[i]))
-                self.ex.count("load_failures_cpu")
+                job.lost.append((plan.sources[i], plan.keys[i]))
+                self.ex.count(f"load_failures_{plan.sources[i]}")
 
     def _scatter(self, job: PendingLoad) -> None:
         plan = job.plan
         loaded = job.ok.index(False) if False in job.ok else len(plan)
         job.loaded = loaded
-        cpu = [i for i in range(loaded) if plan.cpu_slots[i] >= 0]
-        ssd = [i for i in range(loaded) if plan.cpu_slots[i] < 0]
+        from_slab = [i for i in range(loaded) if plan.slots[i] >= 0]
+        keyed = [i for i in range(loaded) if plan.slots[i] < 0]
         stream = self.stream
         if loaded:
             self._after_queued_compute(job, stream)
         for i in range(loaded):
-            if plan.cpu_slots[i] >= 0:
-                self._wait_slot(plan.cpu_slots[i], stream)
+            if plan.slots[i] >= 0:
+                self._wait_slot(plan.slots[i], stream)
         slab = self.ex.slab
         job.scatter_start = stream.record(timed=True)  # after the waits: the copies alone are timed
         t0 = time.perf_counter()
-        if cpu:
+        if from_slab:
             assert slab is not None
-            stream.submit(lambda: self.rows.scatter(slab.array, [plan.cpu_slots[i] for i in cpu],
-                                                    [plan.block_ids[i] for i in cpu]))
-        if ssd:
-            stream.submit(lambda: self.rows.scatter(job.staging, ssd, [plan.block_ids[i] for i in ssd]))
+            stream.submit(lambda: self.rows.scatter(slab.array, [plan.slots[i] for i in from_slab],
+                                                    [plan.block_ids[i] for i in from_slab]))
+        if keyed:
+            stream.submit(lambda: self.rows.scatter(job.staging, keyed, [plan.block_ids[i] for i in keyed]))
         job.scatter_s = time.perf_counter() - t0  # the copies themselves on inline streams (a GPU: see poll)
         job.scattered = stream.record(timed=True)
-        self.ex.count("blocks_loaded_cpu", len(cpu))
+        self.ex.count(f"blocks_loaded_{self.ex.slab_tier or plan.slab}", len(from_slab))
 
     # The waits, one method per ordering rule (the tests remove each in turn).
 

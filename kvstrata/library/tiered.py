@@ -53,7 +53,8 @@ from kvstrata.core.deployment import executor_over, open_backends, policy_spec
 from kvstrata.core.driver import DriverCore
 from kvstrata.core.request import RequestState
 from kvstrata.errors import ConfigError
-from kvstrata.dataplane.executor import Executor, PoolRows
+from kvstrata.dataplane.device_rows import PoolRows
+from kvstrata.dataplane.executor import Executor
 from kvstrata.identity.groups import STATE, KVGroups, parse_groups
 from kvstrata.identity.hashing import BlockHasher
 from kvstrata.identity.fingerprint import Fingerprint
@@ -191,13 +192,13 @@ class TieredKVCache:
         ssd = executor.ssd
         if ssd is not None:
             self._seeding = SSDSeeding(self.policy, lambda: (list(ssd.keys()), []), [ssd])
-            executor.evict([], self._seeding.start())
+            executor.evict([], {self.policy.store_tier: self._seeding.start()})
         return executor
 
     def _poll_seeding(self) -> None:
         """Hold what a background recovery of the SSD tier verified, once it is over."""
         if self._seeding is not None and self._seeding.pending:
-            self.executor.evict([], self._seeding.poll())
+            self.executor.evict([], {self.policy.store_tier: self._seeding.poll()})
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the SSD tier's background recovery (after an unclean shutdown) is
@@ -386,10 +387,9 @@ class TieredKVCache:
             self._seeding.cancel()
         self.policy.clear()
         self.policy.forget_pairs(self.executor.take_lost())
-        ssd = self.executor.ssd
-        if ssd is not None:  # every record, once the writes queued so far landed: also those the policy did not hold
+        if self.executor.stores:  # every record, once the writes queued so far landed: also those the policy did not hold
             self.executor.flush()
-            self.executor.evict([], list(ssd.keys()))
+            self.executor.evict([], {t: list(b.keys()) for t, b in self.executor.stores.items()})
         if self.remote is not None:
             self.remote.reset()
             self.remote.settle()  # makes the new generation now (a server that is down: at a later lookup)

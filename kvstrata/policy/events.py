@@ -21,11 +21,11 @@ them keeps its own idea of where a block is. Observers receive batches:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvstrata.policy.tiers import GPU, LOWER, REMOTE, SHARED
 
-__all__ = ["EVENT_KINDS", "LOWER_TIERS", "TIERS", "REMOTE", "EVENT_TIERS", "PolicyEvent", "Observer", "EventCounts"]
+__all__ = ["EVENT_KINDS", "LOWER_TIERS", "TIERS", "REMOTE", "EVENT_TIERS", "PolicyEvent", "Observer", "EventCounts", "EventLog"]
 
 EVENT_KINDS = ("stored", "hit", "evicted", "dropped", "lost", "rejected")
 LOWER_TIERS = LOWER  # the tiers a policy places blocks in
@@ -55,3 +55,29 @@ class EventCounts:
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {kind: dict(v) for kind, v in self.counts.items()}
+
+
+class EventLog:
+    """Where a policy's events go: its counts, its observers and (``record``) a list a driver
+    takes from."""
+
+    def __init__(self, counts: EventCounts, observers: Iterable[Observer] = (), record: bool = False) -> None:
+        self.counts = counts
+        self.observers: list[Observer] = list(observers)
+        self._events: list[PolicyEvent] | None = [] if record else None
+
+    def emit(self, kind: str, tier: str, keys: Sequence[bytes], now: float) -> None:
+        if not keys:
+            return
+        self.counts.counts[kind][tier] += len(keys)
+        for observer in self.observers:
+            observer(kind, tier, keys, now)
+        if self._events is not None:
+            self._events.append(PolicyEvent(kind, tier, tuple(keys), now))
+
+    def take(self) -> list[PolicyEvent]:
+        """Events recorded since the last call (empty unless recording)."""
+        if self._events is None:
+            return []
+        out, self._events = self._events, []
+        return out

@@ -50,8 +50,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Sequence
 
-from kvstrata.policy.events import LOWER_TIERS, EventCounts, Observer, PolicyEvent
-from kvstrata.policy.plans import COMPUTED, SHUTDOWN, FetchPlan, LoadPlan, StorePlan
+from kvstrata.policy.events import LOWER_TIERS, EventCounts, EventLog, Observer, PolicyEvent
+from kvstrata.policy.plans import COMPUTED, SHUTDOWN, FetchPlan, LoadPlan, Spill, StorePlan
 from kvstrata.policy.holdings import TOMBSTONE_PREFIX, Holdings
 from kvstrata.policy.spec import PolicySpec
 from kvstrata.policy.ghost import Ghost
@@ -78,6 +78,8 @@ class TierPolicy:
         self._c = slab.name if slab is not None else next(n for n, t in KNOWN.items() if t.slab)
         self._s = store.name if store is not None else next(n for n, t in KNOWN.items() if not t.slab and not t.shared)
         self._r = shared[0].name if shared else ""
+        #: the tiers' names by role: the slab, the (first) key-addressed tier, the (first) shared tier
+        self.slab_tier, self.store_tier, self.shared_tier = self._c, self._s, self._r
         #: what the tiers' eviction orders may weigh blocks by beyond their uses (the driver teaches it)
         self.order_context = OrderContext(16, spec.attention_share)
         self.holdings = Holdings(tiers, self.order_context)
@@ -88,8 +90,8 @@ class TierPolicy:
         # second_hit admission: the keys each such tier saw once
         self._ghost_s = Ghost(store.ghost_keys) if self.ssd is not None and store.admission == SECOND_HIT else None
         self._ghost_r = Ghost(shared[0].ghost_keys) if shared and shared[0].admission == SECOND_HIT else None
-        self._observers: list[Observer] = list(observers)
-        self._events: list[PolicyEvent] | None = [] if record_events else None
+        self.log = EventLog(self.counts, observers, record_events)
+        self._emit = self.log.emit
         self._next_plan = 0
 
     # ------------------------------------------------------------------ queries
@@ -118,7 +120,7 @@ class TierPolicy:
 
     def add_observer(self, observer: Observer) -> None:
         """Send every later event batch to ``observer`` too."""
-        self._observers.append(observer)
+        self.log.observers.append(observer)
 
     def held_in(self, tier: str, key: bytes) -> bool:
         """Does lower tier ``tier`` (``cpu``/``ssd``) hold ``key``?"""
@@ -179,15 +181,16 @@ class TierPolicy:
         """
         if len(keys) != len(block_ids):
             raise ValueError(f"block_ids: expected {len(keys)} blocks (one per key), got {len(block_ids)}")
-        plan = LoadPlan(self._plan_id(), req_id, list(block_ids), list(keys), [], [], [-1] * len(keys))
+        c, s = self._c, self._s
+        plan = LoadPlan(self._plan_id(), req_id, list(block_ids), list(keys), [], [], [-1] * len(keys), slab=c)
         in_cpu, in_ssd = self._cpu, self._ssd
         from_cpu = [k for k in plan.keys if k in in_cpu]
         from_ssd = [k for k in plan.keys if k not in in_cpu and k in in_ssd]
         cpu_slot = dict(zip(from_cpu, self.holdings.pin(self._c, plan.plan_id, from_cpu))) if from_cpu else {}
         if from_ssd:
             self.holdings.pin(self._s, plan.plan_id, from_ssd)
-        plan.cpu_slots = [cpu_slot.get(k, -1) for k in plan.keys]
-        plan.from_ssd = [k not in cpu_slot and k in in_ssd for k in plan.keys]
+        plan.slots = [cpu_slot.get(k, -1) for k in plan.keys]
+        plan.sources = [c if k in cpu_slot else s if k in in_ssd else "" for k in plan.keys]
         if from_cpu and self.ssd is not None:
             # A CPU hit is a use of the block's SSD copy too (as a GPU hit is of both, see
             # touch): the persistent tier stays a superset of what is hot above it. Before
@@ -205,10 +208,10 @@ class TierPolicy:
     def _admit_hits(self, plan: LoadPlan, keys: list[bytes], cpu_slot: dict[bytes, int], now: float) -> None:
         """``second_hit``: a CPU hit of a block the SSD tier lacks is a sighting; the second
         one writes the block down from its (pinned) slab slot, a spill run before the load."""
-        gone = set(plan.ssd_evictions)  # (as in _cascade: a spill would run before their deletion)
+        gone = set(plan.evictions.get(self._s, ()))  # (as in _cascade: the deletion runs after the spill)
         keys = [k for k in dict.fromkeys(keys) if k not in gone]  # a key named twice is one sighting
         placed = self._place_ssd(plan, self._second(self._ghost_s, self._s, keys, now), now)
-        plan.spills.extend((cpu_slot[k], k) for k in placed)
+        plan.spills.extend(Spill(self._c, cpu_slot[k], self._s, k) for k in placed)
 
     def _second(self, ghost: Ghost | None, tier: str, keys: list[bytes], now: float) -> list[bytes]:
         """The ``keys`` a tier's admission takes: all of them (``always``), or those seen once
@@ -225,7 +228,7 @@ class TierPolicy:
     def _promote(self, plan: LoadPlan, keys: list[bytes], now: float) -> None:
         """Give SSD hits pinned CPU slots (promote_slots), cascading what that evicts."""
         placed = self._place_cpu(plan, keys, now)
-        plan.promote_slots = [placed.get(k, -1) if s else -1 for k, s in zip(plan.keys, plan.from_ssd)]
+        plan.promote_slots = [placed.get(k, -1) if s < 0 and t else -1 for k, s, t in zip(plan.keys, plan.slots, plan.sources)]
         self._emit("dropped", self._c, [k for k in keys if k not in placed], now)
 
     def complete_load(self, plan: LoadPlan, lost: Iterable[tuple[str, bytes]] = (),
@@ -239,7 +242,7 @@ class TierPolicy:
         self.forget_pairs(lost)
         if self.spec.promotion == "exclusive":
             n = plan.loaded(lost) if loaded is None else loaded
-            moved = [k for k, s in zip(plan.keys[:n], plan.cpu_slots[:n]) if s >= 0]
+            moved = [k for k, s in zip(plan.keys[:n], plan.slots[:n]) if s >= 0]
             self.forget(self._c, moved)  # moved up (keys forgotten above are gone already)
 
     # ------------------------------------------------------------------ stores
@@ -257,7 +260,7 @@ class TierPolicy:
         """
         if len(keys) != len(block_ids):
             raise ValueError(f"block_ids: expected {len(keys)} blocks (one per key), got {len(block_ids)}")
-        plan = StorePlan(self._plan_id(), reason)
+        plan = StorePlan(self._plan_id(), reason, slab=self._c)
         if not self.spec.admits(reason) or not self.spec.has_lower_tier:
             return plan
         if reason == SHUTDOWN:
@@ -291,10 +294,11 @@ class TierPolicy:
         stored = [k for k in offered if k in slots or k in placed_ssd or k in fresh]
         plan.keys = stored
         plan.block_ids = [offered[k] for k in stored]
-        plan.cpu_slots = [slots.get(k, -1) for k in stored]
-        plan.to_ssd = [k in placed_ssd for k in stored]
+        plan.slots = [slots.get(k, -1) for k in stored]
+        for tier, taken in ((self._s, placed_ssd), (self._r, fresh)):
+            if taken:
+                plan.writes[tier] = [i for i, k in enumerate(stored) if k in taken]
         if fresh:
-            plan.to_remote = [k in fresh for k in stored]
             self._emit("stored", self._r, [k for k in stored if k in fresh], now)
         if len(slots) < len(new):
             nowhere = [k for k in new if k not in slots and k not in placed_ssd and k not in ssd_keys]
@@ -318,15 +322,16 @@ class TierPolicy:
         chosen, held = select_for_shutdown(zip(block_ids, keys), self._ssd.__contains__,
                                            ssd.num_slots - ssd.num_pinned)
         ssd.touch_many(held)  # hot blocks already stored are kept, here and on disk
-        plan.ssd_touches.extend(held)
+        if held:
+            plan.touches[self._s] = list(held)
         now = self.clock()
         placed = self._place_ssd(plan, [k for _, k in chosen], now)
         remote = self.spec.remote
         for block, key in chosen:
             if key in placed:
-                plan.add(block, key, -1, True, remote and key not in self._cpu)
+                plan.add(block, key, -1, (self._s, self._r) if remote and key not in self._cpu else (self._s,))
         if remote:
-            self._emit("stored", self._r, [k for k, r in zip(plan.keys, plan.to_remote) if r], now)
+            self._emit("stored", self._r, [plan.keys[i] for i in plan.goes_to(self._r)], now)
 
     def complete_store(self, plan: StorePlan, lost: Iterable[tuple[str, bytes]] = ()) -> None:
         """The plan's copies finished: release its pins; forget ``(tier, key)`` that failed."""
@@ -339,7 +344,7 @@ class TierPolicy:
         """Pinned CPU slots for ``keys`` (the continuation of a prefix, none of them held in
         the CPU tier) that a driver found on the remote tier, placed as a store would (with
         write-through also an SSD place). Truncated at the first key that finds no slot."""
-        plan = FetchPlan(self._plan_id(), req_id=req_id)
+        plan = FetchPlan(self._plan_id(), req_id=req_id, source=self._r, slab=self._c)
         if self.cpu is None or not self.spec.remote:
             return plan
         want = list(dict.fromkeys(keys))
@@ -359,8 +364,9 @@ class TierPolicy:
             wanted = self._second(self._ghost_s, self._s, [k for k in want if k not in self._ssd], now)
             to_ssd = self._place_ssd(plan, wanted, now)
         plan.keys = want
-        plan.cpu_slots = [slots[k] for k in want]
-        plan.to_ssd = [k in to_ssd for k in want]
+        plan.slots = [slots[k] for k in want]
+        if to_ssd:
+            plan.writes[self._s] = [i for i, k in enumerate(want) if k in to_ssd]
         return plan
 
     def complete_fetch(self, plan: FetchPlan, fetched: int) -> None:
@@ -372,9 +378,10 @@ class TierPolicy:
         missed = plan.keys[fetched:]
         if missed:
             self.forget(self._c, missed)
-            ssd = [k for k, s in zip(missed, plan.to_ssd[fetched:]) if s]
-            if ssd:
-                self.forget(self._s, ssd)
+            for tier, idx in plan.writes.items():
+                below = [plan.keys[i] for i in idx if i >= fetched]
+                if below:
+                    self.forget(tier, below)
 
     # ------------------------------------------------------------------ placement
 
@@ -389,7 +396,8 @@ class TierPolicy:
         """Place absent ``keys`` in the SSD tier (pinned for the plan); evictions go in the plan."""
         placed, evicted = self.holdings.place(self._s, plan.plan_id, keys)
         gone = [k for k, _ in evicted]
-        plan.ssd_evictions.extend(gone)
+        if gone:
+            plan.evictions.setdefault(self._s, []).extend(gone)
         self._emit("evicted", self._s, gone, now)
         self._emit("stored", self._s, list(placed), now)
         if len(placed) < len(keys):
@@ -406,7 +414,7 @@ class TierPolicy:
             return
         # (a key this plan already evicted from the SSD tier does not come back by a spill: spills
         # run before the plan's deletions, which would remove it again)
-        gone = set(plan.ssd_evictions) if plan.ssd_evictions else ()
+        gone = set(plan.evictions.get(self._s, ()))
         down = [(k, s) for k, s in evicted if k not in self._ssd and k not in gone]
         if self._ghost_s is not None:
             taken = set(self._second(self._ghost_s, self._s, [k for k, _ in down], now))
@@ -414,7 +422,7 @@ class TierPolicy:
         if not down:
             return
         placed = self._place_ssd(plan, [k for k, _ in down], now)
-        plan.spills.extend((s, k) for k, s in down if k in placed)
+        plan.spills.extend(Spill(self._c, s, self._s, k) for k, s in down if k in placed)
 
     # ------------------------------------------------------------------ failures
 
@@ -468,21 +476,9 @@ class TierPolicy:
         self.holdings.open(self._next_plan)
         return self._next_plan
 
-    def _emit(self, kind: str, tier: str, keys: Sequence[bytes], now: float) -> None:
-        if not keys:
-            return
-        self.counts.counts[kind][tier] += len(keys)
-        for observer in self._observers:
-            observer(kind, tier, keys, now)
-        if self._events is not None:
-            self._events.append(PolicyEvent(kind, tier, tuple(keys), now))
-
     def take_events(self) -> list[PolicyEvent]:
         """Events recorded since the last call (empty unless ``record_events`` is on)."""
-        if self._events is None:
-            return []
-        out, self._events = self._events, []
-        return out
+        return self.log.take()
 
     def check(self) -> None:
         """Assert the accounting invariants (tests)."""

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from kvstrata.dataplane.executor import host_rows
+from kvstrata.dataplane.device_rows import host_rows
 from kvstrata.tiers.buffers import copy_rows
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kvstrata.dataplane.executor import DeviceRows
+from kvstrata.dataplane.device_rows import DeviceRows
 from kvstrata.tiers.buffers import as_numpy
 
 __all__ = ["BufferRows", "RoutedRows", "page_buffer"]

@@ -44,7 +44,7 @@ from kvstrata.policy.seeding import SSDSeeding
 from kvstrata.policy.tiers import REMOTE, SSD
 
 if TYPE_CHECKING:
-    from kvstrata.dataplane.executor import DeviceRows
+    from kvstrata.dataplane.device_rows import DeviceRows
     from kvstrata.identity.fingerprint import Fingerprint
     from kvstrata.identity.ranks import Rank
 
@@ -77,7 +77,7 @@ class PageStore:
         ssd = self.executor.ssd
         if ssd is not None:
             self._seeding = SSDSeeding(self.policy, lambda: (list(ssd.keys()), []), [ssd])
-            self.executor.evict([], self._seeding.start())
+            self.executor.evict([], {self.policy.store_tier: self._seeding.start()})
 
     # ------------------------------------------------------------------ verbs
 
@@ -94,7 +94,7 @@ class PageStore:
             local = core.worth_loading(st, 0, held)
             if local < held or held == n or not core.remote:
                 return local
-            answer = self.executor.probe_remote(core.all_group_keys(st, held, n))
+            answer = self.executor.probe(core.all_group_keys(st, held, n))
             remote = core.probed(answer, held, n)
             return held + core.worth_fetching(st, 0, held, remote)
 
@@ -138,8 +138,9 @@ class PageStore:
                 early, late = self.core.end_step([], list(zip(block_ids, keys)))
                 self.core.run(self.executor, early + late)
             plans = early + late
-            taken = {k for plan in plans for k, r in zip(plan.keys, plan.to_remote) if r}
-            taken |= {k for plan in plans for k in plan.ssd_evictions}  # stored, then evicted by the batch
+            shared = self.policy.shared_tier
+            taken = {plan.keys[i] for plan in plans for i in plan.writes.get(shared, ())}
+            taken |= {k for plan in plans for keys in plan.evictions.values() for k in keys}  # stored, then evicted
             holds = self.policy.holds
             self.seconds["store"] += time.perf_counter() - started
             return [holds(k) is not None or k in taken for k in keys]
@@ -152,7 +153,7 @@ class PageStore:
         (forgotten), and a background recovery's records (held once it is over)."""
         self.policy.forget_pairs(self.executor.take_lost())
         if self._seeding is not None and self._seeding.pending:
-            self.executor.evict([], self._seeding.poll())
+            self.executor.evict([], {self.policy.store_tier: self._seeding.poll()})
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -164,12 +165,11 @@ class PageStore:
                 self._seeding.cancel()
             self.policy.clear()
             self.policy.forget_pairs(self.executor.take_lost())
-            ssd, remote = self.executor.ssd, self.executor.remote
-            if ssd is not None:
+            if self.executor.stores:
                 self.executor.flush()
-                self.executor.evict([], list(ssd.keys()))
-            if remote is not None:
-                remote.reset()
+                self.executor.evict([], {t: list(b.keys()) for t, b in self.executor.stores.items()})
+            for shared in self.executor.shared.values():
+                shared.reset()
 
     def flush(self) -> bool:
         """Wait until every accepted write is down (the SSD tier's synced); False when the SSD

@@ -272,7 +272,7 @@ class KVStrataMetadata(KVConnectorMetadata):
     until this step's forward) run in ``handle_preemptions``, before the
     forward; ``loads`` in ``start_load_kv``; ``stores`` (computed blocks, the
     page-out window) in ``wait_for_save``.
-    ``ssd_evictions``: keys to delete from the SSD tier (start-up overflow).
+    ``evictions``: per tier, keys to delete from it (the persistent tier's start-up overflow).
     ``reset``: delete every record of the worker's SSD tier first (the weights changed:
     records the policy no longer knew of are stale too, and a put of a key still on
     disk only refreshes it).
@@ -292,7 +292,7 @@ class KVStrataMetadata(KVConnectorMetadata):
     loads: list[LoadPlan | FetchPlan] = field(default_factory=list)
     early_stores: list[StorePlan] = field(default_factory=list)
     stores: list[StorePlan] = field(default_factory=list)
-    ssd_evictions: list[bytes] = field(default_factory=list)
+    evictions: dict[str, list[bytes]] = field(default_factory=dict)
     reset: bool = False
     remote_generation: bytes | None = None
     reused: list[int] | None = None

@@ -347,14 +347,16 @@ class KVStrataScheduler:
         if self._remote is not None:
             self._remote.new_step()
         if self._seeding is not None and self._seeding.pending:
-            leaving = frozenset(self._ssd_evictions).union(*(p.ssd_evictions for p in self.core.planned))
+            store = self.policy.store_tier
+            leaving = frozenset(self._ssd_evictions).union(*(p.evictions.get(store, ()) for p in self.core.planned))
             self._ssd_evictions += self._seeding.poll(leaving)
         if self._recording is not None:
             for req_id in scheduler_output.preempted_req_ids or ():
                 st = self.core.requests.get(req_id)
                 if isinstance(st, _Req):
                     self._recording.preempted(st)
-        meta = KVStrataMetadata(loads=self.core.take_planned(), ssd_evictions=self._ssd_evictions,
+        meta = KVStrataMetadata(loads=self.core.take_planned(),
+                                evictions={self.policy.store_tier: self._ssd_evictions} if self._ssd_evictions else {},
                                 reset=self._reset_ssd,
                                 remote_generation=self._remote.generation if self._remote is not None else None)
         meta.cut = self._timing.step(scheduler_output.total_num_scheduled_tokens, meta.loads, attended(scheduler_output))

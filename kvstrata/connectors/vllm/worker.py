@@ -265,13 +265,13 @@ class KVStrataWorker:
         if meta.remote_generation != self._generation:  # after the puts queued before, ahead of this step's fetches
             self._generation = meta.remote_generation
             copier.use_remote_generation(meta.remote_generation)
-        if meta.ssd_evictions:
-            copier.evict([], meta.ssd_evictions)
+        if meta.evictions:
+            copier.evict([], meta.evictions)
         for plan in meta.loads:  # plans prepared before the stores: their evictions go first
             if isinstance(plan, FetchPlan):
                 copier.fetch(plan)  # into CPU slots now; loads of them come in a later step
             else:
-                copier.evict(plan.spills, plan.ssd_evictions)
+                copier.evict(plan.spills, plan.evictions)
         self._queue_stores(meta.early_stores)
         copier.fence(meta.reused if meta.reused is not None else copier.reading())
         if meta.zero:  # vLLM's zeroing, on the compute stream after the fence above
@@ -378,9 +378,10 @@ class KVStrataWorker:
         if ex is None or ssd is None or not self._mirror:
             return 0
         chosen, held = select_for_shutdown(self._mirror_mru(), ssd.__contains__, self.spec.ssd_slots)
-        plan = StorePlan(0, SHUTDOWN, ssd_touches=held)
+        tier = next(iter(ex.stores))
+        plan = StorePlan(0, SHUTDOWN, touches={tier: list(held)} if held else {})
         for block_id, key in chosen:
-            plan.add(block_id, key, -1, True)
+            plan.add(block_id, key, -1, (tier,))
         lost = ex.store(plan)
         return len(plan) - len(lost)
 
