@@ -1,9 +1,11 @@
-"""A test-only tier kind's backend: a key-addressed tier over a dict, with every method of the
-store role's executor half (:data:`kvstrata.tiers.kinds.HALVES`)."""
+"""A test-only tier kind, defined in this one file: a key-addressed tier over a dict, with every
+method of the store role's executor half (:data:`kvstrata.tiers.kinds.HALVES`), registered
+between DRAM and SSD by :func:`dict_tier`."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -44,3 +46,32 @@ class DictStore:
     def wait_ready(self, timeout: float | None = None) -> bool: return True
     def keys(self) -> list[bytes]: return list(self.data)
     def close(self) -> None: ...
+
+
+#: the blocks the dict tier holds while registered (its capacity rule reads it)
+BLOCKS = {"n": 0}
+#: the backends it opened (a test inspects what they hold)
+OPENED: list[DictStore] = []
+
+
+@contextlib.contextmanager
+def dict_tier(blocks: int) -> Iterator[None]:
+    """Register the ``dict`` tier kind between DRAM (100) and SSD (300), holding ``blocks``
+    blocks in every deployment while the block runs; unregister it after."""
+    from kvstrata.policy.tiers import Tier
+    from kvstrata.tiers.kinds import TierKind, register, unregister
+
+    BLOCKS["n"] = blocks
+    OPENED.clear()
+
+    def opened(opening: Any) -> DictStore:
+        OPENED.append(DictStore())
+        return OPENED[-1]
+
+    register(TierKind(Tier("dict", medium="CPU", key="dict", label="dict", hint="raise the dict tier's blocks"),
+                      section="dict", capacity=lambda config, block_nbytes: BLOCKS["n"], open=opened,
+                      backend=DictStore, position=200))
+    try:
+        yield
+    finally:
+        unregister("dict")

@@ -9,21 +9,26 @@ from pathlib import Path
 from kvstrata.bench.replay import ReplayOptions, replay
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.core.hits import count_tiers, request_counts, served_from
+from kvstrata.policy import PolicySpec, TierPolicy
 from kvstrata.trace.reader import TraceBuilder
 
 
 def test_a_block_fetched_into_a_cpu_slot_is_a_remote_hit() -> None:
     tiers, keys = ["ssd", "cpu", "cpu", "cpu"], [b"a", b"b", b"c", b"d"]
     assert served_from(tiers, keys) == tiers
-    assert served_from(tiers, keys, {b"b", b"c"}) == ["ssd", "remote", "remote", "cpu"]
-    assert served_from(tiers, keys, {b"b", b"c"}, loaded=2) == ["ssd", "remote"]
-    assert served_from(tiers, keys, {b"a"}) == tiers  # read from the SSD tier: an SSD hit whatever its origin
+    named = {"slab": "cpu", "shared": "remote"}
+    assert served_from(tiers, keys, {b"b", b"c"}, **named) == ["ssd", "remote", "remote", "cpu"]
+    assert served_from(tiers, keys, {b"b", b"c"}, loaded=2, **named) == ["ssd", "remote"]
+    assert served_from(tiers, keys, {b"a"}, **named) == tiers  # read from the SSD tier: an SSD hit whatever its origin
 
 
 def test_request_counts_name_every_tier_of_the_deployment() -> None:
-    assert request_counts(2, ["ssd", "remote", "cpu"], True) == {"gpu": 2, "cpu": 1, "ssd": 1, "remote": 1}
-    assert request_counts(0, [], False) == {"gpu": 0, "cpu": 0, "ssd": 0}
-    assert count_tiers(True)[-1] == "remote" and "remote" not in count_tiers(False)
+    with_remote = TierPolicy(PolicySpec(cpu_slots=4, ssd_slots=4, remote=True))
+    without = TierPolicy(PolicySpec(cpu_slots=4, ssd_slots=4))
+    assert count_tiers(with_remote) == ("gpu", "cpu", "ssd", "remote") and count_tiers(without) == ("gpu", "cpu", "ssd")
+    assert request_counts(2, ["ssd", "remote", "cpu"], count_tiers(with_remote)) == {
+        "gpu": 2, "cpu": 1, "ssd": 1, "remote": 1}
+    assert request_counts(0, [], count_tiers(without)) == {"gpu": 0, "cpu": 0, "ssd": 0}
 
 
 def test_the_replays_per_request_counts_add_up_to_its_per_tier_counts_remote_included(tmp_path: Path) -> None:

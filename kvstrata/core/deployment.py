@@ -14,11 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from kvstrata.config.credentials import redact_url
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError
-from kvstrata.policy.spec import PolicySpec, ghost_keys
-from kvstrata.policy.tiers import CPU, REMOTE, SSD, declare
+from kvstrata.policy.spec import PolicySpec
+from kvstrata.policy.tiers import chain
 from kvstrata.tiers.kinds import Opening, TierKind, kind_of, kinds
 
 if TYPE_CHECKING:
@@ -39,14 +38,11 @@ def capacities(config: KVStrataConfig, block_nbytes: int) -> dict[str, int | Non
 
 def policy_spec(config: KVStrataConfig, *, block_nbytes: int, gpu_blocks: int) -> PolicySpec:
     """The spec a deployment of ``config`` runs, with blocks of ``block_nbytes`` bytes and a
-    device pool of ``gpu_blocks`` blocks."""
+    device pool of ``gpu_blocks`` blocks: every registered kind the config enables, declared
+    by its kind in chain order (:func:`~kvstrata.policy.tiers.chain`)."""
     caps = capacities(config, block_nbytes)
-    ssd = caps[SSD]
-    server = redact_url(config.remote.url) if caps[REMOTE] is not None and config.remote.url else None
-    tiers = declare(caps[CPU] or 0, ssd, write_through=config.spill.write_through, remote_server=server,
-                    ssd_admission=(config.ssd.admission, ghost_keys(config.ssd, ssd)),
-                    remote_admission=(config.remote.admission, ghost_keys(config.remote, None)),
-                    cpu_eviction=config.cpu.eviction, ssd_eviction=config.ssd.eviction)
+    declared = [kind.declare(config, caps[name] or 0) for name, kind in kinds().items() if caps[name] is not None]
+    tiers = chain(declared, write_through=config.spill.write_through)
     return PolicySpec.from_tiers(config, tiers, gpu_blocks=gpu_blocks)
 
 

@@ -78,8 +78,8 @@ class DriverCore:
         self.groups = groups if groups is not None else KVGroups.one(block_size)
         self.costs = costs  # load or recompute (kvstrata.core.costs); None: every hit is loaded
         policy.order_context.block_tokens = block_size  # what the eviction orders weigh a block by
-        self.remote = bool(policy.spec.remote)
-        self.tiers = count_tiers(self.remote)
+        self.shared = bool(policy.spec.remote)
+        self.tiers = count_tiers(policy)
         self.counts = HitCounts(self.tiers)    # new requests: the hit rate
         self.resumed = HitCounts(self.tiers)   # requests looked up again after a preemption
         self.requests: dict[str, RequestState] = {}
@@ -278,7 +278,7 @@ class DriverCore:
         prefix ``[first:start]``: touch that prefix (the fetch's placements must not evict it)
         and plan fetching them into CPU slots (what each group needs for a hit at
         ``start + held``, block by block). None when nothing can be fetched."""
-        if held <= 0 or not self.remote:
+        if held <= 0 or not self.shared:
             return None
         end = start + held
         self.policy.touch(self.all_group_keys(st, first, start))
@@ -311,7 +311,7 @@ class DriverCore:
         worth loading (:meth:`worth_fetching`, :meth:`worth_loading`), as the scheduler half."""
         held = self.held_below(st, first, last)
         start = first + held
-        if self.remote and start < last:
+        if self.shared and start < last:
             plan = self.probe_answered(st, first, start, executor.probe(self.all_group_keys(st, start, last)),
                                        start, last)
             if plan is not None:
@@ -346,7 +346,7 @@ class DriverCore:
             tiers, loaded = st.decision
             self.costs.count(tiers, loaded if num_external else 0)
         st.decision = None
-        st.hits = request_counts(gpu_hits, [], self.remote)
+        st.hits = request_counts(gpu_hits, [], self.tiers)
         st.load, st.load_lost, st.sources = None, set(), []
         self.policy.touch(self.all_group_keys(st, 0, gpu_hits))
         counts = self.resumed if resumed else self.counts
@@ -361,7 +361,8 @@ class DriverCore:
         plan = self.policy.prepare_load(st.req_id, [group_key(st, g, i) for i, g, _ in entries],
                                         [b for _, _, b in entries])
         st.sources = self.groups.position_tiers(gpu_hits, end, [i for i, _, _ in entries],
-                                                served_from(plan.tiers(), plan.keys, fetched), self.tiers)
+                                                served_from(plan.tiers(), plan.keys, fetched, slab=plan.slab,
+                                                            shared=self.policy.shared_tier), self.tiers)
         st.load = plan
         self._planned.append(plan)
         return plan
@@ -477,7 +478,7 @@ class DriverCore:
 
     def no_hits(self) -> dict[str, int]:
         """A request's counts when nothing served it (one rejected before its lookup)."""
-        return request_counts(0, [], self.remote)
+        return request_counts(0, [], self.tiers)
 
     def stats(self) -> dict[str, Any]:
         """``queries`` and ``hits`` of new requests, and the same under ``preempted``."""

@@ -12,38 +12,38 @@ Threads: pure functions.
 
 from __future__ import annotations
 
-from typing import Any, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Sequence
 
-from kvstrata.policy.tiers import GPU, KNOWN, LOWER, SHARED
+from kvstrata.policy.tiers import GPU
+
+if TYPE_CHECKING:
+    from kvstrata.policy.manager import TierPolicy
 
 __all__ = ["GPU", "HitCounts", "served_from", "request_counts", "count_tiers"]
 
-_SLAB = next(n for n, t in KNOWN.items() if t.slab)  # the tier remote fetches land in
-REMOTE = SHARED[0]
-LOWER_TIERS = LOWER
 
-
-def count_tiers(remote: bool) -> tuple[str, ...]:
-    """The tiers a request's hits are counted in: the device pool, the lower tiers, and the
-    remote tier when the deployment has one."""
-    return (GPU, *LOWER_TIERS, REMOTE) if remote else (GPU, *LOWER_TIERS)
+def count_tiers(policy: "TierPolicy") -> tuple[str, ...]:
+    """The tiers a request's hits are counted in: the device pool, the policy's lower tiers,
+    and its shared tier when the deployment has one."""
+    shared = policy.shared_tier if policy.spec.remote else ""
+    return (GPU, *policy.lower_tiers, *((shared,) if shared else ()))
 
 
 def served_from(tiers: Sequence[str], keys: Sequence[bytes], fetched: Collection[bytes] = (),
-                loaded: int | None = None) -> list[str]:
+                loaded: int | None = None, *, slab: str = "", shared: str = "") -> list[str]:
     """The tier that served each of the first ``loaded`` blocks of a load (all when None):
-    ``tiers`` as the load plan reads them, except that a block read from a CPU slot it was
-    fetched into from the remote tier (``fetched``: those keys) is a remote hit."""
+    ``tiers`` as the load plan reads them, except that a block read from a ``slab`` slot it
+    was fetched into from the ``shared`` tier (``fetched``: those keys) is a hit of that tier."""
     n = len(tiers) if loaded is None else loaded
     if not fetched:
         return list(tiers[:n])
-    return [REMOTE if t == _SLAB and k in fetched else t for t, k in zip(tiers[:n], keys[:n])]
+    return [shared if t == slab and k in fetched else t for t, k in zip(tiers[:n], keys[:n])]
 
 
-def request_counts(gpu_hits: int, served: Sequence[str], remote: bool) -> dict[str, int]:
-    """One request's hits in blocks per tier (:func:`count_tiers`): ``gpu_hits`` device-pool
-    hits, then one for each tier in ``served`` (:func:`served_from`)."""
-    counts = dict.fromkeys(count_tiers(remote), 0)
+def request_counts(gpu_hits: int, served: Sequence[str], tiers: Sequence[str]) -> dict[str, int]:
+    """One request's hits in blocks per tier of ``tiers`` (:func:`count_tiers`): ``gpu_hits``
+    device-pool hits, then one for each tier in ``served`` (:func:`served_from`)."""
+    counts = dict.fromkeys(tiers, 0)
     counts[GPU] = gpu_hits
     for tier in served:
         counts[tier] += 1

@@ -135,9 +135,9 @@ class Copier:
         """Move the remote tier to generation ``token`` after the work queued so far (rule 4):
         puts queued before it go to the generation they were planned in, fetches queued
         after it read the new one."""
-        remote = self.ex.remote
-        if remote is not None:
-            self._switched = self._io.submit(lambda: remote.use_generation(token) or [])
+        shared = self.ex.remote
+        if shared is not None:
+            self._switched = self._io.submit(lambda: shared.use_generation(token) or [])
             self._spills.append((self._switched, 0))
 
     def _admit(self, nbytes: int) -> bool:
@@ -156,10 +156,10 @@ class Copier:
             if tier in self.ex.stores:
                 self._io.submit(self.ex.stores[tier].touch_many, list(keys))
         slab, size = self.ex.slab, self.rows.block_nbytes
-        cpu = [i for i, s in enumerate(plan.slots) if s >= 0 and slab is not None]
-        in_cpu = set(cpu)
+        from_slab = [i for i, s in enumerate(plan.slots) if s >= 0 and slab is not None]
+        in_slab = set(from_slab)
         below = {t: set(idx) for t, idx in plan.writes.items() if t in self.ex.stores or t in self.ex.shared}
-        host_only = [i for i in range(len(plan)) if i not in in_cpu and any(i in idx for idx in below.values())]
+        host_only = [i for i in range(len(plan)) if i not in in_slab and any(i in idx for idx in below.values())]
         lost: Lost = []
         staged = host_only
         if host_only and not self._admit(size * len(host_only)):  # rule 5: dropped, never waited for
@@ -167,28 +167,29 @@ class Copier:
             lost = [(t, plan.keys[i]) for t, idx in below.items() if t in self.ex.stores for i in host_only if i in idx]
             self.ex.count("stores_dropped", len(host_only))
         staging = self.rows.staging(len(staged)) if staged else None
-        blocks = [plan.block_ids[i] for i in cpu + staged]
+        blocks = [plan.block_ids[i] for i in from_slab + staged]
         if blocks:
             self._after_compute(after)
-            self.store_stream.submit(lambda: self._gather(plan, cpu, staged, staging))
+            self.store_stream.submit(lambda: self._gather(plan, from_slab, staged, staging))
         gathered = self.store_stream.record()
         for b in blocks:
             self._reading[b] = gathered
-        for i in cpu:
+        for i in from_slab:
             assert slab is not None
             slab.keys[plan.slots[i]] = plan.keys[i]  # loads of it wait for ``gathered`` (rule 3)
             self._slot_event[plan.slots[i]] = gathered
-        self.ex.count(f"blocks_stored_{self.ex.slab_tier or plan.slab}", len(cpu))
-        puts = [(t, plan.keys[i], ("slab", plan.slots[i])) for t, idx in below.items() for i in cpu if i in idx]
+        self.ex.count(f"blocks_stored_{self.ex.slab_tier or plan.slab}", len(from_slab))
+        puts = [(t, plan.keys[i], ("slab", plan.slots[i])) for t, idx in below.items() for i in from_slab if i in idx]
         puts += [(t, plan.keys[i], ("staging", j)) for t, idx in below.items() for j, i in enumerate(staged) if i in idx]
         io = self._io.submit(self._put_io, gathered, puts, staging)
         self._stores.append(PendingStore(plan, gathered, io, size * len(staged), lost, time.perf_counter(),
                                    size * len(blocks)))
 
-    def _gather(self, plan: StorePlan, cpu: list[int], staged: list[int], staging: np.ndarray | None) -> None:
-        if cpu:
+    def _gather(self, plan: StorePlan, from_slab: list[int], staged: list[int], staging: np.ndarray | None) -> None:
+        if from_slab:
             assert self.ex.slab is not None
-            self.rows.gather([plan.block_ids[i] for i in cpu], self.ex.slab.array, [plan.slots[i] for i in cpu])
+            self.rows.gather([plan.block_ids[i] for i in from_slab], self.ex.slab.array,
+                             [plan.slots[i] for i in from_slab])
         if staged:
             assert staging is not None
             self.rows.gather([plan.block_ids[i] for i in staged], staging, range(len(staged)))

@@ -98,12 +98,12 @@ class Executor:
 
     @property
     def ssd(self) -> Any:
-        """The first key-addressed local tier's backend (None: none)."""
-        return next(iter(self.stores.values()), None)
+        """The persistent tier's backend: the last key-addressed local tier (None: none)."""
+        return next(reversed(self.stores.values()), None)
 
     @ssd.setter
-    def ssd(self, backend: Any) -> None:  # detach (None) the first store tier
-        name = next(iter(self.stores), None)
+    def ssd(self, backend: Any) -> None:  # detach (None) the persistent tier
+        name = next(reversed(self.stores), None)
         if name is not None and backend is None:
             del self.stores[name]
 

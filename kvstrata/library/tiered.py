@@ -58,9 +58,9 @@ from kvstrata.dataplane.executor import Executor
 from kvstrata.identity.groups import STATE, KVGroups, parse_groups
 from kvstrata.identity.hashing import BlockHasher
 from kvstrata.identity.fingerprint import Fingerprint
-from kvstrata.core.metrics import TIERS, Lifecycle, LifecycleRecorder, KVStrataCollector, lifecycle_sampling, policy_stats
-from kvstrata.policy import LOWER_TIERS, TierPolicy
-from kvstrata.policy.tiers import GPU, REMOTE, SSD
+from kvstrata.core.metrics import Lifecycle, LifecycleRecorder, KVStrataCollector, lifecycle_sampling, policy_stats
+from kvstrata.policy import TierPolicy
+from kvstrata.policy.tiers import GPU
 from kvstrata.policy.seeding import SSDSeeding
 
 if TYPE_CHECKING:
@@ -157,9 +157,9 @@ class TieredKVCache:
         capacity = {GPU: num_blocks, **spec.capacity()}
         # Exact samples when asked for; otherwise large tiers are followed through a sample.
         self.lifecycle = {t: Lifecycle(record_samples, sample_every=1 if record_samples else
-                                       lifecycle_sampling(capacity[t])) for t in TIERS}
-        self.policy = TierPolicy(spec, clock=self.clock,
-                                 observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS})])
+                                       lifecycle_sampling(n)) for t, n in capacity.items()}
+        self.policy = TierPolicy(spec, clock=self.clock, observers=[LifecycleRecorder(
+            {t: lc for t, lc in self.lifecycle.items() if t != GPU})])
         self.core = DriverCore(self.policy, self.block_size, groups,
                                costs=fixed_costs(config.load, spec, self.block_nbytes))
         self._pending: dict[int, Any] = {}  # device row -> event of an unfinished load copy
@@ -189,9 +189,9 @@ class TieredKVCache:
         self.transfer = transfer
         backends = open_backends(cfg, self.policy.spec, self.fingerprint, self.block_nbytes)
         executor = executor_over(PoolRows(self.transfer), backends)
-        ssd = executor.ssd
-        if ssd is not None:
-            self._seeding = SSDSeeding(self.policy, lambda: (list(ssd.keys()), []), [ssd])
+        persistent = executor.ssd
+        if persistent is not None:
+            self._seeding = SSDSeeding(self.policy, lambda: (list(persistent.keys()), []), [persistent])
             executor.evict([], {self.policy.store_tier: self._seeding.start()})
         return executor
 
@@ -204,10 +204,7 @@ class TieredKVCache:
         """Wait until the SSD tier's background recovery (after an unclean shutdown) is
         over and hold what it verified; True if the tier then serves its records (also
         without an SSD tier). Requests need not wait: they miss on SSD until then."""
-        ssd = self.executor.ssd
-        if ssd is None:
-            return True
-        ready = ssd.wait_ready(timeout)
+        ready = all([b.wait_ready(timeout) for b in self.executor.stores.values()])
         self._poll_seeding()
         return ready
 
@@ -353,10 +350,9 @@ class TieredKVCache:
             "executor": ex,
             "lifecycle": {t: lc.samples() for t, lc in self.lifecycle.items()},
         }
-        if self.ssd is not None:
-            out[SSD] = self.ssd.stats()
-        if self.remote is not None:
-            out[REMOTE] = self.remote.stats()
+        for tier, backend in (*self.executor.stores.items(), *self.executor.shared.items()):
+            if callable(getattr(backend, "stats", None)):
+                out[tier] = backend.stats()
         return out
 
     # -------------------------------------------------------------- lifecycle
@@ -390,9 +386,9 @@ class TieredKVCache:
         if self.executor.stores:  # every record, once the writes queued so far landed: also those the policy did not hold
             self.executor.flush()
             self.executor.evict([], {t: list(b.keys()) for t, b in self.executor.stores.items()})
-        if self.remote is not None:
-            self.remote.reset()
-            self.remote.settle()  # makes the new generation now (a server that is down: at a later lookup)
+        for shared in self.executor.shared.values():
+            shared.reset()
+            shared.settle()  # makes the new generation now (a server that is down: at a later lookup)
 
     def flush(self) -> bool:
         """Wait until every pending copy and SSD write has finished (SSD writes synced).
@@ -400,25 +396,24 @@ class TieredKVCache:
         full disk, an I/O error: its ``stats()["ssd"]["last_error"]`` says which)."""
         self.transfer.synchronize()
         self._pending.clear()
-        if self.remote is not None:
-            self.remote.flush()
+        for shared in self.executor.shared.values():
+            shared.flush()
         return self.executor.flush()
 
     def close(self) -> None:
         """Store the device-resident blocks the SSD tier lacks (most recently used first,
         as many as it holds), flush, and release the tiers; the SSD tier persists."""
-        if self.executor.ssd is not None:
+        if self.executor.stores:
             self.core.shutdown(self.executor, self.manager.resident())
         self.flush()
         self._close_tiers()
 
     def _close_tiers(self) -> None:
-        ssd, self.executor.ssd = self.executor.ssd, None
-        if ssd is not None:
-            ssd.close()
-        remote, self.executor.remote = self.executor.remote, None
-        if remote is not None:
-            remote.close()
+        below = [*self.executor.stores.values(), *self.executor.shared.values()]
+        self.executor.stores.clear()
+        self.executor.shared.clear()
+        for backend in below:
+            backend.close()
         server, self._metrics_server = self._metrics_server, None
         if server is not None and hasattr(server, "shutdown"):
             server.shutdown()

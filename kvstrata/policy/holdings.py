@@ -2,7 +2,7 @@
 
 :class:`Holdings` is the tier policy's bookkeeping, with no decisions in it:
 one index per local tier that holds blocks (a slab tier: a
-:class:`~kvstrata.policy.slot_index.SlotIndex`; a persistent one: :func:`ssd_index`),
+:class:`~kvstrata.policy.slot_index.SlotIndex`; a persistent one: :func:`keyed_index`),
 the keys each open plan pinned in each, and the tombstones of keys forgotten while pinned.
 
 A key forgotten while pinned leaves its tier at once (lookups stop finding
@@ -25,16 +25,16 @@ from kvstrata.system.values import LRU
 if TYPE_CHECKING:
     from kvstrata.policy.orders import OrderContext
 
-__all__ = ["Holdings", "TOMBSTONE_PREFIX", "COMPACT_ABOVE", "ssd_index", "index_bytes"]
+__all__ = ["Holdings", "TOMBSTONE_PREFIX", "COMPACT_ABOVE", "keyed_index", "index_bytes"]
 
 TOMBSTONE_PREFIX = b"\x00kvstrata-tombstone:"  # + a counter: the key a forgotten pinned entry takes
 
 
-#: SSD tiers of more blocks than this are indexed in flat arrays (see :func:`ssd_index`).
+#: SSD tiers of more blocks than this are indexed in flat arrays (see :func:`keyed_index`).
 COMPACT_ABOVE = 1 << 20
 
 
-def ssd_index(num_slots: int, eviction: str = LRU, context: "OrderContext | None" = None) -> SlotIndex | CompactIndex:
+def keyed_index(num_slots: int, eviction: str = LRU, context: "OrderContext | None" = None) -> SlotIndex | CompactIndex:
     """The SSD tier's index: a large disk of small blocks holds tens of millions of them, and
     a :class:`CompactIndex` costs ~50 bytes per key where a :class:`SlotIndex` costs ~165;
     below :data:`COMPACT_ABOVE` slots (at most ~170 MB either way) the dict-based index is
@@ -45,15 +45,15 @@ def ssd_index(num_slots: int, eviction: str = LRU, context: "OrderContext | None
     return SlotIndex(num_slots, eviction, context)
 
 
-def index_bytes(ssd_slots: int, key_len: int = 32, eviction: str = LRU) -> int:
+def index_bytes(num_slots: int, key_len: int = 32, eviction: str = LRU) -> int:
     """What the SSD tier's index costs in memory once the tier is full (an upper estimate:
     the key, the LRU links, the hash table at its fullest; measured ~49 bytes for 32-byte
     keys), for the driver to check against the machine before it starts."""
-    if ssd_slots <= COMPACT_ABOVE or eviction != LRU:
+    if num_slots <= COMPACT_ABOVE or eviction != LRU:
         # another order keeps its own dicts and ghost keys (measured 316 and 523 bytes per block
         # for arc and s3fifo at 100,000 blocks, keys aside)
-        return ssd_slots * (key_len + 140 if eviction == LRU else 2 * key_len + 560)
-    return ssd_slots * (key_len + 20)
+        return num_slots * (key_len + 140 if eviction == LRU else 2 * key_len + 560)
+    return num_slots * (key_len + 20)
 
 
 class Holdings:
@@ -63,7 +63,7 @@ class Holdings:
     def __init__(self, tiers: Iterable[Tier], context: "OrderContext | None" = None) -> None:
         self.indexes: dict[str, SlotIndex | CompactIndex] = {
             t.name: SlotIndex(t.capacity, t.eviction, context) if t.slab
-            else ssd_index(t.capacity, t.eviction, context)
+            else keyed_index(t.capacity, t.eviction, context)
             for t in tiers if not t.shared and t.capacity}
         self._pins: dict[int, dict[str, list[bytes]]] = {}  # plan -> tier -> keys it pinned there
         self._tombs: dict[str, set[bytes]] = {name: set() for name in self.indexes}

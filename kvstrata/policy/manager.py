@@ -94,9 +94,9 @@ class TierPolicy:
         self._below = self.store_tier if spec.write_through else (keyed[0] if keyed else "")
         self._cascades = {t.name: t.cascade for t in local if t.cascade in self.chain}
         self.cpu, self.ssd = self.holdings.index(self.slab_tier), self.holdings.index(self.store_tier)
-        names = (*LOWER_TIERS, *(n for n in self.chain if n not in LOWER_TIERS))
-        self._names = names
-        self.counts = EventCounts((*names, *(t.name for t in tiers.shared)))
+        #: the local tiers statistics name (every built-in local kind, then this deployment's others)
+        self.lower_tiers: tuple[str, ...] = (*LOWER_TIERS, *(n for n in self.chain if n not in LOWER_TIERS))
+        self.counts = EventCounts((*self.lower_tiers, *(t.name for t in tiers.shared)))
         # second_hit admission: the keys each such tier saw once
         self._ghosts = {t.name: Ghost(t.ghost_keys) for t in (*local, *tiers.shared) if t.admission == SECOND_HIT}
         self.log = EventLog(self.counts, observers, record_events)
@@ -141,14 +141,14 @@ class TierPolicy:
 
     def occupancy(self) -> dict[str, int]:
         indexes = self.holdings.indexes
-        return {t: len(indexes[t]) if t in indexes else 0 for t in self._names}
+        return {t: len(indexes[t]) if t in indexes else 0 for t in self.lower_tiers}
 
     def capacity(self) -> dict[str, int]:
         return self.spec.capacity()
 
     def pinned(self) -> dict[str, int]:
         indexes = self.holdings.indexes
-        return {t: indexes[t].num_pinned if t in indexes else 0 for t in self._names}
+        return {t: indexes[t].num_pinned if t in indexes else 0 for t in self.lower_tiers}
 
     # ------------------------------------------------------------------ recency
 
@@ -446,8 +446,8 @@ class TierPolicy:
     def forget(self, tier: str, keys: Iterable[bytes]) -> None:
         """The tier does not hold ``keys`` after all (a failed copy, a corrupt or vanished
         record): they leave it now (a pinned entry keeps its slot until its plans complete)."""
-        if tier not in self._names:
-            raise ValueError(f"tier: expected one of {self._names}, got {tier!r}")
+        if tier not in self.lower_tiers:
+            raise ValueError(f"tier: expected one of {self.lower_tiers}, got {tier!r}")
         self._emit("lost", tier, self.holdings.forget(tier, keys), self.clock())
 
     def clear(self) -> list[bytes]:
@@ -472,10 +472,10 @@ class TierPolicy:
     def forget_pairs(self, lost: Iterable[tuple[str, bytes]]) -> None:
         """:meth:`forget` for ``(tier, key)`` pairs."""
         lost = list(lost)
-        unknown = {t for t, _ in lost} - set(self._names)
+        unknown = {t for t, _ in lost} - set(self.lower_tiers)
         if unknown:
-            raise ValueError(f"lost: tiers are {self._names}, got {sorted(unknown)}")
-        for tier in self._names:
+            raise ValueError(f"lost: tiers are {self.lower_tiers}, got {sorted(unknown)}")
+        for tier in self.lower_tiers:
             keys = [k for t, k in lost if t == tier]
             if keys:
                 self.forget(tier, keys)

@@ -8,6 +8,7 @@ replay); the spec takes the declarations with their capacities.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,19 +96,22 @@ class PolicySpec:
         return reason in _ADMITTED[self.admission]
 
     def capacity(self) -> dict[str, int]:
-        """Blocks each lower tier holds at most (every local tier this build knows; 0: off)."""
+        """Blocks each lower tier holds at most (every built-in local kind, 0: off, then the
+        deployment's other local tiers)."""
         assert self.tiers is not None
-        return {name: self.tiers[name].capacity if name in self.tiers else 0 for name in LOWER}
+        return {**dict.fromkeys(LOWER, 0), **self.tiers.capacity()}
 
-    @property
+    @functools.cached_property
     def has_lower_tier(self) -> bool:
-        return self.cpu_slots > 0 or self.ssd_slots > 0
+        return any(self.capacity().values())
 
     def lower_blocks(self) -> int:
-        """Distinct blocks the tiers below the device can hold."""
+        """Distinct blocks the tiers below the device can hold (with write-through the
+        persistent tier also holds what the tiers above it hold)."""
+        held = sum(self.capacity().values())
         if self.write_through:
-            return max(self.cpu_slots, self.ssd_slots)
-        return self.cpu_slots + self.ssd_slots
+            return max(held - self.ssd_slots, self.ssd_slots)
+        return held
 
     def effective_blocks(self, gpu_blocks: int) -> int:
         """Distinct blocks the whole hierarchy can hold (approximately): ``on_evict`` keeps

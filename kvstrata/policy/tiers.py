@@ -38,7 +38,7 @@ from typing import Iterable, Iterator
 from kvstrata.errors import ConfigError
 from kvstrata.system.values import ALWAYS, LRU, SECOND_HIT, TIER_ADMISSIONS, check_eviction
 
-__all__ = ["ALWAYS", "SECOND_HIT", "GPU", "CPU", "SSD", "REMOTE", "LOWER", "SHARED", "PERSISTENT", "Tier", "TierList", "KNOWN", "declare", "describe_tiers", "declare_kind", "forget_kind"]
+__all__ = ["ALWAYS", "SECOND_HIT", "GPU", "CPU", "SSD", "REMOTE", "LOWER", "SHARED", "PERSISTENT", "Tier", "TierList", "KNOWN", "declare", "chain", "describe_tiers", "declare_kind", "forget_kind"]
 
 GPU = "gpu"  # the device pool (owned by the driver, not declared here)
 CPU = "cpu"
@@ -142,8 +142,9 @@ class TierList:
         return next((t for t in self.local if t.slab), None)
 
     def store(self) -> Tier | None:
-        """The persistent local tier (read through a staging buffer), None when there is none."""
-        return next((t for t in self.local if not t.slab), None)
+        """The persistent local tier (the last key-addressed one, read through a staging
+        buffer), None when there is none."""
+        return next((t for t in reversed(self.local) if not t.slab), None)
 
     def capacity(self) -> dict[str, int]:
         """Blocks each local tier holds at most."""
@@ -155,26 +156,41 @@ class TierList:
         return TierList((*self.local, *shared))
 
 
+def chain(declared: Iterable[Tier], *, write_through: bool = True) -> TierList:
+    """The tiers of a deployment from their declarations, in order from the device down: each
+    local tier cascades its evicted blocks into the next one, except into the persistent (last)
+    tier when every stored block is written through to it already. A local tier that holds
+    no block is left out unless a tier cascades into it (then :class:`TierList` refuses the
+    declarations, naming its capacity)."""
+    declared = list(declared)
+    local = [t for t in declared if not t.shared]
+    out: list[Tier] = []
+    for i, t in enumerate(local):
+        below = local[i + 1] if i + 1 < len(local) else None
+        into = below is not None and not (write_through and below is local[-1] and not below.slab)
+        if t.capacity or (out and out[-1].cascade == t.name):
+            out.append(dataclasses.replace(t, cascade=below.name if into and below is not None else None))
+    return TierList((*out, *(t for t in declared if t.shared)))
+
+
 def declare(cpu_blocks: int, ssd_blocks: int | None, *, write_through: bool = True,
             remote_server: str | None = None, ssd_admission: tuple[str, int] = (ALWAYS, 0),
             remote_admission: tuple[str, int] = (ALWAYS, 0), cpu_eviction: str = LRU,
             ssd_eviction: str = LRU) -> TierList:
-    """The tiers of a deployment with these sizes. No CPU tier when ``cpu_blocks`` is 0; no SSD
-    tier when ``ssd_blocks`` is 0 or None (None: not enabled; 0: enabled, holding no block,
-    which is an error when the CPU tier cascades into it). The CPU tier's evictions cascade to
-    the SSD tier unless every stored block is written through to it already; a remote tier is
+    """The built-in tiers of a deployment with these sizes (:func:`chain` over them). No CPU
+    tier when ``cpu_blocks`` is 0; no SSD tier when ``ssd_blocks`` is None (not enabled); 0: enabled,
+    holding no block, which is an error when the CPU tier cascades into it. A remote tier is
     declared when it has a server. ``*_admission``: ``(admission, ghost_keys)`` of that tier."""
     tiers = []
     if cpu_blocks:
-        cascade = SSD if ssd_blocks is not None and not write_through else None
-        tiers.append(dataclasses.replace(KNOWN[CPU], capacity=cpu_blocks, cascade=cascade, eviction=cpu_eviction))
-    if ssd_blocks or (ssd_blocks == 0 and cpu_blocks and not write_through):
-        tiers.append(dataclasses.replace(KNOWN[SSD], capacity=ssd_blocks or 0, admission=ssd_admission[0],
+        tiers.append(dataclasses.replace(KNOWN[CPU], capacity=cpu_blocks, eviction=cpu_eviction))
+    if ssd_blocks is not None:
+        tiers.append(dataclasses.replace(KNOWN[SSD], capacity=ssd_blocks, admission=ssd_admission[0],
                                          ghost_keys=ssd_admission[1], eviction=ssd_eviction))
     if remote_server is not None:
         tiers.append(dataclasses.replace(KNOWN[REMOTE], server=remote_server, admission=remote_admission[0],
                                          ghost_keys=remote_admission[1]))
-    return TierList(tuple(tiers))
+    return chain(tiers, write_through=write_through)
 
 
 def describe_tiers(tiers: Iterable[Tier], held: dict[str, int] | None = None) -> str:

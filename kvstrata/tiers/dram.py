@@ -3,12 +3,14 @@ blocks, whose slots the device copies to and from directly (:class:`~kvstrata.ti
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvstrata.config.schema import KVStrataConfig
-from kvstrata.policy.tiers import CPU, KNOWN
+from kvstrata.policy.tiers import CPU, KNOWN, Tier
 from kvstrata.tiers.host import HostSlab
 from kvstrata.tiers.kinds import Opening, TierKind, register
 
-__all__ = ["dram_capacity", "open_slab"]
+__all__ = ["dram_capacity", "open_slab", "declare_dram"]
 
 
 def dram_capacity(config: KVStrataConfig, block_nbytes: int) -> int | None:
@@ -23,4 +25,10 @@ def open_slab(opening: Opening) -> HostSlab:
     return HostSlab(opening.capacity, opening.block_nbytes, pin_memory=pin)
 
 
-register(TierKind(KNOWN[CPU], section="cpu", capacity=dram_capacity, open=open_slab, backend=HostSlab))
+def declare_dram(config: KVStrataConfig, capacity: int) -> Tier:
+    """The DRAM tier's declaration: ``capacity`` slots evicted in ``cpu.eviction``'s order."""
+    return dataclasses.replace(KNOWN[CPU], capacity=capacity, eviction=config.cpu.eviction)
+
+
+register(TierKind(KNOWN[CPU], section="cpu", capacity=dram_capacity, open=open_slab, backend=HostSlab,
+                  position=100, configure=declare_dram))

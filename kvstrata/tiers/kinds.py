@@ -3,7 +3,11 @@
 A kind registers, in one call to :func:`register`:
 
 * its declaration's defaults (a :class:`~kvstrata.policy.tiers.Tier`: its name, its role
-  (slab, store or shared), medium, labels), which the policy places blocks by;
+  (slab, store or shared), medium, labels), which the policy places blocks by, and its
+  ``position`` in the chain from the device down (the built-in kinds: ``cpu`` 100, ``ssd``
+  300, ``remote`` 900; a tier between DRAM and SSD takes a number between);
+* ``configure``: its declaration under a config, with its capacity (the section's eviction
+  order and admission; by default the defaults with the capacity);
 * the config section that configures it (errors name its keys);
 * its capacity rule: the blocks it holds under that section, for blocks of a given size
   (None: the section does not enable it);
@@ -19,6 +23,7 @@ The built-in kinds register in :mod:`kvstrata.tiers.dram` (``cpu``), :mod:`kvstr
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -40,6 +45,8 @@ HALVES: dict[str, tuple[str, ...]] = {
               "keys", "close"),
     "shared": ("put", "get_into", "probe", "close"),
 }
+#: The entry-point group under which installed packages name the modules that register their kinds.
+ENTRY_POINTS = "kvstrata.tiers"
 #: The modules whose import registers the built-in kinds.
 BUILTIN = ("kvstrata.tiers.dram", "kvstrata.tiers.ssd.kind", "kvstrata.tiers.remote.kind")
 
@@ -81,6 +88,14 @@ class TierKind:
     capacity: Callable[["KVStrataConfig", int], "int | None"]
     open: Callable[[Opening], Any]
     backend: type
+    position: int = 500
+    configure: "Callable[[KVStrataConfig, int], Tier] | None" = None
+
+    def declare(self, config: "KVStrataConfig", capacity: int) -> Tier:
+        """This kind's declaration under ``config``, holding ``capacity`` blocks."""
+        if self.configure is None:
+            return dataclasses.replace(self.declaration, capacity=capacity)
+        return self.configure(config, capacity)
 
     @property
     def name(self) -> str:
@@ -104,7 +119,7 @@ def register(kind: TierKind) -> TierKind:
     if kind.name in _KINDS:
         raise ConfigError(f"{where}: a tier kind named {kind.name!r} is registered twice "
                           f"({_KINDS[kind.name].backend.__qualname__} and {kind.backend.__qualname__})")
-    for what in ("capacity", "open"):
+    for what in ("capacity", "open", *(("configure",) if kind.configure is not None else ())):
         if not callable(getattr(kind, what)):
             raise ConfigError(f"{where}.{what}: expected a callable, got {type(getattr(kind, what)).__name__}")
     missing = [m for m in HALVES[kind.role] if not callable(getattr(kind.backend, m, None))]
@@ -123,10 +138,32 @@ def unregister(name: str) -> None:
 
 
 def kinds() -> dict[str, TierKind]:
-    """Every registered kind, the built-in ones first (imported on first use)."""
+    """Every registered kind, in chain order from the device down (by ``position``; the
+    built-in ones, and those installed packages declare, are imported on first use)."""
     for module in BUILTIN:
         importlib.import_module(module)
-    return dict(_KINDS)
+    if not _PLUGINS_LOADED:
+        _load_plugins()
+    return dict(sorted(_KINDS.items(), key=lambda item: item[1].position))
+
+
+_PLUGINS_LOADED: list[bool] = []
+
+
+def _load_plugins() -> None:
+    """Import the modules installed packages declare under the ``kvstrata.tiers`` entry-point
+    group (their import registers their kinds), once per process: every process of an engine
+    (a vLLM worker too) then knows the same kinds. One that fails to import is a
+    :class:`ConfigError` naming it."""
+    from importlib.metadata import entry_points
+
+    _PLUGINS_LOADED.append(True)
+    for point in entry_points(group=ENTRY_POINTS):
+        try:
+            point.load()
+        except Exception as exc:
+            raise ConfigError(f"tiers: the tier kind plug-in {point.name!r} ({point.value}) failed to load: "
+                              f"{type(exc).__name__}: {exc}") from None
 
 
 def kind_of(name: str) -> TierKind:

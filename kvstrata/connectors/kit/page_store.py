@@ -92,7 +92,7 @@ class PageStore:
             st = RequestState(self._req("held"), list(keys))
             held = core.held_below(st, 0, n, note=False)
             local = core.worth_loading(st, 0, held)
-            if local < held or held == n or not core.remote:
+            if local < held or held == n or not core.shared:
                 return local
             answer = self.executor.probe(core.all_group_keys(st, held, n))
             remote = core.probed(answer, held, n)

@@ -3,12 +3,16 @@ here (its server evicts on its own), opened for one rank's shard of the blocks."
 
 from __future__ import annotations
 
+import dataclasses
+
+from kvstrata.config.credentials import redact_url
 from kvstrata.config.schema import KVStrataConfig
-from kvstrata.policy.tiers import KNOWN, REMOTE
+from kvstrata.policy.spec import ghost_keys
+from kvstrata.policy.tiers import KNOWN, REMOTE, Tier
 from kvstrata.tiers.kinds import Opening, TierKind, register
 from kvstrata.tiers.remote.tier import RemoteTier
 
-__all__ = ["remote_capacity", "open_remote"]
+__all__ = ["remote_capacity", "open_remote", "declare_remote"]
 
 
 def remote_capacity(config: KVStrataConfig, block_nbytes: int) -> int | None:
@@ -26,4 +30,12 @@ def open_remote(opening: Opening) -> RemoteTier:
                                   own_generation=bool(options.get("own_generation", True)))
 
 
-register(TierKind(KNOWN[REMOTE], section="remote", capacity=remote_capacity, open=open_remote, backend=RemoteTier))
+def declare_remote(config: KVStrataConfig, capacity: int) -> Tier:
+    """The remote tier's declaration: its server (credentials redacted) and ``remote.admission``."""
+    remote = config.remote
+    return dataclasses.replace(KNOWN[REMOTE], server=redact_url(remote.url), admission=remote.admission,
+                               ghost_keys=ghost_keys(remote, None))
+
+
+register(TierKind(KNOWN[REMOTE], section="remote", capacity=remote_capacity, open=open_remote, backend=RemoteTier,
+                  position=900, configure=declare_remote))

@@ -8,6 +8,7 @@ its own process reads the keys through it, :func:`held_open`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -15,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from kvstrata.config.schema import SSD_TIER_KEYS, KVStrataConfig
 from kvstrata.errors import ConfigError, config_keys
-from kvstrata.policy.tiers import KNOWN, SSD
+from kvstrata.policy.spec import ghost_keys
+from kvstrata.policy.tiers import KNOWN, SSD, Tier
 from kvstrata.tiers.kinds import Opening, TierKind, register
 from kvstrata.tiers.ssd.footprint import capacity_blocks
 from kvstrata.tiers.ssd.tier import SSDTier
@@ -23,7 +25,7 @@ from kvstrata.tiers.ssd.tier import SSDTier
 if TYPE_CHECKING:
     from kvstrata.identity.ranks import Rank
 
-__all__ = ["ssd_root", "rank_dir", "open_ssd", "held_open", "ssd_capacity"]
+__all__ = ["ssd_root", "rank_dir", "open_ssd", "held_open", "ssd_capacity", "declare_ssd"]
 
 log = logging.getLogger(__name__)
 
@@ -115,4 +117,12 @@ def _tighten(path: Path, mode: int) -> None:
         pass
 
 
-register(TierKind(KNOWN[SSD], section="ssd", capacity=ssd_capacity, open=open_ssd, backend=SSDTier))
+def declare_ssd(config: KVStrataConfig, capacity: int) -> Tier:
+    """The SSD tier's declaration: ``ssd.admission`` (with its ghost window) and ``ssd.eviction``."""
+    ssd = config.ssd
+    return dataclasses.replace(KNOWN[SSD], capacity=capacity, admission=ssd.admission,
+                               ghost_keys=ghost_keys(ssd, capacity), eviction=ssd.eviction)
+
+
+register(TierKind(KNOWN[SSD], section="ssd", capacity=ssd_capacity, open=open_ssd, backend=SSDTier,
+                  position=300, configure=declare_ssd))
