@@ -11,7 +11,7 @@ import dataclasses
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.core.deployment import policy_spec as deployment_spec
 from kvstrata.policy import PolicySpec
-from kvstrata.policy.tiers import CPU, GPU, SSD
+from kvstrata.policy.tiers import GPU
 
 __all__ = ["config_for_trace", "policy_spec", "tier_capacities"]
 
@@ -42,6 +42,7 @@ def policy_spec(cfg: KVStrataConfig) -> PolicySpec:
 
 
 def tier_capacities(cfg: KVStrataConfig) -> dict[str, int]:
-    """Blocks each tier holds under ``cfg``."""
-    spec = policy_spec(cfg)
-    return {GPU: cfg.gpu.resolve_num_blocks(cfg.block_nbytes()), CPU: spec.cpu_slots, SSD: spec.ssd_slots}
+    """Blocks each tier holds under ``cfg``: the device pool, then each lower tier the policy
+    names (:meth:`PolicySpec.capacity`: every built-in local kind, 0 when off, then the
+    deployment's others)."""
+    return {GPU: cfg.gpu.resolve_num_blocks(cfg.block_nbytes()), **policy_spec(cfg).capacity()}

@@ -29,6 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from kvstrata.bench.capacity import config_for_trace
+from kvstrata.bench.diagnose import label
 from kvstrata.bench.replay import ReplayOptions, ReplayResult, replaying, requests_of
 from kvstrata.policy.order_overhead import policy_ns_per_op
 from kvstrata.policy.tiers import CPU, GPU, SSD
@@ -298,7 +299,9 @@ def render_compare(report: dict[str, Any]) -> str:
     if report.get("rejected_requests"):
         lines[1:1] = [f"  {plural(report['rejected_requests'], 'request')} rejected in every row (larger than "
                       "the GPU pool): raise gpu.num_blocks or gpu.capacity"]
-    head = (f"  {'eviction':<10}{'admission':<12}{'total':>8}{'GPU':>8}{'CPU':>8}{'SSD':>8}{'FLOPs saved':>13}"
+    others = _other_tiers(report["rows"])
+    head = (f"  {'eviction':<10}{'admission':<12}{'total':>8}{'GPU':>8}{'CPU':>8}{'SSD':>8}"
+            + "".join(f"{label(t):>8}" for t in others) + f"{'FLOPs saved':>13}"
             f"{'SSD writes/h':>14}{'DWPD':>10}{'ns/op':>8}")
     same = True
     for (cpu, ssd), rows in _by_point(report["rows"]):
@@ -307,7 +310,7 @@ def render_compare(report: dict[str, Any]) -> str:
         best = max((r["hit_rate"] for r in policies), default=0.0)
         same = same and len({(r["hit_rate"], r["ssd_bytes_written"]) for r in policies}) <= 1
         for r in rows:
-            lines.append(_render_row(r, best))
+            lines.append(_render_row(r, best, others))
         lines.append("")
     if same and report["rows"]:
         lines.append("Every row is the same: the GPU pool holds what the tiers below would; lower gpu.num_blocks "
@@ -320,7 +323,13 @@ def render_compare(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _render_row(r: dict[str, Any], best: float) -> str:
+def _other_tiers(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """The tiers rows have hit rates of besides the device pool, DRAM and SSD (a registered
+    tier kind's), in their order."""
+    return list(dict.fromkeys(t for r in rows for t in r["hit_rates"] if t not in (GPU, CPU, SSD)))
+
+
+def _render_row(r: dict[str, Any], best: float, others: Sequence[str] = ()) -> str:
     if r["eviction"] == OPTIMAL:
         return (f"  {'optimal':<10}{'(offline)':<12}{r['hit_rate']:>8.2%}   the bound: Belady's MIN over "
                 f"{r['cache_blocks']:,} blocks, any block hit counted")
@@ -330,7 +339,8 @@ def _render_row(r: dict[str, Any], best: float) -> str:
     dwpd = f"{r['drive_writes_per_day']:.3g}" if r["drive_writes_per_day"] is not None else "-"
     eviction = r["eviction"] + (f":{r['alpha']:g}" if r.get("alpha") is not None else "")
     return (f"  {eviction:<10}{r['admission']:<12}{r['hit_rate']:>8.2%}{h.get(GPU, 0):>8.2%}"
-            f"{h.get(CPU, 0):>8.2%}{h.get(SSD, 0):>8.2%}{r['prefill_flops_saved']:>13.3g}{per_hour:>14}{dwpd:>10}"
+            f"{h.get(CPU, 0):>8.2%}{h.get(SSD, 0):>8.2%}" + "".join(f"{h.get(t, 0):>8.2%}" for t in others)
+            + f"{r['prefill_flops_saved']:>13.3g}{per_hour:>14}{dwpd:>10}"
             f"{r['policy_ns_per_op']:>8.0f}{mark}")
 
 

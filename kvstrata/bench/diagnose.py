@@ -9,7 +9,7 @@ evicted before they are reused, i.e. the pool is too small.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvstrata.config.schema import format_size
 from kvstrata.policy.events import TIERS
@@ -20,14 +20,29 @@ if TYPE_CHECKING:
     from kvstrata.config.schema import KVStrataConfig
     from kvstrata.policy import PolicySpec
 
-__all__ = ["hit_rate_band", "pool_checks", "recommend", "effective_capacity_blocks"]
+__all__ = ["hit_rate_band", "pool_checks", "recommend", "effective_capacity_blocks", "label"]
 
 _GROW = {
     GPU: "grow the GPU KV pool: raise gpu_memory_utilization, lower max_model_len or use an FP8 KV cache "
            "(`kvstrata plan` shows the effect), or add a larger CPU tier below it",
-    **{name: t.hint for name, t in KNOWN.items() if not t.shared},
     "cache": "give the tiers more capacity (see the recommendation)",
 }
+
+
+def label(tier: str) -> str:
+    """How text names ``tier``: its declaration's ``label`` (a kind registered now), else its
+    name in capitals (the device pool: ``GPU``)."""
+    known = KNOWN.get(tier)
+    return known.label if known is not None and known.label else tier.upper()
+
+
+def _grow(scope: str) -> str:
+    """What an operator raises to grow ``scope`` (a tier or the whole cache): its
+    declaration's ``hint`` for a tier below the device."""
+    if scope in _GROW:
+        return _GROW[scope]
+    known = KNOWN.get(scope)
+    return known.hint if known is not None and known.hint else f"give the {label(scope)} tier more capacity"
 
 
 def _pct(x: float) -> str:
@@ -77,7 +92,7 @@ def pool_check(scope: str, reuse_p90: float | None, idle_p50: float | None, evic
     ``accesses``): a tier large enough for most reuses says what it still lost."""
     out: dict[str, Any] = {"reuse_gap_p90_s": reuse_p90, "idle_before_evict_p50_s": idle_p50,
                            "evictions": evictions, "held_below": held_below, "missed": missed}
-    name = scope.upper() if scope != "cache" else "Whole cache"
+    name = label(scope) if scope != "cache" else "Whole cache"
     if evictions == 0:
         out.update(verdict="no_evictions", message=f"{name}: nothing was evicted; it holds all it was given.")
     elif reuse_p90 is None or idle_p50 is None:
@@ -87,11 +102,11 @@ def pool_check(scope: str, reuse_p90: float | None, idle_p50: float | None, evic
         out.update(verdict="too_small_held_below", message=(
             f"{name}: too small for its reuse gaps (P90 {reuse_p90:.1f} s > idle-before-evict P50 "
             f"{idle_p50:.1f} s), but the tiers below hold every block it evicts: this costs loads, not "
-            f"hits. To serve those reuses {_FASTER[scope]}: {_GROW[scope]}."))
+            f"hits. To serve those reuses {_FASTER[scope]}: {_grow(scope)}."))
     elif reuse_p90 > idle_p50:
         out.update(verdict="too_small", message=(
             f"{name}: too small. Reuse gap P90 {reuse_p90:.1f} s > idle-before-evict P50 {idle_p50:.1f} s: "
-            f"blocks are usually evicted before they are reused; {_GROW[scope]}."))
+            f"blocks are usually evicted before they are reused; {_grow(scope)}."))
     elif missed:
         out.update(verdict="ok", message=(
             f"{name}: large enough for most reuses (reuse gap P90 {reuse_p90:.1f} s <= idle-before-evict "
@@ -106,16 +121,17 @@ def pool_check(scope: str, reuse_p90: float | None, idle_p50: float | None, evic
 
 def pool_checks(reuse: dict[str, dict[str, Any]], idle: dict[str, dict[str, Any]],
                 evictions: dict[str, int], missed: dict[str, int] | None = None,
-                accesses: int = 0) -> dict[str, dict[str, Any]]:
-    """:func:`pool_check` for each tier and for the whole cache (``reuse['trace']`` vs ``idle['cache']``).
-    ``missed``: the replay's miss reasons (``evicted_<tier>``: the tier was the last to hold it)."""
+                accesses: int = 0, tiers: Sequence[str] = TIERS) -> dict[str, dict[str, Any]]:
+    """:func:`pool_check` for each of ``tiers`` (the replay's, the device first) and for the
+    whole cache (``reuse['trace']`` vs ``idle['cache']``). ``missed``: the replay's miss
+    reasons (``evicted_<tier>``: the tier was the last to hold it)."""
     out = {}
     missed = missed or {}
     held_below = idle["cache"]["count"] == 0  # nothing left the whole cache
-    for tier in TIERS:
+    for tier in tiers:
         out[tier] = pool_check(tier, reuse[tier]["p90"], idle[tier]["p50"], evictions.get(tier, 0),
                                held_below=held_below, missed=missed.get(f"evicted_{tier}", 0), accesses=accesses)
-    lost = sum(missed.get(f"evicted_{t}", 0) for t in TIERS)
+    lost = sum(missed.get(f"evicted_{t}", 0) for t in tiers)
     out["cache"] = pool_check("cache", reuse["trace"]["p90"], idle["cache"]["p50"], idle["cache"]["count"],
                               missed=lost, accesses=accesses)
     return out

@@ -1,7 +1,7 @@
 """Why a replayed request's blocks missed, and how long blocks stayed cached.
 
 Per block the replay keeps a state byte (never seen, cached, or the tier it last
-left) and three times, in arrays indexed by the trace's dense block ids, so the
+left: a code per tier of the deployment, in its order) and three times, in arrays indexed by the trace's dense block ids, so the
 memory follows the trace's distinct blocks. :func:`classify` turns the states a
 request's blocks had before it ran into miss reasons without a per-block loop.
 
@@ -11,27 +11,42 @@ Threads: the replay's one thread.
 from __future__ import annotations
 
 from array import array
+from typing import Sequence
 
 from kvstrata.bench.stats import Quantiles
-from kvstrata.policy.tiers import CPU, GPU, SSD
+from kvstrata.policy.events import TIERS
 
-__all__ = ["MISS_REASONS", "Tracker", "classify", "first_reason"]
+__all__ = ["MISS_REASONS", "Tracker", "classify", "first_reason", "miss_reasons"]
 
-MISS_REASONS = ("new", "evicted_gpu", "evicted_cpu", "evicted_ssd", "prefix_miss", "last_token", "rejected", "other")
 
-# per-block state while replaying
-_NEVER, _CACHED = 0, 1
-_LEFT = {GPU: 2, CPU: 3, SSD: 4}
-_STATE_REASON = {2: "evicted_gpu", 3: "evicted_cpu", 4: "evicted_ssd"}
+def miss_reasons(tiers: Sequence[str]) -> tuple[str, ...]:
+    """Every reason a block of a deployment with ``tiers`` (the device first) misses for:
+    ``evicted_<tier>`` for each tier, the tier that held the block last."""
+    return ("new", *(f"evicted_{t}" for t in tiers), "prefix_miss", "last_token", "rejected", "other")
+
+
+#: the reasons of a deployment of the built-in tiers
+MISS_REASONS = miss_reasons(TIERS)
+
+# per-block state while replaying: never seen, cached, then a code per tier (the last to hold it)
+_NEVER, _CACHED, _FIRST_LEFT = 0, 1, 2
 
 
 _FLUSH = 1 << 16  # whole-cache samples buffered before they go into their Quantiles
 
 
 class Tracker:
-    """Per-block state for miss reasons and whole-cache lifetimes (arrays grown with the block ids)."""
+    """Per-block state for miss reasons and whole-cache lifetimes (arrays grown with the block
+    ids), for a deployment of ``tiers`` (the device first; :data:`TIERS` by default)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tiers: Sequence[str] = TIERS) -> None:
+        if len(tiers) > 256 - _FIRST_LEFT:
+            raise ValueError(f"tiers: at most {256 - _FIRST_LEFT} tiers have a state code, got {len(tiers)}")
+        self.tiers = tuple(tiers)
+        self.codes = {t: _FIRST_LEFT + i for i, t in enumerate(self.tiers)}
+        #: the miss reason of each state code: why a block in that state missed
+        self.state_reasons: dict[int, str] = {_NEVER: "new", _CACHED: "other",
+                                        **{c: f"evicted_{t}" for t, c in self.codes.items()}}
         self.state = bytearray()
         self.entered = array("d")
         self.last = array("d")
@@ -52,7 +67,7 @@ class Tracker:
 
     def left_many(self, keys: list[bytes], tier: str, now: float) -> None:
         """These blocks left the last tier that held them (``tier``)."""
-        state, code, entered, last, left = self.state, _LEFT[tier], self.entered, self.last, self.left
+        state, code, entered, last, left = self.state, self.codes[tier], self.entered, self.last, self.left
         life, idle = self._life, self._idle
         for key in keys:
             block = _block(key)
@@ -83,9 +98,23 @@ class Tracker:
             last[b] = now
 
 
-def classify(before: bytes, hit: int, hittable: int, reasons: dict[str, int]) -> None:
+    def classify(self, before: bytes, hit: int, hittable: int, reasons: dict[str, int]) -> None:
+        """:func:`classify` with this tracker's state codes."""
+        classify(before, hit, hittable, reasons, self.state_reasons)
+
+    def first_reason(self, before: bytes, hit: int) -> str:
+        """:func:`first_reason` with this tracker's state codes."""
+        return first_reason(before, hit, self.state_reasons)
+
+
+_BUILTIN = Tracker().state_reasons  # the state codes' reasons of a deployment of the built-in tiers
+
+
+def classify(before: bytes, hit: int, hittable: int, reasons: dict[str, int],
+             codes: dict[int, str] = _BUILTIN) -> None:
     """Why each block after the first ``hit`` missed, from its state before the request
-    (``before[j]``): counted per state with ``bytes.count``, no per-block loop."""
+    (``before[j]``; ``codes``: the reason of each state, :attr:`Tracker.state_reasons`): counted
+    per state with ``bytes.count``, no per-block loop."""
     if hittable < len(before):
         reasons["last_token"] += len(before) - max(hit, hittable)
     seg = before[hit:hittable]
@@ -97,16 +126,15 @@ def classify(before: bytes, hit: int, hittable: int, reasons: dict[str, int]) ->
         first = seg[0] == _CACHED
         reasons["other"] += first
         reasons["prefix_miss"] += cached - first
-    for code, reason in _STATE_REASON.items():
-        reasons[reason] += seg.count(code)
+    for code, reason in codes.items():
+        if code >= _FIRST_LEFT:
+            reasons[reason] += seg.count(code)
 
 
-_FIRST_REASON = {_NEVER: "new", _CACHED: "other", **_STATE_REASON}
-
-
-def first_reason(before: bytes, hit: int) -> str:
-    """Why the first missed block (index ``hit``) missed, from its state before the request."""
-    return _FIRST_REASON.get(before[hit], "other") if hit < len(before) else "last_token"
+def first_reason(before: bytes, hit: int, codes: dict[int, str] = _BUILTIN) -> str:
+    """Why the first missed block (index ``hit``) missed, from its state before the request
+    (``codes``: the reason of each state, :attr:`Tracker.state_reasons`)."""
+    return codes.get(before[hit], "other") if hit < len(before) else "last_token"
 
 
 def _block(key: bytes) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvstrata.bench.replay import TIERS
+from kvstrata.bench.diagnose import label
 from kvstrata.bench.stats import Quantiles
 from kvstrata.policy.tiers import CPU, GPU, SSD
 
@@ -15,6 +15,15 @@ if TYPE_CHECKING:
 __all__ = ["plot_report", "plot_compare"]
 
 _COLORS = {GPU: "tab:green", CPU: "tab:blue", SSD: "tab:purple", "cache": "tab:red", "trace": "black"}
+_OTHER_COLORS = ("tab:olive", "tab:cyan", "tab:brown", "tab:pink", "tab:gray")  # a registered kind's tiers
+
+
+def _color(tier: str, tiers: tuple[str, ...]) -> str:
+    """``tier``'s line color: a built-in tier's own, another's by its place among ``tiers``."""
+    if tier in _COLORS:
+        return _COLORS[tier]
+    others = [t for t in tiers if t not in _COLORS]
+    return _OTHER_COLORS[others.index(tier) % len(_OTHER_COLORS)]
 
 
 def _ecdf_points(samples: Quantiles) -> tuple[Any, Any, float]:
@@ -79,16 +88,15 @@ def _same(a: Quantiles, b: Quantiles) -> bool:
 def _lifecycle_panel(ax: Any, res: "BenchResult") -> None:
     rp = res.replay
     cache_idle = rp.cache_idle_before_evict_s
-    if not any(_same(rp.lifecycle(t, "idle_before_evict_s"), cache_idle) for t in TIERS):
+    if not any(_same(rp.lifecycle(t, "idle_before_evict_s"), cache_idle) for t in rp.tiers):
         # first, wide and light: the last tier's own line, close to it, stays visible on top
         _ecdf(ax, cache_idle, "idle before evict (whole cache)", _COLORS["cache"], "-", lw=4, alpha=0.35)
     _ecdf(ax, res.stack.reuse_gaps, "reuse gap (trace)", _COLORS["trace"], "-")
-    for tier in TIERS:
-        idle = rp.lifecycle(tier, "idle_before_evict_s")
-        _ecdf(ax, rp.lifecycle(tier, "reuse_gap_s"), f"reuse gap {tier.upper()}", _COLORS[tier], "-")
+    for tier in rp.tiers:
+        idle, color = rp.lifecycle(tier, "idle_before_evict_s"), _color(tier, rp.tiers)
+        _ecdf(ax, rp.lifecycle(tier, "reuse_gap_s"), f"reuse gap {label(tier)}", color, "-")
         same = _same(idle, cache_idle)  # the last tier: its evictions are the whole cache's (one line)
-        _ecdf(ax, idle, f"idle before evict {tier.upper()}" + (" = whole cache" if same else ""),
-              _COLORS[tier], "--")
+        _ecdf(ax, idle, f"idle before evict {label(tier)}" + (" = whole cache" if same else ""), color, "--")
     ax.axhline(0.5, color="grey", lw=0.6)
     ax.axhline(0.9, color="grey", lw=0.6)
     ax.set_xscale("log")

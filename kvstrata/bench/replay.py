@@ -65,9 +65,9 @@ from kvstrata.bench.replay_result import ReplayError, ReplayOptions, ReplayResul
 from kvstrata.bench.budget import check_memory
 from kvstrata.bench.capacity import config_for_trace, policy_spec, tier_capacities
 from kvstrata.bench.payload import payload_config, payload_executor
-from kvstrata.bench.misses import MISS_REASONS, Tracker, classify, first_reason
+from kvstrata.bench.misses import MISS_REASONS, Tracker, miss_reasons
 from kvstrata.core.metrics import TIERS, LifecycleRecorder, policy_stats
-from kvstrata.policy import LOWER_TIERS, TierPolicy
+from kvstrata.policy import TierPolicy
 from kvstrata.bench.remote import SharedRemoteExecutor
 from kvstrata.bench.stats import Quantiles
 from kvstrata.core.costs import fixed_costs
@@ -100,17 +100,20 @@ class Replayer:
             assert self.spec.tiers is not None
             tiers = self.spec.tiers.with_shared("the replay's model" if remote is not None else None)
             self.spec = dataclasses.replace(self.spec, tiers=tiers)
-        self.tracker = Tracker()
-        self.lifecycle = {t: LifecycleLog() for t in TIERS}
         self._left: list[tuple[list[bytes], str]] = []
         self.gpu_blocks = cfg.gpu.resolve_num_blocks(cfg.block_nbytes())
         self.groups = KVGroups(parse_groups(cfg.model.groups, "model.groups"), block_size,
                                cfg.model.retention_interval)
         self.budget = cfg.gpu.max_num_batched_tokens  # the engine's tokens per step: a prefill's chunks
         self.manager = stepped_pool(self.gpu_blocks, self.groups, budget=self.budget)
+        below: dict[str, LifecycleLog] = {}  # filled once the policy names its tiers
         self.policy = TierPolicy(self.spec, clock=lambda: self.now,
-                                 observers=[LifecycleRecorder({t: self.lifecycle[t] for t in LOWER_TIERS}),
-                                            self._observe])
+                                 observers=[LifecycleRecorder(below), self._observe])
+        #: the tiers this replica holds blocks in, as statistics name them: the device, then the policy's
+        self.tiers: tuple[str, ...] = (GPU, *self.policy.lower_tiers)
+        self.lifecycle = {t: LifecycleLog() for t in self.tiers}
+        below.update({t: self.lifecycle[t] for t in self.policy.lower_tiers})
+        self.tracker = Tracker(self.tiers)
         self.executor = SharedRemoteExecutor(remote) if remote is not None else executor
         self.costs = fixed_costs(cfg.load, self.spec, cfg.block_nbytes(), opts.load_policy)
         self.core = DriverCore(self.policy, block_size, self.groups, self.costs)
@@ -121,7 +124,7 @@ class Replayer:
         self.preempting: list[tuple[float, int, int, int]] = []
         self._order = itertools.count()
         self.resumable: dict[int, Prompt] = {}  # running requests with preemptions to replay
-        self.reasons = dict.fromkeys(MISS_REASONS, 0)
+        self.reasons = dict.fromkeys(miss_reasons(self.tiers), 0)
         self.forced = self.peak = self.rejected = self.rejected_max = 0
         self.request_hits: list[dict[str, int]] | None = [] if opts.record_requests else None
         self.requests = self.accesses = self.prompt_tokens = 0
@@ -237,9 +240,9 @@ class Replayer:
         prefill = r.input_length if r.token_based else len(r.blocks) * self.block_size
         hits = self._schedule(str(rid), prompt, prefill=prefill)
         self.compute_saved += prefix_weight(hits, self.spec.attention_share, self.block_size)
-        classify(before, hits, r.hittable, self.reasons)
+        self.tracker.classify(before, hits, r.hittable, self.reasons)
         if self.misses is not None and hits < r.hittable:
-            self.misses.append(self._miss(r, rid, hits, first_reason(before, hits)))
+            self.misses.append(self._miss(r, rid, hits, self.tracker.first_reason(before, hits)))
         self.tracker.touch([*r.blocks, *r.output_blocks], self.now)
         if r.output_length > 1:
             self._decode(str(rid))
@@ -452,7 +455,7 @@ def _result(rp: Replayer, config: KVStrataConfig, cfg: KVStrataConfig, caps: dic
                         rp.prompt_tokens, rp.misses or [], rp.core.resumed.hits, rp.ttft,
                         None if rp.costs is None else {**rp.costs.estimates(), "decisions": rp.costs.decisions,
                                                        "mean_ttft_s": rp.ttft_total / max(1, rp.requests)},
-                        rp.compute_saved)
+                        rp.compute_saved, rp.tiers)
 
 
 def requests_of(trace: "Trace | TraceReader | Iterable[Request]") -> Iterator["Request"]:

@@ -9,7 +9,6 @@ from kvstrata.bench.stats import Quantiles
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.core.metrics import TIERS
 from kvstrata.policy import PolicySpec
-from kvstrata.policy.events import REMOTE
 from kvstrata.policy.positions import flops_per_token
 from kvstrata.policy.tiers import SSD
 
@@ -63,6 +62,9 @@ class ReplayResult:
     ttft_s: Quantiles | None = None  # each request's TTFT as load.* figures estimate it (None: no figures)
     load: dict[str, Any] | None = None  # the load-or-recompute policy, figures and decisions (with figures)
     compute_saved: float = 0.0  # the hits' prefill compute, in blocks without context (policy.positions)
+    #: the tiers the replica held blocks in, as statistics name them: the device, then its
+    #: policy's lower tiers (every built-in local kind, then the deployment's others)
+    tiers: tuple[str, ...] = TIERS
 
     def flops_saved(self) -> float:
         """The prefill FLOPs the hits saved, estimated from the model's KV layout and the
@@ -79,11 +81,15 @@ class ReplayResult:
         return sum(self.hit_blocks.values())
 
     def hit_rate(self) -> dict[str, float]:
-        """Per tier (the remote tier too when it was modelled) and in total."""
+        """Per tier (:attr:`tiers`, then the shared tier when it was modelled) and in total."""
         n = self.accesses or 1
-        rates = {t: self.hit_blocks[t] / n for t in (*TIERS, REMOTE) if t in self.hit_blocks}
+        rates = {t: self.hit_blocks[t] / n for t in self.hit_tiers()}
         rates["total"] = self.hits / n
         return rates
+
+    def hit_tiers(self) -> tuple[str, ...]:
+        """The tiers hits were counted in: :attr:`tiers`, then the shared tier when it was modelled."""
+        return (*(t for t in self.tiers if t in self.hit_blocks), *(t for t in self.hit_blocks if t not in self.tiers))
 
     def lifecycle(self, tier: str, what: str) -> Quantiles:
         """Samples ``what`` (lifetime_s | idle_before_evict_s | reuse_gap_s) of ``tier``."""

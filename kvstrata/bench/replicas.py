@@ -37,18 +37,24 @@ from kvstrata.bench.replay import (ReplayError, ReplayOptions, ReplayResult, Rep
                                  requests_of)
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError
-from kvstrata.policy.events import REMOTE
-from kvstrata.policy.tiers import GPU, KNOWN
+from kvstrata.bench.diagnose import label
+from kvstrata.policy.events import REMOTE, TIERS
+from kvstrata.policy.tiers import SHARED
 
 if TYPE_CHECKING:
     from kvstrata.trace.reader import Request, Trace, TraceReader
 
-__all__ = ["ROUTINGS", "SharedRemote", "Fleet", "ReplicasResult", "replay_replicas", "remote_blocks"]
+__all__ = ["ROUTINGS", "SharedRemote", "Fleet", "ReplicasResult", "hit_tiers", "replay_replicas", "remote_blocks"]
 
 ROUTINGS = ("round_robin", "prefix")
 LOAD_SLACK = 0.25  # prefix routing: a replica takes at most 1.25x its share of the requests so far
-HIT_TIERS = (GPU, *KNOWN)
-_LABELS = {GPU: "GPU", **{n: t.label for n, t in KNOWN.items()}}
+
+
+def hit_tiers(results: Iterable[ReplayResult]) -> tuple[str, ...]:
+    """The tiers a fleet's hits are counted in: the replicas' own (:attr:`ReplayResult.tiers`,
+    the device pool first), then the shared tier, with or without one (one table for all)."""
+    local = dict.fromkeys(t for res in results for t in res.tiers)
+    return (*(local or TIERS), *SHARED)
 
 
 def remote_blocks(config: KVStrataConfig, block_size: int) -> int:
@@ -97,7 +103,7 @@ class Fleet:
         self.replicas[n].step(r)
 
     def hits(self) -> dict[str, int]:
-        return {t: sum(res.hit_blocks.get(t, 0) for res in self.results) for t in HIT_TIERS}
+        return {t: sum(res.hit_blocks.get(t, 0) for res in self.results) for t in hit_tiers(self.results)}
 
     def accesses(self) -> int:
         return sum(res.accesses for res in self.results)
@@ -153,10 +159,12 @@ def replay_replicas(trace: "Trace | TraceReader", config: KVStrataConfig, num_re
 
 def replicas_report(res: ReplicasResult) -> dict[str, Any]:
     """The report as plain data (``--json``): per fleet and replica, hits per tier."""
+    tiers = hit_tiers(r for f in res.fleets for r in f.results)
+
     def rates(hits: dict[str, int], accesses: int) -> dict[str, float]:
         n = accesses or 1
-        out = {t: round(hits.get(t, 0) / n, 4) for t in HIT_TIERS}
-        out["total"] = round(sum(hits.get(t, 0) for t in HIT_TIERS) / n, 4)
+        out = {t: round(hits.get(t, 0) / n, 4) for t in tiers}
+        out["total"] = round(sum(hits.get(t, 0) for t in tiers) / n, 4)
         return out
 
     fleets = []
@@ -177,17 +185,19 @@ def replicas_report(res: ReplicasResult) -> dict[str, Any]:
 def render_replicas(report: dict[str, Any]) -> str:
     """The report as text: a table per fleet, then what the shared tier adds."""
     names = {"round_robin": "round robin", "prefix": "prefix-aware"}
+    first = report["fleets"][0]["hit_rate"] if report["fleets"] else dict.fromkeys((*TIERS, *SHARED, "total"))
+    tiers = [t for t in first if t != "total"]
     lines = [f"kvstrata bench: {report['replicas']} replicas, {report['requests']:,} requests, "
              f"a shared tier of {report['remote_capacity_blocks']:,} blocks of {report['block_size']} tokens",
              "",
-             f"{'routing':<14}{'shared tier':<13}" + "".join(f"{_LABELS.get(t, t):>8}" for t in (*HIT_TIERS, "total"))
+             f"{'routing':<14}{'shared tier':<13}" + "".join(f"{label(t):>8}" for t in tiers) + f"{'total':>8}"
              + "   total per replica (requests)",
              ]
     for f in report["fleets"]:
         hr = f["hit_rate"]
         per = "  ".join(f"{r['hit_rate']['total']:.1%} ({r['requests']:,})" for r in f["replicas"])
         lines.append(f"{names[f['routing']]:<14}{'with' if f['shared_tier'] else 'without':<13}"
-                     + "".join(f"{hr[t]:>8.1%}" for t in (*HIT_TIERS, "total")) + f"   {per}")
+                     + "".join(f"{hr[t]:>8.1%}" for t in (*tiers, "total")) + f"   {per}")
     lines += ["", "Prefix hit rate: blocks served from cache (prefix-contiguous) / blocks requested."]
     by = {(f["routing"], f["shared_tier"]): f for f in report["fleets"]}
     for routing in dict.fromkeys(f["routing"] for f in report["fleets"]):

@@ -15,6 +15,8 @@ Percentile summaries are exact while their samples take at most
 :data:`~kvstrata.bench.stats.EXACT_VALUES` distinct values and within
 :data:`~kvstrata.bench.stats.RELATIVE_ERROR` (relative) past that; each
 summary's ``exact`` says which.
+Per-tier entries are of the replay's tiers (:attr:`ReplayResult.tiers`; a registered
+tier kind's under its declared name, ``evicted_<name>`` its miss reason); the text labels them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.bench import diagnose
-from kvstrata.policy.events import LOWER_TIERS, REMOTE, TIERS
+from kvstrata.bench.diagnose import label as _label
 from kvstrata.bench.stats import EXACT_VALUES, RELATIVE_ERROR, summarize
 from kvstrata.config.schema import format_size, plural
 from kvstrata.system.values import format_number
@@ -56,7 +58,7 @@ def _lifecycle(res: "BenchResult") -> dict[str, dict[str, Any]]:
     out = {}
     for what, (scope, samples) in top.items():
         out[what] = {"scope": scope, **summarize(samples),
-                     "tiers": {t: summarize(rp.lifecycle(t, what)) for t in TIERS}}
+                     "tiers": {t: summarize(rp.lifecycle(t, what)) for t in rp.tiers}}
     return out
 
 
@@ -76,13 +78,13 @@ def _capacity(res: "BenchResult") -> dict[str, Any]:
 def _diagnosis(rates: dict[str, float], ideal: float, life: dict[str, dict[str, Any]],
                evictions: dict[str, int], forced: int, rejected: dict[str, Any],
                rp: "ReplayResult") -> dict[str, Any]:
-    reuse = {t: life["reuse_gap_s"]["tiers"][t] for t in TIERS}
+    reuse = {t: life["reuse_gap_s"]["tiers"][t] for t in rp.tiers}
     reuse["trace"] = life["reuse_gap_s"]
-    idle = {t: life["idle_before_evict_s"]["tiers"][t] for t in TIERS}
+    idle = {t: life["idle_before_evict_s"]["tiers"][t] for t in rp.tiers}
     idle["cache"] = life["idle_before_evict_s"]
     band = diagnose.hit_rate_band(rates["total"], ideal)
-    pools = diagnose.pool_checks(reuse, idle, evictions, rp.miss_reasons, rp.accesses)
-    messages = [band["message"], *(pools[k]["message"] for k in (*TIERS, "cache"))]
+    pools = diagnose.pool_checks(reuse, idle, evictions, rp.miss_reasons, rp.accesses, rp.tiers)
+    messages = [band["message"], *(pools[k]["message"] for k in (*rp.tiers, "cache"))]
     if forced:
         messages.append(f"{forced:,} running requests were finished early to make room: the GPU pool is smaller "
                         "than this trace's concurrency (see --decode-ms-per-token).")
@@ -224,7 +226,7 @@ def _comparison(rp: "ReplayResult", duration_s: float) -> dict[str, Any]:
     return {"hit_rate": {k: round(v, 6) for k, v in rp.hit_rate().items()},
             "hit_blocks": dict(rp.hit_blocks),
             "ssd_writes": ssd_writes(rp, duration_s),
-            "blocks_written": {t: stored.get(t, 0) for t in LOWER_TIERS},
+            "blocks_written": {t: stored.get(t, 0) for t in rp.tiers if t != GPU},
             "ssd_bytes_written": ssd_bytes,
             "ssd_bytes_written_per_hit": round(ssd_bytes / rp.hits, 1) if rp.hits else None,
             "ssd_bytes_written_per_ssd_hit": round(ssd_bytes / rp.hit_blocks[SSD], 1) if rp.hit_blocks[SSD] else None}
@@ -243,8 +245,9 @@ def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> lis
     return [fmt(headers), indent + "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)]
 
 
-def _label(tier: str) -> str:
-    return KNOWN[tier].label if tier in KNOWN else tier.upper()
+def _tiers(rates: dict[str, Any], shared: bool = True) -> list[str]:
+    """The tiers of a ``hit_rate`` (its keys but ``total``); without ``shared``, the local ones."""
+    return [t for t in rates if t != "total" and (shared or not (t in KNOWN and KNOWN[t].shared))]
 
 
 def _pct(x: float | None) -> str:
@@ -259,10 +262,11 @@ def format_seconds(x: float | None) -> str:
 
 
 def _tier_rows(r: dict[str, Any]) -> list[list[str]]:
+    """The hit-rate table: a row per tier, named by its label in capitals (as every tier column)."""
     rows = []
-    for t in (*TIERS, REMOTE) if REMOTE in r["hit_rate"] else TIERS:
+    for t in _tiers(r["hit_rate"]):
         c = r["capacity"][t]
-        rows.append([t.upper(), f"{c['blocks']:,}", f"{c['tokens']:,}", format_size(c["bytes"]),
+        rows.append([_label(t).upper(), f"{c['blocks']:,}", f"{c['tokens']:,}", format_size(c["bytes"]),
                      _pct(r["hit_rate"][t]), f"{r['hit_blocks'][t]:,}"])
     rows.append(["total", "", f"{r['capacity']['effective_total_tokens']:,}", "", _pct(r["hit_rate"]["total"]),
                  f"{sum(r['hit_blocks'].values()):,}"])
@@ -331,7 +335,7 @@ def _load_figures(c: dict[str, Any]) -> str:
 
 def _comparison_row(mode: str, c: dict[str, Any]) -> list[str]:
     per_hit = c["ssd_bytes_written_per_hit"]
-    return [mode, *(_pct(c["hit_rate"][t]) for t in (*TIERS, "total")),
+    return [mode, *(_pct(c["hit_rate"][t]) for t in (*_tiers(c["hit_rate"], shared=False), "total")),
             format_size(c["ssd_bytes_written"]), "-" if per_hit is None else format_size(per_hit)]
 
 
@@ -358,7 +362,7 @@ def _recording_lines(rec: dict[str, Any], bs: int) -> list[str]:
         out.append(f"  Measured by the plugin: none ({rec['why_no_measured']}).")
         return out
     pred = rec["predicted"]["hit_rate"]
-    rows = [[t.upper() if t != "total" else "total", _pct(m["hit_rate"][t]), _pct(pred.get(t, 0.0)),
+    rows = [[_label(t).upper() if t != "total" else "total", _pct(m["hit_rate"][t]), _pct(pred.get(t, 0.0)),
              f"{rec['difference_pp'][t]:+.1f}"] for t in m["hit_rate"]]
     out += ["  Hit rates: prompt tokens served per tier / prompt tokens"]
     out += _table(["tier", "measured by the plugin", "predicted by this replay", "difference (points)"], rows)
@@ -383,13 +387,19 @@ _MISS_TEXT = {"new": "never seen before", "evicted_gpu": "evicted from the GPU p
               "last_token": "last prompt block"}
 
 
+def _reason_text(reason: str, texts: dict[str, str], evicted: str) -> str:
+    """``texts[reason]``, else for a tier's ``evicted_<name>``: ``evicted`` with its label."""
+    tier = reason.removeprefix("evicted_")
+    return texts.get(reason) or (evicted.format(_label(tier)) if tier != reason else reason)
+
+
 def _miss_lines(misses: list[dict[str, Any]], limit: int = 20) -> list[str]:
     """Each request's first missed block (``--explain``; all of them in ``--json``)."""
     out = [f"First miss per request (--explain): {plural(len(misses), 'request')} missed a block they could have "
            "hit" + (f"; the first {limit}" if len(misses) > limit else "")]
     rows = []
     for m in misses[:limit]:
-        why = _MISS_TEXT.get(m["reason"], m["reason"])
+        why = _reason_text(m["reason"], _MISS_TEXT, "evicted from the {} tier")
         if "left_s_ago" in m:
             why += f" {format_seconds(m['left_s_ago'])} s before (last used {format_seconds(m['last_used_s_ago'])} s before)"
         rows.append([f"{m['request']:,}", f"{m['line']:,}" if m["line"] else "-", format_seconds(m["timestamp"]),
@@ -427,7 +437,8 @@ def render_text(r: dict[str, Any]) -> str:
     out += ["", "Why blocks missed"]
     n = r["block_accesses"] or 1
     out += _table(["reason", "blocks", "of accesses"],
-                  [[_REASON_TEXT[k], f"{v:,}", _pct(v / n)] for k, v in r["miss_reasons"].items() if v])
+                  [[_reason_text(k, _REASON_TEXT, "evicted earlier from the {} tier"), f"{v:,}", _pct(v / n)]
+                   for k, v in r["miss_reasons"].items() if v])
     out += ["", "Exact LRU miss-ratio curve (one cache of this total capacity)"]
     out += _table(["capacity (tokens)", "KV bytes", "hit rate"], _mrc_rows(r))
     rec = r["recommendation"]
@@ -439,7 +450,9 @@ def render_text(r: dict[str, Any]) -> str:
     out += ["", "Diagnosis"] + [f"  {m}" for m in r["diagnosis"]["messages"]]
     if r["admission_comparison"]:
         out += ["", "Admission modes (the same trace and capacities)"]
-        out += _table(["admission", *(_label(t) for t in TIERS), "total", "SSD writes", "SSD writes per hit (any tier)"],
+        first = next(iter(r["admission_comparison"].values()))
+        out += _table(["admission", *(_label(t) for t in _tiers(first["hit_rate"], shared=False)), "total",
+                       "SSD writes", "SSD writes per hit (any tier)"],
                       [_comparison_row(m, c) for m, c in r["admission_comparison"].items()])
     if r.get("load_comparison"):
         out += ["", "Load or recompute: TTFT per request as the load.* figures estimate it (each request alone)"]
