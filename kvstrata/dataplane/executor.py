@@ -203,8 +203,9 @@ class Executor:
         return out
 
     def add_tags(self, tags: dict[bytes, bytes]) -> None:
-        """Tags for the records of blocks about to be stored (see ``SSDTier.put``), each
-        used by the next put of its key; at most :data:`MAX_TAGS` wait (the oldest go)."""
+        """Tags for the persistent tier's records of blocks about to be stored (see
+        ``SSDTier.put``), each used by the next put of its key there; at most :data:`MAX_TAGS`
+        wait (the oldest go)."""
         with self._lock:
             self._tags.update(tags)
             for key in list(itertools.islice(self._tags, max(0, len(self._tags) - MAX_TAGS))):
@@ -213,7 +214,7 @@ class Executor:
     def put_row(self, tier: str, key: bytes, row: Any, count_failure: bool = True) -> bool:
         """Queue one block for the key-addressed tier ``tier``; False (counted) when it is refused."""
         tag = None
-        if self._tags:
+        if self._tags and tier == next(reversed(self.stores), None):  # the persistent tier's records keep tags
             with self._lock:
                 tag = self._tags.pop(key, None)
         args = (key, row) if tag is None else (key, row, tag)

@@ -198,7 +198,7 @@ class PageStore:
                 "executor": self.executor.stats(),
                 "seconds": dict(self.seconds),
             }
-            for name, tier in ((SSD, self.executor.ssd), (REMOTE, self.executor.remote)):
+            for name, tier in ((SSD, self.executor.stores.get(SSD)), (REMOTE, self.executor.remote)):
                 if tier is not None:
                     out[name] = tier.stats()
             return out

@@ -10,13 +10,18 @@ beside vLLM's GPU events for the same blocks:
   converts its own), with the parent's hash, the token ids, the block size,
   the LoRA fields and vLLM's extra keys, so a router joins them with the GPU
   events or rebuilds its own keys from the tokens;
-* one medium per tier (:data:`MEDIA`): ``CPU`` for the DRAM tier, ``STORAGE``
-  for the SSD tier; the shared remote tier is not announced (every replica
-  reads it alike, and the server evicts without telling: see :data:`MEDIA`);
+* one medium per tier, the one its declaration gives (``Tier.medium``,
+  :func:`media_of`): ``CPU`` for the DRAM tier, ``STORAGE`` for the SSD tier
+  (:data:`MEDIA`), a plug-in tier's own; the shared remote tier is not
+  announced (every replica reads it alike, and the server evicts without
+  telling: see :data:`MEDIA`);
 * a ``BlockStored`` is sent once the copy that placed the block completed (a
   store every worker finished, a load's promotion, a fetch), never at the
-  plan; a ``BlockRemoved`` for a medium once the tier announced as holding a
-  block no longer does (evicted, found corrupt, cleared);
+  plan; a ``BlockRemoved`` for a medium once no tier of that medium holds a
+  block announced there (evicted, found corrupt, cleared). Tiers of one medium
+  are one place to a router: a block that moves between them (a DRAM tier's
+  eviction cascading into a plug-in tier of medium ``CPU``) is announced once,
+  and removed when the last of them lets it go;
 * a block of a state group (Mamba, linear attention: vLLM's kind ``mamba``) is
   announced as vLLM's ``BlockPool`` announces a prompt's state (0.32 to 0.34 alike):
   one ``BlockStored`` whose ``token_ids`` run from the prompt's start through the
@@ -53,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import msgpack
 
 from kvstrata.identity.groups import KVGroups
-from kvstrata.policy.tiers import KNOWN, PERSISTENT
+from kvstrata.policy.tiers import KNOWN, LOWER, PERSISTENT, SHARED, Tier
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -62,15 +67,16 @@ if TYPE_CHECKING:
     from kvstrata.identity.hashing import BlockHasher
     from kvstrata.policy import TierPolicy
 
-__all__ = ["MEDIA", "BlockTag", "KVEvents", "ANNOUNCE_PER_STEP", "EVENT_COUNTS", "events_enabled", "event_kinds"]
+__all__ = ["MEDIA", "media_of", "BlockTag", "KVEvents", "ANNOUNCE_PER_STEP", "EVENT_COUNTS", "events_enabled",
+           "event_kinds"]
 
 log = logging.getLogger(__name__)
 
-#: The medium of each tier in vLLM's events. ``CPU`` is vLLM's own name for its DRAM
+#: The medium of each built-in tier in vLLM's events. ``CPU`` is vLLM's own name for its DRAM
 #: offloading tier; ``STORAGE`` is vLLM's constant for storage (llm-d lowercases media:
 #: ``cpu``, ``storage``). The remote tier has none: any replica loads from it, so it says
 #: nothing about where to route, and its server evicts without telling anyone.
-MEDIA = {name: t.medium for name, t in KNOWN.items() if t.medium}
+MEDIA = {name: KNOWN[name].medium for name in (*LOWER, *SHARED) if KNOWN[name].medium}
 _TAGGED = frozenset(PERSISTENT)  # the tiers whose records keep the tags beside them
 EVENT_COUNTS = ("stored", "removed", "announced", "untagged", "mismatched")  # KVEvents.counts, per block
 ANNOUNCE_PER_STEP = 4096  # restart announcements per engine step (a step's batch stays small)
@@ -106,7 +112,7 @@ class BlockTag:
         self.parent_key = parent_key
         self.kextra = kextra  # what kvstrata's key of the block hashed beside parent and tokens
         self.group = group
-        self.media = 0  # bit per tier of MEDIA_BITS: announced as held there
+        self.media = 0  # a bit per medium (KVEvents' own): announced as held there
 
     def pack(self) -> bytes:
         """The tag kept beside the block's SSD record (rebuilds this tag after a restart)."""
@@ -143,7 +149,9 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-MEDIA_BITS = {tier: 1 << i for i, tier in enumerate(MEDIA)}
+def media_of(tiers: Iterable[Tier]) -> dict[str, str]:
+    """The medium each of ``tiers`` announces its blocks under (those without one left out)."""
+    return {t.name: t.medium for t in tiers if t.medium}
 
 
 class KVEvents:
@@ -162,11 +170,15 @@ class KVEvents:
         self.hasher = hasher      # kvstrata's: checks a tag read back against its record's key
         self.extra_of = extra_of  # (request, block index) -> what kvstrata's key hashed beside the tokens
         self._stored, self._removed = BlockStored, BlockRemoved
+        assert policy.spec.tiers is not None
+        self._media = media_of(policy.spec.tiers)  # tier -> medium
+        self._bits = {m: 1 << i for i, m in enumerate(dict.fromkeys(self._media.values()))}  # medium -> bit
+        self._of_medium = {m: tuple(t for t, tm in self._media.items() if tm == m) for m in self._bits}
         # vLLM (0.32 to 0.34) annotates each BlockStored with its group's kind and window
         # (KVCacheManager.take_events): kvstrata's events carry the same, per group
         self._kinds = list(kinds) if "kv_cache_spec_kind" in getattr(BlockStored, "__struct_fields__", ()) else []
         self.tags: OrderedDict[bytes, BlockTag] = OrderedDict()
-        self._events: list[tuple[bool, str, BlockTag]] = []  # (stored?, tier, tag) since the last take
+        self._events: list[tuple[bool, str, BlockTag]] = []  # (stored?, medium, tag) since the last take
         self._leaving: list[tuple[str, bytes]] = []  # (tier, key) evicted or lost since the last take
         self._announce: list[bytes] | None = None     # keys read from the SSD tier, to announce
         self._announcing: Any = None                   # the future reading them
@@ -229,7 +241,7 @@ class KVEvents:
         what it placed that its tier still holds."""
         held_in = self.policy.held_in
         for tier, key in plan.placed(done):
-            if tier in MEDIA and held_in(tier, key):
+            if tier in self._media and held_in(tier, key):
                 self._store(tier, key)
 
     def _store(self, tier: str, key: bytes) -> None:
@@ -237,16 +249,22 @@ class KVEvents:
         if tag is None or tag.vhash is None:
             self.counts["untagged"] += 1
             return
-        bit = MEDIA_BITS[tier]
+        medium = self._media[tier]
+        bit = self._bits[medium]
         if tag.media & bit:
             return
         tag.media |= bit
-        self._events.append((True, tier, tag))
+        self._events.append((True, medium, tag))
         self.counts["stored"] += 1
 
     def _observe(self, kind: str, tier: str, keys: Sequence[bytes], now: float) -> None:
-        if kind in ("evicted", "lost") and tier in MEDIA:
+        if kind in ("evicted", "lost") and tier in self._media:
             self._leaving.extend((tier, k) for k in keys)
+
+    def _held_on(self, medium: str, key: bytes) -> bool:
+        """Does a tier of ``medium`` hold ``key``?"""
+        held_in = self.policy.held_in
+        return any(held_in(t, key) for t in self._of_medium[medium])
 
     # ------------------------------------------------------------------ restart
 
@@ -353,21 +371,21 @@ class KVEvents:
         """The events since the last call (``take_events()``)."""
         self._poll_announcement(seeding_pending)
         if self._leaving:
-            held_in = self.policy.held_in
             for tier, key in self._leaving:
                 tag = self.tags.get(key)
-                bit = MEDIA_BITS[tier]
-                if tag is None or not tag.media & bit or held_in(tier, key):
+                medium = self._media[tier]
+                bit = self._bits[medium]
+                if tag is None or not tag.media & bit or self._held_on(medium, key):
                     continue
                 tag.media &= ~bit
-                self._events.append((False, tier, tag))
+                self._events.append((False, medium, tag))
                 self.counts["removed"] += 1
             self._leaving = []
         out, self._events = self._events, []
         return self._build(out)
 
     def _build(self, changes: list[tuple[bool, str, BlockTag]]) -> list[Any]:
-        """vLLM's event objects for ``(stored?, tier, tag)`` in order, as few as possible: a
+        """vLLM's event objects for ``(stored?, medium, tag)`` in order, as few as possible: a
         run of stores of one medium that continue a chain (each the child of the one before,
         one LoRA) is one ``BlockStored``, a run of removals of one medium one ``BlockRemoved``."""
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, to_event_extra_keys
@@ -375,8 +393,8 @@ class KVEvents:
         out: list[Any] = []
         last: Any = None
         prev: BlockTag | None = None
-        for stored, tier, tag in changes:
-            medium, vhash = MEDIA[tier], maybe_convert_block_hash(tag.vhash)
+        for stored, medium, tag in changes:
+            vhash = maybe_convert_block_hash(tag.vhash)
             if not stored:
                 if isinstance(last, self._removed) and last.medium == medium and last.group_idx == tag.group:
                     last.block_hashes.append(vhash)

@@ -21,6 +21,12 @@ Who owns what, per process:
   :class:`KVStrataPromMetrics` registers the ``kvstrata:`` series and moves them
   in :meth:`KVStrataPromMetrics.observe` for each payload.
 
+A tier is named as its declaration names it (``tier="cpu"``, ``"ssd"``, ``"remote"``,
+a plug-in tier's own name): the series of the built-in tiers exist from the start, those
+of every tier kind registered when the stat logger is built too, and a tier the frontend
+process does not know (a kind registered only in the engine's processes) gets its series
+with its first value.
+
 Counters are summed over workers: a block stored by two tensor-parallel ranks
 (each its own shard) counts twice, as do its bytes and the copy seconds.
 Gauges come from the scheduler only; a later value replaces an earlier one.
@@ -46,9 +52,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvstrata.connectors.vllm.events import EVENT_COUNTS
 from kvstrata.core.metrics import REMOTE_DIRECTIONS, REMOTE_OUTCOMES
-from kvstrata.policy.events import LOWER_TIERS
-from kvstrata.policy.tiers import KNOWN, PERSISTENT
+from kvstrata.policy.tiers import GPU, LOWER, PERSISTENT, SHARED
 from kvstrata.dataplane.transfer import DIRECTIONS
+from kvstrata.tiers.kinds import kinds
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -59,8 +65,10 @@ __all__ = ["SERIES", "WORKER_SERIES", "CounterDeltas", "Series", "KVStrataPromMe
 log = logging.getLogger(__name__)
 
 PREFIX = "kvstrata:"
-HIT_TIERS = tuple(KNOWN)  # the tiers below the GPU a hit is counted in
-ADMITTING = tuple(n for n, t in KNOWN.items() if not t.slab)  # the tiers with an admission of their own
+# the built-in tiers each family names; a registered kind of the family's roles adds its own
+HIT_TIERS = (*LOWER, *SHARED)  # the tiers below the GPU a hit is counted in
+ADMITTING = (*PERSISTENT, *SHARED)  # the tiers with an admission of their own
+LOCAL, KEYED, ANY = ("slab", "store"), ("store",), ("slab", "store", "shared")  # roles (kvstrata.tiers.kinds)
 _COUNTERS, _GAUGES = "counters", "gauges"
 NO_LABEL = ""  # the label key of a series without a tier/direction label
 
@@ -70,13 +78,22 @@ Sample = dict[tuple[str, str], float]  # (series, label value) -> value
 @dataclass(frozen=True)
 class Series:
     """One exported family: ``kvstrata:<name>``, with an extra ``label`` (``tier`` or
-    ``direction``) taking ``values``, or none."""
+    ``direction``) taking ``values``, or none. ``roles``: a ``tier`` family's, whose
+    registered tier kinds (:func:`kvstrata.tiers.kinds.kinds`) it names too."""
 
     name: str
     doc: str
     label: str | None = None
     values: tuple[str, ...] = (NO_LABEL,)
     gauge: bool = False
+    roles: tuple[str, ...] = ()
+
+    def labels(self) -> tuple[str, ...]:
+        """``values``, then the names of the tier kinds of ``roles`` registered now."""
+        if not self.roles:
+            return self.values
+        more = tuple(n for n, k in kinds().items() if k.role in self.roles and n not in self.values)
+        return (*self.values, *more)
 
 
 SERIES: tuple[Series, ...] = (
@@ -84,19 +101,21 @@ SERIES: tuple[Series, ...] = (
     Series("prefix_cache_queries", "Prompt tokens of requests looked up by kvstrata (vLLM's GPU hits included; "
            "requests resumed after a preemption are counted apart, as vLLM counts its own)"),
     Series("prefix_cache_queries_blocks", "Prompt blocks of requests looked up by kvstrata"),
-    Series("prefix_cache_hits", "Prompt tokens loaded from a tier below the GPU", "tier", HIT_TIERS),
-    Series("prefix_cache_hits_blocks", "Prompt blocks loaded from a tier below the GPU", "tier", HIT_TIERS),
+    Series("prefix_cache_hits", "Prompt tokens loaded from a tier below the GPU", "tier", HIT_TIERS, roles=ANY),
+    Series("prefix_cache_hits_blocks", "Prompt blocks loaded from a tier below the GPU", "tier", HIT_TIERS,
+           roles=ANY),
     Series("prefix_cache_preempted_queries", "Tokens of requests looked up again after a preemption"),
     Series("prefix_cache_preempted_hits", "Tokens of requests resumed after a preemption loaded from a tier below "
-           "the GPU", "tier", HIT_TIERS),
-    Series("occupancy_blocks", "Blocks held per tier", "tier", LOWER_TIERS, gauge=True),
+           "the GPU", "tier", HIT_TIERS, roles=ANY),
+    Series("occupancy_blocks", "Blocks held per tier", "tier", LOWER, gauge=True, roles=LOCAL),
     Series("admissions_rejected", "Blocks offered to a tier that its second_hit admission did not take (seen "
-           "once within its window)", "tier", ADMITTING),
+           "once within its window)", "tier", ADMITTING, roles=("store", "shared")),
     Series("kv_events", "KV-cache events sent for the tiers below the GPU, per kind (announced: the SSD "
            "tier's blocks after a restart; untagged: blocks that could not be described)", "kind", EVENT_COUNTS),
     # worker side (summed over workers)
-    Series("blocks_stored", "Blocks written into a tier (per worker shard)", "tier", LOWER_TIERS),
-    Series("blocks_loaded", "Blocks read from a tier into the GPU pool (per worker shard)", "tier", LOWER_TIERS),
+    Series("blocks_stored", "Blocks written into a tier (per worker shard)", "tier", LOWER, roles=LOCAL),
+    Series("blocks_loaded", "Blocks read from a tier into the GPU pool (per worker shard)", "tier", LOWER,
+           roles=LOCAL),
     Series("transfer_bytes", "Bytes copied between the GPU pool and host memory (d2h: stores, h2d: loads)",
            "direction", DIRECTIONS),
     Series("transfer_seconds", "Seconds spent copying between the GPU pool and host memory (d2h: stores, "
@@ -105,10 +124,10 @@ SERIES: tuple[Series, ...] = (
            "the host-to-device copy after it is in transfer_bytes)"),
     Series("storage_read_seconds", "Seconds spent reading loads' blocks from the SSD tier into host memory, "
            "summed over workers"),
-    Series("load_failures", "Blocks a tier could not deliver (recomputed by vLLM)", "tier", LOWER_TIERS),
+    Series("load_failures", "Blocks a tier could not deliver (recomputed by vLLM)", "tier", LOWER, roles=LOCAL),
     Series("load_blocks_cut", "SSD blocks of loads past their deadline that were not read (recomputed by vLLM; "
            "the tier keeps them; per worker shard)"),
-    Series("store_failures", "Blocks a tier refused to store", "tier", PERSISTENT),
+    Series("store_failures", "Blocks a tier refused to store", "tier", PERSISTENT, roles=KEYED),
     Series("spill_failures", "Blocks that could not be moved from the CPU tier down to the SSD tier"),
     Series("stores_dropped", "Stores dropped before reaching a tier (full write queue, pinned slots)"),
     Series("corrupt_blocks", "Blocks that failed verification and were deleted (counted as misses)",
@@ -120,9 +139,9 @@ SERIES: tuple[Series, ...] = (
 )
 _BY_NAME = {s.name: s for s in SERIES}
 
-# KVStrataWorker.counters() name -> (series, label value)
+# KVStrataWorker.counters() name -> (series, label value), for the built-in tiers
 WORKER_SERIES: dict[str, tuple[str, str]] = {
-    **{f"blocks_{what}_{t}": (f"blocks_{what}", t) for what in ("stored", "loaded") for t in LOWER_TIERS},
+    **{f"blocks_{what}_{t}": (f"blocks_{what}", t) for what in ("stored", "loaded") for t in LOWER},
     "bytes_d2h": ("transfer_bytes", "d2h"),
     "bytes_h2d": ("transfer_bytes", "h2d"),
     "seconds_d2h": ("transfer_seconds", "d2h"),
@@ -130,7 +149,7 @@ WORKER_SERIES: dict[str, tuple[str, str]] = {
     "bytes_ssd_read": ("storage_read_bytes", NO_LABEL),
     "seconds_ssd_read": ("storage_read_seconds", NO_LABEL),
     "blocks_cut_ssd": ("load_blocks_cut", NO_LABEL),
-    **{f"load_failures_{t}": ("load_failures", t) for t in LOWER_TIERS},
+    **{f"load_failures_{t}": ("load_failures", t) for t in LOWER},
     **{f"store_failures_{t}": ("store_failures", t) for t in PERSISTENT},
     "spill_failures": ("spill_failures", NO_LABEL),
     "stores_dropped": ("stores_dropped", NO_LABEL),
@@ -138,6 +157,8 @@ WORKER_SERIES: dict[str, tuple[str, str]] = {
     **{f"remote_{o}": ("remote_operations", o) for o in REMOTE_OUTCOMES},
     **{f"remote_bytes_{d}": ("remote_bytes", d) for d in REMOTE_DIRECTIONS},
 }
+#: the families of a worker's per-tier counters (``<family>_<tier>``, any tier the family names)
+PER_TIER = ("blocks_stored", "blocks_loaded", "load_failures", "store_failures")
 
 
 def scheduler_sample(stats: Mapping[str, Any]) -> tuple[Sample, Sample]:
@@ -147,23 +168,40 @@ def scheduler_sample(stats: Mapping[str, Any]) -> tuple[Sample, Sample]:
                         ("prefix_cache_queries_blocks", NO_LABEL): queries["blocks"]}
     preempted = stats["preempted"]
     counters["prefix_cache_preempted_queries", NO_LABEL] = preempted["queries"]["tokens"]
-    for tier in HIT_TIERS:  # the remote tier's only with one
-        if tier in hits:
-            counters["prefix_cache_hits", tier] = hits[tier]["tokens"]
-            counters["prefix_cache_hits_blocks", tier] = hits[tier]["blocks"]
+    for tier, hit in hits.items():  # the deployment's tiers (the remote tier's only with one)
+        if tier != GPU:
+            counters["prefix_cache_hits", tier] = hit["tokens"]
+            counters["prefix_cache_hits_blocks", tier] = hit["blocks"]
             counters["prefix_cache_preempted_hits", tier] = preempted["hits"][tier]["tokens"]
+    admitting = _BY_NAME["admissions_rejected"].labels()
     for tier, value in stats.get("admissions_rejected", {}).items():
-        if tier in ADMITTING:
+        if tier in admitting:
             counters["admissions_rejected", tier] = value
     for kind, value in stats.get("kv_events", {}).items():
         counters["kv_events", kind] = value
-    gauges: Sample = {("occupancy_blocks", tier): occupancy[tier] for tier in LOWER_TIERS}
+    gauges: Sample = {("occupancy_blocks", tier): n for tier, n in occupancy.items() if tier != GPU}
     return counters, gauges
 
 
 def worker_sample(counters: Mapping[str, float]) -> Sample:
-    """The series of a ``KVStrataWorker.counters()`` snapshot; unknown names are skipped."""
-    return {WORKER_SERIES[name]: value for name, value in counters.items() if name in WORKER_SERIES}
+    """The series of a ``KVStrataWorker.counters()`` snapshot: the built-in tiers' and other
+    counters (:data:`WORKER_SERIES`), and ``<family>_<tier>`` of a :data:`PER_TIER` family
+    for another tier the worker runs (a plug-in kind's); unknown names are skipped."""
+    out: Sample = {}
+    for name, value in counters.items():
+        series = WORKER_SERIES.get(name) or _per_tier(name)
+        if series is not None:
+            out[series] = value
+    return out
+
+
+def _per_tier(name: str) -> tuple[str, str] | None:
+    """``(family, tier)`` of a counter ``<family>_<tier>`` of a :data:`PER_TIER` family."""
+    for family in PER_TIER:
+        tier = name.removeprefix(family + "_")
+        if tier and tier != name:
+            return family, tier
+    return None
 
 
 @dataclass
@@ -280,12 +318,19 @@ class KVStrataPromMetrics(KVConnectorPromMetrics):
             _unregister({PREFIX + s.name for s in SERIES})
         self._children: dict[tuple[int, str, str], Any] = {}
         self._unknown: set[str] = set()
+        self._families: dict[str, Any] = {}
+        self._engines = per_engine_labelvalues
         for series in SERIES:
-            family = self._family(series)
-            for engine_idx, engine_labels in per_engine_labelvalues.items():
-                for value in series.values:
-                    labels = [*engine_labels, value] if series.label else list(engine_labels)
-                    self._children[engine_idx, series.name, value] = family.labels(*labels)
+            self._families[series.name] = self._family(series)
+            for engine_idx in per_engine_labelvalues:
+                for value in series.labels():
+                    self._add_child(engine_idx, series, value)
+
+    def _add_child(self, engine_idx: int, series: Series, value: str) -> Any:
+        engine_labels = self._engines[engine_idx]
+        labels = [*engine_labels, value] if series.label else list(engine_labels)
+        self._children[engine_idx, series.name, value] = self._families[series.name].labels(*labels)
+        return self._children[engine_idx, series.name, value]
 
     def _family(self, series: Series) -> Any:
         labelnames = [*self._labelnames, series.label] if series.label else list(self._labelnames)
@@ -300,11 +345,21 @@ class KVStrataPromMetrics(KVConnectorPromMetrics):
                 for label, value in per_label.items():
                     child = self._children.get((engine_idx, name, label))
                     if child is None:
+                        child = self._new_tier(engine_idx, name, label)
+                    if child is None:
                         self._warn_unknown(f"{name}{{{label}}}")
                     elif kind == _GAUGES:
                         child.set(value)
                     elif value > 0:
                         child.inc(value)
+
+    def _new_tier(self, engine_idx: int, name: str, tier: str) -> Any:
+        """The child of a tier family for a tier this process has no kind of (None: the
+        family names no tier, or the engine is not this logger's)."""
+        series = _BY_NAME.get(name)
+        if series is None or not series.roles or not tier or engine_idx not in self._engines:
+            return None
+        return self._add_child(engine_idx, series, tier)
 
     def _warn_unknown(self, key: str) -> None:
         if key not in self._unknown:

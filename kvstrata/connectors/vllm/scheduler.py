@@ -45,7 +45,7 @@ from kvstrata.identity.hashing import BlockHasher
 from kvstrata.core.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampling, policy_stats
 from kvstrata.policy import TierPolicy
 from kvstrata.policy.plans import LoadPlan
-from kvstrata.policy.tiers import KNOWN, REMOTE, describe_tiers
+from kvstrata.policy.tiers import KNOWN, REMOTE, SSD, Tier, TierList, describe_tiers
 from kvstrata.policy.seeding import SSDSeeding
 
 from kvstrata.connectors.vllm.events import KVEvents, event_kinds, events_enabled
@@ -81,7 +81,6 @@ __all__ = ["KVStrataScheduler", "PoolObserver"]
 
 log = logging.getLogger(__name__)
 
-_SOURCES = {name: getattr(CacheHitSource, t.hit_source) for name, t in KNOWN.items()}
 _NULL = 0  # vLLM's null block: the padding of a window group's skipped blocks
 
 
@@ -107,6 +106,19 @@ def _cacheable(request: "Request") -> bool:
     return request.prompt_embeds is None if hasattr(request, "prompt_embeds") else True
 
 
+def hit_sources(tiers: TierList) -> dict[str, CacheHitSource]:
+    """vLLM's ``CacheHitSource`` of a hit from each of ``tiers`` (its declaration's
+    ``hit_source``; a name this vLLM lacks: ``EXTERNAL_UNSPECIFIED``)."""
+    unspecified = CacheHitSource.EXTERNAL_UNSPECIFIED
+    return {t.name: getattr(CacheHitSource, t.hit_source, unspecified) for t in tiers}
+
+
+def _label(tiers: TierList, name: str) -> str:
+    """How reports name tier ``name``: its declaration's label (the name when none is known)."""
+    declared: Tier | None = tiers[name] if name in tiers else KNOWN.get(name)
+    return (declared.label or name) if declared is not None else name
+
+
 def _mm_hashes(request: "Request") -> list[tuple[str, int, int]] | None:
     feats = getattr(request, "mm_features", None) or ()
     out = [(f.identifier, f.mm_position.offset, f.mm_position.length) for f in feats]
@@ -126,6 +138,8 @@ class KVStrataScheduler:
         self.lifecycle = {t: Lifecycle(sample_every=lifecycle_sampling(n)) for t, n in spec.capacity().items()}
         check_index_memory(spec, self.block_nbytes)
         self.policy = TierPolicy(spec, observers=[LifecycleRecorder(self.lifecycle)])
+        assert spec.tiers is not None
+        self._sources = hit_sources(spec.tiers)
         self.groups = kv_groups(kv_cache_config, self.block_size, retention_of(vllm_config))
         self._kinds = [group.kind for group in self.groups.groups]
         self._sparse = any(k != FULL for k in self._kinds)  # reads vLLM's block hashes
@@ -142,7 +156,7 @@ class KVStrataScheduler:
         self._ranks = engine_ranks(vllm_config)
         self._seeding: SSDSeeding | None = None
         self._ssd_evictions: list[bytes] = []
-        if self.policy.ssd is not None:
+        if self._on_ssd():
             self._seeding = SSDSeeding(self.policy, lambda: read_ssd_keys(cfg, self.fingerprint, self._ranks),
                                        recovering_ssd_tiers(cfg, self._ranks))
             self._ssd_evictions = self._seeding.start()
@@ -157,6 +171,11 @@ class KVStrataScheduler:
         log.info("kvstrata scheduler: %s; block %d bytes; %s admission; %s", self.fingerprint.describe(),
                  self.block_nbytes, spec.admission, describe_tiers(spec.tiers, self.policy.occupancy()))
 
+    def _on_ssd(self) -> bool:
+        """Is the persistent tier the SSD tier (whose records, kept from before this start,
+        the scheduler reads: :mod:`kvstrata.connectors.kit.rank_tiers`)?"""
+        return self.policy.store_tier == SSD
+
     def _kv_events(self, vllm_config: "VllmConfig", spec: Any, kv_cache_config: "KVCacheConfig") -> KVEvents | None:
         """The KV-event consumer when vLLM publishes KV-cache events (it then also announces
         what the SSD tier holds from before this start)."""
@@ -164,11 +183,11 @@ class KVStrataScheduler:
             return None
         from vllm.utils.hashing import get_hash_fn_by_name
 
-        capacity = int(kv_cache_config.num_blocks) + spec.cpu_slots + spec.ssd_slots
+        capacity = int(kv_cache_config.num_blocks) + sum(spec.capacity().values())
         events = KVEvents(self.policy, self.block_size, capacity,
                           get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo), self.hasher,
                           self._block_extra, event_kinds(kv_cache_config))
-        if self.policy.ssd is not None:
+        if self._on_ssd():
             events.announce_from(lambda: read_ssd_tags(self.cfg, self.fingerprint, self._ranks[0]))
         log.info("kvstrata: KV-cache events for the tiers below the GPU (tags of up to %d blocks, "
                  "~%d MiB)", capacity, capacity * 400 >> 20)
@@ -317,7 +336,11 @@ class KVStrataScheduler:
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         st = self.core.requests.get(request.request_id)
         tiers = Counter(st.sources if st is not None else ())
-        return {_SOURCES[t]: n * self.block_size for t, n in tiers.items() if t in _SOURCES and n > 0}
+        sources: dict[CacheHitSource, int] = {}
+        for t, n in tiers.items():
+            if t in self._sources and n > 0:
+                sources[self._sources[t]] = sources.get(self._sources[t], 0) + n * self.block_size
+        return sources
 
     # ------------------------------------------------------------------ stores
 
@@ -340,7 +363,9 @@ class KVStrataScheduler:
         self._reset_ssd = self.policy.ssd is not None  # the workers delete every record they hold
         if self._remote is not None:
             self._remote.reset()
-        log.info("kvstrata: reset: forgot %s", ", ".join(f"{n} {KNOWN[t].label} blocks" for t, n in dropped.items()))
+        tiers = self.policy.spec.tiers
+        assert tiers is not None
+        log.info("kvstrata: reset: forgot %s", ", ".join(f"{n} {_label(tiers, t)} blocks" for t, n in dropped.items()))
         return True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVStrataMetadata:
@@ -369,7 +394,7 @@ class KVStrataScheduler:
         meta.resident = self._pool.resident.take_delta()
         if self._recording is not None:
             self._recording.measure(self.stats)
-        if self._events is not None and self.policy.ssd is not None:
+        if self._events is not None and self._on_ssd():
             meta.tags = self._events.ssd_tags([*meta.loads, *meta.early_stores, *meta.stores])
         return meta
 

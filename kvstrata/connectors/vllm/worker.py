@@ -56,7 +56,7 @@ from kvstrata.identity.fingerprint import Fingerprint
 from kvstrata.core.metrics import REMOTE_DIRECTIONS, REMOTE_OUTCOMES
 from kvstrata.tiers.ssd import SSDTier
 from kvstrata.system.streams import Event, streams_for
-from kvstrata.policy.tiers import CPU, REMOTE, SSD
+from kvstrata.policy.tiers import CPU, LOWER, REMOTE, SSD
 
 from kvstrata.connectors.kit.kv_layout import KVLayout, LayoutRows
 from kvstrata.identity.ranks import Rank
@@ -83,7 +83,10 @@ log = logging.getLogger(__name__)
 # idle engine otherwise spins through empty steps, competing with them for the GIL).
 _POLL_S = 0.002
 
-# What KVStrataWorker.counters() reports (all monotonic since start).
+# What KVStrataWorker.counters() reports (all monotonic since start), and for each local tier of
+# another kind its TIER_COUNTERS (KEYED_COUNTERS too for a key-addressed one) suffixed with its name.
+TIER_COUNTERS = ("blocks_loaded", "blocks_stored", "load_failures")
+KEYED_COUNTERS = ("store_failures",)
 WORKER_COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu", "blocks_stored_ssd",
                    "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures",
                    "stores_dropped", "corrupt_blocks", "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d",
@@ -194,10 +197,12 @@ class KVStrataWorker:
             self.copier.discard_all()
             if self.executor.slab is not None:
                 self.executor.slab.forget_all()
-        ssd = self.executor.ssd
-        log.info("kvstrata worker: %d runs per block (%s copies), layout %s, %d B/block, %d CPU slots, SSD %s",
+        ssd = self.ssd
+        others = [t for t in self.executor.stores if t != SSD]
+        log.info("kvstrata worker: %d runs per block (%s copies), layout %s, %d B/block, %d CPU slots, SSD %s%s",
                  len(layout.segments), "fused" if layout.fused else "per-run", self.fingerprint.kv_layout or "?",
-                 self.block_nbytes, self.spec.cpu_slots, ssd.path if ssd else "off")
+                 self.block_nbytes, self.spec.cpu_slots, ssd.path if ssd else "off",
+                 f", tiers {', '.join(others)}" if others else "")
 
     def _layout_of(self, kv_caches: dict[str, torch.Tensor]) -> KVLayout:
         """The tensors as whole blocks; one line naming the layer, the layout and the
@@ -243,7 +248,14 @@ class KVStrataWorker:
 
     @property
     def ssd(self) -> SSDTier | None:
-        return self.executor.ssd if self.executor is not None else None
+        """The SSD tier's backend (None: the deployment has none)."""
+        return self.executor.stores.get(SSD) if self.executor is not None else None
+
+    def _persistent(self) -> tuple[str, Any] | None:
+        """The persistent tier (the last key-addressed one) and its backend, None when none."""
+        stores = self.executor.stores if self.executor is not None else {}
+        name = next(reversed(stores), None)
+        return (name, stores[name]) if name is not None else None
 
     # ------------------------------------------------------------------ loads
 
@@ -372,13 +384,15 @@ class KVStrataWorker:
         return reversed(self._mirror.items())
 
     def persist_hot_set(self) -> int:
-        """Store the hashed GPU blocks the SSD tier lacks, most recently used first, as many
-        as the tier holds (the policy's shutdown rule); returns how many were stored."""
-        ex, ssd = self.executor, self.ssd
-        if ex is None or ssd is None or not self._mirror:
+        """Store the hashed GPU blocks the persistent tier (the SSD tier) lacks, most recently
+        used first, as many as the tier holds (the policy's shutdown rule); returns how many
+        were stored."""
+        ex, persistent = self.executor, self._persistent()
+        if ex is None or persistent is None or not self._mirror:
             return 0
-        chosen, held = select_for_shutdown(self._mirror_mru(), ssd.__contains__, self.spec.ssd_slots)
-        tier = next(iter(ex.stores))
+        tier, backend = persistent
+        holds = getattr(backend, "__contains__", None) or set(backend.keys()).__contains__
+        chosen, held = select_for_shutdown(self._mirror_mru(), holds, self.spec.ssd_slots)
         plan = StorePlan(0, SHUTDOWN, touches={tier: list(held)} if held else {})
         for block_id, key in chosen:
             plan.add(block_id, key, -1, (tier,))
@@ -395,14 +409,14 @@ class KVStrataWorker:
             self.copier.drain()  # shutdown may wait; stores in flight finish first
             self.copier.close()
         try:
-            stored = self.persist_hot_set()
-            if stored:
-                log.info("kvstrata worker: stored %d GPU-resident blocks to the SSD tier at shutdown", stored)
+            persistent, stored = self._persistent(), self.persist_hot_set()
+            if stored and persistent is not None:
+                log.info("kvstrata worker: stored %d GPU-resident blocks to the %s tier at shutdown", stored,
+                         persistent[0])
         except Exception:
             log.exception("kvstrata worker: storing the hot set at shutdown failed")
-        ssd = self.ssd
-        if ssd is not None:
-            ssd.close()
+        for backend in (self.executor.stores.values() if self.executor is not None else ()):
+            backend.close()
         remote = self.executor.remote if self.executor is not None else None
         if remote is not None:
             remote.close()
@@ -413,7 +427,7 @@ class KVStrataWorker:
         """Monotonic counters since start (for vLLM's connector stats): blocks moved per
         tier and direction, failures, dropped stores, corrupt SSD records, and bytes and
         seconds of the device copies per direction (``d2h``: stores, ``h2d``: loads)."""
-        out: dict[str, float] = dict.fromkeys(WORKER_COUNTERS, 0)
+        out: dict[str, float] = dict.fromkeys((*WORKER_COUNTERS, *self._tier_counters()), 0)
         if self.executor is not None:
             for name, value in self.executor.stats().items():
                 if name in out:
@@ -429,6 +443,18 @@ class KVStrataWorker:
             for direction in REMOTE_DIRECTIONS:
                 out[f"remote_bytes_{direction}"] = st.get(f"bytes_{direction}", 0)
         return out
+
+    def _tier_counters(self) -> tuple[str, ...]:
+        """The per-tier counters of this worker's local tiers of kinds other than the built-in
+        ones (``blocks_loaded_<tier>``...)."""
+        ex = self.executor
+        if ex is None:
+            return ()
+        out: list[str] = []
+        for tier in (ex.slab_tier, *ex.stores):
+            if tier and tier not in LOWER:
+                out += [f"{c}_{tier}" for c in (*TIER_COUNTERS, *(KEYED_COUNTERS if tier in ex.stores else ()))]
+        return tuple(out)
 
     def stats(self) -> dict[str, Any]:
         remote = self.executor.remote if self.executor is not None else None
