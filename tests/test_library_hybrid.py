@@ -149,6 +149,18 @@ def chat(users: int, turns: int, seed: int) -> list[list[int]]:
     return out
 
 
+def serve(cache: TieredKVCache, prompts: list[list[int]], tiers: tuple[str, ...]) -> dict[str, int]:
+    """Each prompt allocated, committed and freed in turn; the blocks each of ``tiers`` served."""
+    hits = dict.fromkeys(tiers, 0)
+    for i, prompt in enumerate(prompts):
+        alloc = cache.allocate(f"r{i}", prompt)
+        for t in hits:
+            hits[t] += alloc.hit_blocks.get(t, 0)
+        cache.commit(f"r{i}")
+        cache.free(f"r{i}")
+    return hits
+
+
 COUNTS = (("stored", "spills"), ("promoted", "promotions"), ("evicted", "evictions"), ("dropped", "dropped_spills"))
 
 
@@ -165,13 +177,7 @@ def test_the_replay_predicts_the_librarys_hits_and_decisions(tmp_path: Path, gro
     settings = config(tmp_path, rows=rows, cpu_blocks=60, ssd="3MiB", groups=GROUPS[groups],
                       spill={"admission": admission, "write_through": False})
     cache = TieredKVCache(KVStrataConfig.from_dict(settings))
-    hits = {"gpu": 0, "cpu": 0, "ssd": 0}
-    for i, prompt in enumerate(prompts):
-        alloc = cache.allocate(f"r{i}", prompt)
-        for t in hits:
-            hits[t] += alloc.hit_blocks.get(t, 0)
-        cache.commit(f"r{i}")
-        cache.free(f"r{i}")
+    hits = serve(cache, prompts, ("gpu", "cpu", "ssd"))
     stats = cache.stats()
     cache.close()
 

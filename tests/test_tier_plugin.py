@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dict_tier import OPENED, dict_tier  # noqa: E402
-from test_library_hybrid import COUNTS, GROUPS, chat, check_loaded, config, fill, tokens  # noqa: E402
+from test_library_hybrid import COUNTS, GROUPS, chat, check_loaded, config, fill, serve, tokens  # noqa: E402
 
 from kvstrata import KVStrataConfig, TieredKVCache  # noqa: E402
 from kvstrata.bench.replay import ReplayOptions, replay  # noqa: E402
@@ -40,13 +40,7 @@ def test_the_dict_tier_serves_between_dram_and_ssd_and_the_replay_predicts_it(tm
     with dict_tier(30):
         cache = TieredKVCache(KVStrataConfig.from_dict(settings))
         assert cache.policy.chain == TIERS
-        hits = dict.fromkeys(("gpu", *TIERS), 0)
-        for i, prompt in enumerate(prompts):
-            alloc = cache.allocate(f"r{i}", prompt)
-            for t in hits:
-                hits[t] += alloc.hit_blocks.get(t, 0)
-            cache.commit(f"r{i}")
-            cache.free(f"r{i}")
+        hits = serve(cache, prompts, ("gpu", *TIERS))
         stats = cache.stats()
         cascades = [t.cascade for t in cache.policy.spec.tiers.local]
         assert cascades == (["dict", None, None] if write_through else ["dict", "ssd", None])
