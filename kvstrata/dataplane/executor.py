@@ -257,7 +257,10 @@ class Executor:
             self.evict(plan.spills, plan.evictions)
         source = self.shared.get(plan.source) if plan.source else self.remote
         name = plan.source or next(iter(self.shared), "")
-        below = {i: [t for t, idx in plan.writes.items() if i in idx] for t in plan.writes for i in plan.writes[t]}
+        below: dict[int, list[str]] = {}  # block -> the key-addressed tiers it also goes to
+        for tier, chosen in plan.writes.items():
+            for i in chosen:
+                below.setdefault(i, []).append(tier)
         got = 0
         try:
             if source is not None and self.slab is not None:
