@@ -273,7 +273,7 @@ def killed_case(kind: str, where: Path, pages: int, kill_after_s: float) -> dict
     if kind != "file":  # an unclean close: the SSD tier verifies its records in the background first
         if dst is not None:
             host.free(dst)
-        ready_s = timed(lambda: ctl.storage_backend.store.executor.ssd.wait_ready(60))[1]
+        ready_s = timed(lambda: ctl.storage_backend.store.executor.persistent.wait_ready(60))[1]
         got, dst, _ = env.prefetch(ctl, host, tokens_of(pages, salt=3))
         late = env.page_bytes(host, dst)[:got // ps] if dst is not None else []
         wrong += sum(b != want[i] for i, b in enumerate(late))

@@ -7,7 +7,7 @@
   the caller owns) are not counted, the index's own copies are. Keys are 32
   bytes (``hash: sha256`` / ``sha256_cbor``) or, with ``--key-bytes 16``, the
   16 of ``hash: xxh3_128``;
-* seeding: ``TierPolicy.seed_ssd`` of ``n`` keys (what the scheduler half does
+* seeding: ``TierPolicy.seed_store`` of ``n`` keys (what the scheduler half does
   at start-up with the keys every rank's tier holds), seconds;
 * the scheduler half's memory per SSD block once ``n`` blocks were stored in
   this run (``--steady``): its policy and the lifecycle it keeps for the
@@ -55,14 +55,14 @@ def policy_memory(blocks: tuple[int, ...] = (100_000, 1_000_000), key_bytes: int
             base = tracemalloc.get_traced_memory()[0]
             policy = _policy(n, compact)
             t0 = time.perf_counter()
-            dropped = policy.seed_ssd(keys)
+            dropped = policy.seed_store(keys)
             seconds = time.perf_counter() - t0
             held = tracemalloc.get_traced_memory()[0] - base
             tracemalloc.stop()
             assert not dropped and policy.occupancy()["ssd"] == n
             t0 = time.perf_counter()
             policy = _policy(n, compact)
-            policy.seed_ssd(keys)  # untraced: tracemalloc slows every allocation
+            policy.seed_store(keys)  # untraced: tracemalloc slows every allocation
             plain = time.perf_counter() - t0
             out.append({"blocks": n, "key_bytes": key_bytes, "index": "CompactIndex" if compact else "SlotIndex",
                         "bytes_per_block": held / n, "seed_seconds": plain, "seed_seconds_traced": seconds})
@@ -111,7 +111,7 @@ def steady_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| SSD blocks held | key bytes | index | bytes per block | seed_ssd seconds |", "|---|---|---|---|---|"]
+    lines = ["| SSD blocks held | key bytes | index | bytes per block | seed_store seconds |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['blocks']:,} | {r['key_bytes']} | {r['index']} | {r['bytes_per_block']:.1f} "
                      f"| {r['seed_seconds']:.2f} |")

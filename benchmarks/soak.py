@@ -426,7 +426,7 @@ class Child:
                     if len(examples) < 5:
                         examples.append(k.hex())
         write_keys(self.life_dir / "reopened-exact.keys", exact)
-        policy_ssd = self.cache.policy.ssd
+        policy_ssd = self.cache.policy.store
         return {"ssd_keys": len(keys), "scan_exact": len(exact), "scan_wrong": wrong,
                 "scan_unreadable": unreadable, "scan_wrong_examples": examples,
                 "not_in_policy": sum(1 for k in exact if k not in policy_ssd),
@@ -573,7 +573,7 @@ class Child:
         cache, ssd = self.cache, self.ssd
         cache.close()
         lost = ssd.take_lost()   # dropped by the tier during the final flush
-        confirmed = set(cache.policy.ssd) - set(lost)
+        confirmed = set(cache.policy.store) - set(lost)
         write_keys(self.life_dir / "confirmed.keys", sorted(confirmed))
         emit({"event": "closed", "confirmed": len(confirmed), "lost_at_close": len(lost),
               "close_s": round(time.monotonic() - t0, 3), "counters": dict(self.c),

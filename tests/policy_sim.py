@@ -68,7 +68,7 @@ class SimExecutor:
 
     def misplaced(self, policy: TierPolicy) -> list[tuple[str, bytes]]:
         """``(tier, key)`` the policy holds whose bytes are not where it says."""
-        out = [("cpu", k) for k in (policy.cpu or ()) if not k.startswith(TOMBSTONE_PREFIX)
-               and self.slab.get(policy.cpu.lookup(k)) != k]
-        return out + [("ssd", k) for k in (policy.ssd or ())
+        out = [("cpu", k) for k in (policy.slab or ()) if not k.startswith(TOMBSTONE_PREFIX)
+               and self.slab.get(policy.slab.lookup(k)) != k]
+        return out + [("ssd", k) for k in (policy.store or ())
                       if not k.startswith(TOMBSTONE_PREFIX) and self.disk.get(k) != k]

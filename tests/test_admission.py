@@ -67,12 +67,12 @@ def test_the_ghost_is_bounded_and_a_few_bytes_per_key() -> None:
 def test_write_through_takes_a_block_on_its_second_sighting_a_cpu_hit() -> None:
     p = policy(cpu=8, ssd=8)
     store(p, K[:2])
-    assert p.lookup(K[:2]) == [CPU, CPU] and len(p.ssd) == 0  # seen once: the SSD tier did not take them
+    assert p.lookup(K[:2]) == [CPU, CPU] and len(p.store) == 0  # seen once: the SSD tier did not take them
     assert p.counts.counts["rejected"][SSD] == 2
     load = p.prepare_load("r", K[:1], [7])  # a CPU hit is the second sighting: written down from its slot
     assert load.spills == [Spill(CPU, load.slots[0], SSD, K[0])] and (SSD, K[0]) in load.placed()
     p.complete_load(load)
-    assert K[0] in p.ssd and K[1] not in p.ssd
+    assert K[0] in p.store and K[1] not in p.store
     p.check()
 
 
@@ -82,7 +82,7 @@ def test_a_block_computed_again_is_taken_on_its_second_offer() -> None:
     store(p, [K[1]])  # evicts K[0] from the CPU tier (write-through: nothing cascades)
     assert p.holds(K[0]) is None
     store(p, [K[0]])  # recomputed: offered a second time
-    assert K[0] in p.ssd and K[1] not in p.ssd
+    assert K[0] in p.store and K[1] not in p.store
 
 
 def test_without_write_through_an_eviction_is_a_sighting_and_the_second_cascades() -> None:
@@ -100,9 +100,9 @@ def test_the_ghost_window_bounds_what_counts_as_a_second_sighting() -> None:
     for k in K[:4]:
         store(p, [k])  # K[0], K[1] pushed out of the two-key window by K[2], K[3]
     store(p, [K[0]])
-    assert K[0] not in p.ssd
+    assert K[0] not in p.store
     store(p, [K[3]])
-    assert K[3] in p.ssd
+    assert K[3] in p.store
 
 
 def test_shutdown_keeps_the_hot_set_whatever_the_admission() -> None:

@@ -132,8 +132,8 @@ def test_a_victim_keeps_its_reach_for_the_tier_below() -> None:
     assert positions.of(K[0]) is None
     positions.note(K[2:4])
     policy.complete_store(policy.prepare_store([2, 3], K[2:4], "computed"))  # K[0], K[1] cascade to the SSD tier
-    assert K[0] in policy.ssd and K[1] in policy.ssd
-    assert [policy.ssd._lru._class[k] // CLASSES - 1 for k in K[:2]] == [30, 31]
+    assert K[0] in policy.store and K[1] in policy.store
+    assert [policy.store._lru._class[k] // CLASSES - 1 for k in K[:2]] == [30, 31]
     policy.check()
 
 
@@ -149,7 +149,7 @@ def test_the_library_teaches_the_order_the_reach_of_what_it_looks_up(tmp_path) -
         cache.flush()
         positions = cache.policy.order_context.book
         assert positions is not None and positions.block_tokens == 4
-        held = [k for k in cache.policy.cpu]
+        held = [k for k in cache.policy.slab]
         assert [positions.of(k) for k in held] == [5] * 6
 
 

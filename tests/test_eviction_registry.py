@@ -102,19 +102,19 @@ def test_a_registered_order_runs_a_tier_by_its_name(mru: type[MRUOrder]) -> None
     """The DRAM tier under the test's order evicts what it says: the most recently stored
     block, which cascades to the SSD tier (LRU, the default, evicts the oldest)."""
     p = policy({"cpu.eviction": mru.name})
-    assert isinstance(p.cpu._lru, MRUOrder)  # noqa: SLF001
+    assert isinstance(p.slab._lru, MRUOrder)  # noqa: SLF001
     assert mru.contexts == [p.order_context]  # what it may weigh blocks by: the policy's, through create
     store(p, K[:4])
-    p.cpu.touch(K[1])                          # now the most recently used
+    p.slab.touch(K[1])                          # now the most recently used
     store(p, K[4:5])
-    assert K[1] in p.ssd and K[1] not in p.cpu  # evicted to place K[4], and cascaded below
-    assert all(k in p.cpu for k in (K[0], K[2], K[3], K[4]))
+    assert K[1] in p.store and K[1] not in p.slab  # evicted to place K[4], and cascaded below
+    assert all(k in p.slab for k in (K[0], K[2], K[3], K[4]))
     p.check()
     lru = policy({})
     store(lru, K[:4])
-    lru.cpu.touch(K[1])
+    lru.slab.touch(K[1])
     store(lru, K[4:5])
-    assert K[0] in lru.ssd and K[1] in lru.cpu
+    assert K[0] in lru.store and K[1] in lru.slab
 
 
 def test_a_batch_never_evicts_its_own_blocks_under_a_registered_order(mru: type[MRUOrder]) -> None:
@@ -185,7 +185,7 @@ def test_only_an_order_that_weighs_reaches_makes_the_driver_note_prompts() -> No
     assert not policy({}).order_context.learning and policy({}).order_context.book is None
     costed = policy({"ssd.eviction": "cost:1"})
     assert costed.order_context.learning
-    assert costed.ssd._lru.positions is costed.order_context.book  # noqa: SLF001
+    assert costed.store._lru.positions is costed.order_context.book  # noqa: SLF001
 
 
 def test_a_config_is_checked_without_importing_the_policy() -> None:

@@ -285,7 +285,7 @@ def through_vllm_with_remote(model: str, prompts: list[list[int]], gpu: int, ext
 
     def worker(meta: Any) -> Any:
         out = holder["w"](meta)
-        remote = holder["w"].worker.executor.remote
+        remote = holder["w"].worker.executor.first_shared
         assert remote is not None and remote.flush(30.0)
         return out
 

@@ -49,7 +49,7 @@ def stored(policy: TierPolicy, keys: list[bytes], reason: str = "computed") -> S
 
 def tiers(policy: TierPolicy) -> tuple[list[bytes], list[bytes]]:
     """Keys of each tier in eviction order (unpinned least recently used first, then pinned)."""
-    return (list(policy.cpu) if policy.cpu else [], list(policy.ssd) if policy.ssd else [])
+    return (list(policy.slab) if policy.slab else [], list(policy.store) if policy.store else [])
 
 
 # ---------------------------------------------------------------------------- admission
@@ -143,7 +143,7 @@ def test_without_write_through_a_cpu_eviction_spills_to_ssd() -> None:
     assert plan == StorePlan(2, "computed", [10], [C], slots=[0], writes={}, spills=[sp(0, A)])
     assert events(policy) == [("evicted", "cpu", (A,)), ("stored", "ssd", (A,)), ("stored", "cpu", (C,))]
     assert policy.lookup([A]) == ["ssd"] and policy.lookup([C]) == ["cpu"]
-    assert policy.ssd.pin_count(A) == 1 and policy.cpu.pin_count(C) == 1  # until the spill is written
+    assert policy.store.pin_count(A) == 1 and policy.slab.pin_count(C) == 1  # until the spill is written
     policy.complete_store(plan)
     assert policy.pinned() == {"cpu": 0, "ssd": 0}
 
@@ -227,7 +227,7 @@ def test_a_store_is_dropped_when_no_tier_has_room() -> None:
 
 def test_inclusive_promotion_gives_ssd_hits_a_pinned_cpu_slot() -> None:
     policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict")
-    assert policy.seed_ssd([A, B]) == []
+    assert policy.seed_store([A, B]) == []
     assert policy.lookup([A, B, C]) == ["ssd", "ssd"]
     plan = policy.prepare_load("r1", [A, B], [5, 6])
     assert plan == LoadPlan(1, "r1", [5, 6], [A, B], slots=[-1, -1], sources=["ssd", "ssd"],
@@ -286,7 +286,7 @@ def test_exclusive_promotion_moves_loaded_cpu_blocks_out_of_the_cpu_tier() -> No
 
 def test_a_load_that_names_a_key_twice_releases_every_pin() -> None:
     policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict")
-    policy.seed_ssd([A])
+    policy.seed_store([A])
     plan = policy.prepare_load("r", [A, A], [1, 2])
     assert plan.sources == ["ssd", "ssd"] and plan.promote_slots == [0, 0]
     policy.complete_load(plan)
@@ -317,7 +317,7 @@ def test_shutdown_stores_the_most_recent_blocks_up_to_the_ssd_capacity() -> None
 
 def test_shutdown_skips_keys_the_ssd_tier_holds() -> None:
     policy = make(ssd_slots=3)  # on_compute takes shutdown too
-    policy.seed_ssd([X])
+    policy.seed_store([X])
     plan = policy.prepare_store([1, 2, 3], [A, X, B], "shutdown")
     assert plan.keys == [B, A] and plan.block_ids == [3, 1] and plan.evictions == {}
     policy.complete_store(plan)
@@ -345,7 +345,7 @@ def test_shutdown_keeps_the_most_recent_offered_blocks() -> None:
     and [A, X, B] offered (most recent first) it is {A, X}; B, the least recent, stays out
     and X is not evicted for it."""
     policy = make(ssd_slots=2, admission="on_evict")
-    policy.seed_ssd([X])
+    policy.seed_store([X])
     plan = policy.prepare_store([1, 2, 3], [A, X, B], "shutdown")
     assert plan == StorePlan(1, "shutdown", block_ids=[1], keys=[A], slots=[-1], writes={"ssd": [0]},
                              touches={"ssd": [X]})  # X's recency is refreshed on disk too
@@ -356,7 +356,7 @@ def test_shutdown_keeps_the_most_recent_offered_blocks() -> None:
 
 def test_shutdown_touches_the_hot_keys_the_ssd_tier_holds_before_placing_the_others() -> None:
     policy = make(ssd_slots=3, admission="on_evict")
-    policy.seed_ssd([Y, X, Z])  # Y is the least recent
+    policy.seed_store([Y, X, Z])  # Y is the least recent
     plan = policy.prepare_store([1, 2, 3, 4], [A, Y, B, X], "shutdown")  # hot: A, Y, B
     # Y, touched first, is not evicted to place B and A: X and Z are
     assert plan == StorePlan(1, "shutdown", block_ids=[3, 1], keys=[B, A], slots=[-1, -1],
@@ -374,15 +374,15 @@ def test_select_for_shutdown_returns_the_hot_blocks_to_store_and_the_hot_keys_he
     assert select_for_shutdown(offered, lambda key: False, 0) == ([], [])
 
 
-# ---------------------------------------------------------------------------- seed_ssd
+# ---------------------------------------------------------------------------- seed_store
 
 
 def test_seed_ssd_places_keys_least_recent_first_in_free_slots_only() -> None:
     policy = make(ssd_slots=2)
-    assert policy.seed_ssd([A]) == []
-    assert policy.seed_ssd([B, C, B]) == [B]  # one free slot: C, the more recent, takes it
+    assert policy.seed_store([A]) == []
+    assert policy.seed_store([B, C, B]) == [B]  # one free slot: C, the more recent, takes it
     assert tiers(policy) == ([], [A, C])
-    assert policy.seed_ssd([C]) == []  # already held: nothing moves
+    assert policy.seed_store([C]) == []  # already held: nothing moves
     assert tiers(policy) == ([], [A, C])
     assert events(policy) == []
 
@@ -393,7 +393,7 @@ def test_seed_ssd_later_keeps_what_is_held_and_returns_what_does_not_fit() -> No
     policy = make(ssd_slots=3)
     stored(policy, [A])
     policy.take_events()
-    assert policy.seed_ssd([B, A, C, D]) == [B]  # A is held already; 2 free slots: C and D
+    assert policy.seed_store([B, A, C, D]) == [B]  # A is held already; 2 free slots: C and D
     assert tiers(policy)[1] == [A, C, D]
     assert policy.lookup([C, D]) == ["ssd", "ssd"]
     assert events(policy) == []
@@ -401,22 +401,22 @@ def test_seed_ssd_later_keeps_what_is_held_and_returns_what_does_not_fit() -> No
 
 def test_seed_ssd_places_keys_least_recent_first() -> None:
     policy = make(ssd_slots=2)
-    assert policy.seed_ssd([B, C, B]) == []
+    assert policy.seed_store([B, C, B]) == []
     assert tiers(policy) == ([], [B, C])
-    assert policy.seed_ssd([B]) == []  # already held: nothing moves
+    assert policy.seed_store([B]) == []  # already held: nothing moves
     assert tiers(policy) == ([], [B, C])
     assert events(policy) == []
 
 
 def test_seed_ssd_without_an_ssd_tier_returns_every_key() -> None:
-    assert make(cpu_slots=2).seed_ssd([A, B]) == [A, B]
+    assert make(cpu_slots=2).seed_store([A, B]) == [A, B]
 
 
 def test_seed_ssd_overflow_returns_the_oldest_keys() -> None:
     """With 2 slots and [A, B, C, D] (least recent first) it keeps C and D, the most recent,
     and returns A and B for deletion."""
     policy = make(ssd_slots=2)
-    assert policy.seed_ssd([A, B, C, D]) == [A, B]
+    assert policy.seed_store([A, B, C, D]) == [A, B]
     assert tiers(policy) == ([], [C, D])
     assert policy.lookup([C, D, A]) == ["ssd", "ssd"]
     assert events(policy) == []
@@ -424,8 +424,8 @@ def test_seed_ssd_overflow_returns_the_oldest_keys() -> None:
 
 def test_seed_ssd_into_a_full_tier_keeps_nothing_new() -> None:
     policy = make(ssd_slots=2)
-    assert policy.seed_ssd([A, B]) == []
-    assert policy.seed_ssd([C, D]) == [C, D]
+    assert policy.seed_store([A, B]) == []
+    assert policy.seed_store([C, D]) == [C, D]
     assert tiers(policy) == ([], [A, B])
 
 
@@ -439,10 +439,10 @@ def test_forget_of_a_pinned_key_is_immediate_and_its_slot_stays_taken_until_its_
     policy.take_events()
     policy.forget("cpu", [A, B, A])  # B is not held: ignored; A is reported once
     assert events(policy) == [("lost", "cpu", (A,))]
-    assert policy.lookup([A]) == [] and policy.holds(A) is None and A not in policy.cpu
+    assert policy.lookup([A]) == [] and policy.holds(A) is None and A not in policy.slab
     tomb = TOMB + b"1"  # the entry, its slot and its pins live on under a tombstone
-    assert list(policy.cpu) == [tomb] and policy.cpu.lookup(tomb) == 0 and policy.cpu.pin_count(tomb) == 2
-    assert policy.cpu.num_free == 2 and policy.pinned() == {"cpu": 1, "ssd": 0}
+    assert list(policy.slab) == [tomb] and policy.slab.lookup(tomb) == 0 and policy.slab.pin_count(tomb) == 2
+    assert policy.slab.num_free == 2 and policy.pinned() == {"cpu": 1, "ssd": 0}
     policy.check()
     policy.forget("cpu", [A])  # no longer held: nothing to report
     assert events(policy) == []
@@ -450,9 +450,9 @@ def test_forget_of_a_pinned_key_is_immediate_and_its_slot_stays_taken_until_its_
     again = policy.prepare_store([2], [A], "computed")  # a store places A again, in a new slot
     assert again.slots == [1] and policy.lookup([A]) == ["cpu"]
     policy.complete_store(store)
-    assert policy.cpu.pin_count(tomb) == 1 and policy.cpu.num_free == 1  # the load still holds slot 0
+    assert policy.slab.pin_count(tomb) == 1 and policy.slab.num_free == 1  # the load still holds slot 0
     policy.complete_load(load)
-    assert tomb not in policy.cpu and list(policy.cpu) == [A] and policy.cpu.num_free == 2
+    assert tomb not in policy.slab and list(policy.slab) == [A] and policy.slab.num_free == 2
     policy.check()
     policy.complete_store(again)
     assert stored(policy, [C]).slots == [0]  # the most recently freed slot is reused first
@@ -482,17 +482,17 @@ def test_forget_renames_the_pins_of_every_open_plan() -> None:
     policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict", promotion="exclusive", write_through=False)
     stored(policy, [A, B], "evicted")
     spill = policy.prepare_store([3], [C], "evicted")  # C into A's slot: A spills to the SSD tier
-    assert spill.spills == [sp(0, A)] and policy.ssd.pin_count(A) == 1
+    assert spill.spills == [sp(0, A)] and policy.store.pin_count(A) == 1
     load = policy.prepare_load("r", [A], [4])          # reads A from the SSD tier: a second pin
     assert load.tiers() == ["ssd"]
     policy.forget("ssd", [A])
     tomb = TOMB + b"1"
-    assert policy.lookup([A]) == [] and list(policy.ssd) == [tomb] and policy.ssd.pin_count(tomb) == 2
+    assert policy.lookup([A]) == [] and list(policy.store) == [tomb] and policy.store.pin_count(tomb) == 2
     policy.complete_load(load)
-    assert policy.ssd.pin_count(tomb) == 1
+    assert policy.store.pin_count(tomb) == 1
     policy.check()
     policy.complete_store(spill)
-    assert tiers(policy) == ([B, C], []) and policy.ssd.num_free == 2
+    assert tiers(policy) == ([B, C], []) and policy.store.num_free == 2
     policy.check()
 
 
@@ -559,9 +559,9 @@ def test_exclusive_loads_of_one_key_move_it_up_once() -> None:
     policy.take_events()
     policy.complete_load(first)  # A leaves; its slot stays taken while the second load reads it
     assert events(policy) == [("lost", "cpu", (A,))]
-    assert policy.lookup([A]) == [] and policy.cpu.num_free == 1
+    assert policy.lookup([A]) == [] and policy.slab.num_free == 1
     policy.complete_load(second)
-    assert events(policy) == [] and policy.cpu.num_free == 2
+    assert events(policy) == [] and policy.slab.num_free == 2
     policy.check()
 
 
@@ -570,7 +570,7 @@ def test_exclusive_promotion_keeps_the_cpu_blocks_a_failed_load_never_delivered(
     not loaded (they are recomputed), so they stay in the CPU tier. A cancelled load moves
     nothing."""
     policy = make(cpu_slots=3, ssd_slots=3, admission="on_evict", promotion="exclusive", write_through=False)
-    policy.seed_ssd([A])
+    policy.seed_store([A])
     stored(policy, [B, C], "evicted")
     load = policy.prepare_load("r", [A, B, C], [1, 2, 3])
     assert load.tiers() == ["ssd", "cpu", "cpu"] and load.loaded([("ssd", A)]) == 0
@@ -591,7 +591,7 @@ def test_a_forgotten_pinned_key_is_not_found_by_lookup() -> None:
     policy.forget("cpu", [A])
     assert policy.lookup([A]) == [] and policy.holds(A) is None
     load = policy.prepare_load("r", [A], [1])
-    assert load.tiers() == [""] and policy.cpu.pin_count(TOMB + b"1") == 1
+    assert load.tiers() == [""] and policy.slab.pin_count(TOMB + b"1") == 1
     policy.complete_store(plan)
     policy.complete_load(load)
     assert policy.occupancy() == {"cpu": 0, "ssd": 0}
@@ -608,7 +608,7 @@ def test_an_evicted_block_whose_lower_copy_was_lost_is_stored_again() -> None:
     assert plan == StorePlan(3, "evicted", [1], [A], slots=[1], writes={})
     policy.complete_load(load)
     policy.complete_store(plan)
-    assert policy.lookup([A]) == ["cpu"] and policy.cpu.lookup(A) == 1
+    assert policy.lookup([A]) == ["cpu"] and policy.slab.lookup(A) == 1
     assert policy.occupancy() == {"cpu": 1, "ssd": 0}
 
 
@@ -620,7 +620,7 @@ def test_every_slot_of_an_open_plan_is_pinned_until_complete() -> None:
     stored(policy, [A, B])
     store = policy.prepare_store([3], [C], "computed")  # C into A's slot; A spills
     load = policy.prepare_load("r", [B], [4])
-    assert policy.cpu.pin_count(C) == 1 and policy.ssd.pin_count(A) == 1 and policy.cpu.pin_count(B) == 1
+    assert policy.slab.pin_count(C) == 1 and policy.store.pin_count(A) == 1 and policy.slab.pin_count(B) == 1
     # no unpinned CPU slot to take: D goes to the SSD tier's free slot
     third = policy.prepare_store([5], [D], "computed")
     assert third == StorePlan(4, "computed", [5], [D], [-1], {"ssd": [0]})
@@ -665,12 +665,12 @@ def test_a_load_may_read_the_slot_an_earlier_open_load_promotes_into_in_order() 
     order the second load reads the promoted bytes, in the other it would read the slot
     before they arrive."""
     policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict")
-    policy.seed_ssd([A])
+    policy.seed_store([A])
     first = policy.prepare_load("r1", [A], [1])
     second = policy.prepare_load("r2", [A], [2])
     assert first.tiers() == ["ssd"] and first.promote_slots == [0]
     assert second.tiers() == ["cpu"] and second.slots == [0]
-    assert policy.cpu.pin_count(A) == 2  # neither load's slot is reused before it completes
+    assert policy.slab.pin_count(A) == 2  # neither load's slot is reused before it completes
 
     sim = SimExecutor([A])
     assert [sim.run(first), sim.run(second)] == [[A], [A]]

@@ -19,7 +19,7 @@ above it were never handed out). From the documented semantics:
 * shutdown: the hot set is the ``SSD slots - pinned`` most recent distinct
   offered keys; the hot keys the SSD tier holds are touched (least recent
   first), then the hot keys it lacks are placed (least recent first);
-* ``seed_ssd`` keeps the most recent of the keys it is given that the SSD tier
+* ``seed_store`` keeps the most recent of the keys it is given that the SSD tier
   lacks, as many as it has free slots, and returns the older ones (it evicts
   nothing);
 * loads pin their sources and touch the SSD copies of their CPU hits (before
@@ -215,7 +215,7 @@ class RefPolicy:
                 for key in keys:
                     tier.touch(key)
 
-    def seed_ssd(self, keys: list[bytes]) -> list[bytes]:
+    def seed_store(self, keys: list[bytes]) -> list[bytes]:
         """Keep the most recent of ``keys`` (least recent first) the free slots hold;
         return the older ones."""
         if self.ssd is None:
@@ -420,13 +420,13 @@ class PolicyMachine(RuleBasedStateMachine):
         finally:
             holdings.COMPACT_ABOVE = compact_above
         if ssd:
-            assert isinstance(self.policy.ssd, CompactIndex) == self.COMPACT_SSD
+            assert isinstance(self.policy.store, CompactIndex) == self.COMPACT_SSD
         self.ref = RefPolicy(spec)
         assert [self.policy.admits(r) for r in STORE_REASONS] == [r in ADMITTED[self.ADMISSION]
                                                                    for r in STORE_REASONS]
         for keys in (seed, reseed):  # what the SSD tier held at start, least recent first
-            returned = self.policy.seed_ssd(keys)
-            assert returned == self.ref.seed_ssd(keys)
+            returned = self.policy.seed_store(keys)
+            assert returned == self.ref.seed_store(keys)
             for key in returned:
                 self.sim.disk.pop(key, None)  # the caller deletes them
             self.sim.disk.update((k, k) for k in keys if k not in returned)
@@ -555,7 +555,7 @@ class PolicyMachine(RuleBasedStateMachine):
         assert [self.policy.holds(k) for k in KEYS] == [self.ref.holds(k) for k in KEYS]
         assert self.policy.take_events() == []
         self.policy.check()
-        for name, index in (("cpu", self.policy.cpu), ("ssd", self.policy.ssd)):
+        for name, index in (("cpu", self.policy.slab), ("ssd", self.policy.store)):
             ref = self.ref.tiers[name]
             if ref is None:
                 assert index is None
@@ -573,7 +573,7 @@ class PolicyMachine(RuleBasedStateMachine):
     def open_plans_hold_their_slots(self) -> None:
         """Every slot and SSD key an open plan reads or writes is pinned for it (under a
         tombstone once forgotten), and no CPU slot is written by two open plans."""
-        cpu, ssd = self.policy.cpu, self.policy.ssd
+        cpu, ssd = self.policy.slab, self.policy.store
         written: list[int] = []
         for plan in self.open:
             held = {(t, self.ref.buried.get(k, k)): k for t, k in self.ref.open[plan.plan_id]}
@@ -612,9 +612,9 @@ class PolicyMachine(RuleBasedStateMachine):
     def the_executor_holds_what_the_policy_holds(self) -> None:
         """Plans run in preparation order leave every held key's bytes where the policy says."""
         for key in KEYS:
-            if self.policy.cpu is not None and key in self.policy.cpu:
-                assert self.sim.slab.get(self.policy.cpu.lookup(key)) == key
-            if self.policy.ssd is not None and key in self.policy.ssd:
+            if self.policy.slab is not None and key in self.policy.slab:
+                assert self.sim.slab.get(self.policy.slab.lookup(key)) == key
+            if self.policy.store is not None and key in self.policy.store:
                 assert self.sim.disk.get(key) == key
 
 
@@ -689,7 +689,7 @@ class OrderMachine(PolicyMachine):
         self.policy = TierPolicy(spec, clock=lambda: self.now, record_events=True)
         self.ref = _NoReference()
         for keys in (seed, reseed):
-            returned = self.policy.seed_ssd(keys)
+            returned = self.policy.seed_store(keys)
             for key in returned:
                 self.sim.disk.pop(key, None)
             self.sim.disk.update((k, k) for k in keys if k not in returned)
@@ -701,7 +701,7 @@ class OrderMachine(PolicyMachine):
         assert [self.policy.holds(k) for k in KEYS] is not None
         assert before == [self.policy.lookup(list(KEYS[:n])) for n in range(len(KEYS) + 1)]  # queries change nothing
         self.policy.check()
-        for index in (self.policy.cpu, self.policy.ssd):
+        for index in (self.policy.slab, self.policy.store):
             if index is not None:
                 index._lru.check() if hasattr(index._lru, "check") else None
                 assert len(index._lru) + index.num_pinned == len(index)

@@ -212,7 +212,7 @@ def test_the_ssd_tier_stays_within_its_capacity_evicting_by_the_policy(tmp_path)
     assert backend.batch_exists(keys[n - capacity:]) == capacity
     stats = backend.get_stats().kvstrata
     assert stats["occupancy"]["ssd"] == capacity and stats["evictions"]["ssd"] == n - capacity
-    ssd = backend.store.executor.ssd  # the tier's own view: records on disk and their bytes
+    ssd = backend.store.executor.persistent  # the tier's own view: records on disk and their bytes
     assert len(list(ssd.keys())) == capacity
     assert 0 < stats["ssd"]["current_bytes"] <= stats["ssd"]["capacity_bytes"] <= 1024**2
     more = keys_of(capacity + 5, "more")  # one batch larger than the tier: what fits is taken

@@ -89,7 +89,7 @@ def test_pages_a_second_process_wrote_are_found_and_read_byte_exact_through_the_
     host = host_pool("page_first", device_tokens=600, ratio=2.0)
     backend = create_backend(extra(tmp_path, "reader-ssd", server.url), host)
     try:
-        assert backend.store.executor.ssd is not None and not list(backend.store.executor.ssd.keys())
+        assert backend.store.executor.persistent is not None and not list(backend.store.executor.persistent.keys())
         assert backend.batch_exists(keys[:BATCH]) == BATCH  # an SSD miss, a remote hit
         assert backend.batch_exists(keys[BATCH:]) == PAGES - BATCH
         got: list[bytes] = []

@@ -113,7 +113,7 @@ def test_the_builder_opens_every_declared_tier_by_its_kind(tmp_path: Path) -> No
         assert list(backends.by_name) == ["cpu", "ssd"]
         executor = executor_over(None, backends)
         assert executor.slab is backends.by_name["cpu"] and executor.slab.num_slots == 8
-        assert executor.ssd is backends.by_name["ssd"] and Path(executor.ssd.path) == tmp_path / "ssd"
+        assert executor.persistent is backends.by_name["ssd"] and Path(executor.persistent.path) == tmp_path / "ssd"
     finally:
         backends.close()
     assert backends.by_name["ssd"].closed

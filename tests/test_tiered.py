@@ -486,12 +486,12 @@ def test_a_tier_reopened_under_another_eviction_keeps_every_block(tmp_path, evic
         cache.free("a")
         d.push_out(6, 30, 90_000)
         cache.flush()
-        held = len(cache.policy.ssd)
+        held = len(cache.policy.store)
     base = config(tmp_path)
     other = dataclasses.replace(base, cpu=dataclasses.replace(base.cpu, eviction=eviction),
                                 ssd=dataclasses.replace(base.ssd, eviction=eviction))
     with TieredKVCache(other) as fresh:
-        assert len(fresh.policy.ssd) == held > 10
+        assert len(fresh.policy.store) == held > 10
         a = Driver(fresh).run("again", toks)
         assert a.hit_blocks == {"gpu": 0, "cpu": 0, "ssd": 10}
         fresh.policy.check()

@@ -109,7 +109,7 @@ def test_ssd_tags_rebuild_vllm_hashes_after_a_restart_and_skip_orphans() -> None
     assert set(tags) == set(ks)
     del tags[ks[2]]  # block 2 is gone from the SSD tier: 3 and 4 cannot be reached
     fresh, restarted, _ = setup(cpu=0, ssd=16)
-    fresh.seed_ssd(ks)
+    fresh.seed_store(ks)
     restarted.announce_from(lambda: tags)
     out = []
     for _ in range(100):
@@ -166,7 +166,7 @@ def test_fetched_and_promoted_blocks_are_announced_once_their_copies_completed()
     policy2 = TierPolicy(PolicySpec(cpu_slots=8, ssd_slots=8, write_through=True))
     ev2 = events_of(policy2)
     ev2.record(req, ks, 0, 4)
-    policy2.seed_ssd(ks[:2])
+    policy2.seed_store(ks[:2])
     load = policy2.prepare_load("r", ks[:2], [0, 1])
     policy2.complete_load(load, loaded=2)
     ev2.completed(load, 2)

@@ -63,14 +63,14 @@ class Replica:
         return sum(int((t == value).sum()) for t in self.worker._kv_caches.values())
 
     def written(self) -> None:
-        remote = self.worker.executor.remote
+        remote = self.worker.executor.first_shared
         assert remote.flush(10)
 
     def reset(self) -> bool:
         return bool(self.h.scheduler.reset_prefix_cache(reset_connector=True))
 
     def remote_stats(self) -> dict[str, Any]:
-        return self.worker.executor.remote.stats()
+        return self.worker.executor.first_shared.stats()
 
     def close(self) -> None:
         self.worker.shutdown()

@@ -438,8 +438,8 @@ def replaying(config: KVStrataConfig, block_size: int, options: ReplayOptions = 
         finally:
             t0 = time.perf_counter()
             stats = rp.close()
-            if executor.ssd is not None:
-                executor.ssd.close()
+            if executor.persistent is not None:
+                executor.persistent.close()
             rp.wall_s += time.perf_counter() - t0
             rp.result = _result(rp, config, cfg, caps, stats)
 

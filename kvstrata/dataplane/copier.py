@@ -135,7 +135,7 @@ class Copier:
         """Move the remote tier to generation ``token`` after the work queued so far (rule 4):
         puts queued before it go to the generation they were planned in, fetches queued
         after it read the new one."""
-        shared = self.ex.remote
+        shared = self.ex.first_shared
         if shared is not None:
             self._switched = self._io.submit(lambda: shared.use_generation(token) or [])
             self._spills.append((self._switched, 0))

@@ -97,23 +97,23 @@ class Executor:
     # ------------------------------------------------------------------ tiers
 
     @property
-    def ssd(self) -> Any:
+    def persistent(self) -> Any:
         """The persistent tier's backend: the last key-addressed local tier (None: none)."""
         return next(reversed(self.stores.values()), None)
 
-    @ssd.setter
-    def ssd(self, backend: Any) -> None:  # detach (None) the persistent tier
+    @persistent.setter
+    def persistent(self, backend: Any) -> None:  # detach (None) the persistent tier
         name = next(reversed(self.stores), None)
         if name is not None and backend is None:
             del self.stores[name]
 
     @property
-    def remote(self) -> Any:
+    def first_shared(self) -> Any:
         """The first shared tier's backend (None: none)."""
         return next(iter(self.shared.values()), None)
 
-    @remote.setter
-    def remote(self, backend: Any) -> None:  # detach (None) the first shared tier
+    @first_shared.setter
+    def first_shared(self, backend: Any) -> None:  # detach (None) the first shared tier
         name = next(iter(self.shared), None)
         if name is not None and backend is None:
             del self.shared[name]
@@ -255,7 +255,7 @@ class Executor:
         must come first has not run, and the put is dropped (counted; appended to ``lost``)."""
         if evict:
             self.evict(plan.spills, plan.evictions)
-        source = self.shared.get(plan.source) if plan.source else self.remote
+        source = self.shared.get(plan.source) if plan.source else self.first_shared
         name = plan.source or next(iter(self.shared), "")
         below: dict[int, list[str]] = {}  # block -> the key-addressed tiers it also goes to
         for tier, chosen in plan.writes.items():

@@ -61,7 +61,7 @@ from kvstrata.identity.fingerprint import Fingerprint
 from kvstrata.core.metrics import Lifecycle, LifecycleRecorder, KVStrataCollector, lifecycle_sampling, policy_stats
 from kvstrata.policy import TierPolicy
 from kvstrata.policy.tiers import GPU
-from kvstrata.policy.seeding import SSDSeeding
+from kvstrata.policy.seeding import StoreSeeding
 
 if TYPE_CHECKING:
     from kvstrata.dataplane.transfer import TransferEngine
@@ -164,7 +164,7 @@ class TieredKVCache:
                                costs=fixed_costs(config.load, spec, self.block_nbytes))
         self._pending: dict[int, Any] = {}  # device row -> event of an unfinished load copy
         self._metrics_server: Any = None
-        self._seeding: SSDSeeding | None = None
+        self._seeding: StoreSeeding | None = None
         self.executor = self._open_executor(kv_pool, transfer, num_blocks)
         try:
             if config.metrics.port is not None:
@@ -189,9 +189,9 @@ class TieredKVCache:
         self.transfer = transfer
         backends = open_backends(cfg, self.policy.spec, self.fingerprint, self.block_nbytes)
         executor = executor_over(PoolRows(self.transfer), backends)
-        persistent = executor.ssd
+        persistent = executor.persistent
         if persistent is not None:
-            self._seeding = SSDSeeding(self.policy, lambda: (list(persistent.keys()), []), [persistent])
+            self._seeding = StoreSeeding(self.policy, lambda: (list(persistent.keys()), []), [persistent])
             executor.evict([], {self.policy.store_tier: self._seeding.start()})
         return executor
 
@@ -211,7 +211,7 @@ class TieredKVCache:
     @property
     def remote(self) -> Any:
         """The remote tier (None without one)."""
-        return self.executor.remote
+        return self.executor.first_shared
 
     @property
     def cpu(self) -> Any:
@@ -221,7 +221,7 @@ class TieredKVCache:
     @property
     def ssd(self) -> Any:
         """The SSD tier (None without one)."""
-        return self.executor.ssd
+        return self.executor.persistent
 
     # --------------------------------------------------------------- requests
 

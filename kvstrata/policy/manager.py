@@ -93,7 +93,7 @@ class TierPolicy:
         #: what a store sends below the slab: with write-through the persistent tier, else the first key-addressed
         self._below = self.store_tier if spec.write_through else (keyed[0] if keyed else "")
         self._cascades = {t.name: t.cascade for t in local if t.cascade in self.chain}
-        self.cpu, self.ssd = self.holdings.index(self.slab_tier), self.holdings.index(self.store_tier)
+        self.slab, self.store = self.holdings.index(self.slab_tier), self.holdings.index(self.store_tier)
         #: the local tiers statistics name (every built-in local kind, then this deployment's others)
         self.lower_tiers: tuple[str, ...] = (*LOWER_TIERS, *(n for n in self.chain if n not in LOWER_TIERS))
         self.counts = EventCounts((*self.lower_tiers, *(t.name for t in tiers.shared)))
@@ -158,7 +158,7 @@ class TierPolicy:
         for index in self.holdings.indexes.values():
             index.touch_many(keys)
 
-    def seed_ssd(self, keys_lru_first: Iterable[bytes]) -> list[bytes]:
+    def seed_store(self, keys_lru_first: Iterable[bytes]) -> list[bytes]:
         """Hold what the persistent tier already holds (least recently used first): at
         start-up, or later (a tier that finished recovering) beside what is held by then.
 
@@ -166,7 +166,7 @@ class TierPolicy:
         nothing held is evicted for them. Returns the keys that do not fit (the oldest):
         the caller deletes them from the tier. Emits no events.
         """
-        index = self.ssd
+        index = self.store
         if index is None:
             return list(keys_lru_first)
         keys = list(dict.fromkeys(keys_lru_first))
@@ -333,7 +333,7 @@ class TierPolicy:
         return [k for k in offered if k not in held and k not in slots and k not in present]
 
     def _plan_shutdown(self, plan: StorePlan, block_ids: Sequence[int], keys: Sequence[bytes]) -> None:
-        tier, index = self.store_tier, self.ssd
+        tier, index = self.store_tier, self.store
         if index is None:
             return
         chosen, held = select_for_shutdown(zip(block_ids, keys), self.holdings.held(tier).__contains__,

@@ -1,8 +1,8 @@
-"""Seeding the policy from persistent SSD tiers, at start-up and once a recovery is over.
+"""Seeding the policy from what its persistent tier (the SSD tier) already holds, at start-up and after a recovery.
 
 Every driver that opens SSD tiers (the library cache, the vLLM scheduler) holds
-what they already store through one :class:`SSDSeeding`: :meth:`~SSDSeeding.start`
-at start-up, then :meth:`~SSDSeeding.poll` once per step (a request, a scheduler
+what they already store through one :class:`StoreSeeding`: :meth:`~StoreSeeding.start`
+at start-up, then :meth:`~StoreSeeding.poll` once per step (a request, a scheduler
 step). A tier that recovers in the background after an unclean shutdown lists
 nothing until its walk has vouched for its records; the first poll after every
 such tier is done reads the keys again and holds the verified ones beside what
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Protocol, Sequence
 if TYPE_CHECKING:
     from kvstrata.policy.manager import TierPolicy
 
-__all__ = ["SSDSeeding", "Recovering", "ReadKeys"]
+__all__ = ["StoreSeeding", "Recovering", "ReadKeys"]
 
 log = logging.getLogger("kvstrata.policy")
 
@@ -34,7 +34,7 @@ class Recovering(Protocol):
     def recovering(self) -> bool: ...
 
 
-class SSDSeeding:
+class StoreSeeding:
     """Holds in ``policy`` the blocks ``read`` lists; again once every tier of
     ``recovering`` (those still recovering when the driver opened them) is done."""
 
@@ -59,10 +59,10 @@ class SSDSeeding:
         if not self._recovering or any(t.recovering() for t in self._recovering):
             return []
         self._recovering = []
-        held = len(self.policy.ssd or ())
+        held = len(self.policy.store or ())
         delete = self._seed(leaving)
         log.info("kvstrata: the SSD tier's recovery is over: %d of its blocks held",
-                 len(self.policy.ssd or ()) - held)
+                 len(self.policy.store or ()) - held)
         return delete
 
     def cancel(self) -> None:
@@ -73,4 +73,4 @@ class SSDSeeding:
         whole, partial = self._read()
         if leaving:
             whole = [k for k in whole if k not in leaving]
-        return partial + self.policy.seed_ssd(whole)
+        return partial + self.policy.seed_store(whole)

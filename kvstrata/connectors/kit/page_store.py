@@ -40,7 +40,7 @@ from kvstrata.core.driver import DriverCore
 from kvstrata.core.metrics import policy_stats
 from kvstrata.core.request import RequestState
 from kvstrata.policy import TierPolicy
-from kvstrata.policy.seeding import SSDSeeding
+from kvstrata.policy.seeding import StoreSeeding
 from kvstrata.policy.tiers import REMOTE, SSD
 
 if TYPE_CHECKING:
@@ -73,10 +73,10 @@ class PageStore:
         self.seconds = {"load": 0.0, "store": 0.0}
         self.backends = open_backends(config, spec, fingerprint, block_nbytes, rank=rank, options=options)
         self.executor = executor_over(self.rows, self.backends)
-        self._seeding: SSDSeeding | None = None
-        ssd = self.executor.ssd
+        self._seeding: StoreSeeding | None = None
+        ssd = self.executor.persistent
         if ssd is not None:
-            self._seeding = SSDSeeding(self.policy, lambda: (list(ssd.keys()), []), [ssd])
+            self._seeding = StoreSeeding(self.policy, lambda: (list(ssd.keys()), []), [ssd])
             self.executor.evict([], {self.policy.store_tier: self._seeding.start()})
 
     # ------------------------------------------------------------------ verbs
@@ -174,7 +174,7 @@ class PageStore:
     def flush(self) -> bool:
         """Wait until every accepted write is down (the SSD tier's synced); False when the SSD
         tier dropped one since the last flush."""
-        remote = self.executor.remote
+        remote = self.executor.first_shared
         if remote is not None:
             remote.flush()
         return self.executor.flush()
@@ -186,7 +186,7 @@ class PageStore:
                 self.flush()
             finally:
                 self.backends.close()
-                self.executor.ssd = self.executor.remote = None
+                self.executor.persistent = self.executor.first_shared = None
 
     def stats(self) -> dict[str, Any]:
         """Every counter: hits per tier (``queries``, ``hits``), the policy's per-tier counts,
@@ -198,7 +198,7 @@ class PageStore:
                 "executor": self.executor.stats(),
                 "seconds": dict(self.seconds),
             }
-            for name, tier in ((SSD, self.executor.stores.get(SSD)), (REMOTE, self.executor.remote)):
+            for name, tier in ((SSD, self.executor.stores.get(SSD)), (REMOTE, self.executor.first_shared)):
                 if tier is not None:
                     out[name] = tier.stats()
             return out

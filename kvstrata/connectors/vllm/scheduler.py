@@ -46,7 +46,7 @@ from kvstrata.core.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampli
 from kvstrata.policy import TierPolicy
 from kvstrata.policy.plans import LoadPlan
 from kvstrata.policy.tiers import KNOWN, REMOTE, SSD, Tier, TierList, describe_tiers
-from kvstrata.policy.seeding import SSDSeeding
+from kvstrata.policy.seeding import StoreSeeding
 
 from kvstrata.connectors.vllm.events import KVEvents, event_kinds, events_enabled
 from kvstrata.connectors.vllm.mrv2 import not_overwritten, take_zeroing
@@ -151,13 +151,13 @@ class KVStrataScheduler:
                                       async_scheduling=bool(vllm_config.scheduler_config.async_scheduling))
         self.num_workers = num_workers(vllm_config)
         self._stores = WorkerReports(self.num_workers)
-        self._pool = PoolView(record=self.policy.ssd is not None)  # the workers' hot set mirrors follow it
+        self._pool = PoolView(record=self.policy.store is not None)  # the workers' hot set mirrors follow it
         self._manager: KVCacheManager | None = None
         self._ranks = engine_ranks(vllm_config)
-        self._seeding: SSDSeeding | None = None
+        self._seeding: StoreSeeding | None = None
         self._ssd_evictions: list[bytes] = []
         if self._on_ssd():
-            self._seeding = SSDSeeding(self.policy, lambda: read_ssd_keys(cfg, self.fingerprint, self._ranks),
+            self._seeding = StoreSeeding(self.policy, lambda: read_ssd_keys(cfg, self.fingerprint, self._ranks),
                                        recovering_ssd_tiers(cfg, self._ranks))
             self._ssd_evictions = self._seeding.start()
         self._reset_ssd = False
@@ -360,7 +360,7 @@ class KVStrataScheduler:
         self.policy.clear()
         if self._seeding is not None:
             self._seeding.cancel()  # what they are verifying is stale too: the workers delete it all
-        self._reset_ssd = self.policy.ssd is not None  # the workers delete every record they hold
+        self._reset_ssd = self.policy.store is not None  # the workers delete every record they hold
         if self._remote is not None:
             self._remote.reset()
         tiers = self.policy.spec.tiers

@@ -417,7 +417,7 @@ class KVStrataWorker:
             log.exception("kvstrata worker: storing the hot set at shutdown failed")
         for backend in (self.executor.stores.values() if self.executor is not None else ()):
             backend.close()
-        remote = self.executor.remote if self.executor is not None else None
+        remote = self.executor.first_shared if self.executor is not None else None
         if remote is not None:
             remote.close()
         if self.executor is not None and self.executor.slab is not None:
@@ -435,7 +435,7 @@ class KVStrataWorker:
         ssd = self.ssd
         if ssd is not None:
             out["corrupt_blocks"] = ssd.counts().get("corrupt_deleted", 0)
-        remote = self.executor.remote if self.executor is not None else None
+        remote = self.executor.first_shared if self.executor is not None else None
         if remote is not None:
             st = remote.stats()
             for outcome in REMOTE_OUTCOMES:
@@ -457,7 +457,7 @@ class KVStrataWorker:
         return tuple(out)
 
     def stats(self) -> dict[str, Any]:
-        remote = self.executor.remote if self.executor is not None else None
+        remote = self.executor.first_shared if self.executor is not None else None
         return {"cpu_slots": self.spec.cpu_slots, "executor": self.executor.stats() if self.executor else None,
                 SSD: self.ssd.stats() if self.ssd else None, REMOTE: remote.stats() if remote else None}
 
