@@ -64,6 +64,7 @@ def run(url: str, layers: int, blocks: int, compression: str, repeat: int, mode:
     """One case; returns (put, get) in GB/s of blocks."""
     import redis
 
+    from kvstrata.config.remote import RemoteConfig
     from kvstrata.tiers.remote import RemoteTier, key_prefix
     from kvstrata.tiers.remote.value import Auth, encode
 
@@ -71,10 +72,9 @@ def run(url: str, layers: int, blocks: int, compression: str, repeat: int, mode:
     nb = rows.shape[1]
     keys = [i.to_bytes(32, "big") for i in range(blocks)]
     auth = Auth([b"bench-remote-Zp4-Rw8_Kq2mXv7Ld3Nb9Tc6"], encrypt=mode == "sealed") if mode != "unsigned" else None
-    tier = RemoteTier(url, key_prefix(f"bench-{compression}-{nb}-{mode}", signed=auth is not None), nb,
-                      compression=compression,
-                      timeout=5.0, queue_capacity_bytes=2 * rows.nbytes,  # the whole run fits: nothing is dropped
-                      auth=auth)
+    cfg = RemoteConfig(url=url, compression=compression,
+                       timeout=5.0, queue_capacity=2 * rows.nbytes)  # the whole run fits: nothing is dropped
+    tier = RemoteTier(cfg, key_prefix(f"bench-{compression}-{nb}-{mode}", signed=auth is not None), nb, auth=auth)
     raw = redis.Redis.from_url(url, socket_timeout=30)
     values = [encode(tier.key(k), r.tobytes(), tier.codec, auth) for k, r in zip(keys, rows)]
     ref_keys = [b"raw:" + k for k in keys]
@@ -175,6 +175,7 @@ def seal_vs_sign(url: str, layers: int, blocks: int, compression: str, rounds: i
     of ``rounds`` each; returns the (put, get) ratios sealed / signed."""
     import redis
 
+    from kvstrata.config.remote import RemoteConfig
     from kvstrata.tiers.remote import RemoteTier, key_prefix
     from kvstrata.tiers.remote.value import Auth
 
@@ -182,8 +183,8 @@ def seal_vs_sign(url: str, layers: int, blocks: int, compression: str, rounds: i
     nb = rows.shape[1]
     keys = [i.to_bytes(32, "big") for i in range(blocks)]
     secret = b"bench-remote-Zp4-Rw8_Kq2mXv7Ld3Nb9Tc6"
-    tiers = {mode: RemoteTier(url, key_prefix(f"bench-{mode}-{compression}-{nb}"), nb, compression=compression,
-                              timeout=30.0, queue_capacity_bytes=2 * rows.nbytes,
+    cfg = RemoteConfig(url=url, compression=compression, timeout=30.0, queue_capacity=2 * rows.nbytes)
+    tiers = {mode: RemoteTier(cfg, key_prefix(f"bench-{mode}-{compression}-{nb}"), nb,
                               auth=Auth([secret], encrypt=mode == "sealed")) for mode in ("signed", "sealed")}
     raw = redis.Redis.from_url(url, socket_timeout=30)
     out = np.empty_like(rows)

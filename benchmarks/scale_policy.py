@@ -39,7 +39,7 @@ def _policy(n: int, compact: bool) -> TierPolicy:
     saved = holdings.COMPACT_ABOVE
     holdings.COMPACT_ABOVE = 0 if compact else 1 << 62
     try:
-        return TierPolicy(PolicySpec(cpu_slots=1024, ssd_slots=n))
+        return TierPolicy(PolicySpec(slab_slots=1024, store_slots=n))
     finally:
         holdings.COMPACT_ABOVE = saved
 
@@ -82,7 +82,7 @@ def steady_memory(blocks: tuple[int, ...] = (1_000_000,), key_bytes: int = 32) -
             tracemalloc.start()
             base = tracemalloc.get_traced_memory()[0]
             lifecycle = {"cpu": Lifecycle(), "ssd": Lifecycle(sample_every=every)}
-            policy = TierPolicy(PolicySpec(cpu_slots=0, ssd_slots=n), observers=[LifecycleRecorder(lifecycle)])
+            policy = TierPolicy(PolicySpec(slab_slots=0, store_slots=n), observers=[LifecycleRecorder(lifecycle)])
             for lo in range(0, n, 256):  # a step's stores
                 batch = _keys_from(lo, min(n, lo + 256), key_bytes)
                 policy.complete_store(policy.prepare_store(list(range(len(batch))), batch, "computed"))

@@ -90,7 +90,7 @@ def build(model: str, ssd: Path, records: int, block_size: int) -> list[int]:
         h.run_group([("stored", prompt)])
         sched = h.connector._scheduler
         rank = engine_ranks(h.vllm_config)[0]
-        path, tier_id = rank.ssd_dir(ssd_root(load_config(extra))), rank.tier_id(sched.fingerprint)
+        path, tier_id = rank.directory(ssd_root(load_config(extra))), rank.tier_id(sched.fingerprint)
         held = sched.policy.occupancy()["ssd"]
     finally:
         _stop(h, worker)

@@ -138,7 +138,7 @@ def test_the_config_declares_the_admission_with_a_bounded_default_window() -> No
                                         "ssd.admission": "second_hit"})
     spec = policy_spec(cfg, block_nbytes=4096, gpu_blocks=8)
     ssd = spec.tiers[SSD]
-    assert ssd.admission == "second_hit" and ssd.ghost_keys == min(spec.ssd_slots, 1 << 20)
+    assert ssd.admission == "second_hit" and ssd.ghost_keys == min(spec.store_slots, 1 << 20)
     explicit = KVStrataConfig.from_dict({}, {"ssd.admission": "second_hit", "ssd.ghost_keys": 7})
     assert policy_spec(explicit, block_nbytes=4096, gpu_blocks=8).tiers[SSD].ghost_keys == 7
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.bench.replay import ReplayError, replay
-from kvstrata.bench.remote import SharedRemote
+from kvstrata.bench.remote import SharedTierModel
 from kvstrata.bench.replicas import replay_replicas, replicas_report, render_replicas
 from kvstrata.trace.reader import TraceBuilder
 from kvstrata.bench.workloads import generate
@@ -36,7 +36,7 @@ def hits(res, routing: str, shared: bool) -> list[dict[str, int]]:  # type: igno
 
 
 def test_shared_remote_is_an_lru_where_set_nx_and_reads_are_uses() -> None:
-    tier = SharedRemote(3)
+    tier = SharedTierModel(3)
     tier.put_many([b"a", b"b", b"c"])
     tier.put_many([b"a"])                      # SET NX of a held key: a use
     tier.put_many([b"d"])                      # evicts b, the least recently used

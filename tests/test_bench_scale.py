@@ -228,7 +228,7 @@ def single_threaded() -> None:
     assert threading.active_count() == 1, f"other threads alive: {threading.enumerate()}"
 
 
-@pytest.mark.skipif(not analysis._spare_cpu(), reason="the miss-ratio child needs a second CPU and fork")
+@pytest.mark.skipif(not analysis._spare_cores(), reason="the miss-ratio child needs a second CPU and fork")
 @pytest.mark.usefixtures("single_threaded")
 def test_curve_in_a_child_process_equals_the_curve_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trace = load_trace(write_mooncake(tmp_path / "t.jsonl", chat_requests(4_000, 700)))
@@ -242,7 +242,7 @@ def test_curve_in_a_child_process_equals_the_curve_here(tmp_path: Path, monkeypa
     assert here.replay.hit_blocks == child.replay.hit_blocks
 
 
-@pytest.mark.skipif(not analysis._spare_cpu(), reason="the miss-ratio child needs a second CPU and fork")
+@pytest.mark.skipif(not analysis._spare_cores(), reason="the miss-ratio child needs a second CPU and fork")
 @pytest.mark.parametrize("how, message", [("raise", "failed in its process: RuntimeError: boom"),
                                           ("kill", "killed (most likely out of memory)")])
 @pytest.mark.usefixtures("single_threaded")

@@ -169,8 +169,8 @@ def test_pipe_progress_counts_lines_read(monkeypatch: pytest.MonkeyPatch, capsys
     try:
         rc = main(["bench", "--trace", f"/dev/fd/{r}", *SMALL, "--progress", "--json", os.devnull])
     finally:
-        writer.join()
-        os.close(r)
+        os.close(r)  # first: a run that stopped early must not leave the writer blocked on a full pipe
+        writer.join(10)
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "reading  4,096 lines, 0.1 MiB" in err and "%" not in err.split("replay")[0]

@@ -106,7 +106,7 @@ class Rank:
     def __init__(self, seed: int, spec: PolicySpec, staging_blocks: int, laziness: int) -> None:
         self.dev = FakeDevice(seed, GPU_BLOCKS, BLOCK, max_advance=laziness)
         self.dev.step_thread = threading.get_ident()
-        self.slab = HostSlab(spec.cpu_slots, BLOCK, pin_memory=False)
+        self.slab = HostSlab(spec.slab_slots, BLOCK, pin_memory=False)
         self.ssd = FakeSSD(seed)
         self.copier = Copier(Executor(None, {"cpu": self.slab, "ssd": self.ssd}), FakeRows(self.dev), self.dev,
                              staging_bytes=staging_blocks * BLOCK, io=self.dev.io)
@@ -129,10 +129,10 @@ class CopierMachine(RuleBasedStateMachine):
     """A miniature engine: vLLM's step order over the policy and the copiers."""
 
     @initialize(seed=st.integers(0, 2**16), ranks=st.sampled_from([1, 2]), staging=st.sampled_from([0, 2, 64]),
-                write_through=st.booleans(), laziness=st.sampled_from([0, 1, 3]), cpu_slots=st.sampled_from([1, 2, 4]))
+                write_through=st.booleans(), laziness=st.sampled_from([0, 1, 3]), slab_slots=st.sampled_from([1, 2, 4]))
     def setup(self, seed: int, ranks: int, staging: int, write_through: bool, laziness: int,
-              cpu_slots: int) -> None:
-        self.spec = PolicySpec(cpu_slots=cpu_slots, ssd_slots=8, write_through=write_through)
+              slab_slots: int) -> None:
+        self.spec = PolicySpec(slab_slots=slab_slots, store_slots=8, write_through=write_through)
         self.policy = TierPolicy(self.spec)
         self.ranks = [Rank(seed + r, self.spec, staging, laziness) for r in range(ranks)]
         self.free = list(range(GPU_BLOCKS))

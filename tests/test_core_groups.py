@@ -28,7 +28,7 @@ def measured(remote: float) -> LoadCosts:
 
 
 def core(groups: KVGroups | None, remote: float) -> DriverCore:
-    return DriverCore(TierPolicy(PolicySpec(cpu_slots=64, remote=True)), BS, groups, measured(remote))
+    return DriverCore(TierPolicy(PolicySpec(slab_slots=64, shared=True)), BS, groups, measured(remote))
 
 
 class Server:
@@ -51,7 +51,7 @@ def chain(n: int) -> list[bytes]:
 
 
 def test_a_plain_driver_core_holds_one_full_attention_group() -> None:
-    c = DriverCore(TierPolicy(PolicySpec(cpu_slots=8)), BS)
+    c = DriverCore(TierPolicy(PolicySpec(slab_slots=8)), BS)
     assert c.groups.plain and len(c.groups) == 1 and c.groups.describe() == ""
     st = c.open(RequestState("a", chain(4)))
     assert c.all_group_keys(st, 1, 3) == chain(4)[1:3]
@@ -86,7 +86,7 @@ def test_a_synchronous_driver_fetches_a_grouped_remote_hit_only_when_it_is_worth
     fast, server = core(HYBRID, remote=0.0001), Server()
     st = fast.open(RequestState("a", chain(8)))
     assert fast.lookup_now(st, server, 0, 7) == 7  # type: ignore[arg-type]
-    window = [fast.group_key(st, 1, i) for i in range(4, 7)]  # a hit at 7 needs window blocks 4..6
+    window = [st.group_key(1, i) for i in range(4, 7)]  # a hit at 7 needs window blocks 4..6
     assert sorted(server.fetched) == sorted(chain(7) + window)
     assert all(fast.policy.holds(k) == "cpu" for k in server.fetched)
     slow, server = core(HYBRID, remote=1.0), Server()

@@ -23,8 +23,8 @@ def test_a_block_fetched_into_a_cpu_slot_is_a_remote_hit() -> None:
 
 
 def test_request_counts_name_every_tier_of_the_deployment() -> None:
-    with_remote = TierPolicy(PolicySpec(cpu_slots=4, ssd_slots=4, remote=True))
-    without = TierPolicy(PolicySpec(cpu_slots=4, ssd_slots=4))
+    with_remote = TierPolicy(PolicySpec(slab_slots=4, store_slots=4, shared=True))
+    without = TierPolicy(PolicySpec(slab_slots=4, store_slots=4))
     assert count_tiers(with_remote) == ("gpu", "cpu", "ssd", "remote") and count_tiers(without) == ("gpu", "cpu", "ssd")
     assert request_counts(2, ["ssd", "remote", "cpu"], count_tiers(with_remote)) == {
         "gpu": 2, "cpu": 1, "ssd": 1, "remote": 1}

@@ -254,7 +254,7 @@ def test_import_does_not_load_torch():
 def test_policy_is_bytes_free():
     """The policy package loads no numpy, torch or storage library."""
     code = ("import sys, kvstrata.policy as p; "
-            "pol = p.TierPolicy(p.PolicySpec(cpu_slots=2, ssd_slots=2)); "
+            "pol = p.TierPolicy(p.PolicySpec(slab_slots=2, store_slots=2)); "
             "pol.complete_store(pol.prepare_store([0], [b'x' * 32], 'computed')); "
             "assert pol.lookup([b'x' * 32]) == ['cpu'], pol.lookup([b'x' * 32]); "
             "assert not {'numpy', 'torch', 'lmdb', 'zstandard'} & set(sys.modules), sorted(sys.modules)")

@@ -130,12 +130,12 @@ def _core(cpu: int = 32, ssd: int = 0):  # type: ignore[no-untyped-def]
     from kvstrata.policy import PolicySpec, TierPolicy
 
     groups = KVGroups([Group(FULL), Group(SLIDING, 40)], BS)  # the window group needs 2-3 blocks before a hit
-    return DriverCore(TierPolicy(PolicySpec(cpu_slots=cpu, ssd_slots=ssd)), BS, groups)
+    return DriverCore(TierPolicy(PolicySpec(slab_slots=cpu, store_slots=ssd)), BS, groups)
 
 
 def _stored(core, st, blocks: int) -> None:  # type: ignore[no-untyped-def]
     """Every group's blocks 0..blocks-1 computed and stored (device ids 100+ and 200+)."""
-    computed = [(100 * (g + 1) + i, core.group_key(st, g, i)) for i in range(blocks) for g in range(2)]
+    computed = [(100 * (g + 1) + i, st.group_key(g, i)) for i in range(blocks) for g in range(2)]
     _, late = core.end_step([], computed)
     for plan in late:
         core.store_done(plan.plan_id)
@@ -148,10 +148,10 @@ def test_the_driver_core_offers_a_hit_only_where_every_group_serves_it() -> None
     st = core.open(RequestState("a", [bytes([i]) * 32 for i in range(8)]))
     _stored(core, st, 8)
     assert core.held_below(st, 0, 7) == 7
-    core.policy.forget("cpu", [core.group_key(st, 1, 5)])  # the window group lost block 5
+    core.policy.forget("cpu", [st.group_key(1, 5)])  # the window group lost block 5
     # a hit at 7 or 6 needs window block 5; at 5 it needs blocks 2..4 (whole) of the window group
     assert core.held_below(st, 0, 7) == 5
-    core.policy.forget("cpu", [core.group_key(st, 0, 1)])  # full attention lost block 1: no hit past it
+    core.policy.forget("cpu", [st.group_key(0, 1)])  # full attention lost block 1: no hit past it
     assert core.held_below(st, 0, 7) == 1
 
 
@@ -165,7 +165,7 @@ def test_a_grouped_load_reads_each_groups_blocks_and_counts_hits_per_position_wh
     plan = core.admit(st, 1, ids, 6, 8 * BS)
     assert plan is not None
     assert plan.block_ids == [11, 12, 13, 14, 24, 15, 25, 16, 26]  # needed from block 4 on in the window group
-    assert plan.keys == [core.group_key(st, g, i) for i, g in [(1, 0), (2, 0), (3, 0), (4, 0), (4, 1), (5, 0),
+    assert plan.keys == [st.group_key(g, i) for i, g in [(1, 0), (2, 0), (3, 0), (4, 0), (4, 1), (5, 0),
                                                                 (5, 1), (6, 0), (6, 1)]]
     assert st.sources == ["cpu"] * 6  # one per block position of the hit
     core.take_planned()
@@ -222,7 +222,7 @@ def test_the_tiers_keep_a_windows_blocks_before_the_prompts_end_and_its_junction
 
 def _stored_only(core, st, blocks: int) -> None:  # type: ignore[no-untyped-def]
     """``st``'s blocks 0..blocks-1 computed: those the tiers keep stored."""
-    computed = [(100 * (g + 1) + i, core.group_key(st, g, i)) for i in range(blocks) for g in range(2)
+    computed = [(100 * (g + 1) + i, st.group_key(g, i)) for i in range(blocks) for g in range(2)
                 if core.stored(st, g, i)]
     _, late = core.end_step([], computed)
     for plan in late:

@@ -115,7 +115,7 @@ def test_a_window_block_missing_below_makes_the_hit_shorter_never_partial(tmp_pa
     fill(cache, a.block_ids, 0, seed=5)
     cache.commit("a")
     cache.free("a")
-    window_keys = [cache.core.group_key(_state(cache, prompt), 1, i) for i in range(3, 6)]
+    window_keys = [_state(cache, prompt).group_key(1, i) for i in range(3, 6)]
     cache.manager.free_window(0)
     for row, key in cache.manager.resident():  # the device forgets A's window rows, the tiers below never had them
         if key in window_keys:

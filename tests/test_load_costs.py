@@ -320,12 +320,12 @@ def test_the_shared_tier_s_decisions_are_counted_once_per_probe() -> None:
     from kvstrata.policy import TierPolicy
 
     costs = measured(cpu=0.001, ssd=0.002, token=0.001, remote=1.0)  # a block from the server: 1 s
-    core = DriverCore(TierPolicy(PolicySpec(cpu_slots=8, remote=True)), BT, costs=costs)
+    core = DriverCore(TierPolicy(PolicySpec(slab_slots=8, shared=True)), BT, costs=costs)
     st = core.open(RequestState("r", [bytes([i]) * 32 for i in range(6)]))
     assert core.worth_fetching(st, 0, 0, 6) == 0
     assert costs.decisions["remote"] == {"loaded": 0, "recomputed": 6}
     fast = measured(cpu=0.001, ssd=0.002, token=0.001, remote=0.0001)
-    core = DriverCore(TierPolicy(PolicySpec(cpu_slots=8, remote=True)), BT, costs=fast)
+    core = DriverCore(TierPolicy(PolicySpec(slab_slots=8, shared=True)), BT, costs=fast)
     st = core.open(RequestState("r", [bytes([i]) * 32 for i in range(6)]))
     assert core.worth_fetching(st, 0, 0, 6) == 6
     assert fast.decisions["remote"] == {"loaded": 6, "recomputed": 0}

@@ -156,6 +156,7 @@ def test_a_fetch_from_a_slow_server_stops_between_chunks(tmp_path: Path) -> None
     from valkey_server import ValkeyServer
 
     from kvstrata.policy import FetchPlan
+    from kvstrata.config.remote import RemoteConfig
     from kvstrata.tiers.remote import RemoteTier, key_prefix
 
     nb = 256 * 1024
@@ -163,13 +164,14 @@ def test_a_fetch_from_a_slow_server_stops_between_chunks(tmp_path: Path) -> None
     keys = [bytes([i]) * 32 for i in range(n)]
     rows = np.random.default_rng(0).integers(0, 256, (n, nb), dtype=np.uint8)
     with ValkeyServer() as server:
-        writer = RemoteTier(server.url, key_prefix("fp"), nb, timeout=5.0)
+        writer = RemoteTier(RemoteConfig(url=server.url, timeout=5.0), key_prefix("fp"), nb)
         for k, r in zip(keys, rows):
             assert writer.put(k, r)
         assert writer.flush(30)
         writer.close()
         with SlowProxy(server.port, bps=2 << 20) as proxy:
-            remote = RemoteTier(f"redis://127.0.0.1:{proxy.port}/0", key_prefix("fp"), nb, timeout=30.0)
+            slow = RemoteConfig(url=f"redis://127.0.0.1:{proxy.port}/0", timeout=30.0)
+            remote = RemoteTier(slow, key_prefix("fp"), nb)
             slab = HostSlab(n, nb, pin_memory=False)
             ex = Executor(None, {"cpu": slab, "remote": remote})
             plan = FetchPlan(1, req_id="r", keys=keys, slots=list(range(n)), source="remote", slab="cpu")

@@ -56,7 +56,7 @@ def tiers(policy: TierPolicy) -> tuple[list[bytes], list[bytes]]:
 
 
 def test_on_compute_stores_computed_blocks_and_ignores_evicted_ones() -> None:
-    policy = make(cpu_slots=2)
+    policy = make(slab_slots=2)
     plan = policy.prepare_store([7], [A], "computed")
     assert plan == StorePlan(1, "computed", block_ids=[7], keys=[A], slots=[0], writes={})
     assert events(policy) == [("stored", "cpu", (A,))]
@@ -71,7 +71,7 @@ def test_on_compute_stores_computed_blocks_and_ignores_evicted_ones() -> None:
 
 
 def test_on_evict_stores_evicted_and_paged_out_blocks_and_ignores_computed_ones() -> None:
-    policy = make(cpu_slots=3, admission="on_evict")
+    policy = make(slab_slots=3, admission="on_evict")
     assert stored(policy, [A], "computed").empty
     assert stored(policy, [A], "evicted") == StorePlan(2, "evicted", [100], [A], [0], {})
     assert stored(policy, [B], "pageout") == StorePlan(3, "pageout", [100], [B], [1], {})
@@ -80,7 +80,7 @@ def test_on_evict_stores_evicted_and_paged_out_blocks_and_ignores_computed_ones(
 
 
 def test_pageout_and_evicted_skip_keys_any_tier_holds_and_touch_nothing() -> None:
-    policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict", write_through=False)
+    policy = make(slab_slots=2, store_slots=2, admission="on_evict", write_through=False)
     for key in (A, B, C, D):  # C pushes A down to the SSD tier, D pushes B
         stored(policy, [key], "evicted")
     assert tiers(policy) == ([C, D], [A, B])
@@ -94,7 +94,7 @@ def test_pageout_and_evicted_skip_keys_any_tier_holds_and_touch_nothing() -> Non
 
 
 def test_computed_touches_the_copies_below_it_already_has() -> None:
-    policy = make(cpu_slots=3, ssd_slots=3)
+    policy = make(slab_slots=3, store_slots=3)
     stored(policy, [A, B, C])
     assert tiers(policy) == ([A, B, C], [A, B, C])
     assert stored(policy, [A]).empty
@@ -108,7 +108,7 @@ def test_computed_touches_the_copies_below_it_already_has() -> None:
 
 
 def test_a_key_offered_twice_is_stored_once() -> None:
-    policy = make(cpu_slots=4, ssd_slots=4)
+    policy = make(slab_slots=4, store_slots=4)
     plan = policy.prepare_store([5, 6, 5], [A, B, A], "computed")
     assert plan.keys == [A, B] and plan.block_ids == [5, 6] and plan.slots == [0, 1]
     assert policy.pinned() == {"cpu": 2, "ssd": 2}
@@ -122,7 +122,7 @@ def test_no_lower_tier_admits_nothing() -> None:
 
 
 def test_prepare_rejects_block_ids_that_do_not_match_keys() -> None:
-    policy = make(cpu_slots=2)
+    policy = make(slab_slots=2)
     with pytest.raises(ValueError, match="^block_ids:"):
         policy.prepare_store([1, 2], [A], "computed")
     with pytest.raises(ValueError, match="^block_ids:"):
@@ -133,7 +133,7 @@ def test_prepare_rejects_block_ids_that_do_not_match_keys() -> None:
 
 
 def test_without_write_through_a_cpu_eviction_spills_to_ssd() -> None:
-    policy = make(cpu_slots=2, ssd_slots=2, write_through=False)
+    policy = make(slab_slots=2, store_slots=2, write_through=False)
     first = stored(policy, [A, B])
     assert first.slots == [0, 1] and first.writes == {}
     assert tiers(policy) == ([A, B], [])
@@ -158,7 +158,7 @@ def test_without_write_through_a_cpu_eviction_spills_to_ssd() -> None:
 
 
 def test_the_cascade_skips_keys_the_ssd_tier_already_holds() -> None:
-    policy = make(cpu_slots=1, ssd_slots=2, write_through=False)
+    policy = make(slab_slots=1, store_slots=2, write_through=False)
     stored(policy, [A])
     stored(policy, [B])                       # spills A
     assert tiers(policy) == ([B], [A])
@@ -171,7 +171,7 @@ def test_the_cascade_skips_keys_the_ssd_tier_already_holds() -> None:
 
 
 def test_write_through_sends_every_cpu_store_to_ssd_and_never_spills() -> None:
-    policy = make(cpu_slots=2, ssd_slots=4)
+    policy = make(slab_slots=2, store_slots=4)
     plan = policy.prepare_store([1, 2, 3], [A, B, C], "computed")
     assert plan == StorePlan(1, "computed", [1, 2, 3], [A, B, C], slots=[0, 1, -1], writes={"ssd": [0, 1, 2]})
     assert events(policy) == [("stored", "cpu", (A, B)), ("stored", "ssd", (A, B, C))]
@@ -183,7 +183,7 @@ def test_write_through_sends_every_cpu_store_to_ssd_and_never_spills() -> None:
 
 
 def test_write_through_never_spills_even_a_key_the_ssd_tier_lacks() -> None:
-    policy = make(cpu_slots=2, ssd_slots=1)
+    policy = make(slab_slots=2, store_slots=1)
     stored(policy, [A])
     stored(policy, [B])  # the SSD tier evicts A; the CPU tier keeps both
     assert tiers(policy) == ([A, B], [B])
@@ -193,7 +193,7 @@ def test_write_through_never_spills_even_a_key_the_ssd_tier_lacks() -> None:
 
 
 def test_a_store_goes_to_ssd_only_when_every_cpu_slot_is_pinned() -> None:
-    policy = make(cpu_slots=1, ssd_slots=2, write_through=False)
+    policy = make(slab_slots=1, store_slots=2, write_through=False)
     held = policy.prepare_store([0], [A], "computed")  # in flight: A's slot is pinned
     plan = policy.prepare_store([1], [B], "computed")
     assert plan == StorePlan(2, "computed", [1], [B], slots=[-1], writes={"ssd": [0]})
@@ -204,7 +204,7 @@ def test_a_store_goes_to_ssd_only_when_every_cpu_slot_is_pinned() -> None:
 
 
 def test_a_store_is_dropped_when_no_tier_has_room() -> None:
-    policy = make(cpu_slots=1)
+    policy = make(slab_slots=1)
     held = policy.prepare_store([0], [A], "computed")
     policy.take_events()
     plan = policy.prepare_store([1], [B], "computed")
@@ -213,7 +213,7 @@ def test_a_store_is_dropped_when_no_tier_has_room() -> None:
     assert policy.lookup([B]) == []
     policy.complete_store(held)
 
-    policy = make(cpu_slots=1, ssd_slots=1, write_through=False)
+    policy = make(slab_slots=1, store_slots=1, write_through=False)
     policy.prepare_store([0], [A], "computed")  # pins the CPU slot
     policy.prepare_store([1], [B], "computed")  # pins the SSD slot
     policy.take_events()
@@ -226,7 +226,7 @@ def test_a_store_is_dropped_when_no_tier_has_room() -> None:
 
 
 def test_inclusive_promotion_gives_ssd_hits_a_pinned_cpu_slot() -> None:
-    policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict")
+    policy = make(slab_slots=2, store_slots=2, admission="on_evict")
     assert policy.seed_store([A, B]) == []
     assert policy.lookup([A, B, C]) == ["ssd", "ssd"]
     plan = policy.prepare_load("r1", [A, B], [5, 6])
@@ -247,7 +247,7 @@ def test_inclusive_promotion_gives_ssd_hits_a_pinned_cpu_slot() -> None:
 
 
 def test_promotion_evicts_and_cascades_like_a_store() -> None:
-    policy = make(cpu_slots=1, ssd_slots=2, admission="on_evict", write_through=False)
+    policy = make(slab_slots=1, store_slots=2, admission="on_evict", write_through=False)
     stored(policy, [A], "evicted")
     stored(policy, [B], "evicted")  # spills A
     policy.take_events()
@@ -260,7 +260,7 @@ def test_promotion_evicts_and_cascades_like_a_store() -> None:
 
 
 def test_exclusive_promotion_moves_loaded_cpu_blocks_out_of_the_cpu_tier() -> None:
-    policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict", promotion="exclusive")
+    policy = make(slab_slots=2, store_slots=2, admission="on_evict", promotion="exclusive")
     stored(policy, [A, B], "evicted")
     assert tiers(policy) == ([A, B], [A, B])
     policy.take_events()
@@ -285,7 +285,7 @@ def test_exclusive_promotion_moves_loaded_cpu_blocks_out_of_the_cpu_tier() -> No
 
 
 def test_a_load_that_names_a_key_twice_releases_every_pin() -> None:
-    policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict")
+    policy = make(slab_slots=2, store_slots=2, admission="on_evict")
     policy.seed_store([A])
     plan = policy.prepare_load("r", [A, A], [1, 2])
     assert plan.sources == ["ssd", "ssd"] and plan.promote_slots == [0, 0]
@@ -295,7 +295,7 @@ def test_a_load_that_names_a_key_twice_releases_every_pin() -> None:
 
 
 def test_a_load_of_a_key_no_tier_holds_plans_no_source() -> None:
-    policy = make(cpu_slots=2, ssd_slots=2)
+    policy = make(slab_slots=2, store_slots=2)
     stored(policy, [A])
     plan = policy.prepare_load("r", [A, B], [1, 2])
     assert plan.tiers() == ["cpu", ""] and plan.slots == [0, -1] and plan.sources == ["cpu", ""]
@@ -307,7 +307,7 @@ def test_a_load_of_a_key_no_tier_holds_plans_no_source() -> None:
 
 
 def test_shutdown_stores_the_most_recent_blocks_up_to_the_ssd_capacity() -> None:
-    policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict")
+    policy = make(slab_slots=2, store_slots=2, admission="on_evict")
     plan = policy.prepare_store([1, 2, 3], [A, B, C], "shutdown")  # most recently used first
     assert plan == StorePlan(1, "shutdown", block_ids=[2, 1], keys=[B, A], slots=[-1, -1], writes={"ssd": [0, 1]})
     assert events(policy) == [("stored", "ssd", (B, A))]
@@ -316,7 +316,7 @@ def test_shutdown_stores_the_most_recent_blocks_up_to_the_ssd_capacity() -> None
 
 
 def test_shutdown_skips_keys_the_ssd_tier_holds() -> None:
-    policy = make(ssd_slots=3)  # on_compute takes shutdown too
+    policy = make(store_slots=3)  # on_compute takes shutdown too
     policy.seed_store([X])
     plan = policy.prepare_store([1, 2, 3], [A, X, B], "shutdown")
     assert plan.keys == [B, A] and plan.block_ids == [3, 1] and plan.evictions == {}
@@ -325,7 +325,7 @@ def test_shutdown_skips_keys_the_ssd_tier_holds() -> None:
 
 
 def test_shutdown_leaves_room_for_pinned_ssd_slots() -> None:
-    policy = make(ssd_slots=2)
+    policy = make(store_slots=2)
     held = policy.prepare_store([0], [X], "computed")  # X's SSD slot is pinned
     plan = policy.prepare_store([1, 2], [A, B], "shutdown")
     assert plan.keys == [A] and plan.evictions == {}
@@ -335,7 +335,7 @@ def test_shutdown_leaves_room_for_pinned_ssd_slots() -> None:
 
 
 def test_shutdown_without_an_ssd_tier_stores_nothing() -> None:
-    policy = make(cpu_slots=4)
+    policy = make(slab_slots=4)
     assert policy.prepare_store([1], [A], "shutdown").empty
     assert policy.lookup([A]) == []
 
@@ -344,7 +344,7 @@ def test_shutdown_keeps_the_most_recent_offered_blocks() -> None:
     """The hot set counts offered keys the SSD tier already holds: with 2 slots holding X
     and [A, X, B] offered (most recent first) it is {A, X}; B, the least recent, stays out
     and X is not evicted for it."""
-    policy = make(ssd_slots=2, admission="on_evict")
+    policy = make(store_slots=2, admission="on_evict")
     policy.seed_store([X])
     plan = policy.prepare_store([1, 2, 3], [A, X, B], "shutdown")
     assert plan == StorePlan(1, "shutdown", block_ids=[1], keys=[A], slots=[-1], writes={"ssd": [0]},
@@ -355,7 +355,7 @@ def test_shutdown_keeps_the_most_recent_offered_blocks() -> None:
 
 
 def test_shutdown_touches_the_hot_keys_the_ssd_tier_holds_before_placing_the_others() -> None:
-    policy = make(ssd_slots=3, admission="on_evict")
+    policy = make(store_slots=3, admission="on_evict")
     policy.seed_store([Y, X, Z])  # Y is the least recent
     plan = policy.prepare_store([1, 2, 3, 4], [A, Y, B, X], "shutdown")  # hot: A, Y, B
     # Y, touched first, is not evicted to place B and A: X and Z are
@@ -378,7 +378,7 @@ def test_select_for_shutdown_returns_the_hot_blocks_to_store_and_the_hot_keys_he
 
 
 def test_seed_ssd_places_keys_least_recent_first_in_free_slots_only() -> None:
-    policy = make(ssd_slots=2)
+    policy = make(store_slots=2)
     assert policy.seed_store([A]) == []
     assert policy.seed_store([B, C, B]) == [B]  # one free slot: C, the more recent, takes it
     assert tiers(policy) == ([], [A, C])
@@ -390,7 +390,7 @@ def test_seed_ssd_places_keys_least_recent_first_in_free_slots_only() -> None:
 def test_seed_ssd_later_keeps_what_is_held_and_returns_what_does_not_fit() -> None:
     """A tier that finished recovering after the engine started: what the policy placed
     since (newer) stays; the recovered keys fill the free slots, newest first."""
-    policy = make(ssd_slots=3)
+    policy = make(store_slots=3)
     stored(policy, [A])
     policy.take_events()
     assert policy.seed_store([B, A, C, D]) == [B]  # A is held already; 2 free slots: C and D
@@ -400,7 +400,7 @@ def test_seed_ssd_later_keeps_what_is_held_and_returns_what_does_not_fit() -> No
 
 
 def test_seed_ssd_places_keys_least_recent_first() -> None:
-    policy = make(ssd_slots=2)
+    policy = make(store_slots=2)
     assert policy.seed_store([B, C, B]) == []
     assert tiers(policy) == ([], [B, C])
     assert policy.seed_store([B]) == []  # already held: nothing moves
@@ -409,13 +409,13 @@ def test_seed_ssd_places_keys_least_recent_first() -> None:
 
 
 def test_seed_ssd_without_an_ssd_tier_returns_every_key() -> None:
-    assert make(cpu_slots=2).seed_store([A, B]) == [A, B]
+    assert make(slab_slots=2).seed_store([A, B]) == [A, B]
 
 
 def test_seed_ssd_overflow_returns_the_oldest_keys() -> None:
     """With 2 slots and [A, B, C, D] (least recent first) it keeps C and D, the most recent,
     and returns A and B for deletion."""
-    policy = make(ssd_slots=2)
+    policy = make(store_slots=2)
     assert policy.seed_store([A, B, C, D]) == [A, B]
     assert tiers(policy) == ([], [C, D])
     assert policy.lookup([C, D, A]) == ["ssd", "ssd"]
@@ -423,7 +423,7 @@ def test_seed_ssd_overflow_returns_the_oldest_keys() -> None:
 
 
 def test_seed_ssd_into_a_full_tier_keeps_nothing_new() -> None:
-    policy = make(ssd_slots=2)
+    policy = make(store_slots=2)
     assert policy.seed_store([A, B]) == []
     assert policy.seed_store([C, D]) == [C, D]
     assert tiers(policy) == ([], [A, B])
@@ -433,7 +433,7 @@ def test_seed_ssd_into_a_full_tier_keeps_nothing_new() -> None:
 
 
 def test_forget_of_a_pinned_key_is_immediate_and_its_slot_stays_taken_until_its_plans_complete() -> None:
-    policy = make(cpu_slots=3)
+    policy = make(slab_slots=3)
     store = policy.prepare_store([0], [A], "computed")  # slot 0
     load = policy.prepare_load("r", [A], [1])           # a second pin
     policy.take_events()
@@ -463,7 +463,7 @@ def test_clear_forgets_every_block_below_and_returns_the_ssd_keys_to_delete() ->
     """After an in-place weight update every stored block is stale: nothing below is a hit
     any more, the SSD records are to be deleted (those an open plan pins too, once their
     writes are done), and the slots are reused as the pins are released."""
-    policy = make(cpu_slots=3, ssd_slots=4)  # write-through: computed blocks go to both
+    policy = make(slab_slots=3, store_slots=4)  # write-through: computed blocks go to both
     stored(policy, [A, B])
     pending = policy.prepare_store([5], [C], "computed")  # C pinned in both tiers
     policy.take_events()
@@ -479,7 +479,7 @@ def test_clear_forgets_every_block_below_and_returns_the_ssd_keys_to_delete() ->
 
 
 def test_forget_renames_the_pins_of_every_open_plan() -> None:
-    policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict", promotion="exclusive", write_through=False)
+    policy = make(slab_slots=2, store_slots=2, admission="on_evict", promotion="exclusive", write_through=False)
     stored(policy, [A, B], "evicted")
     spill = policy.prepare_store([3], [C], "evicted")  # C into A's slot: A spills to the SSD tier
     assert spill.spills == [sp(0, A)] and policy.store.pin_count(A) == 1
@@ -497,7 +497,7 @@ def test_forget_renames_the_pins_of_every_open_plan() -> None:
 
 
 def test_forget_of_an_unpinned_key_is_immediate() -> None:
-    policy = make(cpu_slots=2, ssd_slots=2)
+    policy = make(slab_slots=2, store_slots=2)
     stored(policy, [A, B])
     policy.forget("ssd", [A])
     assert policy.lookup([A, B]) == ["cpu", "cpu"] and tiers(policy) == ([A, B], [B])
@@ -508,17 +508,17 @@ def test_forget_of_an_unpinned_key_is_immediate() -> None:
 
 
 def test_forget_in_a_tier_that_is_off_does_nothing() -> None:
-    policy = make(cpu_slots=2)
+    policy = make(slab_slots=2)
     stored(policy, [A])
     policy.take_events()
     policy.forget("ssd", [A])
     policy.complete_store(policy.prepare_store([], [], "computed"), [("ssd", A)])
     assert policy.lookup([A]) == ["cpu"] and events(policy) == []
-    assert make(ssd_slots=2).forget("cpu", [A]) is None
+    assert make(store_slots=2).forget("cpu", [A]) is None
 
 
 def test_complete_store_forgets_the_copies_that_failed() -> None:
-    policy = make(cpu_slots=2, ssd_slots=2)
+    policy = make(slab_slots=2, store_slots=2)
     plan = policy.prepare_store([1, 2], [A, B], "computed")
     policy.take_events()
     policy.complete_store(plan, [("ssd", A), ("cpu", B)])
@@ -529,7 +529,7 @@ def test_complete_store_forgets_the_copies_that_failed() -> None:
 
 def test_lost_counts_a_forgotten_block_once() -> None:
     """A pinned key forgotten twice (and reported lost again when its plan completes) is lost once."""
-    policy = make(cpu_slots=2)
+    policy = make(slab_slots=2)
     plan = policy.prepare_store([0], [A], "computed")
     policy.forget("cpu", [A])
     policy.forget("cpu", [A])
@@ -540,7 +540,7 @@ def test_lost_counts_a_forgotten_block_once() -> None:
 
 def test_exclusive_load_of_a_forgotten_key_counts_it_lost_once() -> None:
     """Exclusive complete_load drops only the loaded CPU keys the tier still holds."""
-    policy = make(cpu_slots=2, admission="on_evict", promotion="exclusive")
+    policy = make(slab_slots=2, admission="on_evict", promotion="exclusive")
     stored(policy, [A], "evicted")
     load = policy.prepare_load("r", [A], [1])
     policy.forget("cpu", [A])
@@ -551,7 +551,7 @@ def test_exclusive_load_of_a_forgotten_key_counts_it_lost_once() -> None:
 
 
 def test_exclusive_loads_of_one_key_move_it_up_once() -> None:
-    policy = make(cpu_slots=2, admission="on_evict", promotion="exclusive")
+    policy = make(slab_slots=2, admission="on_evict", promotion="exclusive")
     stored(policy, [A], "evicted")
     first = policy.prepare_load("r1", [A], [1])
     second = policy.prepare_load("r2", [A], [2])
@@ -569,7 +569,7 @@ def test_exclusive_promotion_keeps_the_cpu_blocks_a_failed_load_never_delivered(
     """The device gets the blocks before the first failure; the CPU blocks after it were
     not loaded (they are recomputed), so they stay in the CPU tier. A cancelled load moves
     nothing."""
-    policy = make(cpu_slots=3, ssd_slots=3, admission="on_evict", promotion="exclusive", write_through=False)
+    policy = make(slab_slots=3, store_slots=3, admission="on_evict", promotion="exclusive", write_through=False)
     policy.seed_store([A])
     stored(policy, [B, C], "evicted")
     load = policy.prepare_load("r", [A, B, C], [1, 2, 3])
@@ -586,7 +586,7 @@ def test_exclusive_promotion_keeps_the_cpu_blocks_a_failed_load_never_delivered(
 
 def test_a_forgotten_pinned_key_is_not_found_by_lookup() -> None:
     """Nor does a load pin it again (which would extend its stay)."""
-    policy = make(cpu_slots=2)
+    policy = make(slab_slots=2)
     plan = policy.prepare_store([0], [A], "computed")
     policy.forget("cpu", [A])
     assert policy.lookup([A]) == [] and policy.holds(A) is None
@@ -600,7 +600,7 @@ def test_a_forgotten_pinned_key_is_not_found_by_lookup() -> None:
 def test_an_evicted_block_whose_lower_copy_was_lost_is_stored_again() -> None:
     """on_evict skips offered blocks a lower tier holds; a key forgotten while a load pins it
     is no longer held, so the block the device evicts is stored again, in the free slot."""
-    policy = make(cpu_slots=2, admission="on_evict")
+    policy = make(slab_slots=2, admission="on_evict")
     stored(policy, [A], "evicted")
     load = policy.prepare_load("r", [A], [1])
     policy.forget("cpu", [A])               # the executor found A's slot corrupt
@@ -616,7 +616,7 @@ def test_an_evicted_block_whose_lower_copy_was_lost_is_stored_again() -> None:
 
 
 def test_every_slot_of_an_open_plan_is_pinned_until_complete() -> None:
-    policy = make(cpu_slots=2, ssd_slots=2, write_through=False)
+    policy = make(slab_slots=2, store_slots=2, write_through=False)
     stored(policy, [A, B])
     store = policy.prepare_store([3], [C], "computed")  # C into A's slot; A spills
     load = policy.prepare_load("r", [B], [4])
@@ -636,7 +636,7 @@ def test_an_ssd_key_deleted_by_one_open_plan_and_written_by_a_later_one_is_held_
     The contract (kvstrata.policy.plans): executors run plans in the order they were prepared.
     In that order the record the policy holds exists; in the other order the deletion
     would remove the new record."""
-    policy = make(ssd_slots=2)
+    policy = make(store_slots=2)
     sim = SimExecutor()
     sim.run(stored(policy, [A]))
     sim.run(stored(policy, [C]))
@@ -664,7 +664,7 @@ def test_a_load_may_read_the_slot_an_earlier_open_load_promotes_into_in_order() 
     (loads on one first-in-first-out thread) in the order they were prepared; in that
     order the second load reads the promoted bytes, in the other it would read the slot
     before they arrive."""
-    policy = make(cpu_slots=2, ssd_slots=2, admission="on_evict")
+    policy = make(slab_slots=2, store_slots=2, admission="on_evict")
     policy.seed_store([A])
     first = policy.prepare_load("r1", [A], [1])
     second = policy.prepare_load("r2", [A], [2])
@@ -686,7 +686,7 @@ def test_plans_run_in_preparation_order_hold_every_key_where_the_policy_says() -
     again, SSD evictions, plans completed out of order: run in preparation order (the
     contract), every load reads its own key's bytes and every key the policy holds is
     where it says."""
-    policy = make(cpu_slots=2, ssd_slots=3, admission="on_evict", write_through=False)
+    policy = make(slab_slots=2, store_slots=3, admission="on_evict", write_through=False)
     sim = SimExecutor()
 
     def store(key: bytes) -> StorePlan:
@@ -749,31 +749,31 @@ def test_policy_spec_from_config_sizes_tiers_in_blocks(tmp_path) -> None:
     cfg = config(tmp_path, {"admission": "on_evict", "watermark": 0.25, "write_through": False},
                  cpu=10 * block + block - 1, ssd=50 * block)
     spec = policy_spec(cfg, block_nbytes=block, gpu_blocks=10)
-    assert spec.cpu_slots == 10  # capacity // block bytes
-    assert spec.ssd_slots == capacity_blocks(50 * block, block)
-    assert 0 < spec.ssd_slots < 50  # records cost more than their payload
+    assert spec.slab_slots == 10  # capacity // block bytes
+    assert spec.store_slots == capacity_blocks(50 * block, block)
+    assert 0 < spec.store_slots < 50  # records cost more than their payload
     assert spec.pageout_blocks == 2  # int(0.25 * 10)
     assert (spec.admission, spec.promotion, spec.write_through) == ("on_evict", "inclusive", False)
 
     small = config(tmp_path, {"admission": "on_evict", "watermark": 0.01}, cpu=block, ssd=None)
     spec = policy_spec(small, block_nbytes=block, gpu_blocks=10)
-    assert (spec.cpu_slots, spec.ssd_slots, spec.pageout_blocks) == (1, 0, 1)  # at least one block
+    assert (spec.slab_slots, spec.store_slots, spec.pageout_blocks) == (1, 0, 1)  # at least one block
 
     compute = config(tmp_path, {"admission": "on_compute"}, cpu=4 * block, ssd=None)
     assert policy_spec(compute, block_nbytes=block, gpu_blocks=10).pageout_blocks == 0
 
     nothing = config(tmp_path, {"admission": "on_evict", "watermark": 0.5}, cpu=block - 1, ssd=None)
     spec = policy_spec(nothing, block_nbytes=block, gpu_blocks=10)
-    assert (spec.cpu_slots, spec.ssd_slots, spec.pageout_blocks, spec.has_lower_tier) == (0, 0, 0, False)
+    assert (spec.slab_slots, spec.store_slots, spec.pageout_blocks, spec.has_lower_tier) == (0, 0, 0, False)
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"admission": "lru"}, "spill.admission"),
     ({"promotion": "move"}, "spill.promotion"),
-    ({"cpu_slots": -1}, "cpu_slots"),
-    ({"cpu_slots": "4"}, "cpu_slots"),
-    ({"ssd_slots": 2.0}, "ssd_slots"),
-    ({"ssd_slots": True}, "ssd_slots"),
+    ({"slab_slots": -1}, "slab_slots"),
+    ({"slab_slots": "4"}, "slab_slots"),
+    ({"store_slots": 2.0}, "store_slots"),
+    ({"store_slots": True}, "store_slots"),
     ({"pageout_blocks": -3}, "pageout_blocks"),
 ])
 def test_policy_spec_rejects_bad_values_naming_the_field(kwargs: dict, field: str) -> None:
@@ -806,7 +806,7 @@ def test_policy_spec_from_config_rejects_a_block_size_that_is_not_positive(tmp_p
 
 
 def test_plans_survive_a_pickle_round_trip() -> None:
-    policy = make(cpu_slots=1, ssd_slots=2, admission="on_evict", write_through=False)
+    policy = make(slab_slots=1, store_slots=2, admission="on_evict", write_through=False)
     stored(policy, [A], "evicted")
     stored(policy, [B], "evicted")
     stored(policy, [C], "evicted")  # spills B: the SSD tier holds A and B
@@ -826,7 +826,7 @@ def test_a_cpu_hit_refreshes_the_ssd_copy_before_promotions() -> None:
     evicts it later, the SSD tier still holds it (the persistent tier stays a superset of
     what is hot above it). The refresh comes before the plan's promotions, whose cascade
     evicts the SSD tier's least recently used block: C, not A."""
-    policy = make(cpu_slots=2, ssd_slots=3)
+    policy = make(slab_slots=2, store_slots=3)
     stored(policy, [A], "computed")
     stored(policy, [B], "computed")
     stored(policy, [C], "computed")  # CPU: B, C (A evicted); SSD: A, B, C

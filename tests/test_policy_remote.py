@@ -13,7 +13,7 @@ A, B, C, D, E = (bytes([c]) * 32 for c in b"ABCDE")
 
 
 def make(**spec) -> TierPolicy:
-    return TierPolicy(PolicySpec(remote=True, **spec), clock=lambda: 0.0, record_events=True)
+    return TierPolicy(PolicySpec(shared=True, **spec), clock=lambda: 0.0, record_events=True)
 
 
 def events(policy: TierPolicy) -> list[tuple[str, str, tuple[bytes, ...]]]:
@@ -21,7 +21,7 @@ def events(policy: TierPolicy) -> list[tuple[str, str, tuple[bytes, ...]]]:
 
 
 def test_blocks_new_to_the_lower_tiers_go_to_the_remote_tier_once() -> None:
-    policy = make(cpu_slots=2, ssd_slots=4)
+    policy = make(slab_slots=2, store_slots=4)
     plan = policy.prepare_store([0, 1], [A, B], "computed")
     assert len(plan) == 2 and plan.goes_to("remote") == [0, 1] and plan.goes_to("ssd") == [0, 1]
     assert ("stored", "remote", (A, B)) in events(policy)
@@ -33,7 +33,7 @@ def test_blocks_new_to_the_lower_tiers_go_to_the_remote_tier_once() -> None:
 
 
 def test_a_block_no_local_tier_can_take_still_goes_to_the_remote_tier() -> None:
-    policy = make(cpu_slots=1)
+    policy = make(slab_slots=1)
     held = policy.prepare_store([0], [A], "computed")  # pins the only CPU slot
     plan = policy.prepare_store([1], [B], "computed")
     assert plan.keys == [B] and plan.slots == [-1] and plan.goes_to("ssd") == [] and plan.goes_to("remote") == [0]
@@ -42,14 +42,14 @@ def test_a_block_no_local_tier_can_take_still_goes_to_the_remote_tier() -> None:
 
 
 def test_without_a_remote_tier_plans_carry_no_remote_work() -> None:
-    policy = TierPolicy(PolicySpec(cpu_slots=2))
+    policy = TierPolicy(PolicySpec(slab_slots=2))
     assert "remote" not in policy.prepare_store([0], [A], "computed").writes
     assert len(policy.prepare_fetch([B])) == 0
     assert "remote" not in policy.counts.snapshot()["stored"]
 
 
 def test_a_fetch_places_pinned_cpu_slots_and_only_arrived_blocks_become_hits() -> None:
-    policy = make(cpu_slots=3, ssd_slots=8)
+    policy = make(slab_slots=3, store_slots=8)
     plan = policy.prepare_fetch([A, B, C])
     assert plan.keys == [A, B, C] and sorted(plan.slots) == [0, 1, 2] and plan.writes.get("ssd") == [0, 1, 2]
     assert policy.pinned()["cpu"] == 3
@@ -64,7 +64,7 @@ def test_a_fetch_places_pinned_cpu_slots_and_only_arrived_blocks_become_hits() -
 
 
 def test_a_fetch_evicts_like_a_store_and_stops_at_the_first_block_without_a_slot() -> None:
-    policy = make(cpu_slots=2, ssd_slots=4, write_through=False)
+    policy = make(slab_slots=2, store_slots=4, write_through=False)
     stored = policy.prepare_store([0], [A], "computed")
     policy.complete_store(stored)
     pinned = policy.prepare_store([1], [B], "computed")  # B's slot stays pinned
@@ -79,11 +79,11 @@ def test_a_fetch_evicts_like_a_store_and_stops_at_the_first_block_without_a_slot
 
 
 def test_a_fetch_stops_at_a_block_the_cpu_tier_holds() -> None:
-    policy = make(cpu_slots=4)
+    policy = make(slab_slots=4)
     policy.complete_store(policy.prepare_store([0], [B], "computed"))
     assert policy.prepare_fetch([A, B, C]).keys == [A]
 
 
 def test_a_remote_tier_needs_a_cpu_tier() -> None:
     with pytest.raises(ConfigError, match="cpu.capacity: the shared tier"):
-        PolicySpec(ssd_slots=4, remote=True)
+        PolicySpec(store_slots=4, shared=True)

@@ -158,8 +158,8 @@ class RefPolicy:
 
     def __init__(self, spec: PolicySpec) -> None:
         self.spec = spec
-        self.tiers = {"cpu": RefTier(spec.cpu_slots) if spec.cpu_slots else None,
-                      "ssd": RefTier(spec.ssd_slots) if spec.ssd_slots else None}
+        self.tiers = {"cpu": RefTier(spec.slab_slots) if spec.slab_slots else None,
+                      "ssd": RefTier(spec.store_slots) if spec.store_slots else None}
         self.cpu, self.ssd = self.tiers["cpu"], self.tiers["ssd"]
         self.events: list[tuple[str, str, tuple[bytes, ...]]] = []
         self.counts = {kind: dict.fromkeys(LOWER_TIERS, 0) for kind in EVENT_KINDS}
@@ -277,19 +277,19 @@ class RefPolicy:
             block_of = {k: b for k, b in block_of.items() if not self.held(k)}
             in_cpu = []
         new = [k for k in block_of if k not in in_cpu] if self.cpu is not None else []
-        cpu_slots = self.put_cpu(plan, new) if new else {}
-        if cpu_slots:
-            self.emit("stored", "cpu", list(cpu_slots))
+        slab_slots = self.put_cpu(plan, new) if new else {}
+        if slab_slots:
+            self.emit("stored", "cpu", list(slab_slots))
         to_ssd: list[bytes] = []
         if self.ssd is not None:
             every = self.spec.write_through or self.cpu is None
             to_ssd = [k for k in block_of if k not in self.ssd
-                      and (every or (k not in cpu_slots and k not in in_cpu))]
+                      and (every or (k not in slab_slots and k not in in_cpu))]
         in_ssd = self.put_ssd(plan, to_ssd) if to_ssd else []
         for key, block in block_of.items():
-            if key in cpu_slots or key in in_ssd:
-                plan.add(block, key, cpu_slots.get(key, -1), ("ssd",) if key in in_ssd else ())
-        self.emit("dropped", "cpu", [k for k in new if k not in cpu_slots and k not in in_ssd
+            if key in slab_slots or key in in_ssd:
+                plan.add(block, key, slab_slots.get(key, -1), ("ssd",) if key in in_ssd else ())
+        self.emit("dropped", "cpu", [k for k in new if k not in slab_slots and k not in in_ssd
                                      and not (self.ssd is not None and k in self.ssd)])
         return plan
 
@@ -411,7 +411,7 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @initialize(cpu=st.integers(0, 4), ssd=st.integers(0, 4), seed=seed_lists, reseed=seed_lists)
     def setup(self, cpu: int, ssd: int, seed: list[bytes], reseed: list[bytes]) -> None:
-        spec = PolicySpec(cpu_slots=cpu, ssd_slots=ssd, admission=self.ADMISSION, promotion=self.PROMOTION,
+        spec = PolicySpec(slab_slots=cpu, store_slots=ssd, admission=self.ADMISSION, promotion=self.PROMOTION,
                           write_through=self.WRITE_THROUGH, pageout_blocks=1 if self.ADMISSION == "on_evict" else 0)
         compact_above = holdings.COMPACT_ABOVE
         holdings.COMPACT_ABOVE = 0 if self.COMPACT_SSD else compact_above  # which SSD index the policy builds

@@ -80,11 +80,11 @@ def _workload(server: Server, concurrency: int) -> None:
                 th.join()
 
 
-def _record(model: str, tmp: Path, cpu_slots: int, concurrency: int) -> tuple[Path, float]:
+def _record(model: str, tmp: Path, slab_slots: int, concurrency: int) -> tuple[Path, float]:
     """Serve the workload with the recorder on; return the recording's directory and the
     bytes the workers stored to their SSD tiers (vLLM's /metrics)."""
     tmp.mkdir()
-    extra = {"cpu.capacity": cpu_slots * BLOCK_BYTES, "ssd.path": str(tmp / "ssd"), "ssd.capacity": "256MiB",
+    extra = {"cpu.capacity": slab_slots * BLOCK_BYTES, "ssd.path": str(tmp / "ssd"), "ssd.capacity": "256MiB",
              "trace.path": str(tmp / "recording"), "trace.insecure_hashes": True}
     server = Server(model, tmp, extra=extra, gpu_blocks=GPU_BLOCKS)
     try:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstrata.config.remote import RemoteConfig
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError
 from kvstrata.tiers.remote import RemoteTier, key_prefix
@@ -41,7 +42,7 @@ def server():
 
 
 def tier(server: ValkeyServer, *secrets: bytes, **kw) -> RemoteTier:
-    return RemoteTier(server.url, PREFIX, NB, timeout=1.0, connect_timeout=1.0,
+    return RemoteTier(RemoteConfig(url=server.url, timeout=1.0, connect_timeout=1.0), PREFIX, NB,
                       auth=Auth(list(secrets)) if secrets else None, **kw)
 
 
@@ -144,7 +145,8 @@ def test_a_huge_value_or_another_type_is_not_read_and_is_deleted(server) -> None
 def test_signed_and_trusted_deployments_never_read_each_other(server) -> None:
     keys, rows = blocks(2)
     assert key_prefix("fp", signed=False) != key_prefix("fp")
-    signed, trusted = tier(server, SECRET_A), RemoteTier(server.url, key_prefix("fingerprint-auth", signed=False), NB)
+    signed = tier(server, SECRET_A)
+    trusted = RemoteTier(RemoteConfig(url=server.url), key_prefix("fingerprint-auth", signed=False), NB)
     fill(trusted, keys, rows)
     assert signed.probe(keys) == 0
     signed.close(), trusted.close()
@@ -270,7 +272,7 @@ def test_what_a_non_redis_server_sends_reaches_the_log_printable_and_bounded(cap
     keys, rows = blocks(2)
     with answering(b"-ERR \x1b[31m\x00\x07" + b"A" * 5000 + b"\r\n") as port, \
             caplog.at_level(logging.WARNING, logger="kvstrata.tiers.remote.tier"):  # an error reply with control bytes
-        t = RemoteTier(f"redis://127.0.0.1:{port}/0", PREFIX, NB, timeout=0.3)
+        t = RemoteTier(RemoteConfig(url=f"redis://127.0.0.1:{port}/0", timeout=0.3), PREFIX, NB)
         for _ in range(4):
             t.get_into(keys, np.zeros_like(rows))
         t.close(timeout=1)

@@ -5,12 +5,14 @@ mid-run costs misses within the deadline, never an error."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from kvstrata.config.remote import RemoteConfig
 from kvstrata.tiers.remote import RemoteTier, key_prefix
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -26,10 +28,9 @@ def blocks(n: int) -> tuple[list[bytes], np.ndarray]:
 
 def test_cluster_round_trips_across_nodes_and_a_dead_node_costs_misses(tmp_path: Path) -> None:
     with ValkeyCluster(tmp_path) as cluster:
-        tier = RemoteTier(cluster.url, key_prefix("fp-cluster"), NB, cluster=True, timeout=0.5,
-                          connect_timeout=0.5, compression="none")
-        reader = RemoteTier(cluster.url, key_prefix("fp-cluster"), NB, cluster=True, timeout=0.5,
-                            connect_timeout=0.5, writer=False)
+        cfg = RemoteConfig(url=cluster.url, cluster=True, timeout=0.5, connect_timeout=0.5)
+        tier = RemoteTier(dataclasses.replace(cfg, compression="none"), key_prefix("fp-cluster"), NB)
+        reader = RemoteTier(cfg, key_prefix("fp-cluster"), NB, writer=False)
         keys, rows = blocks(60)
         for k, r in zip(keys, rows):
             assert tier.put(k, r)
@@ -54,8 +55,8 @@ def test_a_dead_node_costs_only_the_keys_it_owns(tmp_path: Path) -> None:
     """Regression: one dead master made every pipeline fail, the breaker opened for the whole
     tier, and hits of keys on the live nodes fell to 0 for good."""
     with ValkeyCluster(tmp_path) as cluster:
-        tier = RemoteTier(cluster.url, key_prefix("fp-cluster"), NB, cluster=True, timeout=0.5,
-                          connect_timeout=0.3, compression="none")
+        tier = RemoteTier(RemoteConfig(url=cluster.url, cluster=True, timeout=0.5, connect_timeout=0.3,
+                                       compression="none"), key_prefix("fp-cluster"), NB)
         keys, rows = blocks(90)
         for k, r in zip(keys, rows):
             assert tier.put(k, r)

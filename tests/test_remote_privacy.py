@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstrata.config.remote import RemoteConfig
 from kvstrata.tiers.remote import RemoteTier, key_prefix
 from kvstrata.tiers.remote.value import Auth
 
@@ -108,7 +109,7 @@ def attack(server: ValkeyServer, auth: Auth) -> tuple[int, int]:
     tokens = [int(t) for t in np.random.default_rng(7).integers(2, VOCAB, BLOCK * BLOCKS)]
     rows = layer0_blocks(model, tokens)
     prefix = key_prefix(f"tiny-llama-privacy-{getattr(auth, 'encrypt', False)}")
-    t = RemoteTier(server.url, prefix, rows.shape[1], compression="none", timeout=2.0, auth=auth)
+    t = RemoteTier(RemoteConfig(url=server.url, compression="none", timeout=2.0), prefix, rows.shape[1], auth=auth)
     keys = [np.random.default_rng(b).bytes(32) for b in range(BLOCKS)]
     for k, r in zip(keys, rows):
         assert t.put(k, r)

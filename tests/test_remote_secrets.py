@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstrata.config.remote import RemoteConfig
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.config.credentials import read_secret_file, secrets_from_env
 from kvstrata.errors import ConfigError
@@ -34,6 +35,11 @@ NB = 16 * 1024
 PREFIX = key_prefix("fingerprint-secrets")
 STRONG = b"Zp4-Rw8_Kq2mXv7Ld3Nb9Tc6Hy1Gf5Js0Ua"
 PHRASE = b"kvstrata shared cache key"  # 25 bytes: what a dictionary of phrases finds
+
+
+def remote(server: ValkeyServer) -> RemoteConfig:
+    """``remote.*`` for a tier on ``server``, with a 2 s deadline."""
+    return RemoteConfig(url=server.url, timeout=2.0)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +81,7 @@ def test_a_value_offers_no_cheap_test_of_a_guessed_secret(server) -> None:
     found a 25-byte phrase in milliseconds; now nothing in the value is a function of the
     secret computable without scrypt."""
     keys, rows = blocks(1, nbytes=NB)
-    t = RemoteTier(server.url, PREFIX, NB, timeout=2.0, auth=Auth([PHRASE]))
+    t = RemoteTier(remote(server), PREFIX, NB, auth=Auth([PHRASE]))
     assert t.put(keys[0], rows[0]) and t.flush(10)
     value = server.client().get(PREFIX + keys[0])
     t.close()
@@ -115,10 +121,10 @@ def test_values_under_another_key_a_copied_front_or_the_old_format_are_misses(se
     keys, rows = blocks(3, nbytes=NB)
     _, evil = blocks(3, seed=5, nbytes=NB)
     r = server.client()
-    other = RemoteTier(server.url, PREFIX, NB, timeout=2.0, auth=Auth([b"another-fleet-" + STRONG]))
+    other = RemoteTier(remote(server), PREFIX, NB, auth=Auth([b"another-fleet-" + STRONG]))
     assert other.put(keys[0], evil[0]) and other.flush(10)
     other.close()
-    honest = RemoteTier(server.url, PREFIX, NB, timeout=2.0, auth=Auth([STRONG]))
+    honest = RemoteTier(remote(server), PREFIX, NB, auth=Auth([STRONG]))
     assert honest.put(keys[2], rows[2]) and honest.flush(10)
     sealed = r.get(PREFIX + keys[2])
     tampered = bytearray(sealed)
@@ -137,10 +143,10 @@ def test_values_under_another_key_a_copied_front_or_the_old_format_are_misses(se
 
 def test_a_rotated_fleet_reads_values_of_the_old_secret_and_of_either_mode(server) -> None:
     keys, rows = blocks(2, nbytes=NB)
-    old = RemoteTier(server.url, PREFIX + b"rot:", NB, timeout=2.0, auth=Auth([STRONG], encrypt=False))
+    old = RemoteTier(remote(server), PREFIX + b"rot:", NB, auth=Auth([STRONG], encrypt=False))
     assert old.put(keys[0], rows[0]) and old.flush(10)
     old.close()
-    new = RemoteTier(server.url, PREFIX + b"rot:", NB, timeout=2.0, auth=Auth([b"new-" + STRONG, STRONG]))
+    new = RemoteTier(remote(server), PREFIX + b"rot:", NB, auth=Auth([b"new-" + STRONG, STRONG]))
     assert new.put(keys[1], rows[1]) and new.flush(10)
     out = np.zeros_like(rows)
     assert new.get_into(keys, out) == 2 and np.array_equal(out, rows)
@@ -197,7 +203,7 @@ def test_a_generated_secret_is_accepted_and_written_owner_only(tmp_path, server,
     cfg = KVStrataConfig.from_dict({"remote": {"url": server.url, "secret_file": str(path)}})
     assert cfg.remote.secrets() == [secret]
     with caplog.at_level(logging.DEBUG):
-        t = RemoteTier(server.url, PREFIX + b"gen:", NB, timeout=2.0, auth=Auth(cfg.remote.secrets()))
+        t = RemoteTier(remote(server), PREFIX + b"gen:", NB, auth=Auth(cfg.remote.secrets()))
         keys, rows = blocks(1, nbytes=NB)
         assert t.put(keys[0], rows[0]) and t.flush(10)
         server.client().set(PREFIX + b"gen:" + keys[0], b"\x02" + t.auth.write_id + b"\0" * 64)  # logged as corrupt

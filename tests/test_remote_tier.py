@@ -5,6 +5,7 @@ Every test starts its own server on a free loopback port: no persistence,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstrata.config.remote import RemoteConfig
 from kvstrata.tiers.remote import RemoteTier, key_prefix
 from kvstrata.system.breaker import Breaker
 from kvstrata.tiers.remote.value import encode
@@ -34,10 +36,15 @@ def blocks(n: int, seed: int = 0, nbytes: int = NB) -> tuple[list[bytes], np.nda
     return keys, rows
 
 
+CONFIG_FIELDS = {f.name for f in dataclasses.fields(RemoteConfig)}
+
+
 def tier(server: ValkeyServer, prefix: bytes = PREFIX, **kw) -> RemoteTier:
-    kw.setdefault("timeout", 0.3)
-    kw.setdefault("connect_timeout", 0.3)
-    return RemoteTier(server.url, prefix, NB, **kw)
+    """A tier on ``server``: ``kw`` names fields of ``remote.*`` (``timeout`` and
+    ``connect_timeout`` 0.3 s unless given) or RemoteTier's own keywords (``breaker``, ...)."""
+    fields = {"timeout": 0.3, "connect_timeout": 0.3} | {k: v for k, v in kw.items() if k in CONFIG_FIELDS}
+    own = {k: v for k, v in kw.items() if k not in CONFIG_FIELDS}
+    return RemoteTier(RemoteConfig(url=server.url, **fields), prefix, NB, **own)
 
 
 def fill(t: RemoteTier, keys, rows) -> None:
@@ -193,7 +200,7 @@ def test_a_paused_server_is_a_timeout_not_a_hang(server) -> None:
 def test_past_maxmemory_the_server_evicts_and_the_prefix_stops_at_the_first_evicted_block() -> None:
     with ValkeyServer(maxmemory="4mb") as s:
         keys, rows = blocks(200)  # ~13 MiB of values into 4 MiB
-        t = RemoteTier(s.url, PREFIX, NB, timeout=1.0, batch_bytes=256 * 1024)
+        t = RemoteTier(RemoteConfig(url=s.url, timeout=1.0, batch_bytes=256 * 1024), PREFIX, NB)
         fill(t, keys, rows)
         info = s.client().info()
         assert info["evicted_keys"] > 0
@@ -212,7 +219,7 @@ def test_a_full_queue_drops_and_counts() -> None:
     with ValkeyServer() as s:
         s.client().execute_command("CLIENT", "PAUSE", "1000", "WRITE")
         keys, rows = blocks(8)
-        t = RemoteTier(s.url, PREFIX, NB, timeout=2.0, queue_capacity_bytes=3 * NB, batch_bytes=64 * 1024)
+        t = RemoteTier(RemoteConfig(url=s.url, timeout=2.0, queue_capacity=3 * NB, batch_bytes=64 * 1024), PREFIX, NB)
         ok = [t.put(k, r) for k, r in zip(keys, rows)]
         assert not all(ok) and t.stats()["dropped_full"] == ok.count(False)
         t.close()
@@ -220,7 +227,8 @@ def test_a_full_queue_drops_and_counts() -> None:
 
 def test_no_server_and_a_wrong_protocol_server_are_misses_not_errors(caplog) -> None:
     keys, rows = blocks(2)
-    nobody = RemoteTier(f"redis://127.0.0.1:{free_port()}/0", PREFIX, NB, timeout=0.3, connect_timeout=0.3)
+    nobody = RemoteTier(RemoteConfig(url=f"redis://127.0.0.1:{free_port()}/0", timeout=0.3, connect_timeout=0.3),
+                        PREFIX, NB)
     out = np.zeros_like(rows)
     assert nobody.get_into(keys, out) == 0 and nobody.probe(keys) == 0
     nobody.put(keys[0], rows[0])
@@ -228,7 +236,7 @@ def test_no_server_and_a_wrong_protocol_server_are_misses_not_errors(caplog) -> 
     from fake_server import answering
 
     with answering(b"HTTP/1.1 400 Bad Request\r\n\r\n") as port:  # speaks HTTP
-        http = RemoteTier(f"redis://127.0.0.1:{port}/0", PREFIX, NB, timeout=0.3)
+        http = RemoteTier(RemoteConfig(url=f"redis://127.0.0.1:{port}/0", timeout=0.3), PREFIX, NB)
         start = time.monotonic()
         assert http.get_into(keys, out) == 0 and http.probe(keys) == 0
         assert time.monotonic() - start < 1.0
@@ -238,7 +246,7 @@ def test_no_server_and_a_wrong_protocol_server_are_misses_not_errors(caplog) -> 
 
 def test_a_server_without_maxmemory_is_warned_about(caplog) -> None:
     with ValkeyServer(maxmemory="0") as s, caplog.at_level(logging.WARNING, logger="kvstrata.tiers.remote.tier"):
-        t = RemoteTier(s.url, PREFIX, NB)
+        t = RemoteTier(RemoteConfig(url=s.url), PREFIX, NB)
         keys, rows = blocks(1)
         fill(t, keys, rows)
         t.close()

@@ -218,13 +218,14 @@ def test_a_failed_probe_keeps_the_tier_out_longer() -> None:
 def test_a_fetch_queued_during_the_stall_arrives_on_time(tmp_path: Path, stuck: StuckDisk) -> None:
     from valkey_server import ValkeyServer
 
+    from kvstrata.config.remote import RemoteConfig
     from kvstrata.tiers.remote import RemoteTier, key_prefix
 
     nb = 64 * 1024
     rkeys = [bytes([0xF0 + i]) * 32 for i in range(2)]
     rows = np.random.default_rng(0).integers(0, 256, (2, nb), dtype=np.uint8)
     with ValkeyServer() as server:
-        remote = RemoteTier(server.url, key_prefix("fp"), nb, timeout=5.0)
+        remote = RemoteTier(RemoteConfig(url=server.url, timeout=5.0), key_prefix("fp"), nb)
         for k, r in zip(rkeys, rows):
             assert remote.put(k, r)
         assert remote.flush(30)

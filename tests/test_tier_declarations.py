@@ -27,10 +27,10 @@ def test_a_deployment_declares_its_tiers_in_order_from_the_config() -> None:
     tiers = spec.tiers
     assert tiers.names == (CPU, SSD, REMOTE)
     assert tiers[CPU].capacity == 10 and tiers[CPU].cascade == SSD and tiers[CPU].medium == "CPU"
-    assert tiers[SSD].capacity == spec.ssd_slots > 0 and tiers[SSD].medium == "STORAGE"
+    assert tiers[SSD].capacity == spec.store_slots > 0 and tiers[SSD].medium == "STORAGE"
     assert tiers[REMOTE].shared and tiers[REMOTE].medium is None
     assert "hunter2" not in repr(tiers) and "hunter2" not in describe_tiers(tiers)  # the server, never its password
-    assert spec.capacity() == {CPU: 10, SSD: spec.ssd_slots}
+    assert spec.capacity() == {CPU: 10, SSD: spec.store_slots}
 
 
 def test_write_through_means_the_cpu_tier_cascades_nowhere() -> None:
@@ -56,7 +56,7 @@ def test_events_stats_and_capacities_iterate_the_declared_tiers() -> None:
     policy = TierPolicy(PolicySpec(tiers=TierList((tier(CPU, capacity=2), tier(REMOTE, server="s")))))
     assert set(policy.counts.counts["stored"]) == {CPU, SSD, REMOTE}
     assert policy.capacity() == {CPU: 2, SSD: 0} and policy.occupancy() == {CPU: 0, SSD: 0}
-    assert policy.spec.remote and policy.spec.cpu_slots == 2 and policy.spec.ssd_slots == 0
+    assert policy.spec.shared and policy.spec.slab_slots == 2 and policy.spec.store_slots == 0
 
 
 @pytest.mark.parametrize("tiers, message", [
@@ -85,11 +85,11 @@ def test_an_ssd_tier_of_no_block_that_the_cpu_tier_cascades_into_is_refused_at_s
     with pytest.raises(ConfigError, match=r"^ssd.capacity: 'cpu' cascades its evicted blocks into 'ssd'"):
         policy_spec(cfg, block_nbytes=4096, gpu_blocks=8)
     through = dataclasses.replace(cfg, spill=dataclasses.replace(cfg.spill, write_through=True))
-    assert policy_spec(through, block_nbytes=4096, gpu_blocks=8).ssd_slots == 0  # nothing cascades there
+    assert policy_spec(through, block_nbytes=4096, gpu_blocks=8).store_slots == 0  # nothing cascades there
 
 
 def test_plans_name_tiers_as_the_declarations_do() -> None:
-    policy = TierPolicy(PolicySpec(cpu_slots=1, ssd_slots=4, write_through=False))
+    policy = TierPolicy(PolicySpec(slab_slots=1, store_slots=4, write_through=False))
     store = policy.prepare_store([0], [A], "computed")
     policy.complete_store(store)
     second = policy.prepare_store([1], [B], "computed")  # evicts A from the CPU tier: a spill to the SSD tier

@@ -55,7 +55,7 @@ def test_capacities_come_from_each_kinds_rule(tmp_path: Path) -> None:
     assert caps["ssd"] == capacity_blocks(1024**2, BLOCK) and 0 < caps["ssd"] < 1024**2 // BLOCK
     assert caps["remote"] is None  # no server declared
     spec = policy_spec(cfg, block_nbytes=BLOCK, gpu_blocks=16)
-    assert (spec.cpu_slots, spec.ssd_slots, spec.remote) == (8, caps["ssd"], False)
+    assert (spec.slab_slots, spec.store_slots, spec.shared) == (8, caps["ssd"], False)
     off = _config(tmp_path, ssd={"capacity": 0}, cpu={"capacity": 0})
     assert policy_spec(off, block_nbytes=BLOCK, gpu_blocks=16).tiers.names == ()
     with pytest.raises(ConfigError, match="block_nbytes"):

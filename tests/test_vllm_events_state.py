@@ -53,7 +53,7 @@ def kvstrata_events(req: Any, n: int, store: list[tuple[int, int]]) -> list[Any]
     from kvstrata.identity.groups import KVGroups
     from kvstrata.policy import COMPUTED, PolicySpec, TierPolicy
 
-    policy = TierPolicy(PolicySpec(cpu_slots=8, ssd_slots=0))
+    policy = TierPolicy(PolicySpec(slab_slots=8, store_slots=0))
     h = hasher()
     events = KVEvents(policy, BS, 64, sha256, h, lambda r, i: h.block_extra(i, cache_salt=r.cache_salt),
                       kinds=[("full_attention", None), ("mamba", None)])

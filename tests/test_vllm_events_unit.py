@@ -51,7 +51,7 @@ def events_of(policy):  # type: ignore[no-untyped-def]
 def setup(cpu: int = 4, ssd: int = 8):  # type: ignore[no-untyped-def]
     from kvstrata.policy import COMPUTED, PolicySpec, TierPolicy
 
-    policy = TierPolicy(PolicySpec(cpu_slots=cpu, ssd_slots=ssd))
+    policy = TierPolicy(PolicySpec(slab_slots=cpu, store_slots=ssd))
     return policy, events_of(policy), COMPUTED
 
 
@@ -97,7 +97,7 @@ def test_removal_per_medium_only_for_what_was_announced() -> None:
     assert events.take() == []  # not announced there any more: no second removal
 
 
-def test_ssd_tags_rebuild_vllm_hashes_after_a_restart_and_skip_orphans() -> None:
+def test_store_tags_rebuild_vllm_hashes_after_a_restart_and_skip_orphans() -> None:
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     policy, events, computed = setup(cpu=0, ssd=16)
@@ -105,7 +105,7 @@ def test_ssd_tags_rebuild_vllm_hashes_after_a_restart_and_skip_orphans() -> None
     ks = hasher().hash_blocks(list(range(500, 520)), cache_salt="tenant-a")  # the records' own keys
     events.record(req, ks, 0, 5)
     plan = policy.prepare_store(list(range(5)), ks, computed)
-    tags = events.ssd_tags([plan])
+    tags = events.store_tags([plan])
     assert set(tags) == set(ks)
     del tags[ks[2]]  # block 2 is gone from the SSD tier: 3 and 4 cannot be reached
     fresh, restarted, _ = setup(cpu=0, ssd=16)
@@ -148,7 +148,7 @@ def test_fetched_and_promoted_blocks_are_announced_once_their_copies_completed()
     arrive."""
     from kvstrata.policy import COMPUTED, PolicySpec, TierPolicy
 
-    policy = TierPolicy(PolicySpec(cpu_slots=8, ssd_slots=8, remote=True))
+    policy = TierPolicy(PolicySpec(slab_slots=8, store_slots=8, shared=True))
     events = events_of(policy)
     req = request(list(range(300, 316)))  # 4 blocks
     ks = keys(4)
@@ -163,7 +163,7 @@ def test_fetched_and_promoted_blocks_are_announced_once_their_copies_completed()
                                                                                 ("BlockStored", "STORAGE", 2)]
     assert out[0].token_ids == list(range(300, 308))
     # a block only on SSD, loaded: its promotion into DRAM is announced when the load finished
-    policy2 = TierPolicy(PolicySpec(cpu_slots=8, ssd_slots=8, write_through=True))
+    policy2 = TierPolicy(PolicySpec(slab_slots=8, store_slots=8, write_through=True))
     ev2 = events_of(policy2)
     ev2.record(req, ks, 0, 4)
     policy2.seed_store(ks[:2])
@@ -187,7 +187,7 @@ def test_a_tag_that_does_not_hash_to_its_records_key_is_not_announced() -> None:
     req = request(tokens)
     ks = hasher().hash_blocks(tokens)
     events.record(req, ks, 0, 3)
-    tags = events.ssd_tags([policy.prepare_store([0, 1, 2], ks, computed)])
+    tags = events.store_tags([policy.prepare_store([0, 1, 2], ks, computed)])
     honest_tags = dict(tags)
     forged = BlockTag.unpack(tags[ks[0]])
     assert forged is not None
@@ -215,7 +215,7 @@ def test_group_tags_rebuild_vllms_hash_and_are_checked_against_the_groups_key() 
     ks = hasher().hash_blocks(tokens)
     g1 = [KVGroups.key(1, k) for k in ks]
     events.record(req, ks, 0, 3, lambda g, i: KVGroups.key(g, ks[i]), 2)
-    tags = events.ssd_tags([policy.prepare_store([0, 1, 2, 3, 4, 5], ks + g1, computed)])
+    tags = events.store_tags([policy.prepare_store([0, 1, 2, 3, 4, 5], ks + g1, computed)])
     assert set(tags) == set(ks + g1)
     _, restarted, _ = setup(cpu=0, ssd=16)
     rebuilt = restarted._rebuild(dict(tags))
@@ -253,7 +253,7 @@ def test_stored_events_name_their_group_kind_as_vllm_034_does() -> None:
     from kvstrata.connectors.vllm.events import KVEvents
     from kvstrata.policy import COMPUTED, PolicySpec, TierPolicy
 
-    policy = TierPolicy(PolicySpec(cpu_slots=4, ssd_slots=0))
+    policy = TierPolicy(PolicySpec(slab_slots=4, store_slots=0))
     h = hasher()
     events = KVEvents(policy, BS, 64, sha256, h, lambda req, i: h.block_extra(i, cache_salt=req.cache_salt),
                       kinds=[("full_attention", None), ("mamba", None)])

@@ -187,8 +187,8 @@ def _round_trip(vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, tor
         for b in SSD_ONLY:
             store.add(b, keys[b], -1, ("ssd",))
         _step(worker, KVStrataMetadata(stores=[store]))
-        assert worker.ssd is not None and worker.ssd.flush()
-        assert sorted(worker.ssd.keys()) == sorted(keys[b] for b in SSD_ONLY)
+        assert worker.store is not None and worker.store.flush()
+        assert sorted(worker.store.keys()) == sorted(keys[b] for b in SSD_ONLY)
 
         for view in kv_caches.values():  # the destinations hold other bytes before the load
             _blocks_of(view, nb, raw)[LOADED_INTO] = 0xA5
@@ -428,10 +428,10 @@ def test_new_tensors_of_another_layout_reset_the_tiers(vllm_config: Any, tmp_pat
         plan = StorePlan(1, COMPUTED, slab="cpu")
         plan.add(1, b"a" * 32, 0, ("ssd",))
         _step(worker, KVStrataMetadata(stores=[plan]))
-        assert worker.ssd.flush() and list(worker.ssd.keys()) == [b"a" * 32]
+        assert worker.store.flush() and list(worker.store.keys()) == [b"a" * 32]
         worker.register_kv_caches(_engine_tensors(vllm_config, first, groups, [backend], NUM_BLOCKS)[1])
         worker.copier.drain()
-        assert worker.ssd.flush() and list(worker.ssd.keys()) == [b"a" * 32]  # same kind: kept
+        assert worker.store.flush() and list(worker.store.keys()) == [b"a" * 32]  # same kind: kept
         assert worker.executor.slab.holds(0, b"a" * 32)
 
         kv_cache_config.kv_cache_layout = second.name
@@ -440,7 +440,7 @@ def test_new_tensors_of_another_layout_reset_the_tiers(vllm_config: Any, tmp_pat
             worker.register_kv_caches(other)
         assert any("tiers are reset" in r.getMessage() for r in caplog.records)
         worker.copier.drain()
-        assert worker.ssd.flush() and list(worker.ssd.keys()) == []
+        assert worker.store.flush() and list(worker.store.keys()) == []
         assert not worker.executor.slab.holds(0, b"a" * 32)
         assert worker.fingerprint.kv_layout == second.name
     finally:

@@ -95,7 +95,7 @@ def test_after_a_reset_no_value_written_before_it_is_served(model: str, tmp_path
             a.fill(NEW)
             assert a.run("a2", prompt) == {}  # no remote hit: computed again
             assert a.holds(OLD) == 0  # no pre-reset byte reached the worker's KV tensors
-            assert a.remote_stats()["hits"] == 0 and a.h.connector._scheduler._remote.tier.stats()["probe_hits"] == 0
+            assert a.remote_stats()["hits"] == 0 and a.h.connector._scheduler._shared.tier.stats()["probe_hits"] == 0
             a.written()
             # b has not reset: it still runs the old weights, and serves their KV (the old generation)
             b.fill(NEW)
@@ -126,7 +126,7 @@ def test_a_reset_while_the_server_is_down_does_not_serve_old_values_later(model:
                 assert a.run("a3", first) == {}  # the probe times out: computed
             finally:
                 os.kill(server.proc.pid, signal.SIGCONT)
-            remote = a.h.connector._scheduler._remote
+            remote = a.h.connector._scheduler._shared
 
             def answering() -> bool:  # the breaker closed again, and the new generation is made
                 return remote.tier.breaker.state == "closed" and getattr(remote, "generation", b"") is not None

@@ -81,8 +81,8 @@ def test_no_evicted_block_is_offered_and_memory_stays_flat(model: str, tmp_path:
             """A snapshot with the SSD tier's queue written (its in-flight work is not growth),
             and the bytes of the copy buffers the queue keeps for reuse (bounded by
             ``ssd.queue_capacity``, not by history: checked, then left out of the growth)."""
-            queue = worker.worker.ssd._queue
-            assert worker.worker.ssd.flush()
+            queue = worker.worker.store._queue
+            assert worker.worker.store.flush()
             assert queue._spare_bytes <= queue.capacity_bytes
             gc.collect()
             return tracemalloc.take_snapshot(), queue._spare_bytes
@@ -101,7 +101,7 @@ def test_no_evicted_block_is_offered_and_memory_stays_flat(model: str, tmp_path:
         top = "\n".join(str(d) for d in lines[:8])
 
         counts = worker.worker.counters()
-        ssd_stats = worker.worker.ssd.stats()
+        ssd_stats = worker.worker.store.stats()
         assert ssd_hits > 20, "the stream never hit the SSD tier: the test proves nothing"
         assert worker.load_errors == 0 and counts["load_failures_ssd"] == counts["load_failures_cpu"] == 0, counts
         assert ssd_stats["evictions"] == 0, "the SSD tier evicted on its own: the policy's view was not exact"
@@ -112,7 +112,7 @@ def test_no_evicted_block_is_offered_and_memory_stays_flat(model: str, tmp_path:
         copier = worker.worker.copier
         assert len(sched._pool.resident.blocks) <= GPU_BLOCKS + 1 and len(worker.worker._mirror) <= GPU_BLOCKS + 1
         assert not (copier._reading or copier._slot_event or copier._slot_io or copier._stores or copier._loading.jobs)
-        assert not (sched._remote is not None and len(sched._remote._reports))
+        assert not (sched._shared is not None and len(sched._shared._reports))
         # ... and kvstrata's own allocations stay flat. What moves between two snapshots is ~40 KB:
         # torch's and numpy's small internal allocations, attributed to the lines that called
         # them (sublinear in the rounds), and the harness's statistics. A set of every key
@@ -131,9 +131,9 @@ def test_an_ssd_tier_too_large_to_index_stops_start_up_naming_it(model: str, tmp
     from kvstrata.errors import ConfigError
     from kvstrata.policy import PolicySpec
 
-    check_index_memory(PolicySpec(ssd_slots=10_000_000), 65536, total_bytes=16 * 2**30)  # ~0.5 GiB: fine
+    check_index_memory(PolicySpec(store_slots=10_000_000), 65536, total_bytes=16 * 2**30)  # ~0.5 GiB: fine
     with pytest.raises(ConfigError, match=r"ssd.capacity: 200,000,000 blocks of 65,536 bytes.*GiB"):
-        check_index_memory(PolicySpec(ssd_slots=200_000_000), 65536, total_bytes=16 * 2**30)
+        check_index_memory(PolicySpec(store_slots=200_000_000), 65536, total_bytes=16 * 2**30)
     extra = {"cpu.capacity": 0, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity": "64PiB"}
     with pytest.raises(ConfigError, match="ssd.capacity"):
         SchedulerHarness(model, block_size=BLOCK, num_gpu_blocks=GPU_BLOCKS, kv_connector_extra_config=extra)
@@ -172,7 +172,7 @@ def test_an_ssd_tier_recovering_in_the_background_is_held_once_verified(
     try:
         for i, prompt in enumerate(before):
             h.run_group([(f"a{i}", prompt)])
-        assert holder["w"].worker.ssd.flush()
+        assert holder["w"].worker.store.flush()
         assert h.connector._scheduler.policy.occupancy()["ssd"] == 4 * 3
     finally:
         holder["w"].worker.shutdown()
@@ -191,11 +191,11 @@ def test_an_ssd_tier_recovering_in_the_background_is_held_once_verified(
     try:
         worker = holder["w"]
         policy = h.connector._scheduler.policy
-        assert worker.worker.ssd.recovering() and policy.occupancy()["ssd"] == 0
+        assert worker.worker.store.recovering() and policy.occupancy()["ssd"] == 0
         (res,) = h.run_group([("b0", random_token_prompt(3 * BLOCK + 1, seed=900))])  # served meanwhile
         assert policy.occupancy()["ssd"] == 3 and not res.external_hit_tokens
         opened.set()
-        assert worker.worker.ssd.wait_ready(60)
+        assert worker.worker.store.wait_ready(60)
         h.run_group([("b1", random_token_prompt(3 * BLOCK + 1, seed=901))])  # this step's metadata seeds
         assert policy.occupancy()["ssd"] == 3 + 4 * 3 + 3
         h.reset_prefix_cache()

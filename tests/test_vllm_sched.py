@@ -300,7 +300,7 @@ def test_a_request_is_not_answered_while_its_remote_fetch_runs(make: MakeHarness
         sched = h.connector._scheduler  # type: ignore[union-attr]
         keys = sched.hasher.hash_blocks(PROMPT[:FULL])
         client = server.client()
-        for prefix in sched._remote.tier.probe_prefixes:  # the server holds the prompt's blocks (EXISTS only)
+        for prefix in sched._shared.tier.probe_prefixes:  # the server holds the prompt's blocks (EXISTS only)
             for key in keys:
                 client.set(prefix + key, b"x")
         result = only(h.run_group([("r", PROMPT)]))
@@ -320,7 +320,7 @@ def test_remote_probes_are_awaited_within_a_budget_per_step(make: MakeHarness, t
     import os
     import signal
 
-    import kvstrata.connectors.kit.remote_lookups as vllm_remote
+    import kvstrata.connectors.kit.shared_lookups as shared_lookups
     from valkey_server import ValkeyServer, secret_file
 
     from kvstrata.policy import FetchPlan
@@ -334,21 +334,21 @@ def test_remote_probes_are_awaited_within_a_budget_per_step(make: MakeHarness, t
             fetched_at.append(harness[0].steps)
         return None, None  # one step only: nothing needs to finish
 
-    monkeypatch.setattr(vllm_remote, "PROBE_WAIT_S", 5.0)  # a loaded machine still answers within it
+    monkeypatch.setattr(shared_lookups, "PROBE_WAIT_S", 5.0)  # a loaded machine still answers within it
     with ValkeyServer() as server:
         h = make(extra={"cpu.capacity": 64 * block_nbytes(BLOCK), "ssd.capacity": 0, "remote.url": server.url,
                         "remote.secret_file": secret}, worker=worker)
         harness.append(h)
         sched = h.connector._scheduler  # type: ignore[union-attr]
         client = server.client()
-        for prefix in sched._remote.tier.probe_prefixes:
+        for prefix in sched._shared.tier.probe_prefixes:
             for key in sched.hasher.hash_blocks(PROMPT[:FULL]):
                 client.set(prefix + key, b"x")
         h.scheduler.add_request(h.make_request("r", PROMPT))
         h.step()
     assert fetched_at == [0]  # planned by the first step's scheduler, not after polling
 
-    monkeypatch.setattr(vllm_remote, "PROBE_WAIT_S", 0.05)
+    monkeypatch.setattr(shared_lookups, "PROBE_WAIT_S", 0.05)
     with ValkeyServer() as mute:
         h = make(extra={"cpu.capacity": 64 * block_nbytes(BLOCK), "ssd.capacity": 0,
                         "remote.url": mute.url, "remote.timeout": 2,

@@ -84,9 +84,9 @@ def test_wait_for_save_returns_before_the_device_copies(model: str, tmp_path: Pa
         for slot, k in enumerate(keys):
             assert np.array_equal(ex.slab.array[slot], pattern(k, worker.block_nbytes))
         assert worker.copier.drain().lost == []
-        assert worker.ssd.flush()
+        assert worker.store.flush()
         out = [np.empty(worker.block_nbytes, np.uint8) for _ in keys]
-        assert worker.ssd.get_into(keys, out) == [True, True]
+        assert worker.store.get_into(keys, out) == [True, True]
         assert all(np.array_equal(o, pattern(k, worker.block_nbytes)) for o, k in zip(out, keys))
         assert not dev.violations
     finally:
@@ -131,9 +131,9 @@ def test_a_slow_disk_never_slows_the_step(model: str, tmp_path: Path, monkeypatc
             stored = dict(report.stored) if report is not None else {}
             time.sleep(0.05)
         assert stored == {1: 1}
-        assert worker.ssd.flush() and sorted(worker.ssd.keys()) == sorted(keys)
+        assert worker.store.flush() and sorted(worker.store.keys()) == sorted(keys)
         out = [np.empty(worker.block_nbytes, np.uint8) for _ in keys]
-        assert worker.ssd.get_into(keys, out) == [True] * 3
+        assert worker.store.get_into(keys, out) == [True] * 3
         assert all(np.array_equal(o, pattern(k, worker.block_nbytes)) for o, k in zip(out, keys))
     finally:
         worker.shutdown()

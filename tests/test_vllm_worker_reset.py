@@ -43,7 +43,7 @@ def test_reset_deletes_every_record_of_the_workers_tier(model: str, tmp_path: Pa
     worker = KVStrataWorker(load_config(extra), vllm_config, _kv_cache_config(BLOCK, NUM_BLOCKS))
     worker.register_kv_caches({name: torch.zeros(NUM_BLOCKS, per_layer) for name in layer_names()})
     try:
-        ssd = worker.ssd
+        ssd = worker.store
         assert ssd is not None and ssd.path.name == "rank-0"
         orphans = [bytes([i]) * 32 for i in range(3)]  # records the policy does not hold
         for key in orphans:

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from kvstrata.bench.budget import cores
 from kvstrata.bench.mrc import BATCH_ACCESSES, CurvePass, RequestBatch, StackPass
 from kvstrata.bench.replay import ReplayError, ReplayOptions, ReplayResult, Replayer, replaying, requests_of
 from kvstrata.config.load import LOAD_POLICIES
@@ -125,7 +126,7 @@ class _CurveFeed:
     def __init__(self, block_size: int, parallel: bool) -> None:
         self.local: CurvePass | None = CurvePass(block_size)
         self.batch = RequestBatch()
-        self.parallel = parallel and _spare_cpu()
+        self.parallel = parallel and _spare_cores()
         self.fed = 0
         self.conn: Any = None
         self.child: Any = None
@@ -244,10 +245,6 @@ def _drain(conn: Any) -> None:
         pass
 
 
-def _spare_cpu() -> bool:
-    if not hasattr(os, "fork"):
-        return False
-    try:
-        return len(os.sched_getaffinity(0)) >= 2
-    except AttributeError:
-        return (os.cpu_count() or 1) >= 2
+def _spare_cores() -> bool:
+    """Can the miss-ratio pass run in a forked child beside the replay (fork, and two cores)?"""
+    return hasattr(os, "fork") and cores() >= 2

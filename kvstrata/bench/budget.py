@@ -1,4 +1,5 @@
-"""How many distinct blocks a ``kvstrata bench`` analysis can hold in the memory available now.
+"""How many distinct blocks a ``kvstrata bench`` analysis can hold in the memory available now,
+and how many cores its processes may take.
 
 The analysis keeps a fixed number of bytes per distinct block of the trace
 (its id map, the replay's per-block state, the miss-ratio pass's stack and
@@ -18,12 +19,14 @@ block, and the grouped pool's rows :data:`GROUPED_GPU_BYTES_PER_BLOCK` each.
 
 from __future__ import annotations
 
+import os
+
 from kvstrata.system.machine import available_memory_bytes, default_max_memory
-from kvstrata.policy.tiers import CPU, GPU
+from kvstrata.policy.tiers import GPU, KNOWN
 
 __all__ = ["BYTES_PER_DISTINCT_BLOCK", "GPU_BYTES_PER_BLOCK", "GROUP_BYTES_PER_BLOCK", "GROUPED_GPU_BYTES_PER_BLOCK",
            "available_memory_bytes", "bytes_per_distinct_block", "default_max_distinct_blocks", "check_memory",
-           "deployment_bytes"]
+           "deployment_bytes", "cores"]
 
 BYTES_PER_DISTINCT_BLOCK = 250
 _BASE_BYTES = 256 << 20   # interpreter, numpy, the tiers' fixed state and the batches in flight
@@ -43,14 +46,17 @@ def deployment_bytes(capacity_blocks: dict[str, int], payload_block_bytes: int |
                      groups: int = 1) -> dict[str, int]:
     """What replaying a deployment of these tier capacities (blocks) costs in memory, per
     tier: the device pool's bookkeeping (for its whole size, each row filled: with ``groups``
-    above 1, the grouped pool's), and with ``payload`` the host pool's and the CPU slab's
-    bytes. The lower tiers' indexes and the modelled remote tier grow with the blocks the
+    above 1, the grouped pool's), and with ``payload`` the host pool's and the slab tiers'
+    (DRAM) bytes. The lower tiers' indexes and the modelled shared tier grow with the blocks the
     trace brings (:func:`bytes_per_distinct_block`), which ``--max-distinct-blocks`` bounds."""
-    gpu, cpu = capacity_blocks.get(GPU, 0), capacity_blocks.get(CPU, 0)
-    out = {GPU: gpu * (GPU_BYTES_PER_BLOCK if groups <= 1 else GROUPED_GPU_BYTES_PER_BLOCK), CPU: 0}
+    gpu = capacity_blocks.get(GPU, 0)
+    slabs = {t: n for t, n in capacity_blocks.items() if t in KNOWN and KNOWN[t].slab}
+    out = {GPU: gpu * (GPU_BYTES_PER_BLOCK if groups <= 1 else GROUPED_GPU_BYTES_PER_BLOCK),
+           **dict.fromkeys(slabs, 0)}
     if payload_block_bytes:
         out[GPU] += gpu * payload_block_bytes
-        out[CPU] += cpu * payload_block_bytes
+        for t, n in slabs.items():
+            out[t] += n * payload_block_bytes
     return out
 
 
@@ -72,7 +78,17 @@ def default_max_distinct_blocks(fmt: str = "mooncake", block_size: int = 0, grou
     return max(floor, int((avail * _USABLE - _BASE_BYTES) // per_block))
 
 
-_TIER_KEYS = {GPU: "gpu.num_blocks or gpu.capacity", CPU: "cpu.capacity"}
+def cores() -> int:
+    """The cores this process may run on (its affinity; the machine's where that is not known)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _capacity_key(tier: str) -> str:
+    """The config key that sizes ``tier`` (the device pool, or a tier below it)."""
+    return "gpu.num_blocks or gpu.capacity" if tier == GPU else f"{KNOWN[tier].where()}.capacity"
 
 
 def check_memory(capacity_blocks: dict[str, int], payload_block_bytes: int | None, limit: int | None,
@@ -90,6 +106,7 @@ def check_memory(capacity_blocks: dict[str, int], payload_block_bytes: int | Non
         return
     tier = max(parts, key=lambda t: parts[t])
     of = f" of {groups} KV-cache groups (model.groups)" if groups > 1 and tier == GPU else ""
-    raise ConfigError(f"{_TIER_KEYS[tier]}: replaying this deployment needs ~{format_size(need)} of memory "
+    key = _capacity_key(tier)
+    raise ConfigError(f"{key}: replaying this deployment needs ~{format_size(need)} of memory "
                       f"({capacity_blocks.get(tier, 0):,} {tier} blocks{of} cost {format_size(parts[tier])}), more "
-                      f"than --max-memory {format_size(limit)}; lower {_TIER_KEYS[tier]} or raise --max-memory")
+                      f"than --max-memory {format_size(limit)}; lower {key} or raise --max-memory")

@@ -1,7 +1,9 @@
 """A config as a replay runs it: the trace's block size, and each tier's capacity in blocks.
 
 Capacities keep their meaning in tokens and bytes when the block size changes
-(``gpu.num_blocks`` becomes the same number of tokens).
+(``gpu.num_blocks`` becomes the same number of tokens). :data:`SLAB_KIND` and
+:data:`STORE_KIND` name the built-in kinds of the two local roles, whose config sections
+the bench sizes itself (``--compare``'s points, a payload replay, a recommendation).
 """
 
 from __future__ import annotations
@@ -11,9 +13,14 @@ import dataclasses
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.core.deployment import policy_spec as deployment_spec
 from kvstrata.policy import PolicySpec
-from kvstrata.policy.tiers import GPU
+from kvstrata.policy.tiers import GPU, KNOWN, LOWER, PERSISTENT
 
-__all__ = ["config_for_trace", "policy_spec", "tier_capacities"]
+__all__ = ["SLAB_KIND", "STORE_KIND", "config_for_trace", "policy_spec", "tier_capacities"]
+
+#: the built-in kind of the slab role (DRAM slots the device copies to and from), as statistics name it
+SLAB_KIND = next(name for name in LOWER if KNOWN[name].slab)
+#: the built-in kind of the store role (its records persist on a drive), as statistics name it
+STORE_KIND = PERSISTENT[-1]
 
 
 def _gpu_tokens(cfg: KVStrataConfig) -> int | None:

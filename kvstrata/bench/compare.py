@@ -12,9 +12,10 @@ A ``cost`` row's weight ``alpha`` is chosen per capacity point as Marconi
 chooses it: of :data:`ALPHAS`, the one whose replay of the trace's first quarter
 (recent traffic, as a deployment would have it) saves the most prefill FLOPs.
 
-Capacity points, unless given: the SSD tier at 10%, 25% and 50% of the trace's
-working set (its distinct blocks), where capacity decides what is kept, with a
-CPU tier a quarter of that (write-through keeps the SSD tier a superset of it).
+Capacity points ``(slab_blocks, store_blocks)``, unless given: the persistent store
+(the SSD tier) at 10%, 25% and 50% of the trace's working set (its distinct blocks),
+where capacity decides what is kept, with the DRAM slab (the CPU tier) a quarter of
+that (write-through keeps the store a superset of it).
 
 ``policy_ns_per_op`` is each order's own cost: a SlotIndex of 65,536 slots serving
 a skewed synthetic stream of 200,000 lookups (touch on a hit, a placement on a
@@ -24,15 +25,16 @@ miss), in this process; the replay's wall time is shown beside it as context.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
+from kvstrata.bench.budget import cores
 from kvstrata.bench.capacity import config_for_trace
 from kvstrata.bench.diagnose import label
 from kvstrata.bench.replay import ReplayOptions, ReplayResult, replaying, requests_of
+from kvstrata.bench.replay_result import persistent
 from kvstrata.policy.order_overhead import policy_ns_per_op
-from kvstrata.policy.tiers import CPU, GPU, SSD
+from kvstrata.policy.tiers import GPU, LOWER
 from kvstrata.system.values import ALWAYS, COST, EVICTIONS, TIER_ADMISSIONS, eviction_alpha, eviction_name, format_size
 
 if TYPE_CHECKING:
@@ -44,29 +46,30 @@ __all__ = ["FRACTIONS", "OPTIMAL", "capacity_points", "compare", "render_compare
 
 OPTIMAL = "optimal"  # Belady's offline optimum (kvstrata.bench.optimal): the bound, not a policy
 
-FRACTIONS = (0.10, 0.25, 0.50)  # of the working set: the SSD tier's capacity at each point
+FRACTIONS = (0.10, 0.25, 0.50)  # of the working set: the store's capacity at each point
 ALPHAS = (0.25, 0.5, 1.0, 2.0, 4.0)  # the ``cost`` order's weights tried at each point
 TUNE_SHARE = 4                       # ... on the trace's first quarter
-_CPU_SHARE = 4                   # the CPU tier holds a quarter of the SSD tier's blocks
+_SLAB_SHARE = 4                  # the slab holds a quarter of the store's blocks
 
 
 def capacity_points(distinct_blocks: int, fractions: Sequence[float] = FRACTIONS) -> list[tuple[int, int]]:
-    """``(cpu_blocks, ssd_blocks)`` at ``fractions`` of a working set of ``distinct_blocks``."""
+    """``(slab_blocks, store_blocks)`` at ``fractions`` of a working set of ``distinct_blocks``."""
     out = []
     for f in fractions:
-        ssd = max(4, int(f * distinct_blocks))
-        out.append((max(1, ssd // _CPU_SHARE), ssd))
+        store = max(4, int(f * distinct_blocks))
+        out.append((max(1, store // _SLAB_SHARE), store))
     return list(dict.fromkeys(out))
 
 
-def _row_config(config: "KVStrataConfig", block_size: int, cpu: int, ssd: int, eviction: str,
+def _row_config(config: "KVStrataConfig", block_size: int, slab: int, store: int, eviction: str,
                 admission: str) -> tuple["KVStrataConfig", list[str]]:
-    """The config of one row and the ``--set`` values that give it (capacities in bytes: the
-    same blocks of the trace's size whatever the config's block size)."""
+    """The config of one row (``slab`` blocks of DRAM, ``store`` of SSD) and the ``--set``
+    values that give it (capacities in bytes: the same blocks of the trace's size whatever the
+    config's block size)."""
     from kvstrata.tiers.ssd.record import NS_LEN, record_footprint
 
     nbytes = config_for_trace(config, block_size).block_nbytes()
-    sets = [f"cpu.capacity={cpu * nbytes}", f"ssd.capacity={ssd * record_footprint(NS_LEN + 32, nbytes)}",
+    sets = [f"cpu.capacity={slab * nbytes}", f"ssd.capacity={store * record_footprint(NS_LEN + 32, nbytes)}",
             f"cpu.eviction={eviction}", f"ssd.eviction={eviction}", f"ssd.admission={admission}"]
     from kvstrata.config.schema import KVStrataConfig
 
@@ -89,8 +92,8 @@ def compare(trace: "Trace | TraceReader", config: "KVStrataConfig", options: Rep
                   info.num_accesses * _BYTES_PER_ACCESS * n_workers(workers, n_rows))
     alphas = {point: tune_alpha(requests[:len(requests) // TUNE_SHARE], trace.block_size, config, options, point)
               for point in points}
-    rows = [(cpu, ssd, f"{COST}:{alphas[(cpu, ssd)]:g}" if ev == COST else ev, adm)
-            for cpu, ssd in points for ev in EVICTIONS for adm in TIER_ADMISSIONS]
+    rows = [(*point, f"{COST}:{alphas[point]:g}" if ev == COST else ev, adm)
+            for point in points for ev in EVICTIONS for adm in TIER_ADMISSIONS]
     duration = (requests[-1].timestamp - requests[0].timestamp) if requests else 0.0
     costs = {ev: policy_ns_per_op(ev) for ev in EVICTIONS}
     n = n_workers(workers, len(rows))
@@ -115,13 +118,14 @@ def compare(trace: "Trace | TraceReader", config: "KVStrataConfig", options: Rep
 
 def _check_tiers(config: "KVStrataConfig") -> None:
     """--compare weighs the SSD tier's admission and the local tiers' orders: it needs an SSD
-    tier, and a modelled remote tier would serve hits the bound does not count."""
+    tier, and a modelled shared tier would serve hits the bound does not count."""
+    from kvstrata.bench.remote import models_shared
     from kvstrata.errors import ConfigError
 
     if not config.ssd.enabled:
         raise ConfigError("--compare: the SSD tier is off (ssd.path or ssd.capacity); it compares SSD admissions "
                           "and tier orders, so it needs one")
-    if config.remote.enabled and config.remote.capacity:
+    if models_shared(config):
         raise ConfigError("--compare: compares this replica's own tiers; remote.url and remote.capacity model a "
                           "shared tier (drop them, or size a fleet with --replicas)")
 
@@ -207,42 +211,36 @@ def _replay_rows(job: Any, chunk: int, progress: Callable[[int], None] | None) -
             if progress is not None and n & 255 == 0:
                 progress(n)
     out = []
-    for (i, (cpu, ssd, ev, adm)), (_, sets), rp in zip(indexed, made, replayers):
+    for (i, (_, store, ev, adm)), (_, sets), rp in zip(indexed, made, replayers):
         assert rp.result is not None
-        row = _row(rp.result, cpu, ssd, ev, adm, sets, duration, block_size, costs[eviction_name(ev)])
+        row = _row(rp.result, store, ev, adm, sets, duration, block_size, costs[eviction_name(ev)])
         out.append({**row, "_row": i, "_rejected": rp.result.rejected})
     return out
 
 
 def n_workers(workers: int | None, rows: int) -> int:
     """Processes a comparison of ``rows`` runs in: ``workers``, or one per core, at most 4."""
-    return max(1, min(workers if workers is not None else _cores(), 4, rows))
+    return max(1, min(workers if workers is not None else cores(), 4, rows))
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
-def _row(res: ReplayResult, cpu: int, ssd: int, eviction: str, admission: str, sets: list[str], duration: float,
+def _row(res: ReplayResult, store: int, eviction: str, admission: str, sets: list[str], duration: float,
          block_size: int, ns_per_op: float) -> dict[str, Any]:
+    """One row's outcome; its drive writes per day are of the ``store`` blocks its point gives the SSD tier."""
     rates = res.hit_rate()
-    written = res.ssd_bytes_written()
-    ssd_bytes = ssd * res.config.block_nbytes()
+    written = res.persistent_bytes_written()
+    drive_bytes = store * res.config.block_nbytes()
     per_hour = written * 3600 / duration if duration > 0 else None
-    dwpd = written * 86400 / duration / ssd_bytes if duration > 0 and ssd_bytes else None
+    dwpd = written * 86400 / duration / drive_bytes if duration > 0 and drive_bytes else None
     return {"eviction": eviction_name(eviction), "alpha": eviction_alpha(eviction), "admission": admission,
-            "cpu_blocks": res.capacity_blocks.get(CPU, cpu),
-            "ssd_blocks": res.capacity_blocks.get(SSD, ssd), "gpu_blocks": res.capacity_blocks.get(GPU, 0),
+            "cpu_blocks": res.slab_blocks(),
+            "ssd_blocks": res.persistent_blocks(), "gpu_blocks": res.capacity_blocks.get(GPU, 0),
             "set": sets, "hit_rate": round(rates["total"], 6),
             "hit_rates": {t: round(v, 6) for t, v in rates.items() if t != "total"},
             "prefill_tokens_saved": res.hits * block_size, "prefill_flops_saved": res.flops_saved(),
             "ssd_bytes_written": written,
             "ssd_bytes_per_hour": round(per_hour) if per_hour is not None else None,
             "drive_writes_per_day": round(dwpd, 4) if dwpd is not None else None,
-            "admissions_rejected": int(res.stats.get("admissions_rejected", {}).get(SSD, 0)),
+            "admissions_rejected": persistent(res.stats.get("admissions_rejected", {})),
             "policy_ns_per_op": round(ns_per_op, 1), "replay_s": round(res.wall_s, 3),
             "cache_blocks": res.spec.effective_blocks(res.capacity_blocks.get(GPU, 0))}
 
@@ -300,12 +298,12 @@ def render_compare(report: dict[str, Any]) -> str:
         lines[1:1] = [f"  {plural(report['rejected_requests'], 'request')} rejected in every row (larger than "
                       "the GPU pool): raise gpu.num_blocks or gpu.capacity"]
     others = _other_tiers(report["rows"])
-    head = (f"  {'eviction':<10}{'admission':<12}{'total':>8}{'GPU':>8}{'CPU':>8}{'SSD':>8}"
-            + "".join(f"{label(t):>8}" for t in others) + f"{'FLOPs saved':>13}"
+    head = (f"  {'eviction':<10}{'admission':<12}{'total':>8}"
+            + "".join(f"{label(t):>8}" for t in (GPU, *LOWER, *others)) + f"{'FLOPs saved':>13}"
             f"{'SSD writes/h':>14}{'DWPD':>10}{'ns/op':>8}")
     same = True
-    for (cpu, ssd), rows in _by_point(report["rows"]):
-        lines += [f"CPU tier {plural(cpu, 'block')}, SSD tier {plural(ssd, 'block')}", head]
+    for (slab, store), rows in _by_point(report["rows"]):
+        lines += [f"CPU tier {plural(slab, 'block')}, SSD tier {plural(store, 'block')}", head]
         policies = [r for r in rows if r["eviction"] != OPTIMAL]
         best = max((r["hit_rate"] for r in policies), default=0.0)
         same = same and len({(r["hit_rate"], r["ssd_bytes_written"]) for r in policies}) <= 1
@@ -324,9 +322,9 @@ def render_compare(report: dict[str, Any]) -> str:
 
 
 def _other_tiers(rows: Iterable[dict[str, Any]]) -> list[str]:
-    """The tiers rows have hit rates of besides the device pool, DRAM and SSD (a registered
-    tier kind's), in their order."""
-    return list(dict.fromkeys(t for r in rows for t in r["hit_rates"] if t not in (GPU, CPU, SSD)))
+    """The tiers rows have hit rates of besides the device pool and the built-in local kinds
+    (DRAM and SSD: a registered tier kind's), in their order."""
+    return list(dict.fromkeys(t for r in rows for t in r["hit_rates"] if t not in (GPU, *LOWER)))
 
 
 def _render_row(r: dict[str, Any], best: float, others: Sequence[str] = ()) -> str:
@@ -338,8 +336,8 @@ def _render_row(r: dict[str, Any], best: float, others: Sequence[str] = ()) -> s
     per_hour = format_size(r["ssd_bytes_per_hour"]) if r["ssd_bytes_per_hour"] is not None else "-"
     dwpd = f"{r['drive_writes_per_day']:.3g}" if r["drive_writes_per_day"] is not None else "-"
     eviction = r["eviction"] + (f":{r['alpha']:g}" if r.get("alpha") is not None else "")
-    return (f"  {eviction:<10}{r['admission']:<12}{r['hit_rate']:>8.2%}{h.get(GPU, 0):>8.2%}"
-            f"{h.get(CPU, 0):>8.2%}{h.get(SSD, 0):>8.2%}" + "".join(f"{h.get(t, 0):>8.2%}" for t in others)
+    return (f"  {eviction:<10}{r['admission']:<12}{r['hit_rate']:>8.2%}"
+            + "".join(f"{h.get(t, 0):>8.2%}" for t in (GPU, *LOWER, *others))
             + f"{r['prefill_flops_saved']:>13.3g}{per_hour:>14}{dwpd:>10}"
             f"{r['policy_ns_per_op']:>8.0f}{mark}")
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+from kvstrata.bench.capacity import SLAB_KIND, STORE_KIND
 from kvstrata.config.schema import format_size
 from kvstrata.policy.events import TIERS
-from kvstrata.policy.tiers import CPU, GPU, KNOWN, SSD
+from kvstrata.policy.tiers import GPU, KNOWN
 
 if TYPE_CHECKING:
     from kvstrata.bench.mrc import MissRatioCurve
@@ -80,7 +81,7 @@ def hit_rate_band(rate: float, ideal: float) -> dict[str, str]:
 
 
 # Where a tier's evicted blocks are served from when the tiers below hold them all.
-_FASTER = {GPU: "without a load", CPU: "from DRAM instead of the SSD"}
+_FASTER = {GPU: "without a load", SLAB_KIND: "from DRAM instead of the SSD"}
 
 
 def pool_check(scope: str, reuse_p90: float | None, idle_p50: float | None, evictions: int, *,
@@ -143,24 +144,27 @@ def effective_capacity_blocks(spec: "PolicySpec", caps: dict[str, int]) -> int:
 
 
 def _target(mrc: "MissRatioCurve", cfg: "KVStrataConfig", caps: dict[str, int], frac: float) -> dict[str, Any]:
+    """The capacities that reach ``frac`` of the ideal hit rate: in the device pool and below it,
+    in the DRAM slab alone or in the persistent store beside the configured slab."""
     bs, nbytes = cfg.block_size, cfg.block_nbytes()
     goal = frac * mrc.ideal_hit_rate
     total = mrc.capacity_for(goal) or 0
     below = max(0, total - caps[GPU])
-    ssd = below if cfg.spill.write_through else max(0, below - caps[CPU])
+    slab, store = caps[SLAB_KIND], caps[STORE_KIND]
+    in_store = below if cfg.spill.write_through else max(0, below - slab)
     t = {"fraction_of_ideal": frac, "hit_rate": round(mrc.hit_rate(total), 6), "total_tokens": total * bs,
          "total_bytes": total * nbytes, "gpu_tokens": caps[GPU] * bs, "below_gpu_tokens": below * bs,
-         "cpu_capacity_bytes": below * nbytes, "ssd_capacity_bytes": ssd * nbytes}
+         "cpu_capacity_bytes": below * nbytes, "ssd_capacity_bytes": in_store * nbytes}
     head = f"{frac:.0%} of ideal ({_pct(t['hit_rate'])}): {total * bs:,} tokens in total"
     if below == 0:
         t["message"] = f"{head}; the GPU pool alone is enough."
-    elif below <= caps[CPU] or (ssd <= caps[SSD] and caps[SSD]):
+    elif below <= slab or (in_store <= store and store):
         t["message"] = (f"{head}; {below * bs:,} tokens below the GPU pool, which the configured "
-                        f"{KNOWN[CPU if below <= caps[CPU] else SSD].label} tier already holds.")
+                        f"{KNOWN[SLAB_KIND if below <= slab else STORE_KIND].label} tier already holds.")
     else:
         t["message"] = (f"{head} ({format_size(total * nbytes)} of KV). Below the GPU pool put {below * bs:,} "
                         f"tokens: --set cpu.capacity={_size_arg(below * nbytes)}, or keep the CPU tier and "
-                        f"--set ssd.capacity={_size_arg(ssd * nbytes)}"
+                        f"--set ssd.capacity={_size_arg(in_store * nbytes)}"
                         + (" (write-through: the SSD tier holds every spilled block)." if cfg.spill.write_through
                            else "."))
     return t

@@ -11,33 +11,35 @@ from __future__ import annotations
 import dataclasses
 
 from kvstrata.config.schema import KVStrataConfig
-from kvstrata.bench.capacity import policy_spec, tier_capacities
+from kvstrata.bench.capacity import SLAB_KIND, STORE_KIND, policy_spec, tier_capacities
 from kvstrata.dataplane.executor import Executor
-from kvstrata.policy.tiers import CPU, GPU, SSD
+from kvstrata.policy.tiers import GPU
 
 __all__ = ["payload_config", "payload_executor"]
 
 
-def payload_config(cfg: KVStrataConfig, block_bytes: int, ssd_dir: str) -> KVStrataConfig:
-    """Same capacities in blocks, with ``block_bytes`` per block and the SSD tier in ``ssd_dir``."""
+def payload_config(cfg: KVStrataConfig, block_bytes: int, store_dir: str) -> KVStrataConfig:
+    """Same capacities in blocks, with ``block_bytes`` per block and the SSD tier (the persistent
+    store) in ``store_dir``."""
     from kvstrata.tiers.ssd.record import NS_LEN, record_footprint
 
     caps = tier_capacities(cfg)
-    ssd_cap = cfg.ssd.capacity
-    if caps[SSD]:  # the capacity that holds as many blocks of the new size (see capacity_blocks)
-        ssd_cap = caps[SSD] * record_footprint(NS_LEN + 32, block_bytes)
+    store = cfg.ssd
+    if caps[STORE_KIND]:  # the capacity that holds as many blocks of the new size (see capacity_blocks)
+        store = dataclasses.replace(store, capacity=caps[STORE_KIND] * record_footprint(NS_LEN + 32, block_bytes))
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, block_nbytes=block_bytes),
         gpu=dataclasses.replace(cfg.gpu, num_blocks=caps[GPU], capacity=None),
-        cpu=dataclasses.replace(cfg.cpu, capacity=caps[CPU] * block_bytes),
-        ssd=dataclasses.replace(cfg.ssd, path=ssd_dir, capacity=ssd_cap),
+        cpu=dataclasses.replace(cfg.cpu, capacity=caps[SLAB_KIND] * block_bytes),
+        ssd=dataclasses.replace(store, path=store_dir),
     )
 
 
 def payload_executor(cfg: KVStrataConfig) -> Executor:
     """Real bytes: a host 'device' pool, the CPU slab and an SSD tier (``cfg.ssd.path``), opened
-    by the deployment builder (never pinned, uncompressed, under a tier id of its own)."""
+    by the deployment builder. Every tier gets the same asks, each kind reading its own: never
+    pinned (the DRAM slab), uncompressed (the SSD tier), under a tier id of the bench's."""
     import dataclasses
 
     import torch
@@ -49,6 +51,7 @@ def payload_executor(cfg: KVStrataConfig) -> Executor:
     spec, nbytes = policy_spec(cfg), cfg.block_nbytes()
     local = dataclasses.replace(spec, tiers=spec.tiers.with_shared(None)) if spec.tiers is not None else spec
     pool = torch.zeros((cfg.gpu.resolve_num_blocks(nbytes), nbytes), dtype=torch.uint8)
-    options = {CPU: {"pin": False}, SSD: {"tier_id": "kvstrata-bench", "compression": "none"}}
+    asked = {"pin": False, "tier_id": "kvstrata-bench", "compression": "none"}
+    options = {t.name: asked for t in local.tiers or ()}
     backends = open_backends(cfg, local, None, nbytes, options=options)
     return executor_over(PoolRows(TransferEngine(pool)), backends)

@@ -5,16 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvstrata.bench.capacity import SLAB_KIND, STORE_KIND
 from kvstrata.bench.diagnose import label
 from kvstrata.bench.stats import Quantiles
-from kvstrata.policy.tiers import CPU, GPU, SSD
+from kvstrata.policy.tiers import GPU
 
 if TYPE_CHECKING:
     from kvstrata.bench.analysis import BenchResult
 
 __all__ = ["plot_report", "plot_compare"]
 
-_COLORS = {GPU: "tab:green", CPU: "tab:blue", SSD: "tab:purple", "cache": "tab:red", "trace": "black"}
+_COLORS = {GPU: "tab:green", SLAB_KIND: "tab:blue", STORE_KIND: "tab:purple", "cache": "tab:red", "trace": "black"}
 _OTHER_COLORS = ("tab:olive", "tab:cyan", "tab:brown", "tab:pink", "tab:gray")  # a registered kind's tiers
 
 
@@ -54,8 +55,8 @@ def _mrc_panel(ax: Any, report: dict[str, Any]) -> None:
     ax.axhline(100 * report["ideal_hit_rate"], color="grey", ls=":", label="ideal (unbounded)")
     cap = report["capacity"]
     marks = [("GPU", cap[GPU]["tokens"], _COLORS[GPU]),
-             ("GPU+CPU", cap[GPU]["tokens"] + cap[CPU]["tokens"], _COLORS[CPU]),
-             ("all tiers", cap["effective_total_tokens"], _COLORS[SSD])]
+             ("GPU+CPU", cap[GPU]["tokens"] + cap[SLAB_KIND]["tokens"], _COLORS[SLAB_KIND]),
+             ("all tiers", cap["effective_total_tokens"], _COLORS[STORE_KIND])]
     for name, tokens, color in marks:
         if tokens > 0:
             ax.axvline(tokens, color=color, ls="--", lw=1, label=f"{name}: {tokens:,} tokens")

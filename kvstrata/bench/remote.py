@@ -1,4 +1,4 @@
-"""The shared remote tier in a replay: a Redis/Valkey server without bytes.
+"""The shared tier in a replay: a model of its Redis/Valkey server, without bytes.
 
 It models a server run with ``maxmemory`` and ``allkeys-lru``: an LRU of keys
 holding ``remote.capacity`` bytes of blocks (the server's own per-key overhead
@@ -21,18 +21,30 @@ from kvstrata.policy.tiers import KNOWN
 if TYPE_CHECKING:
     from kvstrata.config.schema import KVStrataConfig
 
-__all__ = ["SharedRemote", "SharedRemoteExecutor", "remote_capacity_blocks"]
+__all__ = ["SharedTierModel", "SharedTierExecutor", "shared_capacity_bytes", "shared_capacity_blocks",
+           "models_shared"]
 
 
-def remote_capacity_blocks(cfg: "KVStrataConfig") -> int:
+def shared_capacity_bytes(cfg: "KVStrataConfig") -> int:
+    """The bytes of blocks the modelled server holds: ``remote.capacity`` (0: not set)."""
+    return cfg.remote.capacity or 0
+
+
+def models_shared(cfg: "KVStrataConfig") -> bool:
+    """Does one replay of ``cfg`` model the shared tier: the tier is declared (``remote.url``)
+    and its server's size given (``remote.capacity``)."""
+    return cfg.remote.enabled and shared_capacity_bytes(cfg) > 0
+
+
+def shared_capacity_blocks(cfg: "KVStrataConfig") -> int:
     """Blocks of ``cfg``'s size that ``remote.capacity`` holds (at least one)."""
-    capacity, nbytes = cfg.remote.capacity or 0, cfg.block_nbytes()
+    capacity, nbytes = shared_capacity_bytes(cfg), cfg.block_nbytes()
     if capacity // nbytes < 1:
         raise ConfigError(f"remote.capacity: {capacity:,} bytes hold no block of {nbytes:,} bytes")
     return capacity // nbytes
 
 
-class SharedRemote:
+class SharedTierModel:
     """The shared tier of a fleet, without bytes: an LRU of at most ``capacity`` keys."""
 
     def __init__(self, capacity: int) -> None:
@@ -73,11 +85,11 @@ class SharedRemote:
         return n
 
 
-class SharedRemoteExecutor(NullExecutor):
-    """A replica's executor without bytes over a :class:`SharedRemote`: stores the blocks plans
-    send to the remote tier there, and probes it for what follows a local prefix."""
+class SharedTierExecutor(NullExecutor):
+    """A replica's executor without bytes over a :class:`SharedTierModel`: stores the blocks plans
+    send to the shared tier there, and probes it for what follows a local prefix."""
 
-    def __init__(self, shared: SharedRemote) -> None:
+    def __init__(self, shared: SharedTierModel) -> None:
         super().__init__()
         self.server = shared
 

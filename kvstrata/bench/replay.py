@@ -68,17 +68,15 @@ from kvstrata.bench.payload import payload_config, payload_executor
 from kvstrata.bench.misses import MISS_REASONS, Tracker, miss_reasons
 from kvstrata.core.metrics import TIERS, LifecycleRecorder, policy_stats
 from kvstrata.policy import TierPolicy
-from kvstrata.bench.remote import SharedRemoteExecutor
+from kvstrata.bench.remote import SharedTierExecutor, SharedTierModel, models_shared, shared_capacity_blocks
 from kvstrata.bench.stats import Quantiles
 from kvstrata.core.costs import fixed_costs
 from kvstrata.core.driver import DriverCore
 from kvstrata.core.request import RequestState
-from kvstrata.policy.events import REMOTE
 from kvstrata.policy.positions import prefix_weight
 from kvstrata.policy.tiers import GPU
 
 if TYPE_CHECKING:
-    from kvstrata.bench.remote import SharedRemote
     from kvstrata.trace.reader import Request, Trace, TraceReader
 
 __all__ = ["TIERS", "MISS_REASONS", "ReplayError", "ReplayOptions", "ReplayResult", "Replayer", "config_for_trace",
@@ -91,14 +89,14 @@ class Replayer:
     Made by :func:`replaying`, which sets :attr:`result` when it exits."""
 
     def __init__(self, block_size: int, cfg: KVStrataConfig, opts: ReplayOptions, executor: Executor,
-                 remote: "SharedRemote | None" = None) -> None:
+                 shared: SharedTierModel | None = None) -> None:
         self.block_size, self.opts = block_size, opts
         self.now = 0.0
         self.spec = policy_spec(cfg)
-        self.remote = remote  # the shared tier of several replicas (kvstrata.bench.replicas)
-        if bool(self.spec.remote) != (remote is not None):  # a remote tier is replayed only when modelled
-            assert self.spec.tiers is not None
-            tiers = self.spec.tiers.with_shared("the replay's model" if remote is not None else None)
+        self.shared = shared  # the shared tier of several replicas (kvstrata.bench.replicas)
+        assert self.spec.tiers is not None
+        if bool(self.spec.tiers.shared) != (shared is not None):  # a shared tier is replayed only when modelled
+            tiers = self.spec.tiers.with_shared("the replay's model" if shared is not None else None)
             self.spec = dataclasses.replace(self.spec, tiers=tiers)
         self._left: list[tuple[list[bytes], str]] = []
         self.gpu_blocks = cfg.gpu.resolve_num_blocks(cfg.block_nbytes())
@@ -114,7 +112,7 @@ class Replayer:
         self.lifecycle = {t: LifecycleLog() for t in self.tiers}
         below.update({t: self.lifecycle[t] for t in self.policy.lower_tiers})
         self.tracker = Tracker(self.tiers)
-        self.executor = SharedRemoteExecutor(remote) if remote is not None else executor
+        self.executor = SharedTierExecutor(shared) if shared is not None else executor
         self.costs = fixed_costs(cfg.load, self.spec, cfg.block_nbytes(), opts.load_policy)
         self.core = DriverCore(self.policy, block_size, self.groups, self.costs)
         self.ttft = Quantiles() if self.costs is not None else None
@@ -342,7 +340,7 @@ class Replayer:
 
     def _key(self, st: RequestState) -> Callable[[int, int], bytes]:
         """Group ``g``'s key of ``st``'s block ``i`` (the core's, cached in ``st``)."""
-        return lambda g, i: self.core.group_key(st, g, i)
+        return st.group_key
 
     def _end_step(self, computed: list[tuple[int, bytes]], st: RequestState | None = None) -> int:
         """End a step: its store offers and the load of ``st``, run and completed at once."""
@@ -402,23 +400,19 @@ def _checked(config: KVStrataConfig, block_size: int, admission: str | None) -> 
 
 @contextlib.contextmanager
 def replaying(config: KVStrataConfig, block_size: int, options: ReplayOptions = ReplayOptions(),
-              remote: "SharedRemote | None" = None) -> Iterator[Replayer]:
+              shared: SharedTierModel | None = None) -> Iterator[Replayer]:
     """A :class:`Replayer` of ``config`` for a trace of ``block_size``-token blocks: call its
     ``step`` with each request in arrival order; on exit its ``result`` holds the
-    :class:`ReplayResult` (the payload tiers, if any, are closed and removed). ``remote``:
+    :class:`ReplayResult` (the payload tiers, if any, are closed and removed). ``shared``:
     the shared tier this replica stores to and fetches from (no bytes: not with payload);
     by default one of ``remote.capacity`` when ``remote.url`` and ``remote.capacity`` are set."""
     cfg, caps = _checked(config, block_size, options.admission)
-    if remote is None and cfg.remote.enabled and cfg.remote.capacity:
-        from kvstrata.bench.remote import SharedRemote, remote_capacity_blocks
-
+    if shared is None and models_shared(cfg):
         try:
-            remote = SharedRemote(remote_capacity_blocks(cfg))
+            shared = SharedTierModel(shared_capacity_blocks(cfg))
         except ConfigError as exc:
             raise ReplayError(str(exc)) from None
-    if remote is not None:
-        caps = {**caps, REMOTE: remote.capacity}
-    if remote is not None and options.payload:
+    if shared is not None and options.payload:
         raise ReplayError("--payload: a replay with a shared remote tier moves no bytes")
     try:
         check_memory(caps, options.payload_block_bytes if options.payload else None, options.max_memory,
@@ -432,7 +426,9 @@ def replaying(config: KVStrataConfig, block_size: int, options: ReplayOptions = 
         except (MemoryError, RuntimeError) as exc:  # torch reports a failed allocation as RuntimeError
             raise ReplayError(f"--payload: cannot allocate the tiers' bytes ({str(exc).splitlines()[0][:200]}); "
                               f"lower --payload-block-bytes or the capacities") from None
-        rp = Replayer(block_size, run_cfg, options, executor, remote)
+        rp = Replayer(block_size, run_cfg, options, executor, shared)
+        if shared is not None:  # its blocks, under the name the replica's policy gives it
+            caps = {**caps, rp.policy.shared_tier: shared.capacity}
         try:
             yield rp
         finally:

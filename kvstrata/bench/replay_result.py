@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from kvstrata.bench.stats import Quantiles
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.core.metrics import TIERS
 from kvstrata.policy import PolicySpec
 from kvstrata.policy.positions import flops_per_token
-from kvstrata.policy.tiers import SSD
+from kvstrata.policy.tiers import PERSISTENT
 
-__all__ = ["ReplayError", "ReplayOptions", "ReplayResult"]
+__all__ = ["ReplayError", "ReplayOptions", "ReplayResult", "persistent"]
 
 
 class ReplayError(ValueError):
@@ -72,9 +72,20 @@ class ReplayResult:
         m = self.config.model
         return flops_per_token(m.layers, m.kv_heads, m.head_size) * self.config.block_size * self.compute_saved
 
-    def ssd_bytes_written(self) -> int:
-        """Bytes the replay stored to the SSD tier (blocks x the block's bytes, before compression)."""
-        return int(self.stats.get("spills", {}).get(SSD, 0)) * self.config.block_nbytes()
+    def persistent_bytes_written(self) -> int:
+        """Bytes the replay stored to the tiers whose records persist on a drive (the SSD tier:
+        :data:`~kvstrata.policy.tiers.PERSISTENT`), blocks x the block's bytes, before compression."""
+        return persistent(self.stats.get("spills", {})) * self.config.block_nbytes()
+
+    def persistent_blocks(self) -> int:
+        """Blocks the tiers whose records persist on a drive hold at most (0: none)."""
+        return persistent(self.capacity_blocks)
+
+    def slab_blocks(self) -> int:
+        """Blocks the slab tier (DRAM slots the device copies to and from) holds (0: none)."""
+        assert self.spec.tiers is not None
+        slab = self.spec.tiers.slab()
+        return slab.capacity if slab is not None else 0
 
     @property
     def hits(self) -> int:
@@ -95,3 +106,9 @@ class ReplayResult:
         """Samples ``what`` (lifetime_s | idle_before_evict_s | reuse_gap_s) of ``tier``."""
         got = self.stats.get("lifecycle", {}).get(tier, {}).get(what)
         return got if got is not None else Quantiles()
+
+
+def persistent(counts: Mapping[str, Any]) -> int:
+    """The sum of per-tier ``counts`` over the tiers whose records persist on a drive
+    (:data:`~kvstrata.policy.tiers.PERSISTENT`)."""
+    return sum(int(counts.get(t, 0)) for t in PERSISTENT)

@@ -2,7 +2,7 @@
 
 Each replica is a full :class:`~kvstrata.bench.replay.Replayer` (its own GPU pool,
 tier policy, DRAM and SSD tiers) driving the same policy the plugin runs; the
-replicas of one fleet share a :class:`SharedRemote`, the Redis/Valkey tier
+replicas of one fleet share a :class:`SharedTierModel`, the Redis/Valkey tier
 without bytes. A trace's requests go to the replicas in arrival order, by one
 of :data:`ROUTINGS`:
 
@@ -20,7 +20,7 @@ Four fleets replay the trace side by side in one pass (each routing with and
 without the shared tier), so a streamed trace is read once and the report can
 say what the shared tier adds to each replica under each routing.
 
-The shared tier is :class:`~kvstrata.bench.remote.SharedRemote`.
+The shared tier is :class:`~kvstrata.bench.remote.SharedTierModel`.
 """
 
 from __future__ import annotations
@@ -32,19 +32,19 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from kvstrata.bench.remote import SharedRemote, remote_capacity_blocks
+from kvstrata.bench.remote import SharedTierModel, shared_capacity_blocks, shared_capacity_bytes
 from kvstrata.bench.replay import (ReplayError, ReplayOptions, ReplayResult, Replayer, config_for_trace, replaying,
                                  requests_of)
 from kvstrata.config.schema import KVStrataConfig
 from kvstrata.errors import ConfigError
 from kvstrata.bench.diagnose import label
-from kvstrata.policy.events import REMOTE, TIERS
+from kvstrata.policy.events import TIERS
 from kvstrata.policy.tiers import SHARED
 
 if TYPE_CHECKING:
     from kvstrata.trace.reader import Request, Trace, TraceReader
 
-__all__ = ["ROUTINGS", "SharedRemote", "Fleet", "ReplicasResult", "hit_tiers", "replay_replicas", "remote_blocks"]
+__all__ = ["ROUTINGS", "SharedTierModel", "Fleet", "ReplicasResult", "hit_tiers", "replay_replicas", "shared_blocks"]
 
 ROUTINGS = ("round_robin", "prefix")
 LOAD_SLACK = 0.25  # prefix routing: a replica takes at most 1.25x its share of the requests so far
@@ -57,16 +57,16 @@ def hit_tiers(results: Iterable[ReplayResult]) -> tuple[str, ...]:
     return (*(local or TIERS), *SHARED)
 
 
-def remote_blocks(config: KVStrataConfig, block_size: int) -> int:
+def shared_blocks(config: KVStrataConfig, block_size: int) -> int:
     """Blocks of the trace's size the shared tier holds (``remote.capacity``)."""
     if not config.cpu.capacity:
         raise ReplayError("--replicas: blocks from the shared tier are fetched into DRAM slots before they "
                           "are served; set cpu.capacity")
-    if not config.remote.capacity:
+    if not shared_capacity_bytes(config):
         raise ReplayError("--replicas: set remote.capacity, the shared tier's size "
                           "(for example --set remote.capacity=256GiB)")
     try:
-        return remote_capacity_blocks(config_for_trace(config, block_size))
+        return shared_capacity_blocks(config_for_trace(config, block_size))
     except ConfigError as exc:
         raise ReplayError(str(exc)) from None
 
@@ -78,7 +78,7 @@ class Fleet:
     routing: str
     shared: bool
     replicas: list[Replayer]
-    remote: SharedRemote | None
+    model: SharedTierModel | None  # the shared tier they share (None: without one)
     sent: list[int] = field(default_factory=list)   # requests per replica
     results: list[ReplayResult] = field(default_factory=list)
 
@@ -112,7 +112,7 @@ class Fleet:
 @dataclass
 class ReplicasResult:
     num_replicas: int
-    remote_blocks: int
+    shared_blocks: int
     block_size: int
     fleets: list[Fleet]
     requests: int
@@ -137,15 +137,15 @@ def replay_replicas(trace: "Trace | TraceReader", config: KVStrataConfig, num_re
     t0 = time.perf_counter()
     stream = requests_of(trace)
     first = next(stream, None)  # (a streamed trace knows its block size from its first request)
-    capacity = remote_blocks(config, trace.block_size)
+    capacity = shared_blocks(config, trace.block_size)
     fleets: list[Fleet] = []
     requests = 0
     with contextlib.ExitStack() as stack:
         for routing, shared in itertools.product(routings, (False, True)):
-            remote = SharedRemote(capacity) if shared else None
-            reps = [stack.enter_context(replaying(config, trace.block_size, options, remote))
+            model = SharedTierModel(capacity) if shared else None
+            reps = [stack.enter_context(replaying(config, trace.block_size, options, model))
                     for _ in range(num_replicas)]
-            fleets.append(Fleet(routing, shared, reps, remote, [0] * num_replicas))
+            fleets.append(Fleet(routing, shared, reps, model, [0] * num_replicas))
         for i, r in enumerate(itertools.chain(() if first is None else (first,), stream)):
             for fleet in fleets:
                 fleet.step(r, i)
@@ -175,9 +175,10 @@ def replicas_report(res: ReplicasResult) -> dict[str, Any]:
             "replicas": [{"requests": sent, "accesses": r.accesses, "hit_blocks": dict(r.hit_blocks),
                           "hit_rate": rates(r.hit_blocks, r.accesses)}
                          for sent, r in zip(f.sent, f.results)],
-            REMOTE: dict(f.remote.counts, held=len(f.remote)) if f.remote is not None else None,
+            # the model's own counts, under the name statistics give the shared tier
+            SHARED[0]: dict(f.model.counts, held=len(f.model)) if f.model is not None else None,
         })
-    return {"replicas": res.num_replicas, "remote_capacity_blocks": res.remote_blocks,
+    return {"replicas": res.num_replicas, "remote_capacity_blocks": res.shared_blocks,
             "block_size": res.block_size, "requests": res.requests, "fleets": fleets,
             "wall_s": round(res.wall_s, 3)}
 

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata.bench import diagnose
 from kvstrata.bench.diagnose import label as _label
+from kvstrata.bench.replay_result import persistent
 from kvstrata.bench.stats import EXACT_VALUES, RELATIVE_ERROR, summarize
 from kvstrata.config.schema import format_size, plural
-from kvstrata.system.values import format_number
-from kvstrata.policy.tiers import CPU, GPU, KNOWN, SSD
+from kvstrata.system.values import format_number, format_seconds
+from kvstrata.policy.tiers import GPU, KNOWN, PERSISTENT
 
 if TYPE_CHECKING:
     from kvstrata.bench.analysis import BenchResult
@@ -102,7 +103,7 @@ def build_report(res: "BenchResult") -> dict[str, Any]:
     rates = {k: round(v, 6) for k, v in rp.hit_rate().items()}
     life = _lifecycle(res)
     cap = _capacity(res)
-    marks = [rp.capacity_blocks[GPU], rp.capacity_blocks[GPU] + rp.capacity_blocks[CPU],
+    marks = [rp.capacity_blocks[GPU], rp.capacity_blocks[GPU] + rp.slab_blocks(),
              cap["effective_total_tokens"] // bs]
     evictions = dict(rp.stats.get("evictions", {}))
     return {
@@ -133,7 +134,7 @@ def build_report(res: "BenchResult") -> dict[str, Any]:
                    **{k: dict(rp.stats.get(k, {})) for k in ("spills", "promotions", "evictions",
                                                              "dropped_spills", "corrupt_blocks")},
                    "transfer": rp.stats.get("transfer", {})},
-        "ssd_writes": ssd_writes(rp, tr.duration_s),
+        "ssd_writes": persistent_writes(rp, tr.duration_s),
         "recording": _recording(res),
         "misses": rp.misses if res.options.explain else None,
         "timings_s": {k: round(v, 3) for k, v in res.timings_s.items()},
@@ -141,12 +142,13 @@ def build_report(res: "BenchResult") -> dict[str, Any]:
     }
 
 
-def ssd_writes(rp: "ReplayResult", duration_s: float) -> dict[str, Any]:
-    """What the SSD tier writes: bytes (blocks stored x block bytes, before compression),
-    per hour of trace time, and the drive writes per day that is for ``ssd.capacity``."""
-    written = rp.ssd_bytes_written()
+def persistent_writes(rp: "ReplayResult", duration_s: float) -> dict[str, Any]:
+    """What the SSD tier (the tier whose records persist on a drive) writes: bytes (blocks
+    stored x block bytes, before compression), per hour of trace time, and the drive writes
+    per day that is for ``ssd.capacity``."""
+    written = rp.persistent_bytes_written()
     per_hour = written * 3600 / duration_s if duration_s > 0 else None
-    cap = rp.config.ssd.capacity if rp.capacity_blocks.get(SSD) else 0
+    cap = rp.config.ssd.capacity if rp.persistent_blocks() else 0
     return {"bytes": written, "bytes_per_hour": None if per_hour is None else round(per_hour),
             "capacity_bytes": cap,
             "drive_writes_per_day": round(per_hour * 24 / cap, 4) if per_hour is not None and cap else None}
@@ -167,7 +169,7 @@ def _recording(res: "BenchResult") -> dict[str, Any] | None:
                  for t in rp.hit_blocks}
     predicted["total"] = sum(predicted.values())
     out["predicted"] = {"hit_rate": {k: round(v, 6) for k, v in predicted.items()},
-                        "ssd_bytes_written": rp.ssd_bytes_written(),
+                        "ssd_bytes_written": rp.persistent_bytes_written(),
                         "preempted_hit_tokens": sum(rp.preempted_hit_blocks.values()) * bs}
     body = tr.measured
     if body is None:
@@ -181,13 +183,13 @@ def _recording(res: "BenchResult") -> dict[str, Any] | None:
     rates = {t: v / tokens if tokens else 0.0 for t, v in hits.items()}
     rates["total"] = sum(rates.values())
     nbytes = _count(m, "block_nbytes") or rp.config.block_nbytes()
-    ssd = _count(m, "spills", SSD) * nbytes
+    written = sum(_count(m, "spills", t) for t in PERSISTENT) * nbytes
     again = _part(m, "preempted", "hits")
     out["measured"] = {"hit_rate": {k: round(v, 6) for k, v in rates.items()}, "prompt_tokens": tokens,
-                       "ssd_bytes_written": ssd, "recorder": _part(body, "recorder"),
+                       "ssd_bytes_written": written, "recorder": _part(body, "recorder"),
                        "preempted_hit_tokens": sum(_count(again, t, "tokens") for t in again)}
     out["difference_pp"] = {t: round(100 * (predicted.get(t, 0.0) - rates[t]), 2) for t in rates}
-    out["ssd_bytes_ratio"] = round(rp.ssd_bytes_written() / ssd, 4) if ssd else None
+    out["ssd_bytes_ratio"] = round(rp.persistent_bytes_written() / written, 4) if written else None
     return out
 
 
@@ -219,17 +221,17 @@ def _rejected(rp: "ReplayResult") -> dict[str, Any]:
 
 
 def _comparison(rp: "ReplayResult", duration_s: float) -> dict[str, Any]:
-    """One admission mode's outcome: hit rates, blocks written per tier, SSD bytes written per hit."""
-    nbytes = rp.config.block_nbytes()
+    """One admission mode's outcome: hit rates, blocks written per tier, SSD bytes written per hit
+    (of any tier, and of the SSD tier's: the tiers whose records persist on a drive)."""
     stored = rp.stats.get("spills", {})
-    ssd_bytes = stored.get(SSD, 0) * nbytes
+    written, own_hits = rp.persistent_bytes_written(), persistent(rp.hit_blocks)
     return {"hit_rate": {k: round(v, 6) for k, v in rp.hit_rate().items()},
             "hit_blocks": dict(rp.hit_blocks),
-            "ssd_writes": ssd_writes(rp, duration_s),
+            "ssd_writes": persistent_writes(rp, duration_s),
             "blocks_written": {t: stored.get(t, 0) for t in rp.tiers if t != GPU},
-            "ssd_bytes_written": ssd_bytes,
-            "ssd_bytes_written_per_hit": round(ssd_bytes / rp.hits, 1) if rp.hits else None,
-            "ssd_bytes_written_per_ssd_hit": round(ssd_bytes / rp.hit_blocks[SSD], 1) if rp.hit_blocks[SSD] else None}
+            "ssd_bytes_written": written,
+            "ssd_bytes_written_per_hit": round(written / rp.hits, 1) if rp.hits else None,
+            "ssd_bytes_written_per_ssd_hit": round(written / own_hits, 1) if own_hits else None}
 
 
 # ------------------------------------------------------------------ rendering
@@ -252,13 +254,6 @@ def _tiers(rates: dict[str, Any], shared: bool = True) -> list[str]:
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def format_seconds(x: float | None) -> str:
-    """``0.25``, ``42.1``, ``3,540`` (three significant digits below 100); ``-`` for none."""
-    if x is None:
-        return "-"
-    return f"{x:.3g}" if x < 100 else format_number(x)
 
 
 def _tier_rows(r: dict[str, Any]) -> list[list[str]]:
@@ -339,7 +334,7 @@ def _comparison_row(mode: str, c: dict[str, Any]) -> list[str]:
             format_size(c["ssd_bytes_written"]), "-" if per_hit is None else format_size(per_hit)]
 
 
-def _ssd_lines(w: dict[str, Any]) -> list[str]:
+def _persistent_lines(w: dict[str, Any]) -> list[str]:
     if not w["capacity_bytes"]:
         return []
     if w["bytes_per_hour"] is None:
@@ -425,7 +420,7 @@ def render_text(r: dict[str, Any]) -> str:
         out += [f"  a hybrid model, KV-cache groups {r['capacity']['groups']}: a block is one group's, a hit is of "
                 "positions every group serves; tokens = blocks x block size, the miss-ratio curve counts positions"]
     out += _table(["tier", "blocks", "tokens", "bytes", "hit rate", "hits"], _tier_rows(r))
-    out += _ssd_lines(r["ssd_writes"])
+    out += _persistent_lines(r["ssd_writes"])
     if r.get("recording"):
         out += ["", *_recording_lines(r["recording"], r["block_tokens"])]
     own = r["capacity"].get("config_block_tokens", r["block_tokens"])

@@ -22,8 +22,6 @@ from kvstrata.cli.arguments import MAX_DISTINCT_HELP, MAX_SCALE, block_bytes, co
 from kvstrata.system.files import write_json
 from kvstrata.cli.bench_modes import draw_plot
 from kvstrata.cli.generate import cmd_generate
-from kvstrata.cli.remote import add_remote_parser
-from kvstrata.cli.ssd import cmd_ssd, cmd_ssd_purge, parse_duration
 from kvstrata.policy.spec import ADMISSIONS
 
 if TYPE_CHECKING:
@@ -283,7 +281,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _render_inspect(info: dict[str, Any]) -> str:
     """``kvstrata inspect`` as a reader wants it: named rows, units, and what each figure means."""
-    from kvstrata.bench.report import format_seconds as sec
+    from kvstrata.system.values import format_seconds as sec
 
     gap = info["reuse_gap_s"]
     gaps = (f"P50 {sec(gap['p50'])} s, P90 {sec(gap['p90'])} s, P99 {sec(gap['p99'])} s over "
@@ -395,6 +393,7 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvstrata import __version__
+    from kvstrata.tiers.kinds import kinds
 
     parser = argparse.ArgumentParser(prog="kvstrata", description="Multi-tier KV cache: size it from your traffic.")
     parser.add_argument("--version", action="version", version=f"kvstrata {__version__}")
@@ -405,33 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="KV memory planning: bytes per token, pool tokens, concurrency")
     _plan_args(plan)
     plan.set_defaults(func=cmd_plan)
-    ssd = sub.add_parser("ssd", help="what an SSD tier directory holds (read-only)")
-    ssd_sub = ssd.add_subparsers(dest="ssd_command", required=True)
-    for name, helptext in (("stats", "records, bytes, compression, namespaces, slack"),
-                           ("verify", "read every record and check it as a read does (not while a server "
-                                      "holds the tier)")):
-        cmd = ssd_sub.add_parser(name, help=helptext)
-        cmd.add_argument("path", metavar="PATH", help="an SSD tier directory, or a vLLM ssd.path holding rank-<r>")
-        cmd.add_argument("--json", metavar="PATH", help="write the figures as JSON ('-' for stdout)")
-        if name == "verify":
-            cmd.add_argument("--drop", action="store_true", help="delete the records that do not verify")
-        cmd.set_defaults(func=cmd_ssd, verify=name == "verify", drop=False)
-    purge = ssd_sub.add_parser("purge", help="delete every record of one namespace (a retired model version); "
-                                              "not while a server holds the tier")
-    purge.add_argument("path", metavar="PATH", help="an SSD tier directory, or a vLLM ssd.path holding rank-<r>")
-    which = purge.add_mutually_exclusive_group(required=True)
-    which.add_argument("--namespace", metavar="PREFIX|FINGERPRINT",
-                       help="the namespace as `kvstrata ssd stats` shows it (its prefix, 8 hex digits or more, "
-                            "or its fingerprint)")
-    which.add_argument("--older-than", type=parse_duration, metavar="DURATION",
-                       help="records unused for at least this long (30m, 12h, 7d; known to the minute)")
-    which.add_argument("--all-but", action="append", metavar="PREFIX|FINGERPRINT",
-                       help="every namespace but this one (repeat to keep several): the current model's")
-    which.add_argument("--all", action="store_true",
-                       help="every block of every namespace: the tier's files are deleted (also a tier "
-                            "written under kvstrata's previous name)")
-    purge.set_defaults(func=cmd_ssd_purge)
-    add_remote_parser(sub)
+    for kind in kinds().values():  # a tier kind's operator commands: kvstrata ssd, kvstrata remote
+        if kind.commands is not None:
+            kind.commands(sub)
     gen = sub.add_parser("generate", help="greedy generation with kvstrata.engine (a Llama-family checkpoint)")
     _generate_args(gen)
     gen.set_defaults(func=cmd_generate)

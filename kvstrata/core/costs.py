@@ -449,7 +449,7 @@ class LoadCosts:
 def load_costs(cfg: "LoadConfig", spec: "PolicySpec", block_nbytes: int, policy: str | None = None) -> LoadCosts:
     """The cost model ``load.*`` describes for this deployment's tiers (``policy``: instead
     of ``load.policy``)."""
-    shared = SHARED[0] if spec.remote else None
+    shared = SHARED[0] if spec.shared else None
     tiers = (*LOWER, *((shared,) if shared else ()))
     fixed = {tier: block_nbytes / bw for tier in tiers if (bw := getattr(cfg, f"{tier}_bandwidth", None))}
     latency = {tier: lat for tier in fixed if (lat := getattr(cfg, f"{tier}_latency", None))}
@@ -465,7 +465,8 @@ def fixed_costs(cfg: "LoadConfig", spec: "PolicySpec", block_nbytes: int, policy
     (``prefill_rate``, and the bandwidth of each lower tier it has), for drivers that measure
     nothing (the replay); None otherwise."""
     costs = load_costs(cfg, spec, block_nbytes, policy)
-    have = [t for t, n in (("cpu", spec.cpu_slots), ("ssd", spec.ssd_slots)) if n] + ([costs.fetched] if costs.fetched else [])
+    capacity = spec.capacity()
+    have = [t for t in LOWER if capacity.get(t)] + ([costs.fetched] if costs.fetched else [])
     if costs.fixed_token is None or any(t not in costs.fixed for t in have):
         return None
     return costs

@@ -12,8 +12,7 @@ A driver adds only what differs for it:
   are hits, evicted, computed or in the page-out window;
 * whether plans complete at once (:meth:`DriverCore.run`, :meth:`DriverCore.lookup_now`)
   or a step later, reported by workers (:meth:`DriverCore.take_planned`, then
-  :meth:`DriverCore.load_finished`, :meth:`DriverCore.store_done`,
-  :meth:`DriverCore.fetch_done`);
+  :meth:`DriverCore.complete`);
 * whether bytes move at all (the executor it runs plans on);
 * where time comes from (the policy's clock).
 
@@ -29,7 +28,7 @@ A request's steps, in order:
 3. :meth:`~DriverCore.end_step`: the step's store offers, in the one order:
    blocks the pool evicted (copied before any row is rewritten), newly
    computed blocks, the page-out window.
-4. Completion: stores first, then loads. A load's hits are counted by the tier
+4. Completion (:meth:`~DriverCore.complete`): stores, then fetches, then loads. A load's hits are counted by the tier
    that served each block (:func:`~kvstrata.core.hits.served_from`) once it
    completed, and only the blocks that arrived.
 5. :meth:`~DriverCore.finish`: plans not yet handed to an executor are
@@ -41,6 +40,7 @@ Threads: not thread-safe; the driver's one owner thread calls every method.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
 from kvstrata.core.costs import LoadCosts
@@ -53,11 +53,21 @@ if TYPE_CHECKING:
     from kvstrata.dataplane.executor import Executor, LoadResult
     from kvstrata.policy.manager import TierPolicy
 
-__all__ = ["DriverCore", "Blocks"]
+__all__ = ["DriverCore", "Blocks", "Completed"]
 
 S = TypeVar("S", bound=RequestState)
 Blocks = Sequence[tuple[int, bytes]]  # (device block id, key) pairs
 Lost = Iterable[tuple[str, bytes]]
+
+
+@dataclass
+class Completed:
+    """What :meth:`DriverCore.complete` completed: store plans, fetch plans (with the blocks
+    fetched) and loads (the request's state, its plan, the positions that arrived)."""
+
+    stores: list[StorePlan]
+    fetches: list[tuple[FetchPlan, int]] = field(default_factory=list)
+    loads: list[tuple[RequestState, LoadPlan, int]] = field(default_factory=list)
 
 
 class DriverCore:
@@ -65,9 +75,10 @@ class DriverCore:
 
     ``groups``: the model's KV-cache groups (:mod:`kvstrata.identity.groups`; by default one
     full-attention group). A request's blocks are stored and loaded per group under the
-    group's keys (:meth:`group_key`; group 0's are the chain's), a hit is the longest prefix
-    every group can serve, device block ids are per group (a block table each), and how
-    much of a hit a load serves is the groups' rule (:meth:`KVGroups.cut`,
+    group's keys (:meth:`~kvstrata.core.request.RequestState.group_key`; group 0's are the
+    chain's), a hit is the longest prefix every group can serve, device block ids are per
+    group (a block table each), and how much of a hit a load serves is the groups' rule
+    (:meth:`KVGroups.cut`,
     :meth:`KVGroups.served`: with one full-attention group, any prefix of it).
     """
 
@@ -78,7 +89,7 @@ class DriverCore:
         self.groups = groups if groups is not None else KVGroups.one(block_size)
         self.costs = costs  # load or recompute (kvstrata.core.costs); None: every hit is loaded
         policy.order_context.block_tokens = block_size  # what the eviction orders weigh a block by
-        self.shared = bool(policy.spec.remote)
+        self.shared = bool(policy.spec.shared)
         self.tiers = count_tiers(policy)
         self.counts = HitCounts(self.tiers)    # new requests: the hit rate
         self.resumed = HitCounts(self.tiers)   # requests looked up again after a preemption
@@ -140,10 +151,10 @@ class DriverCore:
         holds, lookup = self.policy.holds, self.policy.lookup
 
         def held(g: int, i: int) -> bool:
-            return holds(self.group_key(st, g, i)) is not None
+            return holds(st.group_key(g, i)) is not None
 
         def run(g: int, lo: int, hi: int) -> int:
-            return len(lookup(self.keys_of(st, g, lo, hi)))
+            return len(lookup(st.keys_of(g, lo, hi)))
 
         reach = self.groups.full_end(first, last, held, run)
         self._reached(st, last, reach)
@@ -193,7 +204,7 @@ class DriverCore:
         shared = 0
         for g, lo in self.groups.entries(first, end):
             mid = end if start is None else max(lo, start)
-            out += self._tiers(self.keys_of(st, g, lo, mid))
+            out += self._tiers(st.keys_of(g, lo, mid))
             out += [fetched] * (end - mid)
             shared += end - mid
         return out, shared
@@ -219,22 +230,6 @@ class DriverCore:
         self.costs.count([self.costs.fetched or ""] * shared, max(0, entries - (len(tiers) - shared)))
         return max(0, positions - (start - first))
 
-    def group_key(self, st: RequestState, g: int, i: int) -> bytes:
-        """The key of block ``i`` of ``st`` in KV-cache group ``g`` (the chain's for group 0)."""
-        if g == 0:
-            return st.hashes[i]
-        keys = st.group_keys.setdefault(g, [])
-        while len(keys) <= i:
-            keys.append(KVGroups.key(g, st.hashes[len(keys)]))
-        return keys[i]
-
-    def keys_of(self, st: RequestState, g: int, lo: int, hi: int) -> list[bytes]:
-        """Group ``g``'s keys of ``st``'s blocks ``lo .. hi - 1`` (:meth:`group_key`)."""
-        if g == 0 or hi <= lo:
-            return st.hashes[lo:hi]
-        self.group_key(st, g, hi - 1)
-        return st.group_keys[g][lo:hi]
-
     def stored(self, st: RequestState, g: int, i: int) -> bool:
         """Do the tiers below keep block ``i`` of ``st`` in group ``g`` (:meth:`KVGroups.stored`
         at the ends its last lookup found)?"""
@@ -243,7 +238,7 @@ class DriverCore:
     def all_group_keys(self, st: RequestState, lo: int, hi: int) -> list[bytes]:
         """Every group's key of blocks ``lo..hi``, block by block (what the remote tier is
         probed for: :meth:`probed` reads the answer)."""
-        return self.groups.interleave([self.keys_of(st, g, lo, hi) for g in range(len(self.groups))])
+        return self.groups.interleave([st.keys_of(g, lo, hi) for g in range(len(self.groups))])
 
     def probed(self, answer: Any, start: int, last: int, st: RequestState | None = None) -> int:
         """Blocks from ``start`` a hit can take from the remote tier, from its answer to a probe
@@ -254,7 +249,7 @@ class DriverCore:
         if isinstance(answer, int):  # the leading keys: block i of group g is the ((i - start) * width + g)th
             lead = answer
 
-            def remote(g: int, i: int) -> bool:
+            def shared_holds(g: int, i: int) -> bool:
                 return (i - start) * width + g < lead
 
             def run(g: int, lo: int, hi: int) -> int:
@@ -263,15 +258,15 @@ class DriverCore:
             if len(answer) != width * (last - start):
                 return 0
 
-            def remote(g: int, i: int) -> bool:
+            def shared_holds(g: int, i: int) -> bool:
                 return bool(answer[(i - start) * width + g])
 
             run = None  # type: ignore[assignment]
         if st is not None:
             holds = self.policy.holds
             self._reached(st, last, self.groups.full_end(
-                start, last, lambda g, i: remote(g, i) or holds(self.group_key(st, g, i)) is not None))
-        return self.groups.hit_end(start, last, remote, run) - start
+                start, last, lambda g, i: shared_holds(g, i) or holds(st.group_key(g, i)) is not None))
+        return self.groups.hit_end(start, last, shared_holds, run) - start
 
     def plan_fetch(self, st: RequestState, first: int, start: int, held: int) -> FetchPlan | None:
         """The remote tier holds ``held`` blocks from ``st.hashes[start]`` on, after the local
@@ -283,7 +278,7 @@ class DriverCore:
         end = start + held
         self.policy.touch(self.all_group_keys(st, first, start))
         needed = self.groups.entries(start, end)
-        keys = [self.group_key(st, g, i) for i in range(start, end) for g, lo in needed if i >= lo]
+        keys = [st.group_key(g, i) for i in range(start, end) for g, lo in needed if i >= lo]
         plan = self.policy.prepare_fetch(keys, st.req_id)
         if not len(plan):
             self.policy.complete_fetch(plan, 0)
@@ -357,8 +352,7 @@ class DriverCore:
             return None
         end = gpu_hits + num_external
         entries = self.groups.blocks(gpu_hits, end, block_ids)
-        group_key = self.group_key
-        plan = self.policy.prepare_load(st.req_id, [group_key(st, g, i) for i, g, _ in entries],
+        plan = self.policy.prepare_load(st.req_id, [st.group_key(g, i) for i, g, _ in entries],
                                         [b for _, _, b in entries])
         st.sources = self.groups.position_tiers(gpu_hits, end, [i for i, _, _ in entries],
                                                 served_from(plan.tiers(), plan.keys, fetched, slab=plan.slab,
@@ -454,24 +448,39 @@ class DriverCore:
 
     # ------------------------------------------------------------------ synchronous drivers
 
+    def complete(self, stores: Iterable[tuple[int, Lost]] = (), fetches: Iterable[tuple[int, int]] = (),
+                 loads: Iterable[tuple[str, int | None]] = (), lost: Lost = ()) -> Completed:
+        """Executors finished these plans: complete them in the one order every driver keeps.
+        ``stores`` (plan id, the ``(tier, key)`` pairs it could not write) first, then ``lost``
+        (pairs no plan is named for: a vLLM step's, every worker's together) is forgotten,
+        then ``fetches`` (plan id, blocks fetched), then the running ``loads`` (request id,
+        entries delivered; None: all but its ``load_lost``), which may read what came before."""
+        done = Completed([p for pid, failed in stores if (p := self.store_done(pid, failed)) is not None], [])
+        self.policy.forget_pairs(lost)
+        done.fetches = [(p, n) for pid, n in fetches if (p := self.fetch_done(pid, n)) is not None]
+        done.loads = [f for rid, n in loads if (f := self.load_finished(rid, n)) is not None]
+        return done
+
     def run(self, executor: "Executor", stores: Sequence[StorePlan], st: RequestState | None = None) -> "LoadResult":
         """Synchronous drivers: run ``stores``, then the planned load of ``st`` (if any), on
-        ``executor``; then complete them in that order. Returns the load's result, its
-        ``loaded`` the positions of the hit it served (:meth:`KVGroups.served`: with groups,
-        all of them or none, however many entries each position took)."""
+        ``executor``; then :meth:`complete` them. Returns the load's result, its ``loaded``
+        the positions of the hit it served (:meth:`KVGroups.served`: with groups, all of them
+        or none, however many entries each position took)."""
         from kvstrata.dataplane.executor import LoadResult
 
         lost = [executor.store(plan) for plan in stores]
         plan = st.load if st is not None else None
         result = LoadResult(0)
         if plan is not None:
-            self._planned.remove(plan)
-            result = executor.load(plan)
-        for done, failed in zip(stores, lost):
-            self.store_done(done.plan_id, failed)
-        if plan is not None:
             assert st is not None
-            result.loaded = self._complete_load(st, result.lost, result.loaded)
+            self._planned.remove(plan)
+            self._loading[st.req_id] = st
+            result = executor.load(plan)
+            st.load_lost.update(result.lost)
+        done = self.complete(zip((p.plan_id for p in stores), lost),
+                             loads=[(st.req_id, result.loaded)] if plan is not None and st is not None else ())
+        if done.loads:
+            result.loaded = done.loads[0][2]
         return result
 
     # ------------------------------------------------------------------ statistics

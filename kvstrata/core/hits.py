@@ -25,7 +25,7 @@ __all__ = ["GPU", "HitCounts", "served_from", "request_counts", "count_tiers"]
 def count_tiers(policy: "TierPolicy") -> tuple[str, ...]:
     """The tiers a request's hits are counted in: the device pool, the policy's lower tiers,
     and its shared tier when the deployment has one."""
-    shared = policy.shared_tier if policy.spec.remote else ""
+    shared = policy.shared_tier
     return (GPU, *policy.lower_tiers, *((shared,) if shared else ()))
 
 

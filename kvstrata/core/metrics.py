@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator
 
 from kvstrata.errors import ConfigError
 from kvstrata.policy.events import TIERS
-from kvstrata.policy.tiers import GPU, REMOTE
+from kvstrata.policy.tiers import GPU
+from kvstrata.tiers.kinds import kinds
 
 __all__ = ["TIERS", "Histogram", "Lifecycle", "LifecycleRecorder", "KVStrataCollector", "lifecycle_sampling",
            "policy_stats", "start_metrics_server"]
@@ -285,8 +286,9 @@ class KVStrataCollector:
         yield secs
         if s.get("load"):
             yield _load_decisions(s["load"]["decisions"])
-        if s.get(REMOTE):
-            yield from _remote_metrics(s[REMOTE])
+        for name, kind in kinds().items():  # a kind's own families (the remote tier's operations)
+            if kind.metrics is not None and s.get(name):
+                yield from kind.metrics(s[name])
         if s.get("kv_events"):
             ev = CounterMetricFamily("kvstrata:kv_events", "KV-cache events for routers, per kind (announced: "
                                      "stored events of the SSD tier's blocks after a restart; untagged: blocks "
@@ -301,40 +303,6 @@ class KVStrataCollector:
                 h: Histogram = getattr(lc, metric)
                 fam.add_metric([tier], h.buckets(), sum_value=h.total())
             yield fam
-
-
-#: The remote tier's counters (``RemoteTier.stats()``) exported as ``kvstrata:remote_operations{outcome}``.
-REMOTE_OUTCOMES = ("hits", "misses", "corrupt", "timeouts", "errors", "refused", "written", "present", "replaced",
-                   "put_failures", "dropped_full", "dropped_breaker")
-REMOTE_DIRECTIONS = ("read", "written")  # kvstrata:remote_bytes{direction}: RemoteTier's bytes_<direction>
-
-
-def _remote_metrics(r: dict[str, Any]) -> Iterator[Any]:
-    """The shared remote tier's counters (``RemoteTier.stats()``) and its server's memory."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    ops = CounterMetricFamily("kvstrata:remote_operations", "Remote tier reads and writes by outcome",
-                              labels=["outcome"])
-    for outcome in REMOTE_OUTCOMES:
-        if outcome in r:
-            ops.add_metric([outcome], r[outcome])
-    yield ops
-    moved = CounterMetricFamily("kvstrata:remote_bytes", "Bytes read from and written to the remote tier",
-                                labels=["direction"])
-    for direction in REMOTE_DIRECTIONS:
-        moved.add_metric([direction], r.get(f"bytes_{direction}", 0))
-    yield moved
-    breaker = GaugeMetricFamily("kvstrata:remote_breaker_open", "1 while the circuit breaker keeps the "
-                                "remote tier off (reads miss, writes drop)", labels=[])
-    breaker.add_metric([], 0 if r.get("breaker", "closed") == "closed" else 1)
-    yield breaker
-    server = r.get("server") or {}
-    mem = GaugeMetricFamily("kvstrata:remote_server_memory_bytes", "The remote server's used memory and "
-                            "maxmemory (INFO, read every 10 s)", labels=["kind"])
-    for kind, key in (("used", "used_memory"), ("max", "maxmemory")):
-        if isinstance(server.get(key), int):
-            mem.add_metric([kind], server[key])
-    yield mem
 
 
 _servers_lock = threading.Lock()

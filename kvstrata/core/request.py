@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvstrata.identity.groups import KVGroups
+
 if TYPE_CHECKING:
     from kvstrata.policy.plans import FetchPlan, LoadPlan
 
@@ -51,6 +53,22 @@ class RequestState:
         self.group_keys: dict[int, list[bytes]] = {}
         self.decision: tuple[list[str], int] | None = None
         self.ends: tuple[int, ...] = ()
+
+    def group_key(self, g: int, i: int) -> bytes:
+        """The key of block ``i`` in KV-cache group ``g`` (the chain's for group 0)."""
+        if g == 0:
+            return self.hashes[i]
+        keys = self.group_keys.setdefault(g, [])
+        while len(keys) <= i:
+            keys.append(KVGroups.key(g, self.hashes[len(keys)]))
+        return keys[i]
+
+    def keys_of(self, g: int, lo: int, hi: int) -> list[bytes]:
+        """Group ``g``'s keys of blocks ``lo .. hi - 1`` (:meth:`group_key`)."""
+        if g == 0 or hi <= lo:
+            return self.hashes[lo:hi]
+        self.group_key(g, hi - 1)
+        return self.group_keys[g][lo:hi]
 
     def __repr__(self) -> str:
         return f"RequestState({self.req_id!r}, {len(self.hashes)} blocks, hits={self.hits})"

@@ -131,7 +131,7 @@ class Copier:
         for tier, backend in self.ex.stores.items():
             self._spills.append((self._io.submit(lambda t=tier, b=backend: self.ex.evict([], {t: list(b.keys())})), 0))
 
-    def use_remote_generation(self, token: bytes | None) -> None:
+    def use_shared_generation(self, token: bytes | None) -> None:
         """Move the remote tier to generation ``token`` after the work queued so far (rule 4):
         puts queued before it go to the generation they were planned in, fetches queued
         after it read the new one."""

@@ -28,7 +28,8 @@ class Rank:
         """The worker's global rank: data-parallel engine, then pipeline stage, then shard."""
         return (self.dp * self.pp_size + self.pp) * self.tp_size + self.tp
 
-    def ssd_dir(self, root: Path) -> Path:
+    def directory(self, root: Path) -> Path:
+        """This rank's own directory under ``root`` (``rank-<index>``: a per-rank tier's)."""
         return root / f"rank-{self.index}"
 
     def tier_id(self, fingerprint: Fingerprint) -> str:

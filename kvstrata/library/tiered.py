@@ -247,7 +247,7 @@ class TieredKVCache:
         core, st = self.core, RequestState(request_id, prompt.hashes)
 
         def key(g: int, i: int) -> bytes:
-            return core.group_key(st, g, i)
+            return st.group_key(g, i)
 
         gpu_hits = self.manager.lookup(prompt, key)
         below = core.lookup_now(st, self.executor, gpu_hits, prompt.cap)

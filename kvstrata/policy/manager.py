@@ -305,7 +305,7 @@ class TierPolicy:
             present = set()
         # New to this replica's lower tiers: the shared tier gets them (it is never asked first:
         # SET NX keeps what another replica stored)
-        shared = self.shared_tier if self.spec.remote else ""
+        shared = self.shared_tier
         fresh = set(self._second(shared, [k for k in offered if self.holds(k) is None], now)) if shared else set()
         new = [k for k in offered if k not in in_slab] if slab else []
         slots = self._place(plan, slab, new, now) if new else {}
@@ -343,7 +343,7 @@ class TierPolicy:
             plan.touches[tier] = list(held)
         now = self.clock()
         placed = self._place(plan, tier, [k for _, k in chosen], now)
-        shared = self.shared_tier if self.spec.remote else ""
+        shared = self.shared_tier
         in_slab = self.holdings.held(self.slab_tier)
         for block, key in chosen:
             if key in placed:
@@ -365,7 +365,7 @@ class TierPolicy:
         finds no slot."""
         slab = self.slab_tier
         plan = FetchPlan(self._plan_id(), req_id=req_id, source=self.shared_tier, slab=slab)
-        if not slab or not self.spec.remote:
+        if not slab or not self.shared_tier:
             return plan
         in_slab = self.holdings.held(slab)
         want = list(dict.fromkeys(keys))

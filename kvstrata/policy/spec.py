@@ -33,33 +33,33 @@ class PolicySpec:
     ``on_evict`` stores a block when the device pool evicts it, paging out the
     ``pageout_blocks`` least recently used free device blocks ahead of time.
     ``promotion``: ``inclusive`` keeps the lower copy of a loaded block,
-    ``exclusive`` moves it out of the CPU tier (SSD copies always stay).
-    ``write_through``: every block stored to the CPU tier also goes to the
-    SSD tier; otherwise blocks reach the SSD tier when the CPU tier evicts them.
-    ``remote``: a shared tier (not held here: other replicas write to it and its
+    ``exclusive`` moves it out of the slab tier (persistent copies always stay).
+    ``write_through``: every block stored to the slab tier also goes to the
+    persistent tier; otherwise blocks reach it when the tiers above evict them.
+    ``shared``: a shared tier (not held here: other replicas write to it and its
     server evicts on its own) receives every block new to this replica's lower tiers,
-    and serves hits by a fetch into CPU slots (needs a CPU tier).
+    and serves hits by a fetch into slab slots (needs a slab tier).
     ``tiers``: the declarations (:mod:`kvstrata.policy.tiers`); by default those of
-    ``cpu_slots``, ``ssd_slots``, ``write_through`` and ``remote``. When given, the
+    ``slab_slots``, ``store_slots``, ``write_through`` and ``shared``. When given, the
     sizes are read from it.
     ``attention_share``: attention's share of a token's compute per context token
     (``rho`` of :mod:`kvstrata.policy.positions`), which a ``cost`` eviction order
     weighs positions by until the driver measures it.
     """
 
-    cpu_slots: int = 0
-    ssd_slots: int = 0
+    slab_slots: int = 0
+    store_slots: int = 0
     admission: str = ON_COMPUTE
     promotion: str = "inclusive"
     write_through: bool = True
     pageout_blocks: int = 0
-    remote: bool = False
+    shared: bool = False
     tiers: TierList | None = None
     attention_share: float = DEFAULT_RHO
 
     def __post_init__(self) -> None:
         check_spill_rules(self.admission, self.promotion)
-        for name in ("cpu_slots", "ssd_slots", "pageout_blocks"):
+        for name in ("slab_slots", "store_slots", "pageout_blocks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}: expected a non-negative integer, got {value!r}")
@@ -67,15 +67,15 @@ class PolicySpec:
             raise ConfigError(f"spill.write_through: expected true or false, got {self.write_through!r}")
         tiers = self.tiers
         if tiers is None:
-            tiers = declare(self.cpu_slots, self.ssd_slots or None, write_through=self.write_through,
-                            remote_server="given" if self.remote else None)
+            tiers = declare(self.slab_slots, self.store_slots or None, write_through=self.write_through,
+                            remote_server="given" if self.shared else None)
             object.__setattr__(self, "tiers", tiers)
         elif not isinstance(tiers, TierList):
             raise ConfigError(f"tiers: expected a TierList, got {type(tiers).__name__}")
         slab, store = tiers.slab(), tiers.store()
-        object.__setattr__(self, "cpu_slots", slab.capacity if slab is not None else 0)
-        object.__setattr__(self, "ssd_slots", store.capacity if store is not None else 0)
-        object.__setattr__(self, "remote", bool(tiers.shared))
+        object.__setattr__(self, "slab_slots", slab.capacity if slab is not None else 0)
+        object.__setattr__(self, "store_slots", store.capacity if store is not None else 0)
+        object.__setattr__(self, "shared", bool(tiers.shared))
 
     @classmethod
     def from_tiers(cls, config: "KVStrataConfig", tiers: TierList, *, gpu_blocks: int) -> "PolicySpec":
@@ -110,7 +110,7 @@ class PolicySpec:
         persistent tier also holds what the tiers above it hold)."""
         held = sum(self.capacity().values())
         if self.write_through:
-            return max(held - self.ssd_slots, self.ssd_slots)
+            return max(held - self.store_slots, self.store_slots)
         return held
 
     def effective_blocks(self, gpu_blocks: int) -> int:

@@ -38,7 +38,7 @@ device still held it under the same key, which a window's hit could not use):
 a hit takes the earliest cached of them, each is evicted on its own.
 
 Keys are per group: ``key(g, i)`` gives group ``g``'s key for position ``i``
-of a request (the driver core's :meth:`~kvstrata.core.driver.DriverCore.group_key`).
+of a request (:meth:`~kvstrata.core.request.RequestState.group_key`).
 Rows are ``1 .. num_blocks``; row 0 is the null block and never cached.
 
 A prefill runs in the chunks vLLM's scheduler gives a request alone in its

@@ -90,6 +90,13 @@ def format_number(x: float, spec: str = ",.0f") -> str:
     return format(x, spec)
 
 
+def format_seconds(x: float | None) -> str:
+    """``0.25``, ``42.1``, ``3,540`` (three significant digits below 100); ``-`` for none."""
+    if x is None:
+        return "-"
+    return f"{x:.3g}" if x < 100 else format_number(x)
+
+
 class _ShortRepr(reprlib.Repr):
     """``repr`` that stops early: a few items of a few levels, long strings and numbers
     cut in the middle, so its cost and length do not grow with the value."""

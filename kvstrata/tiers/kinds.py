@@ -13,6 +13,10 @@ A kind registers, in one call to :func:`register`:
   (None: the section does not enable it);
 * a factory that opens its backend for one :class:`Opening` (a rank of an engine, or a single
   process), and the backend's class;
+* optionally ``metrics``: its backend's own Prometheus families, from the ``stats()`` a driver
+  reports under the tier's name (the remote tier's operations and breaker);
+* optionally ``commands``: its operator commands, added to the ``kvstrata`` command's
+  subcommands (``kvstrata ssd``, ``kvstrata remote``);
 * its executor half: the methods the executor calls on a backend of its role (checked on the
   class when the kind registers, so a kind that lacks one is refused at start, not at the first
   copy).
@@ -26,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from kvstrata.errors import ConfigError
 from kvstrata.policy.tiers import KNOWN, Tier, declare_kind, forget_kind
@@ -90,6 +94,8 @@ class TierKind:
     backend: type
     position: int = 500
     configure: "Callable[[KVStrataConfig, int], Tier] | None" = None
+    metrics: "Callable[[Mapping[str, Any]], Iterable[Any]] | None" = None
+    commands: "Callable[[Any], None] | None" = None
 
     def declare(self, config: "KVStrataConfig", capacity: int) -> Tier:
         """This kind's declaration under ``config``, holding ``capacity`` blocks."""
@@ -119,7 +125,7 @@ def register(kind: TierKind) -> TierKind:
     if kind.name in _KINDS:
         raise ConfigError(f"{where}: a tier kind named {kind.name!r} is registered twice "
                           f"({_KINDS[kind.name].backend.__qualname__} and {kind.backend.__qualname__})")
-    for what in ("capacity", "open", *(("configure",) if kind.configure is not None else ())):
+    for what in ("capacity", "open", *(w for w in ("configure", "metrics", "commands") if getattr(kind, w) is not None)):
         if not callable(getattr(kind, what)):
             raise ConfigError(f"{where}.{what}: expected a callable, got {type(getattr(kind, what)).__name__}")
     missing = [m for m in HALVES[kind.role] if not callable(getattr(kind.backend, m, None))]

@@ -8,9 +8,9 @@ replay. The engine's host pool plays the device pool's part: a page is a block (
 the page's position), and every call is one request of the step protocol:
 
 * :meth:`PageStore.held`: how many pages, from the first, the tiers below hold (the local
-  tiers, then the remote tier after them), cut where loading would lose to computing
+  tiers, then the shared tier after them), cut where loading would lose to computing
   (``load.*``, :meth:`DriverCore.worth_loading`);
-* :meth:`PageStore.load`: :meth:`DriverCore.lookup_now` (the remote tier's pages fetched
+* :meth:`PageStore.load`: :meth:`DriverCore.lookup_now` (the shared tier's pages fetched
   first), the load admitted and run into the call's rows; how many pages arrived;
 * :meth:`PageStore.store`: the pages offered as computed (:meth:`DriverCore.end_step`): the
   tier policy admits and places them, evicting by its orders within each tier's capacity.
@@ -41,7 +41,6 @@ from kvstrata.core.metrics import policy_stats
 from kvstrata.core.request import RequestState
 from kvstrata.policy import TierPolicy
 from kvstrata.policy.seeding import StoreSeeding
-from kvstrata.policy.tiers import REMOTE, SSD
 
 if TYPE_CHECKING:
     from kvstrata.dataplane.device_rows import DeviceRows
@@ -74,16 +73,16 @@ class PageStore:
         self.backends = open_backends(config, spec, fingerprint, block_nbytes, rank=rank, options=options)
         self.executor = executor_over(self.rows, self.backends)
         self._seeding: StoreSeeding | None = None
-        ssd = self.executor.persistent
-        if ssd is not None:
-            self._seeding = StoreSeeding(self.policy, lambda: (list(ssd.keys()), []), [ssd])
+        store = self.executor.persistent  # its records from before this start
+        if store is not None:
+            self._seeding = StoreSeeding(self.policy, lambda: (list(store.keys()), []), [store])
             self.executor.evict([], {self.policy.store_tier: self._seeding.start()})
 
     # ------------------------------------------------------------------ verbs
 
     def held(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, the tiers below hold and are worth loading
-        (pure: nothing is placed, touched or fetched; the remote tier is probed)."""
+        (pure: nothing is placed, touched or fetched; the shared tier is probed)."""
         if not keys:
             return 0
         with self._lock:
@@ -95,12 +94,12 @@ class PageStore:
             if local < held or held == n or not core.shared:
                 return local
             answer = self.executor.probe(core.all_group_keys(st, held, n))
-            remote = core.probed(answer, held, n)
-            return held + core.worth_fetching(st, 0, held, remote)
+            on_shared = core.probed(answer, held, n)
+            return held + core.worth_fetching(st, 0, held, on_shared)
 
     def holding(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether the local tiers hold each of ``keys``, each on its own (pure: nothing is
-        placed, touched or fetched; the remote tier is not asked): where a pool's pages may
+        placed, touched or fetched; the shared tier is not asked): where a pool's pages may
         hold gaps, the legal end points of a hit are read from it (:mod:`.page_ends`)."""
         with self._lock:
             self._upkeep()
@@ -149,8 +148,8 @@ class PageStore:
         return f"{what}-{next(self._ids)}"
 
     def _upkeep(self) -> None:
-        """What the tiers did on their own since the last call: blocks the SSD tier dropped
-        (forgotten), and a background recovery's records (held once it is over)."""
+        """What the tiers did on their own since the last call: blocks the persistent tier
+        dropped (forgotten), and a background recovery's records (held once it is over)."""
         self.policy.forget_pairs(self.executor.take_lost())
         if self._seeding is not None and self._seeding.pending:
             self.executor.evict([], {self.policy.store_tier: self._seeding.poll()})
@@ -158,8 +157,8 @@ class PageStore:
     # ------------------------------------------------------------------ lifecycle
 
     def clear(self) -> None:
-        """Forget every page of every tier (the SSD tier's records deleted, the remote tier
-        moved to a new generation of its namespace), as after a weight update."""
+        """Forget every page of every tier (the key-addressed tiers' records deleted, the
+        shared tiers moved to a new generation of their namespace), as after a weight update."""
         with self._lock:
             if self._seeding is not None:
                 self._seeding.cancel()
@@ -172,15 +171,15 @@ class PageStore:
                 shared.reset()
 
     def flush(self) -> bool:
-        """Wait until every accepted write is down (the SSD tier's synced); False when the SSD
-        tier dropped one since the last flush."""
-        remote = self.executor.first_shared
-        if remote is not None:
-            remote.flush()
+        """Wait until every accepted write is down (the shared tier's written, the key-addressed
+        tiers' synced); False when a key-addressed tier dropped one since the last flush."""
+        shared = self.executor.first_shared
+        if shared is not None:
+            shared.flush()
         return self.executor.flush()
 
     def close(self) -> None:
-        """Flush, then close the tiers (the SSD tier persists for the next start)."""
+        """Flush, then close the tiers (the persistent tier's records stay for the next start)."""
         with self._lock:
             try:
                 self.flush()
@@ -190,7 +189,7 @@ class PageStore:
 
     def stats(self) -> dict[str, Any]:
         """Every counter: hits per tier (``queries``, ``hits``), the policy's per-tier counts,
-        the executor's, and the SSD and remote tiers' own."""
+        the executor's, and each key-addressed and shared tier's own (under its name)."""
         with self._lock:
             out: dict[str, Any] = {
                 **self.core.counts.stats(self.page_tokens),
@@ -198,7 +197,7 @@ class PageStore:
                 "executor": self.executor.stats(),
                 "seconds": dict(self.seconds),
             }
-            for name, tier in ((SSD, self.executor.stores.get(SSD)), (REMOTE, self.executor.first_shared)):
-                if tier is not None:
-                    out[name] = tier.stats()
+            for name, backend in (*self.executor.stores.items(), *self.executor.shared.items()):
+                if callable(getattr(backend, "stats", None)):
+                    out[name] = backend.stats()
             return out

@@ -221,14 +221,14 @@ def _variant(mc: Any) -> str:
 
 
 def check_index_memory(spec: PolicySpec, block_nbytes: int, total_bytes: int | None = None) -> None:
-    """Refuse an SSD tier whose index would not fit the scheduler's machine once full
+    """Refuse a persistent (SSD) tier whose index would not fit the scheduler's machine once full
     (more than half its memory): a clear error at start-up, not an out-of-memory kill
     days later. ``total_bytes``: the machine's memory (by default
     :func:`~kvstrata.system.machine.total_memory_bytes`)."""
     from kvstrata.policy.holdings import index_bytes
 
     store = spec.tiers.store() if spec.tiers is not None else None
-    need = index_bytes(spec.ssd_slots, eviction=store.eviction if store is not None else "lru")
+    need = index_bytes(spec.store_slots, eviction=store.eviction if store is not None else "lru")
     if total_bytes is None:
         from kvstrata.system.machine import total_memory_bytes
 
@@ -236,7 +236,7 @@ def check_index_memory(spec: PolicySpec, block_nbytes: int, total_bytes: int | N
     total = total_bytes or 0
     if total and need > total // 2:
         raise ConfigError(
-            f"ssd.capacity: {spec.ssd_slots:,} blocks of {block_nbytes:,} bytes; indexing them takes "
+            f"ssd.capacity: {spec.store_slots:,} blocks of {block_nbytes:,} bytes; indexing them takes "
             f"~{need / 2**30:.1f} GiB of the scheduler's memory, more than half of this machine's "
             f"{total / 2**30:.1f} GiB: use a smaller ssd.capacity or larger blocks (--block-size)")
 
@@ -266,20 +266,20 @@ def num_workers(vllm_config: "VllmConfig") -> int:
 class KVStrataMetadata(KVConnectorMetadata):
     """One step's work for the workers.
 
-    ``loads``: load plans, and fetch plans (remote tier -> CPU slots), in the order the
+    ``loads``: load plans, and fetch plans (shared tier -> slab slots), in the order the
     policy prepared them (their evictions run in that order).
     ``early_stores`` (blocks vLLM evicted in this step: their bytes are intact
     until this step's forward) run in ``handle_preemptions``, before the
     forward; ``loads`` in ``start_load_kv``; ``stores`` (computed blocks, the
     page-out window) in ``wait_for_save``.
     ``evictions``: per tier, keys to delete from it (the persistent tier's start-up overflow).
-    ``reset``: delete every record of the worker's SSD tier first (the weights changed:
+    ``reset``: delete every record of the worker's persistent tiers first (the weights changed:
     records the policy no longer knew of are stale too, and a put of a key still on
     disk only refreshes it).
-    ``remote_generation``: the generation of the remote tier's namespace the workers fetch
+    ``shared_generation``: the generation of the shared tier's namespace the workers fetch
     from and write to from this step on (None: unknown, they do neither; see
     :mod:`kvstrata.tiers.remote.generation`).
-    ``tags``: key -> what to keep beside the SSD record of a block these plans (or a later
+    ``tags``: key -> what to keep beside the persistent record of a block these plans (or a later
     step's spill) write there (with KV-cache events on: see :mod:`kvstrata.connectors.vllm.events`).
     ``reused``: device blocks vLLM handed out again in this step (the workers' forward
     must not rewrite them before pending copies out of them ran); None: not known, so
@@ -294,7 +294,7 @@ class KVStrataMetadata(KVConnectorMetadata):
     stores: list[StorePlan] = field(default_factory=list)
     evictions: dict[str, list[bytes]] = field(default_factory=dict)
     reset: bool = False
-    remote_generation: bytes | None = None
+    shared_generation: bytes | None = None
     reused: list[int] | None = None
     zero: list[int] = field(default_factory=list)
     resident: ResidentDelta = field(default_factory=ResidentDelta)

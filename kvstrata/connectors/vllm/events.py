@@ -32,7 +32,7 @@ beside vLLM's GPU events for the same blocks:
 * after a restart the blocks the SSD tier already holds are announced as
   ``STORAGE``, with their tokens, as soon as the policy holds them (the SSD
   tier keeps each block's :class:`BlockTag` beside its record, see
-  :meth:`KVEvents.ssd_tags`), at most :data:`ANNOUNCE_PER_STEP` per step.
+  :meth:`KVEvents.store_tags`), at most :data:`ANNOUNCE_PER_STEP` per step.
 
 What a block's events need is kept in one :class:`BlockTag` per block (about
 400 bytes), for at most as many blocks as the GPU pool and the tiers below
@@ -223,9 +223,9 @@ class KVEvents:
         while len(tags) > self.capacity:
             tags.popitem(last=False)
 
-    def ssd_tags(self, plans: Iterable[Any]) -> dict[bytes, bytes]:
-        """The packed tags of every block ``plans`` write to the SSD tier (the workers keep
-        them beside the records)."""
+    def store_tags(self, plans: Iterable[Any]) -> dict[bytes, bytes]:
+        """The packed tags of every block ``plans`` write to a persistent tier (the SSD tier:
+        the workers keep them beside the records)."""
         out: dict[bytes, bytes] = {}
         for plan in plans:
             for tier, key in plan.placed():

@@ -51,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvstrata.connectors.vllm.events import EVENT_COUNTS
-from kvstrata.core.metrics import REMOTE_DIRECTIONS, REMOTE_OUTCOMES
+from kvstrata.tiers.remote.metrics import DIRECTIONS as SHARED_DIRECTIONS, OUTCOMES as SHARED_OUTCOMES
 from kvstrata.policy.tiers import GPU, LOWER, PERSISTENT, SHARED
 from kvstrata.dataplane.transfer import DIRECTIONS
 from kvstrata.tiers.kinds import kinds
@@ -133,9 +133,9 @@ SERIES: tuple[Series, ...] = (
     Series("corrupt_blocks", "Blocks that failed verification and were deleted (counted as misses)",
            "tier", PERSISTENT),
     Series("remote_operations", "Remote tier reads and writes by outcome (per worker shard)", "outcome",
-           REMOTE_OUTCOMES),
+           SHARED_OUTCOMES),
     Series("remote_bytes", "Bytes read from and written to the remote tier (per worker shard)", "direction",
-           REMOTE_DIRECTIONS),
+           SHARED_DIRECTIONS),
 )
 _BY_NAME = {s.name: s for s in SERIES}
 
@@ -154,8 +154,8 @@ WORKER_SERIES: dict[str, tuple[str, str]] = {
     "spill_failures": ("spill_failures", NO_LABEL),
     "stores_dropped": ("stores_dropped", NO_LABEL),
     "corrupt_blocks": ("corrupt_blocks", PERSISTENT[0]),
-    **{f"remote_{o}": ("remote_operations", o) for o in REMOTE_OUTCOMES},
-    **{f"remote_bytes_{d}": ("remote_bytes", d) for d in REMOTE_DIRECTIONS},
+    **{f"remote_{o}": ("remote_operations", o) for o in SHARED_OUTCOMES},
+    **{f"remote_bytes_{d}": ("remote_bytes", d) for d in SHARED_DIRECTIONS},
 }
 #: the families of a worker's per-tier counters (``<family>_<tier>``, any tier the family names)
 PER_TIER = ("blocks_stored", "blocks_loaded", "load_failures", "store_failures")

@@ -7,10 +7,10 @@ device; for a remote server's answer, a step waits 2 ms at most. The step protoc
 the core's (the one ``kvstrata bench`` replays):
 
 * ``get_num_new_matched_tokens``: the tiers' pure lookup after vLLM's GPU prefix
-  (whole blocks, never the last prompt token). With a remote tier, what follows
-  the local prefix is probed there and fetched into CPU slots first
-  (:class:`~kvstrata.connectors.kit.remote_lookups.RemoteLookups`); until then the answer
-  is None ("ask again"), so a remote block counts as a hit only once its bytes
+  (whole blocks, never the last prompt token). With a shared (remote) tier, what
+  follows the local prefix is probed there and fetched into slab slots first
+  (:class:`~kvstrata.connectors.kit.shared_lookups.SharedLookups`); until then the answer
+  is None ("ask again"), so a shared block counts as a hit only once its bytes
   are local;
 * ``update_state_after_alloc``: the request is admitted (GPU hits touched below,
   the lookup counted, the load planned with its sources pinned);
@@ -20,7 +20,7 @@ the core's (the one ``kvstrata bench`` replays):
   recently used free blocks (:class:`~kvstrata.connectors.vllm.pool.PoolView`);
 * ``update_connector_output``: store plans every worker finished complete, then
   fetches, then finished loads (their hits counted); blocks the workers could not
-  store or read, and those the SSD tier dropped on its own, are forgotten.
+  store or read, and those the persistent tier dropped on its own, are forgotten.
 
 Lifetime rules: every slot a plan uses stays pinned in the policy until its
 completion is reported (see :mod:`kvstrata.policy.manager`); a request whose load
@@ -45,7 +45,7 @@ from kvstrata.identity.hashing import BlockHasher
 from kvstrata.core.metrics import Lifecycle, LifecycleRecorder, lifecycle_sampling, policy_stats
 from kvstrata.policy import TierPolicy
 from kvstrata.policy.plans import LoadPlan
-from kvstrata.policy.tiers import KNOWN, REMOTE, SSD, Tier, TierList, describe_tiers
+from kvstrata.policy.tiers import KNOWN, Tier, TierList, describe_tiers
 from kvstrata.policy.seeding import StoreSeeding
 
 from kvstrata.connectors.vllm.events import KVEvents, event_kinds, events_enabled
@@ -65,8 +65,8 @@ from kvstrata.connectors.vllm.common import (
 from kvstrata.connectors.kit.transfer_costs import TransferTiming, attended, load_costs
 from kvstrata.connectors.vllm.pool import PoolObserver, PoolView
 from kvstrata.connectors.vllm.recording import SchedulerRecording
-from kvstrata.connectors.kit.remote_lookups import RemoteLookups, WorkerReports
-from kvstrata.connectors.kit.rank_tiers import read_ssd_keys, read_ssd_tags, recovering_ssd_tiers
+from kvstrata.connectors.kit.shared_lookups import SharedLookups, WorkerReports
+from kvstrata.tiers.ssd.ranks import RankRecords, rank_records
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -87,10 +87,11 @@ _NULL = 0  # vLLM's null block: the padding of a window group's skipped blocks
 class _Req(RequestState):
     """A vLLM request in the core's terms, plus what only this driver needs: the request,
     how many of its leading full blocks are accounted for (served from cache, or offered
-    as computed), the last lookup's answer (first block, blocks below), the remote probe,
-    and, for the recorder, its preemptions (``[preempted at, resumed at, tokens looked up]``)."""
+    as computed), the last lookup's answer (first block, blocks below), the shared tier's
+    probe and whether its lookup is over, and, for the recorder, its preemptions
+    (``[preempted at, resumed at, tokens looked up]``)."""
 
-    __slots__ = ("request", "handled", "matched", "probe", "remote_done", "preemptions")
+    __slots__ = ("request", "handled", "matched", "probe", "shared_done", "preemptions")
 
     def __init__(self, request: "Request") -> None:
         super().__init__(request.request_id)
@@ -98,7 +99,7 @@ class _Req(RequestState):
         self.handled = 0
         self.matched: tuple[int, int] | None = None
         self.probe: tuple[int, int, Any] | None = None  # (first block probed, last, the future)
-        self.remote_done = False
+        self.shared_done = False
         self.preemptions: list[list[Any]] = []
 
 
@@ -154,16 +155,17 @@ class KVStrataScheduler:
         self._pool = PoolView(record=self.policy.store is not None)  # the workers' hot set mirrors follow it
         self._manager: KVCacheManager | None = None
         self._ranks = engine_ranks(vllm_config)
+        # the persistent tier's records from before this start, read per rank (the SSD tier's)
+        self._records: RankRecords | None = rank_records(cfg, self.policy.store_tier, self.fingerprint, self._ranks)
         self._seeding: StoreSeeding | None = None
-        self._ssd_evictions: list[bytes] = []
-        if self._on_ssd():
-            self._seeding = StoreSeeding(self.policy, lambda: read_ssd_keys(cfg, self.fingerprint, self._ranks),
-                                       recovering_ssd_tiers(cfg, self._ranks))
-            self._ssd_evictions = self._seeding.start()
-        self._reset_ssd = False
+        self._store_evictions: list[bytes] = []
+        if self._records is not None:
+            self._seeding = StoreSeeding(self.policy, self._records.keys, self._records.recovering())
+            self._store_evictions = self._seeding.start()
+        self._reset_stores = False
         self._events = self._kv_events(vllm_config, spec, kv_cache_config)
-        self._remote = RemoteLookups(self.core, cfg, [r.tier_id(self.fingerprint) for r in self._ranks],
-                                     self.block_nbytes, self.num_workers) if spec.remote else None
+        self._shared = SharedLookups(self.core, cfg, [r.tier_id(self.fingerprint) for r in self._ranks],
+                                     self.block_nbytes, self.num_workers) if spec.shared else None
         self._metrics_server = self._start_metrics(cfg.metrics.port)
         gpu_blocks = max(1, int(kv_cache_config.num_blocks) - 1)  # vLLM keeps one as its null block
         self._recording = SchedulerRecording(cfg, vllm_config, gpu_blocks, spec, self.fingerprint, self.block_size,
@@ -171,14 +173,9 @@ class KVStrataScheduler:
         log.info("kvstrata scheduler: %s; block %d bytes; %s admission; %s", self.fingerprint.describe(),
                  self.block_nbytes, spec.admission, describe_tiers(spec.tiers, self.policy.occupancy()))
 
-    def _on_ssd(self) -> bool:
-        """Is the persistent tier the SSD tier (whose records, kept from before this start,
-        the scheduler reads: :mod:`kvstrata.connectors.kit.rank_tiers`)?"""
-        return self.policy.store_tier == SSD
-
     def _kv_events(self, vllm_config: "VllmConfig", spec: Any, kv_cache_config: "KVCacheConfig") -> KVEvents | None:
         """The KV-event consumer when vLLM publishes KV-cache events (it then also announces
-        what the SSD tier holds from before this start)."""
+        what the persistent tier's records hold from before this start)."""
         if not events_enabled(vllm_config):
             return None
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -187,8 +184,8 @@ class KVStrataScheduler:
         events = KVEvents(self.policy, self.block_size, capacity,
                           get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo), self.hasher,
                           self._block_extra, event_kinds(kv_cache_config))
-        if self._on_ssd():
-            events.announce_from(lambda: read_ssd_tags(self.cfg, self.fingerprint, self._ranks[0]))
+        if self._records is not None:
+            events.announce_from(self._records.tags)
         log.info("kvstrata: KV-cache events for the tiers below the GPU (tags of up to %d blocks, "
                  "~%d MiB)", capacity, capacity * 400 >> 20)
         return events
@@ -256,14 +253,14 @@ class KVStrataScheduler:
         if not _cacheable(request):
             return 0, False
         st = self._state(request)
-        if st.fetch is not None:  # its blocks are on their way from the remote tier: held, but not local yet
+        if st.fetch is not None:  # its blocks are on their way from the shared tier: held, but not local yet
             return None, False  # type: ignore[return-value]  # vLLM asks again next step
         last = (request.num_tokens - 1) // self.block_size
         first = num_computed_tokens // self.block_size
         self._hashes(st, last)
         below = self.core.held_below(st, first, last)
-        if self._remote is not None and first + below < last:
-            if not self._remote.ready(st, first, first + below, last):
+        if self._shared is not None and first + below < last:
+            if not self._shared.ready(st, first, first + below, last):
                 return None, False  # type: ignore[return-value]  # vLLM asks again next step
             below = self.core.held_below(st, first, last)
         below = self.core.worth_loading(st, first, below)
@@ -301,7 +298,7 @@ class KVStrataScheduler:
         self.core.admit(st, first, block_ids, external, request.num_tokens, resumed=request.num_preemptions > 0)
 
     def _group_key(self, st: _Req) -> Any:
-        return lambda g, i: self.core.group_key(st, g, i)
+        return st.group_key
 
     def _group_blocks(self, st: _Req, block_ids: Sequence[Sequence[int]], lo: int, hi: int,
                       offered: list[tuple[int, bytes]] | None = None) -> list[tuple[int, bytes]]:
@@ -313,7 +310,7 @@ class KVStrataScheduler:
         ``offered``: gets those of them the tiers below keep once computed; the rest are
         stored only if vLLM evicts them from its cache."""
         out = []
-        key, stored, cached_as = self.core.group_key, self.core.stored, self._pool.cached_as
+        key, stored, cached_as = st.group_key, self.core.stored, self._pool.cached_as
         kinds = self._kinds
         vhashes = st.request.block_hashes if self._sparse else ()
         for g, ids in enumerate(block_ids):
@@ -328,7 +325,7 @@ class KVStrataScheduler:
                     follow = keep or (i < len(vhashes) and cached_as(ids[i], g, vhashes[i]))
                 if not follow:
                     continue
-                out.append((ids[i], key(st, g, i)))
+                out.append((ids[i], key(g, i)))
                 if offered is not None and keep:
                     offered.append(out[-1])
         return out
@@ -347,9 +344,9 @@ class KVStrataScheduler:
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after an in-place weight
         update: every block below the GPU is stale (its fingerprint did not change). The
-        policy forgets them all; the workers delete every record of their SSD tiers
+        policy forgets them all; the workers delete every record of their persistent tiers
         before the next step's forward (also those the policy no longer knew of); the
-        replica moves to a new generation of the remote tier's namespace, where nothing
+        replica moves to a new generation of the shared tier's namespace, where nothing
         written before is found (:mod:`kvstrata.tiers.remote.generation`).
         Refused (False, nothing changed) while a load or a fetch is planned or in flight."""
         busy = self.core.busy()
@@ -360,32 +357,32 @@ class KVStrataScheduler:
         self.policy.clear()
         if self._seeding is not None:
             self._seeding.cancel()  # what they are verifying is stale too: the workers delete it all
-        self._reset_ssd = self.policy.store is not None  # the workers delete every record they hold
-        if self._remote is not None:
-            self._remote.reset()
+        self._reset_stores = self.policy.store is not None  # the workers delete every record they hold
+        if self._shared is not None:
+            self._shared.reset()
         tiers = self.policy.spec.tiers
         assert tiers is not None
         log.info("kvstrata: reset: forgot %s", ", ".join(f"{n} {_label(tiers, t)} blocks" for t, n in dropped.items()))
         return True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVStrataMetadata:
-        if self._remote is not None:
-            self._remote.new_step()
+        if self._shared is not None:
+            self._shared.new_step()
         if self._seeding is not None and self._seeding.pending:
             store = self.policy.store_tier
-            leaving = frozenset(self._ssd_evictions).union(*(p.evictions.get(store, ()) for p in self.core.planned))
-            self._ssd_evictions += self._seeding.poll(leaving)
+            leaving = frozenset(self._store_evictions).union(*(p.evictions.get(store, ()) for p in self.core.planned))
+            self._store_evictions += self._seeding.poll(leaving)
         if self._recording is not None:
             for req_id in scheduler_output.preempted_req_ids or ():
                 st = self.core.requests.get(req_id)
                 if isinstance(st, _Req):
                     self._recording.preempted(st)
         meta = KVStrataMetadata(loads=self.core.take_planned(),
-                                evictions={self.policy.store_tier: self._ssd_evictions} if self._ssd_evictions else {},
-                                reset=self._reset_ssd,
-                                remote_generation=self._remote.generation if self._remote is not None else None)
+                                evictions={self.policy.store_tier: self._store_evictions} if self._store_evictions else {},
+                                reset=self._reset_stores,
+                                shared_generation=self._shared.generation if self._shared is not None else None)
         meta.cut = self._timing.step(scheduler_output.total_num_scheduled_tokens, meta.loads, attended(scheduler_output))
-        self._ssd_evictions, self._reset_ssd = [], False
+        self._store_evictions, self._reset_stores = [], False
         evicted = self._pool.take_changes(meta)
         meta.zero = take_zeroing(scheduler_output)
         evicted = not_overwritten(evicted, scheduler_output)
@@ -394,8 +391,8 @@ class KVStrataScheduler:
         meta.resident = self._pool.resident.take_delta()
         if self._recording is not None:
             self._recording.measure(self.stats)
-        if self._events is not None and self._on_ssd():
-            meta.tags = self._events.ssd_tags([*meta.loads, *meta.early_stores, *meta.stores])
+        if self._events is not None and self._records is not None:
+            meta.tags = self._events.store_tags([*meta.loads, *meta.early_stores, *meta.stores])
         return meta
 
     def _computed(self, scheduler_output: "SchedulerOutput") -> list[tuple[int, bytes]]:
@@ -428,43 +425,49 @@ class KVStrataScheduler:
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         meta = output.kv_connector_worker_meta
-        if isinstance(meta, KVStrataWorkerMetadata):
-            done = [self.core.store_done(plan_id) for plan_id, _ in self._stores.add(meta.stored)]
-            self.policy.forget_pairs(meta.lost)
-            for plan in done if self._events is not None else ():  # what a worker lost is not announced
-                if plan is not None:
-                    self._events.completed(plan)
-            fetched = self._remote.reported(meta.fetched) if self._remote is not None else []
-            for plan, got in fetched:
-                self._timing.fetched(plan, got)
-            for plan, got in fetched if self._events is not None else ():
-                self._events.completed(plan, got)
-            for req_id, lost in meta.load_lost.items():
-                st = self.core.loading(req_id)
-                if st is not None:
-                    st.load_lost.update(lost)
-            for req_id in meta.stalled:  # given up with reads still out: no sample, the tier stalled
-                st = self.core.loading(req_id)
-                if st is not None and st.load is not None:
-                    self._timing.stalled(st.load)
-            for req_id, (_, read, seconds) in meta.loads_done.items():
-                if req_id not in meta.stalled:
-                    self._timing.reported(read, seconds)
-            for req_id in meta.returned:
-                self._timing.returned(req_id)
-        done = meta.loads_done if isinstance(meta, KVStrataWorkerMetadata) else {}
-        for req_id in output.finished_recving or ():
-            finished = self.core.load_finished(req_id, done[req_id][0] if req_id in done else None)
-            if finished is None:
-                continue
-            st, plan, loaded = finished
-            self._timing.loaded(plan)
-            if self._events is not None:
-                self._events.completed(plan, loaded)
-            arrived = self.core.arrived(plan, loaded)
-            self._pool.resident.add(plan.block_ids[:arrived], plan.keys[:arrived])
-            if loaded < len(st.sources) and isinstance(st, _Req):  # vLLM recomputes them: offered as computed then
-                st.handled = min(st.handled, st.gpu_hits + loaded)
+        meta = meta if isinstance(meta, KVStrataWorkerMetadata) else KVStrataWorkerMetadata()
+        self._note_loads(meta)
+        delivered = meta.loads_done
+        done = self.core.complete(
+            stores=[(plan_id, ()) for plan_id, _ in self._stores.add(meta.stored)], lost=meta.lost,
+            fetches=self._shared.gathered(meta.fetched) if self._shared is not None else (),
+            loads=[(r, delivered[r][0] if r in delivered else None) for r in output.finished_recving or ()])
+        for plan in done.stores if self._events is not None else ():  # what a worker lost is not announced
+            self._events.completed(plan)
+        for plan, got in done.fetches:
+            self._shared.fetched(plan, got)  # type: ignore[union-attr]
+            self._timing.fetched(plan, got)
+        for plan, got in done.fetches if self._events is not None else ():
+            self._events.completed(plan, got)
+        for st, plan, loaded in done.loads:
+            self._loaded(st, plan, loaded)
+
+    def _note_loads(self, meta: KVStrataWorkerMetadata) -> None:
+        """What the workers say of running loads, before they complete: what they could not
+        read, those given up with reads still out, and the reads' timings."""
+        for req_id, lost in meta.load_lost.items():
+            st = self.core.loading(req_id)
+            if st is not None:
+                st.load_lost.update(lost)
+        for req_id in meta.stalled:  # given up with reads still out: no sample, the tier stalled
+            st = self.core.loading(req_id)
+            if st is not None and st.load is not None:
+                self._timing.stalled(st.load)
+        for req_id, (_, read, seconds) in meta.loads_done.items():
+            if req_id not in meta.stalled:
+                self._timing.reported(read, seconds)
+        for req_id in meta.returned:
+            self._timing.returned(req_id)
+
+    def _loaded(self, st: RequestState, plan: LoadPlan, loaded: int) -> None:
+        """A load completed with ``loaded`` positions of its hit in the device pool."""
+        self._timing.loaded(plan)
+        if self._events is not None:
+            self._events.completed(plan, loaded)
+        arrived = self.core.arrived(plan, loaded)
+        self._pool.resident.add(plan.block_ids[:arrived], plan.keys[:arrived])
+        if loaded < len(st.sources) and isinstance(st, _Req):  # vLLM recomputes them: offered as computed then
+            st.handled = min(st.handled, st.gpu_hits + loaded)
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         """Delay freeing only while a load into the request's blocks is in flight."""
@@ -479,8 +482,8 @@ class KVStrataScheduler:
     def stats(self) -> dict[str, Any]:
         out = {**self.core.stats(), **policy_stats(self.policy), "transfer": {},
                "load": {**self.costs.estimates(), "decisions": self.costs.decisions}}
-        if self._remote is not None:
-            out[REMOTE] = self._remote.stats()
+        if self._shared is not None:
+            out[self.policy.shared_tier] = self._shared.stats()
         if self._events is not None:
             out["kv_events"] = dict(self._events.counts)
         return out
@@ -489,8 +492,8 @@ class KVStrataScheduler:
         if self._recording is not None:
             self._recording.close(self.stats)
             self._recording = None
-        if self._remote is not None:
-            self._remote.close()
+        if self._shared is not None:
+            self._shared.close()
         server, self._metrics_server = self._metrics_server, None
         if server is not None:
             server.shutdown()

@@ -53,10 +53,9 @@ from kvstrata.policy import SHUTDOWN, FetchPlan, LoadPlan, StorePlan
 from kvstrata.policy.hot_set import select_for_shutdown
 from kvstrata.errors import ConfigError
 from kvstrata.identity.fingerprint import Fingerprint
-from kvstrata.core.metrics import REMOTE_DIRECTIONS, REMOTE_OUTCOMES
-from kvstrata.tiers.ssd import SSDTier
+from kvstrata.tiers.remote.metrics import DIRECTIONS as SHARED_DIRECTIONS, OUTCOMES as SHARED_OUTCOMES
 from kvstrata.system.streams import Event, streams_for
-from kvstrata.policy.tiers import CPU, LOWER, REMOTE, SSD
+from kvstrata.policy.tiers import LOWER, PERSISTENT
 
 from kvstrata.connectors.kit.kv_layout import KVLayout, LayoutRows
 from kvstrata.identity.ranks import Rank
@@ -91,7 +90,7 @@ WORKER_COUNTERS = ("blocks_loaded_cpu", "blocks_loaded_ssd", "blocks_stored_cpu"
                    "load_failures_cpu", "load_failures_ssd", "store_failures_ssd", "spill_failures",
                    "stores_dropped", "corrupt_blocks", "bytes_d2h", "bytes_h2d", "seconds_d2h", "seconds_h2d",
                    "bytes_ssd_read", "seconds_ssd_read", "blocks_cut_ssd",
-                   *(f"remote_{o}" for o in REMOTE_OUTCOMES), *(f"remote_bytes_{d}" for d in REMOTE_DIRECTIONS))
+                   *(f"remote_{o}" for o in SHARED_OUTCOMES), *(f"remote_bytes_{d}" for d in SHARED_DIRECTIONS))
 
 
 def _this_rank(vllm_config: "VllmConfig") -> Rank:
@@ -156,7 +155,7 @@ class KVStrataWorker:
         self._kv_caches: dict[str, torch.Tensor] | None = None
         self.fingerprint: Fingerprint | None = None
         self._reset_tiers = False  # set when re-registered tensors are of another kind
-        self._generation: bytes | None = None  # the remote tier's generation, as last told by the scheduler
+        self._generation: bytes | None = None  # the shared tier's generation, as last told by the scheduler
 
     # ------------------------------------------------------------------ setup
 
@@ -183,26 +182,29 @@ class KVStrataWorker:
         layout = self._layout_of(self._kv_caches)
         rows = LayoutRows(layout)
         if self.executor is None:
-            pin = self.cfg.cpu.pin if self.cfg.cpu.pin is not None else torch.cuda.is_available()
-            # the remote tier takes its scheduler half's namespace generation (meta.remote_generation)
-            options = {CPU: {"pin": pin}, REMOTE: {"own_generation": False}}
+            # a shared tier takes its scheduler half's namespace generation (meta.shared_generation)
+            options = {tier.name: {"own_generation": False} for tier in self.spec.tiers.shared}
             backends = open_backends(self.cfg, self.spec, self.fingerprint, self.block_nbytes,
                                      rank=_this_rank(self.vllm_config), options=options)
             self.executor = executor_over(rows, backends)
         self.executor.device = rows
-        self.copier = Copier(self.executor, rows, streams_for(layout.device),
+        self.copier = Copier(self.executor, rows, streams_for(layout.device),  # staging as the SSD tier queues
                              staging_bytes=self.cfg.ssd.queue_capacity)
         if self._reset_tiers:
             self._reset_tiers = False
             self.copier.discard_all()
             if self.executor.slab is not None:
                 self.executor.slab.forget_all()
-        ssd = self.ssd
-        others = [t for t in self.executor.stores if t != SSD]
-        log.info("kvstrata worker: %d runs per block (%s copies), layout %s, %d B/block, %d CPU slots, SSD %s%s",
+        log.info("kvstrata worker: %d runs per block (%s copies), layout %s, %d B/block, %d CPU slots, %s",
                  len(layout.segments), "fused" if layout.fused else "per-run", self.fingerprint.kv_layout or "?",
-                 self.block_nbytes, self.spec.cpu_slots, ssd.path if ssd else "off",
-                 f", tiers {', '.join(others)}" if others else "")
+                 self.block_nbytes, self.spec.slab_slots, self._describe_stores())
+
+    def _describe_stores(self) -> str:
+        """``<label> <directory>`` of each key-addressed tier (``SSD /data/rank-0``), for the log."""
+        assert self.executor is not None and self.spec.tiers is not None
+        described = [f"{self.spec.tiers[name].label or name} {getattr(backend, 'path', 'on')}"
+                     for name, backend in self.executor.stores.items()]
+        return ", ".join(described) or "no store tier"
 
     def _layout_of(self, kv_caches: dict[str, torch.Tensor]) -> KVLayout:
         """The tensors as whole blocks; one line naming the layer, the layout and the
@@ -247,9 +249,9 @@ class KVStrataWorker:
             self._attach()
 
     @property
-    def ssd(self) -> SSDTier | None:
-        """The SSD tier's backend (None: the deployment has none)."""
-        return self.executor.stores.get(SSD) if self.executor is not None else None
+    def store(self) -> Any:
+        """The persistent tier's backend: the last key-addressed one (the SSD tier; None: none)."""
+        return self.executor.persistent if self.executor is not None else None
 
     def _persistent(self) -> tuple[str, Any] | None:
         """The persistent tier (the last key-addressed one) and its backend, None when none."""
@@ -274,9 +276,9 @@ class KVStrataWorker:
             self.executor.add_tags(meta.tags)
         if meta.reset:
             copier.discard_all()
-        if meta.remote_generation != self._generation:  # after the puts queued before, ahead of this step's fetches
-            self._generation = meta.remote_generation
-            copier.use_remote_generation(meta.remote_generation)
+        if meta.shared_generation != self._generation:  # after the puts queued before, ahead of this step's fetches
+            self._generation = meta.shared_generation
+            copier.use_shared_generation(meta.shared_generation)
         if meta.evictions:
             copier.evict([], meta.evictions)
         for plan in meta.loads:  # plans prepared before the stores: their evictions go first
@@ -377,7 +379,7 @@ class KVStrataWorker:
     # ------------------------------------------------------------------ hot set
 
     def _mirror_apply(self, delta: ResidentDelta) -> None:
-        if delta and self.spec.ssd_slots:
+        if delta and self.spec.store_slots:
             delta.apply(self._mirror)
 
     def _mirror_mru(self) -> Iterator[tuple[int, bytes]]:
@@ -392,7 +394,7 @@ class KVStrataWorker:
             return 0
         tier, backend = persistent
         holds = getattr(backend, "__contains__", None) or set(backend.keys()).__contains__
-        chosen, held = select_for_shutdown(self._mirror_mru(), holds, self.spec.ssd_slots)
+        chosen, held = select_for_shutdown(self._mirror_mru(), holds, self.spec.store_slots)
         plan = StorePlan(0, SHUTDOWN, touches={tier: list(held)} if held else {})
         for block_id, key in chosen:
             plan.add(block_id, key, -1, (tier,))
@@ -417,30 +419,31 @@ class KVStrataWorker:
             log.exception("kvstrata worker: storing the hot set at shutdown failed")
         for backend in (self.executor.stores.values() if self.executor is not None else ()):
             backend.close()
-        remote = self.executor.first_shared if self.executor is not None else None
-        if remote is not None:
-            remote.close()
+        for backend in (self.executor.shared.values() if self.executor is not None else ()):
+            backend.close()
         if self.executor is not None and self.executor.slab is not None:
             self.executor.slab.close()  # every copy out of it ran (drained above)
 
     def counters(self) -> dict[str, float]:
         """Monotonic counters since start (for vLLM's connector stats): blocks moved per
-        tier and direction, failures, dropped stores, corrupt SSD records, and bytes and
-        seconds of the device copies per direction (``d2h``: stores, ``h2d``: loads)."""
+        tier and direction, failures, dropped stores, corrupt SSD records, the shared tier's
+        operations, and bytes and seconds of the device copies per direction (``d2h``: stores,
+        ``h2d``: loads)."""
         out: dict[str, float] = dict.fromkeys((*WORKER_COUNTERS, *self._tier_counters()), 0)
         if self.executor is not None:
             for name, value in self.executor.stats().items():
                 if name in out:
                     out[name] = value
-        ssd = self.ssd
-        if ssd is not None:
-            out["corrupt_blocks"] = ssd.counts().get("corrupt_deleted", 0)
-        remote = self.executor.first_shared if self.executor is not None else None
-        if remote is not None:
-            st = remote.stats()
-            for outcome in REMOTE_OUTCOMES:
+        # corrupt_blocks counts the built-in persistent tier's (the label WORKER_SERIES gives it)
+        persistent = self.executor.stores.get(PERSISTENT[0]) if self.executor is not None else None
+        if persistent is not None:
+            out["corrupt_blocks"] = persistent.counts().get("corrupt_deleted", 0)
+        shared = self.executor.first_shared if self.executor is not None else None
+        if shared is not None:
+            st = shared.stats()
+            for outcome in SHARED_OUTCOMES:
                 out[f"remote_{outcome}"] = st.get(outcome, 0)
-            for direction in REMOTE_DIRECTIONS:
+            for direction in SHARED_DIRECTIONS:
                 out[f"remote_bytes_{direction}"] = st.get(f"bytes_{direction}", 0)
         return out
 
@@ -457,7 +460,12 @@ class KVStrataWorker:
         return tuple(out)
 
     def stats(self) -> dict[str, Any]:
-        remote = self.executor.first_shared if self.executor is not None else None
-        return {"cpu_slots": self.spec.cpu_slots, "executor": self.executor.stats() if self.executor else None,
-                SSD: self.ssd.stats() if self.ssd else None, REMOTE: remote.stats() if remote else None}
+        """The slab's size, the executor's counters and each key-addressed and shared tier's own
+        (under its name)."""
+        ex = self.executor
+        out: dict[str, Any] = {"cpu_slots": self.spec.slab_slots, "executor": ex.stats() if ex else None}
+        for tier, backend in (*ex.stores.items(), *ex.shared.items()) if ex is not None else ():
+            if callable(getattr(backend, "stats", None)):
+                out[tier] = backend.stats()
+        return out
 

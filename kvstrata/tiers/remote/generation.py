@@ -43,7 +43,7 @@ to a new generation, where none of the old values can be found.
 * **In flight.** A key is made when a read, probe or write is issued: work
   issued before the switch reads or writes the old generation's keys, so
   pre-reset bytes never land in the new generation. Drivers drop the answers
-  of probes issued before a reset (see :mod:`kvstrata.connectors.kit.remote_lookups`);
+  of probes issued before a reset (see :mod:`kvstrata.connectors.kit.shared_lookups`);
   a vLLM scheduler refuses a reset while a fetch is planned or running, and a
   worker moves after the work it queued before (its later fetches wait for it).
 * **Hostile input.** A record that is not a generation (another type, another

@@ -10,6 +10,8 @@ from kvstrata.config.schema import KVStrataConfig
 from kvstrata.policy.spec import ghost_keys
 from kvstrata.policy.tiers import KNOWN, REMOTE, Tier
 from kvstrata.tiers.kinds import Opening, TierKind, register
+from kvstrata.tiers.remote.commands import add_commands
+from kvstrata.tiers.remote.metrics import families
 from kvstrata.tiers.remote.tier import RemoteTier
 
 __all__ = ["remote_capacity", "open_remote", "declare_remote"]
@@ -38,4 +40,5 @@ def declare_remote(config: KVStrataConfig, capacity: int) -> Tier:
 
 
 register(TierKind(KNOWN[REMOTE], section="remote", capacity=remote_capacity, open=open_remote, backend=RemoteTier,
-                  position=900, configure=declare_remote))
+                  position=900, configure=declare_remote, metrics=families,
+                  commands=add_commands))

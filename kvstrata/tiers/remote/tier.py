@@ -59,7 +59,7 @@ from kvstrata.tiers.remote.writer import WriteBehind
 from kvstrata.tiers.ssd.record import Codec, CorruptRecord
 
 if TYPE_CHECKING:
-    from kvstrata.config.schema import RemoteConfig
+    from kvstrata.config.remote import RemoteConfig
 
 __all__ = ["RemoteTier", "connect", "INFO_EVERY", "COUNTERS"]
 
@@ -71,47 +71,53 @@ _PROBE_BATCH = 1024         # keys per pipelined EXISTS round trip
 class RemoteTier(Scoped):
     """The blocks of one shard (``prefix``, see :func:`~.value.key_prefix`) on a server.
 
+    ``cfg``: the ``remote.*`` section; the tier reads its ``url`` (required), ``cluster``,
+    ``capacity`` (None: 0, reported only), ``compression``, ``level``, ``timeout``,
+    ``connect_timeout``, ``queue_capacity`` and ``batch_bytes``, never its secrets or
+    password files (those are :meth:`from_config`'s: ``auth`` and ``password`` here).
     ``probe_prefixes``: the shards :meth:`probe` checks (all of them for a scheduler
     that answers for every tensor-parallel rank); by default ``prefix`` alone.
+    ``writer``: False starts no writer thread (a tier that only reads and probes).
+    ``breaker``: the round trips' :class:`~kvstrata.system.breaker.Breaker` (None: a default one).
     ``auth``: signs and verifies values (:class:`~.value.Auth`); None trusts the server
     (values unsigned: whoever can write to it can have their bytes served).
+    ``password``: the server's password (None: the URL's own, if any).
     ``generation``: the namespace generation in every key (:mod:`.generation`); None: keys
     are ``prefix`` and the block key (tools, tests).
     """
 
-    def __init__(self, url: str, prefix: bytes, block_nbytes: int, *, cluster: bool = False,
-                 capacity_bytes: int = 0, compression: str = "auto", level: int = 1, timeout: float = 0.5,
-                 connect_timeout: float = 1.0, queue_capacity_bytes: int = 256 * 1024**2,
-                 batch_bytes: int = 8 * 1024**2, probe_prefixes: Sequence[bytes] | None = None,
-                 writer: bool = True, breaker: Breaker | None = None, auth: Auth | None = None,
-                 password: str | None = None, generation: Generation | None = None) -> None:
-        self.url = url
+    def __init__(self, cfg: RemoteConfig, prefix: bytes, block_nbytes: int, *,
+                 probe_prefixes: Sequence[bytes] | None = None, writer: bool = True, breaker: Breaker | None = None,
+                 auth: Auth | None = None, password: str | None = None, generation: Generation | None = None) -> None:
+        if cfg.url is None:
+            raise ValueError("no server: remote.url is not set")
+        self.url = cfg.url
         self.auth = auth
         self.base = prefix
         self.base_probes = list(probe_prefixes) if probe_prefixes is not None else [prefix]
         self.generation = generation
         self.block_nbytes = block_nbytes
-        self.capacity_bytes = capacity_bytes
-        self.timeout = timeout
-        self.queue_capacity = queue_capacity_bytes
-        self.batch_values = max(1, batch_bytes // value_bytes(block_nbytes, auth))
+        self.capacity_bytes = cfg.capacity or 0
+        self.timeout = cfg.timeout
+        self.queue_capacity = cfg.queue_capacity
+        self.batch_values = max(1, cfg.batch_bytes // value_bytes(block_nbytes, auth))
         self.max_value = max_value_bytes(block_nbytes, auth)
-        self.codec = Codec(compression, level)
+        self.codec = Codec(cfg.compression, cfg.level)
         self.breaker = breaker or Breaker()
-        self.client = connect(url, cluster=cluster, timeout=timeout, connect_timeout=connect_timeout,
+        self.client = connect(cfg.url, cluster=cfg.cluster, timeout=cfg.timeout, connect_timeout=cfg.connect_timeout,
                               password=password)
-        self.where = redact_url(url)  # what logs show
-        self.watch = ServerWatch(self.client, self.where, self.breaker, capacity_bytes)
+        self.where = redact_url(cfg.url)  # what logs show
+        self.watch = ServerWatch(self.client, self.where, self.breaker, self.capacity_bytes)
         self._lock = threading.Lock()  # the reader's and the prober's state
-        self._pipes = Pipelines(self.client, cluster, self.watch.log_once)
+        self._pipes = Pipelines(self.client, cfg.cluster, self.watch.log_once)
         self._reader = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-reader")
         self._busy = 0  # reads submitted and not finished (a stuck one makes the next miss at once)
         self._prober: cf.ThreadPoolExecutor | None = None
         self._writes = WriteBehind(self._pipes, self.watch, self.breaker, self.codec, auth, block_nbytes=block_nbytes,
-                                   capacity_bytes=queue_capacity_bytes, batch_values=self.batch_values, start=writer)
+                                   capacity_bytes=cfg.queue_capacity, batch_values=self.batch_values, start=writer)
 
     @classmethod
-    def from_config(cls, cfg: "RemoteConfig", tier_ids: Sequence[str], block_nbytes: int, *,
+    def from_config(cls, cfg: RemoteConfig, tier_ids: Sequence[str], block_nbytes: int, *,
                     writer: bool = True, own_generation: bool = True) -> "RemoteTier":
         """The tier ``remote.*`` describes, for the shard ``tier_ids[0]`` (a
         :meth:`~kvstrata.identity.fingerprint.Fingerprint.tier_id`); :meth:`probe` checks every shard in
@@ -134,10 +140,7 @@ class RemoteTier(Scoped):
         prefixes = [key_prefix(t, signed=auth is not None) for t in tier_ids]
         generation = Generation(prefixes[0] + GENERATION_KEY if own_generation else None)
         try:
-            tier = cls(cfg.url, prefixes[0], block_nbytes, cluster=cfg.cluster, capacity_bytes=cfg.capacity or 0,
-                       compression=cfg.compression, level=cfg.level, timeout=cfg.timeout,
-                       connect_timeout=cfg.connect_timeout, queue_capacity_bytes=cfg.queue_capacity,
-                       batch_bytes=cfg.batch_bytes, probe_prefixes=prefixes, writer=writer, auth=auth,
+            tier = cls(cfg, prefixes[0], block_nbytes, probe_prefixes=prefixes, writer=writer, auth=auth,
                        password=cfg.password(), generation=generation)
         except ValueError as exc:  # the client's own reading of the URL (its query options)
             raise ConfigError(f"remote.url: {redact_url(str(exc))}") from None

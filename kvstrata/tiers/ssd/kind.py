@@ -19,6 +19,7 @@ from kvstrata.errors import ConfigError, config_keys
 from kvstrata.policy.spec import ghost_keys
 from kvstrata.policy.tiers import KNOWN, SSD, Tier
 from kvstrata.tiers.kinds import Opening, TierKind, register
+from kvstrata.tiers.ssd.commands import add_commands
 from kvstrata.tiers.ssd.footprint import capacity_blocks
 from kvstrata.tiers.ssd.tier import SSDTier
 
@@ -43,7 +44,7 @@ def ssd_capacity(config: KVStrataConfig, block_nbytes: int) -> int | None:
 
 def rank_dir(config: KVStrataConfig, rank: "Rank") -> Path:
     """The directory of ``rank``'s SSD tier: ``rank-<index>`` under ``ssd.path``."""
-    return rank.ssd_dir(ssd_root(config))
+    return rank.directory(ssd_root(config))
 
 
 def open_ssd(opening: Opening) -> SSDTier:
@@ -57,7 +58,7 @@ def open_ssd(opening: Opening) -> SSDTier:
             log.warning("kvstrata: %s holds an SSD tier of the layout before per-rank directories; "
                         "it is no longer read (each worker uses %s/rank-<r>): delete its files to "
                         "free the space", root, root)
-        path = opening.rank.ssd_dir(root)
+        path = opening.rank.directory(root)
     else:
         path = cfg.ssd.resolved_path()
         assert path is not None
@@ -125,4 +126,4 @@ def declare_ssd(config: KVStrataConfig, capacity: int) -> Tier:
 
 
 register(TierKind(KNOWN[SSD], section="ssd", capacity=ssd_capacity, open=open_ssd, backend=SSDTier,
-                  position=300, configure=declare_ssd))
+                  position=300, configure=declare_ssd, commands=add_commands))

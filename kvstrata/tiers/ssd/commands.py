@@ -1,4 +1,5 @@
-"""``kvstrata ssd``: the operator's commands on an SSD tier directory (stats, verify, purge).
+"""``kvstrata ssd``: the operator's commands on an SSD tier directory (stats, verify, purge),
+which the SSD kind registers as its ``commands``.
 
 Read-only unless asked (``verify --drop``, ``purge``); the reports render what
 :mod:`kvstrata.tiers.ssd.inventory` reads. Before either changes anything, every tier
@@ -17,10 +18,40 @@ from typing import Any
 from kvstrata.config.schema import plural
 from kvstrata.system.files import write_json
 
-__all__ = ["cmd_ssd", "cmd_ssd_purge", "parse_duration"]
+__all__ = ["add_commands", "cmd_inspect", "cmd_purge", "parse_duration"]
 
 
-def cmd_ssd(args: argparse.Namespace) -> int:
+def add_commands(sub: Any) -> None:
+    """``kvstrata ssd stats|verify|purge`` on the top-level parser's subcommands."""
+    ssd = sub.add_parser("ssd", help="what an SSD tier directory holds (read-only)")
+    ssd_sub = ssd.add_subparsers(dest="ssd_command", required=True)
+    for name, helptext in (("stats", "records, bytes, compression, namespaces, slack"),
+                           ("verify", "read every record and check it as a read does (not while a server "
+                                      "holds the tier)")):
+        cmd = ssd_sub.add_parser(name, help=helptext)
+        cmd.add_argument("path", metavar="PATH", help="an SSD tier directory, or a vLLM ssd.path holding rank-<r>")
+        cmd.add_argument("--json", metavar="PATH", help="write the figures as JSON ('-' for stdout)")
+        if name == "verify":
+            cmd.add_argument("--drop", action="store_true", help="delete the records that do not verify")
+        cmd.set_defaults(func=cmd_inspect, verify=name == "verify", drop=False)
+    purge = ssd_sub.add_parser("purge", help="delete every record of one namespace (a retired model version); "
+                                              "not while a server holds the tier")
+    purge.add_argument("path", metavar="PATH", help="an SSD tier directory, or a vLLM ssd.path holding rank-<r>")
+    which = purge.add_mutually_exclusive_group(required=True)
+    which.add_argument("--namespace", metavar="PREFIX|FINGERPRINT",
+                       help="the namespace as `kvstrata ssd stats` shows it (its prefix, 8 hex digits or more, "
+                            "or its fingerprint)")
+    which.add_argument("--older-than", type=parse_duration, metavar="DURATION",
+                       help="records unused for at least this long (30m, 12h, 7d; known to the minute)")
+    which.add_argument("--all-but", action="append", metavar="PREFIX|FINGERPRINT",
+                       help="every namespace but this one (repeat to keep several): the current model's")
+    which.add_argument("--all", action="store_true",
+                       help="every block of every namespace: the tier's files are deleted (also a tier "
+                            "written under kvstrata's previous name)")
+    purge.set_defaults(func=cmd_purge)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
     """``kvstrata ssd stats|verify PATH``: read-only; exit 1 when verify found bad records."""
     from kvstrata.errors import ConfigError
     from kvstrata.tiers.ssd.directory import CHANGE
@@ -69,7 +100,7 @@ def _drop_bad(path: Path, report: dict[str, Any]) -> int:
     return dropped
 
 
-def cmd_ssd_purge(args: argparse.Namespace) -> int:
+def cmd_purge(args: argparse.Namespace) -> int:
     """``kvstrata ssd purge PATH --namespace N | --all-but N... | --older-than D | --all``, in each tier at PATH."""
     from kvstrata.tiers.ssd.admin import delete_records, find_namespace
     from kvstrata.tiers.ssd.directory import CHANGE, PURGE
@@ -114,7 +145,7 @@ def parse_duration(text: str) -> float:
 
 
 def _idle_line(r: dict[str, Any]) -> str:
-    from kvstrata.bench.report import format_seconds as sec
+    from kvstrata.system.values import format_seconds as sec
 
     idle = r.get("idle_at_least_s") or {}
     if idle.get("p50") is None:

@@ -1,4 +1,5 @@
-"""``kvstrata remote secret``: a new secret for ``remote.secret_file``.
+"""``kvstrata remote secret``: a new secret for ``remote.secret_file`` (the remote kind registers
+:func:`add_commands` as its ``commands``).
 
 Prints one secret of 256 random bits (:func:`~kvstrata.config.credentials.generate_secret`) on
 standard output, or, with ``--output FILE``, writes it to a new file only its owner can
@@ -16,20 +17,20 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["add_remote_parser", "cmd_remote_secret", "write_secret"]
+__all__ = ["add_commands", "cmd_secret", "write_secret"]
 
 
-def add_remote_parser(sub: Any) -> None:
+def add_commands(sub: Any) -> None:
     """``kvstrata remote ...`` on the top-level parser's subcommands."""
     remote = sub.add_parser("remote", help="the shared remote tier (Redis / Valkey)")
     remote_sub = remote.add_subparsers(dest="remote_command", required=True)
     secret = remote_sub.add_parser("secret", help="print a new secret for remote.secret_file (256 random bits)")
     secret.add_argument("--output", "-o", metavar="FILE",
                         help="write it to FILE instead (created with mode 600; an existing FILE is refused)")
-    secret.set_defaults(func=cmd_remote_secret)
+    secret.set_defaults(func=cmd_secret)
 
 
-def cmd_remote_secret(args: argparse.Namespace) -> int:
+def cmd_secret(args: argparse.Namespace) -> int:
     from kvstrata.config.credentials import generate_secret
 
     secret = generate_secret()

@@ -1,29 +1,29 @@
-"""The scheduler half's side of the shared remote tier: probes, then fetch plans.
+"""The scheduler half's side of the shared tier (the remote tier): probes, then fetch plans.
 
-Per request, what follows the local prefix is probed on the remote tier (``EXISTS``,
+Per request, what follows the local prefix is probed on the shared tier (``EXISTS``,
 on the tier's probe thread); what the server holds is then planned as a fetch into
-CPU slots (:meth:`~kvstrata.core.driver.DriverCore.plan_fetch`), which the workers
-run with the step's loads. :meth:`RemoteLookups.ready` is False until both are over,
+slab slots (:meth:`~kvstrata.core.driver.DriverCore.plan_fetch`), which the workers
+run with the step's loads. :meth:`SharedLookups.ready` is False until both are over,
 and vLLM asks again next step. The scheduler waits for probes in flight
 :data:`PROBE_WAIT_S` per step at most, all requests together: a server on the
 same network answers within it, so a request is answered in the step it arrived
 in. Polled instead, a probe's answer crosses three threads while vLLM's busy
 engine loop holds the interpreter, each hand-off up to Python's 5 ms switch
 interval: a loopback server's 0.2 ms answer reached the scheduler in 6-86 ms.
-A request gets one remote lookup: resumed or asked again later, it is answered
+A request gets one shared lookup: resumed or asked again later, it is answered
 from the tiers below as they are by then. The probe's state lives on the request
-(:class:`~kvstrata.core.request.RequestState` subclass of the scheduler).
+(:class:`~kvstrata.core.request.RequestState` subclass of the scheduler: ``probe``
+and ``shared_done``).
 
 The scheduler's tier owns the replica's namespace generation
 (:mod:`kvstrata.tiers.remote.generation`): it joins it at start and bumps it at a
-reset (:meth:`RemoteLookups.reset`), and every step's metadata tells the workers
-which generation to fetch from and write to (:attr:`RemoteLookups.generation`).
+reset (:meth:`SharedLookups.reset`), and every step's metadata tells the workers
+which generation to fetch from and write to (:attr:`SharedLookups.generation`).
 A reset drops the probes in flight: their answers are of the old generation, and
 the request is probed again in the new one.
 
-Threads: vLLM's scheduler thread; the probe runs on the remote tier's thread.
+Threads: vLLM's scheduler thread; the probe runs on the shared tier's thread.
 """
-
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -36,11 +36,11 @@ from kvstrata.core.driver import DriverCore
 from kvstrata.core.request import RequestState
 from kvstrata.policy import FetchPlan
 
-__all__ = ["RemoteLookups", "WorkerReports"]
+__all__ = ["SharedLookups", "WorkerReports"]
 
 log = logging.getLogger(__name__)
 
-#: The longest one scheduler step waits for remote probes, all requests together.
+#: The longest one scheduler step waits for the shared tier's probes, all requests together.
 PROBE_WAIT_S = 0.002
 
 
@@ -69,8 +69,9 @@ class WorkerReports:
         return len(self._reports)
 
 
-class RemoteLookups:
-    """Probes and fetch plans of one scheduler (see the module docstring)."""
+class SharedLookups:
+    """Probes and fetch plans of one scheduler (see the module docstring), over a reader of the
+    remote tier (``remote.*`` of ``cfg``) for the shards ``tier_ids`` of every rank."""
 
     def __init__(self, core: DriverCore, cfg: KVStrataConfig, tier_ids: list[str], block_nbytes: int,
                  num_workers: int) -> None:
@@ -107,7 +108,7 @@ class RemoteLookups:
     def ready(self, st: Any, first: int, start: int, last: int) -> bool:
         """May the request be answered now? ``st.hashes[first:start]`` are held below, the
         rest up to ``last`` are not."""
-        if st.remote_done:
+        if st.shared_done:
             return True
         if st.fetch is not None:
             return False
@@ -117,7 +118,7 @@ class RemoteLookups:
         begin, end, future = st.probe
         if not self._done(future):
             return False
-        st.probe, st.remote_done = None, True
+        st.probe, st.shared_done = None, True
         try:
             plan = self.core.probe_answered(st, first, start, future.result(), begin, end)
         except Exception:  # the probe thread never raises for the server; a bug must not stop the engine
@@ -125,7 +126,7 @@ class RemoteLookups:
             plan = None
         if plan is None:
             return True
-        st.remote_done = False  # answered once the fetch completed
+        st.shared_done = False  # answered once the fetch completed
         return False
 
     def _done(self, future: "cf.Future[Any]") -> bool:
@@ -136,21 +137,17 @@ class RemoteLookups:
             self._wait_left -= time.perf_counter() - began
         return future.done()
 
-    def reported(self, fetched: Mapping[int, Sequence[int]]) -> list[tuple[FetchPlan, int]]:
-        """Workers' fetch results; a plan completes once every worker ran it (the blocks
-        every rank fetched are held). Returns the plans completed and their blocks fetched."""
-        out = []
-        for plan_id, counts in self._reports.add(fetched):
-            got = min(counts)
-            plan = self.core.fetch_done(plan_id, got)
-            if plan is None:
-                continue
-            self.blocks_fetched += got
-            st: RequestState | None = self.core.requests.get(plan.req_id)
-            if st is not None:
-                st.remote_done = True  # type: ignore[attr-defined]
-            out.append((plan, got))
-        return out
+    def gathered(self, fetched: Mapping[int, Sequence[int]]) -> list[tuple[int, int]]:
+        """Workers' fetch results: the plans every worker ran (plan id, the blocks every rank
+        fetched), for :meth:`DriverCore.complete <kvstrata.core.driver.DriverCore.complete>`."""
+        return [(plan_id, min(counts)) for plan_id, counts in self._reports.add(fetched)]
+
+    def fetched(self, plan: FetchPlan, got: int) -> None:
+        """A fetch plan completed with ``got`` blocks held: its request's probe is done."""
+        self.blocks_fetched += got
+        st: RequestState | None = self.core.requests.get(plan.req_id)
+        if st is not None:
+            st.shared_done = True  # type: ignore[attr-defined]
 
     def stats(self) -> dict[str, Any]:
         return {"blocks_fetched": self.blocks_fetched, **self.tier.stats()}
