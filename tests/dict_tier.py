@@ -54,10 +54,23 @@ BLOCKS = {"n": 0}
 OPENED: list[DictStore] = []
 
 
+def capacity(config: Any, block_nbytes: int) -> int:
+    """The capacity rule: ``tiers.dict.capacity`` (bytes) when the config sets it, else
+    :data:`BLOCKS`; its section's keys are checked here, named in the error."""
+    from kvstrata.system.values import check_keys, parse_size
+
+    section = config.tiers.get("dict")
+    check_keys(section, ("capacity",), "tiers.dict")
+    if "capacity" not in section:
+        return BLOCKS["n"]
+    return parse_size(section["capacity"], "tiers.dict.capacity") // block_nbytes
+
+
 @contextlib.contextmanager
 def dict_tier(blocks: int) -> Iterator[None]:
     """Register the ``dict`` tier kind between DRAM (100) and SSD (300), holding ``blocks``
-    blocks in every deployment while the block runs; unregister it after."""
+    blocks in every deployment while the block runs (unless ``tiers.dict.capacity`` says
+    otherwise); unregister it after."""
     from kvstrata.policy.tiers import Tier
     from kvstrata.tiers.kinds import TierKind, register, unregister
 
@@ -69,7 +82,7 @@ def dict_tier(blocks: int) -> Iterator[None]:
         return OPENED[-1]
 
     register(TierKind(Tier("dict", medium="CPU", key="dict", label="dict", hint="raise the dict tier's blocks"),
-                      section="dict", capacity=lambda config, block_nbytes: BLOCKS["n"], open=opened,
+                      section="dict", capacity=capacity, open=opened,
                       backend=DictStore, position=200))
     try:
         yield

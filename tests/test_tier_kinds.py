@@ -136,3 +136,90 @@ def test_a_failing_factory_closes_what_was_opened_before_it(tmp_path: Path, monk
     local = dataclasses.replace(spec, tiers=spec.tiers.with_shared(None))
     again = open_backends(cfg, local, _fingerprint(), BLOCK, options={"cpu": {"pin": False}})
     again.close()
+
+
+def test_a_kinds_own_metrics_and_commands_reach_the_collector_and_the_command_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A kind's optional hooks: ``metrics`` renders its backend's stats (reported under its
+    name) as its own Prometheus families, ``commands`` adds ``kvstrata <its command>``. A hook
+    that is not callable is refused at registration."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from kvstrata import TieredKVCache
+    from kvstrata.cli.commands import main
+    from kvstrata.core.metrics import KVStrataCollector
+
+    def metrics(stats: dict[str, Any]) -> Any:
+        fam = GaugeMetricFamily("kvstrata:dictstore_entries", "Entries in the dict store", labels=[])
+        fam.add_metric([], stats["entries"])
+        yield fam
+
+    def commands(sub: Any) -> None:
+        cmd = sub.add_parser("dictstore", help="the dict store's own command")
+        cmd.add_argument("--entries", type=int, required=True)
+        cmd.set_defaults(func=lambda args: print(f"dictstore holds {args.entries}") or 3)
+
+    decl = Tier("dictstore", medium="STORAGE", key="dictstore")
+    with pytest.raises(ConfigError, match=r"tiers\.dictstore\.metrics: expected a callable"):
+        register(TierKind(decl, section="dictstore", capacity=lambda c, n: None, open=lambda o: DictStore(),
+                          backend=DictStore, metrics=42))  # type: ignore[arg-type]
+    register(TierKind(decl, section="dictstore", capacity=lambda c, n: None, open=lambda o: DictStore(),
+                      backend=DictStore, metrics=metrics, commands=commands))
+    try:
+        assert main(["dictstore", "--entries", "7"]) == 3 and "dictstore holds 7" in capsys.readouterr().out
+        cache = TieredKVCache(KVStrataConfig.from_dict({"block_size": 4, "model": {"block_nbytes": 1024},
+                                                      "gpu": {"num_blocks": 8, "device": "cpu"},
+                                                      "cpu": {"capacity": 8192}, "ssd": {"capacity": 0}}))
+        try:
+            plain = {f.name for f in KVStrataCollector(cache.stats, cache.lifecycle).collect()}
+            stats = lambda: {**cache.stats(), "dictstore": {"entries": 5}}  # noqa: E731
+            families = {f.name: f for f in KVStrataCollector(stats, cache.lifecycle).collect()}
+        finally:
+            cache.close()
+    finally:
+        unregister("dictstore")
+    assert "kvstrata:dictstore_entries" not in plain  # no stats under its name: no families
+    assert families["kvstrata:dictstore_entries"].samples[0].value == 5
+    assert "kvstrata:remote_operations" not in families  # the remote kind's own: only with a remote tier
+    with pytest.raises(SystemExit):
+        main(["dictstore", "--entries", "7"])  # gone with its kind
+
+
+def test_a_plug_in_kind_reads_its_own_tiers_section(tmp_path: Path) -> None:
+    """``tiers.<name>.*`` reaches the kind's capacity rule (YAML or an override); a key the kind
+    does not know, a section no registered kind claims, and a built-in kind's keys under
+    ``tiers.`` are errors naming the key."""
+    from dict_tier import dict_tier
+
+    from kvstrata.core.deployment import capacities
+
+    nbytes = 1024
+    (tmp_path / "c.yaml").write_text("tiers:\n  dict:\n    capacity: 16KiB\nssd:\n  capacity: 0\n")
+    with dict_tier(4):
+        assert capacities(KVStrataConfig.from_dict({}), nbytes)["dict"] == 4  # no section: the kind's default
+        assert capacities(KVStrataConfig.from_yaml(tmp_path / "c.yaml"), nbytes)["dict"] == 16
+        over = KVStrataConfig.from_dict({}, ["tiers.dict.capacity=32KiB"])
+        assert capacities(over, nbytes)["dict"] == 32 and "tiers.dict" in over.explicit
+        with pytest.raises(ConfigError, match=r"tiers\.dict\.size: unknown key; known keys: capacity"):
+            capacities(KVStrataConfig.from_dict({"tiers": {"dict": {"size": "1GiB"}}}), nbytes)
+        with pytest.raises(ConfigError, match=r"tiers\.dict\.capacity: "):
+            capacities(KVStrataConfig.from_dict({"tiers": {"dict": {"capacity": "lots"}}}), nbytes)
+        with pytest.raises(ConfigError, match=r"tiers\.cxl: no tier kind named 'cxl' is registered "
+                                              r"\(registered: cpu, dict, ssd, remote\)"):
+            capacities(KVStrataConfig.from_dict({"tiers": {"cxl": {"capacity": "1GiB"}}}), nbytes)
+    with pytest.raises(ConfigError, match=r"tiers\.dict: no tier kind named 'dict'"):  # unregistered again
+        capacities(KVStrataConfig.from_yaml(tmp_path / "c.yaml"), nbytes)
+    with pytest.raises(ConfigError, match=r"tiers\.ssd: the built-in ssd tier is configured under ssd\.\*"):
+        KVStrataConfig.from_dict({"tiers": {"ssd": {"capacity": "1GiB"}}})
+    with pytest.raises(ConfigError, match=r"tiers\.dict: expected a mapping"):
+        KVStrataConfig.from_dict({"tiers": {"dict": 5}})
+
+
+def test_a_tiers_section_survives_the_configs_round_trip() -> None:
+    """``to_dict`` gives back what ``from_dict`` read (``--compare`` and the replay rebuild
+    configs that way)."""
+    cfg = KVStrataConfig.from_dict({"tiers": {"dict": {"capacity": "16KiB", "path": "/mnt/cxl"}, "other": None}})
+    again = KVStrataConfig.from_dict(cfg.to_dict())
+    assert again == cfg and dict(again.tiers.get("dict")) == {"capacity": "16KiB", "path": "/mnt/cxl"}
+    assert dict(again.tiers.get("other")) == {} and dict(again.tiers.get("absent")) == {}
+    assert KVStrataConfig.from_dict(KVStrataConfig.from_dict({}).to_dict()) == KVStrataConfig.from_dict({})

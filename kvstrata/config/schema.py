@@ -20,6 +20,7 @@ from kvstrata.system.values import (check_keys, clip, duration_s, format_size, i
 from kvstrata.config.load import LoadConfig
 from kvstrata.config.model import ModelConfig
 from kvstrata.config.remote import REMOTE_SCHEMES, RemoteConfig
+from kvstrata.config.tier_sections import TierSections
 from kvstrata.system.values import ALWAYS, LRU, eviction, tier_admission
 from kvstrata.config.yaml_file import YAMLLimitError, load_yaml, read_yaml
 
@@ -308,6 +309,7 @@ _SECTIONS = {
     "metrics": MetricsConfig,
     "remote": RemoteConfig,
     "trace": TraceConfig,
+    "tiers": TierSections,
 }
 
 
@@ -325,6 +327,7 @@ class KVStrataConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
+    tiers: TierSections = field(default_factory=TierSections)
     trace: TraceConfig = field(default_factory=TraceConfig)
     #: dotted paths of the keys the input set (defaults excluded): a mode that cannot
     #: honour a key rejects it only when it was set
@@ -382,6 +385,7 @@ class KVStrataConfig:
         """Every value, as :meth:`from_dict` reads it back (the same config)."""
         out = dataclasses.asdict(self)
         out.pop("explicit", None)
+        out["tiers"] = self.tiers.to_dict()
         if self.spill.admission != "on_evict":
             del out["spill"]["watermark"]  # refused beside on_compute (see SpillConfig)
         return out

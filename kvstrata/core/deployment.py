@@ -30,10 +30,16 @@ __all__ = ["policy_spec", "capacities", "Backends", "open_backends", "executor_o
 
 
 def capacities(config: KVStrataConfig, block_nbytes: int) -> dict[str, int | None]:
-    """Blocks each registered tier kind holds under ``config`` (None: not enabled)."""
+    """Blocks each registered tier kind holds under ``config`` (None: not enabled); a
+    ``tiers.<name>`` section of a kind that is not registered is a :class:`ConfigError`."""
     if isinstance(block_nbytes, bool) or not isinstance(block_nbytes, int) or block_nbytes < 1:
         raise ConfigError(f"block_nbytes: expected a positive integer, got {block_nbytes!r}")
-    return {name: kind.capacity(config, block_nbytes) for name, kind in kinds().items()}
+    registered = kinds()
+    for name in config.tiers.names():  # a plug-in section no registered kind claims
+        if name not in registered:
+            raise ConfigError(f"tiers.{name}: no tier kind named {name!r} is registered "
+                              f"(registered: {', '.join(registered)})")
+    return {name: kind.capacity(config, block_nbytes) for name, kind in registered.items()}
 
 
 def policy_spec(config: KVStrataConfig, *, block_nbytes: int, gpu_blocks: int) -> PolicySpec:
