@@ -312,7 +312,7 @@ class DriverCore:
             if plan is not None:
                 self._planned.remove(plan)
                 fetched = executor.fetch(plan)
-                self.fetch_done(plan.plan_id, fetched)
+                self.complete(fetches=[(plan.plan_id, fetched)])
                 held = self.held_below(st, first, last) if fetched else held
         return self.worth_loading(st, first, held)
 
