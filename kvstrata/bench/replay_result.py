@@ -83,9 +83,7 @@ class ReplayResult:
 
     def slab_blocks(self) -> int:
         """Blocks the slab tier (DRAM slots the device copies to and from) holds (0: none)."""
-        assert self.spec.tiers is not None
-        slab = self.spec.tiers.slab()
-        return slab.capacity if slab is not None else 0
+        return self.spec.slab_slots
 
     @property
     def hits(self) -> int:

@@ -63,7 +63,7 @@ from kvstrata.policy.spec import PolicySpec
 from kvstrata.policy.ghost import Ghost
 from kvstrata.policy.hot_set import select_for_shutdown
 from kvstrata.policy.orders import OrderContext
-from kvstrata.policy.tiers import SECOND_HIT, Tier
+from kvstrata.policy.tiers import SECOND_HIT
 
 __all__ = ["TierPolicy"]
 

@@ -14,10 +14,8 @@ missing or corrupt (so the policy forgets them).
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
